@@ -1,0 +1,10 @@
+/* cli: the `fitm` command's subcommands. Each takes argc/argv starting at the subcommand name
+ * and returns the process exit code (0 ok, 1 failure, 2 usage error). */
+#ifndef FITM_CLI_H
+#define FITM_CLI_H
+
+typedef int (*fitm_cli_fn)(int argc, char **argv);
+
+/* Subcommands (one per cli_*.c). Add the declaration here and the row in fitm_main.c. */
+
+#endif

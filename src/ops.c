@@ -1,0 +1,65 @@
+#include "ops.h"
+
+#include <math.h>
+
+void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
+                      int64_t C, float eps)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * C;
+        float *yr = y + t * C;
+        double ss = 0.0; /* double: the reference should not depend on summation order */
+        for (int64_t c = 0; c < C; c++)
+            ss += (double)xr[c] * xr[c];
+        float scale = (float)(1.0 / sqrt(ss / (double)C + eps));
+        for (int64_t c = 0; c < C; c++)
+            yr[c] = xr[c] * scale * (w[c] + w_offset);
+    }
+}
+
+void fitm_ops_softmax(float *x, int64_t n)
+{
+    if (n <= 0)
+        return;
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= inv;
+}
+
+void fitm_ops_rope(float *v, int64_t D, int64_t n_rot, int64_t pos, float base, int neox)
+{
+    (void)D;
+    int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        double theta = (double)pos * pow((double)base, -2.0 * (double)i / (double)n_rot);
+        float c = (float)cos(theta), s = (float)sin(theta);
+        int64_t a = neox ? i : 2 * i;
+        int64_t b = neox ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+void fitm_ops_swiglu(float *y, const float *g, const float *u, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+void fitm_ops_geglu(float *y, const float *g, const float *u, int64_t n)
+{
+    const float k = 0.7978845608028654f; /* sqrt(2/pi) */
+    for (int64_t i = 0; i < n; i++) {
+        float x = g[i];
+        y[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}

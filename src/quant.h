@@ -1,0 +1,55 @@
+/* quant: weight formats on the CPU — dequantization, quantization, dot products, and the
+ * matrix products the forward pass runs over weights kept as stored.
+ *
+ * Shapes: a weight W is (N, K) row-major as in GGUF (ne[0] = K contiguous, ne[1] = N rows);
+ * each row is fitm_dtype_row_bytes(t, K) bytes. Activations are F32. K must be a multiple of
+ * the type's block size (checked by the model loader, asserted here).
+ *
+ * Threading: these functions are single-threaded and re-entrant. Callers split work by output
+ * rows [n0, n1) across their own threads; scratch buffers are the caller's, so nothing here
+ * allocates. */
+#ifndef FITM_QUANT_H
+#define FITM_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dtype.h"
+
+/* Types fitm can store weights in (F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K). */
+bool fitm_quant_supported(fitm_dtype t);
+
+/* Scalar conversions (round-to-nearest-even; NaN stays NaN). */
+uint16_t fitm_fp32_to_fp16(float f);
+float fitm_fp16_to_fp32(uint16_t h);
+uint16_t fitm_fp32_to_bf16(float f);
+float fitm_bf16_to_fp32(uint16_t h);
+
+/* Row conversions of n elements (n a multiple of the block size). */
+void fitm_dequant_row(fitm_dtype t, const void *src, float *dst, int64_t n);
+void fitm_quant_row(fitm_dtype t, const float *src, void *dst, int64_t n);
+
+/* The activation type a weight type's fast dot product pairs with (Q8_0 for the 32-blocks,
+ * Q8_K for the K-quants, F32 for the float types), and the bytes a quantized activation row
+ * of n elements needs. */
+fitm_dtype fitm_quant_vec_dtype(fitm_dtype t);
+
+/* dot(W row, x) where x was converted with fitm_quant_row(fitm_quant_vec_dtype(t), ...).
+ * Hand-vectorised where the CPU allows; a portable scalar path otherwise. */
+float fitm_quant_dot(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
+
+/* Matrix-vector: y[n] = W[n,:] . x for n in [n0, n1). x_q is x quantized as above. */
+void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float *y,
+                 int64_t n0, int64_t n1);
+
+/* Scratch floats fitm_matmul needs (dequantized weight tile). */
+size_t fitm_matmul_scratch_floats(int64_t K);
+
+/* Matrix-matrix: Y[m, n] = X[m,:] . W[n,:] for m in [0, M), n in [n0, n1).
+ * X (M, K) F32 row-major with row stride K; Y row stride ldy. Dequantizes W in tiles of rows
+ * into scratch and multiplies with BLAS sgemm (single-threaded BLAS; the caller threads). */
+void fitm_matmul(fitm_dtype t, const void *W, int64_t K, const float *X, int64_t M, float *Y,
+                 int64_t ldy, int64_t n0, int64_t n1, float *scratch);
+
+#endif
