@@ -40,14 +40,24 @@ void fitm_err_prefix(fitm_err *err, const char *fmt, ...)
 {
     if (!err)
         return;
-    char prefix[FITM_ERR_MSG_BYTES];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(prefix, sizeof prefix, fmt, ap);
-    va_end(ap);
-    if (n < 0)
-        return;
     char old[FITM_ERR_MSG_BYTES];
     memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s: %s", prefix, old);
+    old[sizeof old - 1] = '\0';
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof err->msg - 1)
+        return; /* the prefix alone fills the buffer */
+    /* Truncation of the old message is acceptable: the prefix is the more specific part. */
+    size_t used = (size_t)n, room = sizeof err->msg - used;
+    size_t olen = strlen(old);
+    if (room > 2) {
+        memcpy(err->msg + used, ": ", 2);
+        used += 2;
+        room -= 2;
+        size_t k = olen < room - 1 ? olen : room - 1;
+        memcpy(err->msg + used, old, k);
+        err->msg[used + k] = '\0';
+    }
 }

