@@ -1,0 +1,112 @@
+/* Unit test for config.c: defaults are valid, precedence flags > env > file > defaults, and
+ * every bad value is rejected with a message that quotes it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+
+static int failures;
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static fitm_status load(fitm_config *cfg, fitm_err *err, int argc, char **argv)
+{
+    bool help = false;
+    err->msg[0] = '\0';
+    return fitm_config_load(cfg, argc, argv, &help, err);
+}
+
+static void expect_error(const char *substr, int argc, char **argv)
+{
+    fitm_config cfg;
+    fitm_err err;
+    fitm_status st = load(&cfg, &err, argc, argv);
+    if (st != FITM_ERR_INVALID || !strstr(err.msg, substr)) {
+        fprintf(stderr, "expected error containing '%s', got status %d '%s'\n", substr, st,
+                err.msg);
+        failures++;
+    }
+}
+
+int main(void)
+{
+    char path[] = "/tmp/fitm_test_config_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fprintf(f, "# comment\n\nport = 9001\nthreads = 3\nhost = \"0.0.0.0\"\nlog_level = warn\n");
+    fclose(f);
+
+    fitm_config cfg;
+    fitm_err err;
+    unsetenv("FITM_PORT");
+    unsetenv("FITM_CONFIG");
+    char *a0[] = {"fitmd"};
+    CHECK(load(&cfg, &err, 1, a0) == FITM_OK);
+    CHECK(cfg.port == 8080 && cfg.queue_depth == 64 && !strcmp(cfg.backend, "auto"));
+    CHECK(cfg.calib_temperature == 5e-5);
+
+    /* file < env < flag */
+    char *a1[] = {"fitmd", "--config", path};
+    CHECK(load(&cfg, &err, 3, a1) == FITM_OK);
+    CHECK(cfg.port == 9001 && cfg.threads == 3 && !strcmp(cfg.host, "0.0.0.0"));
+    setenv("FITM_PORT", "9002", 1);
+    CHECK(load(&cfg, &err, 3, a1) == FITM_OK);
+    CHECK(cfg.port == 9002 && cfg.threads == 3);
+    char *a2[] = {"fitmd", "--config", path, "--port=9003", "--queue-depth", "5"};
+    CHECK(load(&cfg, &err, 6, a2) == FITM_OK);
+    CHECK(cfg.port == 9003 && cfg.queue_depth == 5);
+    unsetenv("FITM_PORT");
+
+    /* errors quote the bad input */
+    char *b1[] = {"fitmd", "--port", "99999"};
+    expect_error("flag --port: port = '99999': must be between 1 and 65535", 3, b1);
+    char *b2[] = {"fitmd", "--port", "80x"};
+    expect_error("'80x': not an integer", 3, b2);
+    char *b3[] = {"fitmd", "--backend", "tpu"};
+    expect_error("backend = 'tpu': must be one of auto|cpu|cuda", 3, b3);
+    char *b4[] = {"fitmd", "--no-such-thing", "1"};
+    expect_error("unknown option '--no-such-thing'", 3, b4);
+    char *b5[] = {"fitmd", "--port"};
+    expect_error("option '--port' needs a value", 2, b5);
+    char *b6[] = {"fitmd", "--calib-temperature", "nan"};
+    expect_error("'nan': not a number", 3, b6);
+    setenv("FITM_QUEUE_DEPTH", "0", 1);
+    expect_error("environment FITM_QUEUE_DEPTH: queue_depth = '0'", 1, a0);
+    unsetenv("FITM_QUEUE_DEPTH");
+
+    f = fopen(path, "w");
+    fprintf(f, "port = 1\nthreads = lots\n");
+    fclose(f);
+    char line2[512];
+    snprintf(line2, sizeof line2, "%s:2: threads = 'lots': not an integer", path);
+    expect_error(line2, 3, a1);
+    f = fopen(path, "w");
+    fprintf(f, "just words\n");
+    fclose(f);
+    expect_error(":1: 'just words': expected name = value", 3, a1);
+
+    /* the printed config file loads back to the same values */
+    char *a3[] = {"fitmd", "--port", "7777", "--dummy-text", "some filler text"};
+    CHECK(load(&cfg, &err, 5, a3) == FITM_OK);
+    f = fopen(path, "w");
+    fitm_config_print_file(f, &cfg);
+    fclose(f);
+    fitm_config back;
+    CHECK(load(&back, &err, 3, a1) == FITM_OK);
+    CHECK(back.port == 7777 && !strcmp(back.dummy_text, "some filler text"));
+    CHECK(back.calib_temperature == cfg.calib_temperature);
+
+    unlink(path);
+    if (failures)
+        return 1;
+    printf("test_config: ok\n");
+    return 0;
+}
