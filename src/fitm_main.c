@@ -11,6 +11,9 @@ static const struct {
     const char *help;
 } commands[] = {
     /* rows: {"name", fitm_cli_name, "one-line help"}, */
+    {"inspect", fitm_cli_inspect, "show a GGUF file's architecture, hyper-parameters, tokenizer, tensors"},
+    {"mkmodel", fitm_cli_mkmodel, "write a tiny random GGUF model (llama, qwen2, gemma3)"},
+    {"tokenize", fitm_cli_tokenize, "print the token ids of a text (or, with --decode, the text of ids)"},
     {NULL, NULL, NULL},
 };
 

@@ -19,6 +19,9 @@
 #include "status.h"
 
 #define FITM_GGUF_MAX_DIMS 4
+#define FITM_GGUF_MAX_NESTING 4 /* arrays inside arrays: at most this many levels in all */
+#define FITM_GGUF_MAX_KEY 65535 /* bytes in a metadata key (the GGUF spec's limit)       */
+#define FITM_GGUF_MAX_NAME 64   /* bytes in a tensor name (the GGUF spec's limit)        */
 
 typedef enum {
     FITM_GGUF_UINT8 = 0,
@@ -49,22 +52,25 @@ typedef struct {
  * elements (arr_type may itself be ARRAY for nested arrays; their contents are validated but
  * only reachable through fitm_gguf_kv_at's raw view). */
 typedef struct {
-    const char *key;          /* NUL-terminated copy owned by the fitm_gguf */
+    const char *key; /* NUL-terminated copy owned by the fitm_gguf */
     fitm_gguf_type type;
-    fitm_gguf_type arr_type;  /* valid when type == ARRAY */
-    uint64_t arr_n;           /* valid when type == ARRAY */
-    const uint8_t *value;     /* raw little-endian bytes of the value in the mapping */
+    fitm_gguf_type arr_type; /* valid when type == ARRAY */
+    uint64_t arr_n;          /* valid when type == ARRAY */
+    const uint8_t *value;    /* raw little-endian bytes of the value in the mapping: for
+                                scalars the value itself (bool: one byte, 0 or 1); for
+                                STRING the u64 length then the bytes; for ARRAY the first
+                                element (after the element type and count) */
 } fitm_gguf_kv;
 
 typedef struct {
-    const char *name;                /* NUL-terminated copy owned by the fitm_gguf */
+    const char *name; /* NUL-terminated copy owned by the fitm_gguf */
     fitm_dtype type;
     int32_t n_dims;
-    int64_t ne[FITM_GGUF_MAX_DIMS];  /* ne[0] is the contiguous dimension; unused dims are 1 */
+    int64_t ne[FITM_GGUF_MAX_DIMS]; /* ne[0] is the contiguous dimension; unused dims are 1 */
     int64_t n_elems;
-    uint64_t offset;                 /* from the start of the data section */
+    uint64_t offset; /* from the start of the data section */
     uint64_t n_bytes;
-    const void *data;                /* in the mapping, aligned to general.alignment */
+    const void *data; /* in the mapping; its file offset is a multiple of general.alignment */
 } fitm_gguf_tensor;
 
 /* Opens and validates a file. On failure *out is NULL and err names the problem (with the
@@ -72,21 +78,28 @@ typedef struct {
 fitm_status fitm_gguf_open(fitm_gguf **out, const char *path, fitm_err *err);
 
 /* Same checks on a caller-owned buffer (tests, fuzzing). The buffer must outlive the result. */
-fitm_status fitm_gguf_open_memory(fitm_gguf **out, const void *data, size_t n_bytes,
-                                  fitm_err *err);
+fitm_status fitm_gguf_open_memory(fitm_gguf **out, const void *data, size_t n_bytes, fitm_err *err);
 
 /* Releases everything. NULL is a no-op. */
 void fitm_gguf_close(fitm_gguf *g);
 
+/* File-level facts; each returns 0 for a NULL g. */
 uint32_t fitm_gguf_version(const fitm_gguf *g);
 uint64_t fitm_gguf_file_bytes(const fitm_gguf *g);
-uint32_t fitm_gguf_alignment(const fitm_gguf *g);
+uint32_t fitm_gguf_alignment(const fitm_gguf *g);   /* general.alignment, 32 when absent */
+uint64_t fitm_gguf_data_offset(const fitm_gguf *g); /* byte offset of the data section */
 
-/* Metadata. */
+/* Metadata, in file order. kv_at returns NULL when i is out of range or g is NULL; find_kv
+ * (binary search, O(log n)) returns NULL when the key is absent or g/key is NULL. */
 int64_t fitm_gguf_n_kv(const fitm_gguf *g);
 const fitm_gguf_kv *fitm_gguf_kv_at(const fitm_gguf *g, int64_t i);
 const fitm_gguf_kv *fitm_gguf_find_kv(const fitm_gguf *g, const char *key); /* NULL if absent */
+
+/* "uint8", "string", "array", ...; "unknown" for an out-of-range value. Never NULL. */
 const char *fitm_gguf_type_name(fitm_gguf_type t);
+
+/* Bytes of one element of a fixed-size type; 0 for STRING, ARRAY and unknown values. */
+size_t fitm_gguf_type_size(fitm_gguf_type t);
 
 /* Typed getters. They return FITM_ERR_NOT_FOUND when the key is absent (err untouched, so
  * callers can apply defaults), FITM_ERR_FORMAT with a message when it has the wrong type or
@@ -101,12 +114,14 @@ fitm_status fitm_gguf_get_str(const fitm_gguf *g, const char *key, fitm_gguf_str
 /* Arrays. get_arr checks the element type (want) and returns a pointer to the raw packed
  * little-endian elements in the mapping (possibly unaligned: read with memcpy) and the count.
  * String arrays: get_arr with want == STRING gives the count; fitm_gguf_arr_str returns
- * element i (the reader keeps an offset table, so this is O(1)). */
+ * element i (the reader keeps an offset table, so this is O(1)); it returns {NULL, 0} when kv
+ * is not a top-level string array of g or i >= kv->arr_n. data and n may be NULL. */
 fitm_status fitm_gguf_get_arr(const fitm_gguf *g, const char *key, fitm_gguf_type want,
                               const void **data, uint64_t *n, fitm_err *err);
 fitm_gguf_str fitm_gguf_arr_str(const fitm_gguf *g, const fitm_gguf_kv *kv, uint64_t i);
 
-/* Tensors. */
+/* Tensors, in file order. tensor_at returns NULL when i is out of range or g is NULL;
+ * find_tensor (O(log n)) returns NULL when the name is absent or g/name is NULL. */
 int64_t fitm_gguf_n_tensors(const fitm_gguf *g);
 const fitm_gguf_tensor *fitm_gguf_tensor_at(const fitm_gguf *g, int64_t i);
 const fitm_gguf_tensor *fitm_gguf_find_tensor(const fitm_gguf *g, const char *name);

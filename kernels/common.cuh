@@ -1,0 +1,60 @@
+/* common: small device and launch helpers shared by the kernel files (not part of the C ABI). */
+#ifndef FITM_KERNELS_COMMON_CUH
+#define FITM_KERNELS_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define FITM_WARP 32
+
+/* Launchers receive the stream as void * (see kernels.h). */
+static inline cudaStream_t fitm_stream(void *s)
+{
+    return (cudaStream_t)s;
+}
+
+static inline bool fitm_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+/* Blocks for a grid-stride loop over n items with `threads` per block: enough to fill any
+ * current GPU many times over, capped so the grid size always fits. */
+static inline unsigned fitm_grid_for(int64_t n, int threads)
+{
+    int64_t b = (n + threads - 1) / threads;
+    const int64_t cap = 1 << 20;
+    return (unsigned)(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+__device__ __forceinline__ float fitm_warp_sum(float v)
+{
+    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float fitm_warp_max(float v)
+{
+    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Sum (or max) of v over the whole block, returned to every thread. blockDim.x must be a
+ * multiple of 32 (at most 1024); shm holds 32 floats. Contains __syncthreads, so every thread
+ * of the block must call it, and it may be called repeatedly with the same shm. */
+__device__ __forceinline__ float fitm_block_reduce(float v, float *shm, bool is_max)
+{
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int n_warps = blockDim.x / FITM_WARP;
+    v = is_max ? fitm_warp_max(v) : fitm_warp_sum(v);
+    __syncthreads(); /* shm may still be read by a previous call */
+    if (lane == 0)
+        shm[warp] = v;
+    __syncthreads();
+    float r = lane < n_warps ? shm[lane] : (is_max ? -INFINITY : 0.0f);
+    return is_max ? fitm_warp_max(r) : fitm_warp_sum(r);
+}
+
+#endif

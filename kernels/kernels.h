@@ -1,0 +1,110 @@
+/* kernels: the CUDA kernels of the forward pass behind a C ABI (defined in the .cu files here).
+ *
+ * Every launcher takes device pointers and a stream (a cudaStream_t passed as void *, so C
+ * files need no CUDA headers; NULL is the legacy default stream), enqueues its work and
+ * returns without synchronising. The int it returns is a cudaError_t value: 0 when the launch
+ * was accepted; cudaErrorInvalidValue (1) for arguments that break the contract below, checked
+ * before anything is launched; otherwise whatever cudaGetLastError reported after the launch
+ * (which may be an earlier asynchronous error on the device). fitm_cuda_status turns it into a
+ * fitm_status. Errors inside a kernel surface at the next synchronisation.
+ *
+ * Every CPU reference lives in src/: fitm_dequant_row (quant.h) for dequantization and the
+ * matvec, fitm_ops_* (ops.h) for the rest; tests/test_cuda_kernels.c checks one against the
+ * other.
+ *
+ * Alignment: W, src and x pointers must be 16-byte aligned (cudaMalloc gives 256; carve views
+ * at multiples of 16 bytes). Zero-sized work is accepted and launches nothing.
+ *
+ * Legend: T tokens, C model dim, H heads, Hkv KV heads, D head dim, F FFN dim, V vocab;
+ * N, K: rows and columns of a weight W (N, K) as stored in GGUF (K contiguous). */
+#ifndef FITM_KERNELS_H
+#define FITM_KERNELS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" { /* dtype.h and status.h are C headers without their own guard */
+#endif
+
+#include "dtype.h"
+#include "status.h"
+
+/* ---- host helpers (kernels/cuda_util.cu) ---- */
+
+/* Maps a launcher's return code to a status: 0 -> FITM_OK, out of memory -> FITM_ERR_NOMEM,
+ * invalid value -> FITM_ERR_INVALID, anything else -> FITM_ERR_BACKEND. For rc != 0 and a
+ * non-NULL err, writes "what: cudaErrorName (description)" there. what may be NULL. */
+fitm_status fitm_cuda_status(int rc, fitm_err *err, const char *what);
+
+/* "cudaErrorName (description)" of a return code. Never NULL; thread-local storage that the
+ * next call from the same thread overwrites. */
+const char *fitm_cuda_error_string(int rc);
+
+/* True for errors that leave the CUDA context unusable (illegal address, launch failure,
+ * ...): the process must be restarted, so /health should fail from then on. */
+bool fitm_cuda_error_is_sticky(int rc);
+
+/* Number of usable CUDA devices; 0 when there is no driver, no device, or the query fails. */
+int fitm_cuda_device_count(void);
+
+/* ---- dequantization (kernels/dequant.cu) ---- */
+
+/* True for the weight types the dequant and matvec launchers take: F32, F16, BF16, Q4_0,
+ * Q5_0, Q8_0, Q4_K, Q5_K, Q6_K. */
+bool fitm_cuda_dequant_supported(fitm_dtype t);
+
+/* dst (n) = dequant(src), where src holds n elements of type t stored contiguously (a whole
+ * tensor of rows works, since rows are whole blocks). n must be a multiple of t's block size.
+ * Matches fitm_dequant_row up to float rounding (the GPU may fuse multiply-adds). */
+int fitm_cuda_dequant_f32(fitm_dtype t, const void *src, float *dst, int64_t n, void *stream);
+
+/* As above, rounding each value to IEEE half (round to nearest even; bits in uint16_t) for
+ * cuBLAS GemmEx. Values beyond the half range (possible from BF16/F32) become +-inf. */
+int fitm_cuda_dequant_f16(fitm_dtype t, const void *src, uint16_t *dst, int64_t n, void *stream);
+
+/* ---- matrix-vector product (kernels/matvec.cu) ---- */
+
+/* y (N) = W (N, K) . x (K), W of type t kept as stored and decoded on the fly, one warp per
+ * row, F32 accumulation. x is F32 (not quantized, unlike the CPU's fitm_matvec), so the
+ * reference is the double-precision dot of fitm_dequant_row(W[n]) with x. K must be a multiple
+ * of t's block size; rows are fitm_dtype_row_bytes(t, K) apart. y must not overlap x or W. */
+int fitm_cuda_matvec(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x, float *y,
+                     void *stream);
+
+/* ---- norms and softmax (kernels/norm.cu) ---- */
+
+/* y (T, C) = rmsnorm(x (T, C)) * (w (C) + w_offset), as fitm_ops_rmsnorm. y may equal x
+ * (in place) but must not otherwise overlap it. */
+int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
+                      int64_t C, float eps, void *stream);
+
+/* In place, each of n_rows rows of x: x[r*ld + 0 .. n) = softmax(that row), as
+ * fitm_ops_softmax. ld >= n; elements [n, ld) of a row are not touched. -inf entries are
+ * masked (probability 0); a row that is all -inf becomes NaN, as in the reference. */
+int fitm_cuda_softmax_rows(float *x, int64_t n_rows, int64_t n, int64_t ld, void *stream);
+
+/* ---- RoPE and gated activations (kernels/ops.cu) ---- */
+
+/* In place RoPE on x viewed as (T, H, D) with row stride ld (>= H*D) between tokens: every
+ * head vector x[t*ld + h*D .. + D) has its first n_rot dims rotated with the angles
+ * theta_i = position * freq_scale * base^(-2i/n_rot), position = pos0 + (pos ? pos[t] : t),
+ * exactly as fitm_ops_rope_table + fitm_ops_rope_apply (for freq_scale 1: fitm_ops_rope); pos
+ * is a device array of T int32 or NULL. neox selects the pairing as in fitm_ops_rope. n_rot
+ * must be even and in [2, D]. Elements between H*D and ld are not touched. Use H = Hkv for
+ * keys. Angles are computed in double precision, as in the reference. */
+int fitm_cuda_rope(float *x, int64_t T, int64_t H, int64_t D, int64_t ld, int64_t n_rot,
+                   const int32_t *pos, int64_t pos0, float base, float freq_scale, int neox,
+                   void *stream);
+
+/* y (n) = silu(g) * u, as fitm_ops_swiglu. y may equal g or u. */
+int fitm_cuda_swiglu(float *y, const float *g, const float *u, int64_t n, void *stream);
+
+/* y (n) = gelu_tanh(g) * u, as fitm_ops_geglu. y may equal g or u. */
+int fitm_cuda_geglu(float *y, const float *g, const float *u, int64_t n, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,701 @@
+/* test_cuda_kernels: every CUDA kernel (kernels.h) against its CPU reference in src/ on fresh
+ * seeded random data.
+ *
+ * A check passes when |got - ref| <= atol + rtol*|ref| for every element whose reference is
+ * finite (non-finite references are skipped; a non-finite result against a finite reference
+ * is a mismatch). The first few mismatches are printed, then the maximum error. Every device
+ * output sits between guard bytes that must survive the kernel, and starts as all-ones bytes
+ * (NaN) so an element the kernel forgot to write fails too. Work runs on a non-blocking
+ * stream, as the backend will run it.
+ *
+ * The launcher argument checks and the status helpers run first and need no device; the
+ * kernels need one, and without one the test exits 77 (skip). */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "ops.h"
+#include "quant.h"
+
+#define GUARD_BYTES 256 /* before and after every device buffer; keeps the payload 256-aligned */
+#define GUARD_BYTE 0xA7
+#define MAX_REPORT 5
+
+static int failures;
+static cudaStream_t stream;
+
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* A CUDA runtime failure in the harness itself: nothing after it can be trusted. */
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* ---- random data (xorshift64*, fixed seed: failures reproduce) ---- */
+
+static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
+
+static uint64_t rng_u64(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1Dull;
+}
+
+static float rng_uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((double)(rng_u64() >> 40) / (double)(1ull << 24));
+}
+
+static void fill_uniform(float *x, int64_t n, float lo, float hi)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = rng_uniform(lo, hi);
+}
+
+static void fill_bytes(uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = (uint8_t)(rng_u64() >> 56);
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+/* ---- device buffers with guards ---- */
+
+typedef struct {
+    uint8_t *base; /* cudaMalloc'd: guard | payload | guard */
+    void *p;       /* payload */
+    size_t bytes;  /* payload bytes */
+} dbuf;
+
+/* Payload bytes start as 0xFF (NaN as float and as half); guards as GUARD_BYTE. */
+static dbuf dbuf_new(size_t bytes)
+{
+    dbuf b = {NULL, NULL, bytes};
+    CUDA_OK(cudaMalloc((void **)&b.base, bytes + 2 * GUARD_BYTES));
+    CUDA_OK(cudaMemset(b.base, GUARD_BYTE, bytes + 2 * GUARD_BYTES));
+    CUDA_OK(cudaMemset(b.base + GUARD_BYTES, 0xFF, bytes));
+    CUDA_OK(cudaDeviceSynchronize());
+    b.p = b.base + GUARD_BYTES;
+    return b;
+}
+
+static dbuf dbuf_from(const void *host, size_t bytes)
+{
+    dbuf b = dbuf_new(bytes);
+    CUDA_OK(cudaMemcpy(b.p, host, bytes, cudaMemcpyHostToDevice));
+    /* From pageable memory cudaMemcpy may return before the DMA lands, and the non-blocking
+     * stream the kernels run on does not wait for the legacy stream: wait here. */
+    CUDA_OK(cudaDeviceSynchronize());
+    return b;
+}
+
+static void dbuf_get(void *host, const dbuf *b)
+{
+    CUDA_OK(cudaMemcpy(host, b->p, b->bytes, cudaMemcpyDeviceToHost));
+}
+
+/* False (and a message) when a kernel wrote into the guard bytes around b. */
+static bool dbuf_guards_ok(const dbuf *b, const char *what)
+{
+    uint8_t g[2 * GUARD_BYTES];
+    CUDA_OK(cudaMemcpy(g, b->base, GUARD_BYTES, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(g + GUARD_BYTES, b->base + GUARD_BYTES + b->bytes, GUARD_BYTES,
+                       cudaMemcpyDeviceToHost));
+    for (int i = 0; i < 2 * GUARD_BYTES; i++) {
+        if (g[i] != GUARD_BYTE) {
+            fprintf(stderr, "  %s: out-of-bounds write, guard byte %d %s the output\n", what,
+                    i < GUARD_BYTES ? GUARD_BYTES - i : i - GUARD_BYTES + 1,
+                    i < GUARD_BYTES ? "before" : "after");
+            return false;
+        }
+    }
+    return true;
+}
+
+static void dbuf_free(dbuf *b)
+{
+    cudaFree(b->base);
+    b->base = NULL;
+    b->p = NULL;
+}
+
+/* ---- comparison ---- */
+
+/* got vs ref over n elements; tol_each (may be NULL) replaces atol per element. */
+static bool check_close_tol(const char *what, const float *ref, const float *got, int64_t n,
+                            double atol, double rtol, const double *tol_each)
+{
+    int64_t bad = 0, skipped = 0;
+    double max_abs = 0.0, max_ratio = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(ref[i])) {
+            skipped++;
+            continue;
+        }
+        double err = fabs((double)got[i] - (double)ref[i]);
+        double tol = (tol_each ? tol_each[i] : atol) + rtol * fabs((double)ref[i]);
+        if (!isfinite(got[i]))
+            err = INFINITY;
+        if (err > max_abs)
+            max_abs = err;
+        if (err / tol > max_ratio)
+            max_ratio = err / tol;
+        if (err > tol) {
+            if (bad < MAX_REPORT)
+                fprintf(stderr, "  %s: [%lld] ref %.9g got %.9g (err %.3g > tol %.3g)\n", what,
+                        (long long)i, (double)ref[i], (double)got[i], err, tol);
+            bad++;
+        }
+    }
+    printf("%-56s %s  n=%-8lld max|err| %.3g  max err/tol %.3f%s\n", what, bad ? "FAIL" : "ok  ",
+           (long long)n, max_abs, max_ratio, skipped ? "  (non-finite refs skipped)" : "");
+    if (bad)
+        fprintf(stderr, "  %s: %lld of %lld elements out of tolerance\n", what, (long long)bad,
+                (long long)n);
+    return bad == 0;
+}
+
+static bool check_close(const char *what, const float *ref, const float *got, int64_t n,
+                        double atol, double rtol)
+{
+    return check_close_tol(what, ref, got, n, atol, rtol, NULL);
+}
+
+/* Both verdicts, each printing its own detail: a kernel that writes out of bounds usually
+ * also gets values wrong, and the guard message says which it is. */
+static bool values_and_guards_ok(bool values_ok, const dbuf *out, const char *what)
+{
+    bool guards_ok = dbuf_guards_ok(out, what);
+    return values_ok && guards_ok;
+}
+
+/* Launch result, then the kernel's own completion. */
+static bool launched(const char *what, int rc)
+{
+    if (rc != 0) {
+        fprintf(stderr, "  %s: launcher returned %s\n", what, fitm_cuda_error_string(rc));
+        return false;
+    }
+    cudaError_t e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "  %s: kernel failed: %s\n", what, cudaGetErrorString(e));
+        exit(1); /* a sticky error: every later check would fail too */
+    }
+    return true;
+}
+
+/* ---- weight data ---- */
+
+static const fitm_dtype weight_types[] = {
+    FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16, FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0,
+    FITM_DTYPE_Q8_0, FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K,
+};
+#define N_WEIGHT_TYPES (int)(sizeof weight_types / sizeof weight_types[0])
+
+static int64_t block_elems(fitm_dtype t)
+{
+    return fitm_dtype_info_of((int)t)->block_elems;
+}
+
+static void put_f16(uint8_t *p, float v)
+{
+    uint16_t h = fitm_fp32_to_fp16(v);
+    memcpy(p, &h, 2);
+}
+
+/* Random bytes make every bit of every field take both values; only the half scales are
+ * replaced by finite values of magnitude 1e-3..1e-2 (either sign) so the decoded values stay
+ * in a range where the tolerances mean something. */
+static void raw_blocks(fitm_dtype t, uint8_t *p, int64_t n)
+{
+    const fitm_dtype_info *info = fitm_dtype_info_of((int)t);
+    fill_bytes(p, fitm_dtype_row_bytes(t, n));
+    if (info->block_elems == 1)
+        return;
+    for (int64_t b = 0; b < n / info->block_elems; b++) {
+        uint8_t *blk = p + b * info->block_bytes;
+        float s1 = rng_uniform(1e-3f, 1e-2f) * (rng_u64() >> 63 ? -1.0f : 1.0f);
+        float s2 = rng_uniform(1e-3f, 1e-2f) * (rng_u64() >> 63 ? -1.0f : 1.0f);
+        switch (t) {
+        case FITM_DTYPE_Q4_K:
+        case FITM_DTYPE_Q5_K:
+            put_f16(blk, s1);
+            put_f16(blk + 2, s2);
+            break;
+        case FITM_DTYPE_Q6_K:
+            put_f16(blk + 208, s1);
+            break;
+        default: /* Q4_0, Q5_0, Q8_0 */
+            put_f16(blk, s1);
+            break;
+        }
+    }
+}
+
+/* n elements of type t: quantized from uniform [-1, 1] floats, or raw_blocks. */
+static uint8_t *make_weights(fitm_dtype t, int64_t n, bool raw)
+{
+    size_t bytes = fitm_dtype_row_bytes(t, n);
+    uint8_t *p = xmalloc(bytes);
+    if (raw) {
+        raw_blocks(t, p, n);
+    } else {
+        float *f = xmalloc((size_t)n * sizeof(float));
+        fill_uniform(f, n, -1.0f, 1.0f);
+        fitm_quant_row(t, f, p, n);
+        free(f);
+    }
+    return p;
+}
+
+/* ---- dequant ---- */
+
+/* F32 output: exact for the float types, the 32-blocks and Q6_K; Q4_K/Q5_K's (d*sc)*q - dmin*m
+ * may fuse into one rounding on the GPU, which moves the result by at most half an ulp of
+ * (d*sc)*q (<= 20 here, so 1e-6) plus an ulp of the result: 2e-6 absolute + 1e-6 relative.
+ * F16 output: against the reference rounded to half, with one half-precision ulp of slack
+ * (2^-10 relative; 6e-8 absolute among subnormals) for an F32 difference that crosses a
+ * rounding boundary. */
+static void test_dequant(fitm_dtype t, int64_t n, bool raw)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[96];
+    size_t bytes = fitm_dtype_row_bytes(t, n);
+    uint8_t *w = make_weights(t, n, raw);
+    float *ref = xmalloc((size_t)n * sizeof(float));
+    float *got = xmalloc((size_t)n * sizeof(float));
+    uint16_t *got16 = xmalloc((size_t)n * sizeof(uint16_t));
+    fitm_dequant_row(t, w, ref, n);
+
+    dbuf dw = dbuf_from(w, bytes);
+    dbuf d32 = dbuf_new((size_t)n * sizeof(float));
+    dbuf d16 = dbuf_new((size_t)n * sizeof(uint16_t));
+
+    snprintf(what, sizeof what, "dequant_f32 %s n=%lld%s", tn, (long long)n, raw ? " raw" : "");
+    bool ok = launched(what, fitm_cuda_dequant_f32(t, dw.p, d32.p, n, stream));
+    if (ok) {
+        dbuf_get(got, &d32);
+        ok = values_and_guards_ok(check_close(what, ref, got, n, 2e-6, 1e-6), &d32, what);
+    }
+    CHECK(ok);
+
+    snprintf(what, sizeof what, "dequant_f16 %s n=%lld%s", tn, (long long)n, raw ? " raw" : "");
+    ok = launched(what, fitm_cuda_dequant_f16(t, dw.p, d16.p, n, stream));
+    if (ok) {
+        dbuf_get(got16, &d16);
+        for (int64_t i = 0; i < n; i++) {
+            got[i] = fitm_fp16_to_fp32(got16[i]);
+            ref[i] = fitm_fp16_to_fp32(fitm_fp32_to_fp16(ref[i]));
+        }
+        ok = values_and_guards_ok(check_close(what, ref, got, n, 1e-7, 1e-3), &d16, what);
+    }
+    CHECK(ok);
+
+    dbuf_free(&dw);
+    dbuf_free(&d32);
+    dbuf_free(&d16);
+    free(w);
+    free(ref);
+    free(got);
+    free(got16);
+}
+
+/* ---- matvec ---- */
+
+/* Reference: each row dequantized on the CPU, dotted with x in double. The GPU sums in float
+ * in another order, an error of a small multiple of eps * sum|w*x|, hence per row
+ * tol = 1e-5 + 2e-6 * sum|w*x|. One element decoded or indexed wrong moves the result by
+ * about sum|w*x| / K, which for K <= 16384 is at least 6e-5 * sum|w*x|, 30 times the tolerance. */
+static void test_matvec(fitm_dtype t, int64_t N, int64_t K, bool raw)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[96];
+    size_t row_bytes = fitm_dtype_row_bytes(t, K);
+    uint8_t *W = make_weights(t, N * K, raw);
+    float *x = xmalloc((size_t)K * sizeof(float));
+    float *wrow = xmalloc((size_t)K * sizeof(float));
+    float *ref = xmalloc((size_t)N * sizeof(float));
+    float *got = xmalloc((size_t)N * sizeof(float));
+    double *tol = xmalloc((size_t)N * sizeof(double));
+    fill_uniform(x, K, -1.0f, 1.0f);
+    for (int64_t r = 0; r < N; r++) {
+        fitm_dequant_row(t, W + r * row_bytes, wrow, K);
+        double s = 0.0, sa = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            s += (double)wrow[k] * x[k];
+            sa += fabs((double)wrow[k] * x[k]);
+        }
+        ref[r] = (float)s;
+        tol[r] = 1e-5 + 2e-6 * sa;
+    }
+
+    dbuf dW = dbuf_from(W, (size_t)N * row_bytes);
+    dbuf dx = dbuf_from(x, (size_t)K * sizeof(float));
+    dbuf dy = dbuf_new((size_t)N * sizeof(float));
+    snprintf(what, sizeof what, "matvec %s N=%lld K=%lld%s", tn, (long long)N, (long long)K,
+             raw ? " raw" : "");
+    bool ok = launched(what, fitm_cuda_matvec(t, dW.p, N, K, dx.p, dy.p, stream));
+    if (ok) {
+        dbuf_get(got, &dy);
+        ok = values_and_guards_ok(check_close_tol(what, ref, got, N, 0.0, 0.0, tol), &dy, what);
+    }
+    CHECK(ok);
+
+    dbuf_free(&dW);
+    dbuf_free(&dx);
+    dbuf_free(&dy);
+    free(W);
+    free(x);
+    free(wrow);
+    free(ref);
+    free(got);
+    free(tol);
+}
+
+/* ---- rmsnorm ---- */
+
+/* Float tree sum vs the reference's double sum, then an IEEE sqrt and divide: well under
+ * 1e-5 relative. */
+static void test_rmsnorm(int64_t T, int64_t C, float w_offset, float eps, bool in_place)
+{
+    char what[96];
+    float *x = xmalloc((size_t)(T * C) * sizeof(float));
+    float *w = xmalloc((size_t)C * sizeof(float));
+    float *ref = xmalloc((size_t)(T * C) * sizeof(float));
+    float *got = xmalloc((size_t)(T * C) * sizeof(float));
+    fill_uniform(x, T * C, -2.0f, 2.0f);
+    for (int64_t t = 0; t < T; t++) /* rows of different scale */
+        for (int64_t c = 0; c < C; c++)
+            x[t * C + c] *= (float)(1 + t % 5) * 0.3f;
+    fill_uniform(w, C, 0.5f - w_offset, 1.5f - w_offset);
+    fitm_ops_rmsnorm(ref, x, w, w_offset, T, C, eps);
+
+    dbuf dx = dbuf_from(x, (size_t)(T * C) * sizeof(float));
+    dbuf dw = dbuf_from(w, (size_t)C * sizeof(float));
+    dbuf dy = in_place ? dx : dbuf_new((size_t)(T * C) * sizeof(float));
+    snprintf(what, sizeof what, "rmsnorm T=%lld C=%lld off=%g%s", (long long)T, (long long)C,
+             (double)w_offset, in_place ? " in-place" : "");
+    bool ok = launched(what, fitm_cuda_rmsnorm(dy.p, dx.p, dw.p, w_offset, T, C, eps, stream));
+    if (ok) {
+        dbuf_get(got, &dy);
+        ok = values_and_guards_ok(check_close(what, ref, got, T * C, 1e-5, 1e-5), &dy, what);
+    }
+    CHECK(ok);
+
+    if (!in_place)
+        dbuf_free(&dy);
+    dbuf_free(&dx);
+    dbuf_free(&dw);
+    free(x);
+    free(w);
+    free(ref);
+    free(got);
+}
+
+/* ---- softmax ---- */
+
+/* expf within 2 ulp and a float sum against a double one: 1e-5 relative, plus 1e-7 absolute
+ * for probabilities near zero. The columns [n, ld) must come back untouched (exactly). */
+static void test_softmax(int64_t rows, int64_t n, int64_t ld, bool masked)
+{
+    char what[96];
+    const int64_t total = rows * ld;
+    float *x = xmalloc((size_t)total * sizeof(float));
+    float *ref = xmalloc((size_t)total * sizeof(float));
+    float *got = xmalloc((size_t)total * sizeof(float));
+    fill_uniform(x, total, -10.0f, 10.0f);
+    if (masked) {
+        for (int64_t i = 0; i < total; i++)
+            if (rng_u64() % 8 == 0)
+                x[i] = -INFINITY;
+        for (int64_t i = 0; i < n && rows > 1; i++) /* row 1 fully masked: NaN both sides */
+            x[ld + i] = -INFINITY;
+    }
+    memcpy(ref, x, (size_t)total * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        fitm_ops_softmax(ref + r * ld, n);
+
+    dbuf dx = dbuf_from(x, (size_t)total * sizeof(float));
+    snprintf(what, sizeof what, "softmax rows=%lld n=%lld ld=%lld%s", (long long)rows, (long long)n,
+             (long long)ld, masked ? " masked" : "");
+    bool ok = launched(what, fitm_cuda_softmax_rows(dx.p, rows, n, ld, stream));
+    if (ok) {
+        dbuf_get(got, &dx);
+        ok = values_and_guards_ok(check_close(what, ref, got, total, 1e-7, 1e-5), &dx, what);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = n; i < ld; i++)
+                if (memcmp(&got[r * ld + i], &x[r * ld + i], sizeof(float)) != 0) {
+                    fprintf(stderr, "  %s: padding [%lld, %lld] changed\n", what, (long long)r,
+                            (long long)i);
+                    ok = false;
+                }
+    }
+    CHECK(ok);
+
+    dbuf_free(&dx);
+    free(x);
+    free(ref);
+    free(got);
+}
+
+/* ---- RoPE ---- */
+
+/* Angles in double on both sides; cos/sin rounded to float may differ by an ulp and the
+ * rotation may fuse: 1e-5 absolute and relative for inputs in [-1, 1]. The columns [H*D, ld)
+ * and the dims past n_rot are compared too (the reference leaves them as they were). */
+static void test_rope(int64_t T, int64_t H, int64_t D, int64_t ld, int64_t n_rot, float base,
+                      float freq_scale, int neox, bool pos_array, int64_t pos0)
+{
+    char what[128];
+    const int64_t total = T * ld;
+    float *x = xmalloc((size_t)total * sizeof(float));
+    float *ref = xmalloc((size_t)total * sizeof(float));
+    float *got = xmalloc((size_t)total * sizeof(float));
+    int32_t *pos = xmalloc((size_t)T * sizeof(int32_t));
+    fill_uniform(x, total, -1.0f, 1.0f);
+    for (int64_t t = 0; t < T; t++)
+        pos[t] = (int32_t)(rng_u64() % 131072);
+    memcpy(ref, x, (size_t)total * sizeof(float));
+    float *cs = xmalloc((size_t)n_rot * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t p = pos0 + (pos_array ? pos[t] : t);
+        fitm_ops_rope_table(cs, n_rot, p, base, freq_scale);
+        for (int64_t h = 0; h < H; h++) {
+            if (freq_scale == 1.0f) /* both references, then: they promise the same bits */
+                fitm_ops_rope(ref + t * ld + h * D, D, n_rot, p, base, neox);
+            else
+                fitm_ops_rope_apply(ref + t * ld + h * D, cs, n_rot, neox);
+        }
+    }
+    free(cs);
+
+    dbuf dx = dbuf_from(x, (size_t)total * sizeof(float));
+    dbuf dpos = dbuf_from(pos, (size_t)T * sizeof(int32_t));
+    snprintf(what, sizeof what, "rope T=%lld H=%lld D=%lld ld=%lld rot=%lld fs=%g %s %s",
+             (long long)T, (long long)H, (long long)D, (long long)ld, (long long)n_rot,
+             (double)freq_scale, neox ? "neox" : "norm", pos_array ? "pos[]" : "pos0+t");
+    bool ok = launched(what, fitm_cuda_rope(dx.p, T, H, D, ld, n_rot, pos_array ? dpos.p : NULL,
+                                            pos0, base, freq_scale, neox, stream));
+    if (ok) {
+        dbuf_get(got, &dx);
+        ok = values_and_guards_ok(check_close(what, ref, got, total, 1e-5, 1e-5), &dx, what);
+    }
+    CHECK(ok);
+
+    dbuf_free(&dx);
+    dbuf_free(&dpos);
+    free(x);
+    free(ref);
+    free(got);
+    free(pos);
+}
+
+/* ---- gated activations ---- */
+
+/* swiglu: expf and a divide, 1e-5 relative. geglu: 1 + tanh(z) cancels for z << 0, where
+ * tanhf's 2 ulp (about 1.2e-7 absolute near -1) times 0.5*|g*u| <= 8 needs 1e-5 absolute. */
+static void test_glu(bool geglu, int64_t n, bool in_place)
+{
+    char what[96];
+    float *g = xmalloc((size_t)n * sizeof(float));
+    float *u = xmalloc((size_t)n * sizeof(float));
+    float *ref = xmalloc((size_t)n * sizeof(float));
+    float *got = xmalloc((size_t)n * sizeof(float));
+    fill_uniform(g, n, -8.0f, 8.0f);
+    fill_uniform(u, n, -2.0f, 2.0f);
+    const float special[] = {0.0f, -0.0f, 100.0f, -100.0f, 20.0f, -20.0f, 1e-30f, -90.0f};
+    for (int64_t i = 0; i < n && i < (int64_t)(sizeof special / sizeof special[0]); i++)
+        g[i * 7 % n] = special[i];
+    if (geglu)
+        fitm_ops_geglu(ref, g, u, n);
+    else
+        fitm_ops_swiglu(ref, g, u, n);
+
+    dbuf dg = dbuf_from(g, (size_t)n * sizeof(float));
+    dbuf du = dbuf_from(u, (size_t)n * sizeof(float));
+    dbuf dy = in_place ? dg : dbuf_new((size_t)n * sizeof(float));
+    snprintf(what, sizeof what, "%s n=%lld%s", geglu ? "geglu" : "swiglu", (long long)n,
+             in_place ? " in-place" : "");
+    int rc = geglu ? fitm_cuda_geglu(dy.p, dg.p, du.p, n, stream)
+                   : fitm_cuda_swiglu(dy.p, dg.p, du.p, n, stream);
+    bool ok = launched(what, rc);
+    if (ok) {
+        dbuf_get(got, &dy);
+        ok = values_and_guards_ok(check_close(what, ref, got, n, geglu ? 1e-5 : 1e-6, 1e-5), &dy,
+                                  what);
+    }
+    CHECK(ok);
+
+    if (!in_place)
+        dbuf_free(&dy);
+    dbuf_free(&dg);
+    dbuf_free(&du);
+    free(g);
+    free(u);
+    free(ref);
+    free(got);
+}
+
+/* ---- no device needed: argument checks and status helpers ---- */
+
+/* Host memory stands in for device pointers: every call here must be refused (or, for zero
+ * sizes, accepted) before anything is launched. */
+static void test_contracts(void)
+{
+    static _Alignas(16) uint8_t fake[4096];
+    float *f = (float *)fake;
+    const int inval = (int)cudaErrorInvalidValue;
+
+    CHECK(!fitm_cuda_dequant_supported(FITM_DTYPE_Q8_K));
+    CHECK(!fitm_cuda_dequant_supported((fitm_dtype)3));
+    for (int i = 0; i < N_WEIGHT_TYPES; i++)
+        CHECK(fitm_cuda_dequant_supported(weight_types[i]));
+
+    CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_K, fake, f, 256, NULL) == inval);
+    CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q4_K, fake, f, 255, NULL) == inval);
+    CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_0, fake, f, 48, NULL) == inval);
+    CHECK(fitm_cuda_dequant_f16(FITM_DTYPE_Q8_0, fake + 2, (uint16_t *)fake, 32, NULL) == inval);
+    CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_F16, NULL, f, 8, NULL) == inval);
+    CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q6_K, fake, f, 0, NULL) == 0);
+
+    CHECK(fitm_cuda_matvec(FITM_DTYPE_Q4_K, fake, 4, 128, f, f, NULL) == inval);
+    CHECK(fitm_cuda_matvec(FITM_DTYPE_Q8_0, fake, 4, 32, f + 1, f, NULL) == inval);
+    CHECK(fitm_cuda_matvec(FITM_DTYPE_Q8_K, fake, 4, 256, f, f, NULL) == inval);
+    CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, -1, 8, f, f, NULL) == inval);
+    CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, 0, 8, f, f, NULL) == 0);
+
+    CHECK(fitm_cuda_rmsnorm(f, f, NULL, 0.0f, 1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_rmsnorm(f, f, f, 0.0f, -1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_rmsnorm(f, f, f, 0.0f, 0, 8, 1e-6f, NULL) == 0);
+    CHECK(fitm_cuda_softmax_rows(f, 2, 8, 7, NULL) == inval);
+    CHECK(fitm_cuda_softmax_rows(f, 0, 8, 8, NULL) == 0);
+    CHECK(fitm_cuda_rope(f, 1, 2, 8, 16, 7, NULL, 0, 1e4f, 1, 0, NULL) == inval);  /* odd n_rot */
+    CHECK(fitm_cuda_rope(f, 1, 2, 8, 16, 10, NULL, 0, 1e4f, 1, 0, NULL) == inval); /* > D */
+    CHECK(fitm_cuda_rope(f, 1, 2, 8, 15, 8, NULL, 0, 1e4f, 1, 0, NULL) == inval);  /* ld < H*D */
+    CHECK(fitm_cuda_rope(f, 0, 2, 8, 16, 8, NULL, 0, 1e4f, 1, 0, NULL) == 0);
+    CHECK(fitm_cuda_swiglu(f, NULL, f, 8, NULL) == inval);
+    CHECK(fitm_cuda_geglu(f, f, f, -1, NULL) == inval);
+    CHECK(fitm_cuda_geglu(f, f, f, 0, NULL) == 0);
+
+    fitm_err err;
+    strcpy(err.msg, "untouched");
+    CHECK(fitm_cuda_status(0, &err, "x") == FITM_OK);
+    CHECK(strcmp(err.msg, "untouched") == 0);
+    CHECK(fitm_cuda_status((int)cudaErrorMemoryAllocation, &err, "upload") == FITM_ERR_NOMEM);
+    CHECK(strncmp(err.msg, "upload: cudaErrorMemoryAllocation", 33) == 0);
+    CHECK(fitm_cuda_status(inval, NULL, NULL) == FITM_ERR_INVALID);
+    CHECK(fitm_cuda_status((int)cudaErrorIllegalAddress, &err, NULL) == FITM_ERR_BACKEND);
+    CHECK(strncmp(err.msg, "cudaErrorIllegalAddress", 23) == 0);
+    CHECK(fitm_cuda_error_is_sticky((int)cudaErrorIllegalAddress));
+    CHECK(!fitm_cuda_error_is_sticky((int)cudaErrorMemoryAllocation));
+    CHECK(!fitm_cuda_error_is_sticky(0));
+}
+
+int main(void)
+{
+    test_contracts();
+    if (failures) {
+        fprintf(stderr, "test_cuda_kernels: %d contract check(s) failed\n", failures);
+        return 1;
+    }
+    if (fitm_cuda_device_count() == 0) {
+        printf("test_cuda_kernels: contracts ok; no CUDA device, kernels skipped\n");
+        return 77;
+    }
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+    for (int i = 0; i < N_WEIGHT_TYPES; i++) {
+        fitm_dtype t = weight_types[i];
+        int64_t be = block_elems(t);
+        test_dequant(t, 256 * 37, false);
+        test_dequant(t, 256 * 37, true);
+        if (be == 1) {
+            test_dequant(t, 1001, false); /* any length, any alignment of the tail */
+            test_dequant(t, 1, true);
+        } else {
+            test_dequant(t, be, true); /* a single block */
+        }
+    }
+
+    for (int i = 0; i < N_WEIGHT_TYPES; i++) {
+        fitm_dtype t = weight_types[i];
+        int64_t be = block_elems(t);
+        bool quant = be > 1;
+        test_matvec(t, 1, be > 1 ? be : 8, false);
+        test_matvec(t, 37, 768, false);
+        test_matvec(t, 130, 4096, false); /* N not a multiple of the rows per block */
+        test_matvec(t, 4, 16384, false);  /* an FFN down projection's K */
+        if (quant) {
+            test_matvec(t, 37, 768, true);
+            test_matvec(t, 9, 2560, true);
+        } else {
+            test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
+            test_matvec(t, 3, 7, false);
+        }
+    }
+
+    test_rmsnorm(1, 4096, 0.0f, 1e-5f, false);
+    test_rmsnorm(3, 1000, 0.0f, 1e-6f, false);
+    test_rmsnorm(17, 64, 1.0f, 1e-6f, false);
+    test_rmsnorm(5, 5120, 0.0f, 1e-6f, true);
+    test_rmsnorm(2, 33, 0.0f, 1e-5f, true);
+
+    test_softmax(1, 1, 1, false);
+    test_softmax(3, 7, 9, false);
+    test_softmax(5, 33, 40, true);
+    test_softmax(4, 1000, 1000, true);
+    test_softmax(2, 4097, 4100, false);
+    test_softmax(2, 50000, 50000, true);
+
+    test_rope(5, 4, 64, 4 * 64, 64, 10000.0f, 1.0f, 0, true, 0);
+    test_rope(5, 4, 64, 4 * 64 + 8, 64, 10000.0f, 1.0f, 1, true, 0);
+    test_rope(7, 3, 128, 3 * 128 + 4, 64, 1000000.0f, 1.0f, 0, false, 37); /* partial rotation */
+    test_rope(7, 3, 128, 3 * 128, 32, 1000000.0f, 1.0f, 1, false, 100000);
+    test_rope(1, 2, 256, 2 * 256, 256, 10000.0f, 0.125f, 1, true, 5); /* Gemma 3: D 256, scaled */
+    test_rope(64, 8, 128, 8 * 128, 128, 500000.0f, 1.0f, 1, false, 0);
+    test_rope(9, 2, 64, 2 * 64 + 16, 64, 10000.0f, 0.25f, 0, true, 3);
+
+    test_glu(false, 1, false);
+    test_glu(false, 1000, false);
+    test_glu(false, (1 << 20) + 3, false);
+    test_glu(false, 4097, true);
+    test_glu(true, 1, false);
+    test_glu(true, 1000, false);
+    test_glu(true, (1 << 20) + 3, false);
+    test_glu(true, 4097, true);
+
+    CUDA_OK(cudaStreamDestroy(stream));
+    if (failures) {
+        fprintf(stderr, "test_cuda_kernels: %d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("test_cuda_kernels: ok\n");
+    return 0;
+}

@@ -1,0 +1,514 @@
+/* Unit test for quant.c / quant_x86.c:
+ *  - fp16 and bf16 conversions: every one of the 65536 bit patterns each way against
+ *    references written here from the format definitions (value from fields; nearest value by
+ *    search over the sorted representable values), midpoints and random floats, inf/NaN;
+ *    the F16C instructions where the build has them;
+ *  - the vectorised paths against the scalar ones (dequantization bit-exact, dots within
+ *    float rounding) on random blocks and odd lengths;
+ *  - matvec == per-row dot and writes only its rows; matmul (dequantized tiles + BLAS)
+ *    against matvec on the same activation values;
+ *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
+ * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant.h"
+#include "quant_internal.h"
+
+#if FITM_QUANT_SIMD
+#include <immintrin.h>
+#endif
+
+static int failures;
+#define CHECK(c, ...)                                                                         \
+    do {                                                                                      \
+        if (!(c)) {                                                                           \
+            if (failures++ < 20) {                                                            \
+                fprintf(stderr, "%s:%d: CHECK(%s) ", __FILE__, __LINE__, #c);                 \
+                fprintf(stderr, __VA_ARGS__);                                                 \
+                fputc('\n', stderr);                                                          \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+static uint64_t rng_state;
+static uint64_t rnd(void) /* splitmix64 */
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static double unif(void) { return (double)(rnd() >> 11) * 0x1p-53; }
+static float gauss(void)
+{
+    double u = unif() + 1e-300, v = unif();
+    return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
+}
+
+static uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* ---------------------------------------------------------------------------------------
+ * Reference conversions, from the definitions. */
+
+/* fp16 fields -> value, computed with ldexp (no bit tricks). NaN for NaN patterns. */
+static double ref_half_value(uint16_t h)
+{
+    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    double v;
+    if (e == 31)
+        v = m ? NAN : INFINITY;
+    else if (e == 0)
+        v = ldexp((double)m, -24);
+    else
+        v = ldexp((double)(1024 + m), e - 25);
+    return s ? -v : v;
+}
+
+static double ref_bf16_value(uint16_t h)
+{
+    int s = h >> 15, e = (h >> 7) & 255, m = h & 127;
+    double v;
+    if (e == 255)
+        v = m ? NAN : INFINITY;
+    else if (e == 0)
+        v = ldexp((double)m, -133);
+    else
+        v = ldexp((double)(128 + m), e - 134);
+    return s ? -v : v;
+}
+
+/* Nearest representable value by binary search over the positive finite patterns (whose
+ * values increase with the pattern), ties to the even pattern; beyond the largest finite
+ * value the next "value" is the one a wider exponent would give (overflow threshold). */
+static uint16_t ref_round(double a, double (*value)(uint16_t), uint16_t max_finite, double beyond)
+{
+    uint16_t lo = 0, hi = max_finite;
+    if (a >= value(max_finite)) {
+        lo = max_finite;
+    } else {
+        while (hi - lo > 1) { /* invariant: value(lo) <= a < value(hi) */
+            uint16_t mid = (uint16_t)((lo + hi) / 2);
+            if (value(mid) <= a)
+                lo = mid;
+            else
+                hi = mid;
+        }
+    }
+    double vl = value(lo), vh = lo == max_finite ? beyond : value((uint16_t)(lo + 1));
+    if (a - vl < vh - a)
+        return lo;
+    if (a - vl > vh - a)
+        return (uint16_t)(lo + 1);
+    return (lo & 1) ? (uint16_t)(lo + 1) : lo;
+}
+
+static uint16_t ref_to_half(float f)
+{
+    uint16_t sign = (fbits(f) >> 31) ? 0x8000 : 0;
+    if (isnan(f))
+        return 0xffff; /* marker: caller checks NaN-ness */
+    double a = fabs((double)f);
+    if (isinf(f))
+        return sign | 0x7c00;
+    uint16_t r = ref_round(a, ref_half_value, 0x7bff, 65536.0);
+    return (uint16_t)(sign | r);
+}
+
+static uint16_t ref_to_bf16(float f)
+{
+    uint16_t sign = (fbits(f) >> 31) ? 0x8000 : 0;
+    if (isnan(f))
+        return 0xffff;
+    double a = fabs((double)f);
+    if (isinf(f))
+        return sign | 0x7f80;
+    uint16_t r = ref_round(a, ref_bf16_value, 0x7f7f, ldexp(1.0, 128));
+    return (uint16_t)(sign | r);
+}
+
+static void check_to_half(float f)
+{
+    uint16_t got = fitm_fp32_to_fp16(f), want = ref_to_half(f);
+    if (isnan(f)) {
+        CHECK((got & 0x7c00) == 0x7c00 && (got & 0x3ff) && (got >> 15) == (fbits(f) >> 31),
+              "fp16(NaN %08x) = %04x", fbits(f), got);
+        CHECK((got & 0x200) != 0, "fp16(NaN %08x) = %04x not quiet", fbits(f), got);
+    } else {
+        CHECK(got == want, "fp16(%a = %08x) = %04x, want %04x", f, fbits(f), got, want);
+    }
+#if FITM_QUANT_SIMD
+    uint16_t hw = (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+    CHECK(got == hw, "fp16(%08x) = %04x, F16C says %04x", fbits(f), got, hw);
+#endif
+}
+
+static void check_to_bf16(float f)
+{
+    uint16_t got = fitm_fp32_to_bf16(f), want = ref_to_bf16(f);
+    if (isnan(f))
+        CHECK((got & 0x7f80) == 0x7f80 && (got & 0x7f) && (got >> 15) == (fbits(f) >> 31),
+              "bf16(NaN %08x) = %04x", fbits(f), got);
+    else
+        CHECK(got == want, "bf16(%a = %08x) = %04x, want %04x", f, fbits(f), got, want);
+}
+
+static void test_conversions(void)
+{
+    /* every 16-bit pattern, both formats, widening */
+    for (uint32_t h = 0; h < 65536; h++) {
+        double want = ref_half_value((uint16_t)h);
+        float got = fitm_fp16_to_fp32((uint16_t)h);
+        if (isnan(want)) {
+            CHECK(isnan(got) && (fbits(got) >> 31) == (h >> 15) &&
+                      ((fbits(got) >> 13) & 0x3ff) == ((h & 0x3ff) | 0x200), /* quieted */
+                  "fp16->fp32 NaN %04x -> %08x", h, fbits(got));
+        } else {
+            CHECK((double)got == want && !signbit(got) == !signbit(want), "fp16->fp32 %04x", h);
+        }
+#if FITM_QUANT_SIMD
+        CHECK(fbits(got) == fbits(_cvtsh_ss((unsigned short)h)), "fp16 %04x vs F16C", h);
+#endif
+        double wb = ref_bf16_value((uint16_t)h);
+        float gb = fitm_bf16_to_fp32((uint16_t)h);
+        if (isnan(wb))
+            CHECK(isnan(gb), "bf16->fp32 NaN %04x", h);
+        else
+            CHECK((double)gb == wb && !signbit(gb) == !signbit(wb), "bf16->fp32 %04x", h);
+
+        /* narrowing: each representable value maps to itself; midpoints to the neighbours
+         * and their float32 neighbours one ulp either side */
+        if (!isnan(want)) {
+            check_to_half((float)want);
+            check_to_bf16((float)wb);
+        }
+        if ((h & 0x7fff) < 0x7c00) {
+            double next = (h & 0x7fff) == 0x7bff ? 65536.0 : fabs(ref_half_value((uint16_t)(h + 1)));
+            float mid = (float)((fabs(want) + next) / 2); /* exact: 12 significant bits */
+            if (h & 0x8000)
+                mid = -mid;
+            check_to_half(mid);
+            check_to_half(nextafterf(mid, 0.0f));
+            check_to_half(nextafterf(mid, INFINITY));
+            check_to_half(nextafterf(mid, -INFINITY));
+        }
+        if ((h & 0x7fff) < 0x7f80) {
+            double next = (h & 0x7fff) == 0x7f7f ? ldexp(1.0, 128) : fabs(ref_bf16_value((uint16_t)(h + 1)));
+            double midd = (fabs(wb) + next) / 2;
+            if (midd < ldexp(1.0, 128)) {
+                float mid = (float)midd; /* exact: 9 significant bits */
+                if (h & 0x8000)
+                    mid = -mid;
+                check_to_bf16(mid);
+                check_to_bf16(nextafterf(mid, 0.0f));
+                check_to_bf16(nextafterf(mid, INFINITY));
+            } else {
+                check_to_bf16(h & 0x8000 ? -FLT_MAX : FLT_MAX); /* rounds to inf */
+            }
+        }
+    }
+    /* random float32 bit patterns (all classes, NaNs included) */
+    for (int i = 0; i < 2000000; i++) {
+        float f = bitsf((uint32_t)rnd());
+        check_to_half(f);
+        check_to_bf16(f);
+    }
+    /* named specials */
+    CHECK(fitm_fp32_to_fp16(INFINITY) == 0x7c00, "inf");
+    CHECK(fitm_fp32_to_fp16(-INFINITY) == 0xfc00, "-inf");
+    CHECK(fitm_fp32_to_fp16(65519.996f) == 0x7bff, "just below the overflow midpoint");
+    CHECK(fitm_fp32_to_fp16(65520.0f) == 0x7c00, "overflow midpoint rounds to inf");
+    CHECK(fitm_fp32_to_fp16(-0.0f) == 0x8000, "-0");
+    CHECK(fitm_fp32_to_fp16(0x1p-25f) == 0x0000, "half of the smallest subnormal: even (0)");
+    CHECK(fitm_fp32_to_fp16(0x1.8p-24f) == 0x0002, "1.5 subnormal ulps: even (2)");
+    CHECK(fitm_fp32_to_bf16(INFINITY) == 0x7f80 && fitm_fp32_to_bf16(-INFINITY) == 0xff80, "bf16 inf");
+    CHECK(isnan(fitm_fp16_to_fp32(fitm_fp32_to_fp16(NAN))), "fp16 NaN round trip");
+    CHECK(isnan(fitm_bf16_to_fp32(fitm_fp32_to_bf16(-NAN))), "bf16 NaN round trip");
+    CHECK(fitm_fp32_to_bf16(bitsf(0x7f800001u)) != 0x7f80, "bf16 sNaN must not become inf");
+    CHECK(fitm_fp32_to_fp16(bitsf(0x7f800001u)) != 0x7c00, "fp16 sNaN must not become inf");
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Random blocks and data */
+
+static const fitm_dtype weight_types[] = {
+    FITM_DTYPE_F32, FITM_DTYPE_F16, FITM_DTYPE_BF16, FITM_DTYPE_Q8_0, FITM_DTYPE_Q4_0,
+    FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K,
+};
+#define N_WEIGHT_TYPES (int)(sizeof weight_types / sizeof weight_types[0])
+
+static const char *tname(fitm_dtype t) { return fitm_dtype_info_of((int)t)->name; }
+
+static void put_f16(uint8_t *p, float v)
+{
+    uint16_t h = fitm_fp32_to_fp16(v);
+    memcpy(p, &h, 2);
+}
+
+/* Random bytes for n values of type t, float scale fields set to finite values of both
+ * signs (every bit pattern of the quantized fields is legal). */
+static void random_row(fitm_dtype t, void *dst, int64_t n)
+{
+    size_t bytes = fitm_dtype_row_bytes(t, n);
+    uint8_t *p = dst;
+    for (size_t i = 0; i < bytes; i++)
+        p[i] = (uint8_t)rnd();
+    const fitm_dtype_info *info = fitm_dtype_info_of((int)t);
+    int64_t nb = n / info->block_elems;
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *blk = p + b * info->block_bytes;
+        float s = gauss() * (float)pow(10, -3 + 3 * unif());
+        switch (t) {
+        case FITM_DTYPE_F32: {
+            float v = gauss() * (float)pow(10, -5 + 10 * unif());
+            memcpy(blk, &v, 4);
+            break;
+        }
+        case FITM_DTYPE_F16:
+            put_f16(blk, gauss() * (float)pow(10, -6 + 10 * unif()));
+            break;
+        case FITM_DTYPE_BF16: {
+            uint16_t h = fitm_fp32_to_bf16(gauss() * (float)pow(10, -20 + 40 * unif()));
+            memcpy(blk, &h, 2);
+            break;
+        }
+        case FITM_DTYPE_Q4_K:
+        case FITM_DTYPE_Q5_K:
+            put_f16(blk + 2, s * 0.5f * gauss());
+            put_f16(blk, s);
+            break;
+        case FITM_DTYPE_Q6_K:
+            put_f16(blk + 208, s);
+            break;
+        case FITM_DTYPE_Q8_K:
+            memcpy(blk, &s, 4);
+            break;
+        default:
+            put_f16(blk, s);
+            break;
+        }
+    }
+}
+
+static void random_floats(float *x, int64_t n, float scale)
+{
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = gauss() * scale;
+        if (rnd() % 64 == 0)
+            x[i] *= -20.0f; /* outliers of either sign */
+    }
+}
+
+/* Magnitude the rounding of a dot product scales with: sum |w_i x_i| plus, for Q4_K/Q5_K,
+ * sum |dmin * m_i * x_i| (the two terms those formats subtract). */
+static double dot_magnitude(fitm_dtype t, const void *w, const float *wd, const float *xd, int64_t n)
+{
+    double s = 0;
+    for (int64_t i = 0; i < n; i++)
+        s += fabs((double)wd[i] * xd[i]);
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q5_K) {
+        const size_t bb = t == FITM_DTYPE_Q4_K ? sizeof(fitm_block_q4_k) : sizeof(fitm_block_q5_k);
+        for (int64_t b = 0; b < n / FITM_QK_K; b++) {
+            const fitm_block_q4_k *blk = (const void *)((const uint8_t *)w + b * bb);
+            for (int j = 0; j < 8; j++) {
+                uint8_t sc, m;
+                fitm_quant_k_scale_min(blk->scales, j, &sc, &m);
+                for (int l = 0; l < 32; l++)
+                    s += fabs((double)fitm_fp16_to_fp32(blk->dmin) * m * xd[b * 256 + 32 * j + l]);
+            }
+        }
+    }
+    return s;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * SIMD vs scalar */
+
+static void test_paths(void)
+{
+    const int64_t sizes[] = {256, 512, 1280, 4096};
+    for (int ti = 0; ti < N_WEIGHT_TYPES; ti++) {
+        fitm_dtype t = weight_types[ti], vt = fitm_quant_vec_dtype(t);
+        for (int si = 0; si < 4; si++) {
+            for (int rep = 0; rep < 20; rep++) {
+                int64_t n = sizes[si];
+                void *w = malloc(fitm_dtype_row_bytes(t, n));
+                void *xq = malloc(fitm_dtype_row_bytes(vt, n));
+                float *x = malloc(n * sizeof(float)), *wd = malloc(n * sizeof(float));
+                float *wd2 = malloc(n * sizeof(float)), *xd = malloc(n * sizeof(float));
+                random_row(t, w, n);
+                random_floats(x, n, (float)pow(10, -2 + 3 * unif()));
+                fitm_quant_row(vt, x, xq, n);
+                if (vt != FITM_DTYPE_F32) { /* activation quantizer: paths give the same bytes */
+                    size_t xb = fitm_dtype_row_bytes(vt, n);
+                    uint8_t *xq2 = malloc(xb);
+                    fitm_quant_quant_row_scalar(vt, x, xq2, n);
+                    CHECK(memcmp(xq, xq2, xb) == 0, "%s quant paths differ", tname(vt));
+                    free(xq2);
+                }
+                fitm_quant_dequant_row_scalar(t, w, wd, n);
+                fitm_dequant_row(t, w, wd2, n);
+                CHECK(memcmp(wd, wd2, n * sizeof(float)) == 0, "%s dequant paths differ", tname(t));
+                fitm_quant_dequant_row_scalar(vt, xq, xd, n);
+                fitm_dequant_row(vt, xq, wd2, n);
+                CHECK(memcmp(xd, wd2, n * sizeof(float)) == 0, "%s dequant paths differ", tname(vt));
+
+                double ref = 0;
+                for (int64_t i = 0; i < n; i++)
+                    ref += (double)wd[i] * xd[i];
+                double mag = dot_magnitude(t, w, wd, xd, n);
+                /* both paths: exact integer block sums, float32 accumulation of at most
+                 * n/32 + 70 rounded terms (see test_quant_oracle.py); the dequantized
+                 * reference itself is rounded once per element: another u * mag */
+                double tol = ((double)n / 32 + 71) * 0x1p-24 * mag;
+                float fs = fitm_quant_dot_scalar(t, w, xq, n), fv = fitm_quant_dot(t, w, xq, n);
+                CHECK(fabs(fs - ref) <= tol, "%s n=%ld scalar %g ref %g tol %g", tname(t), (long)n, fs, ref, tol);
+                CHECK(fabs(fv - ref) <= tol, "%s n=%ld simd %g ref %g tol %g", tname(t), (long)n, fv, ref, tol);
+                CHECK(fabs(ref) > 0, "%s: degenerate data", tname(t));
+                free(w), free(xq), free(x), free(wd), free(wd2), free(xd);
+            }
+        }
+    }
+    /* odd lengths for the float types (tails of the vector loops) */
+    const fitm_dtype ftypes[] = {FITM_DTYPE_F32, FITM_DTYPE_F16, FITM_DTYPE_BF16};
+    for (int ti = 0; ti < 3; ti++)
+        for (int64_t n = 1; n <= 100; n += 3) {
+            fitm_dtype t = ftypes[ti];
+            uint8_t w[400];
+            float x[100], wd[100];
+            random_row(t, w, n);
+            random_floats(x, n, 1.0f);
+            fitm_dequant_row(t, w, wd, n);
+            double ref = 0, mag = 0;
+            for (int64_t i = 0; i < n; i++) {
+                ref += (double)wd[i] * x[i];
+                mag += fabs((double)wd[i] * x[i]);
+            }
+            double tol = ((double)n / 32 + 71) * 0x1p-24 * mag;
+            CHECK(fabs(fitm_quant_dot(t, w, x, n) - ref) <= tol, "%s n=%ld", tname(t), (long)n);
+            CHECK(fabs(fitm_quant_dot_scalar(t, w, x, n) - ref) <= tol, "%s scalar n=%ld", tname(t), (long)n);
+        }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * matvec and matmul */
+
+#define GUARD 1234.5f
+
+static void test_matvec_matmul(void)
+{
+    const int64_t N = 600, K = 512, M = 9, ldy = N + 5, n0 = 3, n1 = 597; /* 3 tiles */
+    for (int ti = 0; ti < N_WEIGHT_TYPES; ti++) {
+        fitm_dtype t = weight_types[ti], vt = fitm_quant_vec_dtype(t);
+        size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K);
+        float *Wf = malloc(N * K * sizeof(float));
+        uint8_t *W = malloc(N * rb);
+        random_floats(Wf, N * K, 0.05f);
+        fitm_quant_row(t, Wf, W, N * K);
+
+        float *X = malloc(M * K * sizeof(float)), *Y = malloc(M * ldy * sizeof(float));
+        uint8_t *xq = malloc(M * xqb);
+        float *y = malloc((N + 2) * sizeof(float));
+        float *scratch = malloc(fitm_matmul_scratch_floats(K) * sizeof(float));
+        for (int64_t m = 0; m < M; m++) {
+            float *xr = X + m * K;
+            random_floats(xr, K, 1.0f);
+            /* matmul gets exactly the values matvec sees: the dequantized x_q */
+            fitm_quant_row(vt, xr, xq + m * xqb, K);
+            fitm_dequant_row(vt, xq + m * xqb, xr, K);
+        }
+        for (int64_t i = 0; i < M * ldy; i++)
+            Y[i] = GUARD;
+        fitm_matmul(t, W, K, X, M, Y, ldy, n0, n1, scratch);
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t i = 0; i < N + 2; i++)
+                y[i] = GUARD;
+            fitm_matvec(t, W, K, xq + m * xqb, y + 1, n0, n1); /* y + 1: guard below too */
+            CHECK(y[0] == GUARD && y[1 + n0 - 1] == GUARD && y[1 + n1] == GUARD,
+                  "%s matvec wrote outside [n0, n1)", tname(t));
+            for (int64_t n = 0; n < ldy; n++) {
+                float got = Y[m * ldy + n];
+                if (n < n0 || n >= n1) {
+                    CHECK(got == GUARD, "%s matmul wrote outside [n0, n1): col %ld", tname(t), (long)n);
+                    continue;
+                }
+                float d = fitm_quant_dot(t, W + n * rb, xq + m * xqb, K);
+                CHECK(y[1 + n] == d, "%s matvec != dot at row %ld", tname(t), (long)n);
+                float wd[512];
+                fitm_dequant_row(t, W + n * rb, wd, K);
+                double mag = dot_magnitude(t, W + n * rb, wd, X + m * K, K);
+                /* matmul: sgemm on float32 W, up to K roundings; matvec: K/32 + 71 */
+                double tol = ((double)K + K / 32 + 90) * 0x1p-24 * mag;
+                CHECK(fabs((double)got - d) <= tol, "%s matmul %g vs matvec %g (tol %g) at (%ld,%ld)",
+                      tname(t), got, d, tol, (long)m, (long)n);
+            }
+        }
+        free(Wf), free(W), free(X), free(Y), free(xq), free(y), free(scratch);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Degenerate input to the quantizers */
+
+static void test_degenerate(void)
+{
+    const int64_t n = 512;
+    float x[512], y[512];
+    uint8_t q[2048];
+    const fitm_dtype qtypes[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K,
+                                 FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K, FITM_DTYPE_Q8_K};
+    for (int ti = 0; ti < 7; ti++) {
+        fitm_dtype t = qtypes[ti];
+        for (int kind = 0; kind < 6; kind++) {
+            for (int64_t i = 0; i < n; i++) {
+                switch (kind) {
+                case 0: x[i] = 0.0f; break;                      /* zeros: d = 0 */
+                case 1: x[i] = -0.75f; break;                    /* constant negative */
+                case 2: x[i] = 3.5f; break;                      /* constant positive */
+                case 3: x[i] = gauss() * 1e-30f; break;          /* below fp16 range */
+                case 4: x[i] = gauss() * 1e3f; break;            /* large */
+                default: x[i] = (i % 7 == 0) ? NAN : (i % 11 == 0 ? INFINITY : gauss()); break;
+                }
+            }
+            fitm_quant_row(t, x, q, n);
+            uint8_t q2[2048];
+            fitm_quant_quant_row_scalar(t, x, q2, n);
+            CHECK(memcmp(q, q2, fitm_dtype_row_bytes(t, n)) == 0, "%s kind %d: quant paths differ", tname(t), kind);
+            fitm_dequant_row(t, q, y, n);
+            if (kind == 5)
+                continue; /* non-finite input: only "no crash, no UB" is promised */
+            double maxerr = 0, amax = 0;
+            for (int64_t i = 0; i < n; i++) {
+                maxerr = fmax(maxerr, fabs((double)x[i] - y[i]));
+                amax = fmax(amax, fabs((double)x[i]));
+                CHECK(isfinite(y[i]), "%s kind %d: non-finite output", tname(t), kind);
+            }
+            /* zeros and constants are represented to within a few fp16 ulps; tiny values
+             * flush to (nearly) zero; large ones keep the format's relative error */
+            double bound = kind == 3 ? 1e-29 : amax * 0.2 + 1e-30;
+            CHECK(maxerr <= bound, "%s kind %d: max error %g (amax %g)", tname(t), kind, maxerr, amax);
+        }
+    }
+}
+
+int main(void)
+{
+    const char *seed = getenv("FITM_TEST_SEED");
+    rng_state = seed ? strtoull(seed, NULL, 0) : 0x5eedf00dull;
+    fitm_quant_blas_single_thread();
+    test_conversions();
+    test_paths();
+    test_matvec_matmul();
+    test_degenerate();
+    if (failures) {
+        fprintf(stderr, "test_quant: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_quant: ok (simd %s)\n", FITM_QUANT_SIMD ? "on" : "off");
+    return 0;
+}
