@@ -14,6 +14,7 @@ static const struct {
     {"inspect", fitm_cli_inspect, "show a GGUF file's architecture, hyper-parameters, tokenizer, tensors"},
     {"mkmodel", fitm_cli_mkmodel, "write a tiny random GGUF model (llama, qwen2, gemma3)"},
     {"tokenize", fitm_cli_tokenize, "print the token ids of a text (or, with --decode, the text of ids)"},
+    {"generate", fitm_cli_generate, "greedy continuation of a prompt (text or --ids)"},
     {NULL, NULL, NULL},
 };
 

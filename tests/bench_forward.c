@@ -1,0 +1,238 @@
+/* bench_forward: CPU forward-pass speed, as llama-bench measures it (pp = prefill of P tokens
+ * in one batch, tg = N single-token decode steps from an empty cache), next to the machine's
+ * own sgemm ceiling measured in the same process, plus resident memory after loading.
+ *
+ *   bench_forward -m MODEL [-t THREADS] [-p 512] [-n 128] [-r REPS]
+ *                 [--ref-pp TOK_S] [--ref-tg TOK_S]   (e.g. llama-bench's figures, for ratios)
+ *
+ * Prints a table; never fails on speed (benchmarks measure, tests assert). */
+#include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "forward.h"
+#include "kv.h"
+#include "model.h"
+#include "pool.h"
+#include "quant.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* VmRSS of this process in KiB, or -1. */
+static long vm_rss_kib(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f)
+        return -1;
+    char line[256];
+    long kib = -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmRSS:", 6))
+            kib = strtol(line + 6, NULL, 10);
+    fclose(f);
+    return kib;
+}
+
+typedef struct {
+    int n, k, m_per;
+    float *a, *b, *c;
+} sgemm_job;
+
+static void sgemm_task(void *ctx, int64_t task, int thread)
+{
+    sgemm_job *j = ctx;
+    (void)thread;
+    /* each thread: C_t (n, m_per) = A (n, k) . B_t (m_per, k)^T, its own slice of B and C */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->n, j->m_per, j->k, 1.0f, j->a, j->k,
+                j->b + (size_t)task * j->m_per * j->k, j->k, 0.0f,
+                j->c + (size_t)task * j->n * j->m_per, j->m_per);
+}
+
+/* Best GFLOP/s of single-threaded sgemm calls run on every pool thread at once. */
+static double sgemm_gflops(fitm_pool *pool, int threads)
+{
+    const int n = 512, k = 1024, m_per = 512;
+    sgemm_job j = {n, k, m_per, NULL, NULL, NULL};
+    j.a = malloc(sizeof(float) * n * k);
+    j.b = malloc(sizeof(float) * (size_t)threads * m_per * k);
+    j.c = malloc(sizeof(float) * (size_t)threads * n * m_per);
+    if (!j.a || !j.b || !j.c) {
+        free(j.a);
+        free(j.b);
+        free(j.c);
+        return 0.0;
+    }
+    for (size_t i = 0; i < (size_t)n * k; i++)
+        j.a[i] = (float)(i % 7) * 0.1f;
+    for (size_t i = 0; i < (size_t)threads * m_per * k; i++)
+        j.b[i] = (float)(i % 5) * 0.1f;
+    double best = 0.0;
+    for (int rep = 0; rep < 5; rep++) {
+        double t0 = now_s();
+        fitm_pool_run(pool, threads, sgemm_task, &j);
+        double dt = now_s() - t0;
+        double gf = 2.0 * n * k * m_per * threads / dt * 1e-9;
+        best = gf > best ? gf : best;
+    }
+    free(j.a);
+    free(j.b);
+    free(j.c);
+    return best;
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = NULL;
+    int threads = 2, reps = 3;
+    long n_pp = 512, n_tg = 128;
+    double ref_pp = 0.0, ref_tg = 0.0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-m") && i + 1 < argc)
+            path = argv[++i];
+        else if (!strcmp(argv[i], "-t") && i + 1 < argc)
+            threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-p") && i + 1 < argc)
+            n_pp = atol(argv[++i]);
+        else if (!strcmp(argv[i], "-n") && i + 1 < argc)
+            n_tg = atol(argv[++i]);
+        else if (!strcmp(argv[i], "-r") && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--ref-pp") && i + 1 < argc)
+            ref_pp = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--ref-tg") && i + 1 < argc)
+            ref_tg = atof(argv[++i]);
+        else {
+            fprintf(stderr, "usage: bench_forward -m MODEL [-t THREADS] [-p 512] [-n 128] [-r 3] "
+                            "[--ref-pp TOK_S] [--ref-tg TOK_S]\n");
+            return 2;
+        }
+    }
+    if (!path || threads < 1 || n_pp < 1 || n_tg < 1 || reps < 1) {
+        fprintf(stderr, "bench_forward: -m MODEL is required; counts must be positive\n");
+        return 2;
+    }
+    fitm_quant_blas_single_thread();
+    long rss0 = vm_rss_kib();
+    fitm_err err = {{0}};
+    fitm_model *m = NULL;
+    fitm_backend *b = NULL;
+    fitm_forward *fw = NULL;
+    fitm_kv *kv = NULL;
+    int64_t n_ctx = n_pp > n_tg ? n_pp : n_tg;
+    double t_load = now_s();
+    fitm_status s = fitm_model_open(&m, path, &err);
+    const fitm_model_config *c = s ? NULL : fitm_model_config_of(m);
+    fitm_forward_params fp = {n_pp, n_ctx, 1};
+    if (!s)
+        s = fitm_backend_cpu_create(&b, threads, &err);
+    if (!s)
+        s = fitm_forward_create(&fw, m, b, &fp, &err);
+    if (!s)
+        s = fitm_kv_create(&kv, b, c, n_ctx, &err);
+    if (s) {
+        fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
+        return 1;
+    }
+    t_load = now_s() - t_load;
+    int32_t *ids = malloc(sizeof *ids * (size_t)n_ctx);
+    float *logits = malloc(sizeof *logits * (size_t)c->n_vocab);
+    uint64_t st = 12345;
+    for (int64_t i = 0; i < n_ctx; i++) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((st >> 33) % (uint64_t)c->n_vocab);
+    }
+    fitm_forward_opts o = {.n_logits = 1, .logits = logits};
+
+    /* warm-up: touches the weights once (page faults are not what we measure) */
+    fitm_kv_rebase(kv, 0, NULL);
+    fitm_forward_run(fw, kv, ids, n_pp < 16 ? n_pp : 16, 0, &o, &err);
+
+    double best_pp = 1e30, best_tg = 1e30;
+    for (int r = 0; r < reps; r++) {
+        fitm_kv_rebase(kv, 0, NULL);
+        double t0 = now_s();
+        s = fitm_forward_run(fw, kv, ids, n_pp, 0, &o, &err);
+        double dt = now_s() - t0;
+        best_pp = dt < best_pp ? dt : best_pp;
+        fitm_kv_rebase(kv, 0, NULL);
+        t0 = now_s();
+        for (long i = 0; i < n_tg && !s; i++)
+            s = fitm_forward_run(fw, kv, &ids[i], 1, i, &o, &err);
+        dt = now_s() - t0;
+        best_tg = dt < best_tg ? dt : best_tg;
+        if (s) {
+            fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
+            return 1;
+        }
+    }
+    long rss = vm_rss_kib();
+
+    fitm_pool *pool = NULL;
+    double gf1 = 0.0, gfn = 0.0;
+    if (fitm_pool_create(&pool, threads, &err) == FITM_OK) {
+        fitm_pool *one = NULL;
+        if (fitm_pool_create(&one, 1, &err) == FITM_OK)
+            gf1 = sgemm_gflops(one, 1);
+        fitm_pool_destroy(one);
+        gfn = sgemm_gflops(pool, threads);
+        fitm_pool_destroy(pool);
+    }
+
+    /* FLOPs of a prefill: 2 per weight per token in the layers, the attention products over
+     * the visible keys, and one row of the output head. */
+    double per_tok = 0.0;
+    const double C = c->n_embd, F = c->n_ff, HD = (double)c->n_head * c->head_dim,
+                 HkvD = (double)c->n_head_kv * c->head_dim;
+    per_tok = 2.0 * c->n_layer * (C * HD + 2 * C * HkvD + HD * C + 3 * C * F);
+    double attn = 0.0;
+    for (int32_t l = 0; l < c->n_layer; l++)
+        for (long t = 0; t < n_pp; t++) {
+            long keys = t + 1;
+            if (fitm_model_layer(m, l)->local && keys > c->n_swa)
+                keys = c->n_swa;
+            attn += 4.0 * keys * HD;
+        }
+    double pp_flops = per_tok * n_pp + attn + 2.0 * C * c->n_vocab;
+    double pp_tps = n_pp / best_pp, tg_tps = n_tg / best_tg;
+    double file_mib = fitm_gguf_file_bytes(fitm_model_gguf(m)) / 1048576.0;
+    double kv_mib = fitm_kv_bytes(kv) / 1048576.0;
+
+    printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %d threads, best of %d\n",
+           path, fitm_arch_name(c->arch), c->n_layer, c->n_embd, c->n_head, c->n_head_kv,
+           c->head_dim, c->n_ff, c->n_vocab, threads, reps);
+    printf("| test                        |      tok/s |   GFLOP/s | vs sgemm ceiling | vs reference |\n");
+    printf("| --------------------------- | ---------: | --------: | ---------------: | -----------: |\n");
+    printf("| pp%-5ld (prefill, 1 batch)  | %10.1f | %9.1f | %15.0f%% |", n_pp, pp_tps,
+           pp_flops / best_pp * 1e-9, gfn > 0 ? 100.0 * pp_flops / best_pp * 1e-9 / gfn : 0.0);
+    if (ref_pp > 0)
+        printf(" %11.2fx |\n", pp_tps / ref_pp);
+    else
+        printf(" %12s |\n", "-");
+    printf("| tg%-5ld (decode, 1 token)   | %10.1f | %9s | %16s |", n_tg, tg_tps, "-", "-");
+    if (ref_tg > 0)
+        printf(" %11.2fx |\n", tg_tps / ref_tg);
+    else
+        printf(" %12s |\n", "-");
+    printf("| sgemm 512x1024x512, 1 thread |          - | %9.1f | %16s | %12s |\n", gf1, "-", "-");
+    printf("| sgemm, %d threads at once     |          - | %9.1f | %15.0f%% | %12s |\n", threads,
+           gfn, 100.0, "-");
+    printf("load %.3f s; VmRSS before load %.1f MiB, after load + %d-row KV cache + runs %.1f MiB; "
+           "file %.1f MiB, KV cache %.1f MiB; (VmRSS - before) / (file + KV) = %.2f\n",
+           t_load, rss0 / 1024.0, (int)n_ctx, rss / 1024.0, file_mib, kv_mib,
+           (rss - rss0) / 1024.0 / (file_mib + kv_mib));
+    free(ids);
+    free(logits);
+    fitm_kv_destroy(kv);
+    fitm_forward_destroy(fw);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    return 0;
+}
