@@ -23,6 +23,8 @@ typedef struct {
     char backend[16];                      /* auto | cpu | cuda                        */
     int64_t threads;                       /* CPU compute threads; 0 = all cores       */
     int64_t http_threads;
+    int64_t http_idle_timeout_s;           /* close connections idle this long         */
+    int64_t max_connections;               /* open connections at once                 */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     int64_t max_body_bytes;
     int64_t max_documents;

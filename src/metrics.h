@@ -1,0 +1,46 @@
+/* metrics: fitmd's counters and histograms, rendered as Prometheus text (version 0.0.4).
+ * One process-wide set guarded by one mutex: every function may be called from any thread.
+ *
+ * Series:
+ *   fitm_requests_total{route,code}             counter
+ *   fitm_request_duration_seconds{route}        histogram (arrival to response queued)
+ *   fitm_queue_depth, fitm_queue_capacity, fitm_inflight_requests   gauges (from the engine)
+ *   fitm_prompt_tokens_total, fitm_forward_tokens_total              counters
+ *   fitm_model_ready                                                 gauge (0/1) */
+#ifndef FITM_METRICS_H
+#define FITM_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+    FITM_ROUTE_RERANK = 0,
+    FITM_ROUTE_HEALTH,
+    FITM_ROUTE_METRICS,
+    FITM_ROUTE_MODELS,
+    FITM_ROUTE_OPENAPI,
+    FITM_ROUTE_OTHER, /* unknown paths (404s) */
+    FITM_ROUTE_COUNT
+} fitm_route;
+
+/* The route's label value ("rerank", "health", ...). */
+const char *fitm_route_name(fitm_route r);
+
+/* Counts one finished request. */
+void fitm_metrics_request(fitm_route r, int http_code, double seconds);
+
+/* Adds one scored request's token counts. */
+void fitm_metrics_tokens(int64_t prompt_tokens, int64_t forward_tokens);
+
+/* Gauges sampled at render time. */
+typedef struct {
+    int64_t queue_depth;
+    int64_t queue_capacity;
+    int64_t inflight;
+    int ready;
+} fitm_metrics_gauges;
+
+/* Renders everything; returns malloc'd text (NULL when out of memory), *len its length. */
+char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len);
+
+#endif

@@ -1,0 +1,173 @@
+/* Unit test for api.c: the error mapping, the /rerank parser's checks (each bad input names
+ * its field), UTF-8 validation, and the response writer's shape and top_n cut. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+
+static int failures;
+#define CHECK(c)                                                                                   \
+    do {                                                                                           \
+        if (!(c)) {                                                                                \
+            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
+            failures++;                                                                            \
+        }                                                                                          \
+    } while (0)
+
+static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
+                                    .model_name = "m", .default_temperature = 5e-5};
+
+/* Parses body; checks the status and that the message contains want (when non-NULL). */
+static void expect(const char *body, fitm_status want_st, const char *want)
+{
+    fitm_rerank_request req;
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_rerank(body, strlen(body), &LIM, &req, &err);
+    if (st != want_st || (want && !strstr(err.msg, want))) {
+        fprintf(stderr, "body %s: got %s '%s', want %s '%s'\n", body, fitm_status_name(st),
+                err.msg, fitm_status_name(want_st), want ? want : "");
+        failures++;
+    }
+    fitm_rerank_request_free(&req);
+}
+
+static void test_classify(void)
+{
+    fitm_api_error_class c = fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_NONE);
+    CHECK(c.http == 400 && !c.retry);
+    CHECK(fitm_api_classify(FITM_ERR_FORMAT, FITM_API_COND_NONE).http == 400);
+    CHECK(!strcmp(fitm_api_classify(FITM_ERR_FORMAT, FITM_API_COND_NONE).code, "invalid_json"));
+    CHECK(fitm_api_classify(FITM_ERR_LIMIT, FITM_API_COND_NONE).http == 422);
+    CHECK(fitm_api_classify(FITM_ERR_NOT_FOUND, FITM_API_COND_NONE).http == 404);
+    CHECK(fitm_api_classify(FITM_ERR_BUSY, FITM_API_COND_NONE).http == 503);
+    CHECK(fitm_api_classify(FITM_ERR_BUSY, FITM_API_COND_NONE).retry);
+    CHECK(fitm_api_classify(FITM_ERR_TIMEOUT, FITM_API_COND_NONE).http == 503);
+    CHECK(fitm_api_classify(FITM_ERR_BACKEND, FITM_API_COND_NONE).http == 500);
+    CHECK(fitm_api_classify(FITM_OK, FITM_API_COND_NONE).http == 500);
+    CHECK(fitm_api_classify(FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE).http == 413);
+    CHECK(fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_UNAUTHORIZED).http == 401);
+    CHECK(fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_METHOD).http == 405);
+    CHECK(fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE).http == 415);
+    for (int s = 1; s < FITM_STATUS_COUNT; s++) {
+        fitm_api_error_class k = fitm_api_classify((fitm_status)s, FITM_API_COND_NONE);
+        CHECK(k.http >= 400 && k.http < 600 && k.type && k.code);
+    }
+    char *j = fitm_api_error_json(&c, "bad \"x\"\n");
+    CHECK(j && !strcmp(j, "{\"error\":{\"message\":\"bad \\\"x\\\"\\n\",\"type\":"
+                          "\"invalid_request_error\",\"code\":\"invalid_value\"}}"));
+    free(j);
+}
+
+static void test_utf8(void)
+{
+    CHECK(fitm_api_utf8_valid("abc", 3));
+    CHECK(fitm_api_utf8_valid("\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80", 9));
+    CHECK(!fitm_api_utf8_valid("\xff", 1));
+    CHECK(!fitm_api_utf8_valid("\xc0\xaf", 2));         /* overlong '/'       */
+    CHECK(!fitm_api_utf8_valid("\xed\xa0\x80", 3));     /* surrogate          */
+    CHECK(!fitm_api_utf8_valid("\xf4\x90\x80\x80", 4)); /* past U+10FFFF      */
+    CHECK(!fitm_api_utf8_valid("\xe2\x82", 2));         /* truncated          */
+}
+
+static void test_parse(void)
+{
+    fitm_rerank_request req;
+    fitm_err err = {{0}};
+    const char *ok = "{\"query\":\"q\",\"documents\":[\"a\",{\"text\":\"b\",\"title\":\"T\"}],"
+                     "\"top_n\":1,\"return_documents\":true,\"max_tokens_per_doc\":500,"
+                     "\"model\":\"m\",\"method\":\"attention\",\"temperature\":0.5,"
+                     "\"layers\":[0,-1],\"dummy\":\"zz\",\"return_tokens\":true,\"extra\":1}";
+    CHECK(fitm_api_parse_rerank(ok, strlen(ok), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.n_docs == 2 && !strcmp(req.docs[1].title, "T") && !strcmp(req.docs[0].title, ""));
+    CHECK(req.top_n == 1 && req.return_documents && req.return_tokens && !req.tei);
+    CHECK(req.max_tokens_per_doc == 100); /* lowered to the server's limit */
+    CHECK(req.method == FITM_RERANK_ATTENTION && req.temperature == 0.5);
+    CHECK(req.n_layers == 2 && req.layers[1] == -1 && !strcmp(req.dummy, "zz"));
+    fitm_rerank_request_free(&req);
+
+    const char *tei = "{\"query\":\"q\",\"texts\":[\"a\"],\"return_text\":true}";
+    CHECK(fitm_api_parse_rerank(tei, strlen(tei), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.tei && req.return_documents && req.top_n == 1 && req.temperature == 5e-5);
+    fitm_rerank_request_free(&req);
+
+    expect("{", FITM_ERR_FORMAT, "invalid JSON");
+    expect("{} x", FITM_ERR_FORMAT, "trailing");
+    expect("null", FITM_ERR_INVALID, "object");
+    expect("{\"documents\":[\"a\"]}", FITM_ERR_INVALID, "'query' is missing");
+    expect("{\"query\":\"\",\"documents\":[\"a\"]}", FITM_ERR_INVALID, "'query' is empty");
+    expect("{\"query\":\"q\"}", FITM_ERR_INVALID, "'documents' is missing");
+    expect("{\"query\":\"q\",\"documents\":[]}", FITM_ERR_INVALID, "'documents' is empty");
+    expect("{\"query\":\"q\",\"documents\":[\"a\",\"a\",\"a\",\"a\",\"a\"]}", FITM_ERR_LIMIT,
+           "more than the limit 4");
+    expect("{\"query\":\"q\",\"documents\":[true]}", FITM_ERR_INVALID, "'documents[0]'");
+    expect("{\"query\":\"q\",\"documents\":[{}]}", FITM_ERR_INVALID, "'documents[0].text'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":2}", FITM_ERR_INVALID, "'top_n'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":-1}", FITM_ERR_INVALID, "'top_n'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":1e300}", FITM_ERR_INVALID, "'top_n'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"method\":\"x\"}", FITM_ERR_INVALID,
+           "'method'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"model\":\"n\"}", FITM_ERR_NOT_FOUND,
+           "'model'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"layers\":[1.5]}", FITM_ERR_INVALID,
+           "'layers[0]'");
+    expect("{\"query\":\"\xff\",\"documents\":[\"a\"]}", FITM_ERR_INVALID, "not valid UTF-8");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"texts\":[\"a\"]}", FITM_ERR_INVALID, "not both");
+    /* Deep nesting must not crash the parser. */
+    char deep[5000];
+    memset(deep, '[', sizeof deep - 1);
+    deep[sizeof deep - 1] = '\0';
+    expect(deep, FITM_ERR_FORMAT, "invalid JSON");
+}
+
+static void test_write(void)
+{
+    fitm_rerank_request req;
+    fitm_err err = {{0}};
+    const char *body = "{\"query\":\"q\",\"documents\":[\"a\",\"b\",\"c\"],\"top_n\":2,"
+                       "\"return_documents\":true}";
+    CHECK(fitm_api_parse_rerank(body, strlen(body), &LIM, &req, &err) == FITM_OK);
+    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2}, {0, 0.3, 0, 0, 0.1, 0.1},
+                                    {1, 0.2, 1, -0.1, 0.1, 0.2}};
+    int32_t layers[2] = {0, 1};
+    fitm_rerank_result res = {.results = rs, .n_results = 3,
+                              .usage = {.prompt_tokens = 10, .forward_tokens = 25,
+                                        .total_tokens = 10},
+                              .meta = {.method = FITM_RERANK_CALIBRATED, .layers = layers,
+                                       .n_layers = 2, .temperature = 5e-5}};
+    char *j = fitm_api_write_rerank(&req, &res, "id1", "m");
+    CHECK(j && strstr(j, "\"id\":\"id1\",\"model\":\"m\",\"results\":[{\"index\":2,"
+                         "\"relevance_score\":0.5,\"document\":{\"text\":\"c\"},\"position\":2"));
+    CHECK(j && !strstr(j, "\"index\":1")); /* cut to top_n */
+    CHECK(j && strstr(j, "\"usage\":{\"prompt_tokens\":10,\"forward_tokens\":25,"
+                         "\"total_tokens\":10}"));
+    CHECK(j && strstr(j, "\"layers\":[0,1]") && strstr(j, "\"method\":\"calibrated\""));
+    free(j);
+    req.tei = true;
+    j = fitm_api_write_rerank(&req, &res, "id1", "m");
+    CHECK(j && !strcmp(j, "[{\"index\":2,\"score\":0.5,\"text\":\"c\"},{\"index\":0,\"score\":0.3,"
+                          "\"text\":\"a\"}]"));
+    free(j);
+    fitm_rerank_request_free(&req);
+
+    j = fitm_api_write_models("m", 5, 1024, "llama");
+    CHECK(j && strstr(j, "\"id\":\"m\"") && strstr(j, "\"context_length\":1024"));
+    free(j);
+    j = fitm_api_write_health("ok", NULL);
+    CHECK(j && !strcmp(j, "{\"status\":\"ok\"}"));
+    free(j);
+}
+
+int main(void)
+{
+    test_classify();
+    test_utf8();
+    test_parse();
+    test_write();
+    if (failures) {
+        fprintf(stderr, "test_api: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_api: ok\n");
+    return 0;
+}
