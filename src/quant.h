@@ -53,7 +53,9 @@ fitm_dtype fitm_quant_vec_dtype(fitm_dtype t);
 float fitm_quant_dot(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
 
 /* Matrix-vector: y[n] = W[n,:] . x for n in [n0, n1). x_q is x quantized as above; y is
- * indexed by absolute row (y[n0] is the first written). Equal to fitm_quant_dot per row. */
+ * indexed by absolute row (y[n0] is the first written). Equal to fitm_quant_dot per row.
+ * The SIMD path prefetches weight bytes up to 8 KiB past row n1 - 1 (a hint: it never faults
+ * and reads nothing into the result). */
 void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float *y,
                  int64_t n0, int64_t n1);
 

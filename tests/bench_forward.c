@@ -5,7 +5,8 @@
  *   bench_forward -m MODEL [-t THREADS] [-p 512] [-n 128] [-r REPS]
  *                 [--ref-pp TOK_S] [--ref-tg TOK_S]   (e.g. llama-bench's figures, for ratios)
  *
- * Prints a table; never fails on speed (benchmarks measure, tests assert). */
+ * Prints best and median tok/s over the REPS runs (llama-bench prints mean +- stddev) in a
+ * table; never fails on speed (benchmarks measure, tests assert). */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,18 @@ static long vm_rss_kib(void)
             kib = strtol(line + 6, NULL, 10);
     fclose(f);
     return kib;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of n sorted values (mean of the middle two when n is even). */
+static double median_sorted(const double *v, int n)
+{
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 typedef struct {
@@ -155,25 +168,31 @@ int main(int argc, char **argv)
     fitm_kv_rebase(kv, 0, NULL);
     fitm_forward_run(fw, kv, ids, n_pp < 16 ? n_pp : 16, 0, &o, &err);
 
-    double best_pp = 1e30, best_tg = 1e30;
+    double *t_pp = calloc((size_t)reps, sizeof *t_pp), *t_tg = calloc((size_t)reps, sizeof *t_tg);
+    if (!t_pp || !t_tg) {
+        fprintf(stderr, "bench_forward: out of memory\n");
+        return 1;
+    }
     for (int r = 0; r < reps; r++) {
         fitm_kv_rebase(kv, 0, NULL);
         double t0 = now_s();
         s = fitm_forward_run(fw, kv, ids, n_pp, 0, &o, &err);
-        double dt = now_s() - t0;
-        best_pp = dt < best_pp ? dt : best_pp;
+        t_pp[r] = now_s() - t0;
         fitm_kv_rebase(kv, 0, NULL);
         t0 = now_s();
         for (long i = 0; i < n_tg && !s; i++)
             s = fitm_forward_run(fw, kv, &ids[i], 1, i, &o, &err);
-        dt = now_s() - t0;
-        best_tg = dt < best_tg ? dt : best_tg;
+        t_tg[r] = now_s() - t0;
         if (s) {
             fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
             return 1;
         }
     }
     long rss = vm_rss_kib();
+    qsort(t_pp, (size_t)reps, sizeof *t_pp, cmp_double);
+    qsort(t_tg, (size_t)reps, sizeof *t_tg, cmp_double);
+    const double best_pp = t_pp[0], best_tg = t_tg[0];
+    const double med_pp = median_sorted(t_pp, reps), med_tg = median_sorted(t_tg, reps);
 
     fitm_pool *pool = NULL;
     double gf1 = 0.0, gfn = 0.0;
@@ -202,32 +221,38 @@ int main(int argc, char **argv)
         }
     double pp_flops = per_tok * n_pp + attn + 2.0 * C * c->n_vocab;
     double pp_tps = n_pp / best_pp, tg_tps = n_tg / best_tg;
+    double pp_med = n_pp / med_pp, tg_med = n_tg / med_tg;
     double file_mib = fitm_gguf_file_bytes(fitm_model_gguf(m)) / 1048576.0;
     double kv_mib = fitm_kv_bytes(kv) / 1048576.0;
 
-    printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %d threads, best of %d\n",
+    printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %d threads, %d runs\n",
            path, fitm_arch_name(c->arch), c->n_layer, c->n_embd, c->n_head, c->n_head_kv,
            c->head_dim, c->n_ff, c->n_vocab, threads, reps);
-    printf("| test                        |      tok/s |   GFLOP/s | vs sgemm ceiling | vs reference |\n");
-    printf("| --------------------------- | ---------: | --------: | ---------------: | -----------: |\n");
-    printf("| pp%-5ld (prefill, 1 batch)  | %10.1f | %9.1f | %15.0f%% |", n_pp, pp_tps,
+    printf("| test                        | tok/s best | tok/s median |   GFLOP/s | vs sgemm ceiling | vs reference |\n");
+    printf("| --------------------------- | ---------: | -----------: | --------: | ---------------: | -----------: |\n");
+    printf("| pp%-5ld (prefill, 1 batch)  | %10.1f | %12.1f | %9.1f | %15.0f%% |", n_pp, pp_tps, pp_med,
            pp_flops / best_pp * 1e-9, gfn > 0 ? 100.0 * pp_flops / best_pp * 1e-9 / gfn : 0.0);
     if (ref_pp > 0)
         printf(" %11.2fx |\n", pp_tps / ref_pp);
     else
         printf(" %12s |\n", "-");
-    printf("| tg%-5ld (decode, 1 token)   | %10.1f | %9s | %16s |", n_tg, tg_tps, "-", "-");
+    printf("| tg%-5ld (decode, 1 token)   | %10.1f | %12.1f | %9s | %16s |", n_tg, tg_tps, tg_med, "-",
+           "-");
     if (ref_tg > 0)
         printf(" %11.2fx |\n", tg_tps / ref_tg);
     else
         printf(" %12s |\n", "-");
-    printf("| sgemm 512x1024x512, 1 thread |          - | %9.1f | %16s | %12s |\n", gf1, "-", "-");
-    printf("| sgemm, %d threads at once     |          - | %9.1f | %15.0f%% | %12s |\n", threads,
+    printf("| sgemm 512x1024x512, 1 thread |          - |            - | %9.1f | %16s | %12s |\n", gf1,
+           "-", "-");
+    printf("| sgemm, %d threads at once     |          - |            - | %9.1f | %15.0f%% | %12s |\n",
+           threads,
            gfn, 100.0, "-");
     printf("load %.3f s; VmRSS before load %.1f MiB, after load + %d-row KV cache + runs %.1f MiB; "
            "file %.1f MiB, KV cache %.1f MiB; (VmRSS - before) / (file + KV) = %.2f\n",
            t_load, rss0 / 1024.0, (int)n_ctx, rss / 1024.0, file_mib, kv_mib,
            (rss - rss0) / 1024.0 / (file_mib + kv_mib));
+    free(t_pp);
+    free(t_tg);
     free(ids);
     free(logits);
     fitm_kv_destroy(kv);
