@@ -22,6 +22,7 @@ missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+[ $want_test -eq 1 ] && ! command -v cppcheck >/dev/null 2>&1 && missing+=(cppcheck)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -44,7 +44,7 @@ static const fitm_dtype types[] = {
 
 /* A (N, K) weight of type t: 16 distinct quantized rows repeated (content does not affect
  * speed; quantizing 64 MiB of K-quants would take longer than the benchmark). */
-static uint8_t *make_weight(fitm_dtype t, int64_t N, int64_t K)
+static void *make_weight(fitm_dtype t, int64_t N, int64_t K)
 {
     size_t rb = fitm_dtype_row_bytes(t, K);
     uint8_t *W = malloc(rb * (size_t)N);
@@ -95,7 +95,7 @@ static void bench_matvec(int64_t K, double budget, size_t target_bytes, const ch
     void *xq = malloc((size_t)K * sizeof(float) + 1024);
 
     int64_t Nf = (int64_t)(target_bytes / ((size_t)K * sizeof(float)));
-    float *Wf = (float *)make_weight(FITM_DTYPE_F32, Nf, K);
+    float *Wf = make_weight(FITM_DTYPE_F32, Nf, K);
     float *yf = malloc((size_t)Nf * sizeof(float));
     double tb = time_sgemv(Wf, Nf, K, x, yf, budget);
     double gbs_base = (double)Nf * K * 4 / tb / 1e9;
@@ -133,7 +133,7 @@ static void bench_matmul(int64_t K, double budget)
     float *scratch = malloc(fitm_matmul_scratch_floats(K) * sizeof(float));
     const double flop = 2.0 * (double)M * N * K;
 
-    float *Wf = (float *)make_weight(FITM_DTYPE_F32, N, K);
+    float *Wf = make_weight(FITM_DTYPE_F32, N, K);
     int reps = 0;
     double t0 = now_s(), t1;
     do {
