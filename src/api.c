@@ -196,6 +196,62 @@ static fitm_status parse_documents(const cJSON *arr, const char *field,
     return FITM_OK;
 }
 
+/* The calibration options (temperature, layers, dummy) of obj; pre prefixes field names in
+ * messages ("" for /rerank's top level, "calibration." for /answer's). */
+static fitm_status parse_calibration(const cJSON *root, const char *pre,
+                                     const fitm_api_limits *lim, fitm_rerank_request *out,
+                                     fitm_err *err)
+{
+    fitm_status st;
+    int64_t v;
+    const cJSON *it;
+    out->temperature = lim->default_temperature;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsNumber(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%stemperature' must be a number", pre);
+        double t = it->valuedouble;
+        if (!isfinite(t) || t < 1e-12 || t > 1e6)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%stemperature' = %g is out of range [1e-12, 1e6]", pre, t);
+        out->temperature = t;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "layers")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsArray(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must be an array of integers",
+                                pre);
+        int n = cJSON_GetArraySize(it);
+        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must list 1 to %d layers",
+                                pre, FITM_RERANK_MAX_LAYERS);
+        out->layers = calloc((size_t)n, sizeof *out->layers);
+        if (!out->layers)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        out->n_layers = n;
+        int i = 0;
+        const cJSON *l;
+        cJSON_ArrayForEach(l, it)
+        {
+            char name[64];
+            snprintf(name, sizeof name, "%slayers[%d]", pre, i);
+            /* Negative layers count from the end (-1 = the last); resolved by the pipeline,
+             * which knows L. */
+            if ((st = take_int(l, name, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v,
+                               err)) != FITM_OK)
+                return st;
+            out->layers[i++] = (int32_t)v;
+        }
+    }
+    char dname[48];
+    snprintf(dname, sizeof dname, "%sdummy", pre);
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "dummy")) && !cJSON_IsNull(it)) {
+        if ((st = take_string(it, dname, &out->dummy, &out->dummy_len, err)) != FITM_OK)
+            return st;
+        if (out->dummy_len == 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is empty", dname);
+    }
+    return FITM_OK;
+}
+
 static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits *lim,
                                        fitm_rerank_request *out, fitm_err *err)
 {
@@ -274,48 +330,7 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
                                 it->valuestring);
         out->method = (fitm_rerank_method)m;
     }
-    out->temperature = lim->default_temperature;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it)) {
-        if (!cJSON_IsNumber(it))
-            return fitm_err_set(err, FITM_ERR_INVALID, "'temperature' must be a number");
-        double t = it->valuedouble;
-        if (!isfinite(t) || t < 1e-12 || t > 1e6)
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'temperature' = %g is out of range [1e-12, 1e6]", t);
-        out->temperature = t;
-    }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "layers")) && !cJSON_IsNull(it)) {
-        if (!cJSON_IsArray(it))
-            return fitm_err_set(err, FITM_ERR_INVALID, "'layers' must be an array of integers");
-        int n = cJSON_GetArraySize(it);
-        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'layers' must list 1 to %d layers",
-                                FITM_RERANK_MAX_LAYERS);
-        out->layers = calloc((size_t)n, sizeof *out->layers);
-        if (!out->layers)
-            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        out->n_layers = n;
-        int i = 0;
-        const cJSON *l;
-        cJSON_ArrayForEach(l, it)
-        {
-            char name[32];
-            snprintf(name, sizeof name, "layers[%d]", i);
-            /* Negative layers count from the end (-1 = the last); resolved by the pipeline,
-             * which knows L. */
-            if ((st = take_int(l, name, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v,
-                               err)) != FITM_OK)
-                return st;
-            out->layers[i++] = (int32_t)v;
-        }
-    }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "dummy")) && !cJSON_IsNull(it)) {
-        if ((st = take_string(it, "dummy", &out->dummy, &out->dummy_len, err)) != FITM_OK)
-            return st;
-        if (out->dummy_len == 0)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'dummy' is empty");
-    }
-    return FITM_OK;
+    return parse_calibration(root, "", lim, out, err);
 }
 
 fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
@@ -509,6 +524,302 @@ char *fitm_api_write_health(const char *status, const char *message)
     if (root && cJSON_AddStringToObject(root, "status", status) &&
         (!message || cJSON_AddStringToObject(root, "message", message)))
         out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+/* ---- POST /answer ---------------------------------------------------------------------- */
+
+static fitm_status parse_stop(const cJSON *it, fitm_answer_request *out, fitm_err *err)
+{
+    bool one = cJSON_IsString(it);
+    if (!one && !cJSON_IsArray(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'stop' must be a string or an array of strings");
+    int n = one ? 1 : cJSON_GetArraySize(it);
+    if (n > FITM_ANSWER_MAX_STOP)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'stop' has %d strings, more than %d", n,
+                            FITM_ANSWER_MAX_STOP);
+    if (n == 0)
+        return FITM_OK;
+    out->stop = calloc((size_t)n, sizeof *out->stop);
+    if (!out->stop)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n; i++) {
+        char name[32];
+        snprintf(name, sizeof name, one ? "stop" : "stop[%d]", i);
+        size_t len = 0;
+        fitm_status st = take_string(one ? it : cJSON_GetArrayItem(it, i), name, &out->stop[i],
+                                     &len, err);
+        if (st != FITM_OK)
+            return st;
+        out->n_stop = i + 1;
+        if (len == 0 || len > FITM_ANSWER_MAX_STOP_BYTES)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d bytes", name,
+                                FITM_ANSWER_MAX_STOP_BYTES);
+    }
+    return FITM_OK;
+}
+
+static fitm_status take_number(const cJSON *it, const char *field, double lo, double hi,
+                               double *v, fitm_err *err)
+{
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be a number", field);
+    if (it->valuedouble < lo || it->valuedouble > hi)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' = %g is out of range [%g, %g]", field,
+                            it->valuedouble, lo, hi);
+    *v = it->valuedouble;
+    return FITM_OK;
+}
+
+static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits *lim,
+                                       fitm_answer_request *out, fitm_err *err)
+{
+    if (!cJSON_IsObject(root))
+        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+    /* The fields /answer shares with /rerank, parsed by /rerank's parser from a view of
+     * just those (so /answer's own `temperature` is not taken for the calibration's). */
+    static const char *const shared[] = {"query", "documents", "max_tokens_per_doc", "model",
+                                         "return_tokens"};
+    cJSON *view = cJSON_CreateObject();
+    if (!view)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < sizeof shared / sizeof shared[0]; i++) {
+        cJSON *it = cJSON_GetObjectItemCaseSensitive(root, shared[i]);
+        if (it && !cJSON_AddItemReferenceToObject(view, shared[i], it)) {
+            cJSON_Delete(view);
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        }
+    }
+    fitm_status st = parse_rerank_object(view, lim, &out->base, err);
+    cJSON_Delete(view);
+    if (st != FITM_OK)
+        return st;
+
+    const cJSON *it;
+    int64_t v;
+    out->max_tokens = lim->max_answer_tokens < 256 ? lim->max_answer_tokens : 256;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "max_tokens", 1, INT32_MAX, &v, err)) != FITM_OK)
+            return st;
+        out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
+        (st = parse_stop(it, out, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
+        (st = take_number(it, "temperature", 0, 100, &out->temperature, err)) != FITM_OK)
+        return st;
+    out->top_p = 1.0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
+        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
+            return st;
+        if (out->top_p <= 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
+            return st;
+        out->seed = (uint64_t)v;
+        out->has_seed = true;
+    }
+    out->calibrate = true;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "calibrate", &out->calibrate, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsObject(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
+        if ((st = parse_calibration(it, "calibration.", lim, &out->base, err)) != FITM_OK)
+            return st;
+    }
+    out->reorder = -1;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder")) && !cJSON_IsNull(it)) {
+        int m = cJSON_IsString(it) ? fitm_rerank_method_parse(it->valuestring) : -1;
+        if (cJSON_IsString(it) && !strcmp(it->valuestring, "none"))
+            m = -2;
+        if (m == -1)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'reorder' must be one of none, calibrated, attention, "
+                                "attention_sort, query_likelihood, relevance");
+        out->reorder = m < 0 ? -1 : m;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "intervention_layers")) &&
+        !cJSON_IsNull(it)) {
+        int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 0;
+        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'intervention_layers' must be an array of 1 to %d integers",
+                                FITM_RERANK_MAX_LAYERS);
+        out->intervene_layers = calloc((size_t)n, sizeof *out->intervene_layers);
+        if (!out->intervene_layers)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        out->n_intervene_layers = n;
+        for (int i = 0; i < n; i++) {
+            char name[48];
+            snprintf(name, sizeof name, "intervention_layers[%d]", i);
+            if ((st = take_int(cJSON_GetArrayItem(it, i), name, -FITM_RERANK_MAX_LAYERS,
+                               FITM_RERANK_MAX_LAYERS - 1, &v, err)) != FITM_OK)
+                return st;
+            out->intervene_layers[i] = (int32_t)v;
+        }
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "stream", &out->stream, err)) != FITM_OK)
+        return st;
+    return FITM_OK;
+}
+
+fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_answer_request *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    if (len == 0)
+        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!root) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON at byte %zu", at);
+    }
+    for (const char *p = end; p && p < body + len; p++) {
+        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
+            cJSON_Delete(root);
+            return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: trailing data at byte %zu",
+                                (size_t)(p - body));
+        }
+    }
+    fitm_status st = parse_answer_object(root, lim, out, err);
+    cJSON_Delete(root);
+    return st;
+}
+
+/* s[0..n) as a JSON string item, each byte that does not start a valid UTF-8 character
+ * replaced by U+FFFD (a model can emit any byte token). */
+static cJSON *text_item(const char *s, size_t n)
+{
+    char *buf = malloc(n * 3 + 1);
+    if (!buf)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char b = (unsigned char)s[i];
+        size_t len = b < 0x80           ? 1
+                     : (b >> 5) == 6    ? 2
+                     : (b >> 4) == 14   ? 3
+                     : (b >> 3) == 30   ? 4
+                                        : 0;
+        if (len && i + len <= n && fitm_api_utf8_valid(s + i, len) && b != 0) {
+            memcpy(buf + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(buf + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    buf[o] = '\0';
+    cJSON *item = cJSON_CreateString(buf);
+    free(buf);
+    return item;
+}
+
+/* An integer written as one (cJSON's doubles print large ones in exponent form). */
+static bool add_uint(cJSON *obj, const char *name, uint64_t v)
+{
+    char buf[32];
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+    return cJSON_AddRawToObject(obj, name, buf) != NULL;
+}
+
+char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
+                            const char *id, const char *model, double queue_ms, double total_ms,
+                            bool with_answer)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    if (!root || !cJSON_AddStringToObject(root, "id", id) ||
+        !cJSON_AddStringToObject(root, "object", "answer") ||
+        !cJSON_AddStringToObject(root, "model", model))
+        goto done;
+    if (with_answer) {
+        cJSON *a = text_item(res->answer ? res->answer : "", res->answer_len);
+        if (!a || !cJSON_AddItemToObject(root, "answer", a))
+            goto done;
+    }
+    if (!cJSON_AddStringToObject(root, "finish_reason", fitm_answer_finish_name(res->finish)))
+        goto done;
+    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
+    if (!docs)
+        goto done;
+    for (int32_t k = 0; k < res->n_docs; k++) {
+        const fitm_answer_doc *d = &res->docs[k];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(docs, o) ||
+            !cJSON_AddNumberToObject(o, "index", d->index) ||
+            !cJSON_AddNumberToObject(o, "position", d->position) ||
+            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
+            goto done;
+    }
+    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
+    if (!usage || !cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->prompt_tokens) ||
+        !cJSON_AddNumberToObject(usage, "completion_tokens", (double)res->completion_tokens) ||
+        !cJSON_AddNumberToObject(usage, "total_tokens",
+                                 (double)(res->prompt_tokens + res->completion_tokens)) ||
+        !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->forward_tokens))
+        goto done;
+    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
+    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", req->calibrate) ||
+        !cJSON_AddStringToObject(meta, "reorder",
+                                 req->reorder < 0 ? "none"
+                                                  : fitm_rerank_method_name(
+                                                        (fitm_rerank_method)req->reorder)) ||
+        !add_uint(meta, "seed", req->seed))
+        goto done;
+    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
+    if (!tm || !cJSON_AddNumberToObject(tm, "queue", queue_ms) ||
+        !cJSON_AddNumberToObject(tm, "rank", res->rank_ms) ||
+        !cJSON_AddNumberToObject(tm, "prefill", res->prefill_ms) ||
+        !cJSON_AddNumberToObject(tm, "decode", res->decode_ms) ||
+        !cJSON_AddNumberToObject(tm, "first_token", res->first_token_ms) ||
+        !cJSON_AddNumberToObject(tm, "total", total_ms))
+        goto done;
+    if (req->base.return_tokens && res->tokens) {
+        cJSON *t = cJSON_AddObjectToObject(root, "tokens");
+        cJSON *p = int_array(res->tokens, res->prompt_tokens);
+        if (!t || !p || !cJSON_AddItemToObject(t, "prompt", p))
+            goto done;
+        cJSON *c = int_array(res->tokens + res->prompt_tokens, res->completion_tokens);
+        if (!c || !cJSON_AddItemToObject(t, "completion", c))
+            goto done;
+        cJSON *spans = cJSON_AddArrayToObject(t, "spans");
+        for (int32_t k = 0; spans && res->spans && k < res->n_docs; k++) {
+            int32_t se[2] = {(int32_t)res->spans[k].start, (int32_t)res->spans[k].end};
+            cJSON *sp = int_array(se, 2);
+            if (!sp || !cJSON_AddItemToArray(spans, sp))
+                goto done;
+        }
+        if (!spans)
+            goto done;
+    }
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *fitm_api_write_answer_delta(const char *text, size_t len)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *t = text_item(text, len);
+    if (root && t && cJSON_AddItemToObject(root, "delta", t))
+        out = cJSON_PrintUnformatted(root);
+    else
+        cJSON_Delete(t);
     cJSON_Delete(root);
     return out;
 }

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "answer.h"
 #include "rerank.h"
 #include "status.h"
 
@@ -44,6 +45,7 @@ typedef struct {
     int32_t max_tokens_per_doc;
     const char *model_name; /* a request's `model`, when given, must equal it */
     double default_temperature;
+    int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
 } fitm_api_limits;
 
 /* Parses and validates a /rerank body (Cohere/Jina shape, or TEI's with `texts`) into *out,
@@ -71,5 +73,23 @@ char *fitm_api_write_health(const char *status, const char *message);
 
 /* Whether s[0..n) is valid UTF-8 (no overlongs, surrogates or code points past U+10FFFF). */
 bool fitm_api_utf8_valid(const char *s, size_t n);
+
+/* Parses and validates a /answer body into *out (release with fitm_answer_request_free, also
+ * after a failure): /rerank's query, documents, max_tokens_per_doc, model and return_tokens,
+ * plus max_tokens (lowered to lim->max_answer_tokens), stop, temperature, top_p, seed,
+ * calibrate, calibration {temperature, layers, dummy}, reorder, intervention_layers, stream.
+ * Errors as fitm_api_parse_rerank, naming the field. */
+fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_answer_request *out, fitm_err *err);
+
+/* The /answer response {id, object, model, answer, finish_reason, documents, usage, meta}
+ * (`tokens` too with return_tokens). Without with_answer: the same less `answer` (a stream's
+ * final event). Bytes of the answer that are not UTF-8 become U+FFFD. */
+char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
+                            const char *id, const char *model, double queue_ms, double total_ms,
+                            bool with_answer);
+
+/* One stream event's JSON: {"delta": text}. */
+char *fitm_api_write_answer_delta(const char *text, size_t len);
 
 #endif

@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "answer.h"
 #include "rerank.h"
 #include "status.h"
 
@@ -26,7 +27,10 @@ typedef struct fitm_job fitm_job;
 
 struct fitm_job {
     /* Set by the submitter. */
-    const fitm_rerank_request *req;
+    const fitm_rerank_request *req;      /* a /rerank job, or NULL                      */
+    const fitm_answer_request *answer;   /* an /answer job (req NULL), or NULL           */
+    fitm_answer_on_delta on_delta;       /* /answer: text as it is generated; may be NULL */
+    void *delta_arg;
     int64_t deadline_ns; /* CLOCK_MONOTONIC; the job fails with FITM_ERR_TIMEOUT after it */
     void (*on_done)(fitm_job *job, void *user);
     void *user;
@@ -35,6 +39,7 @@ struct fitm_job {
     fitm_status status;
     fitm_err err;
     fitm_rerank_result result; /* filled when status is FITM_OK; the submitter frees it */
+    fitm_answer_result answer_result; /* likewise, for an /answer job                   */
     double queue_ms;
     /* Engine-private. */
     int64_t enqueued_ns;
@@ -47,7 +52,8 @@ typedef struct {
     void *ctx;
     /* Loads the model. A failure is fatal: the engine's state becomes FAILED. */
     fitm_status (*load)(void *ctx, fitm_err *err);
-    /* Runs one job: fills job->result. Long runs poll fitm_job_should_stop between steps. */
+    /* Runs one job: fills job->result (job->answer_result for an /answer job). Long runs poll
+     * fitm_job_should_stop between steps. */
     fitm_status (*run)(void *ctx, fitm_job *job, fitm_err *err);
     /* Releases what load made (also after a failed load). */
     void (*unload)(void *ctx);

@@ -93,6 +93,9 @@ static bool job_stop(const void *arg)
 static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
 {
     daemon_model *dm = ctx;
+    if (job->answer)
+        return fitm_answer_run(dm->reranker, job->answer, job_stop, job, job->on_delta,
+                               job->delta_arg, &job->answer_result, err);
     return fitm_reranker_run(dm->reranker, job->req, job_stop, job, &job->result, err);
 }
 

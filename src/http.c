@@ -51,7 +51,18 @@ typedef struct {
     int code; /* HTTP status sent; 0 while none */
     fitm_job job;
     fitm_rerank_request req;
+    fitm_answer_request areq; /* /answer's request */
     atomic_bool done; /* the engine finished job */
+    /* A streamed /answer: the SSE bytes not yet sent, shared by the engine's thread (which
+     * appends) and MHD's (which sends); the request is freed by whichever of on_completed and
+     * the job's on_done comes last (refs). */
+    bool streaming;
+    pthread_mutex_t smu;
+    char *sbuf;
+    size_t slen, scap, soff;
+    bool s_done, s_suspended, s_closed;
+    atomic_bool s_cancel;
+    atomic_int refs;
 } request;
 
 /* ---- responses ---------------------------------------------------------------------- */
@@ -114,6 +125,8 @@ static const route_def routes[] = {
     {"/rerank", FITM_ROUTE_RERANK, "POST", true},
     {"/v1/rerank", FITM_ROUTE_RERANK, "POST", true},
     {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true},
+    {"/answer", FITM_ROUTE_ANSWER, "POST", true},
+    {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true},
     {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false},
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true},
@@ -314,6 +327,212 @@ static enum MHD_Result finish_rerank(request *r)
     return send_json(r, 200, json);
 }
 
+/* ---- POST /answer ------------------------------------------------------------------------ */
+
+static void request_free(request *r)
+{
+    free(r->body);
+    fitm_rerank_request_free(&r->req);
+    fitm_answer_request_free(&r->areq);
+    if (r->streaming)
+        pthread_mutex_destroy(&r->smu);
+    free(r->sbuf);
+    free(r);
+}
+
+/* Appends one SSE event ("data: json\n\n"; json NULL: nothing) and wakes the connection.
+ * Returns false when out of memory. Called with smu not held. */
+static bool sse_push(request *r, const char *json, bool last)
+{
+    bool ok = true;
+    pthread_mutex_lock(&r->smu);
+    if (json) {
+        size_t n = strlen(json) + 8;
+        if (r->slen + n + 1 > r->scap) {
+            size_t cap = (r->scap + n + 1) * 2;
+            char *b = realloc(r->sbuf, cap);
+            ok = b != NULL;
+            if (b) {
+                r->sbuf = b;
+                r->scap = cap;
+            }
+        }
+        if (ok)
+            r->slen +=
+                (size_t)snprintf(r->sbuf + r->slen, r->scap - r->slen, "data: %s\n\n", json);
+    }
+    if (last)
+        r->s_done = true;
+    if (r->s_suspended && !r->s_closed) {
+        r->s_suspended = false;
+        MHD_resume_connection(r->conn);
+    }
+    pthread_mutex_unlock(&r->smu);
+    return ok;
+}
+
+/* fitm_answer_on_delta for a stream: one event per piece of text. */
+static bool sse_delta(void *arg, const char *text, size_t len)
+{
+    request *r = arg;
+    if (atomic_load(&r->s_cancel))
+        return false;
+    if (len == 0)
+        return true;
+    char *json = fitm_api_write_answer_delta(text, len);
+    bool ok = json && sse_push(r, json, false);
+    free(json);
+    return ok;
+}
+
+static void release(request *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) == 1)
+        request_free(r);
+}
+
+/* A stream's job finished: the final event (or the error), then [DONE]. */
+static void sse_job_done(fitm_job *job, void *user)
+{
+    request *r = user;
+    char *json;
+    if (job->status == FITM_OK) {
+        double total_ms = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e6;
+        fitm_metrics_tokens(job->answer_result.prompt_tokens, job->answer_result.forward_tokens);
+        fitm_metrics_completion(job->answer_result.completion_tokens,
+                                job->answer_result.completion_tokens
+                                    ? (job->queue_ms + job->answer_result.first_token_ms) / 1e3
+                                    : -1);
+        json = fitm_api_write_answer(&r->areq, &job->answer_result, r->id, r->h->p.model->name,
+                                     job->queue_ms, total_ms, false);
+    } else {
+        FITM_LOG(FITM_LOG_INFO, r->id, "answer stream ended (%s) after %lld tokens: %s",
+                 fitm_status_name(job->status),
+                 (long long)job->answer_result.completion_tokens, job->err.msg);
+        fitm_api_error_class c = fitm_api_classify(job->status, FITM_API_COND_NONE);
+        json = fitm_api_error_json(&c, job->err.msg);
+    }
+    fitm_answer_result_free(&job->answer_result);
+    sse_push(r, json, false);
+    free(json);
+    sse_push(r, "[DONE]", true);
+    release(r);
+}
+
+static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    request *r = cls;
+    (void)pos;
+    ssize_t n = 0;
+    pthread_mutex_lock(&r->smu);
+    if (r->soff < r->slen) {
+        size_t k = r->slen - r->soff < max ? r->slen - r->soff : max;
+        memcpy(buf, r->sbuf + r->soff, k);
+        r->soff += k;
+        if (r->soff == r->slen)
+            r->soff = r->slen = 0;
+        n = (ssize_t)k;
+    } else if (r->s_done) {
+        n = MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        /* Nothing yet: park the connection until sse_push wakes it. */
+        r->s_suspended = true;
+        MHD_suspend_connection(r->conn);
+    }
+    pthread_mutex_unlock(&r->smu);
+    return n;
+}
+
+static enum MHD_Result start_stream(request *r)
+{
+    pthread_mutex_init(&r->smu, NULL);
+    r->streaming = true;
+    atomic_init(&r->s_cancel, false);
+    atomic_init(&r->refs, 2); /* on_completed's and the job's */
+    r->job.on_delta = sse_delta;
+    r->job.delta_arg = r;
+    r->job.on_done = sse_job_done;
+    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) {
+        atomic_store(&r->refs, 1);
+        return send_error(r, st, FITM_API_COND_NONE, NULL, r->job.err.msg);
+    }
+    /* From here the job may already be appending events: they wait in sbuf. */
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_read, r, NULL);
+    if (!resp) {
+        atomic_store(&r->s_cancel, true);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(resp, "X-Request-Id", r->id);
+    enum MHD_Result ok = MHD_queue_response(r->conn, 200, resp);
+    MHD_destroy_response(resp);
+    r->code = 200;
+    r->state = ST_ANSWERED;
+    return ok;
+}
+
+static enum MHD_Result start_answer(request *r)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_answer(r->body ? r->body : "", r->len, &r->h->limits,
+                                           &r->areq, &err);
+    free(r->body);
+    r->body = NULL;
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    if (!r->areq.has_seed) /* reported in meta.seed, so any answer can be reproduced */
+        r->areq.seed =
+            ((uint64_t)fitm_engine_now_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
+    r->job.answer = &r->areq;
+    r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
+    r->job.user = r;
+    snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
+    if (r->areq.stream)
+        return start_stream(r);
+    r->job.on_done = job_done;
+    r->state = ST_WAIT;
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    MHD_suspend_connection(r->conn);
+    st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) {
+        r->job.status = st;
+        atomic_store(&r->done, true);
+        MHD_resume_connection(r->conn);
+    }
+    return MHD_YES;
+}
+
+static enum MHD_Result finish_answer(request *r)
+{
+    fitm_job *j = &r->job;
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                              (unsigned)r->h->p.cfg->http_idle_timeout_s);
+    if (j->status != FITM_OK) {
+        FITM_LOG(FITM_LOG_INFO, r->id, "answer failed (%s): %s", fitm_status_name(j->status),
+                 j->err.msg);
+        enum MHD_Result ok = send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
+        fitm_answer_result_free(&j->answer_result);
+        return ok;
+    }
+    const fitm_answer_result *res = &j->answer_result;
+    fitm_metrics_tokens(res->prompt_tokens, res->forward_tokens);
+    fitm_metrics_completion(res->completion_tokens,
+                            res->completion_tokens ? (j->queue_ms + res->first_token_ms) / 1e3
+                                                   : -1);
+    double total_ms = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e6;
+    char *json = fitm_api_write_answer(&r->areq, res, r->id, r->h->p.model->name, j->queue_ms,
+                                       total_ms, true);
+    FITM_LOG(FITM_LOG_DEBUG, r->id, "answer: K %d T %lld generated %lld",
+             (int)r->areq.base.n_docs, (long long)res->prompt_tokens,
+             (long long)res->completion_tokens);
+    fitm_answer_result_free(&j->answer_result);
+    return send_json(r, 200, json);
+}
+
 /* ---- the MHD callbacks --------------------------------------------------------------------- */
 
 /* First callback of a request: everything decidable from the request line and headers. */
@@ -444,6 +663,18 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (r->state == ST_WAIT)
             return atomic_load(&r->done) ? finish_rerank(r) : MHD_YES;
         return start_rerank(r);
+    case FITM_ROUTE_ANSWER:
+        if (r->state == ST_DISCARD) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "body is over the limit of %lld bytes",
+                     (long long)h->p.cfg->max_body_bytes);
+            return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
+        }
+        if (r->state == ST_WAIT)
+            return atomic_load(&r->done) ? finish_answer(r) : MHD_YES;
+        if (r->state == ST_ANSWERED)
+            return MHD_YES;
+        return start_answer(r);
     case FITM_ROUTE_OTHER:
     case FITM_ROUTE_COUNT:
         break;
@@ -463,10 +694,18 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
         fitm_metrics_request(r->route, r->code, s);
     FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
              s * 1e3, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (connection closed)");
-    free(r->body);
-    fitm_rerank_request_free(&r->req);
-    free(r);
     *con_cls = NULL;
+    if (r->streaming) {
+        /* The job may still run: make it stop at its next token, and never wake a
+         * connection that is gone. */
+        atomic_store(&r->s_cancel, true);
+        pthread_mutex_lock(&r->smu);
+        r->s_closed = true;
+        pthread_mutex_unlock(&r->smu);
+        release(r);
+    } else {
+        request_free(r);
+    }
     pthread_mutex_lock(&h->mu);
     if (--h->open_requests == 0)
         pthread_cond_broadcast(&h->idle);
@@ -515,6 +754,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
     h->limits.model_name = p->model->name;
     h->limits.default_temperature = cfg->calib_temperature;
+    h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
     parse_keys(h, cfg->api_keys);
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);

@@ -6,7 +6,9 @@
  *   fitm_request_duration_seconds{route}        histogram (arrival to response queued)
  *   fitm_queue_depth, fitm_queue_capacity, fitm_inflight_requests   gauges (from the engine)
  *   fitm_prompt_tokens_total, fitm_forward_tokens_total              counters
- *   fitm_model_ready                                                 gauge (0/1) */
+ *   fitm_model_ready                                                 gauge (0/1)
+ *   fitm_completion_tokens_total                                     counter (/answer)
+ *   fitm_time_to_first_token_seconds                                 histogram (/answer) */
 #ifndef FITM_METRICS_H
 #define FITM_METRICS_H
 
@@ -19,6 +21,7 @@ typedef enum {
     FITM_ROUTE_METRICS,
     FITM_ROUTE_MODELS,
     FITM_ROUTE_OPENAPI,
+    FITM_ROUTE_ANSWER,
     FITM_ROUTE_OTHER, /* unknown paths (404s) */
     FITM_ROUTE_COUNT
 } fitm_route;
@@ -31,6 +34,10 @@ void fitm_metrics_request(fitm_route r, int http_code, double seconds);
 
 /* Adds one scored request's token counts. */
 void fitm_metrics_tokens(int64_t prompt_tokens, int64_t forward_tokens);
+
+/* Adds one answered request's generated tokens and its time to first token (arrival to the
+ * first token chosen; negative: none was). */
+void fitm_metrics_completion(int64_t completion_tokens, double first_token_s);
 
 /* Gauges sampled at render time. */
 typedef struct {

@@ -874,3 +874,20 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     }
     return fitm_err_set(err, FITM_ERR_INVALID, "'method': unknown");
 }
+
+void fitm_reranker_parts_of(fitm_reranker *r, fitm_reranker_parts *out)
+{
+    *out = (fitm_reranker_parts){.m = r->m, .tok = r->tok, .fwd = r->fwd, .kv = r->kv,
+                                 .n_ctx = r->n_ctx, .chunk = r->chunk};
+}
+
+fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const int32_t *order, int32_t **ids, int64_t *n_ids,
+                                 fitm_span *spans, fitm_err *err)
+{
+    ids_vec v = {0};
+    fitm_status st = build_prompt(r, req, order, &v, spans, err);
+    *ids = v.v;
+    *n_ids = v.n;
+    return st;
+}

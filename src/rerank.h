@@ -141,4 +141,30 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_err *err);
 
+/* ---- what /answer shares (answer.c) ----------------------------------------------------- */
+
+/* The reranker's model, tokenizer, forward scratch and prompt cache, for a pipeline that runs
+ * on the same thread between reranker runs (it may overwrite the cache freely). Borrowed.
+ * Promise: after a successful fitm_reranker_run with method calibrated or attention, kv holds
+ * exactly the scored prompt's rows [0, T) (what fitm_reranker_prompt builds for the same
+ * request), computed on the batch path for every row but possibly the last. */
+typedef struct {
+    const fitm_model *m;
+    const fitm_tokenizer *tok;
+    struct fitm_forward *fwd;
+    struct fitm_kv *kv;
+    int64_t n_ctx; /* KV rows                       */
+    int64_t chunk; /* tokens per forward call, >= 1 */
+} fitm_reranker_parts;
+
+void fitm_reranker_parts_of(fitm_reranker *r, fitm_reranker_parts *out);
+
+/* DESIGN §2's prompt for req exactly as fitm_reranker_run builds it: *ids (malloc'd, the
+ * caller frees it, also after a failure) of *n_ids tokens, and spans[p] (K entries, caller's)
+ * the body of the document at position p. order[p] is the document at position p (NULL:
+ * request order). */
+fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const int32_t *order, int32_t **ids, int64_t *n_ids,
+                                 fitm_span *spans, fitm_err *err);
+
 #endif

@@ -16,7 +16,8 @@ static int failures;
     } while (0)
 
 static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
-                                    .model_name = "m", .default_temperature = 5e-5};
+                                    .model_name = "m", .default_temperature = 5e-5,
+                                    .max_answer_tokens = 50};
 
 /* Parses body; checks the status and that the message contains want (when non-NULL). */
 static void expect(const char *body, fitm_status want_st, const char *want)
@@ -158,12 +159,91 @@ static void test_write(void)
     free(j);
 }
 
+static void expect_answer(const char *body, fitm_status want_st, const char *want)
+{
+    fitm_answer_request req;
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_answer(body, strlen(body), &LIM, &req, &err);
+    if (st != want_st || (want && !strstr(err.msg, want))) {
+        fprintf(stderr, "answer body %s: got %s '%s', want %s '%s'\n", body, fitm_status_name(st),
+                err.msg, fitm_status_name(want_st), want ? want : "");
+        failures++;
+    }
+    fitm_answer_request_free(&req);
+}
+
+static void test_answer(void)
+{
+    fitm_answer_request req;
+    fitm_err err = {{0}};
+    const char *all = "{\"query\":\"q\",\"documents\":[\"a\",{\"text\":\"b\",\"title\":\"t\"}],"
+                      "\"max_tokens\":1000,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
+                      "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,"
+                      "\"layers\":[0,-1],\"dummy\":\"d\"},\"reorder\":\"query_likelihood\","
+                      "\"intervention_layers\":[-1],\"stream\":true,\"method\":\"bogus\"}";
+    CHECK(fitm_api_parse_answer(all, strlen(all), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.base.n_docs == 2 && req.n_stop == 2 && !strcmp(req.stop[1], "zz"));
+    CHECK(req.max_tokens == LIM.max_answer_tokens); /* lowered to the server's limit */
+    CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
+    CHECK(req.base.temperature == 0.001 && req.base.n_layers == 2 && req.base.dummy);
+    CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate && req.stream);
+    CHECK(req.n_intervene_layers == 1 && req.intervene_layers[0] == -1);
+    CHECK(req.base.method == FITM_RERANK_CALIBRATED); /* /rerank's fields are not /answer's */
+    fitm_answer_request_free(&req);
+    fitm_answer_request_free(NULL);
+
+    const char *min = "{\"query\":\"q\",\"documents\":[\"a\"],\"stop\":\"x\",\"reorder\":\"none\"}";
+    CHECK(fitm_api_parse_answer(min, strlen(min), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.temperature == 0 && req.top_p == 1 && !req.has_seed && req.calibrate);
+    CHECK(req.reorder == -1 && req.n_stop == 1 && !req.stream && req.max_tokens >= 1);
+    CHECK(req.base.temperature == LIM.default_temperature);
+    char text[] = "a\xff"
+                  "b";
+    fitm_answer_result res = {.answer = text, .answer_len = 3, .n_docs = 0};
+    char *j = fitm_api_write_answer(&req, &res, "id1", "m", 1, 2, true);
+    CHECK(j && strstr(j, "\"answer\":\"a\xef\xbf\xbd"
+                         "b\""));
+    CHECK(j && strstr(j, "\"finish_reason\":\"stop\""));
+    free(j);
+    j = fitm_api_write_answer(&req, &res, "id1", "m", 1, 2, false);
+    CHECK(j && !strstr(j, "\"answer\":") && strstr(j, "\"documents\":[]"));
+    free(j);
+    req.seed = UINT64_C(7108646760312380);
+    j = fitm_api_write_answer(&req, &res, "id1", "m", 1, 2, true);
+    CHECK(j && strstr(j, "\"seed\":7108646760312380,"));
+    free(j);
+    j = fitm_api_write_answer_delta("h\xc3", 2);
+    CHECK(j && !strcmp(j, "{\"delta\":\"h\xef\xbf\xbd\"}"));
+    free(j);
+    fitm_answer_request_free(&req);
+
+    expect_answer("{\"query\":\"q\",\"texts\":[\"a\"]}", FITM_ERR_INVALID, "'documents'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"max_tokens\":0}", FITM_ERR_INVALID,
+                  "'max_tokens'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"stop\":[\"a\",3]}", FITM_ERR_INVALID,
+                  "'stop[1]'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"temperature\":-0.1}", FITM_ERR_INVALID,
+                  "'temperature'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"top_p\":0}", FITM_ERR_INVALID,
+                  "'top_p'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"calibration\":{\"layers\":[]}}",
+                  FITM_ERR_INVALID, "'calibration.layers'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"reorder\":\"x\"}", FITM_ERR_INVALID,
+                  "'reorder'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"intervention_layers\":[600]}",
+                  FITM_ERR_INVALID, "'intervention_layers[0]'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"]} x", FITM_ERR_FORMAT, "trailing");
+    expect_answer("", FITM_ERR_FORMAT, "empty");
+    expect_answer("[1]", FITM_ERR_INVALID, "object");
+}
+
 int main(void)
 {
     test_classify();
     test_utf8();
     test_parse();
     test_write();
+    test_answer();
     if (failures) {
         fprintf(stderr, "test_api: %d failures\n", failures);
         return 1;

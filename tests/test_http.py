@@ -698,8 +698,11 @@ def test_health_503_while_loading(fitmd_bin, tmp_path):
         assert_error(r, 503, "unavailable", "loading")
         assert r.headers["Retry-After"] == "1"
         assert "fitm_model_ready 0" in requests.get(base + "/metrics").text
-        with open(fifo, "wb") as f:
-            f.write(b"not a gguf file at all")
+        try:
+            with open(fifo, "wb") as f:
+                f.write(b"not a gguf file at all")
+        except BrokenPipeError:
+            pass  # the loader may refuse the FIFO and close it before (or while) we write
         assert proc.wait(30) == 1
         log.seek(0)
         assert str(fifo) in log.read()

@@ -1,6 +1,7 @@
-/* fuzz_rerank_request: libFuzzer target for the /rerank request parser (api.c). Parses the
- * input as a request body; when it parses, writes a response for it from a made-up result (each
- * document once, in reverse order), so the writer sees every string the parser let through. */
+/* fuzz_rerank_request: libFuzzer target for the /rerank and /answer request parsers (api.c).
+ * Parses the input as a request body of each; when it parses, writes a response for it from a
+ * made-up result (each document once, in reverse order; for /answer the request's own bytes as
+ * the answer, valid UTF-8 or not), so the writers see every string the parsers let through. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +13,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static const fitm_api_limits lim = {.max_documents = 64, .max_tokens_per_doc = 512,
-                                        .model_name = "m", .default_temperature = 5e-5};
+                                        .model_name = "m", .default_temperature = 5e-5,
+                                        .max_answer_tokens = 64};
     fitm_rerank_request req;
     fitm_err err;
     if (fitm_api_parse_rerank((const char *)data, size, &lim, &req, &err) == FITM_OK) {
@@ -27,5 +29,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
     }
     fitm_rerank_request_free(&req);
+
+    fitm_answer_request areq;
+    if (fitm_api_parse_answer((const char *)data, size, &lim, &areq, &err) == FITM_OK) {
+        fitm_answer_doc *ds = calloc((size_t)areq.base.n_docs, sizeof *ds);
+        char *text = malloc(size + 1);
+        if (ds && text) {
+            for (int32_t i = 0; i < areq.base.n_docs; i++)
+                ds[i] = (fitm_answer_doc){.index = i, .position = areq.base.n_docs - 1 - i,
+                                          .weight = 1.0 / areq.base.n_docs};
+            memcpy(text, data, size);
+            text[size] = '\0';
+            fitm_answer_result res = {.answer = text, .answer_len = size, .docs = ds,
+                                      .n_docs = areq.base.n_docs};
+            free(fitm_api_write_answer(&areq, &res, "id", "m", 0, 0, true));
+            free(fitm_api_write_answer_delta(text, size));
+        }
+        free(ds);
+        free(text);
+    }
+    fitm_answer_request_free(&areq);
     return 0;
 }
