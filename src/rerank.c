@@ -337,9 +337,12 @@ static fitm_status run_tokens_logits(fitm_reranker *r, fitm_kv *kv, const fitm_k
                                 "shutting down");
         int64_t len = n - off < r->chunk ? n - off : r->chunk;
         bool last_call = off + len == n;
+        /* Always the batch path: a reference pass's last chunk may be one token, and its rows
+         * must be computed exactly as the original pass's were. */
         fitm_forward_opts o = {.prefix = prefix, .capture = last_call ? cap : NULL,
                                .n_logits = last_call ? n_logits : 0,
-                               .logits = last_call && n_logits ? r->logits : NULL};
+                               .logits = last_call && n_logits ? r->logits : NULL,
+                               .path = FITM_PATH_BATCH};
         fitm_status st = fitm_forward_run(r->fwd, kv, ids + off, len, pos0 + off, &o, err);
         if (st == FITM_ERR_INVALID || st == FITM_ERR_LIMIT) {
             fitm_err_prefix(err, "forward pass");
