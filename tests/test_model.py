@@ -487,6 +487,9 @@ def test_intervention_vs_calib(gen_model, model_tool, tmp_path, arch):
             for h in range(H):
                 want = calib.intervene_row(pre[r, l, h], spans, alpha)
                 assert np.max(np.abs(post[r, l, h] - want)) <= 1e-6
+                # the documents keep their total attention mass
+                mass = [sum(x[r, l, h, s:e].sum() for s, e in spans) for x in (pre, post)]
+                assert abs(mass[1] - mass[0]) <= 1e-6
         # per-token attention on the visible documents is proportional to alpha (a local
         # layer may not see the first document at all: calib.py's guard leaves it out)
         for l in layers:
