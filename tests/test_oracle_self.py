@@ -359,8 +359,8 @@ def test_score_documents_sliding_window(tmp_path):
 
 # --- Gemma 3 270M (real model, quantized; installed by deploy/install-deps.sh --model) -------
 # tests/data/gemma3-270m-q4km.reference.json: llama.cpp's logits and greedy ids for 4 prompts
-# (F32 KV cache, flash attention off) and the top-10 logits of another engineer's float64 numpy
-# forward pass (weights dequantized with gguf-py). llama.cpp quantizes activations to Q8 before
+# (F32 KV cache, flash attention off) and the top-10 logits of a second, separately written
+# float64 numpy forward pass. llama.cpp quantizes activations to Q8 before
 # quantized products, which moves logits by up to ~1 (its noise floor, measured there).
 
 
