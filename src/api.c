@@ -333,26 +333,39 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     return parse_calibration(root, "", lim, out, err);
 }
 
-fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
-                                  fitm_rerank_request *out, fitm_err *err)
+/* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
+ * *root is the caller's to cJSON_Delete. */
+static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_err *err)
 {
-    memset(out, 0, sizeof *out);
+    *root = NULL;
     if (len == 0)
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
     const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
-    if (!root) {
+    cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!r) {
         size_t at = end && end >= body ? (size_t)(end - body) : 0;
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON at byte %zu", at);
     }
     for (const char *p = end; p && p < body + len; p++) {
         if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
-            cJSON_Delete(root);
+            cJSON_Delete(r);
             return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: trailing data at byte %zu",
                                 (size_t)(p - body));
         }
     }
-    fitm_status st = parse_rerank_object(root, lim, out, err);
+    *root = r;
+    return FITM_OK;
+}
+
+fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_rerank_request *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    st = parse_rerank_object(root, lim, out, err);
     cJSON_Delete(root);
     return st;
 }
@@ -675,22 +688,11 @@ fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_l
                                   fitm_answer_request *out, fitm_err *err)
 {
     memset(out, 0, sizeof *out);
-    if (len == 0)
-        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
-    if (!root) {
-        size_t at = end && end >= body ? (size_t)(end - body) : 0;
-        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON at byte %zu", at);
-    }
-    for (const char *p = end; p && p < body + len; p++) {
-        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
-            cJSON_Delete(root);
-            return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: trailing data at byte %zu",
-                                (size_t)(p - body));
-        }
-    }
-    fitm_status st = parse_answer_object(root, lim, out, err);
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    st = parse_answer_object(root, lim, out, err);
     cJSON_Delete(root);
     return st;
 }

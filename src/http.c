@@ -275,6 +275,27 @@ static void job_done(fitm_job *job, void *user)
 
 /* The body is complete: parse it and hand the job to the engine (suspending the connection),
  * or answer at once with the error. */
+/* Submits r->job (prepared by the caller) to the engine and parks the connection until the
+ * job's on_done resumes it; the finish_* function of the route then answers. */
+static enum MHD_Result submit_suspended(request *r)
+{
+    r->job.on_done = job_done;
+    r->state = ST_WAIT;
+    /* The job has its own deadline; the idle timeout must not cut a connection whose answer
+     * is being computed (restored by the route's finish_* function). */
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    /* Suspend before submitting, so a job that finishes at once resumes a suspended
+     * connection; a refused job resumes it right away. */
+    MHD_suspend_connection(r->conn);
+    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) {
+        r->job.status = st;
+        atomic_store(&r->done, true);
+        MHD_resume_connection(r->conn);
+    }
+    return MHD_YES;
+}
+
 static enum MHD_Result start_rerank(request *r)
 {
     fitm_err err = {{0}};
@@ -286,23 +307,9 @@ static enum MHD_Result start_rerank(request *r)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->job.req = &r->req;
     r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
-    r->job.on_done = job_done;
     r->job.user = r;
     snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
-    r->state = ST_WAIT;
-    /* The job has its own deadline; the idle timeout must not cut a connection whose answer
-     * is being computed (restored in finish_rerank). */
-    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
-    /* Suspend before submitting, so a job that finishes at once resumes a suspended
-     * connection; a refused job resumes it right away. */
-    MHD_suspend_connection(r->conn);
-    st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
-    if (st != FITM_OK) {
-        r->job.status = st;
-        atomic_store(&r->done, true);
-        MHD_resume_connection(r->conn);
-    }
-    return MHD_YES;
+    return submit_suspended(r);
 }
 
 static enum MHD_Result finish_rerank(request *r)
@@ -493,17 +500,7 @@ static enum MHD_Result start_answer(request *r)
     snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
     if (r->areq.stream)
         return start_stream(r);
-    r->job.on_done = job_done;
-    r->state = ST_WAIT;
-    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
-    MHD_suspend_connection(r->conn);
-    st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
-    if (st != FITM_OK) {
-        r->job.status = st;
-        atomic_store(&r->done, true);
-        MHD_resume_connection(r->conn);
-    }
-    return MHD_YES;
+    return submit_suspended(r);
 }
 
 static enum MHD_Result finish_answer(request *r)
