@@ -265,23 +265,7 @@ static void bpe_word(const fitm_tokenizer *tok, const char *s, size_t m, tok_sym
         n_sym++;
         off += n;
     }
-    size_t n_heap = 0;
-    for (int32_t i = 1; i < n_sym; i++)
-        bpe_add_bigram(tok, s, sym, i - 1, i, heap, &n_heap);
-    while (n_heap > 0) {
-        tok_bigram b = tok_heap_pop(heap, &n_heap);
-        int32_t left = tok_bigram_left(b);
-        tok_sym *l = &sym[left], *r = &sym[b.right];
-        if (l->n == 0 || r->n == 0 || l->n + r->n != b.size)
-            continue; /* stale: one side was merged since */
-        l->n += r->n;
-        r->n = 0;
-        l->next = r->next;
-        if (r->next >= 0)
-            sym[r->next].prev = left;
-        bpe_add_bigram(tok, s, sym, l->prev, left, heap, &n_heap);
-        bpe_add_bigram(tok, s, sym, left, l->next, heap, &n_heap);
-    }
+    tok_merge(tok, s, sym, 0, n_sym, heap, bpe_add_bigram);
     for (int32_t i = 0; i != -1; i = sym[i].next) {
         int32_t id = tok_lookup_plain(tok, s + sym[i].off, sym[i].n);
         if (id >= 0)

@@ -127,6 +127,17 @@ static inline int32_t tok_bigram_left(tok_bigram b)
 void tok_heap_push(tok_bigram *h, size_t *n, tok_bigram b);
 tok_bigram tok_heap_pop(tok_bigram *h, size_t *n);
 
+/* Pushes the candidate merge of symbols l and r (either may be -1: nothing) onto the heap if
+ * the model has one; the priority is the model's (SPM score, BPE rank). */
+typedef void (*tok_add_bigram_fn)(const fitm_tokenizer *tok, const char *s, const tok_sym *sym,
+                                  int32_t l, int32_t r, tok_bigram *heap, size_t *n_heap);
+
+/* Merges the linked symbols [a, b) of s in priority order (leftmost on ties) until no
+ * candidate is left; merged-away symbols keep n == 0 and drop out of the next/prev links.
+ * heap has room for 3 * (b - a) bigrams: b - a - 1 to start, at most two more per merge. */
+void tok_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, int32_t a, int32_t b,
+               tok_bigram *heap, tok_add_bigram_fn add);
+
 /* 64-bit FNV-1a, continued from h (start with TOK_HASH_SEED). */
 #define TOK_HASH_SEED 0xcbf29ce484222325ull
 static inline uint64_t tok_hash_bytes(uint64_t h, const char *s, size_t n)

@@ -198,15 +198,12 @@ static bool spm_cuts_before_space(const fitm_tokenizer *tok, uint32_t c)
     return true;
 }
 
-/* Merges symbols [a, b) — highest score first, leftmost on ties — and emits their tokens. */
-static void spm_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, int32_t a, int32_t b,
-                      tok_bigram *heap, tok_out *out)
+void tok_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, int32_t a, int32_t b,
+               tok_bigram *heap, tok_add_bigram_fn add)
 {
-    sym[a].prev = -1;
-    sym[b - 1].next = -1;
     size_t n_heap = 0;
     for (int32_t i = a + 1; i < b; i++)
-        spm_add_bigram(tok, s, sym, i - 1, i, heap, &n_heap);
+        add(tok, s, sym, i - 1, i, heap, &n_heap);
     while (n_heap > 0) {
         tok_bigram bg = tok_heap_pop(heap, &n_heap);
         int32_t left = tok_bigram_left(bg);
@@ -218,9 +215,18 @@ static void spm_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, in
         l->next = r->next;
         if (r->next >= 0)
             sym[r->next].prev = left;
-        spm_add_bigram(tok, s, sym, l->prev, left, heap, &n_heap);
-        spm_add_bigram(tok, s, sym, left, l->next, heap, &n_heap);
+        add(tok, s, sym, l->prev, left, heap, &n_heap);
+        add(tok, s, sym, left, l->next, heap, &n_heap);
     }
+}
+
+/* Merges symbols [a, b) — highest score first, leftmost on ties — and emits their tokens. */
+static void spm_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, int32_t a, int32_t b,
+                      tok_bigram *heap, tok_out *out)
+{
+    sym[a].prev = -1;
+    sym[b - 1].next = -1;
+    tok_merge(tok, s, sym, a, b, heap, spm_add_bigram);
     for (int32_t i = a; i != -1; i = sym[i].next) {
         int32_t id = tok_lookup_plain(tok, s + sym[i].off, sym[i].n);
         if (id >= 0)
