@@ -275,6 +275,14 @@ static void job_done(fitm_job *job, void *user)
 
 /* The body is complete: parse it and hand the job to the engine (suspending the connection),
  * or answer at once with the error. */
+/* Ties r->job to the request: its deadline (counted from arrival), its owner, its log id. */
+static void job_bind(request *r)
+{
+    r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
+    r->job.user = r;
+    snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
+}
+
 /* Submits r->job (prepared by the caller) to the engine and parks the connection until the
  * job's on_done resumes it; the finish_* function of the route then answers. */
 static enum MHD_Result submit_suspended(request *r)
@@ -306,9 +314,7 @@ static enum MHD_Result start_rerank(request *r)
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->job.req = &r->req;
-    r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
-    r->job.user = r;
-    snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
+    job_bind(r);
     return submit_suspended(r);
 }
 
@@ -495,9 +501,7 @@ static enum MHD_Result start_answer(request *r)
         r->areq.seed =
             ((uint64_t)fitm_engine_now_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
     r->job.answer = &r->areq;
-    r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
-    r->job.user = r;
-    snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
+    job_bind(r);
     if (r->areq.stream)
         return start_stream(r);
     return submit_suspended(r);
