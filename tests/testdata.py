@@ -44,9 +44,8 @@ LLAMA_CPP_RAW = f"https://raw.githubusercontent.com/ggml-org/llama.cpp/{LLAMA_CP
 STORIES_URL = "https://huggingface.co/ggml-org/models/resolve/main/tinyllamas/stories260K.gguf"
 # llama-cpp-python 0.3.7's source distribution on PyPI vendors llama.cpp with its models/ folder,
 # byte-identical to the commit above for every file listed here (checked with git hash-object:
-# llama-bpe is blob e51a9911..., qwen2 541e475b...). It is the origin of the two vocabularies of
-# more than 4 MiB, and the fallback for the other llama.cpp files when GitHub is unreachable.
-# Pinned by its own SHA-256 and each member's.
+# llama-bpe is blob e51a9911..., qwen2 541e475b...): the fallback origin of the llama.cpp files
+# when GitHub is unreachable (PyPI may still be). Pinned by its own SHA-256 and each member's.
 SDIST = {
     "url": "https://files.pythonhosted.org/packages/a6/38/"
            "7a47b1fb1d83eaddd86ca8ddaf20f141cbc019faf7b425283d8e5ef710e5/"
@@ -56,7 +55,7 @@ SDIST = {
 }
 
 INP = "ef7a25a263fba141f64a8a842ceb1c572cdb8e1313f592d974f7a06bbd3a4934"
-# name -> sha256, and whether llama.cpp's raw host serves it (else only the sdist does)
+# name -> sha256 (all but stories260K.gguf are in llama.cpp's models/ folder)
 FILES = {
     "stories260K.gguf": "047bf46455a544931cff6fef14d7910154c56afbc23ab1c5e56a72e69912c04b",
     "ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
@@ -72,7 +71,6 @@ FILES = {
     "ggml-vocab-qwen2.gguf.inp": INP,
     "ggml-vocab-qwen2.gguf.out": "4fdf5ff70fcfbb819642b522a47b8f61522fa20d938fa7470a8497bc52773cd4",
 }
-SDIST_ONLY = {"ggml-vocab-llama-bpe.gguf", "ggml-vocab-qwen2.gguf"}
 # made once with llama.cpp (see ../shared/data/README.md); no public origin, never fetched
 REFERENCE = [f"reference/once-upon-a-time.{x}" for x in (
     "prompt-ids.txt", "greedy32-ids.txt", "greedy32-text.txt", "first-pos-top5.txt",
@@ -190,7 +188,7 @@ def fetch() -> int:
     failed, from_sdist, github = [], [], True
     for name in todo:
         stories = name == "stories260K.gguf"
-        if name in SDIST_ONLY or not (stories or github):
+        if not (stories or github):
             from_sdist.append(name)
             continue
         url = STORIES_URL if stories else LLAMA_CPP_RAW + name
