@@ -241,12 +241,33 @@ def oracle_served(fitmd_bin, tmp_path_factory):  # noqa: F811
     assert daemon.terminate() == 0
 
 
+def oracle_greedy(model, ids, n, hook=None, stop_ids=()):
+    """Greedy ids as Model.generate, and the logits row that chose each of them."""
+    cache = model.new_cache()
+    logits = model.forward(ids, intervene=hook, logits_rows=[len(ids) - 1], cache=cache)[0]
+    out, rows = [], []
+    while len(out) < n:
+        out.append(int(np.argmax(logits)))
+        rows.append(logits)
+        if out[-1] in stop_ids:
+            break
+        logits = model.forward(out[-1:], intervene=hook, logits_rows=[cache.n], cache=cache)[0]
+    return out, np.array(rows)
+
+
 @pytest.mark.parametrize("extra", [{}, {"intervention_layers": [0, -1]},
                                    {"reorder": "attention"}])
 def test_intervention_matches_oracle(oracle_served, extra):
+    """The daemon's greedy ids are the oracle's with calib.make_hook (the intervention on every
+    row from the end of the last document, in the chosen layers), and calibrate:false gives the
+    oracle's ids without it. Every row from that one on is computed once with the intervention:
+    usage.forward_tokens counts exactly the scoring passes, the prefill from the end of the last
+    document and one row per further token, so an intervention starting one row late shows
+    there even where the ids do not move (the daemon returns no logits to compare; the oracle's
+    logits show, below, that the hook changes every step's logits)."""
     daemon, model = oracle_served
     b = {"query": QUERY, "documents": docs(4, 7) + [{"text": "golf hotel", "title": "Golf"}],
-         "max_tokens": 8, "return_tokens": True, **extra}
+         "max_tokens": 16, "return_tokens": True, **extra}
     r = requests.post(daemon.url("/answer"), json=b, timeout=300)
     assert r.status_code == 200, r.text
     j = r.json()
@@ -259,11 +280,32 @@ def test_intervention_matches_oracle(oracle_served, extra):
     alpha = np.array([j["documents"][k]["weight"] for k in pos], dtype=np.float32)
     hook = calib.make_hook(spans, alpha, layers)
     eos = [int(model.hp.eos_id)] if getattr(model.hp, "eos_id", None) is not None else []
-    want = model.generate(tok["prompt"], len(tok["completion"]), stop_ids=eos, intervene=hook)
+    n = len(tok["completion"])
+    want, rows = oracle_greedy(model, tok["prompt"], n, hook, eos)
     assert want == tok["completion"]
-    # And without the hook the oracle would not (in general) agree: the intervention matters.
+    T, end = len(tok["prompt"]), max(e for _, e in spans)
+    scoring = T + sum(T - s for s, _ in spans)
+    if "reorder" in extra:  # one attention pass over the documents in request order first
+        scoring += T
+    assert j["usage"]["forward_tokens"] == scoring + (T - end) + (n - 1), j["usage"]
+
+    # calibrate:false is the oracle without the hook, on the same prompt ids (before any
+    # reorder: that needs the calibrated scores), and the hook moves every step's logits far
+    # beyond float32 noise (max |difference| > 1e-2, noise ~1e-5): the two are told apart.
     plain = requests.post(daemon.url("/answer"), json=dict(b, calibrate=False), timeout=300).json()
-    assert plain["tokens"]["prompt"] == tok["prompt"] or "reorder" in extra
+    ptok = plain["tokens"]
+    assert ptok["prompt"] == tok["prompt"] or "reorder" in extra
+    free, _ = oracle_greedy(model, ptok["prompt"], len(ptok["completion"]), None, eos)
+    assert free == ptok["completion"]
+    if "reorder" not in extra:
+        assert plain["usage"]["forward_tokens"] == len(ptok["prompt"]) + len(free) - 1
+    cache = model.new_cache()
+    seq = list(tok["prompt"])
+    unhooked = [model.forward(seq, logits_rows=[T - 1], cache=cache)[0]]
+    for t in tok["completion"][:-1]:
+        unhooked.append(model.forward([t], logits_rows=[cache.n], cache=cache)[0])
+    diff = np.abs(np.array(unhooked) - rows).max(axis=1)
+    assert (diff > 1e-2).all(), diff
 
 
 GEN_CASES = {

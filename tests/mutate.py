@@ -1,0 +1,179 @@
+"""Mutation check: how hard the suite bites. Plants each small bug of MUTANTS, one at a time, in
+a scratch copy of the working tree (never in the tree itself), rebuilds, runs the tests that
+should notice, and reports which tests caught each bug. Exit status 1 when a bug went uncaught,
+or when the unmutated copy does not pass those tests to begin with.
+
+Each bug is located by a snippet of code searched in every file under src/ (so files may move
+between folders); the snippet must occur exactly once.
+
+    python3 tests/mutate.py                  # every mutant (about 10 minutes on 2 cores)
+    python3 tests/mutate.py answer-late-intervention rerank-one-doc-uncalibrated
+    python3 tests/mutate.py --list
+
+The scratch copy finds the test data as the suite does (tests/testdata.py); ../shared/data
+beside this checkout is passed on as FITM_SHARED_DATA when that is not set."""
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Mutant:
+    name: str
+    why: str          # the bug, in words
+    snippet: str      # code found exactly once under src/
+    replacement: str  # what the snippet becomes
+    meson: list = field(default_factory=list)   # meson test names
+    pytest: list = field(default_factory=list)  # pytest arguments (paths, -k expressions)
+
+
+MUTANTS = [
+    Mutant("rerank-no-per-token-mean",
+           "A_k sums the span's attention instead of averaging it per token",
+           "sum / (double)count / (double)N", "sum / (double)count",
+           pytest=["tests/test_http_oracle.py"]),
+    Mutant("rerank-one-doc-uncalibrated",
+           "the first document is scored by A instead of A - A_dum",
+           "double mx = -INFINITY, z = 0;", "A_dum[0] = 0;\n    double mx = -INFINITY, z = 0;",
+           pytest=["tests/test_http_oracle.py"]),
+    Mutant("intervention-no-constant-C",
+           "Eq. 5's constant C (the visible mass over sum n_k alpha_k) dropped",
+           "double C = S / Z;", "double C = 1.0 + 0.0 * S / Z;",
+           pytest=["tests/test_model.py", "-k", "intervention"]),
+    Mutant("q4k-scale-off-by-one",
+           "Q4_K dequantization reads the next sub-block's scale for the low nibbles",
+           "fitm_quant_k_scale_min(b->scales, 2 * g, &sc0, &m0);\n"
+           "        fitm_quant_k_scale_min(b->scales, 2 * g + 1, &sc1, &m1);\n"
+           "        const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;\n"
+           "        const uint8_t *q = b->qs + 32 * g;\n"
+           "        for (int l = 0; l < 32; l++) {\n"
+           "            y[64 * g + l] = d0 * (float)(q[l] & 0xF) - o0;",
+           "fitm_quant_k_scale_min(b->scales, (2 * g + 1) % 8, &sc0, &m0);\n"
+           "        fitm_quant_k_scale_min(b->scales, 2 * g + 1, &sc1, &m1);\n"
+           "        const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;\n"
+           "        const uint8_t *q = b->qs + 32 * g;\n"
+           "        for (int l = 0; l < 32; l++) {\n"
+           "            y[64 * g + l] = d0 * (float)(q[l] & 0xF) - o0;",
+           meson=["quant"]),
+    Mutant("tokenizer-merge-off-by-one",
+           "the merge loop never offers the first pair of a word",
+           "for (int32_t i = a + 1; i < b; i++)", "for (int32_t i = a + 2; i < b; i++)",
+           meson=["tokenizer"], pytest=["tests/test_tokenize_cli.py"]),
+    Mutant("answer-late-intervention",
+           "/answer's intervention starts one row after the last document",
+           ".from_pos = spans[K - 1].end}", ".from_pos = spans[K - 1].end + 1}",
+           pytest=["tests/test_http_answer.py"]),
+]
+
+
+def run(cmd, cwd, env=None, log=None) -> int:
+    with open(log, "a") if log else open(os.devnull, "w") as out:
+        return subprocess.call(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def copy_tree(dest: pathlib.Path) -> None:
+    """The working tree's tracked and untracked-but-not-ignored files (no build folders)."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
+    for n in filter(None, names):
+        src = ROOT / os.fsdecode(n)
+        if src.is_file():
+            (dest / os.fsdecode(n)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / os.fsdecode(n))
+
+
+def locate(tree: pathlib.Path, snippet: str) -> pathlib.Path:
+    hits = [(p, p.read_text(errors="replace").count(snippet))
+            for p in sorted((tree / "src").rglob("*")) if p.is_file() and p.suffix in
+            (".c", ".h", ".cu", ".cuh")]
+    hits = [(p, n) for p, n in hits if n]
+    if len(hits) != 1 or hits[0][1] != 1:
+        raise SystemExit(f"snippet {snippet.splitlines()[0]!r}: found {hits or 'nowhere'}, "
+                         "want exactly once under src/: update MUTANTS")
+    return hits[0][0]
+
+
+def failing_tests(tree, m: Mutant, env, log) -> list:
+    """The names of m's tests that fail on the current build of tree ('build' if it failed)."""
+    if run(["ninja", "-C", "build", "-j", str(os.cpu_count() or 2)], tree, env, log):
+        return ["build"]
+    caught = []
+    for t in m.meson:
+        if run(["meson", "test", "-C", "build", "--no-rebuild", t], tree, env, log):
+            caught.append(f"meson:{t}")
+    if m.pytest:
+        junit = tree / "build" / "mutate-junit.xml"
+        run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", *m.pytest], tree, env, log)
+        import xml.etree.ElementTree as ET
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    caught.append(f"{case.get('classname')}::{case.get('name')}")
+            junit.unlink()
+        else:
+            caught.append("pytest (no report)")
+    return caught
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="mutants to plant (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    a = ap.parse_args()
+    if a.list:
+        for m in MUTANTS:
+            print(f"{m.name}: {m.why}")
+        return 0
+    chosen = [m for m in MUTANTS if not a.names or m.name in a.names]
+    if a.names and len(chosen) != len(set(a.names)):
+        raise SystemExit(f"unknown mutant in {a.names}; see --list")
+
+    tree = pathlib.Path(tempfile.mkdtemp(prefix="fitm-mutate-"))
+    log = tree / "mutate.log"
+    env = dict(os.environ, FITM_BUILD_DIR=str(tree / "build"))
+    shared = ROOT.parent / "shared" / "data"
+    if not env.get("FITM_SHARED_DATA") and shared.is_dir():
+        env["FITM_SHARED_DATA"] = str(shared)
+    print(f"scratch copy: {tree} (log: {log})")
+    copy_tree(tree)
+    if run(["meson", "setup", "build", "-Dcuda=disabled"], tree, env, log):
+        raise SystemExit(f"meson setup failed: see {log}")
+    status = 0
+    for m in chosen:
+        locate(tree, m.snippet)  # every snippet must be found before anything runs
+    base = Mutant("baseline", "", "", "", sorted({t for m in chosen for t in m.meson}),
+                  [])
+    broken = failing_tests(tree, base, env, log)
+    for m in chosen:  # the unmutated tree must pass what each mutant runs
+        broken += [t for t in failing_tests(tree, Mutant("", "", "", "", [], m.pytest), env, log)
+                   if t not in broken]
+    if broken:
+        print(f"the unmutated copy fails {broken}: mutation results would mean nothing")
+        return 1
+    for m in chosen:
+        path = locate(tree, m.snippet)
+        original = path.read_text()
+        path.write_text(original.replace(m.snippet, m.replacement))
+        try:
+            caught = failing_tests(tree, m, env, log)
+        finally:
+            path.write_text(original)
+        verdict = f"CAUGHT by {', '.join(caught)}" if caught else "MISSED"
+        print(f"{m.name} ({path.relative_to(tree)}): {verdict}", flush=True)
+        status |= not caught
+    if not a.keep:
+        shutil.rmtree(tree, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
