@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api.h"
+#include "server/api.h"
 
 static int failures;
 #define CHECK(c)                                                                                   \

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "config.h"
+#include "server/config.h"
 
 static int failures;
 #define CHECK(c)                                                                                   \

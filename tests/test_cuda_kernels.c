@@ -19,8 +19,8 @@
 #include <string.h>
 
 #include "kernels.h"
-#include "ops.h"
-#include "quant.h"
+#include "compute/ops.h"
+#include "compute/quant.h"
 
 #define GUARD_BYTES 256 /* before and after every device buffer; keeps the payload 256-aligned */
 #define GUARD_BYTE 0xA7

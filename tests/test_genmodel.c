@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "genmodel.h"
-#include "gguf.h"
-#include "quant.h"
+#include "model/genmodel.h"
+#include "gguf/gguf.h"
+#include "compute/quant.h"
 
 static int failures;
 

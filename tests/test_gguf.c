@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf.h"
-#include "gguf_writer.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
 
 static int n_fail;
 

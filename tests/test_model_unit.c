@@ -8,15 +8,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "forward.h"
-#include "genmodel.h"
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "kv.h"
-#include "model.h"
-#include "ops.h"
-#include "pool.h"
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/genmodel.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "model/kv.h"
+#include "model/model.h"
+#include "compute/ops.h"
+#include "base/pool.h"
 
 static int failures;
 

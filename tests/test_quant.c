@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant.h"
-#include "quant_internal.h"
+#include "compute/quant.h"
+#include "compute/quant_internal.h"
 
 #if FITM_QUANT_SIMD
 #include <immintrin.h>

@@ -2,7 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "status.h"
+#include "base/status.h"
 
 static int failures;
 #define CHECK(c) do { if (!(c)) { fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c); failures++; } } while (0)

@@ -19,10 +19,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "tokenizer.h"
-#include "unicode.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "tokenizer/tokenizer.h"
+#include "base/unicode.h"
 
 #include "tok_pretok_cases.h"
 
