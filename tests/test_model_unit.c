@@ -17,16 +17,7 @@
 #include "model/model.h"
 #include "compute/ops.h"
 #include "base/pool.h"
-
-static int failures;
-
-#define CHECK(cond)                                                                            \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);           \
-            failures++;                                                                        \
-        }                                                                                      \
-    } while (0)
+#include "check.h"
 
 /* ---- pool -------------------------------------------------------------------------------- */
 

@@ -3,9 +3,7 @@
 #include <string.h>
 
 #include "base/status.h"
-
-static int failures;
-#define CHECK(c) do { if (!(c)) { fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c); failures++; } } while (0)
+#include "check.h"
 
 int main(void)
 {
