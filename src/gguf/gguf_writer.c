@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
+
 #define DEFAULT_ALIGNMENT 32u
 
 typedef struct {
@@ -35,53 +37,19 @@ struct fitm_gguf_writer {
     size_t n_tensors, cap_tensors;
 };
 
-/* A growable byte buffer for serialising. */
-typedef struct {
-    uint8_t *p;
-    size_t n, cap;
-    bool failed;
-} buf;
-
-static void buf_put(buf *b, const void *src, size_t n)
+static void buf_u32(fitm_buf *b, uint32_t v)
 {
-    if (b->failed || n == 0)
-        return;
-    if (n > SIZE_MAX - b->n) {
-        b->failed = true;
-        return;
-    }
-    if (b->n + n > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n)
-            cap = cap > SIZE_MAX / 2 ? b->n + n : cap * 2;
-        uint8_t *p = realloc(b->p, cap);
-        if (!p) {
-            b->failed = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    if (src)
-        memcpy(b->p + b->n, src, n);
-    else
-        memset(b->p + b->n, 0, n);
-    b->n += n;
+    fitm_buf_append(b, &v, 4);
+}
+static void buf_u64(fitm_buf *b, uint64_t v)
+{
+    fitm_buf_append(b, &v, 8);
 }
 
-static void buf_u32(buf *b, uint32_t v)
-{
-    buf_put(b, &v, 4);
-}
-static void buf_u64(buf *b, uint64_t v)
-{
-    buf_put(b, &v, 8);
-}
-
-static void buf_str(buf *b, const char *s, uint64_t len)
+static void buf_str(fitm_buf *b, const char *s, uint64_t len)
 {
     buf_u64(b, len);
-    buf_put(b, s, (size_t)len);
+    fitm_buf_append(b, s, (size_t)len);
 }
 
 fitm_status fitm_gguf_writer_create(fitm_gguf_writer **out, fitm_err *err)
@@ -125,7 +93,7 @@ fitm_status fitm_gguf_writer_set_version(fitm_gguf_writer *w, uint32_t version, 
 }
 
 /* Stores key -> (type, serialised bytes); takes ownership of b's buffer in every case. */
-static fitm_status set_kv(fitm_gguf_writer *w, const char *key, fitm_gguf_type type, buf *b,
+static fitm_status set_kv(fitm_gguf_writer *w, const char *key, fitm_gguf_type type, fitm_buf *b,
                           fitm_err *err)
 {
     fitm_status st = FITM_OK;
@@ -152,8 +120,8 @@ static fitm_status set_kv(fitm_gguf_writer *w, const char *key, fitm_gguf_type t
         if (!strcmp(w->kvs[i].key, key)) {
             free(w->kvs[i].bytes);
             w->kvs[i].type = type;
-            w->kvs[i].bytes = b->p;
-            w->kvs[i].n_bytes = b->n;
+            w->kvs[i].bytes = (uint8_t *)b->p;
+            w->kvs[i].n_bytes = b->len;
             b->p = NULL;
             goto done;
         }
@@ -172,7 +140,7 @@ static fitm_status set_kv(fitm_gguf_writer *w, const char *key, fitm_gguf_type t
         st = fitm_err_set(err, FITM_ERR_NOMEM, "key '%s': out of memory", key);
         goto done;
     }
-    w->kvs[w->n_kv++] = (wkv){k, type, b->p, b->n};
+    w->kvs[w->n_kv++] = (wkv){k, type, (uint8_t *)b->p, b->len};
     b->p = NULL;
 done:
     free(b->p);
@@ -183,7 +151,7 @@ done:
 fitm_status fitm_gguf_writer_set_scalar(fitm_gguf_writer *w, const char *key, fitm_gguf_type type,
                                         const void *value, fitm_err *err)
 {
-    buf b = {0};
+    fitm_buf b = {0};
     const char *k = key ? key : "(null)";
     if (fitm_gguf_type_size(type) == 0 || !value)
         return fitm_err_set(err, FITM_ERR_INVALID,
@@ -199,7 +167,7 @@ fitm_status fitm_gguf_writer_set_scalar(fitm_gguf_writer *w, const char *key, fi
                                 "general.alignment %" PRIu32 " is not a nonzero power of two",
                                 align);
     }
-    buf_put(&b, value, fitm_gguf_type_size(type));
+    fitm_buf_append(&b, value, fitm_gguf_type_size(type));
     fitm_status st = set_kv(w, key, type, &b, err);
     if (st == FITM_OK && align)
         w->alignment = align;
@@ -247,7 +215,7 @@ fitm_status fitm_gguf_writer_set_bool(fitm_gguf_writer *w, const char *key, bool
 fitm_status fitm_gguf_writer_set_strn(fitm_gguf_writer *w, const char *key, const char *s,
                                       uint64_t len, fitm_err *err)
 {
-    buf b = {0};
+    fitm_buf b = {0};
     if (!s && len)
         return fitm_err_set(err, FITM_ERR_INVALID, "key '%s': string is NULL",
                             key ? key : "(null)");
@@ -267,7 +235,7 @@ fitm_status fitm_gguf_writer_set_str(fitm_gguf_writer *w, const char *key, const
 fitm_status fitm_gguf_writer_set_arr_str(fitm_gguf_writer *w, const char *key,
                                          const char *const *strs, uint64_t n, fitm_err *err)
 {
-    buf b = {0};
+    fitm_buf b = {0};
     if (!strs && n)
         return fitm_err_set(err, FITM_ERR_INVALID, "key '%s': string array is NULL",
                             key ? key : "(null)");
@@ -285,7 +253,7 @@ fitm_status fitm_gguf_writer_set_arr_str(fitm_gguf_writer *w, const char *key,
 fitm_status fitm_gguf_writer_set_arr(fitm_gguf_writer *w, const char *key, fitm_gguf_type elem_type,
                                      const void *data, uint64_t n, fitm_err *err)
 {
-    buf b = {0};
+    fitm_buf b = {0};
     size_t sz = fitm_gguf_type_size(elem_type);
     if (sz == 0)
         return fitm_err_set(err, FITM_ERR_INVALID, "key '%s': %s arrays need their own setter",
@@ -305,7 +273,7 @@ fitm_status fitm_gguf_writer_set_arr(fitm_gguf_writer *w, const char *key, fitm_
                                     key ? key : "(null)", i);
     buf_u32(&b, elem_type);
     buf_u64(&b, n);
-    buf_put(&b, data, (size_t)(n * sz));
+    fitm_buf_append(&b, data, (size_t)(n * sz));
     return set_kv(w, key, FITM_GGUF_ARRAY, &b, err);
 }
 
@@ -382,21 +350,21 @@ static size_t pad_to(size_t n, uint32_t a)
 fitm_status fitm_gguf_writer_write_memory(const fitm_gguf_writer *w, void **out, size_t *n_bytes,
                                           fitm_err *err)
 {
-    buf b = {0};
+    fitm_buf b = {0};
     fitm_status st = FITM_OK;
     if (!out || !n_bytes || !w) {
         st = fitm_err_set(err, FITM_ERR_INVALID, "fitm_gguf_writer_write_memory: NULL argument");
         goto done;
     }
     *out = NULL;
-    buf_put(&b, "GGUF", 4);
+    fitm_buf_append(&b, "GGUF", 4);
     buf_u32(&b, w->version);
     buf_u64(&b, w->n_tensors);
     buf_u64(&b, w->n_kv);
     for (size_t i = 0; i < w->n_kv; i++) {
         buf_str(&b, w->kvs[i].key, strlen(w->kvs[i].key));
         buf_u32(&b, w->kvs[i].type);
-        buf_put(&b, w->kvs[i].bytes, w->kvs[i].n_bytes);
+        fitm_buf_append(&b, w->kvs[i].bytes, w->kvs[i].n_bytes);
     }
     uint64_t offset = 0;
     for (size_t i = 0; i < w->n_tensors; i++) {
@@ -410,10 +378,10 @@ fitm_status fitm_gguf_writer_write_memory(const fitm_gguf_writer *w, void **out,
         offset += t->n_bytes + pad_to(t->n_bytes, w->alignment);
     }
     if (w->n_tensors > 0) {
-        buf_put(&b, NULL, pad_to(b.n, w->alignment));
+        fitm_buf_append(&b, NULL, pad_to(b.len, w->alignment));
         for (size_t i = 0; i < w->n_tensors; i++) {
-            buf_put(&b, w->tensors[i].data, w->tensors[i].n_bytes);
-            buf_put(&b, NULL, pad_to(w->tensors[i].n_bytes, w->alignment));
+            fitm_buf_append(&b, w->tensors[i].data, w->tensors[i].n_bytes);
+            fitm_buf_append(&b, NULL, pad_to(w->tensors[i].n_bytes, w->alignment));
         }
     }
     if (b.failed) {
@@ -421,7 +389,7 @@ fitm_status fitm_gguf_writer_write_memory(const fitm_gguf_writer *w, void **out,
         goto done;
     }
     *out = b.p;
-    *n_bytes = b.n;
+    *n_bytes = b.len;
     b.p = NULL;
 done:
     free(b.p);

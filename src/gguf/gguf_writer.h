@@ -21,8 +21,8 @@
 #include <stdint.h>
 
 #include "base/dtype.h"
-#include "gguf/gguf.h"
 #include "base/status.h"
+#include "gguf/gguf.h"
 
 typedef struct fitm_gguf_writer fitm_gguf_writer;
 

@@ -1,6 +1,6 @@
 /* genmodel: tiny random GGUF models. See genmodel.h for the contract.
  *
- * Three parts: a seeded random source (splitmix64 seeds xoshiro256**, Box-Muller for normals),
+ * Three parts: a seeded random source (base/rng.h seeds xoshiro256**, Box-Muller for normals),
  * the built-in tokenizer (a BPE trained at run time on a fixed English word list, rendered as a
  * SentencePiece-style or a byte-level BPE vocabulary), and the model layout per architecture. */
 #include "model/genmodel.h"
@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/rng.h"
 #include "compute/quant.h"
 
 /* ------------------------------------------------------------------------------------------
@@ -21,14 +22,6 @@ typedef struct {
     bool has_spare;
     double spare;
 } gen_rng;
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 static uint64_t fnv1a64(const char *s)
 {
@@ -42,7 +35,7 @@ static void rng_seed(gen_rng *r, uint64_t seed, const char *name)
 {
     uint64_t x = seed ^ fnv1a64(name);
     for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&x);
+        r->s[i] = fitm_rng_next(&x);
     r->has_spare = false;
 }
 

@@ -4,8 +4,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "base/clock.h"
+#include "base/rng.h"
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
@@ -41,17 +42,12 @@ const char *fitm_answer_finish_name(fitm_answer_finish f)
 
 uint64_t fitm_answer_rand(uint64_t *state)
 {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
+    return fitm_rng_next(state);
 }
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+    return fitm_clock_ms();
 }
 
 /* One vocabulary entry's probability, for the top_p sort. */

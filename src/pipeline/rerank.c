@@ -4,8 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "base/clock.h"
 #include "model/backend.h"
 #include "model/forward.h"
 #include "model/kv.h"
@@ -152,9 +152,7 @@ static fitm_status encode_append(const fitm_tokenizer *tok, ids_vec *a, const ch
 
 static double now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+    return fitm_clock_ms();
 }
 
 static const chat_template *pick_template(const fitm_model *m, const fitm_tokenizer *tok,

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 
 struct fitm_engine {
@@ -26,17 +27,10 @@ struct fitm_engine {
     bool worker_started, timer_started;
 };
 
-int64_t fitm_engine_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* Absolute CLOCK_MONOTONIC time ns from now, for pthread_cond_timedwait. */
 static struct timespec abs_after_ns(int64_t ns)
 {
-    int64_t t = fitm_engine_now_ns() + (ns > 0 ? ns : 0);
+    int64_t t = fitm_clock_ns() + (ns > 0 ? ns : 0);
     return (struct timespec){.tv_sec = t / 1000000000, .tv_nsec = t % 1000000000};
 }
 
@@ -82,7 +76,7 @@ static void *worker_main(void *arg)
         pthread_cond_broadcast(&e->timer);
         pthread_mutex_unlock(&e->mu);
 
-        int64_t now = fitm_engine_now_ns();
+        int64_t now = fitm_clock_ns();
         job->queue_ms = (double)(now - job->enqueued_ns) / 1e6;
         fitm_status js;
         if (now >= job->deadline_ns) {
@@ -117,7 +111,7 @@ static void *timer_main(void *arg)
     fitm_engine *e = arg;
     pthread_mutex_lock(&e->mu);
     while (!e->stopping) {
-        int64_t now = fitm_engine_now_ns(), next = now + 1000000000;
+        int64_t now = fitm_clock_ns(), next = now + 1000000000;
         fitm_job *expired = NULL, **pp = &e->head, *prev = NULL;
         while (*pp) {
             fitm_job *j = *pp;
@@ -251,7 +245,7 @@ fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err)
                           (long long)e->n_queued);
     } else {
         job->next = NULL;
-        job->enqueued_ns = fitm_engine_now_ns();
+        job->enqueued_ns = fitm_clock_ns();
         job->abort_flag = &e->abort_flag;
         job->status = FITM_OK;
         if (e->tail)
@@ -271,7 +265,7 @@ bool fitm_job_should_stop(const fitm_job *job)
 {
     if (job->abort_flag && atomic_load(job->abort_flag))
         return true;
-    return fitm_engine_now_ns() >= job->deadline_ns;
+    return fitm_clock_ns() >= job->deadline_ns;
 }
 
 fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg)

@@ -4,6 +4,9 @@
  * /health with 503 meanwhile), then runs jobs one at a time in arrival order (hooks.run).
  * A second, model-free thread fails queued jobs whose deadline passes while they wait.
  *
+ * The engine knows nothing of what a job computes: it queues jobs and hands each, with its
+ * kind and its opaque work pointer, to hooks.run (fitmd's kinds are in server/work.h).
+ *
  * A job belongs to its submitter. Once fitm_engine_submit accepted it, the engine holds it
  * until it calls job->on_done exactly once (from the worker or the timer thread, with no
  * engine lock held); after on_done returns the engine never touches the job again. on_done
@@ -18,8 +21,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "pipeline/answer.h"
-#include "pipeline/rerank.h"
 #include "base/status.h"
 
 typedef struct fitm_engine fitm_engine;
@@ -27,19 +28,15 @@ typedef struct fitm_job fitm_job;
 
 struct fitm_job {
     /* Set by the submitter. */
-    const fitm_rerank_request *req;      /* a /rerank job, or NULL                      */
-    const fitm_answer_request *answer;   /* an /answer job (req NULL), or NULL           */
-    fitm_answer_on_delta on_delta;       /* /answer: text as it is generated; may be NULL */
-    void *delta_arg;
-    int64_t deadline_ns; /* CLOCK_MONOTONIC; the job fails with FITM_ERR_TIMEOUT after it */
+    int kind;            /* what hooks.run should do with work; the engine never reads it  */
+    void *work;          /* the submitter's request and result, for hooks.run               */
+    int64_t deadline_ns; /* fitm_clock_ns time; the job fails with FITM_ERR_TIMEOUT after it */
     void (*on_done)(fitm_job *job, void *user);
     void *user;
     char req_id[40]; /* for logs */
     /* Set by the engine before on_done. */
     fitm_status status;
     fitm_err err;
-    fitm_rerank_result result; /* filled when status is FITM_OK; the submitter frees it */
-    fitm_answer_result answer_result; /* likewise, for an /answer job                   */
     double queue_ms;
     /* Engine-private. */
     int64_t enqueued_ns;
@@ -52,7 +49,7 @@ typedef struct {
     void *ctx;
     /* Loads the model. A failure is fatal: the engine's state becomes FAILED. */
     fitm_status (*load)(void *ctx, fitm_err *err);
-    /* Runs one job: fills job->result (job->answer_result for an /answer job). Long runs poll
+    /* Runs one job: does what job->kind says with job->work. Long runs poll
      * fitm_job_should_stop between steps. */
     fitm_status (*run)(void *ctx, fitm_job *job, fitm_err *err);
     /* Releases what load made (also after a failed load). */
@@ -96,8 +93,5 @@ void fitm_engine_stats(const fitm_engine *e, int64_t *depth, int64_t *capacity,
 /* Stops accepting (submit then fails with CANCELLED) and waits up to timeout_ms for the
  * queue to empty and the running job to finish. True when everything finished. */
 bool fitm_engine_drain(fitm_engine *e, int64_t timeout_ms);
-
-/* CLOCK_MONOTONIC now, in nanoseconds. */
-int64_t fitm_engine_now_ns(void);
 
 #endif

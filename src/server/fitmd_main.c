@@ -14,15 +14,18 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fitm_config.h"
+
+#include "base/clock.h"
+#include "base/log.h"
 #include "model/backend.h"
+#include "model/model.h"
+#include "pipeline/rerank.h"
 #include "server/config.h"
 #include "server/download.h"
 #include "server/engine.h"
-#include "fitm_config.h"
 #include "server/http.h"
-#include "base/log.h"
-#include "model/model.h"
-#include "pipeline/rerank.h"
+#include "server/work.h"
 #include "tokenizer/tokenizer.h"
 
 /* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
@@ -43,7 +46,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
 {
     daemon_model *dm = ctx;
     const fitm_config *cfg = dm->cfg;
-    double t0 = (double)fitm_engine_now_ns();
+    double t0 = fitm_clock_ms();
     fitm_status st;
     if (!strcmp(cfg->backend, "cuda"))
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
@@ -81,7 +84,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
              "with %d threads, in %.0f ms",
              cfg->model, dm->info->arch, (int)mc->n_layer, (int)mc->n_embd, (int)mc->n_vocab,
              (long long)n_ctx, fitm_reranker_template(dm->reranker), threads,
-             ((double)fitm_engine_now_ns() - t0) / 1e6);
+             fitm_clock_ms() - t0);
     return FITM_OK;
 }
 
@@ -93,10 +96,18 @@ static bool job_stop(const void *arg)
 static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
 {
     daemon_model *dm = ctx;
-    if (job->answer)
-        return fitm_answer_run(dm->reranker, job->answer, job_stop, job, job->on_delta,
-                               job->delta_arg, &job->answer_result, err);
-    return fitm_reranker_run(dm->reranker, job->req, job_stop, job, &job->result, err);
+    switch ((fitm_work_kind)job->kind) {
+    case FITM_WORK_RERANK: {
+        fitm_rerank_work *w = job->work;
+        return fitm_reranker_run(dm->reranker, w->req, job_stop, job, &w->result, err);
+    }
+    case FITM_WORK_ANSWER: {
+        fitm_answer_work *w = job->work;
+        return fitm_answer_run(dm->reranker, w->req, job_stop, job, w->on_delta, w->delta_arg,
+                               &w->result, err);
+    }
+    }
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
 static void model_unload(void *ctx)

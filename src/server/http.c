@@ -13,9 +13,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "server/api.h"
+#include "base/buf.h"
+#include "base/clock.h"
 #include "base/log.h"
+#include "base/rng.h"
+#include "server/api.h"
 #include "server/metrics.h"
+#include "server/work.h"
 
 #define MAX_KEYS 32
 
@@ -35,6 +39,8 @@ struct fitm_http {
 
 typedef enum { ST_BODY = 0, ST_DISCARD, ST_WAIT, ST_ANSWERED } req_state;
 
+typedef struct route_def route_def;
+
 /* One request's state (MHD's con_cls), created on its first callback. */
 typedef struct {
     fitm_http *h;
@@ -42,24 +48,26 @@ typedef struct {
     char id[40];
     int64_t t0_ns;
     fitm_route route;
+    const route_def *rd; /* NULL: no such route */
     char method[8];
     char path[128];
     req_state state;
-    char *body;
-    size_t len, cap;
-    size_t discarded;
+    fitm_buf body;    /* the POST body so far, at most max_body_bytes */
+    size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
     fitm_job job;
     fitm_rerank_request req;
     fitm_answer_request areq; /* /answer's request */
+    fitm_rerank_work rwork;   /* job.work of a /rerank job */
+    fitm_answer_work awork;   /* job.work of an /answer job */
     atomic_bool done; /* the engine finished job */
     /* A streamed /answer: the SSE bytes not yet sent, shared by the engine's thread (which
      * appends) and MHD's (which sends); the request is freed by whichever of on_completed and
      * the job's on_done comes last (refs). */
     bool streaming;
     pthread_mutex_t smu;
-    char *sbuf;
-    size_t slen, scap, soff;
+    fitm_buf sbuf; /* events not yet sent start at soff */
+    size_t soff;
     bool s_done, s_suspended, s_closed;
     atomic_bool s_cancel;
     atomic_int refs;
@@ -71,9 +79,8 @@ typedef struct {
 static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
                                  const char *content_type, const char *allow, bool retry)
 {
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(len, body ? body : (char *)"", body ? MHD_RESPMEM_MUST_FREE
-                                                                           : MHD_RESPMEM_PERSISTENT);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(
+        len, body ? body : (char *)"", body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
     if (!resp) {
         free(body);
         return MHD_NO;
@@ -113,40 +120,6 @@ static enum MHD_Result send_json(request *r, int code, char *json)
 }
 
 /* ---- routing and checks --------------------------------------------------------------- */
-
-typedef struct {
-    const char *path;
-    fitm_route route;
-    const char *allow; /* methods */
-    bool auth;
-} route_def;
-
-static const route_def routes[] = {
-    {"/rerank", FITM_ROUTE_RERANK, "POST", true},
-    {"/v1/rerank", FITM_ROUTE_RERANK, "POST", true},
-    {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true},
-    {"/answer", FITM_ROUTE_ANSWER, "POST", true},
-    {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true},
-    {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false},
-    {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false},
-    {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true},
-    {"/openapi.yaml", FITM_ROUTE_OPENAPI, "GET, HEAD", true},
-};
-
-static const route_def *find_route(const char *path)
-{
-    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
-        if (!strcmp(path, routes[i].path))
-            return &routes[i];
-    return NULL;
-}
-
-static bool method_allowed(const route_def *rd, const char *method)
-{
-    if (!strcmp(rd->allow, "POST"))
-        return !strcmp(method, "POST");
-    return !strcmp(method, "GET") || !strcmp(method, "HEAD");
-}
 
 /* Compares without an early exit, so timing does not reveal how much of a key matched. */
 static bool same_secret(const char *a, size_t an, const char *b, size_t bn)
@@ -207,12 +180,8 @@ static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t
             return;
         }
     }
-    uint64_t x = atomic_fetch_add(&h->next_id, 1) + h->id_salt;
-    /* splitmix64: distinct counters give distinct, unguessable-looking ids */
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
+    /* distinct counters give distinct, unguessable-looking ids */
+    uint64_t x = fitm_rng_mix(atomic_fetch_add(&h->next_id, 1) + h->id_salt);
     snprintf(out, cap, "%016llx", (unsigned long long)x);
 }
 
@@ -307,13 +276,14 @@ static enum MHD_Result submit_suspended(request *r)
 static enum MHD_Result start_rerank(request *r)
 {
     fitm_err err = {{0}};
-    fitm_status st = fitm_api_parse_rerank(r->body ? r->body : "", r->len, &r->h->limits, &r->req,
-                                           &err);
-    free(r->body);
-    r->body = NULL;
+    fitm_status st = fitm_api_parse_rerank(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
+                                           &r->req, &err);
+    fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
-    r->job.req = &r->req;
+    r->rwork.req = &r->req;
+    r->job.kind = FITM_WORK_RERANK;
+    r->job.work = &r->rwork;
     job_bind(r);
     return submit_suspended(r);
 }
@@ -327,16 +297,17 @@ static enum MHD_Result finish_rerank(request *r)
         FITM_LOG(FITM_LOG_INFO, r->id, "rerank failed (%s): %s", fitm_status_name(j->status),
                  j->err.msg);
         enum MHD_Result ok = send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
-        fitm_rerank_result_free(&j->result);
+        fitm_rerank_result_free(&r->rwork.result);
         return ok;
     }
-    fitm_metrics_tokens(j->result.usage.prompt_tokens, j->result.usage.forward_tokens);
-    j->result.meta.queue_ms = j->queue_ms;
-    j->result.meta.total_ms = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e6;
-    char *json = fitm_api_write_rerank(&r->req, &j->result, r->id, r->h->p.model->name);
+    fitm_metrics_tokens(r->rwork.result.usage.prompt_tokens, r->rwork.result.usage.forward_tokens);
+    r->rwork.result.meta.queue_ms = j->queue_ms;
+    r->rwork.result.meta.total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
+    char *json = fitm_api_write_rerank(&r->req, &r->rwork.result, r->id, r->h->p.model->name);
     FITM_LOG(FITM_LOG_DEBUG, r->id, "rerank: K %d T %lld forward %lld", (int)r->req.n_docs,
-             (long long)j->result.usage.prompt_tokens, (long long)j->result.usage.forward_tokens);
-    fitm_rerank_result_free(&j->result);
+             (long long)r->rwork.result.usage.prompt_tokens,
+             (long long)r->rwork.result.usage.forward_tokens);
+    fitm_rerank_result_free(&r->rwork.result);
     return send_json(r, 200, json);
 }
 
@@ -344,12 +315,12 @@ static enum MHD_Result finish_rerank(request *r)
 
 static void request_free(request *r)
 {
-    free(r->body);
+    fitm_buf_free(&r->body);
     fitm_rerank_request_free(&r->req);
     fitm_answer_request_free(&r->areq);
     if (r->streaming)
         pthread_mutex_destroy(&r->smu);
-    free(r->sbuf);
+    fitm_buf_free(&r->sbuf);
     free(r);
 }
 
@@ -359,21 +330,8 @@ static bool sse_push(request *r, const char *json, bool last)
 {
     bool ok = true;
     pthread_mutex_lock(&r->smu);
-    if (json) {
-        size_t n = strlen(json) + 8;
-        if (r->slen + n + 1 > r->scap) {
-            size_t cap = (r->scap + n + 1) * 2;
-            char *b = realloc(r->sbuf, cap);
-            ok = b != NULL;
-            if (b) {
-                r->sbuf = b;
-                r->scap = cap;
-            }
-        }
-        if (ok)
-            r->slen +=
-                (size_t)snprintf(r->sbuf + r->slen, r->scap - r->slen, "data: %s\n\n", json);
-    }
+    if (json)
+        ok = fitm_buf_printf(&r->sbuf, "data: %s\n\n", json);
     if (last)
         r->s_done = true;
     if (r->s_suspended && !r->s_closed) {
@@ -410,22 +368,22 @@ static void sse_job_done(fitm_job *job, void *user)
     request *r = user;
     char *json;
     if (job->status == FITM_OK) {
-        double total_ms = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e6;
-        fitm_metrics_tokens(job->answer_result.prompt_tokens, job->answer_result.forward_tokens);
-        fitm_metrics_completion(job->answer_result.completion_tokens,
-                                job->answer_result.completion_tokens
-                                    ? (job->queue_ms + job->answer_result.first_token_ms) / 1e3
+        double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
+        fitm_metrics_tokens(r->awork.result.prompt_tokens, r->awork.result.forward_tokens);
+        fitm_metrics_completion(r->awork.result.completion_tokens,
+                                r->awork.result.completion_tokens
+                                    ? (job->queue_ms + r->awork.result.first_token_ms) / 1e3
                                     : -1);
-        json = fitm_api_write_answer(&r->areq, &job->answer_result, r->id, r->h->p.model->name,
+        json = fitm_api_write_answer(&r->areq, &r->awork.result, r->id, r->h->p.model->name,
                                      job->queue_ms, total_ms, false);
     } else {
         FITM_LOG(FITM_LOG_INFO, r->id, "answer stream ended (%s) after %lld tokens: %s",
                  fitm_status_name(job->status),
-                 (long long)job->answer_result.completion_tokens, job->err.msg);
+                 (long long)r->awork.result.completion_tokens, job->err.msg);
         fitm_api_error_class c = fitm_api_classify(job->status, FITM_API_COND_NONE);
         json = fitm_api_error_json(&c, job->err.msg);
     }
-    fitm_answer_result_free(&job->answer_result);
+    fitm_answer_result_free(&r->awork.result);
     sse_push(r, json, false);
     free(json);
     sse_push(r, "[DONE]", true);
@@ -438,12 +396,14 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
     (void)pos;
     ssize_t n = 0;
     pthread_mutex_lock(&r->smu);
-    if (r->soff < r->slen) {
-        size_t k = r->slen - r->soff < max ? r->slen - r->soff : max;
-        memcpy(buf, r->sbuf + r->soff, k);
+    if (r->soff < r->sbuf.len) {
+        size_t k = r->sbuf.len - r->soff < max ? r->sbuf.len - r->soff : max;
+        memcpy(buf, r->sbuf.p + r->soff, k);
         r->soff += k;
-        if (r->soff == r->slen)
-            r->soff = r->slen = 0;
+        if (r->soff == r->sbuf.len) {
+            r->soff = 0;
+            fitm_buf_clear(&r->sbuf);
+        }
         n = (ssize_t)k;
     } else if (r->s_done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
@@ -462,8 +422,8 @@ static enum MHD_Result start_stream(request *r)
     r->streaming = true;
     atomic_init(&r->s_cancel, false);
     atomic_init(&r->refs, 2); /* on_completed's and the job's */
-    r->job.on_delta = sse_delta;
-    r->job.delta_arg = r;
+    r->awork.on_delta = sse_delta;
+    r->awork.delta_arg = r;
     r->job.on_done = sse_job_done;
     fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
     if (st != FITM_OK) {
@@ -491,16 +451,17 @@ static enum MHD_Result start_stream(request *r)
 static enum MHD_Result start_answer(request *r)
 {
     fitm_err err = {{0}};
-    fitm_status st = fitm_api_parse_answer(r->body ? r->body : "", r->len, &r->h->limits,
+    fitm_status st = fitm_api_parse_answer(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
                                            &r->areq, &err);
-    free(r->body);
-    r->body = NULL;
+    fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     if (!r->areq.has_seed) /* reported in meta.seed, so any answer can be reproduced */
         r->areq.seed =
-            ((uint64_t)fitm_engine_now_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
-    r->job.answer = &r->areq;
+            ((uint64_t)fitm_clock_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
+    r->awork.req = &r->areq;
+    r->job.kind = FITM_WORK_ANSWER;
+    r->job.work = &r->awork;
     job_bind(r);
     if (r->areq.stream)
         return start_stream(r);
@@ -516,33 +477,107 @@ static enum MHD_Result finish_answer(request *r)
         FITM_LOG(FITM_LOG_INFO, r->id, "answer failed (%s): %s", fitm_status_name(j->status),
                  j->err.msg);
         enum MHD_Result ok = send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
-        fitm_answer_result_free(&j->answer_result);
+        fitm_answer_result_free(&r->awork.result);
         return ok;
     }
-    const fitm_answer_result *res = &j->answer_result;
+    const fitm_answer_result *res = &r->awork.result;
     fitm_metrics_tokens(res->prompt_tokens, res->forward_tokens);
     fitm_metrics_completion(res->completion_tokens,
                             res->completion_tokens ? (j->queue_ms + res->first_token_ms) / 1e3
                                                    : -1);
-    double total_ms = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e6;
+    double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
     char *json = fitm_api_write_answer(&r->areq, res, r->id, r->h->p.model->name, j->queue_ms,
                                        total_ms, true);
     FITM_LOG(FITM_LOG_DEBUG, r->id, "answer: K %d T %lld generated %lld",
              (int)r->areq.base.n_docs, (long long)res->prompt_tokens,
              (long long)res->completion_tokens);
-    fitm_answer_result_free(&j->answer_result);
+    fitm_answer_result_free(&r->awork.result);
     return send_json(r, 200, json);
+}
+
+/* ---- the route table ------------------------------------------------------------------ */
+
+/* A route: its path, its methods, whether it needs the API key, and how it answers. A GET
+ * route answers with start once the request is complete; a POST route (finish set) parses its
+ * body and submits a job in start, and answers in finish once the engine is done. */
+struct route_def {
+    const char *path;
+    fitm_route route;
+    const char *allow; /* methods */
+    bool auth;
+    enum MHD_Result (*start)(request *r);
+    enum MHD_Result (*finish)(request *r); /* NULL: a GET route */
+};
+
+static const route_def routes[] = {
+    {"/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/v1/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
+    {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
+    {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
+    {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
+    {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
+    {"/openapi.yaml", FITM_ROUTE_OPENAPI, "GET, HEAD", true, handle_openapi, NULL},
+};
+
+static const route_def *find_route(const char *path)
+{
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
+        if (!strcmp(path, routes[i].path))
+            return &routes[i];
+    return NULL;
+}
+
+static bool method_allowed(const route_def *rd, const char *method)
+{
+    if (!strcmp(rd->allow, "POST"))
+        return !strcmp(method, "POST");
+    return !strcmp(method, "GET") || !strcmp(method, "HEAD");
 }
 
 /* ---- the MHD callbacks --------------------------------------------------------------------- */
 
+/* The one 413: a body over max_body_bytes, announced (n_bytes from Content-Length) or found
+ * while reading a chunked body (n_bytes 0: not known). */
+static enum MHD_Result send_too_large(request *r, unsigned long long n_bytes)
+{
+    char msg[200];
+    long long limit = (long long)r->h->p.cfg->max_body_bytes;
+    if (n_bytes)
+        snprintf(msg, sizeof msg, "body of %llu bytes is over the limit of %lld bytes", n_bytes,
+                 limit);
+    else
+        snprintf(msg, sizeof msg, "body is over the limit of %lld bytes", limit);
+    return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
+}
+
+/* A POST's headers: a JSON Content-Type and an announced length within the limit. */
+static enum MHD_Result check_post_headers(request *r)
+{
+    const char *ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Type");
+    if (!json_content_type(ct)) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "Content-Type '%.100s' is not JSON (send application/json)", ct);
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE, NULL, msg);
+    }
+    const char *cl = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Length");
+    if (cl) {
+        char *end = NULL;
+        unsigned long long n = strtoull(cl, &end, 10);
+        if (end != cl && n > (unsigned long long)r->h->p.cfg->max_body_bytes)
+            return send_too_large(r, n);
+    }
+    return MHD_YES;
+}
+
 /* First callback of a request: everything decidable from the request line and headers. */
 static enum MHD_Result first_call(request *r, const char *url, const char *method)
 {
-    fitm_http *h = r->h;
     const route_def *rd = find_route(url);
+    r->rd = rd;
     r->route = rd ? rd->route : FITM_ROUTE_OTHER;
-    if (atomic_load(&h->draining))
+    if (atomic_load(&r->h->draining))
         return send_error(r, FITM_ERR_CANCELLED, FITM_API_COND_NONE, NULL,
                           "the server is shutting down");
     if (!rd) {
@@ -556,29 +591,68 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
                  rd->allow);
         return send_error(r, FITM_ERR_INVALID, FITM_API_COND_METHOD, rd->allow, msg);
     }
-    if (rd->auth && !authorized(h, r->conn))
+    if (rd->auth && !authorized(r->h, r->conn))
         return send_error(r, FITM_ERR_INVALID, FITM_API_COND_UNAUTHORIZED, NULL,
                           "missing or invalid API key (send Authorization: Bearer KEY)");
     if (strcmp(method, "POST") != 0)
         return MHD_YES; /* GETs answer on the next call */
-    const char *ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Type");
-    if (!json_content_type(ct)) {
-        char msg[200];
-        snprintf(msg, sizeof msg, "Content-Type '%.100s' is not JSON (send application/json)", ct);
-        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE, NULL, msg);
+    return check_post_headers(r);
+}
+
+/* A new request's state, counted as open. NULL when out of memory. */
+static request *request_new(fitm_http *h, struct MHD_Connection *conn, const char *url,
+                            const char *method)
+{
+    request *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->h = h;
+    r->conn = conn;
+    r->t0_ns = fitm_clock_ns();
+    snprintf(r->method, sizeof r->method, "%s", method);
+    snprintf(r->path, sizeof r->path, "%s", url);
+    make_id(h, conn, r->id, sizeof r->id);
+    atomic_init(&r->done, false);
+    pthread_mutex_lock(&h->mu);
+    h->open_requests++;
+    pthread_mutex_unlock(&h->mu);
+    return r;
+}
+
+/* A piece of the body: kept while the body stays within max_body_bytes; past it (only a
+ * chunked body gets there: a too-long Content-Length was refused up front) nothing more is
+ * kept and the request answers 413 once the client stops sending. */
+static enum MHD_Result take_body(request *r, const char *data, size_t n)
+{
+    size_t limit = (size_t)r->h->p.cfg->max_body_bytes;
+    if (r->state == ST_DISCARD) {
+        r->discarded += n;
+        /* A chunked body far past the cap: stop reading and close. */
+        return r->discarded > 4 * limit ? MHD_NO : MHD_YES;
     }
-    const char *cl = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Length");
-    if (cl) {
-        char *end = NULL;
-        unsigned long long n = strtoull(cl, &end, 10);
-        if (end != cl && (n > (unsigned long long)h->p.cfg->max_body_bytes)) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "body of %llu bytes is over the limit of %lld bytes", n,
-                     (long long)h->p.cfg->max_body_bytes);
-            return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
-        }
+    if (r->body.len + n > limit) {
+        r->discarded = r->body.len + n;
+        fitm_buf_free(&r->body);
+        r->state = ST_DISCARD;
+        return MHD_YES;
     }
-    return MHD_YES;
+    return fitm_buf_append(&r->body, data, n) ? MHD_YES : MHD_NO;
+}
+
+/* The request is complete (or a suspended one was resumed): answer it, or start its job, or
+ * answer the finished job. */
+static enum MHD_Result on_complete(request *r)
+{
+    const route_def *rd = r->rd;
+    if (!rd)
+        return MHD_NO;
+    if (rd->finish) {
+        if (r->state == ST_DISCARD)
+            return send_too_large(r, 0);
+        if (r->state == ST_WAIT)
+            return atomic_load(&r->done) ? rd->finish(r) : MHD_YES;
+    }
+    return rd->start(r);
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
@@ -586,23 +660,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                                   const char *upload_data, size_t *upload_data_size,
                                   void **con_cls)
 {
-    fitm_http *h = cls;
     request *r = *con_cls;
     if (!r) {
-        r = calloc(1, sizeof *r);
+        r = request_new(cls, conn, url, method);
         if (!r)
             return MHD_NO;
-        r->h = h;
-        r->conn = conn;
-        r->t0_ns = fitm_engine_now_ns();
-        snprintf(r->method, sizeof r->method, "%s", method);
-        snprintf(r->path, sizeof r->path, "%s", url);
-        make_id(h, conn, r->id, sizeof r->id);
-        atomic_init(&r->done, false);
         *con_cls = r;
-        pthread_mutex_lock(&h->mu);
-        h->open_requests++;
-        pthread_mutex_unlock(&h->mu);
         return first_call(r, url, method);
     }
     if (r->state == ST_ANSWERED) {
@@ -612,75 +675,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_data_size) {
         size_t n = *upload_data_size;
         *upload_data_size = 0;
-        if (r->state == ST_DISCARD) {
-            r->discarded += n;
-            /* A chunked body far past the cap: stop reading and close. */
-            return r->discarded > 4 * (size_t)h->p.cfg->max_body_bytes ? MHD_NO : MHD_YES;
-        }
-        if (r->len + n > (size_t)h->p.cfg->max_body_bytes) {
-            /* Only a chunked body gets here (a too-long Content-Length was refused up front):
-             * keep nothing more and answer 413 once the client stops sending. */
-            free(r->body);
-            r->body = NULL;
-            r->discarded = r->len + n;
-            r->len = r->cap = 0;
-            r->state = ST_DISCARD;
-            return MHD_YES;
-        }
-        if (r->len + n > r->cap) {
-            size_t cap = r->cap ? r->cap : 4096;
-            while (cap < r->len + n)
-                cap *= 2;
-            if (cap > (size_t)h->p.cfg->max_body_bytes)
-                cap = (size_t)h->p.cfg->max_body_bytes;
-            char *b = realloc(r->body, cap + 1);
-            if (!b)
-                return MHD_NO;
-            r->body = b;
-            r->cap = cap;
-        }
-        memcpy(r->body + r->len, upload_data, n);
-        r->len += n;
-        r->body[r->len] = '\0';
-        return MHD_YES;
+        return take_body(r, upload_data, n);
     }
-    /* The request is complete (or a suspended one was resumed). */
-    switch (r->route) {
-    case FITM_ROUTE_HEALTH:
-        return handle_health(r);
-    case FITM_ROUTE_METRICS:
-        return handle_metrics(r);
-    case FITM_ROUTE_MODELS:
-        return handle_models(r);
-    case FITM_ROUTE_OPENAPI:
-        return handle_openapi(r);
-    case FITM_ROUTE_RERANK:
-        if (r->state == ST_DISCARD) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "body is over the limit of %lld bytes",
-                     (long long)h->p.cfg->max_body_bytes);
-            return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
-        }
-        if (r->state == ST_WAIT)
-            return atomic_load(&r->done) ? finish_rerank(r) : MHD_YES;
-        return start_rerank(r);
-    case FITM_ROUTE_ANSWER:
-        if (r->state == ST_DISCARD) {
-            char msg[200];
-            snprintf(msg, sizeof msg, "body is over the limit of %lld bytes",
-                     (long long)h->p.cfg->max_body_bytes);
-            return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
-        }
-        if (r->state == ST_WAIT)
-            return atomic_load(&r->done) ? finish_answer(r) : MHD_YES;
-        if (r->state == ST_ANSWERED)
-            return MHD_YES;
-        return start_answer(r);
-    case FITM_ROUTE_OTHER:
-    case FITM_ROUTE_COUNT:
-        break;
-    }
-    return MHD_NO;
+    return on_complete(r);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -690,7 +687,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     request *r = *con_cls;
     if (!r)
         return;
-    double s = (double)(fitm_engine_now_ns() - r->t0_ns) / 1e9;
+    double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
     if (r->code)
         fitm_metrics_request(r->route, r->code, s);
     FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,

@@ -1,11 +1,12 @@
 #include "server/metrics.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "base/buf.h"
 
 static const char *route_names[FITM_ROUTE_COUNT] = {
     [FITM_ROUTE_RERANK] = "rerank",   [FITM_ROUTE_HEALTH] = "health",
@@ -83,112 +84,84 @@ void fitm_metrics_completion(int64_t completion_tokens, double first_token_s)
     pthread_mutex_unlock(&M.mu);
 }
 
-typedef struct {
-    char *buf;
-    size_t len, cap;
-    bool failed;
-} sbuf;
-
-__attribute__((format(printf, 2, 3))) static void put(sbuf *s, const char *fmt, ...)
-{
-    if (s->failed)
-        return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(s->buf + s->len, s->cap - s->len, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            s->failed = true;
-            return;
-        }
-        if ((size_t)n < s->cap - s->len) {
-            s->len += (size_t)n;
-            return;
-        }
-        size_t cap = s->cap * 2 + (size_t)n;
-        char *b = realloc(s->buf, cap);
-        if (!b) {
-            s->failed = true;
-            return;
-        }
-        s->buf = b;
-        s->cap = cap;
-    }
-}
-
 char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
 {
-    sbuf s = {malloc(8192), 0, 8192, false};
-    if (!s.buf)
+    fitm_buf s = {0};
+    if (!fitm_buf_reserve(&s, 8192))
         return NULL;
     pthread_mutex_lock(&M.mu);
-    put(&s, "# HELP fitm_requests_total HTTP requests answered, by route and status code.\n"
-            "# TYPE fitm_requests_total counter\n");
+    fitm_buf_printf(&s,
+                    "# HELP fitm_requests_total HTTP requests answered, by route and status code.\n"
+                    "# TYPE fitm_requests_total counter\n");
     for (int r = 0; r < FITM_ROUTE_COUNT; r++) {
         for (size_t c = 0; c < N_CODES; c++)
             if (M.requests[r][c])
-                put(&s, "fitm_requests_total{route=\"%s\",code=\"%d\"} %llu\n", route_names[r],
-                    codes[c], (unsigned long long)M.requests[r][c]);
+                fitm_buf_printf(&s, "fitm_requests_total{route=\"%s\",code=\"%d\"} %llu\n",
+                                route_names[r], codes[c], (unsigned long long)M.requests[r][c]);
         if (M.requests[r][N_CODES])
-            put(&s, "fitm_requests_total{route=\"%s\",code=\"other\"} %llu\n", route_names[r],
-                (unsigned long long)M.requests[r][N_CODES]);
+            fitm_buf_printf(&s, "fitm_requests_total{route=\"%s\",code=\"other\"} %llu\n",
+                            route_names[r], (unsigned long long)M.requests[r][N_CODES]);
     }
-    put(&s, "# HELP fitm_request_duration_seconds Time from a request's arrival to its "
+    fitm_buf_printf(&s, "# HELP fitm_request_duration_seconds Time from a request's arrival to its "
             "response.\n# TYPE fitm_request_duration_seconds histogram\n");
     for (int r = 0; r < FITM_ROUTE_COUNT; r++) {
         uint64_t cum = 0;
         for (size_t b = 0; b < N_BUCKETS; b++) {
             cum += M.hist[r][b];
-            put(&s, "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"%g\"} %llu\n",
-                route_names[r], buckets[b], (unsigned long long)cum);
+            fitm_buf_printf(&s,
+                            "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"%g\"} %llu\n",
+                            route_names[r], buckets[b], (unsigned long long)cum);
         }
-        put(&s, "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"+Inf\"} %llu\n",
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"+Inf\"} %llu\n",
             route_names[r], (unsigned long long)M.count[r]);
-        put(&s, "fitm_request_duration_seconds_sum{route=\"%s\"} %.6f\n", route_names[r],
-            M.sum[r]);
-        put(&s, "fitm_request_duration_seconds_count{route=\"%s\"} %llu\n", route_names[r],
-            (unsigned long long)M.count[r]);
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_sum{route=\"%s\"} %.6f\n",
+                        route_names[r], M.sum[r]);
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_count{route=\"%s\"} %llu\n",
+                        route_names[r], (unsigned long long)M.count[r]);
     }
-    put(&s, "# HELP fitm_prompt_tokens_total Prompt tokens of scored requests.\n"
+    fitm_buf_printf(&s, "# HELP fitm_prompt_tokens_total Prompt tokens of scored requests.\n"
             "# TYPE fitm_prompt_tokens_total counter\nfitm_prompt_tokens_total %lld\n",
         (long long)M.prompt_tokens);
-    put(&s, "# HELP fitm_forward_tokens_total Tokens computed by forward passes (prefix reuse "
-            "makes this less than passes x prompt).\n"
-            "# TYPE fitm_forward_tokens_total counter\nfitm_forward_tokens_total %lld\n",
+    fitm_buf_printf(
+        &s,
+        "# HELP fitm_forward_tokens_total Tokens computed by forward passes (prefix reuse "
+        "makes this less than passes x prompt).\n"
+        "# TYPE fitm_forward_tokens_total counter\nfitm_forward_tokens_total %lld\n",
         (long long)M.forward_tokens);
-    put(&s, "# HELP fitm_completion_tokens_total Tokens generated by /answer.\n"
+    fitm_buf_printf(&s, "# HELP fitm_completion_tokens_total Tokens generated by /answer.\n"
             "# TYPE fitm_completion_tokens_total counter\nfitm_completion_tokens_total %lld\n",
         (long long)M.completion_tokens);
-    put(&s, "# HELP fitm_time_to_first_token_seconds Time from an /answer request's arrival to "
+    fitm_buf_printf(
+        &s, "# HELP fitm_time_to_first_token_seconds Time from an /answer request's arrival to "
             "its first generated token.\n# TYPE fitm_time_to_first_token_seconds histogram\n");
     uint64_t cum = 0;
     for (size_t b = 0; b < N_BUCKETS; b++) {
         cum += M.ttft_hist[b];
-        put(&s, "fitm_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
+        fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
             (unsigned long long)cum);
     }
-    put(&s, "fitm_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n"
+    fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n"
             "fitm_time_to_first_token_seconds_sum %.6f\n"
             "fitm_time_to_first_token_seconds_count %llu\n",
         (unsigned long long)M.ttft_count, M.ttft_sum, (unsigned long long)M.ttft_count);
     pthread_mutex_unlock(&M.mu);
-    put(&s, "# HELP fitm_queue_depth Requests waiting for the engine.\n"
+    fitm_buf_printf(&s, "# HELP fitm_queue_depth Requests waiting for the engine.\n"
             "# TYPE fitm_queue_depth gauge\nfitm_queue_depth %lld\n",
         (long long)g->queue_depth);
-    put(&s, "# HELP fitm_queue_capacity Most requests that may wait (queue_depth).\n"
+    fitm_buf_printf(&s, "# HELP fitm_queue_capacity Most requests that may wait (queue_depth).\n"
             "# TYPE fitm_queue_capacity gauge\nfitm_queue_capacity %lld\n",
         (long long)g->queue_capacity);
-    put(&s, "# HELP fitm_inflight_requests Requests the engine is running now.\n"
+    fitm_buf_printf(&s, "# HELP fitm_inflight_requests Requests the engine is running now.\n"
             "# TYPE fitm_inflight_requests gauge\nfitm_inflight_requests %lld\n",
         (long long)g->inflight);
-    put(&s, "# HELP fitm_model_ready 1 once the model is loaded and the backend healthy.\n"
-            "# TYPE fitm_model_ready gauge\nfitm_model_ready %d\n",
-        g->ready);
+    fitm_buf_printf(&s,
+                    "# HELP fitm_model_ready 1 once the model is loaded and the backend healthy.\n"
+                    "# TYPE fitm_model_ready gauge\nfitm_model_ready %d\n",
+                    g->ready);
     if (s.failed) {
-        free(s.buf);
+        fitm_buf_free(&s);
         return NULL;
     }
     *len = s.len;
-    return s.buf;
+    return s.p;
 }

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/tok_internal.h"
 #include "base/unicode.h"
+#include "tokenizer/tok_internal.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
@@ -154,17 +154,17 @@ static size_t word_end(fitm_tok_pre pre, const uint32_t *cp, const uint8_t *cl, 
 
 /* Cuts text[0..len) into words. On return scratch[0] holds *n_words uint32 byte offsets, each
  * just past a word. Uses scratch[0..2]. */
-static fitm_status split_words(fitm_tok_pre pre, const char *text, size_t len, tok_buf scratch[4],
+static fitm_status split_words(fitm_tok_pre pre, const char *text, size_t len, fitm_buf scratch[4],
                                size_t *n_words, fitm_err *err)
 {
     *n_words = 0;
-    if (!tok_buf_reserve(&scratch[0], (len + 1) * sizeof(uint32_t)) ||
-        !tok_buf_reserve(&scratch[1], (len + 1) * sizeof(uint32_t)) ||
-        !tok_buf_reserve(&scratch[2], len + 1))
+    if (!fitm_buf_reserve(&scratch[0], (len + 1) * sizeof(uint32_t)) ||
+        !fitm_buf_reserve(&scratch[1], (len + 1) * sizeof(uint32_t)) ||
+        !fitm_buf_reserve(&scratch[2], len + 1))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory tokenizing %zu bytes", len);
-    uint32_t *off = scratch[0].p; /* byte offset of character k; reused for the word ends */
-    uint32_t *cp = scratch[1].p;
-    uint8_t *cl = scratch[2].p;
+    uint32_t *off = (void *)scratch[0].p; /* byte offset of character k; reused for the word ends */
+    uint32_t *cp = (void *)scratch[1].p;
+    uint8_t *cl = (void *)scratch[2].p;
     size_t n = 0;
     for (size_t b = 0; b < len; n++) {
         off[n] = (uint32_t)b;
@@ -197,11 +197,11 @@ fitm_status fitm_tok_pretokenize(fitm_tok_pre pre, const char *text, size_t len,
         return fitm_err_set(err, FITM_ERR_LIMIT, "text of %zu bytes is over the limit", len);
     if (n_max < 0 || (n_max > 0 && !ends) || (len > 0 && !text))
         return fitm_err_set(err, FITM_ERR_INVALID, "fitm_tok_pretokenize: bad arguments");
-    tok_buf scratch[4] = {{0}};
+    fitm_buf scratch[4] = {{0}};
     size_t n_words = 0;
     fitm_status st = split_words(pre, text, len, scratch, &n_words, err);
     if (st == FITM_OK) {
-        const uint32_t *e = scratch[0].p;
+        const uint32_t *e = (void *)scratch[0].p;
         for (size_t i = 0; i < n_words && (int64_t)i < n_max; i++)
             ends[i] = e[i];
         *n_out = (int64_t)n_words;
@@ -210,7 +210,7 @@ fitm_status fitm_tok_pretokenize(fitm_tok_pre pre, const char *text, size_t len,
                               (long long)n_max);
     }
     for (int i = 0; i < 4; i++)
-        free(scratch[i].p);
+        fitm_buf_free(&scratch[i]);
     return st;
 }
 
@@ -276,29 +276,29 @@ static void bpe_word(const fitm_tokenizer *tok, const char *s, size_t m, tok_sym
 }
 
 fitm_status tok_bpe_encode(const fitm_tokenizer *tok, const char *text, size_t len, tok_out *out,
-                           tok_buf scratch[4], fitm_err *err)
+                           fitm_buf scratch[4], fitm_err *err)
 {
     size_t n_words = 0;
     fitm_status st = split_words(tok->pre, text, len, scratch, &n_words, err);
     if (st != FITM_OK)
         return st;
     /* The longest word bounds the per-word buffers (scratch[1] and [2] are free again). */
-    const uint32_t *ends = scratch[0].p;
+    const uint32_t *ends = (void *)scratch[0].p;
     size_t longest = 0;
     for (size_t w = 0, start = 0; w < n_words; start = ends[w++])
         if (ends[w] - start > longest)
             longest = ends[w] - start;
-    if (!tok_buf_reserve(&scratch[1], 2 * longest + 1) ||
-        !tok_buf_reserve(&scratch[2], (2 * longest + 1) * sizeof(tok_sym)) ||
-        !tok_buf_reserve(&scratch[3], (6 * longest + 1) * sizeof(tok_bigram)))
+    if (!fitm_buf_reserve(&scratch[1], 2 * longest + 1) ||
+        !fitm_buf_reserve(&scratch[2], (2 * longest + 1) * sizeof(tok_sym)) ||
+        !fitm_buf_reserve(&scratch[3], (6 * longest + 1) * sizeof(tok_bigram)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory tokenizing %zu bytes", len);
-    ends = scratch[0].p;
+    ends = (void *)scratch[0].p;
     char *enc = scratch[1].p;
     for (size_t w = 0, start = 0; w < n_words; start = ends[w++]) {
         size_t m = 0;
         for (size_t b = start; b < ends[w]; b++)
             m += fitm_unicode_utf8_encode(tok->bpe_cp[(unsigned char)text[b]], enc + m);
-        bpe_word(tok, enc, m, scratch[2].p, scratch[3].p, out);
+        bpe_word(tok, enc, m, (void *)scratch[2].p, (void *)scratch[3].p, out);
     }
     return FITM_OK;
 }

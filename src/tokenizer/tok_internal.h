@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/buf.h"
 #include "tokenizer/tokenizer.h"
 
 #define TOK_MAX_EOG 16
@@ -71,15 +72,6 @@ struct fitm_tokenizer {
     int n_eog;
     bool add_bos, add_eos, add_space_prefix, ignore_merges;
 };
-
-/* Growable per-call scratch, reused across the fragments of one encode call. */
-typedef struct {
-    void *p;
-    size_t cap_bytes;
-} tok_buf;
-
-/* Makes b hold at least n_bytes; false on allocation failure. */
-bool tok_buf_reserve(tok_buf *b, size_t n_bytes);
 
 /* Output sink of an encode call: ids land in ids[0..n_max), *n counts them all. */
 typedef struct {
@@ -180,6 +172,6 @@ void tok_bpe_init_bytes(fitm_tokenizer *tok);
 
 /* Tokenizes one fragment of plain text (no special tokens in it) with byte-level BPE. */
 fitm_status tok_bpe_encode(const fitm_tokenizer *tok, const char *text, size_t len, tok_out *out,
-                           tok_buf scratch[4], fitm_err *err);
+                           fitm_buf scratch[4], fitm_err *err);
 
 #endif

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/tok_internal.h"
 #include "base/unicode.h"
+#include "tokenizer/tok_internal.h"
 
 #define MAX_TOKENS ((uint64_t)1 << 30)
 #define SPM_SPACE "\xE2\x96\x81" /* U+2581, SentencePiece's space */

@@ -12,28 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tokenizer/tok_internal.h"
 #include "base/unicode.h"
+#include "tokenizer/tok_internal.h"
 
 #define SPM_SPACE "\xE2\x96\x81" /* U+2581 LOWER ONE EIGHTH BLOCK, SentencePiece's space */
 
 /* ---------------------------------------------------------------------------------------- */
 /* Small helpers shared with tok_bpe.c. */
-
-bool tok_buf_reserve(tok_buf *b, size_t n_bytes)
-{
-    if (b->cap_bytes >= n_bytes)
-        return true;
-    size_t cap = b->cap_bytes ? b->cap_bytes : 256;
-    while (cap < n_bytes)
-        cap = cap > SIZE_MAX / 2 ? n_bytes : cap * 2;
-    void *p = realloc(b->p, cap);
-    if (!p)
-        return false;
-    b->p = p;
-    b->cap_bytes = cap;
-    return true;
-}
 
 void tok_heap_push(tok_bigram *h, size_t *n, tok_bigram b)
 {
@@ -237,11 +222,11 @@ static void spm_merge(const fitm_tokenizer *tok, const char *s, tok_sym *sym, in
 }
 
 static fitm_status spm_encode(const fitm_tokenizer *tok, const char *text, size_t len, bool prefix,
-                              tok_out *out, tok_buf scratch[4], fitm_err *err)
+                              tok_out *out, fitm_buf scratch[4], fitm_err *err)
 {
     /* Escape: optional leading "▁", every ' ' -> "▁". */
     size_t m = 0;
-    if (!tok_buf_reserve(&scratch[0], 3 * len + 3))
+    if (!fitm_buf_reserve(&scratch[0], 3 * len + 3))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory tokenizing %zu bytes", len);
     char *s = scratch[0].p;
     if (prefix) {
@@ -260,11 +245,11 @@ static fitm_status spm_encode(const fitm_tokenizer *tok, const char *text, size_
         return FITM_OK;
 
     /* Symbols: one per UTF-8 character (an invalid byte is a character of its own). */
-    if (!tok_buf_reserve(&scratch[1], m * sizeof(tok_sym)) ||
-        !tok_buf_reserve(&scratch[2], (3 * m + 1) * sizeof(tok_bigram)))
+    if (!fitm_buf_reserve(&scratch[1], m * sizeof(tok_sym)) ||
+        !fitm_buf_reserve(&scratch[2], (3 * m + 1) * sizeof(tok_bigram)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory tokenizing %zu bytes", len);
-    tok_sym *sym = scratch[1].p;
-    tok_bigram *heap = scratch[2].p;
+    tok_sym *sym = (void *)scratch[1].p;
+    tok_bigram *heap = (void *)scratch[2].p;
     int32_t n_sym = 0, seg = 0;
     uint32_t prev_cp = FITM_UNICODE_INVALID;
     for (size_t off = 0; off < m;) {
@@ -307,7 +292,7 @@ static int32_t match_special(const fitm_tokenizer *tok, const char *text, size_t
 }
 
 static fitm_status encode_fragment(const fitm_tokenizer *tok, const char *text, size_t len,
-                                   bool prev_special, tok_out *out, tok_buf scratch[4],
+                                   bool prev_special, tok_out *out, fitm_buf scratch[4],
                                    fitm_err *err)
 {
     if (tok->type == FITM_TOK_SPM)
@@ -326,7 +311,7 @@ fitm_status fitm_tok_encode(const fitm_tokenizer *tok, const char *text, size_t 
     if (n_max < 0 || (n_max > 0 && !ids) || (len > 0 && !text))
         return fitm_err_set(err, FITM_ERR_INVALID, "fitm_tok_encode: bad arguments");
     tok_out out = {ids, n_max, 0};
-    tok_buf scratch[4] = {{0}};
+    fitm_buf scratch[4] = {{0}};
     fitm_status st = FITM_OK;
     bool parse_special = (flags & FITM_TOK_PARSE_SPECIAL) != 0;
     /* llama.cpp: the space prefix goes before the first fragment and after every special. */
@@ -368,7 +353,7 @@ fitm_status fitm_tok_encode(const fitm_tokenizer *tok, const char *text, size_t 
                           (long long)out.n, (long long)n_max);
 done:
     for (int i = 0; i < 4; i++)
-        free(scratch[i].p);
+        fitm_buf_free(&scratch[i]);
     return st;
 }
 

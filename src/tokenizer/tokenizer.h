@@ -33,8 +33,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gguf/gguf.h"
 #include "base/status.h"
+#include "gguf/gguf.h"
 
 typedef struct fitm_tokenizer fitm_tokenizer;
 
