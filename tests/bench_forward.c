@@ -13,12 +13,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/pool.h"
+#include "compute/quant.h"
 #include "model/backend.h"
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
-#include "base/pool.h"
-#include "compute/quant.h"
 
 static double now_s(void)
 {

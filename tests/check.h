@@ -11,10 +11,8 @@
 static int failures; /* failed checks so far (a test may also add its own)      */
 static int n_checks; /* checks run so far                                        */
 
-__attribute__((format(printf, 4, 5), unused)) static void check_failed(const char *file,
-                                                                       int line,
-                                                                       const char *cond,
-                                                                       const char *fmt, ...)
+__attribute__((format(printf, 4, 5), unused)) static void
+check_failed(const char *file, int line, const char *cond, const char *fmt, ...)
 {
     if (failures++ >= 50)
         return;
@@ -29,11 +27,11 @@ __attribute__((format(printf, 4, 5), unused)) static void check_failed(const cha
     fputc('\n', stderr);
 }
 
-#define CHECK(cond, ...)                                                                       \
-    do {                                                                                       \
-        n_checks++;                                                                            \
-        if (!(cond))                                                                           \
-            check_failed(__FILE__, __LINE__, #cond, " " __VA_ARGS__);                           \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        n_checks++;                                                                                \
+        if (!(cond))                                                                               \
+            check_failed(__FILE__, __LINE__, #cond, " " __VA_ARGS__);                              \
     } while (0)
 
 #endif

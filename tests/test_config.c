@@ -5,8 +5,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "server/config.h"
 #include "check.h"
+#include "server/config.h"
 
 static fitm_status load(fitm_config *cfg, fitm_err *err, int argc, char **argv)
 {

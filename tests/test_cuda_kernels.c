@@ -18,10 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "check.h"
 #include "compute/ops.h"
 #include "compute/quant.h"
-#include "check.h"
+#include "kernels.h"
 
 #define GUARD_BYTES 256 /* before and after every device buffer; keeps the payload 256-aligned */
 #define GUARD_BYTE 0xA7

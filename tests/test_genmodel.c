@@ -7,10 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/genmodel.h"
-#include "gguf/gguf.h"
-#include "compute/quant.h"
 #include "check.h"
+#include "compute/quant.h"
+#include "gguf/gguf.h"
+#include "model/genmodel.h"
 
 static const fitm_dtype TYPES[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                    FITM_DTYPE_Q8_0, FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0,

@@ -13,9 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
-#include "check.h"
 
 #define OK(expr)                                                                                   \
     do {                                                                                           \

@@ -8,16 +8,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/pool.h"
+#include "check.h"
+#include "compute/ops.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
 #include "model/backend.h"
 #include "model/forward.h"
 #include "model/genmodel.h"
-#include "gguf/gguf.h"
-#include "gguf/gguf_writer.h"
 #include "model/kv.h"
 #include "model/model.h"
-#include "compute/ops.h"
-#include "base/pool.h"
-#include "check.h"
 
 /* ---- pool -------------------------------------------------------------------------------- */
 

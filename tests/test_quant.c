@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "compute/quant.h"
 #include "compute/quant_internal.h"
-#include "check.h"
 
 #if FITM_QUANT_SIMD
 #include <immintrin.h>

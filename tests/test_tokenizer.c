@@ -19,13 +19,13 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/unicode.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
 #include "tokenizer/tokenizer.h"
-#include "base/unicode.h"
 
-#include "tok_pretok_cases.h"
 #include "check.h"
+#include "tok_pretok_cases.h"
 
 static void die(const char *what, fitm_status st, const fitm_err *e)
 {

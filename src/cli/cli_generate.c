@@ -13,8 +13,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "model/backend.h"
 #include "cli/cli.h"
+#include "model/backend.h"
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"

@@ -8,8 +8,8 @@
 #include <sys/stat.h>
 
 #include "cli/cli.h"
-#include "model/genmodel.h"
 #include "compute/quant.h"
+#include "model/genmodel.h"
 
 static void usage(FILE *f)
 {

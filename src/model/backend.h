@@ -17,13 +17,44 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model/model.h"
-#include "compute/ops.h"
 #include "base/status.h"
+#include "compute/ops.h"
+#include "model/model.h"
 
 typedef struct fitm_backend fitm_backend;
 typedef struct fitm_capture fitm_capture;
 typedef struct fitm_intervention fitm_intervention;
+
+/* Most spans a capture or an intervention may carry (documents per request are capped far
+ * lower by the API). */
+#define FITM_FORWARD_MAX_SPANS 4096
+
+/* Attention capture for chosen query rows: the post-softmax probabilities of every layer and
+ * head, as full rows and/or as sums over key spans. Only the rows asked for are stored; no
+ * T x T matrix is ever kept. */
+struct fitm_capture {
+    const int64_t *rows;     /* (n_rows) absolute query positions, each in [pos0, pos0 + T),
+                                no duplicates                                              */
+    int32_t n_rows;
+    const fitm_span *spans;  /* (n_spans) key spans to sum over; may overlap; any range     */
+    int32_t n_spans;
+    float *span_mass;        /* (n_rows, L, H, n_spans) host, or NULL                      */
+    float *probs;            /* (n_rows, L, H, probs_stride) host, or NULL: keys [0, row]
+                                written (masked keys 0), keys after row set to 0           */
+    int64_t probs_stride;    /* >= every row + 1 when probs is set                         */
+    bool after_intervention; /* capture the probabilities that multiply V (true) or those
+                                before the intervention (false); the same when none        */
+};
+
+/* The intervention (docs/design.md, Method), applied in the chosen layers to every head of
+ * every query row at a position >= from_pos: see fitm_ops_intervene. */
+struct fitm_intervention {
+    const fitm_span *spans;  /* (K) document spans: sorted, disjoint, non-empty           */
+    int32_t n_spans;
+    const float *alpha;      /* (K) weights, finite and >= 0, sum_k N_k * alpha_k > 0      */
+    const uint8_t *layers;   /* (L) nonzero: intervene in that layer; NULL: every layer     */
+    int64_t from_pos;
+};
 
 /* One output of a matrix product sharing its input with the others of the same call (Q, K, V
  * share the normed activations; gate and up share theirs): y (T, N) = x (T, K) . W^T + bias. */

@@ -11,10 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/backend.h"
-#include "model/forward.h"
 #include "base/pool.h"
 #include "compute/quant.h"
+#include "model/backend.h"
 
 #define ALIGN 64
 #define TILE_Q 32              /* query rows per attention task                      */

@@ -18,8 +18,8 @@
 #include <stdint.h>
 
 #include "base/dtype.h"
-#include "gguf/gguf_writer.h"
 #include "base/status.h"
+#include "gguf/gguf_writer.h"
 
 typedef enum {
     FITM_GEN_ARCH_LLAMA,  /* llama: RMSNorm, SwiGLU, normal RoPE, optional GQA / tied output   */

@@ -15,9 +15,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/status.h"
 #include "model/backend.h"
 #include "model/model.h"
-#include "base/status.h"
 
 typedef struct fitm_kv fitm_kv;
 

@@ -26,8 +26,8 @@
 #include <stdint.h>
 
 #include "base/dtype.h"
-#include "gguf/gguf.h"
 #include "base/status.h"
+#include "gguf/gguf.h"
 
 typedef enum {
     FITM_ARCH_LLAMA,

@@ -1,5 +1,5 @@
 /* answer: the request and result of POST /answer as plain C structs (filled and written by
- * api.c), and the pipeline on the engine's thread: DESIGN §2's prompt (the reranker's, with
+ * api.c), and the pipeline on the engine's thread: docs/design.md's prompt (the reranker's, with
  * exact document spans), alpha from the calibrated scores, then generation with the
  * intervention in the chosen layers for every query row after the last document.
  *
@@ -14,8 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pipeline/rerank.h"
 #include "base/status.h"
+#include "pipeline/rerank.h"
 
 /* Most stop strings a request may carry, and their longest length in bytes. */
 #define FITM_ANSWER_MAX_STOP 8

@@ -66,7 +66,7 @@ void fitm_rerank_result_free(fitm_rerank_result *res)
 
 /* ---- the pipeline ------------------------------------------------------------------------ */
 
-/* Liu et al.'s query-aware prompt (DESIGN §2). */
+/* Liu et al.'s query-aware prompt (docs/design.md, Method). */
 static const char PROMPT_HEAD[] = "Write a high-quality answer for the given question using only "
                                   "the provided search results (some of which might be "
                                   "irrelevant).\n\nQuestion: ";
@@ -258,7 +258,7 @@ fail:
     return st;
 }
 
-/* The prompt of DESIGN §2, tokenized piecewise: ids, and the body span of the document at
+/* The prompt of docs/design.md, tokenized piecewise: ids, and the body span of the document at
  * each position. order[p] is the document at position p (NULL: request order). */
 static fitm_status build_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
                                 const int32_t *order, ids_vec *ids, fitm_span *spans,

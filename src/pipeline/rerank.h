@@ -1,6 +1,7 @@
 /* rerank: the request and result of POST /rerank as plain C structs (filled and written by
  * api.c, which is the only JSON user), and the pipeline that turns one into the other on the
- * engine's thread (rerank.c: DESIGN §2's prompt, spans, reference passes and scores).
+ * engine's thread (rerank.c: the prompt, spans, reference passes and scores of
+ * docs/design.md, Method).
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
  * releases them. A result likewise owns its arrays; fitm_rerank_result_free releases them.
@@ -13,8 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "compute/ops.h"
 #include "base/status.h"
+#include "compute/ops.h"
 
 typedef enum {
     FITM_RERANK_CALIBRATED = 0, /* alpha = softmax((A - A_dum) / t)  (default)            */
@@ -131,7 +132,7 @@ void fitm_reranker_destroy(fitm_reranker *r);
 /* The chat template in use after create ("raw", "gemma", ...). */
 const char *fitm_reranker_template(const fitm_reranker *r);
 
-/* Scores req's documents (DESIGN §2) into *res (the caller frees it, also after a failure).
+/* Scores req's documents (docs/design.md) into *res (the caller frees it, also after a failure).
  * stop(stop_arg) is polled between forward calls; when it returns true the run ends with
  * FITM_ERR_TIMEOUT. Errors: FITM_ERR_LIMIT when the prompt does not fit n_ctx even after
  * per-document truncation, FITM_ERR_INVALID for layers the model does not have,
@@ -159,7 +160,7 @@ typedef struct {
 
 void fitm_reranker_parts_of(fitm_reranker *r, fitm_reranker_parts *out);
 
-/* DESIGN §2's prompt for req exactly as fitm_reranker_run builds it: *ids (malloc'd, the
+/* The prompt (docs/design.md) for req exactly as fitm_reranker_run builds it: *ids (malloc'd, the
  * caller frees it, also after a failure) of *n_ids tokens, and spans[p] (K entries, caller's)
  * the body of the document at position p. order[p] is the document at position p (NULL:
  * request order). */

@@ -10,9 +10,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/status.h"
 #include "pipeline/answer.h"
 #include "pipeline/rerank.h"
-#include "base/status.h"
 
 /* Protocol-level refusals that have no fitm_status of their own. FITM_API_COND_NONE means
  * "classify by the status". */

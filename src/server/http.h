@@ -12,9 +12,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/status.h"
 #include "server/config.h"
 #include "server/engine.h"
-#include "base/status.h"
 
 /* Model facts for /v1/models and responses. name is fixed at start; arch and n_ctx are
  * written by the loader before the engine becomes READY and read only after. */
