@@ -54,8 +54,9 @@ void fitm_ops_span_mass(float *mass, const float *p, int64_t key0, int64_t n_key
  * (docs/design.md, Method): with m_k the mass of span k, S = sum m_k and N_k its length,
  * every key of span k is scaled by alpha_k * N_k * C / m_k with C = S / sum_k N_k * alpha_k,
  * so the documents keep their total mass S and each document's per-token attention becomes
- * proportional to alpha_k. Keys outside the spans are untouched. Spans with m_k <= FITM_OPS_INTERVENE_MIN_MASS
- * take no part (they are neither scaled nor counted in S or in the sum of N_k * alpha_k).
+ * proportional to alpha_k. Keys outside the spans are untouched. Spans with
+ * m_k <= FITM_OPS_INTERVENE_MIN_MASS take no part (they are neither scaled nor counted in S or
+ * in the sum of N_k * alpha_k).
  * Spans must be disjoint; alpha_k >= 0. mass is scratch of n_spans floats. */
 void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span *spans,
                         const float *alpha, int32_t n_spans, double *mass);
