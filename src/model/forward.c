@@ -180,17 +180,12 @@ static void rope_tables(fitm_forward *f, int64_t T, int64_t pos0, float base, fl
     f->b->ops->upload(f->b, dst, f->cs_host, (size_t)(T * n_rot) * sizeof(float));
 }
 
-fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens, int64_t T,
-                             int64_t pos0, const fitm_forward_opts *opts, fitm_err *err)
+/* Everything a call's arguments must satisfy, checked before the cache is touched. */
+static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int32_t *tokens,
+                             int64_t T, int64_t pos0, const fitm_forward_opts *opts,
+                             fitm_err *err)
 {
-    static const fitm_forward_opts no_opts;
-    if (!opts)
-        opts = &no_opts;
-    const fitm_model *m = f->m;
-    const fitm_model_config *c = fitm_model_config_of(m);
-    fitm_backend *b = f->b;
-    const fitm_backend_ops *o = b->ops;
-
+    const fitm_model_config *c = fitm_model_config_of(f->m);
     /* Check everything before touching the cache. */
     if (!fitm_kv_fits(kv, c) || (opts->prefix && !fitm_kv_fits(opts->prefix, c)))
         return fitm_err_set(err, FITM_ERR_INVALID, "KV cache was made for another model shape");
@@ -232,101 +227,171 @@ fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens
     if ((s = check_capture(opts->capture, T, pos0, f->cap_index, err)) ||
         (s = check_intervention(opts->intervention, err)))
         return s;
+    return FITM_OK;
 
-    const int64_t C = c->n_embd, F = c->n_ff, D = c->head_dim;
-    const int64_t H = c->n_head, Hkv = c->n_head_kv;
-    const int64_t HkvD = Hkv * D;
-    const int64_t r0 = pos0 - base; /* first cache row written */
+}
+
+/* One call's state, shared by the layer steps. */
+typedef struct {
+    fitm_forward *f;
+    fitm_kv *kv;
+    const fitm_forward_opts *opts;
+    int64_t T, pos0;
+    int64_t base; /* the cache's first position (> 0: a branch over opts->prefix) */
+    bool batched; /* the call's numerics path */
+} pass;
+
+/* The RoPE tables of the call's positions, for the global and/or the local layers. */
+static void pass_rope_tables(const pass *p)
+{
+    const fitm_model_config *c = fitm_model_config_of(p->f->m);
     bool any_local = false, any_global = false;
     for (int32_t l = 0; l < c->n_layer; l++) {
-        if (fitm_model_layer(m, l)->local)
+        if (fitm_model_layer(p->f->m, l)->local)
             any_local = true;
         else
             any_global = true;
     }
     if (any_global)
-        rope_tables(f, T, pos0, c->rope_base, c->rope_freq_scale, f->cs[0]);
+        rope_tables(p->f, p->T, p->pos0, c->rope_base, c->rope_freq_scale, p->f->cs[0]);
     if (any_local)
-        rope_tables(f, T, pos0, c->rope_base_local, 1.0f, f->cs[1]);
+        rope_tables(p->f, p->T, p->pos0, c->rope_base_local, 1.0f, p->f->cs[1]);
+}
 
-    const bool batched = opts->path == FITM_PATH_BATCH ||
-                         (opts->path == FITM_PATH_AUTO && T >= FITM_FORWARD_BATCH_MIN);
-    o->embed(b, fitm_model_tok_embd(m), tokens, T, c->embd_scale, f->x);
+/* The attention op's arguments for layer l: q against the cache's rows (the prefix's below
+ * base), with the call's capture and, where this layer is intervened, its intervention. */
+static fitm_attn_args attn_args(const pass *p, int32_t l)
+{
+    const fitm_model_config *c = fitm_model_config_of(p->f->m);
+    const fitm_layer *ly = fitm_model_layer(p->f->m, l);
+    const fitm_forward_opts *opts = p->opts;
+    const fitm_intervention *iv = opts->intervention;
+    if (iv && iv->layers && !iv->layers[l])
+        iv = NULL;
+    return (fitm_attn_args){
+        .layer = l,
+        .T = p->T,
+        .pos0 = p->pos0,
+        .n_head = c->n_head,
+        .n_head_kv = c->n_head_kv,
+        .head_dim = c->head_dim,
+        .scale = c->attn_scale,
+        .window = ly->local ? c->n_swa : 0,
+        .q = p->f->q,
+        .out = p->f->att,
+        .k_pre = p->base > 0 ? fitm_kv_k(opts->prefix, l) : NULL,
+        .v_pre = p->base > 0 ? fitm_kv_v(opts->prefix, l) : NULL,
+        .k_own = fitm_kv_k(p->kv, l),
+        .v_own = fitm_kv_v(p->kv, l),
+        .own_base = p->base,
+        .capture = opts->capture,
+        .cap_index = p->f->cap_index,
+        .n_layer = c->n_layer,
+        .intervention = iv,
+    };
+}
 
+/* x += attention block of layer l; appends the call's K/V rows to the cache. */
+static void attention_block(const pass *p, int32_t l)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const fitm_layer *ly = fitm_model_layer(f->m, l);
+    fitm_backend *b = f->b;
+    const fitm_backend_ops *o = b->ops;
+    const int64_t T = p->T, C = c->n_embd, H = c->n_head, Hkv = c->n_head_kv, D = c->head_dim;
+    const int64_t r0 = (p->pos0 - p->base) * Hkv * D; /* the first cache row written */
+    float *k_new = fitm_kv_k(p->kv, l) + r0, *v_new = fitm_kv_v(p->kv, l) + r0;
+    const float *cs = f->cs[ly->local ? 1 : 0];
+
+    o->rmsnorm(b, f->xn, f->x, &ly->attn_norm, T, C, c->norm_eps);
+    fitm_mm_out qkv[3] = {
+        {&ly->wq, ly->bq.data ? &ly->bq : NULL, f->q},
+        {&ly->wk, ly->bk.data ? &ly->bk : NULL, k_new},
+        {&ly->wv, ly->bv.data ? &ly->bv : NULL, v_new},
+    };
+    o->matmul(b, f->xn, T, qkv, 3, p->batched);
+    if (c->qk_norm) {
+        o->rmsnorm(b, f->q, f->q, &ly->q_norm, T * H, D, c->norm_eps);
+        o->rmsnorm(b, k_new, k_new, &ly->k_norm, T * Hkv, D, c->norm_eps);
+    }
+    o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
+    o->rope(b, k_new, T, Hkv, D, c->n_rot, cs, c->rope_neox);
+    fitm_attn_args a = attn_args(p, l);
+    o->attention(b, &a);
+    fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
+    o->matmul(b, f->att, T, &wo, 1, p->batched);
+    if (c->post_norms)
+        o->rmsnorm(b, f->tmp, f->tmp, &ly->post_attn_norm, T, C, c->norm_eps);
+    o->add(b, f->x, f->tmp, T * C);
+}
+
+/* x += feed-forward block of layer l. */
+static void ffn_block(const pass *p, int32_t l)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const fitm_layer *ly = fitm_model_layer(f->m, l);
+    fitm_backend *b = f->b;
+    const fitm_backend_ops *o = b->ops;
+    const int64_t T = p->T, C = c->n_embd, F = c->n_ff;
+
+    o->rmsnorm(b, f->xn, f->x, &ly->ffn_norm, T, C, c->norm_eps);
+    fitm_mm_out gu[2] = {{&ly->w_gate, NULL, f->g}, {&ly->w_up, NULL, f->u}};
+    o->matmul(b, f->xn, T, gu, 2, p->batched);
+    o->glu(b, f->g, f->g, f->u, T * F, c->act);
+    fitm_mm_out down = {&ly->w_down, NULL, f->tmp};
+    o->matmul(b, f->g, T, &down, 1, p->batched);
+    if (c->post_norms)
+        o->rmsnorm(b, f->tmp, f->tmp, &ly->post_ffn_norm, T, C, c->norm_eps);
+    o->add(b, f->x, f->tmp, T * C);
+}
+
+/* Logits of the last n_logits rows into opts->logits (always the STEP products). */
+static void output_head(const pass *p)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    fitm_backend *b = f->b;
+    const fitm_backend_ops *o = b->ops;
+    const int64_t nl = p->opts->n_logits, C = c->n_embd, V = c->n_vocab;
+    o->rmsnorm(b, f->xn, f->x + (p->T - nl) * C, fitm_model_output_norm(f->m), nl, C,
+               c->norm_eps);
+    fitm_mm_out head = {fitm_model_output(f->m), NULL, f->logits};
+    o->matmul(b, f->xn, nl, &head, 1, false);
+    if (c->final_softcap > 0.0f)
+        o->softcap(b, f->logits, nl * V, c->final_softcap);
+    o->download(b, p->opts->logits, f->logits, (size_t)(nl * V) * sizeof(float));
+}
+
+fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens, int64_t T,
+                             int64_t pos0, const fitm_forward_opts *opts, fitm_err *err)
+{
+    static const fitm_forward_opts no_opts;
+    if (!opts)
+        opts = &no_opts;
+    fitm_status s = check_run(f, kv, tokens, T, pos0, opts, err);
+    if (s != FITM_OK)
+        return s;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const pass p = {
+        .f = f,
+        .kv = kv,
+        .opts = opts,
+        .T = T,
+        .pos0 = pos0,
+        .base = fitm_kv_pos_base(kv),
+        .batched = opts->path == FITM_PATH_BATCH ||
+                   (opts->path == FITM_PATH_AUTO && T >= FITM_FORWARD_BATCH_MIN),
+    };
+    pass_rope_tables(&p);
+    f->b->ops->embed(f->b, fitm_model_tok_embd(f->m), tokens, T, c->embd_scale, f->x);
     for (int32_t l = 0; l < c->n_layer; l++) {
-        const fitm_layer *ly = fitm_model_layer(m, l);
-        float *kc = fitm_kv_k(kv, l), *vc = fitm_kv_v(kv, l);
-        float *k_new = kc + r0 * HkvD, *v_new = vc + r0 * HkvD;
-
-        /* attention block */
-        o->rmsnorm(b, f->xn, f->x, &ly->attn_norm, T, C, c->norm_eps);
-        fitm_mm_out qkv[3] = {
-            {&ly->wq, ly->bq.data ? &ly->bq : NULL, f->q},
-            {&ly->wk, ly->bk.data ? &ly->bk : NULL, k_new},
-            {&ly->wv, ly->bv.data ? &ly->bv : NULL, v_new},
-        };
-        o->matmul(b, f->xn, T, qkv, 3, batched);
-        if (c->qk_norm) {
-            o->rmsnorm(b, f->q, f->q, &ly->q_norm, T * H, D, c->norm_eps);
-            o->rmsnorm(b, k_new, k_new, &ly->k_norm, T * Hkv, D, c->norm_eps);
-        }
-        const float *cs = f->cs[ly->local ? 1 : 0];
-        o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
-        o->rope(b, k_new, T, Hkv, D, c->n_rot, cs, c->rope_neox);
-
-        const fitm_intervention *iv = opts->intervention;
-        if (iv && iv->layers && !iv->layers[l])
-            iv = NULL;
-        fitm_attn_args a = {
-            .layer = l,
-            .T = T,
-            .pos0 = pos0,
-            .n_head = c->n_head,
-            .n_head_kv = c->n_head_kv,
-            .head_dim = c->head_dim,
-            .scale = c->attn_scale,
-            .window = ly->local ? c->n_swa : 0,
-            .q = f->q,
-            .out = f->att,
-            .k_pre = base > 0 ? fitm_kv_k(opts->prefix, l) : NULL,
-            .v_pre = base > 0 ? fitm_kv_v(opts->prefix, l) : NULL,
-            .k_own = kc,
-            .v_own = vc,
-            .own_base = base,
-            .capture = opts->capture,
-            .cap_index = f->cap_index,
-            .n_layer = c->n_layer,
-            .intervention = iv,
-        };
-        o->attention(b, &a);
-        fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
-        o->matmul(b, f->att, T, &wo, 1, batched);
-        if (c->post_norms)
-            o->rmsnorm(b, f->tmp, f->tmp, &ly->post_attn_norm, T, C, c->norm_eps);
-        o->add(b, f->x, f->tmp, T * C);
-
-        /* feed-forward block */
-        o->rmsnorm(b, f->xn, f->x, &ly->ffn_norm, T, C, c->norm_eps);
-        fitm_mm_out gu[2] = {{&ly->w_gate, NULL, f->g}, {&ly->w_up, NULL, f->u}};
-        o->matmul(b, f->xn, T, gu, 2, batched);
-        o->glu(b, f->g, f->g, f->u, T * F, c->act);
-        fitm_mm_out down = {&ly->w_down, NULL, f->tmp};
-        o->matmul(b, f->g, T, &down, 1, batched);
-        if (c->post_norms)
-            o->rmsnorm(b, f->tmp, f->tmp, &ly->post_ffn_norm, T, C, c->norm_eps);
-        o->add(b, f->x, f->tmp, T * C);
+        attention_block(&p, l);
+        ffn_block(&p, l);
     }
     fitm_kv_set_end(kv, pos0 + T);
-
-    const int64_t nl = opts->n_logits;
-    if (nl > 0) {
-        const int64_t V = c->n_vocab;
-        o->rmsnorm(b, f->xn, f->x + (T - nl) * C, fitm_model_output_norm(m), nl, C, c->norm_eps);
-        fitm_mm_out head = {fitm_model_output(m), NULL, f->logits};
-        o->matmul(b, f->xn, nl, &head, 1, false);
-        if (c->final_softcap > 0.0f)
-            o->softcap(b, f->logits, nl * V, c->final_softcap);
-        o->download(b, opts->logits, f->logits, (size_t)(nl * V) * sizeof(float));
-    }
+    if (opts->n_logits > 0)
+        output_head(&p);
     return FITM_OK;
 }
