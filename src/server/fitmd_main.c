@@ -136,13 +136,13 @@ static int wait_for_signal(const sigset_t *set, fitm_engine *e)
     }
 }
 
-int main(int argc, char **argv)
+/* Flags > environment > config file > defaults into cfg; --help/--print-config print. -1 to go
+ * on, else the exit status. */
+static int configure(int argc, char **argv, fitm_config *cfg)
 {
-    curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
-    static fitm_config cfg;
     fitm_err err = {{0}};
     bool help = false;
-    if (fitm_config_load(&cfg, argc, argv, &help, &err) != FITM_OK) {
+    if (fitm_config_load(cfg, argc, argv, &help, &err) != FITM_OK) {
         fprintf(stderr, "fitmd: %s\n", err.msg);
         return 2;
     }
@@ -151,50 +151,104 @@ int main(int argc, char **argv)
         for (int i = 1; i < argc; i++)
             print_config |= !strcmp(argv[i], "--print-config");
         if (print_config)
-            fitm_config_print_file(stdout, &cfg);
+            fitm_config_print_file(stdout, cfg);
         else
             fitm_config_print_help(stdout);
         return 0;
     }
-    fitm_log_threshold = (fitm_log_level)fitm_log_parse_level(cfg.log_level);
-    if (!cfg.model[0]) {
+    fitm_log_threshold = (fitm_log_level)fitm_log_parse_level(cfg->log_level);
+    if (!cfg->model[0]) {
         fprintf(stderr, "fitmd: no model: set --model PATH (or FITM_MODEL, or model = in the "
                         "config file)\n");
         return 2;
     }
+    return -1;
+}
+
+/* The served model's name (model_name, else the file's) and date; the file must exist unless
+ * a model_url can download it. -1 to go on, else the exit status. */
+static int describe_model(const fitm_config *cfg, fitm_http_model_info *info)
+{
     struct stat sb;
-    if (stat(cfg.model, &sb) != 0) {
-        if (!cfg.model_url[0]) {
-            fprintf(stderr, "fitmd: model %s: %s (set model_url to download it)\n", cfg.model,
+    if (stat(cfg->model, &sb) != 0) {
+        if (!cfg->model_url[0]) {
+            fprintf(stderr, "fitmd: model %s: %s (set model_url to download it)\n", cfg->model,
                     strerror(errno));
             return 1;
         }
         sb.st_mtime = time(NULL); /* downloaded on the engine thread, /health 503 meanwhile */
     }
-
-    static fitm_http_model_info info;
-    if (cfg.model_name[0]) {
-        snprintf(info.name, sizeof info.name, "%s", cfg.model_name);
+    if (cfg->model_name[0]) {
+        snprintf(info->name, sizeof info->name, "%s", cfg->model_name);
     } else {
         char path[FITM_CONFIG_STR_BYTES];
-        snprintf(path, sizeof path, "%s", cfg.model);
-        snprintf(info.name, sizeof info.name, "%s", basename(path));
+        snprintf(path, sizeof path, "%s", cfg->model);
+        snprintf(info->name, sizeof info->name, "%s", basename(path));
     }
-    info.created_s = (int64_t)sb.st_mtime;
+    info->created_s = (int64_t)sb.st_mtime;
+    return -1;
+}
 
-    /* Signals go to this thread only: block them before any thread starts. */
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &set, NULL);
+/* Signals go to the main thread only: blocked (into *set, for sigwait) before any thread
+ * starts. */
+static void block_signals(sigset_t *set)
+{
+    sigemptyset(set);
+    sigaddset(set, SIGTERM);
+    sigaddset(set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, set, NULL);
     signal(SIGPIPE, SIG_IGN);
+}
+
+/* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0), stops
+ * accepting, finishes or cancels every job and closes the server. The exit status. */
+static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_http *http)
+{
+    int rc = 0;
+    if (sig == 0) {
+        fitm_err err = {{0}};
+        fitm_engine_get_state(engine, &err);
+        FITM_LOG(FITM_LOG_ERROR, NULL, "cannot start: %s", err.msg);
+        fprintf(stderr, "fitmd: %s\n", err.msg);
+        rc = 1;
+        fitm_http_quiesce(http);
+    } else {
+        FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
+                 sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
+        fitm_http_quiesce(http);
+        if (!fitm_engine_drain(engine, cfg->drain_timeout_ms))
+            FITM_LOG(FITM_LOG_WARN, NULL, "drain timeout: cancelling what is left");
+    }
+    fitm_engine_shutdown(engine); /* every job answered from here on */
+    if (!fitm_http_wait_idle(http, 2000))
+        FITM_LOG(FITM_LOG_WARN, NULL, "closing connections that are still open");
+    fitm_http_stop(http);
+    fitm_engine_destroy(engine);
+    FITM_LOG(FITM_LOG_INFO, NULL, "stopped");
+    return rc;
+}
+
+/* configure -> describe the model -> engine (loads on its thread) -> HTTP -> wait for a
+ * signal -> shut down. */
+int main(int argc, char **argv)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
+    static fitm_config cfg;
+    static fitm_http_model_info info;
+    int rc = configure(argc, argv, &cfg);
+    if (rc < 0)
+        rc = describe_model(&cfg, &info);
+    if (rc >= 0)
+        return rc;
+    sigset_t set;
+    block_signals(&set);
 
     static daemon_model dm;
     dm.cfg = &cfg;
     dm.info = &info;
     fitm_engine_hooks hooks = {.ctx = &dm, .load = model_load, .run = model_run,
                                .unload = model_unload};
+    fitm_err err = {{0}};
     fitm_engine *engine = NULL;
     if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {
         fprintf(stderr, "fitmd: %s\n", err.msg);
@@ -210,27 +264,5 @@ int main(int argc, char **argv)
     }
     FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s", FITM_VERSION,
              cfg.host, (long long)cfg.port, cfg.model);
-
-    int sig = wait_for_signal(&set, engine);
-    int rc = 0;
-    if (sig == 0) {
-        fitm_engine_get_state(engine, &err);
-        FITM_LOG(FITM_LOG_ERROR, NULL, "cannot start: %s", err.msg);
-        fprintf(stderr, "fitmd: %s\n", err.msg);
-        rc = 1;
-        fitm_http_quiesce(http);
-    } else {
-        FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
-                 sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg.drain_timeout_ms);
-        fitm_http_quiesce(http);
-        if (!fitm_engine_drain(engine, cfg.drain_timeout_ms))
-            FITM_LOG(FITM_LOG_WARN, NULL, "drain timeout: cancelling what is left");
-    }
-    fitm_engine_shutdown(engine); /* every job answered from here on */
-    if (!fitm_http_wait_idle(http, 2000))
-        FITM_LOG(FITM_LOG_WARN, NULL, "closing connections that are still open");
-    fitm_http_stop(http);
-    fitm_engine_destroy(engine);
-    FITM_LOG(FITM_LOG_INFO, NULL, "stopped");
-    return rc;
+    return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
 }
