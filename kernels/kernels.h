@@ -27,8 +27,8 @@
 extern "C" { /* dtype.h and status.h are C headers without their own guard */
 #endif
 
-#include "dtype.h"
-#include "status.h"
+#include "base/dtype.h"
+#include "base/status.h"
 
 /* ---- host helpers (kernels/cuda_util.cu) ---- */
 

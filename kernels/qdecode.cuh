@@ -27,7 +27,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "dtype.h"
+#include "base/dtype.h"
 
 __device__ __forceinline__ float fitm_h2f(uint16_t h)
 {

@@ -13,12 +13,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend.h"
-#include "forward.h"
-#include "kv.h"
-#include "model.h"
-#include "pool.h"
-#include "quant.h"
+#include "base/pool.h"
+#include "compute/quant.h"
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/kv.h"
+#include "model/model.h"
 
 static double now_s(void)
 {

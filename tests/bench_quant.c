@@ -16,7 +16,7 @@
 
 #include <cblas.h>
 
-#include "quant.h"
+#include "compute/quant.h"
 
 /* Wall-clock by default; FITM_BENCH_CLOCK=cpu measures this thread's CPU time instead, which
  * is steadier on a machine shared with other work (it hides memory stalls no better). */

@@ -17,10 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "forward.h"
-#include "kv.h"
-#include "model.h"
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/kv.h"
+#include "model/model.h"
 
 #define MAX_KV 16
 #define MAX_LIST 65536

@@ -14,8 +14,8 @@
 #include <string.h>
 #include <strings.h>
 
-#include "quant.h"
-#include "quant_internal.h"
+#include "compute/quant.h"
+#include "compute/quant_internal.h"
 
 static int die(const char *msg, const char *arg)
 {

@@ -4,16 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "check.h"
+#include "server/api.h"
 
 static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
                                     .model_name = "m", .default_temperature = 5e-5,

@@ -5,16 +5,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "config.h"
-
-static int failures;
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
+#include "check.h"
+#include "server/config.h"
 
 static fitm_status load(fitm_config *cfg, fitm_err *err, int argc, char **argv)
 {

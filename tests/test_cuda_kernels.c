@@ -18,24 +18,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
+#include "compute/ops.h"
+#include "compute/quant.h"
 #include "kernels.h"
-#include "ops.h"
-#include "quant.h"
 
 #define GUARD_BYTES 256 /* before and after every device buffer; keeps the payload 256-aligned */
 #define GUARD_BYTE 0xA7
 #define MAX_REPORT 5
 
-static int failures;
 static cudaStream_t stream;
-
-#define CHECK(c)                                                                                   \
-    do {                                                                                           \
-        if (!(c)) {                                                                                \
-            fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c);                         \
-            failures++;                                                                            \
-        }                                                                                          \
-    } while (0)
 
 /* A CUDA runtime failure in the harness itself: nothing after it can be trusted. */
 #define CUDA_OK(call)                                                                              \

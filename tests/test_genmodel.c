@@ -7,21 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "genmodel.h"
-#include "gguf.h"
-#include "quant.h"
-
-static int failures;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            failures++;                                                                            \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);               \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
+#include "check.h"
+#include "compute/quant.h"
+#include "gguf/gguf.h"
+#include "model/genmodel.h"
 
 static const fitm_dtype TYPES[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                    FITM_DTYPE_Q8_0, FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0,

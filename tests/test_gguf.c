@@ -13,20 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf.h"
-#include "gguf_writer.h"
-
-static int n_fail;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            n_fail++;                                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fputc('\n', stderr);                                                                   \
-        }                                                                                          \
-    } while (0)
+#include "check.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
 
 #define OK(expr)                                                                                   \
     do {                                                                                           \
@@ -1106,8 +1095,8 @@ int main(void)
     test_corrupt();
     test_truncation_and_flips();
     test_shared_data();
-    if (n_fail) {
-        fprintf(stderr, "%d check(s) failed\n", n_fail);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
     }
     printf("all gguf checks passed\n");

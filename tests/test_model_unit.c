@@ -8,25 +8,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "forward.h"
-#include "genmodel.h"
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "kv.h"
-#include "model.h"
-#include "ops.h"
-#include "pool.h"
-
-static int failures;
-
-#define CHECK(cond)                                                                            \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);           \
-            failures++;                                                                        \
-        }                                                                                      \
-    } while (0)
+#include "base/pool.h"
+#include "check.h"
+#include "compute/ops.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/genmodel.h"
+#include "model/kv.h"
+#include "model/model.h"
 
 /* ---- pool -------------------------------------------------------------------------------- */
 

@@ -16,24 +16,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant.h"
-#include "quant_internal.h"
+#include "check.h"
+#include "compute/quant.h"
+#include "compute/quant_internal.h"
 
 #if FITM_QUANT_SIMD
 #include <immintrin.h>
 #endif
-
-static int failures;
-#define CHECK(c, ...)                                                                         \
-    do {                                                                                      \
-        if (!(c)) {                                                                           \
-            if (failures++ < 20) {                                                            \
-                fprintf(stderr, "%s:%d: CHECK(%s) ", __FILE__, __LINE__, #c);                 \
-                fprintf(stderr, __VA_ARGS__);                                                 \
-                fputc('\n', stderr);                                                          \
-            }                                                                                 \
-        }                                                                                     \
-    } while (0)
 
 static uint64_t rng_state;
 static uint64_t rnd(void) /* splitmix64 */

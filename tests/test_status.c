@@ -2,10 +2,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "status.h"
-
-static int failures;
-#define CHECK(c) do { if (!(c)) { fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #c); failures++; } } while (0)
+#include "base/status.h"
+#include "check.h"
 
 int main(void)
 {

@@ -19,25 +19,13 @@
 #include <string.h>
 #include <time.h>
 
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "tokenizer.h"
-#include "unicode.h"
+#include "base/unicode.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "tokenizer/tokenizer.h"
 
+#include "check.h"
 #include "tok_pretok_cases.h"
-
-static int n_fail, n_check;
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        n_check++;                                                                                 \
-        if (!(cond)) {                                                                             \
-            n_fail++;                                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fputc('\n', stderr);                                                                   \
-        }                                                                                          \
-    } while (0)
 
 static void die(const char *what, fitm_status st, const fitm_err *e)
 {
@@ -912,6 +900,6 @@ int main(void)
         test_random(dir);
     }
     test_gemma();
-    printf("%d checks, %d failed\n", n_check, n_fail);
-    return n_fail ? 1 : 0;
+    printf("%d checks, %d failed\n", n_checks, failures);
+    return failures ? 1 : 0;
 }

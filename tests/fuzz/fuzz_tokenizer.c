@@ -13,9 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "tokenizer/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

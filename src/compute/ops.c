@@ -1,0 +1,141 @@
+#include "compute/ops.h"
+
+#include <math.h>
+
+void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
+                      int64_t C, float eps)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * C;
+        float *yr = y + t * C;
+        double ss = 0.0; /* double: the reference should not depend on summation order */
+        for (int64_t c = 0; c < C; c++)
+            ss += (double)xr[c] * xr[c];
+        float scale = (float)(1.0 / sqrt(ss / (double)C + eps));
+        for (int64_t c = 0; c < C; c++)
+            yr[c] = xr[c] * scale * (w[c] + w_offset);
+    }
+}
+
+void fitm_ops_softmax(float *x, int64_t n)
+{
+    if (n <= 0)
+        return;
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= inv;
+}
+
+void fitm_ops_rope(float *v, int64_t D, int64_t n_rot, int64_t pos, float base, int neox)
+{
+    (void)D;
+    int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        double theta = (double)pos * pow((double)base, -2.0 * (double)i / (double)n_rot);
+        float c = (float)cos(theta), s = (float)sin(theta);
+        int64_t a = neox ? i : 2 * i;
+        int64_t b = neox ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+void fitm_ops_swiglu(float *y, const float *g, const float *u, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+void fitm_ops_geglu(float *y, const float *g, const float *u, int64_t n)
+{
+    const float k = 0.7978845608028654f; /* sqrt(2/pi) */
+    for (int64_t i = 0; i < n; i++) {
+        float x = g[i];
+        y[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
+void fitm_ops_rope_table(float *cs, int64_t n_rot, int64_t pos, float base, float freq_scale)
+{
+    int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        double theta = (double)pos * (double)freq_scale *
+                       pow((double)base, -2.0 * (double)i / (double)n_rot);
+        cs[2 * i] = (float)cos(theta);
+        cs[2 * i + 1] = (float)sin(theta);
+    }
+}
+
+void fitm_ops_rope_apply(float *v, const float *cs, int64_t n_rot, int neox)
+{
+    int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float c = cs[2 * i], s = cs[2 * i + 1];
+        int64_t a = neox ? i : 2 * i;
+        int64_t b = neox ? i + half : 2 * i + 1;
+        float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+/* The part of span sp inside [key0, key0 + n_keys), as offsets into the row; empty when lo >= hi. */
+static void clip_span(const fitm_span *sp, int64_t key0, int64_t n_keys, int64_t *lo, int64_t *hi)
+{
+    int64_t a = sp->start > key0 ? sp->start : key0;
+    int64_t b = sp->end < key0 + n_keys ? sp->end : key0 + n_keys;
+    *lo = a - key0;
+    *hi = b - key0;
+}
+
+void fitm_ops_span_mass(float *mass, const float *p, int64_t key0, int64_t n_keys,
+                        const fitm_span *spans, int32_t n_spans)
+{
+    for (int32_t k = 0; k < n_spans; k++) {
+        int64_t lo, hi;
+        clip_span(&spans[k], key0, n_keys, &lo, &hi);
+        double m = 0.0;
+        for (int64_t i = lo; i < hi; i++)
+            m += p[i];
+        mass[k] = (float)m;
+    }
+}
+
+void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span *spans,
+                        const float *alpha, int32_t n_spans, double *mass)
+{
+    double S = 0.0, Z = 0.0;
+    for (int32_t k = 0; k < n_spans; k++) {
+        int64_t lo, hi;
+        clip_span(&spans[k], key0, n_keys, &lo, &hi);
+        double m = 0.0;
+        for (int64_t i = lo; i < hi; i++)
+            m += p[i];
+        mass[k] = m;
+        if (m > FITM_OPS_INTERVENE_MIN_MASS) {
+            S += m;
+            Z += (double)(spans[k].end - spans[k].start) * (double)alpha[k];
+        }
+    }
+    if (!(Z > 0.0))
+        return; /* nothing visible, or every visible document has weight 0: leave the row */
+    double C = S / Z;
+    for (int32_t k = 0; k < n_spans; k++) {
+        if (!(mass[k] > FITM_OPS_INTERVENE_MIN_MASS))
+            continue;
+        int64_t lo, hi;
+        clip_span(&spans[k], key0, n_keys, &lo, &hi);
+        float f = (float)((double)alpha[k] * (double)(spans[k].end - spans[k].start) * C / mass[k]);
+        for (int64_t i = lo; i < hi; i++)
+            p[i] *= f;
+    }
+}

@@ -1,0 +1,64 @@
+/* ops: CPU reference implementations of the element-wise and row-wise ops of the forward pass.
+ * These are the readable references the CUDA kernels are checked against, and the CPU
+ * backend's own ops. All are single-threaded over the rows given; callers split rows.
+ *
+ * Legend: T tokens, C model dim, H query heads, Hkv KV heads, D head dim, F FFN dim. */
+#ifndef FITM_OPS_H
+#define FITM_OPS_H
+
+#include <stdint.h>
+
+/* y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * (w[:] + w_offset)   x, y: (T, C); y may == x.
+ * w_offset is 0 for Llama/Qwen2; Gemma stores (scale - 1) and its GGUF converter already adds
+ * the 1, so pass 0 there too unless a file says otherwise. */
+void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
+                      int64_t C, float eps);
+
+/* In-place numerically stable softmax over n values. */
+void fitm_ops_softmax(float *x, int64_t n);
+
+/* RoPE on one head vector v (D values) at position pos, rotating the first n_rot dims.
+ * neox = 0: adjacent pairs (0,1),(2,3)... (llama "normal"); neox = 1: halves (i, i+n_rot/2)
+ * (qwen2, gemma3). theta_i = pos * base^(-2i/n_rot). */
+void fitm_ops_rope(float *v, int64_t D, int64_t n_rot, int64_t pos, float base, int neox);
+
+/* y = silu(g) * u, elementwise over n.      (SwiGLU: Llama, Qwen2) */
+void fitm_ops_swiglu(float *y, const float *g, const float *u, int64_t n);
+
+/* y = gelu_tanh(g) * u, elementwise over n. (GeGLU: Gemma) */
+void fitm_ops_geglu(float *y, const float *g, const float *u, int64_t n);
+
+/* RoPE through a table, so a forward pass computes the angles once per position instead of
+ * once per head. fitm_ops_rope_table fills cs (n_rot/2 pairs {cos, sin}) for one position with
+ * theta_i = pos * freq_scale * base^(-2i/n_rot), evaluated exactly as fitm_ops_rope does;
+ * fitm_ops_rope_apply rotates one head vector v with it. With freq_scale 1 the pair computes
+ * what fitm_ops_rope does (to float rounding: the compiler may fuse the multiply-adds). */
+void fitm_ops_rope_table(float *cs, int64_t n_rot, int64_t pos, float base, float freq_scale);
+void fitm_ops_rope_apply(float *v, const float *cs, int64_t n_rot, int neox);
+
+/* A half-open range [start, end) of key positions (a document's tokens). */
+typedef struct {
+    int64_t start, end;
+} fitm_span;
+
+/* Sum of p over the keys of each span: mass[k] = sum p[i - key0] for i in span k and in
+ * [key0, key0 + n_keys). p holds one attention row over keys [key0, key0 + n_keys). */
+void fitm_ops_span_mass(float *mass, const float *p, int64_t key0, int64_t n_keys,
+                        const fitm_span *spans, int32_t n_spans);
+
+/* Spans whose mass is at most this are left alone by the intervention (a document the row
+ * cannot see, e.g. outside a sliding window: there is no attention to redistribute). */
+#define FITM_OPS_INTERVENE_MIN_MASS 1e-30
+
+/* The calibration intervention on one post-softmax row p over keys [key0, key0 + n_keys)
+ * (docs/design.md, Method): with m_k the mass of span k, S = sum m_k and N_k its length,
+ * every key of span k is scaled by alpha_k * N_k * C / m_k with C = S / sum_k N_k * alpha_k,
+ * so the documents keep their total mass S and each document's per-token attention becomes
+ * proportional to alpha_k. Keys outside the spans are untouched. Spans with
+ * m_k <= FITM_OPS_INTERVENE_MIN_MASS take no part (they are neither scaled nor counted in S or
+ * in the sum of N_k * alpha_k).
+ * Spans must be disjoint; alpha_k >= 0. mass is scratch of n_spans floats. */
+void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span *spans,
+                        const float *alpha, int32_t n_spans, double *mass);
+
+#endif

@@ -1,0 +1,76 @@
+/* quant: weight formats on the CPU — dequantization, quantization, dot products, and the
+ * matrix products the forward pass runs over weights kept as stored.
+ *
+ * Shapes: a weight W is (N, K) row-major as in GGUF (ne[0] = K contiguous, ne[1] = N rows);
+ * each row is fitm_dtype_row_bytes(t, K) bytes. Activations are F32. K must be a multiple of
+ * the type's block size (checked by the model loader, asserted here).
+ *
+ * Threading: these functions are single-threaded and re-entrant. Callers split work by output
+ * rows [n0, n1) across their own threads; scratch buffers are the caller's, so nothing here
+ * allocates. */
+#ifndef FITM_QUANT_H
+#define FITM_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/dtype.h"
+
+/* Types fitm can store weights in (F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K). */
+bool fitm_quant_supported(fitm_dtype t);
+
+/* Scalar conversions. To fp16/bf16: round to nearest, ties to even; overflow gives inf; NaN
+ * stays NaN (quieted, sign and top payload bits kept). fp16 -> fp32 is exact (NaN quieted, as
+ * the F16C instruction does); bf16 -> fp32 is exact (a 16-bit shift). */
+uint16_t fitm_fp32_to_fp16(float f);
+float fitm_fp16_to_fp32(uint16_t h);
+uint16_t fitm_fp32_to_bf16(float f);
+float fitm_bf16_to_fp32(uint16_t h);
+
+/* Row conversions of n elements (n a multiple of the block size). fitm_dequant_row is
+ * bit-exact with the format definition for every type fitm_quant_supported() accepts, and
+ * for Q8_K. fitm_quant_row writes valid blocks of any of those types, round to nearest (ties
+ * to even) against the scale it chose; scale choices (see quant.c):
+ *   Q8_0, Q8_K  d = max|x| / 127, q in -127..127
+ *   Q4_0, Q5_0  d = (value of largest magnitude) / -8 or / -16 (it maps to the lowest q)
+ *   Q4_K, Q5_K  per 32 elements a least-squares (scale, min) search, 6-bit scales and mins
+ *   Q6_K        per 16 elements a least-squares symmetric scale search, 8-bit scales
+ * Non-finite input gives valid but meaningless blocks. src and dst must not overlap. */
+void fitm_dequant_row(fitm_dtype t, const void *src, float *dst, int64_t n);
+void fitm_quant_row(fitm_dtype t, const float *src, void *dst, int64_t n);
+
+/* The activation type a weight type's fast dot product pairs with: Q8_0 for the 32-blocks,
+ * Q8_K for the K-quants, F32 for the float types. A quantized activation row of n elements
+ * takes fitm_dtype_row_bytes(fitm_quant_vec_dtype(t), n) bytes. */
+fitm_dtype fitm_quant_vec_dtype(fitm_dtype t);
+
+/* dot(W row, x) where x was converted with fitm_quant_row(fitm_quant_vec_dtype(t), ...).
+ * Hand-vectorised (AVX2/FMA/F16C; AVX-VNNI and AVX-512BW/VL instructions on 256-bit vectors
+ * where the build targets them) when the build targets such a CPU; the portable scalar path
+ * otherwise. Integer sums inside each block are exact; only the float accumulation across
+ * blocks is rounded (see tests/test_quant_oracle.py for the bound). */
+float fitm_quant_dot(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
+
+/* Matrix-vector: y[n] = W[n,:] . x for n in [n0, n1). x_q is x quantized as above; y is
+ * indexed by absolute row (y[n0] is the first written). Equal to fitm_quant_dot per row.
+ * The SIMD path prefetches weight bytes up to 8 KiB past row n1 - 1 (a hint: it never faults
+ * and reads nothing into the result). */
+void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float *y,
+                 int64_t n0, int64_t n1);
+
+/* Scratch floats fitm_matmul needs (dequantized weight tile); one scratch per thread. */
+size_t fitm_matmul_scratch_floats(int64_t K);
+
+/* Matrix-matrix: Y[m, n] = X[m,:] . W[n,:] for m in [0, M), n in [n0, n1).
+ * X (M, K) F32 row-major with row stride K; Y row stride ldy. Dequantizes W in tiles of rows
+ * into scratch and multiplies with BLAS sgemm (single-threaded BLAS; the caller threads). */
+void fitm_matmul(fitm_dtype t, const void *W, int64_t K, const float *X, int64_t M, float *Y,
+                 int64_t ldy, int64_t n0, int64_t n1, float *scratch);
+
+/* Makes the BLAS library run each call on the calling thread only (OpenBLAS: sets its thread
+ * count to 1), since fitm threads over output rows itself. Call once at startup, before any
+ * fitm_matmul. A no-op for a BLAS without its own threads. */
+void fitm_quant_blas_single_thread(void);
+
+#endif

@@ -1,0 +1,118 @@
+/* quant_internal: block layouts and the per-path kernels behind quant.h. Not part of the API;
+ * included by quant.c, quant_x86.c and the quant tests (which compare the paths).
+ *
+ * Block layouts are the GGML ones as stored in GGUF (all little-endian, no padding):
+ *   Q4_0  { fp16 d; u8 qs[16]; }                 x = d * (nibble - 8); element j in the low
+ *                                                nibble of qs[j], element j+16 in the high one
+ *   Q5_0  { fp16 d; u8 qh[4]; u8 qs[16]; }       x = d * ((nibble | bit << 4) - 16); bit j of
+ *                                                the little-endian u32 qh belongs to element j
+ *   Q8_0  { fp16 d; i8 qs[32]; }                 x = d * q
+ *   Q4_K  { fp16 d, dmin; u8 scales[12]; u8 qs[128]; }             256 elements, 8 sub-blocks
+ *   Q5_K  { fp16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]; }  of 32 with 6-bit scale sc
+ *         and min m: x = (d*sc) * q - (dmin*m). qs is four 32-byte groups; group g holds
+ *         sub-block 2g in its low nibbles, 2g+1 in its high ones; Q5_K's 5th bit of element
+ *         l of sub-block s is bit s of qh[l].
+ *   Q6_K  { u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d; }  x = (d*sc) * (q6 - 32), one
+ *         scale per 16 elements (see quant.c's dequantizer for the bit placement)
+ *   Q8_K  { f32 d; i8 qs[256]; i16 bsums[16]; }  x = d * q; bsums[g] = sum of qs[16g..16g+15]
+ */
+#ifndef FITM_QUANT_INTERNAL_H
+#define FITM_QUANT_INTERNAL_H
+
+#include <stdint.h>
+
+#include "base/dtype.h"
+
+#define FITM_QK 32   /* elements of a Q4_0/Q5_0/Q8_0 block */
+#define FITM_QK_K 256 /* elements of a K-quant super-block   */
+
+typedef struct {
+    uint16_t d;
+    uint8_t qs[FITM_QK / 2];
+} fitm_block_q4_0;
+
+typedef struct {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[FITM_QK / 2];
+} fitm_block_q5_0;
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[FITM_QK];
+} fitm_block_q8_0;
+
+typedef struct {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qs[FITM_QK_K / 2];
+} fitm_block_q4_k;
+
+typedef struct {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qh[FITM_QK_K / 8];
+    uint8_t qs[FITM_QK_K / 2];
+} fitm_block_q5_k;
+
+typedef struct {
+    uint8_t ql[FITM_QK_K / 2];
+    uint8_t qh[FITM_QK_K / 4];
+    int8_t scales[FITM_QK_K / 16];
+    uint16_t d;
+} fitm_block_q6_k;
+
+typedef struct {
+    float d;
+    int8_t qs[FITM_QK_K];
+    int16_t bsums[FITM_QK_K / 16];
+} fitm_block_q8_k;
+
+_Static_assert(sizeof(fitm_block_q4_0) == 18, "Q4_0 block");
+_Static_assert(sizeof(fitm_block_q5_0) == 22, "Q5_0 block");
+_Static_assert(sizeof(fitm_block_q8_0) == 34, "Q8_0 block");
+_Static_assert(sizeof(fitm_block_q4_k) == 144, "Q4_K block");
+_Static_assert(sizeof(fitm_block_q5_k) == 176, "Q5_K block");
+_Static_assert(sizeof(fitm_block_q6_k) == 210, "Q6_K block");
+_Static_assert(sizeof(fitm_block_q8_k) == 292, "Q8_K block");
+
+/* Scale and min (each 0..63) of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
+static inline void fitm_quant_k_scale_min(const uint8_t *s12, int j, uint8_t *sc, uint8_t *m)
+{
+    if (j < 4) {
+        *sc = s12[j] & 63;
+        *m = s12[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s12[j + 4] & 0xF) | ((s12[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s12[j + 4] >> 4) | ((s12[j] >> 6) << 4));
+    }
+}
+
+/* Portable scalar paths, always compiled. Same contracts as the quant.h functions. */
+void fitm_quant_dequant_row_scalar(fitm_dtype t, const void *src, float *dst, int64_t n);
+void fitm_quant_quant_row_scalar(fitm_dtype t, const float *src, void *dst, int64_t n);
+float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
+
+/* Vectorised paths (quant_x86.c), compiled in when FITM_QUANT_SIMD is 1 (AVX2 with FMA and
+ * F16C); otherwise they do not exist and quant.c uses the scalar paths. The dequantizer is
+ * bit-exact with the scalar one; the dots differ from the scalar ones only in float summation
+ * order (the integer block sums are identical). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FITM_QUANT_SIMD 1
+#else
+#define FITM_QUANT_SIMD 0
+#endif
+
+#if FITM_QUANT_SIMD
+float fitm_quant_dot_simd(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
+void fitm_quant_dequant_row_simd(fitm_dtype t, const void *src, float *dst, int64_t n);
+/* Q8_0 and Q8_K only (the activation types); bytes identical to the scalar quantizer's. */
+void fitm_quant_quant_row_simd(fitm_dtype t, const float *src, void *dst, int64_t n);
+/* y[r] = dot(row r, x_q) for r in [0, n_rows), rows row_bytes apart starting at w. */
+void fitm_quant_matvec_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
+                            const void *x_q, float *y, int64_t n_rows);
+#endif
+
+#endif

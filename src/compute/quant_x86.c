@@ -1,0 +1,765 @@
+/* quant_x86: AVX2/FMA/F16C dot products, matvec, dequantizers and activation quantizers.
+ * Compiled to nothing unless the build targets such a CPU (FITM_QUANT_SIMD, see
+ * quant_internal.h). Optional extras on the same 256-bit vectors where the build targets
+ * them: AVX-VNNI or AVX512-VNNI + VL (one vpdpbusd instead of vpmaddubsw + vpmaddwd; the
+ * results are identical because no pmaddubsw pair below can saturate: |pair| <= 2 * 128 *
+ * 127 < 32768 for the value ranges each caller feeds it) and AVX512BW + VL (mask registers
+ * for Q5_0's fifth bits, a variable shift for nibbles). Where the build targets AVX512F/BW/
+ * DQ/VNNI, the Q8_0 and Q5_0 dots (most of a Gemma 3 decode step) run on 512-bit vectors, two
+ * blocks per vector (FITM_DOT512). tests/meson.build also builds the
+ * unit test for plain AVX2 (x86-64-v3) and without SIMD, so every path is checked.
+ *
+ * Layouts: quant_internal.h. Every integer block sum equals the scalar path's; only float
+ * accumulation order differs. The dequantizers and quantizers use the scalar path's exact
+ * float operations (mul then sub, never fused), so their output is bit-identical. */
+#include "compute/quant.h"
+#include "compute/quant_internal.h"
+
+#if FITM_QUANT_SIMD
+
+#include <immintrin.h>
+#include <string.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FITM_VNNI 1
+#define DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
+#elif defined(__AVXVNNI__)
+#define FITM_VNNI 1
+#define DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32((acc), (a), (b))
+#else
+#define FITM_VNNI 0
+#endif
+
+static inline float fp16(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
+
+static inline float bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum_ps(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256i loadu256(const void *p)
+{
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* Sums of 4 adjacent products of unsigned bytes a and signed bytes b, as 8 int32. */
+static inline __m256i dot_u8s8(__m256i a, __m256i b)
+{
+#if FITM_VNNI
+    return DPBUSD(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+/* As dot_u8s8, each pair sum multiplied by the int16 in scale16 at its position, then
+ * pairs added: with one scale per 128-bit lane, 8 int32 of scale * (sum of 4 products).
+ * The caller guarantees the pairs cannot saturate int16. (maddubs + madd: as cheap as
+ * vpdpbusd + vpmulld and without the need to widen the scale to 32 bits.) */
+static inline __m256i dot_u8s8_scaled(__m256i a, __m256i b, __m256i scale16)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), scale16);
+}
+
+/* Byte shuffle that broadcasts 16-bit element j of each 128-bit lane across that lane. */
+static inline __m256i bcast16_mask(int j)
+{
+    return _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j));
+}
+
+/* Signed x signed bytes via |w| and x * sign(w). w = -128 gives |w| = 128 as unsigned,
+ * still exact; x is an activation (-127..127), so pairs stay below 2*128*127. */
+static inline __m256i dot_s8s8(__m256i w, __m256i x)
+{
+    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* 32 nibbles of 16 bytes: element j = low nibble of byte j, element j+16 = high nibble. */
+static inline __m256i nibbles32(const uint8_t *qs)
+{
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* both lanes get the 16 bytes; one variable shift moves the high lane's nibbles down */
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    v = _mm256_srlv_epi16(v, _mm256_set_epi64x(0x0004000400040004, 0x0004000400040004, 0, 0));
+#else
+    __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+#endif
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+/* 0xFF in byte j where bit j of bits is set. */
+static inline __m256i bits_to_bytes(uint32_t bits)
+{
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_movm_epi8((__mmask32)bits);
+#else
+    __m256i v = _mm256_set1_epi32((int)bits);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                             0x0101010101010101, 0x0000000000000000);
+    v = _mm256_shuffle_epi8(v, spread); /* byte j <- byte j/8 of bits */
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)); /* all but bit j%8 */
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+#endif
+}
+
+/* Q5_0 values as signed bytes: nibble | 0xF0 (= nibble - 16) where the 5th bit is clear,
+ * nibble (= nibble + 16 - 16) where it is set. */
+static inline __m256i q5_0_values(const fitm_block_q5_0 *b)
+{
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+    __m256i hi = _mm256_andnot_si256(bits_to_bytes(qh), _mm256_set1_epi8((char)0xF0));
+    return _mm256_or_si256(nibbles32(b->qs), hi);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Dot products */
+
+static float dot_f32(const float *w, const float *x, int64_t n)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+    float acc = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++)
+        acc += w[i] * x[i];
+    return acc;
+}
+
+static inline __m256 load_f16x8(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __m256 load_bf16x8(const uint16_t *p)
+{
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+#define DEF_DOT_HALF(name, load, conv)                                                        \
+    static float name(const uint16_t *w, const float *x, int64_t n)                           \
+    {                                                                                         \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+        int64_t i = 0;                                                                        \
+        for (; i + 32 <= n; i += 32) {                                                        \
+            a0 = _mm256_fmadd_ps(load(w + i), _mm256_loadu_ps(x + i), a0);                    \
+            a1 = _mm256_fmadd_ps(load(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);            \
+            a2 = _mm256_fmadd_ps(load(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);          \
+            a3 = _mm256_fmadd_ps(load(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);          \
+        }                                                                                     \
+        for (; i + 8 <= n; i += 8)                                                            \
+            a0 = _mm256_fmadd_ps(load(w + i), _mm256_loadu_ps(x + i), a0);                    \
+        float acc = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));     \
+        for (; i < n; i++)                                                                    \
+            acc += conv(w[i]) * x[i];                                                         \
+        return acc;                                                                           \
+    }
+
+DEF_DOT_HALF(dot_f16, load_f16x8, fp16)
+DEF_DOT_HALF(dot_bf16, load_bf16x8, bf16)
+
+/* ---------------------------------------------------------------------------------------
+ * Quantized dots, one weight row each. (Kernels that share each activation block among
+ * four rows ran ~10% faster in cache but 2-4x slower streaming from DRAM, where the
+ * interleaved short streams defeat the hardware prefetcher even with software prefetch;
+ * weights of a real model stream from DRAM, so matvec walks rows one after another.) */
+
+#define KERNEL static inline __attribute__((always_inline))
+
+/* acc + sums of 4 adjacent products of unsigned bytes a and signed bytes b, as 8 int32. */
+static inline __m256i dot_u8s8_acc(__m256i acc, __m256i a, __m256i b)
+{
+#if FITM_VNNI
+    return DPBUSD(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* -bias * (sum of each 4-byte group of x): the starting value that turns dot_u8s8_acc of
+ * unsigned values u into the dot of (u - bias). Pairs: 2 * 16 * 128, no saturation. */
+static inline __m256i neg_bias(__m256i x, int bias)
+{
+    return _mm256_sub_epi32(_mm256_setzero_si256(), dot_u8s8(_mm256_set1_epi8((char)bias), x));
+}
+
+/* Q5_0 values as unsigned bytes 0..31 (bias 16). */
+static inline __m256i q5_0_unsigned(const fitm_block_q5_0 *b)
+{
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m256i nib = nibbles32(b->qs);
+    return _mm256_mask_add_epi8(nib, (__mmask32)qh, nib, _mm256_set1_epi8(0x10));
+#else
+    return _mm256_or_si256(nibbles32(b->qs), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+#endif
+}
+
+/* Integer dot of one 32-block of row type t (Q8_0, Q4_0 or Q5_0) with activation bytes xv;
+ * nbias is neg_bias(xv, 8) for Q4_0 and neg_bias(xv, 16) for Q5_0 (unused for Q8_0). */
+KERNEL __m256i block32_dot(fitm_dtype t, const uint8_t *blk, __m256i xv, __m256i nbias, uint16_t *d)
+{
+    switch (t) {
+    case FITM_DTYPE_Q4_0: {
+        const fitm_block_q4_0 *b = (const fitm_block_q4_0 *)blk;
+        *d = b->d;
+        return dot_u8s8_acc(nbias, nibbles32(b->qs), xv);
+    }
+    case FITM_DTYPE_Q5_0: {
+        const fitm_block_q5_0 *b = (const fitm_block_q5_0 *)blk;
+        *d = b->d;
+        return dot_u8s8_acc(nbias, q5_0_unsigned(b), xv);
+    }
+    default: {
+        const fitm_block_q8_0 *b = (const fitm_block_q8_0 *)blk;
+        *d = b->d;
+        return dot_s8s8(loadu256(b->qs), xv);
+    }
+    }
+}
+
+/* Row . x for a 32-block type; two accumulators (even and odd blocks) give two
+ * independent FMA chains. */
+KERNEL float dot_block32(fitm_dtype t, const uint8_t *w, const fitm_block_q8_0 *x, int64_t nb)
+{
+    const size_t bb = t == FITM_DTYPE_Q4_0 ? sizeof(fitm_block_q4_0)
+                      : t == FITM_DTYPE_Q5_0 ? sizeof(fitm_block_q5_0)
+                                             : sizeof(fitm_block_q8_0);
+    const int bias = t == FITM_DTYPE_Q4_0 ? 8 : 16;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const __m256i x0 = loadu256(x[i].qs), x1 = loadu256(x[i + 1].qs);
+        const __m256i nb0 = t == FITM_DTYPE_Q8_0 ? x0 : neg_bias(x0, bias);
+        const __m256i nb1 = t == FITM_DTYPE_Q8_0 ? x1 : neg_bias(x1, bias);
+        const uint8_t *row = w + (size_t)i * bb;
+        uint16_t d0, d1;
+        __m256i p0 = block32_dot(t, row, x0, nb0, &d0);
+        __m256i p1 = block32_dot(t, row + bb, x1, nb1, &d1);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[i].d)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(fp16(d1) * fp16(x[i + 1].d)), acc1);
+    }
+    for (; i < nb; i++) {
+        const __m256i x0 = loadu256(x[i].qs);
+        const __m256i nb0 = t == FITM_DTYPE_Q8_0 ? x0 : neg_bias(x0, bias);
+        uint16_t d0;
+        __m256i p0 = block32_dot(t, w + (size_t)i * bb, x0, nb0, &d0);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[i].d)), acc0);
+    }
+    return hsum_ps(_mm256_add_ps(acc0, acc1));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                      \
+    defined(__AVX512VNNI__)
+#define FITM_DOT512 1
+/* Q8_0 . Q8_0 on 512-bit vectors, two blocks per vector (this is Gemma 3's tied output head,
+ * most of a decode step's weight bytes). Signed x signed bytes as |w| times x negated where
+ * w < 0 (a mask register; x is -127..127, so negation is exact). Each block's 8 int32 lanes
+ * are converted and multiplied by d_w * d_x, then accumulated per lane; xs holds x's block
+ * scales as floats (fp16 -> fp32 is exact, so converting them once per matvec or per block
+ * gives the same values). */
+KERNEL __m512 q8_0_pair(__m512 acc, __m512i wv, __m512i xv, float s0, float s1)
+{
+    const __mmask64 neg = _mm512_movepi8_mask(wv);
+    const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs);
+    const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc);
+}
+
+KERNEL __m512i load_q8_0_pair(const fitm_block_q8_0 *b)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(loadu256(b[0].qs)), loadu256(b[1].qs), 1);
+}
+
+/* Q5_0 . Q8_0, two blocks per 512-bit vector: nibbles of block i in the low 256 bits (low
+ * nibbles, then high), block i + 1 in the high; the fifth bits added as 16 under a mask;
+ * the bias of 16 taken off by starting the dot at -16 * (sums of 4 x bytes), as
+ * dot_block32 does (exact: pairs <= 2 * 31 * 127). */
+KERNEL __m512i q5_0_pair_unsigned(const fitm_block_q5_0 *b)
+{
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b[0].qs));
+    const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b[1].qs));
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    v = _mm512_srlv_epi16(v, _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
+                                              0x0004000400040004, 0x0004000400040004, 0, 0));
+    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    uint32_t h0, h1;
+    memcpy(&h0, b[0].qh, 4);
+    memcpy(&h1, b[1].qh, 4);
+    return _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, _mm512_set1_epi8(0x10));
+}
+
+KERNEL float dot_q5_0_512(const fitm_block_q5_0 *w, const fitm_block_q8_0 *x, const float *xs,
+                          int64_t nb)
+{
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const __m512i xv = load_q8_0_pair(x + i);
+        const __m512i nbias =
+            _mm512_sub_epi32(_mm512_setzero_si512(),
+                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));
+        const __m512i p = _mm512_dpbusd_epi32(nbias, q5_0_pair_unsigned(w + i), xv);
+        const float s0 = fp16(w[i].d) * (xs ? xs[i] : fp16(x[i].d));
+        const float s1 = fp16(w[i + 1].d) * (xs ? xs[i + 1] : fp16(x[i + 1].d));
+        const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+        if (i % 4 == 0)
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0);
+        else
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1);
+    }
+    float tail = 0.0f;
+    if (i < nb) { /* an odd last block: the 256-bit kernel's arithmetic for it */
+        const __m256i x0 = loadu256(x[i].qs);
+        uint16_t d0;
+        const __m256i p0 =
+            block32_dot(FITM_DTYPE_Q5_0, (const uint8_t *)(w + i), x0, neg_bias(x0, 16), &d0);
+        tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0),
+                                     _mm256_set1_ps(fp16(d0) * (xs ? xs[i] : fp16(x[i].d)))));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+}
+
+KERNEL float dot_q8_0_512(const fitm_block_q8_0 *w, const fitm_block_q8_0 *x, const float *xs,
+                          int64_t nb)
+{
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 4 <= nb; i += 4) {
+        float x0 = xs ? xs[i] : fp16(x[i].d), x1 = xs ? xs[i + 1] : fp16(x[i + 1].d);
+        float x2 = xs ? xs[i + 2] : fp16(x[i + 2].d), x3 = xs ? xs[i + 3] : fp16(x[i + 3].d);
+        acc0 = q8_0_pair(acc0, load_q8_0_pair(w + i), load_q8_0_pair(x + i), fp16(w[i].d) * x0,
+                         fp16(w[i + 1].d) * x1);
+        acc1 = q8_0_pair(acc1, load_q8_0_pair(w + i + 2), load_q8_0_pair(x + i + 2),
+                         fp16(w[i + 2].d) * x2, fp16(w[i + 3].d) * x3);
+    }
+    for (; i < nb; i += 2) { /* a last pair, or a last block with a zero partner */
+        const int two = i + 1 < nb;
+        const __m512i wv = two ? load_q8_0_pair(w + i) : _mm512_zextsi256_si512(loadu256(w[i].qs));
+        const __m512i xv = two ? load_q8_0_pair(x + i) : _mm512_zextsi256_si512(loadu256(x[i].qs));
+        const float s0 = fp16(w[i].d) * (xs ? xs[i] : fp16(x[i].d));
+        const float s1 = two ? fp16(w[i + 1].d) * (xs ? xs[i + 1] : fp16(x[i + 1].d)) : 0.0f;
+        acc0 = q8_0_pair(acc0, wv, xv, s0, s1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
+#define FITM_DOT512 0
+#endif
+
+/* The 8 scales and 8 mins (0..63) of a Q4_K/Q5_K super-block, unpacked with 32-bit word
+ * operations: bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7,
+ * bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales 4-7 (low nibble)
+ * and mins 4-7 (high nibble). */
+static inline void k_scales_mins(const uint8_t s12[12], uint8_t sc[8], uint8_t m[8])
+{
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s12, 4);
+    memcpy(&u1, s12 + 4, 4);
+    memcpy(&u2, s12 + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    uint32_t s_lo = u0 & lo6, m_lo = u1 & lo6;
+    uint32_t s_hi = (u2 & lo4) | (((u0 >> 6) & top2) << 4);
+    uint32_t m_hi = ((u2 >> 4) & lo4) | (((u1 >> 6) & top2) << 4);
+    memcpy(sc, &s_lo, 4);
+    memcpy(sc + 4, &s_hi, 4);
+    memcpy(m, &m_lo, 4);
+    memcpy(m + 4, &m_hi, 4);
+}
+
+/* sum_j m[j] * (bsums[2j] + bsums[2j+1]) as 8 int32 lanes (to be summed), from the 16 bsums
+ * and the 8 mins each widened to the two 16-bit lanes of its pair. */
+static inline __m256i k_min_sums(__m256i bsums, const uint8_t m[8])
+{
+    uint64_t m8;
+    memcpy(&m8, m, 8);
+    __m128i mm = _mm_cvtsi64_si128((long long)m8);
+    __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mm, mm)); /* m0 m0 m1 m1 ... */
+    return _mm256_madd_epi16(bsums, m16);
+}
+
+/* Q4_K / Q5_K: q unsigned (<= 31) times q8 (|q8| <= 128): pairs <= 2*31*128. The mins
+ * are accumulated as vectors too, so a super-block needs no horizontal sum. */
+KERNEL float dot_q45_k(fitm_dtype t, const uint8_t *w, const fitm_block_q8_k *x, int64_t nb)
+{
+    const int is5 = t == FITM_DTYPE_Q5_K;
+    const size_t bb = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), accm = acc;
+    for (int64_t i = 0; i < nb; i++) {
+        {
+            const uint8_t *blk = w + (size_t)i * bb;
+            const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk; /* same header */
+            const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
+            uint8_t sc[8], m[8];
+            k_scales_mins(b4->scales, sc, m);
+            uint64_t sc8;
+            memcpy(&sc8, sc, 8);
+            /* the 8 scales as int16, in both 128-bit lanes */
+            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+            __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
+            __m256i isum = _mm256_setzero_si256();
+            for (int g = 0; g < 4; g++) {
+                __m256i q = loadu256(qs + 32 * g);
+                __m256i lo = _mm256_and_si256(q, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                if (is5) { /* bit 2g / 2g+1 of byte l: the 5th bits of this group */
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                    hi = _mm256_or_si256(
+                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                    h = _mm256_srli_epi16(h, 2);
+                }
+                isum = _mm256_add_epi32(isum, dot_u8s8_scaled(lo, loadu256(x[i].qs + 64 * g),
+                                                              _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g))));
+                isum = _mm256_add_epi32(isum, dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32),
+                                                              _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g + 1))));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b4->d) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+            accm = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b4->dmin) * x[i].d),
+                                   _mm256_cvtepi32_ps(k_min_sums(loadu256(x[i].bsums), m)), accm);
+        }
+    }
+    return hsum_ps(acc) - hsum_ps(accm);
+}
+
+/* The four 32-byte groups of 6-bit values (0..63, unsigned) of one Q6_K half. */
+static inline void q6_k_half(const uint8_t *ql, const uint8_t *qh, __m256i q[4])
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+    __m256i l0 = loadu256(ql), l1 = loadu256(ql + 32), h = loadu256(qh);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                           _mm256_slli_epi16(_mm256_and_si256(h, low2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), low2), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), low2), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), low2), 4));
+}
+
+/* Q6_K: sum sc * (q6 - 32) * q8 = sum sc * q6 * q8 - 32 * sum_g sc[g] * bsums[g] (a
+ * scale covers exactly one 16-element bsums group). q6 <= 63: pairs <= 2*63*128. */
+static float dot_q6_k(const fitm_block_q6_k *w, const fitm_block_q8_k *x, int64_t nb)
+{
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        {
+            const fitm_block_q6_k *b = &w[i];
+            const int8_t *sc = b->scales;
+            /* scales as int16: even-numbered ones in the low lane, odd-numbered in the high
+             * lane, so group s = 2j (first 16 bytes: scale 2j, next 16: 2j+1) is one shuffle */
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
+            const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
+            const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
+            __m256i isum = _mm256_setzero_si256();
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                q6_k_half(b->ql + 64 * h, b->qh + 32 * h, q);
+                for (int k = 0; k < 4; k++) {
+                    const int j = 4 * h + k; /* scales 2j (first 16 bytes) and 2j+1 */
+                    isum = _mm256_add_epi32(isum, dot_u8s8_scaled(q[k], loadu256(x[i].qs + 128 * h + 32 * k),
+                                                                  _mm256_shuffle_epi8(sc_eo, bcast16_mask(j))));
+                }
+            }
+            __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(loadu256(x[i].bsums), sc16), 5));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b->d) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+        }
+    }
+    return hsum_ps(acc);
+}
+
+float fitm_quant_dot_simd(fitm_dtype t, const void *w_row, const void *x_q, int64_t n)
+{
+    switch (t) {
+    case FITM_DTYPE_F32:
+        return dot_f32(w_row, x_q, n);
+    case FITM_DTYPE_F16:
+        return dot_f16(w_row, x_q, n);
+    case FITM_DTYPE_BF16:
+        return dot_bf16(w_row, x_q, n);
+    case FITM_DTYPE_Q8_0:
+#if FITM_DOT512
+        return dot_q8_0_512(w_row, x_q, NULL, n / FITM_QK);
+#else
+        return dot_block32(FITM_DTYPE_Q8_0, w_row, x_q, n / FITM_QK);
+#endif
+    case FITM_DTYPE_Q4_0:
+        return dot_block32(FITM_DTYPE_Q4_0, w_row, x_q, n / FITM_QK);
+    case FITM_DTYPE_Q5_0:
+#if FITM_DOT512
+        return dot_q5_0_512(w_row, x_q, NULL, n / FITM_QK);
+#else
+        return dot_block32(FITM_DTYPE_Q5_0, w_row, x_q, n / FITM_QK);
+#endif
+    case FITM_DTYPE_Q4_K:
+        return dot_q45_k(FITM_DTYPE_Q4_K, w_row, x_q, n / FITM_QK_K);
+    case FITM_DTYPE_Q5_K:
+        return dot_q45_k(FITM_DTYPE_Q5_K, w_row, x_q, n / FITM_QK_K);
+    case FITM_DTYPE_Q6_K:
+        return dot_q6_k(w_row, x_q, n / FITM_QK_K);
+    default:
+        return fitm_quant_dot_scalar(t, w_row, x_q, n);
+    }
+}
+
+#define MATVEC_PREFETCH 8192
+#define MATVEC_XS_MAX 512 /* Q8_0 blocks (K <= 16384) whose x scales matvec converts once */
+
+void fitm_quant_matvec_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
+                            const void *x_q, float *y, int64_t n_rows)
+{
+    /* Weights stream from DRAM (a decode step reads every matrix once): prefetching
+     * MATVEC_PREFETCH bytes ahead keeps more lines in flight than the hardware prefetcher
+     * does on its own (Gemma 3 270M's 262144 x 640 Q8_0 head: 31 -> 37 GB/s on one thread of
+     * the 2-core EPYC test machine; decode +15-25%). It runs past this call's last row on
+     * purpose: the backend splits a layer's small matrices into tasks of a few KiB, and the
+     * rows after a task are the next task's, about to be read (+7% decode). Prefetches never
+     * fault (hence the integer address: the line may lie past the array) and change no
+     * result. */
+#if FITM_DOT512
+    float xs[MATVEC_XS_MAX]; /* x's block scales (Q8_0), converted once for all rows */
+    const bool xs_ok =
+        (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && K / FITM_QK <= MATVEC_XS_MAX;
+    if (xs_ok)
+        for (int64_t i = 0; i < K / FITM_QK; i++)
+            xs[i] = fp16(((const fitm_block_q8_0 *)x_q)[i].d);
+#endif
+    for (int64_t r = 0; r < n_rows; r++, w += row_bytes) {
+        const uintptr_t pf = (uintptr_t)w + MATVEC_PREFETCH;
+        for (size_t o = 0; o < row_bytes; o += 64)
+            _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
+#if FITM_DOT512
+        if (xs_ok) {
+            y[r] = t == FITM_DTYPE_Q8_0
+                       ? dot_q8_0_512((const fitm_block_q8_0 *)w, x_q, xs, K / FITM_QK)
+                       : dot_q5_0_512((const fitm_block_q5_0 *)w, x_q, xs, K / FITM_QK);
+            continue;
+        }
+#endif
+        y[r] = fitm_quant_dot_simd(t, w, x_q, K);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Dequantization: 32 signed byte values -> 32 floats q * d (- o), in the scalar order. */
+
+/* y[0..16) = q[0..16) * d_lo, y[16..32) = q[16..32) * d_hi. */
+static inline void store_mul2(__m256i q, float d_lo, float d_hi, float *y)
+{
+    const __m256 vlo = _mm256_set1_ps(d_lo), vhi = _mm256_set1_ps(d_hi);
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vlo));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vlo));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vhi));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vhi));
+}
+
+static inline void store_mul(__m256i q, float d, float *y)
+{
+    store_mul2(q, d, d, y);
+}
+
+static inline void store_mul_sub(__m256i q, float d, float o, float *y)
+{
+    const __m256 vd = _mm256_set1_ps(d), vo = _mm256_set1_ps(o);
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int k = 0; k < 4; k++) {
+        __m256 v = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k])));
+        _mm256_storeu_ps(y + 8 * k, _mm256_sub_ps(v, vo));
+    }
+}
+
+void fitm_quant_dequant_row_simd(fitm_dtype t, const void *src, float *dst, int64_t n)
+{
+    switch (t) {
+    case FITM_DTYPE_F16: {
+        const uint16_t *s = src;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, load_f16x8(s + i));
+        for (; i < n; i++)
+            dst[i] = fp16(s[i]);
+        return;
+    }
+    case FITM_DTYPE_BF16: {
+        const uint16_t *s = src;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, load_bf16x8(s + i));
+        for (; i < n; i++)
+            dst[i] = bf16(s[i]);
+        return;
+    }
+    case FITM_DTYPE_Q8_0: {
+        const fitm_block_q8_0 *b = src;
+        for (int64_t i = 0; i < n / FITM_QK; i++)
+            store_mul(loadu256(b[i].qs), fp16(b[i].d), dst + i * FITM_QK);
+        return;
+    }
+    case FITM_DTYPE_Q4_0: {
+        const fitm_block_q4_0 *b = src;
+        for (int64_t i = 0; i < n / FITM_QK; i++)
+            store_mul(_mm256_sub_epi8(nibbles32(b[i].qs), _mm256_set1_epi8(8)), fp16(b[i].d),
+                      dst + i * FITM_QK);
+        return;
+    }
+    case FITM_DTYPE_Q5_0: {
+        const fitm_block_q5_0 *b = src;
+        for (int64_t i = 0; i < n / FITM_QK; i++)
+            store_mul(q5_0_values(&b[i]), fp16(b[i].d), dst + i * FITM_QK);
+        return;
+    }
+    case FITM_DTYPE_Q4_K:
+    case FITM_DTYPE_Q5_K: {
+        const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+        const int is5 = t == FITM_DTYPE_Q5_K;
+        const size_t bytes = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
+        for (int64_t i = 0; i < n / FITM_QK_K; i++) {
+            const uint8_t *blk = (const uint8_t *)src + (size_t)i * bytes;
+            /* d, dmin and scales sit at the same offsets in both layouts */
+            const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk;
+            const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
+            __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
+            const float d = fp16(b4->d), dmin = fp16(b4->dmin);
+            float *y = dst + i * FITM_QK_K;
+            for (int g = 0; g < 4; g++) {
+                uint8_t sc0, m0, sc1, m1;
+                fitm_quant_k_scale_min(b4->scales, 2 * g, &sc0, &m0);
+                fitm_quant_k_scale_min(b4->scales, 2 * g + 1, &sc1, &m1);
+                __m256i q = loadu256(qs + 32 * g);
+                __m256i lo = _mm256_and_si256(q, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                if (is5) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                    hi = _mm256_or_si256(
+                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                    h = _mm256_srli_epi16(h, 2);
+                }
+                store_mul_sub(lo, d * sc0, dmin * m0, y + 64 * g);
+                store_mul_sub(hi, d * sc1, dmin * m1, y + 64 * g + 32);
+            }
+        }
+        return;
+    }
+    case FITM_DTYPE_Q6_K: {
+        const fitm_block_q6_k *b = src;
+        const __m256i off = _mm256_set1_epi8(32);
+        for (int64_t i = 0; i < n / FITM_QK_K; i++) {
+            const float d = fp16(b[i].d);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                q6_k_half(b[i].ql + 64 * h, b[i].qh + 32 * h, q);
+                for (int k = 0; k < 4; k++) {
+                    float *y = dst + i * FITM_QK_K + 128 * h + 32 * k;
+                    const int s = 8 * h + 2 * k;
+                    store_mul2(_mm256_sub_epi8(q[k], off), d * (float)b[i].scales[s],
+                               d * (float)b[i].scales[s + 1], y);
+                }
+            }
+        }
+        return;
+    }
+    default:
+        fitm_quant_dequant_row_scalar(t, src, dst, n);
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Activation quantization (Q8_0, Q8_K): the scalar quantizer's exact operations, so the bytes
+ * are identical: d = amax / 127, id = 1/d (0 when d is 0), q = clamp(rint(x * id), -127, 127)
+ * with the clamp taking NaN to -127 as fmaxf/fminf do there. */
+
+static inline float absmax_vec(const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) /* NaN lanes keep the running max (second operand) */
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* 32 values -> 32 int8 of clamp(rint(x * id)). */
+static inline __m256i quant32(const float *x, float id)
+{
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vid),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi); /* max(NaN, lo) = lo */
+        q[k] = _mm256_cvtps_epi32(v);
+    }
+    /* packs work per 128-bit lane: order 0-3 8-11 4-7 12-15 | ... ; fix with a permute */
+    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_packs_epi16(p01, p23);
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+void fitm_quant_quant_row_simd(fitm_dtype t, const float *src, void *dst, int64_t n)
+{
+    if (t == FITM_DTYPE_Q8_0) {
+        fitm_block_q8_0 *b = dst;
+        for (int64_t i = 0; i < n / FITM_QK; i++, src += FITM_QK) {
+            const float d = absmax_vec(src, FITM_QK) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            b[i].d = fitm_fp32_to_fp16(d);
+            _mm256_storeu_si256((__m256i *)b[i].qs, quant32(src, id));
+        }
+        return;
+    }
+    if (t == FITM_DTYPE_Q8_K) {
+        fitm_block_q8_k *b = dst;
+        for (int64_t i = 0; i < n / FITM_QK_K; i++, src += FITM_QK_K) {
+            const float d = absmax_vec(src, FITM_QK_K) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            b[i].d = d;
+            for (int k = 0; k < FITM_QK_K / 32; k++) {
+                __m256i q = quant32(src + 32 * k, id);
+                _mm256_storeu_si256((__m256i *)(b[i].qs + 32 * k), q);
+                /* two bsums: the int8 sums of each 16-byte half */
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+                                              _mm256_set1_epi16(1)); /* 8 sums of 4 */
+                __m256i hs = _mm256_hadd_epi32(s, s);  /* lanes: s0+s1, s2+s3 | s4+s5, s6+s7 */
+                hs = _mm256_hadd_epi32(hs, hs);        /* lane 0: sum of low half, lane 4: high */
+                b[i].bsums[2 * k] = (int16_t)_mm256_extract_epi32(hs, 0);
+                b[i].bsums[2 * k + 1] = (int16_t)_mm256_extract_epi32(hs, 4);
+            }
+        }
+        return;
+    }
+    fitm_quant_quant_row_scalar(t, src, dst, n);
+}
+
+#else
+/* ISO C forbids an empty translation unit. */
+typedef int fitm_quant_x86_unused;
+#endif

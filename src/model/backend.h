@@ -1,0 +1,142 @@
+/* backend: the ops the forward driver (forward.c) runs, behind one small vtable, so the CPU
+ * reference (backend_cpu.c) and a CUDA backend can run the same driver.
+ *
+ * Memory: every float pointer an op takes is backend memory from ops->alloc (host memory for
+ * the CPU backend, device memory for CUDA), except where marked "host". Weights are passed as
+ * fitm_weight views; a backend that keeps its own copies looks them up by the view's address
+ * (stable for the model's life).
+ *
+ * Ops run in order on the calling thread's stream; results are visible to the next op and, for
+ * download, on return. Every slot is required unless marked optional.
+ *
+ * Legend: T tokens, C model dim, H heads, Hkv KV heads, D head dim, F FFN dim, L layers. */
+#ifndef FITM_BACKEND_H
+#define FITM_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "compute/ops.h"
+#include "model/model.h"
+
+typedef struct fitm_backend fitm_backend;
+typedef struct fitm_capture fitm_capture;
+typedef struct fitm_intervention fitm_intervention;
+
+/* Most spans a capture or an intervention may carry (documents per request are capped far
+ * lower by the API). */
+#define FITM_FORWARD_MAX_SPANS 4096
+
+/* Attention capture for chosen query rows: the post-softmax probabilities of every layer and
+ * head, as full rows and/or as sums over key spans. Only the rows asked for are stored; no
+ * T x T matrix is ever kept. */
+struct fitm_capture {
+    const int64_t *rows;     /* (n_rows) absolute query positions, each in [pos0, pos0 + T),
+                                no duplicates                                              */
+    int32_t n_rows;
+    const fitm_span *spans;  /* (n_spans) key spans to sum over; may overlap; any range     */
+    int32_t n_spans;
+    float *span_mass;        /* (n_rows, L, H, n_spans) host, or NULL                      */
+    float *probs;            /* (n_rows, L, H, probs_stride) host, or NULL: keys [0, row]
+                                written (masked keys 0), keys after row set to 0           */
+    int64_t probs_stride;    /* >= every row + 1 when probs is set                         */
+    bool after_intervention; /* capture the probabilities that multiply V (true) or those
+                                before the intervention (false); the same when none        */
+};
+
+/* The intervention (docs/design.md, Method), applied in the chosen layers to every head of
+ * every query row at a position >= from_pos: see fitm_ops_intervene. */
+struct fitm_intervention {
+    const fitm_span *spans;  /* (K) document spans: sorted, disjoint, non-empty           */
+    int32_t n_spans;
+    const float *alpha;      /* (K) weights, finite and >= 0, sum_k N_k * alpha_k > 0      */
+    const uint8_t *layers;   /* (L) nonzero: intervene in that layer; NULL: every layer     */
+    int64_t from_pos;
+};
+
+/* One output of a matrix product sharing its input with the others of the same call (Q, K, V
+ * share the normed activations; gate and up share theirs): y (T, N) = x (T, K) . W^T + bias. */
+typedef struct {
+    const fitm_weight *w;    /* (N, K)                    */
+    const fitm_weight *bias; /* (N) F32, or NULL          */
+    float *y;                /* (T, N), row stride N      */
+} fitm_mm_out;
+
+/* One layer's attention for T query rows at positions pos0 .. pos0+T-1.
+ * Keys are the positions visible from each row (causal; and within `window` when window > 0:
+ * key j is visible from query i iff j <= i and i - j < window). Key j's K/V row is in the
+ * prefix arrays when j < own_base (row j), else in the own arrays (row j - own_base); the own
+ * arrays already hold the rows of this call's tokens. */
+typedef struct {
+    int32_t layer;
+    int64_t T, pos0;
+    int32_t n_head, n_head_kv, head_dim;
+    float scale;                 /* scores = q.k * scale                        */
+    int64_t window;              /* 0: full causal                              */
+    const float *q;              /* (T, H, D), RoPE applied                     */
+    float *out;                  /* (T, H, D)                                   */
+    const float *k_pre, *v_pre;  /* (own_base, Hkv, D); unused when own_base 0  */
+    const float *k_own, *v_own;  /* (rows, Hkv, D)                              */
+    int64_t own_base;
+    /* Capture (NULL: none). cap_index (host, T entries) maps a row to its index in
+     * capture->rows, or -1; n_layer is L, for the output layout. */
+    const fitm_capture *capture;
+    const int32_t *cap_index;
+    int32_t n_layer;
+    /* Intervention for this layer (NULL when this layer is not intervened). */
+    const fitm_intervention *intervention;
+} fitm_attn_args;
+
+typedef struct {
+    const char *name;
+    void (*destroy)(fitm_backend *b);
+    /* Sizes every later call stays within: T rows per call, keys per attention row, and the
+     * longest weight row (K). May be called again with larger values. */
+    fitm_status (*reserve)(fitm_backend *b, int64_t max_tokens, int64_t max_keys, int64_t max_k,
+                           fitm_err *err);
+    void *(*alloc)(fitm_backend *b, size_t n_bytes); /* zeroed; NULL on failure */
+    void (*free)(fitm_backend *b, void *p);          /* NULL is a no-op          */
+    void (*upload)(fitm_backend *b, void *dst, const void *src_host, size_t n_bytes);
+    void (*download)(fitm_backend *b, void *dst_host, const void *src, size_t n_bytes);
+    /* Optional: called once per model before its first forward pass (e.g. upload weights). */
+    fitm_status (*prepare)(fitm_backend *b, const fitm_model *m, fitm_err *err);
+
+    /* x (T, C) = rows ids (host, T) of w, times scale. */
+    void (*embed)(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,
+                  float scale, float *x);
+    /* batched: the driver's numerics class for this call (see fitm_forward_path). Within one
+     * class a backend must compute each row identically whatever T is; the CPU backend runs
+     * quantized weights through dequantized tiles when batched, through quantized dot
+     * products with Q8 activations otherwise. */
+    void (*matmul)(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
+                   int n_outs, bool batched);
+    /* y (rows, n) = rmsnorm of each row of x, times w (n); y may equal x. */
+    void (*rmsnorm)(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
+                    int64_t rows, int64_t n, float eps);
+    /* RoPE on x (T, n_heads, D) in place; cs (T, n_rot/2, 2) from fitm_ops_rope_table. */
+    void (*rope)(fitm_backend *b, float *x, int64_t T, int64_t n_heads, int64_t D, int64_t n_rot,
+                 const float *cs, bool neox);
+    /* y (n) = act(g) * u */
+    void (*glu)(fitm_backend *b, float *y, const float *g, const float *u, int64_t n,
+                fitm_act act);
+    /* y (n) += x */
+    void (*add)(fitm_backend *b, float *y, const float *x, int64_t n);
+    /* x (n) = cap * tanh(x / cap) */
+    void (*softcap)(fitm_backend *b, float *x, int64_t n, float cap);
+    void (*attention)(fitm_backend *b, const fitm_attn_args *a);
+} fitm_backend_ops;
+
+struct fitm_backend {
+    const fitm_backend_ops *ops;
+};
+
+/* The CPU backend: BLAS and quantized dot products over n_threads threads (the caller's
+ * included). *out is NULL on failure. */
+fitm_status fitm_backend_cpu_create(fitm_backend **out, int n_threads, fitm_err *err);
+
+/* Destroys any backend. NULL is a no-op. */
+void fitm_backend_destroy(fitm_backend *b);
+
+#endif

@@ -1,0 +1,899 @@
+/* backend_cpu: the reference backend. Ops from ops.c, matrix products from quant.c (quantized
+ * dot products; fixed-order products over float tiles), attention with fixed-order kernels,
+ * all split across a thread pool: matrix products by output rows, attention by (head, query
+ * tile), row-wise ops by rows. Every output element is summed in an order independent of the
+ * batch size and of how the work is split (see is_float_type and the attention section). */
+#include <assert.h>
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/pool.h"
+#include "compute/quant.h"
+#include "model/backend.h"
+
+#define ALIGN 64
+#define TILE_Q 32              /* query rows per attention task                      */
+#define PAR_MIN_ELEMS 32768    /* element-wise ops smaller than this run inline       */
+#define MAX_VEC_TYPES 3        /* distinct activation types in one matmul call        */
+#define FLOAT_TILE 64          /* rows of a float weight converted to F32 at a time   */
+#define MATVEC_TASK_BYTES 262144 /* least weight bytes per task of a one-row product */
+
+typedef struct {
+    fitm_backend base;
+    fitm_pool *pool;
+    int n_threads;
+    int64_t max_tokens, max_keys, max_k;
+    float **scores;        /* per thread: (TILE_Q, max_keys)                 */
+    double **mass;         /* per thread: (FITM_FORWARD_MAX_SPANS)           */
+    float **mm_scratch;    /* per thread: (FLOAT_TILE + 1, max_k)            */
+    float *zero_row;       /* (max_k) zeros: padding rows of the float path  */
+    uint8_t *xq[MAX_VEC_TYPES]; /* quantized activations, (max_tokens, row)  */
+    size_t xq_row_cap;     /* bytes of one quantized row the buffers allow   */
+} cpu_backend;
+
+static cpu_backend *cpu(fitm_backend *b)
+{
+    return (cpu_backend *)b;
+}
+
+/* ---- memory ------------------------------------------------------------------------------ */
+
+static void *cpu_alloc(fitm_backend *b, size_t n)
+{
+    (void)b;
+    size_t sz = (n + ALIGN - 1) / ALIGN * ALIGN;
+    void *p = aligned_alloc(ALIGN, sz ? sz : ALIGN);
+    if (p)
+        memset(p, 0, sz);
+    return p;
+}
+
+static void cpu_free(fitm_backend *b, void *p)
+{
+    (void)b;
+    free(p);
+}
+
+static void cpu_copy(fitm_backend *b, void *dst, const void *src, size_t n)
+{
+    (void)b;
+    if (n)
+        memcpy(dst, src, n);
+}
+
+static void free_per_thread(void **v, int n)
+{
+    if (!v)
+        return;
+    for (int i = 0; i < n; i++)
+        free(v[i]);
+    free(v);
+}
+
+static void release_scratch(cpu_backend *c)
+{
+    free_per_thread((void **)c->scores, c->n_threads);
+    free_per_thread((void **)c->mass, c->n_threads);
+    free_per_thread((void **)c->mm_scratch, c->n_threads);
+    free(c->zero_row);
+    c->scores = NULL;
+    c->mass = NULL;
+    c->mm_scratch = NULL;
+    c->zero_row = NULL;
+    for (int i = 0; i < MAX_VEC_TYPES; i++) {
+        free(c->xq[i]);
+        c->xq[i] = NULL;
+    }
+}
+
+static void cpu_destroy(fitm_backend *b)
+{
+    cpu_backend *c = cpu(b);
+    release_scratch(c);
+    fitm_pool_destroy(c->pool);
+    free(c);
+}
+
+static void **alloc_per_thread(int n, size_t bytes)
+{
+    void **v = calloc((size_t)n, sizeof *v);
+    if (!v)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        v[i] = cpu_alloc(NULL, bytes);
+        if (!v[i]) {
+            free_per_thread(v, n);
+            return NULL;
+        }
+    }
+    return v;
+}
+
+static fitm_status cpu_reserve(fitm_backend *b, int64_t max_tokens, int64_t max_keys,
+                               int64_t max_k, fitm_err *err)
+{
+    cpu_backend *c = cpu(b);
+    if (c->scores && max_tokens <= c->max_tokens && max_keys <= c->max_keys && max_k <= c->max_k)
+        return FITM_OK;
+    if (max_tokens < c->max_tokens)
+        max_tokens = c->max_tokens;
+    if (max_keys < c->max_keys)
+        max_keys = c->max_keys;
+    if (max_k < c->max_k)
+        max_k = c->max_k;
+    release_scratch(c);
+    /* The widest quantized activation row: Q8_K (292 bytes per 256) or Q8_0 (34 per 32). */
+    size_t row = fitm_dtype_row_bytes(FITM_DTYPE_Q8_K, (max_k + 255) / 256 * 256);
+    size_t row0 = fitm_dtype_row_bytes(FITM_DTYPE_Q8_0, (max_k + 31) / 32 * 32);
+    c->xq_row_cap = row > row0 ? row : row0;
+    c->scores = (float **)alloc_per_thread(c->n_threads,
+                                           (size_t)TILE_Q * (size_t)max_keys * sizeof(float));
+    c->mass = (double **)alloc_per_thread(c->n_threads, FITM_FORWARD_MAX_SPANS * sizeof(double));
+    c->mm_scratch = (float **)alloc_per_thread(
+        c->n_threads, (size_t)(FLOAT_TILE + 1) * (size_t)max_k * sizeof(float));
+    c->zero_row = cpu_alloc(NULL, (size_t)max_k * sizeof(float));
+    bool ok = c->scores && c->mass && c->mm_scratch && c->zero_row;
+    for (int i = 0; i < MAX_VEC_TYPES && ok; i++) {
+        c->xq[i] = cpu_alloc(NULL, c->xq_row_cap * (size_t)max_tokens);
+        ok = c->xq[i] != NULL;
+    }
+    if (!ok) {
+        release_scratch(c);
+        c->max_tokens = c->max_keys = c->max_k = 0;
+        return fitm_err_set(err, FITM_ERR_NOMEM,
+                            "CPU backend: cannot allocate scratch for %lld tokens x %lld keys",
+                            (long long)max_tokens, (long long)max_keys);
+    }
+    c->max_tokens = max_tokens;
+    c->max_keys = max_keys;
+    c->max_k = max_k;
+    return FITM_OK;
+}
+
+/* ---- row-parallel helpers ---------------------------------------------------------------- */
+
+/* Splits [0, n) into about n_threads equal chunks of whole rows. */
+typedef struct {
+    int64_t n, per;
+    void (*fn)(void *ctx, int64_t i0, int64_t i1);
+    void *ctx;
+} range_job;
+
+static void range_task(void *ctx, int64_t task, int thread)
+{
+    (void)thread;
+    range_job *j = ctx;
+    int64_t i0 = task * j->per, i1 = i0 + j->per < j->n ? i0 + j->per : j->n;
+    if (i0 < i1)
+        j->fn(j->ctx, i0, i1);
+}
+
+/* Runs fn over rows [0, n) where each row costs row_elems; inline when small. */
+static void par_rows(cpu_backend *c, int64_t n, int64_t row_elems,
+                     void (*fn)(void *ctx, int64_t i0, int64_t i1), void *ctx)
+{
+    if (c->n_threads == 1 || n < 2 || n * row_elems < PAR_MIN_ELEMS) {
+        fn(ctx, 0, n);
+        return;
+    }
+    range_job j = {n, (n + c->n_threads - 1) / c->n_threads, fn, ctx};
+    fitm_pool_run(c->pool, (n + j.per - 1) / j.per, range_task, &j);
+}
+
+/* ---- element-wise and row-wise ops ------------------------------------------------------- */
+
+typedef struct {
+    const fitm_weight *w;
+    const int32_t *ids;
+    float scale;
+    float *x;
+} embed_job;
+
+static void embed_rows(void *ctx, int64_t i0, int64_t i1)
+{
+    embed_job *j = ctx;
+    const int64_t C = j->w->n_cols;
+    for (int64_t t = i0; t < i1; t++) {
+        float *xr = j->x + t * C;
+        fitm_dequant_row(j->w->type, (const uint8_t *)j->w->data + (size_t)j->ids[t] * j->w->row_bytes,
+                         xr, C);
+        if (j->scale != 1.0f)
+            for (int64_t i = 0; i < C; i++)
+                xr[i] *= j->scale;
+    }
+}
+
+static void cpu_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,
+                      float scale, float *x)
+{
+    embed_job j = {w, ids, scale, x};
+    par_rows(cpu(b), T, w->n_cols, embed_rows, &j);
+}
+
+typedef struct {
+    float *y;
+    const float *x;
+    const float *w;
+    int64_t n;
+    float eps;
+} norm_job;
+
+static void norm_rows(void *ctx, int64_t i0, int64_t i1)
+{
+    norm_job *j = ctx;
+    fitm_ops_rmsnorm(j->y + i0 * j->n, j->x + i0 * j->n, j->w, 0.0f, i1 - i0, j->n, j->eps);
+}
+
+static void cpu_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
+                        int64_t rows, int64_t n, float eps)
+{
+    norm_job j = {y, x, w->data, n, eps};
+    par_rows(cpu(b), rows, n, norm_rows, &j);
+}
+
+typedef struct {
+    float *x;
+    int64_t n_heads, D, n_rot;
+    const float *cs;
+    bool neox;
+} rope_job;
+
+static void rope_rows(void *ctx, int64_t t0, int64_t t1)
+{
+    rope_job *j = ctx;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = 0; h < j->n_heads; h++)
+            fitm_ops_rope_apply(j->x + (t * j->n_heads + h) * j->D, j->cs + t * j->n_rot, j->n_rot,
+                                j->neox);
+}
+
+static void cpu_rope(fitm_backend *b, float *x, int64_t T, int64_t n_heads, int64_t D,
+                     int64_t n_rot, const float *cs, bool neox)
+{
+    rope_job j = {x, n_heads, D, n_rot, cs, neox};
+    par_rows(cpu(b), T, n_heads * n_rot, rope_rows, &j);
+}
+
+typedef struct {
+    float *y;
+    const float *g, *u;
+    fitm_act act;
+} glu_job;
+
+static void glu_fast(float *y, const float *g, const float *u, int64_t n, fitm_act act);
+
+static void glu_range(void *ctx, int64_t i0, int64_t i1)
+{
+    glu_job *j = ctx;
+    glu_fast(j->y + i0, j->g + i0, j->u + i0, i1 - i0, j->act);
+}
+
+static void cpu_glu(fitm_backend *b, float *y, const float *g, const float *u, int64_t n,
+                    fitm_act act)
+{
+    glu_job j = {y, g, u, act};
+    par_rows(cpu(b), n, 8, glu_range, &j); /* a GLU element costs about 8 adds */
+}
+
+typedef struct {
+    float *y;
+    const float *x;
+} add_job;
+
+static void add_range(void *ctx, int64_t i0, int64_t i1)
+{
+    add_job *j = ctx;
+    for (int64_t i = i0; i < i1; i++)
+        j->y[i] += j->x[i];
+}
+
+static void cpu_add(fitm_backend *b, float *y, const float *x, int64_t n)
+{
+    add_job j = {y, x};
+    par_rows(cpu(b), n, 1, add_range, &j);
+}
+
+static void cpu_softcap(fitm_backend *b, float *x, int64_t n, float cap)
+{
+    (void)b;
+    for (int64_t i = 0; i < n; i++)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
+/* ---- fixed-order dot products ------------------------------------------------------------ */
+
+/* Vector width: 16 floats where the build targets AVX-512 (full-width FMA units on current
+ * x86 cores), 8 otherwise. Fixed at compile time, so one binary always sums the same way. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+static inline vf ldv(const float *p)
+{
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void stv(float *p, vf v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* acc + a * b, fused where the CPU has FMA. Whichever it is, it is the same everywhere in
+ * this file, so results stay independent of blocking. */
+static inline vf fmav(vf a, vf b, vf acc)
+{
+#if VW == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+static inline vf splatv(float x)
+{
+    return x - (vf){0}; /* scalar op vector broadcasts */
+}
+
+/* e^x for VW floats: x = n ln2 + r (|r| <= ln2/2, ln2 split in two for exactness), e^r by a
+ * degree-6 polynomial, 2^n through the exponent bits; about 2 ulp over the range softmax
+ * and the activations use. Inputs below -87 give 0, above 88 give +inf. */
+
+/* mask ? a : b, lane by lane (mask lanes are 0 or -1, as vector comparisons give). */
+static inline vf selv(vi mask, vf a, vf b)
+{
+    vi ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    vi r = (mask & ia) | (~mask & ib);
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline vf expv(vf x)
+{
+    x = selv(x < splatv(88.0f), x, splatv(88.0f));
+    const vi under = x < splatv(-87.0f);
+    x = selv(under, splatv(-87.0f), x);
+    vf n = x * splatv(1.44269504088896341f);
+    n += selv(n >= splatv(0.0f), splatv(0.5f), splatv(-0.5f));
+    n = __builtin_convertvector(__builtin_convertvector(n, vi), vf); /* round half away */
+    vf r = fmav(n, splatv(-0.693359375f), x);
+    r = fmav(n, splatv(2.12194440e-4f), r);
+    vf p = splatv(1.9875691500e-4f);
+    p = fmav(p, r, splatv(1.3981999507e-3f));
+    p = fmav(p, r, splatv(8.3334519073e-3f));
+    p = fmav(p, r, splatv(4.1665795894e-2f));
+    p = fmav(p, r, splatv(1.6666665459e-1f));
+    p = fmav(p, r, splatv(5.0000001201e-1f));
+    p = fmav(p, r * r, r + splatv(1.0f));
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof scale);
+    return selv(under, splatv(0.0f), p * scale);
+}
+
+static inline float hsumv(vf v)
+{
+    /* pairwise, in a fixed tree */
+    float t[VW];
+    memcpy(t, &v, sizeof t);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++)
+            t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
+/* The activations with expv: gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3)
+ * (the tanh form rewritten), silu(g) = g / (1 + e^(-g)); within ~1e-7 of ops.c's references. */
+static void glu_fast(float *y, const float *g, const float *u, int64_t n, fitm_act act)
+{
+    int64_t i = 0;
+    const vf one = splatv(1.0f);
+    for (; i + VW <= n; i += VW) {
+        vf x = ldv(g + i), z;
+        if (act == FITM_ACT_GELU)
+            z = splatv(-2.0f * 0.7978845608028654f) * fmav(splatv(0.044715f) * x * x, x, x);
+        else
+            z = -x;
+        stv(y + i, x / (one + expv(z)) * ldv(u + i));
+    }
+    if (i < n) {
+        if (act == FITM_ACT_GELU)
+            fitm_ops_geglu(y + i, g + i, u + i, n - i);
+        else
+            fitm_ops_swiglu(y + i, g + i, u + i, n - i);
+    }
+}
+
+/* In-place softmax of x (n): max, e^(x - max) with expv, 1/sum; lanes summed in fixed order. */
+static void softmax_fast(float *x, int64_t n)
+{
+    float mx = x[0];
+    for (int64_t i = 1; i < n; i++)
+        mx = x[i] > mx ? x[i] : mx;
+    vf acc = splatv(0.0f);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf e = expv(ldv(x + i) - splatv(mx));
+        stv(x + i, e);
+        acc += e;
+    }
+    float tail = 0.0f;
+    for (; i < n; i++) {
+        vf e = expv(splatv(x[i] - mx));
+        x[i] = e[0];
+        tail += e[0];
+    }
+    const float inv = 1.0f / (hsumv(acc) + tail);
+    for (i = 0; i < n; i++)
+        x[i] *= inv;
+}
+
+/* dot(a, b) over n in the fixed order described above. */
+static inline float dot_fixed(const float *a, const float *b, int64_t n)
+{
+    vf acc = {0};
+    int64_t d = 0;
+    for (; d + VW <= n; d += VW)
+        acc = fmav(ldv(a + d), ldv(b + d), acc);
+    float tail = 0.0f;
+    for (; d < n; d++)
+        tail += a[d] * b[d];
+    return hsumv(acc) + tail;
+}
+
+/* The same dots for 4 queries x 4 keys at once (each result bit-identical to dot_fixed). */
+static inline void dot_4x4(const float *const q[4], const float *const k[4], int64_t n,
+                           float out[4][4])
+{
+    vf acc[4][4] = {{{0}}};
+    int64_t d = 0;
+    for (; d + VW <= n; d += VW) {
+        vf kv[4] = {ldv(k[0] + d), ldv(k[1] + d), ldv(k[2] + d), ldv(k[3] + d)};
+        for (int i = 0; i < 4; i++) {
+            vf qv = ldv(q[i] + d);
+            for (int j = 0; j < 4; j++)
+                acc[i][j] = fmav(qv, kv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            float tail = 0.0f;
+            for (int64_t e = d; e < n; e++)
+                tail += q[i][e] * k[j][e];
+            out[i][j] = hsumv(acc[i][j]) + tail;
+        }
+}
+
+/* ---- matrix products --------------------------------------------------------------------- */
+
+/* Which path a product takes. Each output element is summed in an order that depends only on
+ * the path, never on T or on the row's place in the batch, so two calls on the same path give
+ * bit-identical rows however a sequence was split (prefix reuse and the calibration's
+ * reference passes rely on that; BLAS sgemm does not promise it, and OpenBLAS does change
+ * kernels with M). Float weights (F32, F16, BF16) always take the float path: tiles converted
+ * to F32 and multiplied by mm_float_tile's fixed-order kernel. Quantized weights take it too
+ * when the caller says the call is batched (the tile's conversion is then shared by many
+ * rows); otherwise the quantized dot product, with activations quantized to the weight's
+ * partner type (Q8_0 / Q8_K) as llama.cpp does, which is what a decode step can afford. */
+static bool is_float_type(fitm_dtype t)
+{
+    return t == FITM_DTYPE_F32 || t == FITM_DTYPE_F16 || t == FITM_DTYPE_BF16;
+}
+
+
+/* Float-path product of one weight tile: Y[m, n] = X[m, :] . W[n, :] for m in [0, T) and n in
+ * [n0, n1), n1 - n0 <= FLOAT_TILE. The tile is converted to F32 and packed K-major
+ * (Wp[k][r], FLOAT_TILE wide, zero-padded), then a register-blocked kernel multiplies MR rows
+ * of X by NB vectors of columns at a time: every Y element is one vector lane accumulated by
+ * fused multiply-adds over k = 0, 1, ..., K-1 in order, so the blocking, T and the row's place
+ * in the batch never change its value. */
+#if VW == 16
+#define MR 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */
+#else
+#define MR 4
+#endif
+#define NB 4
+
+static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float *Y, int64_t n0,
+                          int64_t n1, float *scratch, const float *zero_row)
+{
+    const int64_t K = w->n_cols, N = w->n_rows, nr = n1 - n0;
+    float *Wp = scratch;                  /* (K, FLOAT_TILE) */
+    float *row = scratch + K * FLOAT_TILE; /* (K) one converted row */
+    for (int64_t r = 0; r < FLOAT_TILE; r++) {
+        const float *src;
+        if (r >= nr) {
+            src = zero_row;
+        } else if (w->type == FITM_DTYPE_F32) {
+            src = (const float *)w->data + (n0 + r) * K;
+        } else {
+            fitm_dequant_row(w->type, (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
+                             row, K);
+            src = row;
+        }
+        for (int64_t k = 0; k < K; k++)
+            Wp[k * FLOAT_TILE + r] = src[k];
+    }
+    for (int64_t c0 = 0; c0 < nr; c0 += NB * VW) {
+        for (int64_t m0 = 0; m0 < T; m0 += MR) {
+            const float *x[MR];
+            for (int i = 0; i < MR; i++)
+                x[i] = m0 + i < T ? X + (m0 + i) * K : zero_row;
+            vf acc[MR][NB];
+            for (int i = 0; i < MR; i++)
+                for (int c = 0; c < NB; c++)
+                    acc[i][c] = splatv(0.0f);
+            const float *wp = Wp + c0;
+            for (int64_t k = 0; k < K; k++, wp += FLOAT_TILE) {
+                vf wv[NB];
+                for (int c = 0; c < NB; c++)
+                    wv[c] = ldv(wp + c * VW);
+                for (int i = 0; i < MR; i++) {
+                    const vf a = splatv(x[i][k]);
+                    for (int c = 0; c < NB; c++)
+                        acc[i][c] = fmav(a, wv[c], acc[i][c]);
+                }
+            }
+            for (int i = 0; i < MR && m0 + i < T; i++) {
+                float out[NB * VW];
+                for (int c = 0; c < NB; c++)
+                    stv(out + c * VW, acc[i][c]);
+                int64_t n_valid = nr - c0 < NB * VW ? nr - c0 : NB * VW;
+                memcpy(Y + (m0 + i) * N + n0 + c0, out, (size_t)n_valid * sizeof(float));
+            }
+        }
+    }
+}
+
+typedef struct {
+    const fitm_mm_out *o;
+    const uint8_t *xq;   /* quantized activations for this output, or NULL (BLAS path) */
+    size_t xq_row;
+    int64_t rows_per_task;
+    int64_t first_task;
+} mm_part;
+
+typedef struct {
+    cpu_backend *c;
+    const float *x;
+    int64_t T;
+    mm_part parts[8];
+    int n_parts;
+} mm_job;
+
+static void add_bias(const fitm_mm_out *o, int64_t T, int64_t n0, int64_t n1)
+{
+    if (!o->bias)
+        return;
+    const float *bias = o->bias->data;
+    const int64_t N = o->w->n_rows;
+    for (int64_t m = 0; m < T; m++)
+        for (int64_t n = n0; n < n1; n++)
+            o->y[m * N + n] += bias[n];
+}
+
+static void mm_task(void *ctx, int64_t task, int thread)
+{
+    mm_job *j = ctx;
+    int p = j->n_parts - 1;
+    while (task < j->parts[p].first_task)
+        p--;
+    const mm_part *pt = &j->parts[p];
+    const fitm_weight *w = pt->o->w;
+    const int64_t N = w->n_rows, K = w->n_cols;
+    int64_t n0 = (task - pt->first_task) * pt->rows_per_task;
+    int64_t n1 = n0 + pt->rows_per_task < N ? n0 + pt->rows_per_task : N;
+    float *y = pt->o->y;
+    if (pt->xq) {
+        for (int64_t m = 0; m < j->T; m++)
+            fitm_matvec(w->type, w->data, K, pt->xq + (size_t)m * pt->xq_row, y + m * N, n0, n1);
+    } else {
+        for (int64_t t0 = n0; t0 < n1; t0 += FLOAT_TILE)
+            mm_float_tile(w, j->x, j->T, y, t0, t0 + FLOAT_TILE < n1 ? t0 + FLOAT_TILE : n1,
+                          j->c->mm_scratch[thread], j->c->zero_row);
+    }
+    add_bias(pt->o, j->T, n0, n1);
+}
+
+typedef struct {
+    const float *x;
+    int64_t K;
+    fitm_dtype vt;
+    uint8_t *xq;
+    size_t row;
+} quant_job;
+
+static void quant_rows(void *ctx, int64_t i0, int64_t i1)
+{
+    quant_job *j = ctx;
+    for (int64_t m = i0; m < i1; m++)
+        fitm_quant_row(j->vt, j->x + m * j->K, j->xq + (size_t)m * j->row, j->K);
+}
+
+static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
+                       int n_outs, bool batched)
+{
+    cpu_backend *c = cpu(b);
+    mm_job j = {.c = c, .x = x, .T = T};
+    fitm_dtype done_vt[MAX_VEC_TYPES];
+    int n_vt = 0;
+    int64_t n_tasks = 0;
+    assert(n_outs <= 8);
+    for (int i = 0; i < n_outs; i++) {
+        const fitm_weight *w = outs[i].w;
+        const int64_t N = w->n_rows, K = w->n_cols;
+        mm_part *pt = &j.parts[j.n_parts++];
+        pt->o = &outs[i];
+        pt->xq = NULL;
+        if (!is_float_type(w->type) && !batched) {
+            fitm_dtype vt = fitm_quant_vec_dtype(w->type);
+            int v = 0;
+            while (v < n_vt && done_vt[v] != vt)
+                v++;
+            pt->xq_row = fitm_dtype_row_bytes(vt, K);
+            if (v == n_vt) { /* first output needing this activation type: quantize x once */
+                done_vt[n_vt++] = vt;
+                quant_job q = {x, K, vt, c->xq[v], pt->xq_row};
+                par_rows(c, T, K * 4, quant_rows, &q);
+            }
+            pt->xq = c->xq[v];
+            /* Keep a task's weight rows in L1/L2 while all T activation rows pass over them;
+             * for one row, enough tasks per thread that a thread the OS delays does not hold
+             * up the others for long, but at least MATVEC_TASK_BYTES of weights per task:
+             * shorter streams from DRAM run well below the memory bandwidth (Gemma 3 270M
+             * decode, 2 threads: 16 KiB-ish tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB
+             * 172). */
+            int64_t rpt = (int64_t)(16384 / w->row_bytes);
+            if (T == 1) {
+                rpt = N / (16 * c->n_threads);
+                const int64_t min_rows = (int64_t)(MATVEC_TASK_BYTES / w->row_bytes);
+                rpt = rpt < min_rows ? min_rows : rpt;
+            }
+            pt->rows_per_task = rpt < 16 ? 16 : rpt;
+        } else {
+            /* One tile per task: the tile's conversion is the unit of work anyway, and small
+             * tasks balance threads the OS delays. */
+            pt->rows_per_task = FLOAT_TILE;
+        }
+        if (pt->rows_per_task > N)
+            pt->rows_per_task = N;
+        pt->first_task = n_tasks;
+        n_tasks += (N + pt->rows_per_task - 1) / pt->rows_per_task;
+    }
+    fitm_pool_run(c->pool, n_tasks, mm_task, &j);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+/* Attention's two products (scores = Q.K^T, out = P.V) are computed here rather than with
+ * sgemm so that every element is summed in one fixed order whatever the shape of the call:
+ * BLAS picks kernels by matrix size (M = 1 for a decode step), which changes the rounding of
+ * a row depending on how the sequence was split, and with quantized weights one flipped
+ * rounding of a Q8 activation is enough to make a reference pass differ visibly from the full
+ * pass it is compared with. Here:
+ *   score(i, j) = hsum(per-lane partial sums over d in steps of VW) + scalar tail, and
+ *   out(i, d)   = sum over keys j in increasing order of p(i, j) * v(j, d) (zeros included),
+ * each independent of blocking. Vectors are GCC/Clang vector extensions (VW floats). */
+typedef struct {
+    cpu_backend *c;
+    const fitm_attn_args *a;
+    int64_t n_tiles;
+} attn_job;
+
+/* The K (or V) row of key position j: in the prefix arrays below own_base, else in the own;
+ * at head group g. */
+static inline const float *kv_row(const fitm_attn_args *a, const float *pre, const float *own,
+                                  int64_t j, int64_t g)
+{
+    const int64_t HkvD = (int64_t)a->n_head_kv * a->head_dim;
+    const float *r = j < a->own_base ? pre + j * HkvD : own + (j - a->own_base) * HkvD;
+    return r + g * a->head_dim;
+}
+
+/* Stores row p's probabilities (keys [lo, lo + nk) of the tile, zero after the row itself)
+ * for capture slot r: keys [0, pos] of it, zeros up to probs_stride (>= pos + 1). */
+static void capture_row(const fitm_attn_args *a, int64_t h, int32_t r, int64_t pos,
+                        const float *p, int64_t lo, int64_t nk)
+{
+    const fitm_capture *cap = a->capture;
+    const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * a->n_head + h;
+    const int64_t n = pos + 1 - lo; /* keys [lo, pos] */
+    if (cap->span_mass && cap->n_spans > 0)
+        fitm_ops_span_mass(cap->span_mass + slot * cap->n_spans, p, lo, n < nk ? n : nk,
+                           cap->spans, cap->n_spans);
+    if (cap->probs) {
+        float *dst = cap->probs + slot * cap->probs_stride;
+        memset(dst, 0, (size_t)lo * sizeof(float));
+        memcpy(dst + lo, p, (size_t)n * sizeof(float));
+        memset(dst + pos + 1, 0, (size_t)(cap->probs_stride - pos - 1) * sizeof(float));
+    }
+}
+
+/* S (nq, nk) = scale * Q_tile . K[lo, lo + nk)^T for head h (group g). */
+static void attn_scores(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h, int64_t g,
+                        int64_t lo, int64_t nk, float *S)
+{
+    const int64_t D = a->head_dim, HD = (int64_t)a->n_head * D;
+    const float *Q = a->q + i0 * HD + h * D;
+    int64_t i = 0;
+    for (; i + 4 <= nq; i += 4) {
+        const float *q[4] = {Q + i * HD, Q + (i + 1) * HD, Q + (i + 2) * HD, Q + (i + 3) * HD};
+        int64_t j = 0;
+        for (; j + 4 <= nk; j += 4) {
+            const float *k[4];
+            for (int t = 0; t < 4; t++)
+                k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g);
+            float o[4][4];
+            dot_4x4(q, k, D, o);
+            for (int r = 0; r < 4; r++)
+                for (int t = 0; t < 4; t++)
+                    S[(i + r) * nk + j + t] = o[r][t] * a->scale;
+        }
+        for (; j < nk; j++) {
+            const float *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            for (int r = 0; r < 4; r++)
+                S[(i + r) * nk + j] = dot_fixed(q[r], k, D) * a->scale;
+        }
+    }
+    for (; i < nq; i++) {
+        const float *q = Q + i * HD;
+        for (int64_t j = 0; j < nk; j++)
+            S[i * nk + j] = dot_fixed(q, kv_row(a, a->k_pre, a->k_own, lo + j, g), D) * a->scale;
+    }
+}
+
+/* O_tile (nq, D) = P (nq, nk) . V[lo, lo + nk) for head h (group g). */
+static void attn_pv(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h, int64_t g,
+                    int64_t lo, int64_t nk, const float *P)
+{
+    const int64_t D = a->head_dim, HD = (int64_t)a->n_head * D;
+    float *O = a->out + i0 * HD + h * D;
+    const int64_t D8 = D / VW * VW;
+    int64_t i = 0;
+    for (; i + 4 <= nq; i += 4) {
+        for (int64_t d = 0; d < D8; d += 4 * VW) { /* 4 queries x up to 4 vectors */
+            const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
+            vf acc[4][4] = {{{0}}};
+            for (int64_t j = 0; j < nk; j++) {
+                const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
+                for (int c = 0; c < nv; c++) {
+                    vf vv = ldv(v + VW * c);
+                    for (int r = 0; r < 4; r++)
+                        acc[r][c] = fmav(splatv(P[(i + r) * nk + j]), vv, acc[r][c]);
+                }
+            }
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < nv; c++)
+                    stv(O + (i + r) * HD + d + VW * c, acc[r][c]);
+        }
+    }
+    for (; i < nq; i++) {
+        for (int64_t d = 0; d < D8; d += 4 * VW) {
+            const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
+            vf acc[4] = {{0}};
+            for (int64_t j = 0; j < nk; j++) {
+                const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
+                for (int c = 0; c < nv; c++)
+                    acc[c] = fmav(splatv(P[i * nk + j]), ldv(v + VW * c), acc[c]);
+            }
+            for (int c = 0; c < nv; c++)
+                stv(O + i * HD + d + VW * c, acc[c]);
+        }
+    }
+    if (D8 < D) /* scalar tail of the head dim, same order */
+        for (int64_t r = 0; r < nq; r++)
+            for (int64_t d = D8; d < D; d++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < nk; j++)
+                    acc += P[r * nk + j] * kv_row(a, a->v_pre, a->v_own, lo + j, g)[d];
+                O[r * HD + d] = acc;
+            }
+}
+
+static void attn_task(void *ctx, int64_t task, int thread)
+{
+    attn_job *j = ctx;
+    const fitm_attn_args *a = j->a;
+    const int64_t H = a->n_head;
+    const int64_t h = task / j->n_tiles, tile = task % j->n_tiles;
+    const int64_t g = h / (H / a->n_head_kv);
+    const int64_t i0 = tile * TILE_Q, i1 = i0 + TILE_Q < a->T ? i0 + TILE_Q : a->T;
+    const int64_t nq = i1 - i0;
+    const int64_t p_first = a->pos0 + i0, p_last = a->pos0 + i1 - 1;
+    int64_t lo = 0;
+    if (a->window > 0 && p_first - a->window + 1 > 0)
+        lo = p_first - a->window + 1;
+    const int64_t nk = p_last + 1 - lo;
+    float *S = j->c->scores[thread]; /* (nq, nk) */
+    attn_scores(a, i0, nq, h, g, lo, nk, S);
+
+    const fitm_capture *cap = a->capture;
+    const fitm_intervention *iv = a->intervention;
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t p = a->pos0 + i0 + i;
+        float *row = S + i * nk;
+        /* visible keys: [v0, p]; everything else in the row becomes an exact 0 */
+        int64_t v0 = a->window > 0 && p - a->window + 1 > lo ? p - a->window + 1 : lo;
+        softmax_fast(row + (v0 - lo), p - v0 + 1);
+        for (int64_t k = lo; k < v0; k++)
+            row[k - lo] = 0.0f;
+        for (int64_t k = p + 1; k < lo + nk; k++)
+            row[k - lo] = 0.0f;
+        const int32_t r = cap ? a->cap_index[i0 + i] : -1;
+        const bool intervene = iv && p >= iv->from_pos;
+        if (r >= 0 && !(intervene && cap->after_intervention))
+            capture_row(a, h, r, p, row, lo, nk);
+        if (intervene) {
+            fitm_ops_intervene(row, lo, nk, iv->spans, iv->alpha, iv->n_spans,
+                               j->c->mass[thread]);
+            if (r >= 0 && cap->after_intervention)
+                capture_row(a, h, r, p, row, lo, nk);
+        }
+    }
+    attn_pv(a, i0, nq, h, g, lo, nk, S);
+}
+
+static void cpu_attention(fitm_backend *b, const fitm_attn_args *a)
+{
+    cpu_backend *c = cpu(b);
+    attn_job j = {c, a, (a->T + TILE_Q - 1) / TILE_Q};
+    fitm_pool_run(c->pool, a->n_head * j.n_tiles, attn_task, &j);
+}
+
+/* ---- creation ---------------------------------------------------------------------------- */
+
+static const fitm_backend_ops cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .reserve = cpu_reserve,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .prepare = NULL,
+    .embed = cpu_embed,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .glu = cpu_glu,
+    .add = cpu_add,
+    .softcap = cpu_softcap,
+    .attention = cpu_attention,
+};
+
+fitm_status fitm_backend_cpu_create(fitm_backend **out, int n_threads, fitm_err *err)
+{
+    *out = NULL;
+    cpu_backend *c = calloc(1, sizeof *c);
+    if (!c)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the CPU backend");
+    c->base.ops = &cpu_ops;
+    fitm_status s = fitm_pool_create(&c->pool, n_threads, err);
+    if (s) {
+        free(c);
+        return s;
+    }
+    c->n_threads = n_threads;
+    *out = &c->base;
+    return FITM_OK;
+}
+
+void fitm_backend_destroy(fitm_backend *b)
+{
+    if (b)
+        b->ops->destroy(b);
+}

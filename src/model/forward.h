@@ -1,0 +1,85 @@
+/* forward: the one forward driver. Runs T tokens (a batched prefill, or T = 1 for a decode
+ * step) through the model on a backend, appending their K/V rows to a KV cache, producing
+ * logits for the trailing rows, and optionally capturing attention and intervening on it.
+ *
+ * Prefix reuse: computing tokens [s, e) at positions s.. on top of a cache that holds [0, s)
+ * gives the same result as one pass over [0, e). Branches: a cache rebased at s
+ * (fitm_kv_rebase) plus opts.prefix = a base cache holding [0, s) reads the base's rows
+ * read-only and writes only its own, so K reference passes (suffix k replaces [s_k, e_k) and
+ * recomputes [s_k, T)) share the original pass's cache without copying it.
+ *
+ * Numerics: a call runs its layers on one of two paths (fitm_forward_path): BATCH (weights
+ * converted to F32 in tiles, shared by all rows: fast for prefill) or STEP (quantized dot
+ * products with Q8 activations: fast for a few rows). Two calls on the same path compute
+ * every row bit-identically, whatever their T and however the sequence was split, so a
+ * reference pass's rows are exactly the original pass's. AUTO picks BATCH for
+ * T >= FITM_FORWARD_BATCH_MIN (every multi-token call), STEP for decode steps. Float weights
+ * (F32/F16/BF16) compute the same on both. The output head always uses STEP's products, so
+ * logits do not depend on n_logits or T.
+ *
+ * Ownership: the fitm_forward holds all scratch (allocated once at creation; a run allocates
+ * nothing). It borrows the model and backend, which must outlive it. Not thread-safe: one
+ * thread runs a given fitm_forward (and its backend) at a time.
+ *
+ * Legend: T tokens, C model dim, H heads, Hkv KV heads, D head dim, F FFN dim, V vocab,
+ * L layers, K documents (spans). */
+#ifndef FITM_FORWARD_H
+#define FITM_FORWARD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "compute/ops.h"
+#include "model/backend.h"
+#include "model/kv.h"
+#include "model/model.h"
+
+/* Below this many tokens, AUTO runs a call on the STEP path: only single-token decode steps,
+ * so any two multi-token calls (prefill chunks, reference passes) share numerics. */
+#define FITM_FORWARD_BATCH_MIN 2
+
+typedef enum {
+    FITM_PATH_AUTO = 0, /* BATCH when T >= FITM_FORWARD_BATCH_MIN, else STEP */
+    FITM_PATH_BATCH,
+    FITM_PATH_STEP,
+} fitm_forward_path;
+
+typedef struct {
+    /* Base cache holding positions [0, kv.pos_base), read-only, when kv is a branch
+     * (pos_base > 0). NULL when kv starts at 0. */
+    const fitm_kv *prefix;
+    int64_t n_logits;        /* logits for the last n_logits rows of this call, in [0, T]  */
+    float *logits;           /* (n_logits, V) host; may be NULL when n_logits is 0         */
+    const fitm_capture *capture;           /* NULL: none */
+    const fitm_intervention *intervention; /* NULL: none */
+    fitm_forward_path path;                /* numerics class; AUTO unless a caller needs
+                                              rows to match a call of another size */
+} fitm_forward_opts;
+
+typedef struct {
+    int64_t max_tokens;  /* most tokens per call (T)                                       */
+    int64_t max_ctx;     /* positions a call may reach: pos0 + T <= max_ctx                */
+    int64_t max_logits;  /* most logit rows per call                                       */
+} fitm_forward_params;
+
+typedef struct fitm_forward fitm_forward;
+
+/* Allocates the scratch for p's limits on backend b. *out is NULL on failure. */
+fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_backend *b,
+                                const fitm_forward_params *p, fitm_err *err);
+
+/* NULL is a no-op. */
+void fitm_forward_destroy(fitm_forward *f);
+
+const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
+
+/* Runs tokens (T ids, host) at positions [pos0, pos0 + T). kv must hold [kv.pos_base, pos0)
+ * (pos_base <= pos0 <= pos_end: a pos0 below pos_end rewinds) and have room for pos0 + T;
+ * afterwards it holds [pos_base, pos0 + T). opts may be NULL (no logits, no capture).
+ * Bad arguments give FITM_ERR_INVALID (or FITM_ERR_LIMIT past the created limits) with a
+ * message, and leave kv unchanged. */
+fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens, int64_t T,
+                             int64_t pos0, const fitm_forward_opts *opts, fitm_err *err);
+
+#endif

@@ -1,0 +1,54 @@
+/* kv: the KV cache. For every layer, K and V rows of (Hkv, D) F32 values, one row per
+ * position, in backend memory.
+ *
+ * A cache holds a contiguous run of positions [pos_base, pos_end): row r is position
+ * pos_base + r. An ordinary sequence has pos_base 0. A branch (fitm_kv_rebase) starts at
+ * pos_base > 0 and is used together with a base cache that holds positions [0, pos_base):
+ * the forward pass reads the base's rows read-only and writes only into the branch, so any
+ * number of branches can share one cached prefix without copying it (the calibration's
+ * reference passes).
+ *
+ * Legend: L layers, Hkv KV heads, D head dim. */
+#ifndef FITM_KV_H
+#define FITM_KV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "model/backend.h"
+#include "model/model.h"
+
+typedef struct fitm_kv fitm_kv;
+
+/* A cache of n_rows rows for the model described by c, empty at pos_base 0. The backend must
+ * outlive the cache. *out is NULL on failure. */
+fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_config *c,
+                           int64_t n_rows, fitm_err *err);
+
+/* NULL is a no-op. */
+void fitm_kv_destroy(fitm_kv *kv);
+
+/* Empties the cache and makes it start at pos_base (0 for an ordinary sequence). Fails when
+ * pos_base is negative. */
+fitm_status fitm_kv_rebase(fitm_kv *kv, int64_t pos_base, fitm_err *err);
+
+/* Forgets positions >= pos_end (no-op when the cache ends before that; clamped to pos_base). */
+void fitm_kv_truncate(fitm_kv *kv, int64_t pos_end);
+
+int64_t fitm_kv_n_rows(const fitm_kv *kv);
+int64_t fitm_kv_pos_base(const fitm_kv *kv);
+int64_t fitm_kv_pos_end(const fitm_kv *kv);
+size_t fitm_kv_bytes(const fitm_kv *kv);
+
+/* Layer l's K and V rows, each (n_rows, Hkv, D). */
+float *fitm_kv_k(const fitm_kv *kv, int32_t l);
+float *fitm_kv_v(const fitm_kv *kv, int32_t l);
+
+/* Whether the cache was made for c's shape (layers, KV heads, head size). */
+int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c);
+
+/* Marks positions [pos_base, pos_end) as held; for the forward pass, which has written them. */
+void fitm_kv_set_end(fitm_kv *kv, int64_t pos_end);
+
+#endif

@@ -1,0 +1,93 @@
+/* answer: the request and result of POST /answer as plain C structs (filled and written by
+ * api.c), and the pipeline on the engine's thread: docs/design.md's prompt (the reranker's, with
+ * exact document spans), alpha from the calibrated scores, then generation with the
+ * intervention in the chosen layers for every query row after the last document.
+ *
+ * Ownership: a request owns every string and array it points to (fitm_answer_request_free);
+ * a result likewise (fitm_answer_result_free).
+ *
+ * Legend: T prompt tokens, K documents, L layers, V vocab. */
+#ifndef FITM_ANSWER_H
+#define FITM_ANSWER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "pipeline/rerank.h"
+
+/* Most stop strings a request may carry, and their longest length in bytes. */
+#define FITM_ANSWER_MAX_STOP 8
+#define FITM_ANSWER_MAX_STOP_BYTES 256
+
+typedef struct {
+    /* query, docs, max_tokens_per_doc, model, return_tokens; method is CALIBRATED and
+     * temperature/layers/dummy are the calibration options. */
+    fitm_rerank_request base;
+    int32_t max_tokens; /* in [1, server limit]                                        */
+    char **stop;        /* (n_stop) owned, non-empty strings                           */
+    int32_t n_stop;
+    double temperature;        /* sampling; 0 = greedy                                        */
+    double top_p;              /* (0, 1]                                                      */
+    uint64_t seed;             /* the sampler's seed                                          */
+    bool has_seed;             /* the request gave it (else the HTTP layer picks one)         */
+    bool calibrate;            /* intervene with the calibrated alpha (default true)          */
+    int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
+    int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
+    int32_t n_intervene_layers;
+    bool stream;
+} fitm_answer_request;
+
+/* Releases what req owns and zeroes it. NULL is a no-op. */
+void fitm_answer_request_free(fitm_answer_request *req);
+
+typedef enum {
+    FITM_FINISH_STOP = 0, /* EOS or a stop string */
+    FITM_FINISH_LENGTH,   /* max_tokens, or the context is full */
+} fitm_answer_finish;
+
+/* "stop" | "length". */
+const char *fitm_answer_finish_name(fitm_answer_finish f);
+
+typedef struct {
+    int32_t index;               /* the document's index in the request                 */
+    int32_t position;            /* 0-based place in the prompt (after any reorder)      */
+    double weight;               /* alpha_k (1/K without calibration)                    */
+    double calibrated_attention; /* rel = A - A_dum (0 without calibration)              */
+} fitm_answer_doc;
+
+typedef struct {
+    char *answer; /* owned, NUL-terminated (the stop string and EOS are not in it) */
+    size_t answer_len;
+    fitm_answer_finish finish;
+    fitm_answer_doc *docs; /* (n_docs) owned, in request order */
+    int32_t n_docs;
+    int64_t prompt_tokens, completion_tokens, forward_tokens;
+    double rank_ms, prefill_ms, decode_ms, first_token_ms, total_ms;
+    int32_t *tokens; /* (n_tokens) owned: prompt ids then generated ids; always kept */
+    int64_t n_tokens;
+    fitm_span *spans; /* (n_docs) owned: each document's body in the prompt, request order */
+} fitm_answer_result;
+
+/* Releases what res owns and zeroes it. NULL is a no-op. */
+void fitm_answer_result_free(fitm_answer_result *res);
+
+/* Called on the engine's thread after every generated token with the new piece of answer text:
+ * whole UTF-8 characters only, never a part of a stop string; len 0 when the token added
+ * nothing sendable yet. Returns false to cancel (the client went away). */
+typedef bool (*fitm_answer_on_delta)(void *arg, const char *text, size_t len);
+
+/* Answers req into *res (the caller frees it, also after a failure). stop(stop_arg) is
+ * polled between forward calls (FITM_ERR_TIMEOUT when it returns true); on_delta may be NULL.
+ * Errors: as fitm_reranker_run, plus FITM_ERR_CANCELLED when on_delta returned false.
+ * Not thread-safe: runs on the reranker's thread. */
+fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
+                            bool (*stop)(const void *), const void *stop_arg,
+                            fitm_answer_on_delta on_delta, void *delta_arg, fitm_answer_result *res,
+                            fitm_err *err);
+
+/* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
+uint64_t fitm_answer_rand(uint64_t *state);
+
+#endif

@@ -1,0 +1,827 @@
+#include "server/api.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
+{
+    switch (cond) {
+    case FITM_API_COND_UNAUTHORIZED:
+        return (fitm_api_error_class){401, "authentication_error", "unauthorized", false};
+    case FITM_API_COND_METHOD:
+        return (fitm_api_error_class){405, "invalid_request_error", "method_not_allowed", false};
+    case FITM_API_COND_BODY_TOO_LARGE:
+        return (fitm_api_error_class){413, "invalid_request_error", "body_too_large", false};
+    case FITM_API_COND_MEDIA_TYPE:
+        return (fitm_api_error_class){415, "invalid_request_error", "unsupported_media_type",
+                                      false};
+    case FITM_API_COND_NONE:
+        break;
+    }
+    switch (s) {
+    case FITM_ERR_INVALID:
+        return (fitm_api_error_class){400, "invalid_request_error", "invalid_value", false};
+    case FITM_ERR_FORMAT:
+        return (fitm_api_error_class){400, "invalid_request_error", "invalid_json", false};
+    case FITM_ERR_UNSUPPORTED:
+        return (fitm_api_error_class){422, "invalid_request_error", "unsupported", false};
+    case FITM_ERR_NOT_FOUND:
+        return (fitm_api_error_class){404, "not_found_error", "not_found", false};
+    case FITM_ERR_LIMIT:
+        return (fitm_api_error_class){422, "invalid_request_error", "limit_exceeded", false};
+    case FITM_ERR_BUSY:
+        return (fitm_api_error_class){503, "overloaded_error", "unavailable", true};
+    case FITM_ERR_TIMEOUT:
+        return (fitm_api_error_class){503, "overloaded_error", "deadline_exceeded", true};
+    case FITM_ERR_CANCELLED:
+        return (fitm_api_error_class){503, "overloaded_error", "cancelled", true};
+    case FITM_ERR_NOMEM:
+        return (fitm_api_error_class){503, "server_error", "out_of_memory", true};
+    case FITM_ERR_IO:
+    case FITM_ERR_BACKEND:
+    case FITM_ERR_INTERNAL:
+    case FITM_OK:
+    case FITM_STATUS_COUNT:
+        break;
+    }
+    return (fitm_api_error_class){500, "server_error", "internal_error", false};
+}
+
+char *fitm_api_error_json(const fitm_api_error_class *c, const char *message)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON *e = cJSON_AddObjectToObject(root, "error");
+    char *out = NULL;
+    if (e && cJSON_AddStringToObject(e, "message", message ? message : "") &&
+        cJSON_AddStringToObject(e, "type", c->type) && cJSON_AddStringToObject(e, "code", c->code))
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+bool fitm_api_utf8_valid(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = p[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        unsigned cp, min;
+        if ((c & 0xE0) == 0xC0) {
+            len = 2, cp = c & 0x1F, min = 0x80;
+        } else if ((c & 0xF0) == 0xE0) {
+            len = 3, cp = c & 0x0F, min = 0x800;
+        } else if ((c & 0xF8) == 0xF0) {
+            len = 4, cp = c & 0x07, min = 0x10000;
+        } else {
+            return false;
+        }
+        if (n - i < len)
+            return false;
+        for (size_t k = 1; k < len; k++) {
+            if ((p[i + k] & 0xC0) != 0x80)
+                return false;
+            cp = (cp << 6) | (p[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return false;
+        i += len;
+    }
+    return true;
+}
+
+/* Copies a JSON string item into *dst (malloc'd) after checking it is UTF-8. field names the
+ * item for messages. */
+static fitm_status take_string(const cJSON *item, const char *field, char **dst, size_t *len,
+                               fitm_err *err)
+{
+    if (!cJSON_IsString(item) || !item->valuestring)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be a string", field);
+    size_t n = strlen(item->valuestring);
+    if (!fitm_api_utf8_valid(item->valuestring, n))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is not valid UTF-8", field);
+    char *copy = malloc(n + 1);
+    if (!copy)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory copying '%s'", field);
+    memcpy(copy, item->valuestring, n + 1);
+    *dst = copy;
+    if (len)
+        *len = n;
+    return FITM_OK;
+}
+
+/* An integer-valued JSON number in [lo, hi] into *v. */
+static fitm_status take_int(const cJSON *item, const char *field, int64_t lo, int64_t hi,
+                            int64_t *v, fitm_err *err)
+{
+    if (!cJSON_IsNumber(item))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be an integer", field);
+    double d = item->valuedouble;
+    if (!isfinite(d) || d != floor(d))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be an integer, got %g", field, d);
+    if (d < (double)lo || d > (double)hi)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' = %.0f is out of range [%lld, %lld]",
+                            field, d, (long long)lo, (long long)hi);
+    *v = (int64_t)d;
+    return FITM_OK;
+}
+
+static fitm_status take_bool(const cJSON *item, const char *field, bool *v, fitm_err *err)
+{
+    if (!cJSON_IsBool(item))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be true or false", field);
+    *v = cJSON_IsTrue(item);
+    return FITM_OK;
+}
+
+static fitm_status parse_documents(const cJSON *arr, const char *field,
+                                   const fitm_api_limits *lim, fitm_rerank_request *out,
+                                   fitm_err *err)
+{
+    if (!cJSON_IsArray(arr))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be an array", field);
+    int n = cJSON_GetArraySize(arr);
+    if (n == 0)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is empty: give at least one document",
+                            field);
+    if (n > lim->max_documents)
+        return fitm_err_set(err, FITM_ERR_LIMIT, "'%s' has %d documents, more than the limit %d",
+                            field, n, (int)lim->max_documents);
+    out->docs = calloc((size_t)n, sizeof *out->docs);
+    if (!out->docs)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for %d documents", n);
+    out->n_docs = n;
+    int i = 0;
+    const cJSON *d;
+    cJSON_ArrayForEach(d, arr)
+    {
+        char name[96];
+        fitm_rerank_doc *doc = &out->docs[i];
+        fitm_status st;
+        if (cJSON_IsString(d)) {
+            snprintf(name, sizeof name, "%s[%d]", field, i);
+            if ((st = take_string(d, name, &doc->text, &doc->text_len, err)) != FITM_OK)
+                return st;
+        } else if (cJSON_IsObject(d)) {
+            snprintf(name, sizeof name, "%s[%d].text", field, i);
+            const cJSON *text = cJSON_GetObjectItemCaseSensitive(d, "text");
+            if (!text)
+                return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is missing", name);
+            if ((st = take_string(text, name, &doc->text, &doc->text_len, err)) != FITM_OK)
+                return st;
+            const cJSON *title = cJSON_GetObjectItemCaseSensitive(d, "title");
+            if (title && !cJSON_IsNull(title)) {
+                snprintf(name, sizeof name, "%s[%d].title", field, i);
+                if ((st = take_string(title, name, &doc->title, &doc->title_len, err)) != FITM_OK)
+                    return st;
+            }
+        } else {
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%s[%d]' must be a string or an object {text, title}", field, i);
+        }
+        if (!doc->title) {
+            doc->title = calloc(1, 1);
+            if (!doc->title)
+                return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        }
+        i++;
+    }
+    return FITM_OK;
+}
+
+/* The calibration options (temperature, layers, dummy) of obj; pre prefixes field names in
+ * messages ("" for /rerank's top level, "calibration." for /answer's). */
+static fitm_status parse_calibration(const cJSON *root, const char *pre,
+                                     const fitm_api_limits *lim, fitm_rerank_request *out,
+                                     fitm_err *err)
+{
+    fitm_status st;
+    int64_t v;
+    const cJSON *it;
+    out->temperature = lim->default_temperature;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsNumber(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%stemperature' must be a number", pre);
+        double t = it->valuedouble;
+        if (!isfinite(t) || t < 1e-12 || t > 1e6)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%stemperature' = %g is out of range [1e-12, 1e6]", pre, t);
+        out->temperature = t;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "layers")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsArray(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must be an array of integers",
+                                pre);
+        int n = cJSON_GetArraySize(it);
+        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must list 1 to %d layers",
+                                pre, FITM_RERANK_MAX_LAYERS);
+        out->layers = calloc((size_t)n, sizeof *out->layers);
+        if (!out->layers)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        out->n_layers = n;
+        int i = 0;
+        const cJSON *l;
+        cJSON_ArrayForEach(l, it)
+        {
+            char name[64];
+            snprintf(name, sizeof name, "%slayers[%d]", pre, i);
+            /* Negative layers count from the end (-1 = the last); resolved by the pipeline,
+             * which knows L. */
+            if ((st = take_int(l, name, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v,
+                               err)) != FITM_OK)
+                return st;
+            out->layers[i++] = (int32_t)v;
+        }
+    }
+    char dname[48];
+    snprintf(dname, sizeof dname, "%sdummy", pre);
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "dummy")) && !cJSON_IsNull(it)) {
+        if ((st = take_string(it, dname, &out->dummy, &out->dummy_len, err)) != FITM_OK)
+            return st;
+        if (out->dummy_len == 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is empty", dname);
+    }
+    return FITM_OK;
+}
+
+static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits *lim,
+                                       fitm_rerank_request *out, fitm_err *err)
+{
+    fitm_status st;
+    if (!cJSON_IsObject(root))
+        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+
+    const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "query");
+    if (!q)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'query' is missing");
+    if ((st = take_string(q, "query", &out->query, &out->query_len, err)) != FITM_OK)
+        return st;
+    bool blank = true;
+    for (size_t i = 0; i < out->query_len && blank; i++)
+        blank = out->query[i] == ' ' || out->query[i] == '\t' || out->query[i] == '\n' ||
+                out->query[i] == '\r';
+    if (blank)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'query' is empty");
+
+    const cJSON *docs = cJSON_GetObjectItemCaseSensitive(root, "documents");
+    const cJSON *texts = cJSON_GetObjectItemCaseSensitive(root, "texts");
+    if (docs && texts)
+        return fitm_err_set(err, FITM_ERR_INVALID, "give either 'documents' or 'texts', not both");
+    if (!docs && !texts)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'documents' is missing");
+    out->tei = texts != NULL;
+    if ((st = parse_documents(docs ? docs : texts, docs ? "documents" : "texts", lim, out, err)) !=
+        FITM_OK)
+        return st;
+
+    int64_t v;
+    const cJSON *it;
+    out->top_n = out->n_docs;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_n")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "top_n", 1, out->n_docs, &v, err)) != FITM_OK)
+            return st;
+        out->top_n = (int32_t)v;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "return_documents")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "return_documents", &out->return_documents, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "return_text")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "return_text", &out->return_documents, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "return_tokens")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "return_tokens", &out->return_tokens, err)) != FITM_OK)
+        return st;
+    out->prefix_reuse = true;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "prefix_reuse")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "prefix_reuse", &out->prefix_reuse, err)) != FITM_OK)
+        return st;
+    out->max_tokens_per_doc = lim->max_tokens_per_doc;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err)) != FITM_OK)
+            return st;
+        if (v < lim->max_tokens_per_doc)
+            out->max_tokens_per_doc = (int32_t)v;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "model")) && !cJSON_IsNull(it)) {
+        if ((st = take_string(it, "model", &out->model, NULL, err)) != FITM_OK)
+            return st;
+        if (lim->model_name && strcmp(out->model, lim->model_name) != 0)
+            return fitm_err_set(err, FITM_ERR_NOT_FOUND,
+                                "'model' = '%.100s': this server serves '%.100s'", out->model,
+                                lim->model_name);
+    }
+    out->method = FITM_RERANK_CALIBRATED;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "method")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsString(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'method' must be a string");
+        int m = fitm_rerank_method_parse(it->valuestring);
+        if (m < 0)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'method' = '%.100s': must be one of calibrated, attention, "
+                                "attention_sort, query_likelihood, relevance",
+                                it->valuestring);
+        out->method = (fitm_rerank_method)m;
+    }
+    return parse_calibration(root, "", lim, out, err);
+}
+
+/* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
+ * *root is the caller's to cJSON_Delete. */
+static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_err *err)
+{
+    *root = NULL;
+    if (len == 0)
+        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
+    const char *end = NULL;
+    cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!r) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON at byte %zu", at);
+    }
+    for (const char *p = end; p && p < body + len; p++) {
+        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
+            cJSON_Delete(r);
+            return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: trailing data at byte %zu",
+                                (size_t)(p - body));
+        }
+    }
+    *root = r;
+    return FITM_OK;
+}
+
+fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_rerank_request *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    st = parse_rerank_object(root, lim, out, err);
+    cJSON_Delete(root);
+    return st;
+}
+
+static cJSON *document_json(const fitm_rerank_doc *d)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o || !cJSON_AddStringToObject(o, "text", d->text) ||
+        (d->title_len && !cJSON_AddStringToObject(o, "title", d->title))) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    return o;
+}
+
+static cJSON *tei_json(const fitm_rerank_request *req, const fitm_rerank_result *res)
+{
+    cJSON *arr = cJSON_CreateArray();
+    int32_t n = res->n_results < req->top_n ? res->n_results : req->top_n;
+    for (int32_t i = 0; arr && i < n; i++) {
+        const fitm_rerank_doc_result *r = &res->results[i];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(arr, o) || !cJSON_AddNumberToObject(o, "index", r->index) ||
+            !cJSON_AddNumberToObject(o, "score", r->relevance_score) ||
+            (req->return_documents &&
+             !cJSON_AddStringToObject(o, "text", req->docs[r->index].text))) {
+            cJSON_Delete(arr);
+            return NULL;
+        }
+    }
+    return arr;
+}
+
+static cJSON *int_array(const int32_t *v, int64_t n)
+{
+    cJSON *a = cJSON_CreateArray();
+    for (int64_t i = 0; a && i < n; i++) {
+        cJSON *x = cJSON_CreateNumber(v[i]);
+        if (!x || !cJSON_AddItemToArray(a, x)) {
+            cJSON_Delete(x);
+            cJSON_Delete(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
+static bool add_tokens(cJSON *root, const fitm_rerank_result *res)
+{
+    cJSON *t = cJSON_AddObjectToObject(root, "tokens");
+    if (!t)
+        return false;
+    cJSON *prompt = int_array(res->tokens, res->n_tokens);
+    if (!prompt || !cJSON_AddItemToObject(t, "prompt", prompt))
+        return false;
+    cJSON *spans = cJSON_AddArrayToObject(t, "spans");
+    cJSON *dums = cJSON_AddArrayToObject(t, "dummies");
+    if (!spans || !dums)
+        return false;
+    /* Spans and dummies in document (request) order. */
+    for (int32_t k = 0; k < res->n_results; k++) {
+        const fitm_span *s = &res->spans[k];
+        int32_t se[2] = {(int32_t)s->start, (int32_t)s->end};
+        cJSON *sp = int_array(se, 2);
+        if (!sp || !cJSON_AddItemToArray(spans, sp))
+            return false;
+        if (res->dummy_tokens) {
+            cJSON *d = int_array(res->dummy_tokens + res->dummy_offsets[k], s->end - s->start);
+            if (!d || !cJSON_AddItemToArray(dums, d))
+                return false;
+        }
+    }
+    return true;
+}
+
+char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_result *res,
+                            const char *id, const char *model)
+{
+    char *out = NULL;
+    if (req->tei) {
+        cJSON *arr = tei_json(req, res);
+        if (arr)
+            out = cJSON_PrintUnformatted(arr);
+        cJSON_Delete(arr);
+        return out;
+    }
+    cJSON *root = cJSON_CreateObject();
+    if (!root || !cJSON_AddStringToObject(root, "id", id) ||
+        !cJSON_AddStringToObject(root, "model", model))
+        goto done;
+    cJSON *results = cJSON_AddArrayToObject(root, "results");
+    if (!results)
+        goto done;
+    int32_t n = res->n_results < req->top_n ? res->n_results : req->top_n;
+    for (int32_t i = 0; i < n; i++) {
+        const fitm_rerank_doc_result *r = &res->results[i];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(results, o))
+            goto done;
+        if (!cJSON_AddNumberToObject(o, "index", r->index) ||
+            !cJSON_AddNumberToObject(o, "relevance_score", r->relevance_score))
+            goto done;
+        if (req->return_documents) {
+            cJSON *d = document_json(&req->docs[r->index]);
+            if (!d || !cJSON_AddItemToObject(o, "document", d))
+                goto done;
+        }
+        if (!cJSON_AddNumberToObject(o, "position", r->position) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", r->calibrated_attention) ||
+            !cJSON_AddNumberToObject(o, "attention", r->attention) ||
+            !cJSON_AddNumberToObject(o, "dummy_attention", r->dummy_attention))
+            goto done;
+    }
+    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
+    if (!usage || !cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->usage.prompt_tokens) ||
+        !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->usage.forward_tokens) ||
+        !cJSON_AddNumberToObject(usage, "total_tokens", (double)res->usage.total_tokens))
+        goto done;
+    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
+    if (!meta || !cJSON_AddStringToObject(meta, "method", fitm_rerank_method_name(res->meta.method)))
+        goto done;
+    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
+    if (!tm || !cJSON_AddNumberToObject(tm, "queue", res->meta.queue_ms) ||
+        !cJSON_AddNumberToObject(tm, "tokenize", res->meta.tokenize_ms) ||
+        !cJSON_AddNumberToObject(tm, "forward", res->meta.forward_ms) ||
+        !cJSON_AddNumberToObject(tm, "total", res->meta.total_ms))
+        goto done;
+    cJSON *layers = int_array(res->meta.layers, res->meta.n_layers);
+    if (!layers || !cJSON_AddItemToObject(meta, "layers", layers))
+        goto done;
+    if (res->meta.method == FITM_RERANK_CALIBRATED &&
+        !cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature))
+        goto done;
+    if (req->return_tokens && res->tokens && !add_tokens(root, res))
+        goto done;
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *fitm_api_write_models(const char *model, int64_t created_s, int64_t n_ctx,
+                            const char *arch)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *data = root ? cJSON_AddArrayToObject(root, "data") : NULL;
+    cJSON *m = cJSON_CreateObject();
+    if (!data || !m || !cJSON_AddItemToArray(data, m)) {
+        cJSON_Delete(m);
+        goto done;
+    }
+    if (cJSON_AddStringToObject(root, "object", "list") &&
+        cJSON_AddStringToObject(m, "id", model) && cJSON_AddStringToObject(m, "object", "model") &&
+        cJSON_AddNumberToObject(m, "created", (double)created_s) &&
+        cJSON_AddStringToObject(m, "owned_by", "fitm") &&
+        cJSON_AddNumberToObject(m, "context_length", (double)n_ctx) &&
+        cJSON_AddStringToObject(m, "architecture", arch ? arch : ""))
+        out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *fitm_api_write_health(const char *status, const char *message)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    if (root && cJSON_AddStringToObject(root, "status", status) &&
+        (!message || cJSON_AddStringToObject(root, "message", message)))
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+/* ---- POST /answer ---------------------------------------------------------------------- */
+
+static fitm_status parse_stop(const cJSON *it, fitm_answer_request *out, fitm_err *err)
+{
+    bool one = cJSON_IsString(it);
+    if (!one && !cJSON_IsArray(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'stop' must be a string or an array of strings");
+    int n = one ? 1 : cJSON_GetArraySize(it);
+    if (n > FITM_ANSWER_MAX_STOP)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'stop' has %d strings, more than %d", n,
+                            FITM_ANSWER_MAX_STOP);
+    if (n == 0)
+        return FITM_OK;
+    out->stop = calloc((size_t)n, sizeof *out->stop);
+    if (!out->stop)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n; i++) {
+        char name[32];
+        snprintf(name, sizeof name, one ? "stop" : "stop[%d]", i);
+        size_t len = 0;
+        fitm_status st = take_string(one ? it : cJSON_GetArrayItem(it, i), name, &out->stop[i],
+                                     &len, err);
+        if (st != FITM_OK)
+            return st;
+        out->n_stop = i + 1;
+        if (len == 0 || len > FITM_ANSWER_MAX_STOP_BYTES)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d bytes", name,
+                                FITM_ANSWER_MAX_STOP_BYTES);
+    }
+    return FITM_OK;
+}
+
+static fitm_status take_number(const cJSON *it, const char *field, double lo, double hi,
+                               double *v, fitm_err *err)
+{
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be a number", field);
+    if (it->valuedouble < lo || it->valuedouble > hi)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' = %g is out of range [%g, %g]", field,
+                            it->valuedouble, lo, hi);
+    *v = it->valuedouble;
+    return FITM_OK;
+}
+
+static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits *lim,
+                                       fitm_answer_request *out, fitm_err *err)
+{
+    if (!cJSON_IsObject(root))
+        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+    /* The fields /answer shares with /rerank, parsed by /rerank's parser from a view of
+     * just those (so /answer's own `temperature` is not taken for the calibration's). */
+    static const char *const shared[] = {"query", "documents", "max_tokens_per_doc", "model",
+                                         "return_tokens"};
+    cJSON *view = cJSON_CreateObject();
+    if (!view)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < sizeof shared / sizeof shared[0]; i++) {
+        cJSON *it = cJSON_GetObjectItemCaseSensitive(root, shared[i]);
+        if (it && !cJSON_AddItemReferenceToObject(view, shared[i], it)) {
+            cJSON_Delete(view);
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        }
+    }
+    fitm_status st = parse_rerank_object(view, lim, &out->base, err);
+    cJSON_Delete(view);
+    if (st != FITM_OK)
+        return st;
+
+    const cJSON *it;
+    int64_t v;
+    out->max_tokens = lim->max_answer_tokens < 256 ? lim->max_answer_tokens : 256;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "max_tokens", 1, INT32_MAX, &v, err)) != FITM_OK)
+            return st;
+        out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
+        (st = parse_stop(it, out, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
+        (st = take_number(it, "temperature", 0, 100, &out->temperature, err)) != FITM_OK)
+        return st;
+    out->top_p = 1.0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
+        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
+            return st;
+        if (out->top_p <= 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
+            return st;
+        out->seed = (uint64_t)v;
+        out->has_seed = true;
+    }
+    out->calibrate = true;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "calibrate", &out->calibrate, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsObject(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
+        if ((st = parse_calibration(it, "calibration.", lim, &out->base, err)) != FITM_OK)
+            return st;
+    }
+    out->reorder = -1;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder")) && !cJSON_IsNull(it)) {
+        int m = cJSON_IsString(it) ? fitm_rerank_method_parse(it->valuestring) : -1;
+        if (cJSON_IsString(it) && !strcmp(it->valuestring, "none"))
+            m = -2;
+        if (m == -1)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'reorder' must be one of none, calibrated, attention, "
+                                "attention_sort, query_likelihood, relevance");
+        out->reorder = m < 0 ? -1 : m;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "intervention_layers")) &&
+        !cJSON_IsNull(it)) {
+        int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 0;
+        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'intervention_layers' must be an array of 1 to %d integers",
+                                FITM_RERANK_MAX_LAYERS);
+        out->intervene_layers = calloc((size_t)n, sizeof *out->intervene_layers);
+        if (!out->intervene_layers)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        out->n_intervene_layers = n;
+        for (int i = 0; i < n; i++) {
+            char name[48];
+            snprintf(name, sizeof name, "intervention_layers[%d]", i);
+            if ((st = take_int(cJSON_GetArrayItem(it, i), name, -FITM_RERANK_MAX_LAYERS,
+                               FITM_RERANK_MAX_LAYERS - 1, &v, err)) != FITM_OK)
+                return st;
+            out->intervene_layers[i] = (int32_t)v;
+        }
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "stream", &out->stream, err)) != FITM_OK)
+        return st;
+    return FITM_OK;
+}
+
+fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_answer_request *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    st = parse_answer_object(root, lim, out, err);
+    cJSON_Delete(root);
+    return st;
+}
+
+/* s[0..n) as a JSON string item, each byte that does not start a valid UTF-8 character
+ * replaced by U+FFFD (a model can emit any byte token). */
+static cJSON *text_item(const char *s, size_t n)
+{
+    char *buf = malloc(n * 3 + 1);
+    if (!buf)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char b = (unsigned char)s[i];
+        size_t len = b < 0x80           ? 1
+                     : (b >> 5) == 6    ? 2
+                     : (b >> 4) == 14   ? 3
+                     : (b >> 3) == 30   ? 4
+                                        : 0;
+        if (len && i + len <= n && fitm_api_utf8_valid(s + i, len) && b != 0) {
+            memcpy(buf + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(buf + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    buf[o] = '\0';
+    cJSON *item = cJSON_CreateString(buf);
+    free(buf);
+    return item;
+}
+
+/* An integer written as one (cJSON's doubles print large ones in exponent form). */
+static bool add_uint(cJSON *obj, const char *name, uint64_t v)
+{
+    char buf[32];
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+    return cJSON_AddRawToObject(obj, name, buf) != NULL;
+}
+
+char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
+                            const char *id, const char *model, double queue_ms, double total_ms,
+                            bool with_answer)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    if (!root || !cJSON_AddStringToObject(root, "id", id) ||
+        !cJSON_AddStringToObject(root, "object", "answer") ||
+        !cJSON_AddStringToObject(root, "model", model))
+        goto done;
+    if (with_answer) {
+        cJSON *a = text_item(res->answer ? res->answer : "", res->answer_len);
+        if (!a || !cJSON_AddItemToObject(root, "answer", a))
+            goto done;
+    }
+    if (!cJSON_AddStringToObject(root, "finish_reason", fitm_answer_finish_name(res->finish)))
+        goto done;
+    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
+    if (!docs)
+        goto done;
+    for (int32_t k = 0; k < res->n_docs; k++) {
+        const fitm_answer_doc *d = &res->docs[k];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(docs, o) ||
+            !cJSON_AddNumberToObject(o, "index", d->index) ||
+            !cJSON_AddNumberToObject(o, "position", d->position) ||
+            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
+            goto done;
+    }
+    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
+    if (!usage || !cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->prompt_tokens) ||
+        !cJSON_AddNumberToObject(usage, "completion_tokens", (double)res->completion_tokens) ||
+        !cJSON_AddNumberToObject(usage, "total_tokens",
+                                 (double)(res->prompt_tokens + res->completion_tokens)) ||
+        !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->forward_tokens))
+        goto done;
+    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
+    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", req->calibrate) ||
+        !cJSON_AddStringToObject(meta, "reorder",
+                                 req->reorder < 0 ? "none"
+                                                  : fitm_rerank_method_name(
+                                                        (fitm_rerank_method)req->reorder)) ||
+        !add_uint(meta, "seed", req->seed))
+        goto done;
+    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
+    if (!tm || !cJSON_AddNumberToObject(tm, "queue", queue_ms) ||
+        !cJSON_AddNumberToObject(tm, "rank", res->rank_ms) ||
+        !cJSON_AddNumberToObject(tm, "prefill", res->prefill_ms) ||
+        !cJSON_AddNumberToObject(tm, "decode", res->decode_ms) ||
+        !cJSON_AddNumberToObject(tm, "first_token", res->first_token_ms) ||
+        !cJSON_AddNumberToObject(tm, "total", total_ms))
+        goto done;
+    if (req->base.return_tokens && res->tokens) {
+        cJSON *t = cJSON_AddObjectToObject(root, "tokens");
+        cJSON *p = int_array(res->tokens, res->prompt_tokens);
+        if (!t || !p || !cJSON_AddItemToObject(t, "prompt", p))
+            goto done;
+        cJSON *c = int_array(res->tokens + res->prompt_tokens, res->completion_tokens);
+        if (!c || !cJSON_AddItemToObject(t, "completion", c))
+            goto done;
+        cJSON *spans = cJSON_AddArrayToObject(t, "spans");
+        for (int32_t k = 0; spans && res->spans && k < res->n_docs; k++) {
+            int32_t se[2] = {(int32_t)res->spans[k].start, (int32_t)res->spans[k].end};
+            cJSON *sp = int_array(se, 2);
+            if (!sp || !cJSON_AddItemToArray(spans, sp))
+                goto done;
+        }
+        if (!spans)
+            goto done;
+    }
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *fitm_api_write_answer_delta(const char *text, size_t len)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *t = text_item(text, len);
+    if (root && t && cJSON_AddItemToObject(root, "delta", t))
+        out = cJSON_PrintUnformatted(root);
+    else
+        cJSON_Delete(t);
+    cJSON_Delete(root);
+    return out;
+}

@@ -1,0 +1,95 @@
+/* api: JSON <-> plain C structs for fitmd's routes, and the one mapping of errors to HTTP.
+ * The only module that uses cJSON. Everything here is pure (no I/O, no globals): every
+ * function may be called from any thread.
+ *
+ * Strings returned as `char *` are malloc'd, NUL-terminated JSON text the caller frees. */
+#ifndef FITM_API_H
+#define FITM_API_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "pipeline/answer.h"
+#include "pipeline/rerank.h"
+
+/* Protocol-level refusals that have no fitm_status of their own. FITM_API_COND_NONE means
+ * "classify by the status". */
+typedef enum {
+    FITM_API_COND_NONE = 0,
+    FITM_API_COND_UNAUTHORIZED,   /* missing or wrong bearer key         */
+    FITM_API_COND_METHOD,         /* method not allowed on this route    */
+    FITM_API_COND_BODY_TOO_LARGE, /* body over max_body_bytes            */
+    FITM_API_COND_MEDIA_TYPE,     /* POST body that is not JSON          */
+} fitm_api_cond;
+
+typedef struct {
+    int http;         /* HTTP status code                                    */
+    const char *type; /* error.type, e.g. "invalid_request_error"            */
+    const char *code; /* error.code, e.g. "invalid_json", "queue_full"       */
+    bool retry;       /* send Retry-After (503s)                             */
+} fitm_api_error_class;
+
+/* THE mapping from an error to HTTP: every error response fitmd sends goes through it.
+ * A non-NONE cond wins over s. s = FITM_OK with cond NONE gives 500 (a caller bug). */
+fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond);
+
+/* {"error":{"message":message,"type":...,"code":...}} for the class. message may be NULL
+ * ("" then). Returns NULL only when out of memory. */
+char *fitm_api_error_json(const fitm_api_error_class *c, const char *message);
+
+/* The server's limits a request is checked against. */
+typedef struct {
+    int32_t max_documents;
+    int32_t max_tokens_per_doc;
+    const char *model_name; /* a request's `model`, when given, must equal it */
+    double default_temperature;
+    int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
+} fitm_api_limits;
+
+/* Parses and validates a /rerank body (Cohere/Jina shape, or TEI's with `texts`) into *out,
+ * which the caller releases with fitm_rerank_request_free (also after a failure). Errors name
+ * the field: FITM_ERR_FORMAT for invalid JSON; FITM_ERR_INVALID for wrong types, missing or
+ * empty values, non-UTF-8 text, unknown methods, out-of-range numbers; FITM_ERR_LIMIT for
+ * more documents than lim->max_documents; FITM_ERR_NOT_FOUND for a `model` this server does
+ * not serve. Unknown fields are ignored (clients send their own extras). A per-request
+ * max_tokens_per_doc above the server's limit is lowered to it. */
+fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_rerank_request *out, fitm_err *err);
+
+/* The /rerank response for req and res: {id, model, results[:top_n], usage, meta} (and
+ * `tokens` with return_tokens), or TEI's array [{index, score, text?}] when req->tei. */
+char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_result *res,
+                            const char *id, const char *model);
+
+/* GET /v1/models: {"object":"list","data":[{"id":model,"object":"model","created":...,
+ * "owned_by":"fitm", ...}]}. */
+char *fitm_api_write_models(const char *model, int64_t created_s, int64_t n_ctx,
+                            const char *arch);
+
+/* GET /health: {"status":status} plus a message when non-NULL. */
+char *fitm_api_write_health(const char *status, const char *message);
+
+/* Whether s[0..n) is valid UTF-8 (no overlongs, surrogates or code points past U+10FFFF). */
+bool fitm_api_utf8_valid(const char *s, size_t n);
+
+/* Parses and validates a /answer body into *out (release with fitm_answer_request_free, also
+ * after a failure): /rerank's query, documents, max_tokens_per_doc, model and return_tokens,
+ * plus max_tokens (lowered to lim->max_answer_tokens), stop, temperature, top_p, seed,
+ * calibrate, calibration {temperature, layers, dummy}, reorder, intervention_layers, stream.
+ * Errors as fitm_api_parse_rerank, naming the field. */
+fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_limits *lim,
+                                  fitm_answer_request *out, fitm_err *err);
+
+/* The /answer response {id, object, model, answer, finish_reason, documents, usage, meta}
+ * (`tokens` too with return_tokens). Without with_answer: the same less `answer` (a stream's
+ * final event). Bytes of the answer that are not UTF-8 become U+FFFD. */
+char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
+                            const char *id, const char *model, double queue_ms, double total_ms,
+                            bool with_answer);
+
+/* One stream event's JSON: {"delta": text}. */
+char *fitm_api_write_answer_delta(const char *text, size_t len);
+
+#endif

@@ -1,0 +1,343 @@
+#include "server/config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum { OPT_STR, OPT_INT, OPT_REAL, OPT_ENUM } opt_kind;
+
+typedef struct {
+    const char *name;
+    opt_kind kind;
+    size_t offset;
+    size_t str_bytes;    /* OPT_STR / OPT_ENUM: size of the char array     */
+    const char *def;     /* default, as text                               */
+    double min, max;     /* OPT_INT / OPT_REAL bounds (inclusive)          */
+    const char *choices; /* OPT_ENUM: '|'-separated                        */
+    const char *help;
+} opt;
+
+#define STR(f) OPT_STR, offsetof(fitm_config, f), sizeof(((fitm_config *)0)->f)
+#define ENUM(f) OPT_ENUM, offsetof(fitm_config, f), sizeof(((fitm_config *)0)->f)
+#define INT(f) OPT_INT, offsetof(fitm_config, f), 0
+#define REAL(f) OPT_REAL, offsetof(fitm_config, f), 0
+
+static const opt opts[] = {
+    {"model", STR(model), "", 0, 0, NULL,
+     "path of the GGUF model file to serve (required; model_url downloads to it)"},
+    {"model_url", STR(model_url), "", 0, 0, NULL,
+     "http(s) URL to download the model from when the model path does not exist yet "
+     "(on the engine thread: /health is 503 until it is done)"},
+    {"model_name", STR(model_name), "", 0, 0, NULL,
+     "model id reported by /v1/models and accepted in requests; empty = file name"},
+    {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
+    {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
+    {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
+     "compute backend; auto = CUDA when a device works, else CPU (decided once at start)"},
+    {"threads", INT(threads), "0", 0, 1024, NULL, "CPU compute threads; 0 = one per core"},
+    {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},
+    {"http_idle_timeout_s", INT(http_idle_timeout_s), "30", 1, 3600, NULL,
+     "seconds a connection may stay silent (slow or idle clients) before it is closed"},
+    {"max_connections", INT(max_connections), "512", 4, 100000, NULL,
+     "open client connections at once; more are refused at accept"},
+    {"api_keys", STR(api_keys), "", 0, 0, NULL,
+     "comma-separated bearer keys guarding inference routes; empty = no auth"},
+    {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,
+     "largest request body accepted (413 beyond, enforced while reading)"},
+    {"max_documents", INT(max_documents), "256", 1, 4096, NULL,
+     "documents per request (more: 422)"},
+    {"max_tokens_per_doc", INT(max_tokens_per_doc), "512", 8, 1000000, NULL,
+     "tokens kept per document (longer documents are truncated)"},
+    {"ctx_size", INT(ctx_size), "8192", 0, 1048576, NULL,
+     "context length in tokens (prompt + answer); 0 = the model's trained context"},
+    {"queue_depth", INT(queue_depth), "64", 1, 100000, NULL,
+     "requests waiting for the engine; beyond it 503 with Retry-After"},
+    {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
+     "deadline of one request, queueing included"},
+    {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,
+     "on SIGTERM, how long in-flight requests may finish before exit"},
+    {"max_answer_tokens", INT(max_answer_tokens), "512", 1, 65536, NULL,
+     "upper bound of max_tokens in /answer"},
+    {"chat_template", ENUM(chat_template), "auto", 0, 0, "auto|raw|chatml|gemma|llama2|llama3",
+     "prompt wrapping; auto = recognise tokenizer.chat_template, raw when unknown"},
+    {"dummy_text", STR(dummy_text),
+     "The quick brown fox jumps over the lazy dog while the sun sets behind the hills.", 0, 0,
+     NULL, "neutral text of the dummy documents of the reference passes"},
+    {"calib_temperature", REAL(calib_temperature), "5e-5", 1e-12, 1e6, NULL,
+     "default temperature t of alpha = softmax(rel / t)"},
+    {"log_level", ENUM(log_level), "info", 0, 0, "debug|info|warn|error", "log threshold"},
+};
+#define N_OPTS (sizeof opts / sizeof opts[0])
+
+static const opt *find_opt(const char *name, size_t len)
+{
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const char *o = opts[i].name;
+        if (strlen(o) != len)
+            continue;
+        size_t j = 0;
+        for (; j < len; j++) {
+            char c = name[j] == '-' ? '_' : (char)tolower((unsigned char)name[j]);
+            if (c != o[j])
+                break;
+        }
+        if (j == len)
+            return &opts[i];
+    }
+    return NULL;
+}
+
+static bool enum_has(const char *choices, const char *v)
+{
+    size_t n = strlen(v);
+    for (const char *p = choices; *p;) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && !strncmp(p, v, n))
+            return true;
+        if (!bar)
+            break;
+        p = bar + 1;
+    }
+    return false;
+}
+
+/* Parses text into the option's field; where says where the text came from (for messages). */
+static fitm_status set_opt(fitm_config *cfg, const opt *o, const char *text, const char *where,
+                           fitm_err *err)
+{
+    char *field = (char *)cfg + o->offset;
+    switch (o->kind) {
+    case OPT_STR:
+    case OPT_ENUM:
+        if (strlen(text) >= o->str_bytes)
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: %s is too long (at most %zu bytes)",
+                                where, o->name, o->str_bytes - 1);
+        if (o->kind == OPT_ENUM && !enum_has(o->choices, text))
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: %s = '%s': must be one of %s", where,
+                                o->name, text, o->choices);
+        memcpy(field, text, strlen(text) + 1);
+        return FITM_OK;
+    case OPT_INT: {
+        errno = 0;
+        char *end = NULL;
+        long long v = strtoll(text, &end, 10);
+        if (errno || end == text || *end != '\0')
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: %s = '%s': not an integer", where,
+                                o->name, text);
+        if ((double)v < o->min || (double)v > o->max)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "%s: %s = '%s': must be between %.0f and %.0f", where, o->name,
+                                text, o->min, o->max);
+        *(int64_t *)(void *)field = v;
+        return FITM_OK;
+    }
+    case OPT_REAL: {
+        errno = 0;
+        char *end = NULL;
+        double v = strtod(text, &end);
+        if (errno || end == text || *end != '\0' || !isfinite(v))
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: %s = '%s': not a number", where,
+                                o->name, text);
+        if (v < o->min || v > o->max)
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: %s = '%s': must be between %g and %g",
+                                where, o->name, text, o->min, o->max);
+        *(double *)(void *)field = v;
+        return FITM_OK;
+    }
+    }
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "bad option kind");
+}
+
+void fitm_config_defaults(fitm_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t i = 0; i < N_OPTS; i++) {
+        fitm_status s = set_opt(cfg, &opts[i], opts[i].def, "default", NULL);
+        (void)s; /* defaults are valid by construction; test_config checks it */
+    }
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    char *e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = '\0';
+    return s;
+}
+
+static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return fitm_err_set(err, FITM_ERR_INVALID, "config file %s: %s", path, strerror(errno));
+    fitm_status st = FITM_OK;
+    char line[4096];
+    int lineno = 0;
+    while (st == FITM_OK && fgets(line, sizeof line, f)) {
+        lineno++;
+        char where[FITM_ERR_MSG_BYTES / 2];
+        snprintf(where, sizeof where, "%.200s:%d", path, lineno);
+        if (!strchr(line, '\n') && !feof(f)) {
+            st = fitm_err_set(err, FITM_ERR_INVALID, "%s: line too long", where);
+            break;
+        }
+        char *s = trim(line);
+        if (*s == '\0' || *s == '#')
+            continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            st = fitm_err_set(err, FITM_ERR_INVALID, "%s: '%.100s': expected name = value", where,
+                              s);
+            break;
+        }
+        *eq = '\0';
+        char *name = trim(s), *value = trim(eq + 1);
+        size_t vl = strlen(value);
+        if (vl >= 2 && value[0] == '"' && value[vl - 1] == '"') {
+            value[vl - 1] = '\0';
+            value++;
+        }
+        const opt *o = find_opt(name, strlen(name));
+        if (!o) {
+            st = fitm_err_set(err, FITM_ERR_INVALID, "%s: unknown option '%.100s'", where, name);
+            break;
+        }
+        st = set_opt(cfg, o, value, where, err);
+    }
+    fclose(f);
+    return st;
+}
+
+static void env_name(const opt *o, char *buf, size_t n)
+{
+    size_t j = (size_t)snprintf(buf, n, "FITM_");
+    for (size_t i = 0; o->name[i] && j + 1 < n; i++)
+        buf[j++] = (char)toupper((unsigned char)o->name[i]);
+    buf[j] = '\0';
+}
+
+fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help_out,
+                             fitm_err *err)
+{
+    fitm_config_defaults(cfg);
+    *help_out = false;
+
+    /* Pass 1: find --config / --help without applying anything else. */
+    const char *file = getenv("FITM_CONFIG");
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            *help_out = true;
+            return FITM_OK;
+        }
+        if (!strcmp(argv[i], "--config")) {
+            if (i + 1 >= argc)
+                return fitm_err_set(err, FITM_ERR_INVALID, "--config needs a file name");
+            file = argv[++i];
+        } else if (!strncmp(argv[i], "--config=", 9)) {
+            file = argv[i] + 9;
+        }
+    }
+    fitm_status st = FITM_OK;
+    if (file && *file && (st = load_file(cfg, file, err)) != FITM_OK)
+        return st;
+
+    for (size_t i = 0; i < N_OPTS; i++) {
+        char name[64], where[96];
+        env_name(&opts[i], name, sizeof name);
+        const char *v = getenv(name);
+        snprintf(where, sizeof where, "environment %s", name);
+        if (v && (st = set_opt(cfg, &opts[i], v, where, err)) != FITM_OK)
+            return st;
+    }
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--config")) {
+            i++;
+            continue;
+        }
+        if (!strncmp(a, "--config=", 9))
+            continue;
+        if (!strcmp(a, "--print-config")) {
+            *help_out = true;
+            continue;
+        }
+        if (strncmp(a, "--", 2) != 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "unexpected argument '%.200s'", a);
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        const opt *o = find_opt(name, len);
+        if (!o)
+            return fitm_err_set(err, FITM_ERR_INVALID, "unknown option '--%.*s'", (int)len, name);
+        const char *value = eq ? eq + 1 : NULL;
+        if (!value) {
+            if (i + 1 >= argc)
+                return fitm_err_set(err, FITM_ERR_INVALID, "option '--%s' needs a value", o->name);
+            value = argv[++i];
+        }
+        char where[96];
+        snprintf(where, sizeof where, "flag --%s", o->name);
+        if ((st = set_opt(cfg, o, value, where, err)) != FITM_OK)
+            return st;
+    }
+    return FITM_OK;
+}
+
+static void print_bounds(FILE *f, const opt *o)
+{
+    if (o->kind == OPT_INT)
+        fprintf(f, "%.0f..%.0f", o->min, o->max);
+    else if (o->kind == OPT_REAL)
+        fprintf(f, "%g..%g", o->min, o->max);
+    else if (o->kind == OPT_ENUM)
+        fprintf(f, "%s", o->choices);
+    else
+        fprintf(f, "text");
+}
+
+void fitm_config_print_help(FILE *f)
+{
+    fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config]\n\n"
+               "Precedence: flags > FITM_* environment > config file > defaults.\n\noptions:\n");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const opt *o = &opts[i];
+        char env[64];
+        env_name(o, env, sizeof env);
+        fprintf(f, "  --%-20s %s\n      env %s; default '%s'; ", o->name, o->help, env, o->def);
+        print_bounds(f, o);
+        fputc('\n', f);
+    }
+}
+
+void fitm_config_print_file(FILE *f, const fitm_config *cfg)
+{
+    fprintf(f, "# fitmd configuration. Precedence: flags > FITM_* environment > this file > "
+               "defaults.\n# Format: name = value; '#' starts a comment.\n");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const opt *o = &opts[i];
+        const char *field = (const char *)cfg + o->offset;
+        char env[64];
+        env_name(o, env, sizeof env);
+        fprintf(f, "\n# %s\n# env %s; default '%s'; ", o->help, env, o->def);
+        print_bounds(f, o);
+        fprintf(f, "\n%s = ", o->name);
+        switch (o->kind) {
+        case OPT_STR:
+        case OPT_ENUM:
+            fprintf(f, "\"%s\"\n", field);
+            break;
+        case OPT_INT:
+            fprintf(f, "%lld\n", (long long)*(const int64_t *)(const void *)field);
+            break;
+        case OPT_REAL:
+            fprintf(f, "%g\n", *(const double *)(const void *)field);
+            break;
+        }
+    }
+}

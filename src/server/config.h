@@ -1,0 +1,59 @@
+/* config: fitmd's settings, from one table (name, type, default, bounds, help).
+ *
+ * Precedence: command-line flags > FITM_* environment variables > config file > defaults.
+ * Every value is validated against the table; errors quote the offending flag, variable or
+ * file line. The same table prints --help and writes the documented config file. */
+#ifndef FITM_CONFIG_H
+#define FITM_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "base/status.h"
+
+#define FITM_CONFIG_STR_BYTES 1024
+
+typedef struct {
+    char model[FITM_CONFIG_STR_BYTES];     /* local GGUF path                          */
+    char model_url[FITM_CONFIG_STR_BYTES]; /* downloaded to model when that is missing */
+    char model_name[128];                  /* id reported by /v1/models; "" = file name */
+    char host[256];
+    int64_t port;
+    char backend[16];                      /* auto | cpu | cuda                        */
+    int64_t threads;                       /* CPU compute threads; 0 = all cores       */
+    int64_t http_threads;
+    int64_t http_idle_timeout_s;           /* close connections idle this long         */
+    int64_t max_connections;               /* open connections at once                 */
+    char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
+    int64_t max_body_bytes;
+    int64_t max_documents;
+    int64_t max_tokens_per_doc;
+    int64_t ctx_size;                      /* 0 = the model's trained context          */
+    int64_t queue_depth;
+    int64_t request_timeout_ms;
+    int64_t drain_timeout_ms;
+    int64_t max_answer_tokens;
+    char chat_template[32];                /* auto | raw | chatml | gemma | llama2 | llama3 */
+    char dummy_text[FITM_CONFIG_STR_BYTES];
+    double calib_temperature;
+    char log_level[16];                    /* debug | info | warn | error              */
+} fitm_config;
+
+/* Fills cfg with the defaults. */
+void fitm_config_defaults(fitm_config *cfg);
+
+/* Loads the settings in precedence order. argv may carry --config FILE (else FITM_CONFIG,
+ * else no file); flags are --name value or --name=value with '-' or '_' accepted. Returns
+ * FITM_ERR_INVALID with a message quoting the bad input. *help_out is set when --help or
+ * --print-config was given (then the caller prints and exits 0). */
+fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help_out,
+                             fitm_err *err);
+
+/* Writes the documented option list (name, env var, default, bounds, help). */
+void fitm_config_print_help(FILE *f);
+
+/* Writes a config file with every option, its documentation and its current value. */
+void fitm_config_print_file(FILE *f, const fitm_config *cfg);
+
+#endif

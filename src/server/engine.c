@@ -1,0 +1,304 @@
+#include "server/engine.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/clock.h"
+#include "base/log.h"
+
+struct fitm_engine {
+    fitm_engine_hooks hooks;
+    pthread_mutex_t mu;
+    pthread_cond_t work;    /* queue non-empty, or stopping                */
+    pthread_cond_t idle;    /* state changes, job finished, queue emptied   */
+    pthread_cond_t timer;   /* queue changed (timer thread re-evaluates)    */
+    fitm_job *head, *tail;  /* FIFO of waiting jobs                          */
+    int64_t n_queued, capacity;
+    int64_t running;        /* 0 or 1                                       */
+    fitm_engine_state state;
+    fitm_err state_err;
+    bool draining;          /* submit refuses                                */
+    bool stopping;          /* threads exit                                  */
+    atomic_bool abort_flag; /* the running job should stop                   */
+    pthread_t worker, timer_thread;
+    bool worker_started, timer_started;
+};
+
+/* Absolute CLOCK_MONOTONIC time ns from now, for pthread_cond_timedwait. */
+static struct timespec abs_after_ns(int64_t ns)
+{
+    int64_t t = fitm_clock_ns() + (ns > 0 ? ns : 0);
+    return (struct timespec){.tv_sec = t / 1000000000, .tv_nsec = t % 1000000000};
+}
+
+static void finish(fitm_job *job, fitm_status st)
+{
+    job->status = st;
+    job->on_done(job, job->user); /* the job is the submitter's again from here on */
+}
+
+static fitm_job *pop_locked(fitm_engine *e)
+{
+    fitm_job *j = e->head;
+    if (j) {
+        e->head = j->next;
+        if (!e->head)
+            e->tail = NULL;
+        j->next = NULL;
+        e->n_queued--;
+    }
+    return j;
+}
+
+static void *worker_main(void *arg)
+{
+    fitm_engine *e = arg;
+    fitm_err err = {{0}};
+    fitm_status st = e->hooks.load(e->hooks.ctx, &err);
+    pthread_mutex_lock(&e->mu);
+    if (st != FITM_OK) {
+        e->state = FITM_ENGINE_FAILED;
+        e->state_err = err;
+    } else if (e->state == FITM_ENGINE_LOADING) {
+        e->state = FITM_ENGINE_READY;
+    }
+    pthread_cond_broadcast(&e->idle);
+    for (;;) {
+        while (!e->stopping && !e->head)
+            pthread_cond_wait(&e->work, &e->mu);
+        if (e->stopping)
+            break;
+        fitm_job *job = pop_locked(e);
+        e->running = 1;
+        pthread_cond_broadcast(&e->timer);
+        pthread_mutex_unlock(&e->mu);
+
+        int64_t now = fitm_clock_ns();
+        job->queue_ms = (double)(now - job->enqueued_ns) / 1e6;
+        fitm_status js;
+        if (now >= job->deadline_ns) {
+            js = fitm_err_set(&job->err, FITM_ERR_TIMEOUT,
+                              "the request's deadline passed while it waited in the queue");
+        } else {
+            js = e->hooks.run(e->hooks.ctx, job, &job->err);
+        }
+        if (js == FITM_ERR_BACKEND) {
+            pthread_mutex_lock(&e->mu);
+            e->state = FITM_ENGINE_BROKEN;
+            e->state_err = job->err;
+            pthread_mutex_unlock(&e->mu);
+            FITM_LOG(FITM_LOG_ERROR, job->req_id, "backend failure, now unhealthy: %s",
+                     job->err.msg);
+        }
+        finish(job, js);
+
+        pthread_mutex_lock(&e->mu);
+        e->running = 0;
+        pthread_cond_broadcast(&e->idle);
+    }
+    pthread_mutex_unlock(&e->mu);
+    e->hooks.unload(e->hooks.ctx);
+    return NULL;
+}
+
+/* Fails queued jobs whose deadline passed, so a client waiting behind a long job gets its 503
+ * on time. Touches no model state. */
+static void *timer_main(void *arg)
+{
+    fitm_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    while (!e->stopping) {
+        int64_t now = fitm_clock_ns(), next = now + 1000000000;
+        fitm_job *expired = NULL, **pp = &e->head, *prev = NULL;
+        while (*pp) {
+            fitm_job *j = *pp;
+            if (j->deadline_ns <= now) {
+                *pp = j->next;
+                if (e->tail == j)
+                    e->tail = prev;
+                e->n_queued--;
+                j->next = expired;
+                expired = j;
+            } else {
+                if (j->deadline_ns < next)
+                    next = j->deadline_ns;
+                prev = j;
+                pp = &j->next;
+            }
+        }
+        if (expired) {
+            pthread_cond_broadcast(&e->idle);
+            pthread_mutex_unlock(&e->mu);
+            while (expired) {
+                fitm_job *j = expired;
+                expired = j->next;
+                j->queue_ms = (double)(now - j->enqueued_ns) / 1e6;
+                fitm_err_set(&j->err, FITM_ERR_TIMEOUT,
+                             "the request's deadline passed while it waited in the queue");
+                finish(j, FITM_ERR_TIMEOUT);
+            }
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
+        struct timespec ts = abs_after_ns(next - now);
+        pthread_cond_timedwait(&e->timer, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+static bool init_cond(pthread_cond_t *c)
+{
+    pthread_condattr_t a;
+    if (pthread_condattr_init(&a))
+        return false;
+    bool ok = !pthread_condattr_setclock(&a, CLOCK_MONOTONIC) && !pthread_cond_init(c, &a);
+    pthread_condattr_destroy(&a);
+    return ok;
+}
+
+fitm_status fitm_engine_create(fitm_engine **out, const fitm_engine_hooks *hooks,
+                               int64_t queue_depth, fitm_err *err)
+{
+    *out = NULL;
+    if (queue_depth < 1)
+        return fitm_err_set(err, FITM_ERR_INVALID, "queue depth %lld < 1",
+                            (long long)queue_depth);
+    fitm_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    e->hooks = *hooks;
+    e->capacity = queue_depth;
+    e->state = FITM_ENGINE_LOADING;
+    atomic_init(&e->abort_flag, false);
+    if (pthread_mutex_init(&e->mu, NULL) || !init_cond(&e->work) || !init_cond(&e->idle) ||
+        !init_cond(&e->timer)) {
+        free(e);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create engine locks");
+    }
+    if (pthread_create(&e->worker, NULL, worker_main, e)) {
+        fitm_engine_destroy(e);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start the engine thread");
+    }
+    e->worker_started = true;
+    if (pthread_create(&e->timer_thread, NULL, timer_main, e)) {
+        fitm_engine_destroy(e);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start the engine timer thread");
+    }
+    e->timer_started = true;
+    *out = e;
+    return FITM_OK;
+}
+
+void fitm_engine_shutdown(fitm_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->draining = true;
+    e->stopping = true;
+    atomic_store(&e->abort_flag, true);
+    fitm_job *waiting = e->head;
+    e->head = e->tail = NULL;
+    e->n_queued = 0;
+    pthread_cond_broadcast(&e->work);
+    pthread_cond_broadcast(&e->timer);
+    pthread_mutex_unlock(&e->mu);
+    while (waiting) {
+        fitm_job *j = waiting;
+        waiting = j->next;
+        fitm_err_set(&j->err, FITM_ERR_CANCELLED, "the server is shutting down");
+        finish(j, FITM_ERR_CANCELLED);
+    }
+    if (e->worker_started)
+        pthread_join(e->worker, NULL); /* a load in progress finishes first */
+    if (e->timer_started)
+        pthread_join(e->timer_thread, NULL);
+    e->worker_started = e->timer_started = false;
+}
+
+void fitm_engine_destroy(fitm_engine *e)
+{
+    if (!e)
+        return;
+    fitm_engine_shutdown(e);
+    pthread_cond_destroy(&e->work);
+    pthread_cond_destroy(&e->idle);
+    pthread_cond_destroy(&e->timer);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err)
+{
+    fitm_status st = FITM_OK;
+    pthread_mutex_lock(&e->mu);
+    if (e->draining) {
+        st = fitm_err_set(err, FITM_ERR_CANCELLED, "the server is shutting down");
+    } else if (e->state == FITM_ENGINE_LOADING) {
+        st = fitm_err_set(err, FITM_ERR_BUSY, "the model is still loading");
+    } else if (e->state != FITM_ENGINE_READY) {
+        st = fitm_err_set(err, FITM_ERR_BUSY, "the engine is unhealthy: %s", e->state_err.msg);
+    } else if (e->n_queued >= e->capacity) {
+        st = fitm_err_set(err, FITM_ERR_BUSY, "the queue is full (%lld requests waiting)",
+                          (long long)e->n_queued);
+    } else {
+        job->next = NULL;
+        job->enqueued_ns = fitm_clock_ns();
+        job->abort_flag = &e->abort_flag;
+        job->status = FITM_OK;
+        if (e->tail)
+            e->tail->next = job;
+        else
+            e->head = job;
+        e->tail = job;
+        e->n_queued++;
+        pthread_cond_signal(&e->work);
+        pthread_cond_broadcast(&e->timer);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+bool fitm_job_should_stop(const fitm_job *job)
+{
+    if (job->abort_flag && atomic_load(job->abort_flag))
+        return true;
+    return fitm_clock_ns() >= job->deadline_ns;
+}
+
+fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg)
+{
+    fitm_engine *m = (fitm_engine *)e; /* locking does not change the observable state */
+    pthread_mutex_lock(&m->mu);
+    fitm_engine_state s = m->state;
+    if (msg)
+        *msg = m->state_err;
+    pthread_mutex_unlock(&m->mu);
+    return s;
+}
+
+void fitm_engine_stats(const fitm_engine *e, int64_t *depth, int64_t *capacity,
+                       int64_t *inflight)
+{
+    fitm_engine *m = (fitm_engine *)e;
+    pthread_mutex_lock(&m->mu);
+    *depth = m->n_queued;
+    *capacity = m->capacity;
+    *inflight = m->running;
+    pthread_mutex_unlock(&m->mu);
+}
+
+bool fitm_engine_drain(fitm_engine *e, int64_t timeout_ms)
+{
+    struct timespec until = abs_after_ns(timeout_ms * 1000000);
+    pthread_mutex_lock(&e->mu);
+    e->draining = true;
+    int rc = 0;
+    while ((e->head || e->running) && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&e->idle, &e->mu, &until);
+    bool done = !e->head && !e->running;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}

@@ -1,0 +1,97 @@
+/* engine: the bounded queue between HTTP threads and the ONE worker thread that owns the model.
+ *
+ * The worker first loads the model (hooks.load, on the worker, so the HTTP server can answer
+ * /health with 503 meanwhile), then runs jobs one at a time in arrival order (hooks.run).
+ * A second, model-free thread fails queued jobs whose deadline passes while they wait.
+ *
+ * The engine knows nothing of what a job computes: it queues jobs and hands each, with its
+ * kind and its opaque work pointer, to hooks.run (fitmd's kinds are in server/work.h).
+ *
+ * A job belongs to its submitter. Once fitm_engine_submit accepted it, the engine holds it
+ * until it calls job->on_done exactly once (from the worker or the timer thread, with no
+ * engine lock held); after on_done returns the engine never touches the job again. on_done
+ * must not block.
+ *
+ * Thread-safety: every function may be called from any thread, except destroy (one thread,
+ * once, when no submit can race with it). */
+#ifndef FITM_ENGINE_H
+#define FITM_ENGINE_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/status.h"
+
+typedef struct fitm_engine fitm_engine;
+typedef struct fitm_job fitm_job;
+
+struct fitm_job {
+    /* Set by the submitter. */
+    int kind;            /* what hooks.run should do with work; the engine never reads it  */
+    void *work;          /* the submitter's request and result, for hooks.run               */
+    int64_t deadline_ns; /* fitm_clock_ns time; the job fails with FITM_ERR_TIMEOUT after it */
+    void (*on_done)(fitm_job *job, void *user);
+    void *user;
+    char req_id[40]; /* for logs */
+    /* Set by the engine before on_done. */
+    fitm_status status;
+    fitm_err err;
+    double queue_ms;
+    /* Engine-private. */
+    int64_t enqueued_ns;
+    const atomic_bool *abort_flag;
+    fitm_job *next;
+};
+
+/* The model side, called only on the worker thread. */
+typedef struct {
+    void *ctx;
+    /* Loads the model. A failure is fatal: the engine's state becomes FAILED. */
+    fitm_status (*load)(void *ctx, fitm_err *err);
+    /* Runs one job: does what job->kind says with job->work. Long runs poll
+     * fitm_job_should_stop between steps. */
+    fitm_status (*run)(void *ctx, fitm_job *job, fitm_err *err);
+    /* Releases what load made (also after a failed load). */
+    void (*unload)(void *ctx);
+} fitm_engine_hooks;
+
+typedef enum {
+    FITM_ENGINE_LOADING = 0,
+    FITM_ENGINE_READY,
+    FITM_ENGINE_FAILED,  /* load failed: the daemon exits                        */
+    FITM_ENGINE_BROKEN,  /* a job hit FITM_ERR_BACKEND: sticky, /health says 503  */
+} fitm_engine_state;
+
+/* Starts the worker (which loads) and the timer thread. queue_depth >= 1. */
+fitm_status fitm_engine_create(fitm_engine **out, const fitm_engine_hooks *hooks,
+                               int64_t queue_depth, fitm_err *err);
+
+/* Fails waiting jobs with FITM_ERR_CANCELLED, asks the running job to stop, joins both
+ * threads and unloads. Every accepted job has had its on_done when this returns; submit
+ * fails with FITM_ERR_CANCELLED afterwards. Idempotent. */
+void fitm_engine_shutdown(fitm_engine *e);
+
+/* Shuts down (if not yet) and frees. NULL is a no-op. */
+void fitm_engine_destroy(fitm_engine *e);
+
+/* Queues job. FITM_ERR_BUSY when the queue is full, the model is still loading or the engine
+ * is broken, FITM_ERR_CANCELLED once draining began; err says which. On failure the engine
+ * does not keep the job and never calls on_done. */
+fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err);
+
+/* For hooks.run: true when the job's deadline passed or the engine is shutting down. */
+bool fitm_job_should_stop(const fitm_job *job);
+
+/* The state, and (when msg is non-NULL) the load or backend error message. */
+fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg);
+
+/* Queue depth now, capacity, and jobs running (0 or 1). */
+void fitm_engine_stats(const fitm_engine *e, int64_t *depth, int64_t *capacity,
+                       int64_t *inflight);
+
+/* Stops accepting (submit then fails with CANCELLED) and waits up to timeout_ms for the
+ * queue to empty and the running job to finish. True when everything finished. */
+bool fitm_engine_drain(fitm_engine *e, int64_t timeout_ms);
+
+#endif

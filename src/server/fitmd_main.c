@@ -1,0 +1,268 @@
+/* fitmd: the daemon. Startup: config (flags > FITM_* env > file > defaults) -> engine thread
+ * (loads the model, then owns it) -> HTTP. /health says 503 until the model is loaded.
+ * SIGTERM/SIGINT: stop accepting, let in-flight requests finish within drain_timeout_ms,
+ * exit 0. A model that fails to load exits 1 with the reason. */
+#include <errno.h>
+#include <curl/curl.h>
+#include <libgen.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fitm_config.h"
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "model/backend.h"
+#include "model/model.h"
+#include "pipeline/rerank.h"
+#include "server/config.h"
+#include "server/download.h"
+#include "server/engine.h"
+#include "server/http.h"
+#include "server/work.h"
+#include "tokenizer/tokenizer.h"
+
+/* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
+extern const char fitm_openapi_yaml[];
+extern const size_t fitm_openapi_yaml_len;
+
+/* What the engine thread owns. */
+typedef struct {
+    const fitm_config *cfg;
+    fitm_http_model_info *info;
+    fitm_model *model;
+    fitm_tokenizer *tok;
+    fitm_backend *backend;
+    fitm_reranker *reranker;
+} daemon_model;
+
+static fitm_status model_load(void *ctx, fitm_err *err)
+{
+    daemon_model *dm = ctx;
+    const fitm_config *cfg = dm->cfg;
+    double t0 = fitm_clock_ms();
+    fitm_status st;
+    if (!strcmp(cfg->backend, "cuda"))
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "backend 'cuda' is not built into this fitmd (use auto or cpu)");
+    if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
+        (st = fitm_download_file(cfg->model_url, cfg->model, err)) != FITM_OK)
+        return st;
+    if ((st = fitm_model_open(&dm->model, cfg->model, err)) != FITM_OK) {
+        fitm_err_prefix(err, "model %s", cfg->model);
+        return st;
+    }
+    if ((st = fitm_tok_create(&dm->tok, fitm_model_gguf(dm->model), err)) != FITM_OK) {
+        fitm_err_prefix(err, "tokenizer of %s", cfg->model);
+        return st;
+    }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = cfg->threads > 0 ? (int)cfg->threads : (int)(cores > 0 ? cores : 1);
+    if ((st = fitm_backend_cpu_create(&dm->backend, threads, err)) != FITM_OK)
+        return st;
+    const fitm_model_config *mc = fitm_model_config_of(dm->model);
+    int64_t n_ctx = cfg->ctx_size;
+    if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
+        n_ctx = mc->n_ctx_train; /* positions past the trained context are not meaningful */
+    if (n_ctx == 0)
+        n_ctx = 4096;
+    fitm_reranker_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
+                               .chat_template = cfg->chat_template};
+    if ((st = fitm_reranker_create(&dm->reranker, dm->model, dm->tok, dm->backend, &rp, err)) !=
+        FITM_OK)
+        return st;
+    snprintf(dm->info->arch, sizeof dm->info->arch, "%s", fitm_arch_name(mc->arch));
+    dm->info->n_ctx = n_ctx;
+    FITM_LOG(FITM_LOG_INFO, NULL,
+             "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, cpu backend "
+             "with %d threads, in %.0f ms",
+             cfg->model, dm->info->arch, (int)mc->n_layer, (int)mc->n_embd, (int)mc->n_vocab,
+             (long long)n_ctx, fitm_reranker_template(dm->reranker), threads,
+             fitm_clock_ms() - t0);
+    return FITM_OK;
+}
+
+static bool job_stop(const void *arg)
+{
+    return fitm_job_should_stop(arg);
+}
+
+static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
+{
+    daemon_model *dm = ctx;
+    switch ((fitm_work_kind)job->kind) {
+    case FITM_WORK_RERANK: {
+        fitm_rerank_work *w = job->work;
+        return fitm_reranker_run(dm->reranker, w->req, job_stop, job, &w->result, err);
+    }
+    case FITM_WORK_ANSWER: {
+        fitm_answer_work *w = job->work;
+        return fitm_answer_run(dm->reranker, w->req, job_stop, job, w->on_delta, w->delta_arg,
+                               &w->result, err);
+    }
+    }
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
+}
+
+static void model_unload(void *ctx)
+{
+    daemon_model *dm = ctx;
+    fitm_reranker_destroy(dm->reranker);
+    fitm_backend_destroy(dm->backend);
+    fitm_tok_destroy(dm->tok);
+    fitm_model_close(dm->model);
+    dm->reranker = NULL;
+    dm->backend = NULL;
+    dm->tok = NULL;
+    dm->model = NULL;
+}
+
+/* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0). */
+static int wait_for_signal(const sigset_t *set, fitm_engine *e)
+{
+    for (;;) {
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        int sig = sigtimedwait(set, NULL, &ts);
+        if (sig > 0)
+            return sig;
+        if (fitm_engine_get_state(e, NULL) == FITM_ENGINE_FAILED)
+            return 0;
+    }
+}
+
+/* Flags > environment > config file > defaults into cfg; --help/--print-config print. -1 to go
+ * on, else the exit status. */
+static int configure(int argc, char **argv, fitm_config *cfg)
+{
+    fitm_err err = {{0}};
+    bool help = false;
+    if (fitm_config_load(cfg, argc, argv, &help, &err) != FITM_OK) {
+        fprintf(stderr, "fitmd: %s\n", err.msg);
+        return 2;
+    }
+    if (help) {
+        bool print_config = false;
+        for (int i = 1; i < argc; i++)
+            print_config |= !strcmp(argv[i], "--print-config");
+        if (print_config)
+            fitm_config_print_file(stdout, cfg);
+        else
+            fitm_config_print_help(stdout);
+        return 0;
+    }
+    fitm_log_threshold = (fitm_log_level)fitm_log_parse_level(cfg->log_level);
+    if (!cfg->model[0]) {
+        fprintf(stderr, "fitmd: no model: set --model PATH (or FITM_MODEL, or model = in the "
+                        "config file)\n");
+        return 2;
+    }
+    return -1;
+}
+
+/* The served model's name (model_name, else the file's) and date; the file must exist unless
+ * a model_url can download it. -1 to go on, else the exit status. */
+static int describe_model(const fitm_config *cfg, fitm_http_model_info *info)
+{
+    struct stat sb;
+    if (stat(cfg->model, &sb) != 0) {
+        if (!cfg->model_url[0]) {
+            fprintf(stderr, "fitmd: model %s: %s (set model_url to download it)\n", cfg->model,
+                    strerror(errno));
+            return 1;
+        }
+        sb.st_mtime = time(NULL); /* downloaded on the engine thread, /health 503 meanwhile */
+    }
+    if (cfg->model_name[0]) {
+        snprintf(info->name, sizeof info->name, "%s", cfg->model_name);
+    } else {
+        char path[FITM_CONFIG_STR_BYTES];
+        snprintf(path, sizeof path, "%s", cfg->model);
+        snprintf(info->name, sizeof info->name, "%s", basename(path));
+    }
+    info->created_s = (int64_t)sb.st_mtime;
+    return -1;
+}
+
+/* Signals go to the main thread only: blocked (into *set, for sigwait) before any thread
+ * starts. */
+static void block_signals(sigset_t *set)
+{
+    sigemptyset(set);
+    sigaddset(set, SIGTERM);
+    sigaddset(set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+/* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0), stops
+ * accepting, finishes or cancels every job and closes the server. The exit status. */
+static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_http *http)
+{
+    int rc = 0;
+    if (sig == 0) {
+        fitm_err err = {{0}};
+        fitm_engine_get_state(engine, &err);
+        FITM_LOG(FITM_LOG_ERROR, NULL, "cannot start: %s", err.msg);
+        fprintf(stderr, "fitmd: %s\n", err.msg);
+        rc = 1;
+        fitm_http_quiesce(http);
+    } else {
+        FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
+                 sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
+        fitm_http_quiesce(http);
+        if (!fitm_engine_drain(engine, cfg->drain_timeout_ms))
+            FITM_LOG(FITM_LOG_WARN, NULL, "drain timeout: cancelling what is left");
+    }
+    fitm_engine_shutdown(engine); /* every job answered from here on */
+    if (!fitm_http_wait_idle(http, 2000))
+        FITM_LOG(FITM_LOG_WARN, NULL, "closing connections that are still open");
+    fitm_http_stop(http);
+    fitm_engine_destroy(engine);
+    FITM_LOG(FITM_LOG_INFO, NULL, "stopped");
+    return rc;
+}
+
+/* configure -> describe the model -> engine (loads on its thread) -> HTTP -> wait for a
+ * signal -> shut down. */
+int main(int argc, char **argv)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
+    static fitm_config cfg;
+    static fitm_http_model_info info;
+    int rc = configure(argc, argv, &cfg);
+    if (rc < 0)
+        rc = describe_model(&cfg, &info);
+    if (rc >= 0)
+        return rc;
+    sigset_t set;
+    block_signals(&set);
+
+    static daemon_model dm;
+    dm.cfg = &cfg;
+    dm.info = &info;
+    fitm_engine_hooks hooks = {.ctx = &dm, .load = model_load, .run = model_run,
+                               .unload = model_unload};
+    fitm_err err = {{0}};
+    fitm_engine *engine = NULL;
+    if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {
+        fprintf(stderr, "fitmd: %s\n", err.msg);
+        return 1;
+    }
+    fitm_http_params hp = {.cfg = &cfg, .engine = engine, .model = &info,
+                           .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len};
+    fitm_http *http = NULL;
+    if (fitm_http_start(&http, &hp, &err) != FITM_OK) {
+        FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);
+        fitm_engine_destroy(engine);
+        return 1;
+    }
+    FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s", FITM_VERSION,
+             cfg.host, (long long)cfg.port, cfg.model);
+    return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
+}

@@ -1,0 +1,831 @@
+#include "server/http.h"
+
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/buf.h"
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/rng.h"
+#include "server/api.h"
+#include "server/metrics.h"
+#include "server/work.h"
+
+#define MAX_KEYS 32
+
+struct fitm_http {
+    fitm_http_params p;
+    struct MHD_Daemon *d;
+    fitm_api_limits limits;
+    char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
+    int n_keys;
+    atomic_bool draining;
+    atomic_uint_fast64_t next_id;
+    uint64_t id_salt;
+    pthread_mutex_t mu;
+    pthread_cond_t idle;
+    int64_t open_requests;
+};
+
+typedef enum { ST_BODY = 0, ST_DISCARD, ST_WAIT, ST_ANSWERED } req_state;
+
+typedef struct route_def route_def;
+
+/* One request's state (MHD's con_cls), created on its first callback. */
+typedef struct {
+    fitm_http *h;
+    struct MHD_Connection *conn;
+    char id[40];
+    int64_t t0_ns;
+    fitm_route route;
+    const route_def *rd; /* NULL: no such route */
+    char method[8];
+    char path[128];
+    req_state state;
+    fitm_buf body;    /* the POST body so far, at most max_body_bytes */
+    size_t discarded; /* ST_DISCARD: bytes received in all */
+    int code; /* HTTP status sent; 0 while none */
+    fitm_job job;
+    fitm_rerank_request req;
+    fitm_answer_request areq; /* /answer's request */
+    fitm_rerank_work rwork;   /* job.work of a /rerank job */
+    fitm_answer_work awork;   /* job.work of an /answer job */
+    atomic_bool done; /* the engine finished job */
+    /* A streamed /answer: the SSE bytes not yet sent, shared by the engine's thread (which
+     * appends) and MHD's (which sends); the request is freed by whichever of on_completed and
+     * the job's on_done comes last (refs). */
+    bool streaming;
+    pthread_mutex_t smu;
+    fitm_buf sbuf; /* events not yet sent start at soff */
+    size_t soff;
+    bool s_done, s_suspended, s_closed;
+    atomic_bool s_cancel;
+    atomic_int refs;
+} request;
+
+/* ---- responses ---------------------------------------------------------------------- */
+
+/* Queues body (malloc'd; taken over, also on failure) with the common headers. */
+static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
+                                 const char *content_type, const char *allow, bool retry)
+{
+    struct MHD_Response *resp = MHD_create_response_from_buffer(
+        len, body ? body : (char *)"", body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+    if (!resp) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+    MHD_add_response_header(resp, "X-Request-Id", r->id);
+    if (allow)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    if (retry)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    if (atomic_load(&r->h->draining))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ok = MHD_queue_response(r->conn, (unsigned)code, resp);
+    MHD_destroy_response(resp);
+    r->code = code;
+    r->state = ST_ANSWERED;
+    return ok;
+}
+
+/* Every error response goes through here (and so through fitm_api_classify). */
+static enum MHD_Result send_error(request *r, fitm_status s, fitm_api_cond cond,
+                                  const char *allow, const char *msg)
+{
+    fitm_api_error_class c = fitm_api_classify(s, cond);
+    char *json = fitm_api_error_json(&c, msg);
+    FITM_LOG(FITM_LOG_DEBUG, r->id, "error %d %s: %s", c.http, c.code, msg ? msg : "");
+    if (!json)
+        return MHD_NO;
+    return send_body(r, c.http, json, strlen(json), "application/json", allow, c.retry);
+}
+
+static enum MHD_Result send_json(request *r, int code, char *json)
+{
+    if (!json) /* the JSON writers fail only when out of memory */
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    return send_body(r, code, json, strlen(json), "application/json", NULL, false);
+}
+
+/* ---- routing and checks --------------------------------------------------------------- */
+
+/* Compares without an early exit, so timing does not reveal how much of a key matched. */
+static bool same_secret(const char *a, size_t an, const char *b, size_t bn)
+{
+    unsigned char diff = an != bn;
+    size_t n = an < bn ? an : bn;
+    for (size_t i = 0; i < n; i++)
+        diff |= (unsigned char)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+static bool authorized(fitm_http *h, struct MHD_Connection *conn)
+{
+    if (h->n_keys == 0)
+        return true;
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Authorization");
+    if (!v || strncasecmp(v, "Bearer ", 7) != 0)
+        return false;
+    v += 7;
+    while (*v == ' ')
+        v++;
+    size_t n = strlen(v);
+    while (n && v[n - 1] == ' ')
+        n--;
+    bool ok = false;
+    for (int i = 0; i < h->n_keys; i++)
+        ok |= same_secret(v, n, h->keys[i], strlen(h->keys[i]));
+    return ok;
+}
+
+/* application/json or any +json type, parameters (charset) ignored; absent is accepted. */
+static bool json_content_type(const char *ct)
+{
+    if (!ct)
+        return true;
+    while (*ct == ' ')
+        ct++;
+    size_t n = strcspn(ct, ";");
+    while (n && ct[n - 1] == ' ')
+        n--;
+    if (n == 16 && !strncasecmp(ct, "application/json", 16))
+        return true;
+    return n > 5 && !strncasecmp(ct + n - 5, "+json", 5) && !strncasecmp(ct, "application/", 12);
+}
+
+/* A client's X-Request-Id is kept when short and plain; otherwise we make one. */
+static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t cap)
+{
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id");
+    if (v) {
+        size_t n = strlen(v);
+        bool ok = n > 0 && n < cap && n <= 36;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = (v[i] >= '0' && v[i] <= '9') || (v[i] >= 'a' && v[i] <= 'z') ||
+                 (v[i] >= 'A' && v[i] <= 'Z') || v[i] == '-' || v[i] == '_' || v[i] == '.';
+        if (ok) {
+            memcpy(out, v, n + 1);
+            return;
+        }
+    }
+    /* distinct counters give distinct, unguessable-looking ids */
+    uint64_t x = fitm_rng_mix(atomic_fetch_add(&h->next_id, 1) + h->id_salt);
+    snprintf(out, cap, "%016llx", (unsigned long long)x);
+}
+
+/* ---- route handlers --------------------------------------------------------------------- */
+
+static enum MHD_Result handle_health(request *r)
+{
+    fitm_err msg = {{0}};
+    fitm_engine_state s = fitm_engine_get_state(r->h->p.engine, &msg);
+    if (atomic_load(&r->h->draining))
+        return send_json(r, 503, fitm_api_write_health("draining", "the server is shutting down"));
+    switch (s) {
+    case FITM_ENGINE_READY:
+        return send_json(r, 200, fitm_api_write_health("ok", NULL));
+    case FITM_ENGINE_LOADING:
+        return send_json(r, 503, fitm_api_write_health("loading", "the model is loading"));
+    case FITM_ENGINE_FAILED:
+    case FITM_ENGINE_BROKEN:
+        break;
+    }
+    return send_json(r, 503, fitm_api_write_health("error", msg.msg));
+}
+
+static enum MHD_Result handle_metrics(request *r)
+{
+    fitm_metrics_gauges g = {0};
+    fitm_engine_stats(r->h->p.engine, &g.queue_depth, &g.queue_capacity, &g.inflight);
+    g.ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
+    size_t len = 0;
+    char *text = fitm_metrics_render(&g, &len);
+    if (!text)
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    return send_body(r, 200, text, len, "text/plain; version=0.0.4; charset=utf-8", NULL, false);
+}
+
+static enum MHD_Result handle_models(request *r)
+{
+    const fitm_http_model_info *m = r->h->p.model;
+    bool ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
+    return send_json(r, 200, fitm_api_write_models(m->name, m->created_s, ready ? m->n_ctx : 0,
+                                                   ready ? m->arch : ""));
+}
+
+static enum MHD_Result handle_openapi(request *r)
+{
+    char *copy = malloc(r->h->p.openapi_len + 1);
+    if (!copy)
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    memcpy(copy, r->h->p.openapi, r->h->p.openapi_len);
+    return send_body(r, 200, copy, r->h->p.openapi_len, "application/yaml", NULL, false);
+}
+
+static void job_done(fitm_job *job, void *user)
+{
+    request *r = user;
+    (void)job;
+    atomic_store(&r->done, true);
+    MHD_resume_connection(r->conn); /* the handler runs again and answers */
+}
+
+/* The body is complete: parse it and hand the job to the engine (suspending the connection),
+ * or answer at once with the error. */
+/* Ties r->job to the request: its deadline (counted from arrival), its owner, its log id. */
+static void job_bind(request *r)
+{
+    r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
+    r->job.user = r;
+    snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
+}
+
+/* Submits r->job (prepared by the caller) to the engine and parks the connection until the
+ * job's on_done resumes it; the finish_* function of the route then answers. */
+static enum MHD_Result submit_suspended(request *r)
+{
+    r->job.on_done = job_done;
+    r->state = ST_WAIT;
+    /* The job has its own deadline; the idle timeout must not cut a connection whose answer
+     * is being computed (restored by the route's finish_* function). */
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    /* Suspend before submitting, so a job that finishes at once resumes a suspended
+     * connection; a refused job resumes it right away. */
+    MHD_suspend_connection(r->conn);
+    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) {
+        r->job.status = st;
+        atomic_store(&r->done, true);
+        MHD_resume_connection(r->conn);
+    }
+    return MHD_YES;
+}
+
+static enum MHD_Result start_rerank(request *r)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_rerank(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
+                                           &r->req, &err);
+    fitm_buf_free(&r->body);
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    r->rwork.req = &r->req;
+    r->job.kind = FITM_WORK_RERANK;
+    r->job.work = &r->rwork;
+    job_bind(r);
+    return submit_suspended(r);
+}
+
+static enum MHD_Result finish_rerank(request *r)
+{
+    fitm_job *j = &r->job;
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                              (unsigned)r->h->p.cfg->http_idle_timeout_s);
+    if (j->status != FITM_OK) {
+        FITM_LOG(FITM_LOG_INFO, r->id, "rerank failed (%s): %s", fitm_status_name(j->status),
+                 j->err.msg);
+        enum MHD_Result ok = send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
+        fitm_rerank_result_free(&r->rwork.result);
+        return ok;
+    }
+    fitm_metrics_tokens(r->rwork.result.usage.prompt_tokens, r->rwork.result.usage.forward_tokens);
+    r->rwork.result.meta.queue_ms = j->queue_ms;
+    r->rwork.result.meta.total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
+    char *json = fitm_api_write_rerank(&r->req, &r->rwork.result, r->id, r->h->p.model->name);
+    FITM_LOG(FITM_LOG_DEBUG, r->id, "rerank: K %d T %lld forward %lld", (int)r->req.n_docs,
+             (long long)r->rwork.result.usage.prompt_tokens,
+             (long long)r->rwork.result.usage.forward_tokens);
+    fitm_rerank_result_free(&r->rwork.result);
+    return send_json(r, 200, json);
+}
+
+/* ---- POST /answer ------------------------------------------------------------------------ */
+
+static void request_free(request *r)
+{
+    fitm_buf_free(&r->body);
+    fitm_rerank_request_free(&r->req);
+    fitm_answer_request_free(&r->areq);
+    if (r->streaming)
+        pthread_mutex_destroy(&r->smu);
+    fitm_buf_free(&r->sbuf);
+    free(r);
+}
+
+/* Appends one SSE event ("data: json\n\n"; json NULL: nothing) and wakes the connection.
+ * Returns false when out of memory. Called with smu not held. */
+static bool sse_push(request *r, const char *json, bool last)
+{
+    bool ok = true;
+    pthread_mutex_lock(&r->smu);
+    if (json)
+        ok = fitm_buf_printf(&r->sbuf, "data: %s\n\n", json);
+    if (last)
+        r->s_done = true;
+    if (r->s_suspended && !r->s_closed) {
+        r->s_suspended = false;
+        MHD_resume_connection(r->conn);
+    }
+    pthread_mutex_unlock(&r->smu);
+    return ok;
+}
+
+/* fitm_answer_on_delta for a stream: one event per piece of text. */
+static bool sse_delta(void *arg, const char *text, size_t len)
+{
+    request *r = arg;
+    if (atomic_load(&r->s_cancel))
+        return false;
+    if (len == 0)
+        return true;
+    char *json = fitm_api_write_answer_delta(text, len);
+    bool ok = json && sse_push(r, json, false);
+    free(json);
+    return ok;
+}
+
+static void release(request *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) == 1)
+        request_free(r);
+}
+
+/* A stream's job finished: the final event (or the error), then [DONE]. */
+static void sse_job_done(fitm_job *job, void *user)
+{
+    request *r = user;
+    char *json;
+    if (job->status == FITM_OK) {
+        double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
+        fitm_metrics_tokens(r->awork.result.prompt_tokens, r->awork.result.forward_tokens);
+        fitm_metrics_completion(r->awork.result.completion_tokens,
+                                r->awork.result.completion_tokens
+                                    ? (job->queue_ms + r->awork.result.first_token_ms) / 1e3
+                                    : -1);
+        json = fitm_api_write_answer(&r->areq, &r->awork.result, r->id, r->h->p.model->name,
+                                     job->queue_ms, total_ms, false);
+    } else {
+        FITM_LOG(FITM_LOG_INFO, r->id, "answer stream ended (%s) after %lld tokens: %s",
+                 fitm_status_name(job->status),
+                 (long long)r->awork.result.completion_tokens, job->err.msg);
+        fitm_api_error_class c = fitm_api_classify(job->status, FITM_API_COND_NONE);
+        json = fitm_api_error_json(&c, job->err.msg);
+    }
+    fitm_answer_result_free(&r->awork.result);
+    sse_push(r, json, false);
+    free(json);
+    sse_push(r, "[DONE]", true);
+    release(r);
+}
+
+static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    request *r = cls;
+    (void)pos;
+    ssize_t n = 0;
+    pthread_mutex_lock(&r->smu);
+    if (r->soff < r->sbuf.len) {
+        size_t k = r->sbuf.len - r->soff < max ? r->sbuf.len - r->soff : max;
+        memcpy(buf, r->sbuf.p + r->soff, k);
+        r->soff += k;
+        if (r->soff == r->sbuf.len) {
+            r->soff = 0;
+            fitm_buf_clear(&r->sbuf);
+        }
+        n = (ssize_t)k;
+    } else if (r->s_done) {
+        n = MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        /* Nothing yet: park the connection until sse_push wakes it. */
+        r->s_suspended = true;
+        MHD_suspend_connection(r->conn);
+    }
+    pthread_mutex_unlock(&r->smu);
+    return n;
+}
+
+static enum MHD_Result start_stream(request *r)
+{
+    pthread_mutex_init(&r->smu, NULL);
+    r->streaming = true;
+    atomic_init(&r->s_cancel, false);
+    atomic_init(&r->refs, 2); /* on_completed's and the job's */
+    r->awork.on_delta = sse_delta;
+    r->awork.delta_arg = r;
+    r->job.on_done = sse_job_done;
+    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) {
+        atomic_store(&r->refs, 1);
+        return send_error(r, st, FITM_API_COND_NONE, NULL, r->job.err.msg);
+    }
+    /* From here the job may already be appending events: they wait in sbuf. */
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_read, r, NULL);
+    if (!resp) {
+        atomic_store(&r->s_cancel, true);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(resp, "X-Request-Id", r->id);
+    enum MHD_Result ok = MHD_queue_response(r->conn, 200, resp);
+    MHD_destroy_response(resp);
+    r->code = 200;
+    r->state = ST_ANSWERED;
+    return ok;
+}
+
+static enum MHD_Result start_answer(request *r)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_answer(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
+                                           &r->areq, &err);
+    fitm_buf_free(&r->body);
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    if (!r->areq.has_seed) /* reported in meta.seed, so any answer can be reproduced */
+        r->areq.seed =
+            ((uint64_t)fitm_clock_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
+    r->awork.req = &r->areq;
+    r->job.kind = FITM_WORK_ANSWER;
+    r->job.work = &r->awork;
+    job_bind(r);
+    if (r->areq.stream)
+        return start_stream(r);
+    return submit_suspended(r);
+}
+
+static enum MHD_Result finish_answer(request *r)
+{
+    fitm_job *j = &r->job;
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                              (unsigned)r->h->p.cfg->http_idle_timeout_s);
+    if (j->status != FITM_OK) {
+        FITM_LOG(FITM_LOG_INFO, r->id, "answer failed (%s): %s", fitm_status_name(j->status),
+                 j->err.msg);
+        enum MHD_Result ok = send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
+        fitm_answer_result_free(&r->awork.result);
+        return ok;
+    }
+    const fitm_answer_result *res = &r->awork.result;
+    fitm_metrics_tokens(res->prompt_tokens, res->forward_tokens);
+    fitm_metrics_completion(res->completion_tokens,
+                            res->completion_tokens ? (j->queue_ms + res->first_token_ms) / 1e3
+                                                   : -1);
+    double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
+    char *json = fitm_api_write_answer(&r->areq, res, r->id, r->h->p.model->name, j->queue_ms,
+                                       total_ms, true);
+    FITM_LOG(FITM_LOG_DEBUG, r->id, "answer: K %d T %lld generated %lld",
+             (int)r->areq.base.n_docs, (long long)res->prompt_tokens,
+             (long long)res->completion_tokens);
+    fitm_answer_result_free(&r->awork.result);
+    return send_json(r, 200, json);
+}
+
+/* ---- the route table ------------------------------------------------------------------ */
+
+/* A route: its path, its methods, whether it needs the API key, and how it answers. A GET
+ * route answers with start once the request is complete; a POST route (finish set) parses its
+ * body and submits a job in start, and answers in finish once the engine is done. */
+struct route_def {
+    const char *path;
+    fitm_route route;
+    const char *allow; /* methods */
+    bool auth;
+    enum MHD_Result (*start)(request *r);
+    enum MHD_Result (*finish)(request *r); /* NULL: a GET route */
+};
+
+static const route_def routes[] = {
+    {"/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/v1/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
+    {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
+    {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
+    {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
+    {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
+    {"/openapi.yaml", FITM_ROUTE_OPENAPI, "GET, HEAD", true, handle_openapi, NULL},
+};
+
+static const route_def *find_route(const char *path)
+{
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
+        if (!strcmp(path, routes[i].path))
+            return &routes[i];
+    return NULL;
+}
+
+static bool method_allowed(const route_def *rd, const char *method)
+{
+    if (!strcmp(rd->allow, "POST"))
+        return !strcmp(method, "POST");
+    return !strcmp(method, "GET") || !strcmp(method, "HEAD");
+}
+
+/* ---- the MHD callbacks --------------------------------------------------------------------- */
+
+/* The one 413: a body over max_body_bytes, announced (n_bytes from Content-Length) or found
+ * while reading a chunked body (n_bytes 0: not known). */
+static enum MHD_Result send_too_large(request *r, unsigned long long n_bytes)
+{
+    char msg[200];
+    long long limit = (long long)r->h->p.cfg->max_body_bytes;
+    if (n_bytes)
+        snprintf(msg, sizeof msg, "body of %llu bytes is over the limit of %lld bytes", n_bytes,
+                 limit);
+    else
+        snprintf(msg, sizeof msg, "body is over the limit of %lld bytes", limit);
+    return send_error(r, FITM_ERR_LIMIT, FITM_API_COND_BODY_TOO_LARGE, NULL, msg);
+}
+
+/* A POST's headers: a JSON Content-Type and an announced length within the limit. */
+static enum MHD_Result check_post_headers(request *r)
+{
+    const char *ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Type");
+    if (!json_content_type(ct)) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "Content-Type '%.100s' is not JSON (send application/json)", ct);
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE, NULL, msg);
+    }
+    const char *cl = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Length");
+    if (cl) {
+        char *end = NULL;
+        unsigned long long n = strtoull(cl, &end, 10);
+        if (end != cl && n > (unsigned long long)r->h->p.cfg->max_body_bytes)
+            return send_too_large(r, n);
+    }
+    return MHD_YES;
+}
+
+/* First callback of a request: everything decidable from the request line and headers. */
+static enum MHD_Result first_call(request *r, const char *url, const char *method)
+{
+    const route_def *rd = find_route(url);
+    r->rd = rd;
+    r->route = rd ? rd->route : FITM_ROUTE_OTHER;
+    if (atomic_load(&r->h->draining))
+        return send_error(r, FITM_ERR_CANCELLED, FITM_API_COND_NONE, NULL,
+                          "the server is shutting down");
+    if (!rd) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "no route %.120s", url);
+        return send_error(r, FITM_ERR_NOT_FOUND, FITM_API_COND_NONE, NULL, msg);
+    }
+    if (!method_allowed(rd, method)) {
+        char msg[200];
+        snprintf(msg, sizeof msg, "%.16s is not allowed on %s (allowed: %s)", method, rd->path,
+                 rd->allow);
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_METHOD, rd->allow, msg);
+    }
+    if (rd->auth && !authorized(r->h, r->conn))
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_UNAUTHORIZED, NULL,
+                          "missing or invalid API key (send Authorization: Bearer KEY)");
+    if (strcmp(method, "POST") != 0)
+        return MHD_YES; /* GETs answer on the next call */
+    return check_post_headers(r);
+}
+
+/* A new request's state, counted as open. NULL when out of memory. */
+static request *request_new(fitm_http *h, struct MHD_Connection *conn, const char *url,
+                            const char *method)
+{
+    request *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->h = h;
+    r->conn = conn;
+    r->t0_ns = fitm_clock_ns();
+    snprintf(r->method, sizeof r->method, "%s", method);
+    snprintf(r->path, sizeof r->path, "%s", url);
+    make_id(h, conn, r->id, sizeof r->id);
+    atomic_init(&r->done, false);
+    pthread_mutex_lock(&h->mu);
+    h->open_requests++;
+    pthread_mutex_unlock(&h->mu);
+    return r;
+}
+
+/* A piece of the body: kept while the body stays within max_body_bytes; past it (only a
+ * chunked body gets there: a too-long Content-Length was refused up front) nothing more is
+ * kept and the request answers 413 once the client stops sending. */
+static enum MHD_Result take_body(request *r, const char *data, size_t n)
+{
+    size_t limit = (size_t)r->h->p.cfg->max_body_bytes;
+    if (r->state == ST_DISCARD) {
+        r->discarded += n;
+        /* A chunked body far past the cap: stop reading and close. */
+        return r->discarded > 4 * limit ? MHD_NO : MHD_YES;
+    }
+    if (r->body.len + n > limit) {
+        r->discarded = r->body.len + n;
+        fitm_buf_free(&r->body);
+        r->state = ST_DISCARD;
+        return MHD_YES;
+    }
+    return fitm_buf_append(&r->body, data, n) ? MHD_YES : MHD_NO;
+}
+
+/* The request is complete (or a suspended one was resumed): answer it, or start its job, or
+ * answer the finished job. */
+static enum MHD_Result on_complete(request *r)
+{
+    const route_def *rd = r->rd;
+    if (!rd)
+        return MHD_NO;
+    if (rd->finish) {
+        if (r->state == ST_DISCARD)
+            return send_too_large(r, 0);
+        if (r->state == ST_WAIT)
+            return atomic_load(&r->done) ? rd->finish(r) : MHD_YES;
+    }
+    return rd->start(r);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version,
+                                  const char *upload_data, size_t *upload_data_size,
+                                  void **con_cls)
+{
+    request *r = *con_cls;
+    if (!r) {
+        r = request_new(cls, conn, url, method);
+        if (!r)
+            return MHD_NO;
+        *con_cls = r;
+        return first_call(r, url, method);
+    }
+    if (r->state == ST_ANSWERED) {
+        *upload_data_size = 0; /* an early answer (413, 401, ...): drop what still arrives */
+        return MHD_YES;
+    }
+    if (*upload_data_size) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        return take_body(r, upload_data, n);
+    }
+    return on_complete(r);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    fitm_http *h = cls;
+    request *r = *con_cls;
+    if (!r)
+        return;
+    double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
+    if (r->code)
+        fitm_metrics_request(r->route, r->code, s);
+    FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
+             s * 1e3, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (connection closed)");
+    *con_cls = NULL;
+    if (r->streaming) {
+        /* The job may still run: make it stop at its next token, and never wake a
+         * connection that is gone. */
+        atomic_store(&r->s_cancel, true);
+        pthread_mutex_lock(&r->smu);
+        r->s_closed = true;
+        pthread_mutex_unlock(&r->smu);
+        release(r);
+    } else {
+        request_free(r);
+    }
+    pthread_mutex_lock(&h->mu);
+    if (--h->open_requests == 0)
+        pthread_cond_broadcast(&h->idle);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void on_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    FITM_LOG(FITM_LOG_DEBUG, NULL, "libmicrohttpd: %s", msg);
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------------ */
+
+static void parse_keys(fitm_http *h, const char *list)
+{
+    const char *p = list;
+    while (*p && h->n_keys < MAX_KEYS) {
+        size_t n = strcspn(p, ",");
+        const char *s = p, *e = p + n;
+        while (s < e && *s == ' ')
+            s++;
+        while (e > s && e[-1] == ' ')
+            e--;
+        if (e > s) {
+            memcpy(h->keys[h->n_keys], s, (size_t)(e - s));
+            h->keys[h->n_keys][e - s] = '\0';
+            h->n_keys++;
+        }
+        p += n;
+        if (*p == ',')
+            p++;
+    }
+}
+
+fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err)
+{
+    *out = NULL;
+    const fitm_config *cfg = p->cfg;
+    fitm_http *h = calloc(1, sizeof *h);
+    if (!h)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    h->p = *p;
+    h->limits.max_documents = (int32_t)cfg->max_documents;
+    h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
+    h->limits.model_name = p->model->name;
+    h->limits.default_temperature = cfg->calib_temperature;
+    h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
+    parse_keys(h, cfg->api_keys);
+    atomic_init(&h->draining, false);
+    atomic_init(&h->next_id, 1);
+    if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
+        h->id_salt = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->idle, NULL);
+
+    char port[16];
+    snprintf(port, sizeof port, "%lld", (long long)cfg->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    int gai = getaddrinfo(cfg->host[0] ? cfg->host : NULL, port, &hints, &ai);
+    if (gai != 0) {
+        fitm_http_stop(h);
+        return fitm_err_set(err, FITM_ERR_INVALID, "host '%s': %s", cfg->host, gai_strerror(gai));
+    }
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
+                     MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    h->d = MHD_start_daemon(
+        flags, (uint16_t)cfg->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+        MHD_OPTION_THREAD_POOL_SIZE, (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)cfg->max_connections, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!h->d) {
+        fitm_http_stop(h);
+        return fitm_err_set(err, FITM_ERR_IO,
+                            "cannot listen on %s:%lld (address in use, or not permitted)",
+                            cfg->host, (long long)cfg->port);
+    }
+    *out = h;
+    return FITM_OK;
+}
+
+void fitm_http_quiesce(fitm_http *h)
+{
+    atomic_store(&h->draining, true);
+    MHD_socket s = MHD_quiesce_daemon(h->d);
+    if (s != MHD_INVALID_SOCKET)
+        close(s);
+}
+
+bool fitm_http_wait_idle(fitm_http *h, int64_t timeout_ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (timeout_ms % 1000) * 1000000;
+    if (until.tv_nsec >= 1000000000) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000;
+    }
+    pthread_mutex_lock(&h->mu);
+    int rc = 0;
+    while (h->open_requests > 0 && rc == 0)
+        rc = pthread_cond_timedwait(&h->idle, &h->mu, &until);
+    bool idle = h->open_requests == 0;
+    pthread_mutex_unlock(&h->mu);
+    return idle;
+}
+
+void fitm_http_stop(fitm_http *h)
+{
+    if (!h)
+        return;
+    if (h->d)
+        MHD_stop_daemon(h->d);
+    pthread_cond_destroy(&h->idle);
+    pthread_mutex_destroy(&h->mu);
+    free(h);
+}

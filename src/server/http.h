@@ -1,0 +1,52 @@
+/* http: fitmd's HTTP server (the only libmicrohttpd user): limits, auth, routing, request
+ * ids, per-request logs and metrics. Route handlers turn requests into api.c calls and engine
+ * jobs; a /rerank connection is suspended while its job waits and runs, so HTTP threads never
+ * block on the model and /health answers at any time.
+ *
+ * Routes: POST /rerank, /v1/rerank, /v2/rerank; GET /health, /metrics, /v1/models,
+ * /openapi.yaml. Bearer keys (when configured) guard all but /health and /metrics. */
+#ifndef FITM_HTTP_H
+#define FITM_HTTP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "server/config.h"
+#include "server/engine.h"
+
+/* Model facts for /v1/models and responses. name is fixed at start; arch and n_ctx are
+ * written by the loader before the engine becomes READY and read only after. */
+typedef struct {
+    char name[128];
+    char arch[32];
+    int64_t n_ctx;
+    int64_t created_s; /* file mtime */
+} fitm_http_model_info;
+
+typedef struct {
+    const fitm_config *cfg;          /* borrowed for the server's life            */
+    fitm_engine *engine;             /* borrowed                                  */
+    const fitm_http_model_info *model; /* borrowed                                */
+    const char *openapi;             /* the spec served at /openapi.yaml          */
+    size_t openapi_len;
+} fitm_http_params;
+
+typedef struct fitm_http fitm_http;
+
+/* Binds cfg->host:cfg->port and starts the thread pool (cfg->http_threads). */
+fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err);
+
+/* Stops accepting connections; requests that still arrive on open connections get 503 with
+ * Connection: close. In-flight requests carry on. */
+void fitm_http_quiesce(fitm_http *h);
+
+/* Waits up to timeout_ms until no request is open. True when none is. */
+bool fitm_http_wait_idle(fitm_http *h, int64_t timeout_ms);
+
+/* Closes everything and frees h. Call only when no job of h's is in the engine (after
+ * fitm_engine_shutdown). NULL is a no-op. */
+void fitm_http_stop(fitm_http *h);
+
+#endif

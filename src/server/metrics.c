@@ -1,0 +1,167 @@
+#include "server/metrics.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/buf.h"
+
+static const char *route_names[FITM_ROUTE_COUNT] = {
+    [FITM_ROUTE_RERANK] = "rerank",   [FITM_ROUTE_HEALTH] = "health",
+    [FITM_ROUTE_METRICS] = "metrics", [FITM_ROUTE_MODELS] = "models",
+    [FITM_ROUTE_OPENAPI] = "openapi", [FITM_ROUTE_ANSWER] = "answer",
+    [FITM_ROUTE_OTHER] = "other",
+};
+
+/* HTTP codes fitmd sends; anything else is counted under its own value in the last slot. */
+static const int codes[] = {200, 400, 401, 404, 405, 413, 415, 422, 429, 500, 503};
+#define N_CODES (sizeof codes / sizeof codes[0])
+
+static const double buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                 1,     2.5,  5,     10,   30,  60,  120};
+#define N_BUCKETS (sizeof buckets / sizeof buckets[0])
+
+static struct {
+    pthread_mutex_t mu;
+    uint64_t requests[FITM_ROUTE_COUNT][N_CODES + 1];
+    uint64_t hist[FITM_ROUTE_COUNT][N_BUCKETS]; /* non-cumulative; summed at render */
+    uint64_t count[FITM_ROUTE_COUNT];
+    double sum[FITM_ROUTE_COUNT];
+    int64_t prompt_tokens, forward_tokens;
+    int64_t completion_tokens;
+    uint64_t ttft_hist[N_BUCKETS], ttft_count;
+    double ttft_sum;
+} M = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+const char *fitm_route_name(fitm_route r)
+{
+    return (unsigned)r < FITM_ROUTE_COUNT ? route_names[r] : "other";
+}
+
+void fitm_metrics_request(fitm_route r, int http_code, double seconds)
+{
+    if ((unsigned)r >= FITM_ROUTE_COUNT)
+        r = FITM_ROUTE_OTHER;
+    size_t ci = N_CODES;
+    for (size_t i = 0; i < N_CODES; i++)
+        if (codes[i] == http_code)
+            ci = i;
+    size_t b = 0;
+    while (b < N_BUCKETS && seconds > buckets[b])
+        b++;
+    pthread_mutex_lock(&M.mu);
+    M.requests[r][ci]++;
+    if (b < N_BUCKETS)
+        M.hist[r][b]++;
+    M.count[r]++;
+    M.sum[r] += seconds;
+    pthread_mutex_unlock(&M.mu);
+}
+
+void fitm_metrics_tokens(int64_t prompt_tokens, int64_t forward_tokens)
+{
+    pthread_mutex_lock(&M.mu);
+    M.prompt_tokens += prompt_tokens;
+    M.forward_tokens += forward_tokens;
+    pthread_mutex_unlock(&M.mu);
+}
+
+void fitm_metrics_completion(int64_t completion_tokens, double first_token_s)
+{
+    size_t b = 0;
+    while (b < N_BUCKETS && first_token_s > buckets[b])
+        b++;
+    pthread_mutex_lock(&M.mu);
+    M.completion_tokens += completion_tokens;
+    if (first_token_s >= 0) {
+        if (b < N_BUCKETS)
+            M.ttft_hist[b]++;
+        M.ttft_count++;
+        M.ttft_sum += first_token_s;
+    }
+    pthread_mutex_unlock(&M.mu);
+}
+
+char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
+{
+    fitm_buf s = {0};
+    if (!fitm_buf_reserve(&s, 8192))
+        return NULL;
+    pthread_mutex_lock(&M.mu);
+    fitm_buf_printf(&s,
+                    "# HELP fitm_requests_total HTTP requests answered, by route and status code.\n"
+                    "# TYPE fitm_requests_total counter\n");
+    for (int r = 0; r < FITM_ROUTE_COUNT; r++) {
+        for (size_t c = 0; c < N_CODES; c++)
+            if (M.requests[r][c])
+                fitm_buf_printf(&s, "fitm_requests_total{route=\"%s\",code=\"%d\"} %llu\n",
+                                route_names[r], codes[c], (unsigned long long)M.requests[r][c]);
+        if (M.requests[r][N_CODES])
+            fitm_buf_printf(&s, "fitm_requests_total{route=\"%s\",code=\"other\"} %llu\n",
+                            route_names[r], (unsigned long long)M.requests[r][N_CODES]);
+    }
+    fitm_buf_printf(&s, "# HELP fitm_request_duration_seconds Time from a request's arrival to its "
+            "response.\n# TYPE fitm_request_duration_seconds histogram\n");
+    for (int r = 0; r < FITM_ROUTE_COUNT; r++) {
+        uint64_t cum = 0;
+        for (size_t b = 0; b < N_BUCKETS; b++) {
+            cum += M.hist[r][b];
+            fitm_buf_printf(&s,
+                            "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"%g\"} %llu\n",
+                            route_names[r], buckets[b], (unsigned long long)cum);
+        }
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"+Inf\"} %llu\n",
+            route_names[r], (unsigned long long)M.count[r]);
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_sum{route=\"%s\"} %.6f\n",
+                        route_names[r], M.sum[r]);
+        fitm_buf_printf(&s, "fitm_request_duration_seconds_count{route=\"%s\"} %llu\n",
+                        route_names[r], (unsigned long long)M.count[r]);
+    }
+    fitm_buf_printf(&s, "# HELP fitm_prompt_tokens_total Prompt tokens of scored requests.\n"
+            "# TYPE fitm_prompt_tokens_total counter\nfitm_prompt_tokens_total %lld\n",
+        (long long)M.prompt_tokens);
+    fitm_buf_printf(
+        &s,
+        "# HELP fitm_forward_tokens_total Tokens computed by forward passes (prefix reuse "
+        "makes this less than passes x prompt).\n"
+        "# TYPE fitm_forward_tokens_total counter\nfitm_forward_tokens_total %lld\n",
+        (long long)M.forward_tokens);
+    fitm_buf_printf(&s, "# HELP fitm_completion_tokens_total Tokens generated by /answer.\n"
+            "# TYPE fitm_completion_tokens_total counter\nfitm_completion_tokens_total %lld\n",
+        (long long)M.completion_tokens);
+    fitm_buf_printf(
+        &s, "# HELP fitm_time_to_first_token_seconds Time from an /answer request's arrival to "
+            "its first generated token.\n# TYPE fitm_time_to_first_token_seconds histogram\n");
+    uint64_t cum = 0;
+    for (size_t b = 0; b < N_BUCKETS; b++) {
+        cum += M.ttft_hist[b];
+        fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
+            (unsigned long long)cum);
+    }
+    fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n"
+            "fitm_time_to_first_token_seconds_sum %.6f\n"
+            "fitm_time_to_first_token_seconds_count %llu\n",
+        (unsigned long long)M.ttft_count, M.ttft_sum, (unsigned long long)M.ttft_count);
+    pthread_mutex_unlock(&M.mu);
+    fitm_buf_printf(&s, "# HELP fitm_queue_depth Requests waiting for the engine.\n"
+            "# TYPE fitm_queue_depth gauge\nfitm_queue_depth %lld\n",
+        (long long)g->queue_depth);
+    fitm_buf_printf(&s, "# HELP fitm_queue_capacity Most requests that may wait (queue_depth).\n"
+            "# TYPE fitm_queue_capacity gauge\nfitm_queue_capacity %lld\n",
+        (long long)g->queue_capacity);
+    fitm_buf_printf(&s, "# HELP fitm_inflight_requests Requests the engine is running now.\n"
+            "# TYPE fitm_inflight_requests gauge\nfitm_inflight_requests %lld\n",
+        (long long)g->inflight);
+    fitm_buf_printf(&s,
+                    "# HELP fitm_model_ready 1 once the model is loaded and the backend healthy.\n"
+                    "# TYPE fitm_model_ready gauge\nfitm_model_ready %d\n",
+                    g->ready);
+    if (s.failed) {
+        fitm_buf_free(&s);
+        return NULL;
+    }
+    *len = s.len;
+    return s.p;
+}

@@ -1,0 +1,537 @@
+/* Every slot of the backend vtable (model/backend.h) against the CPU reference ops
+ * (compute/ops.h, compute/quant.h, plain double loops here), on random inputs and odd shapes.
+ *
+ * The backend under test is reached only through its vtable, and every float buffer it reads
+ * or writes goes through its alloc / upload / download, so a device backend runs the same
+ * checks: make_backend() is the one place that picks it. Weights are host fitm_weight views
+ * (the contract's "looked up by address"); prepare is optional and not exercised here.
+ *
+ * Tolerances: ops whose reference is the same formula in float get 1e-5 relative; products
+ * get a bound relative to sum |w||x| (float rounding for the BATCH path and float weights,
+ * the Q8 activation rounding, about 1/127 of each term, for the STEP path on quantized
+ * weights). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "compute/ops.h"
+#include "compute/quant.h"
+#include "model/backend.h"
+
+/* ---- harness --------------------------------------------------------------------------- */
+
+static uint64_t rng_state = 0x5eed;
+
+static double urand(void) /* [0, 1) */
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (double)((z ^ (z >> 31)) >> 11) * 0x1.0p-53;
+}
+
+static float *rand_vec(int64_t n, float lo, float hi)
+{
+    float *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++)
+        v[i] = lo + (hi - lo) * (float)urand();
+    return v;
+}
+
+static fitm_backend *make_backend(void)
+{
+    fitm_backend *b = NULL;
+    fitm_err err = {{0}};
+    if (fitm_backend_cpu_create(&b, 2, &err) != FITM_OK) {
+        fprintf(stderr, "backend: %s\n", err.msg);
+        exit(1);
+    }
+    return b;
+}
+
+/* Backend memory holding a copy of host[0..n). */
+static float *to_dev(fitm_backend *b, const float *host, int64_t n)
+{
+    float *d = b->ops->alloc(b, (size_t)n * sizeof(float));
+    if (!d) {
+        fprintf(stderr, "backend alloc of %lld floats failed\n", (long long)n);
+        exit(1);
+    }
+    if (host)
+        b->ops->upload(b, d, host, (size_t)n * sizeof(float));
+    return d;
+}
+
+static float *to_host(fitm_backend *b, const float *dev, int64_t n)
+{
+    float *h = malloc((size_t)n * sizeof *h);
+    b->ops->download(b, h, dev, (size_t)n * sizeof(float));
+    return h;
+}
+
+/* Largest |got - want| / (tol_abs[i] or 1) over n values; checks it is <= 1. */
+static void check_close(const char *what, const float *got, const double *want, int64_t n,
+                        const double *bound, double tol)
+{
+    double worst = 0;
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double scale = bound ? bound[i] : fmax(1.0, fabs(want[i]));
+        double e = fabs((double)got[i] - want[i]) / (tol * scale);
+        if (!(e <= worst)) { /* also catches NaN */
+            worst = isnan(e) ? INFINITY : e;
+            at = i;
+        }
+    }
+    CHECK(worst <= 1.0, "%s: element %lld is %.9g, expected %.9g (error %.3g of tolerance)", what,
+          (long long)at, got[at], want[at], worst);
+}
+
+/* A random (N, K) weight of type t, and its dequantized values (what the backend must use). */
+typedef struct {
+    fitm_weight w;
+    void *data;
+    float *deq; /* (N, K) */
+} test_weight;
+
+static test_weight make_weight(fitm_dtype t, int64_t N, int64_t K)
+{
+    test_weight tw = {0};
+    size_t rb = fitm_dtype_row_bytes(t, K);
+    tw.data = malloc(rb * (size_t)N);
+    tw.deq = malloc((size_t)(N * K) * sizeof(float));
+    float *src = rand_vec(K, -1, 1);
+    for (int64_t r = 0; r < N; r++) {
+        for (int64_t k = 0; k < K; k++)
+            src[k] = (float)(urand() * 2 - 1);
+        fitm_quant_row(t, src, (char *)tw.data + r * rb, K);
+        fitm_dequant_row(t, (char *)tw.data + r * rb, tw.deq + r * K, K);
+    }
+    free(src);
+    tw.w = (fitm_weight){
+        .name = "w", .type = t, .n_rows = N, .n_cols = K, .row_bytes = rb, .data = tw.data};
+    return tw;
+}
+
+static void free_weight(test_weight *tw)
+{
+    free(tw->data);
+    free(tw->deq);
+}
+
+static fitm_weight f32_vector(const float *v, int64_t n)
+{
+    return (fitm_weight){.name = "v",
+                         .type = FITM_DTYPE_F32,
+                         .n_rows = 1,
+                         .n_cols = n,
+                         .row_bytes = (size_t)n * sizeof(float),
+                         .data = v};
+}
+
+/* ---- embed, matmul ------------------------------------------------------------------------ */
+
+static void test_embed(fitm_backend *b, fitm_dtype t, int64_t V, int64_t C)
+{
+    test_weight tw = make_weight(t, V, C);
+    const int64_t T = 5;
+    int32_t ids[5] = {0, (int32_t)(V - 1), 3 % (int32_t)V, 0, (int32_t)(V / 2)};
+    float scale = 1.75f;
+    float *x = to_dev(b, NULL, T * C);
+    b->ops->embed(b, &tw.w, ids, T, scale, x);
+    float *got = to_host(b, x, T * C);
+    double *want = malloc((size_t)(T * C) * sizeof *want);
+    for (int64_t i = 0; i < T; i++)
+        for (int64_t c = 0; c < C; c++)
+            want[i * C + c] = (double)tw.deq[ids[i] * C + c] * scale;
+    char what[64];
+    snprintf(what, sizeof what, "embed %s V %lld C %lld", fitm_dtype_info_of(t)->name, (long long)V,
+             (long long)C);
+    check_close(what, got, want, T * C, NULL, 1e-6);
+    free(got);
+    free(want);
+    b->ops->free(b, x);
+    free_weight(&tw);
+}
+
+/* Two outputs sharing x, the second with a bias, on the BATCH and the STEP path. */
+static void test_matmul(fitm_backend *b, fitm_dtype t, int64_t T, int64_t K, int64_t N0, int64_t N1)
+{
+    test_weight w0 = make_weight(t, N0, K), w1 = make_weight(t, N1, K);
+    float *bias = rand_vec(N1, -0.5f, 0.5f);
+    fitm_weight bw = f32_vector(bias, N1);
+    float *xh = rand_vec(T * K, -2, 2);
+    float *x = to_dev(b, xh, T * K);
+    double *want0 = malloc((size_t)(T * N0) * sizeof(double)),
+           *bound0 = malloc((size_t)(T * N0) * sizeof(double));
+    double *want1 = malloc((size_t)(T * N1) * sizeof(double)),
+           *bound1 = malloc((size_t)(T * N1) * sizeof(double));
+    for (int64_t i = 0; i < T; i++) {
+        for (int64_t n = 0; n < N0 + N1; n++) {
+            const float *wr = n < N0 ? w0.deq + n * K : w1.deq + (n - N0) * K;
+            double s = n < N0 ? 0 : bias[n - N0], mag = n < N0 ? 0 : fabs(bias[n - N0]);
+            for (int64_t k = 0; k < K; k++) {
+                s += (double)wr[k] * xh[i * K + k];
+                mag += fabs((double)wr[k] * xh[i * K + k]);
+            }
+            if (n < N0) {
+                want0[i * N0 + n] = s;
+                bound0[i * N0 + n] = mag + 1e-3;
+            } else {
+                want1[i * N1 + n - N0] = s;
+                bound1[i * N1 + n - N0] = mag + 1e-3;
+            }
+        }
+    }
+    bool quantized = fitm_quant_vec_dtype(t) != FITM_DTYPE_F32;
+    for (int batched = 0; batched < 2; batched++) {
+        float *y0 = to_dev(b, NULL, T * N0), *y1 = to_dev(b, NULL, T * N1);
+        fitm_mm_out outs[2] = {{&w0.w, NULL, y0}, {&w1.w, &bw, y1}};
+        b->ops->matmul(b, x, T, outs, 2, batched);
+        float *g0 = to_host(b, y0, T * N0), *g1 = to_host(b, y1, T * N1);
+        double tol = !batched && quantized ? 1.0 / 64 : 1e-5;
+        char what[96];
+        snprintf(what, sizeof what, "matmul %s %s T %lld K %lld N %lld (out 0)",
+                 fitm_dtype_info_of(t)->name, batched ? "batch" : "step", (long long)T,
+                 (long long)K, (long long)N0);
+        check_close(what, g0, want0, T * N0, bound0, tol);
+        snprintf(what, sizeof what, "matmul %s %s T %lld K %lld N %lld (out 1, bias)",
+                 fitm_dtype_info_of(t)->name, batched ? "batch" : "step", (long long)T,
+                 (long long)K, (long long)N1);
+        check_close(what, g1, want1, T * N1, bound1, tol);
+        free(g0);
+        free(g1);
+        b->ops->free(b, y0);
+        b->ops->free(b, y1);
+    }
+    free(want0), free(want1), free(bound0), free(bound1);
+    free(xh), free(bias);
+    b->ops->free(b, x);
+    free_weight(&w0);
+    free_weight(&w1);
+}
+
+/* ---- element-wise and row-wise ops -------------------------------------------------------- */
+
+static void test_rmsnorm(fitm_backend *b, int64_t rows, int64_t n, bool in_place)
+{
+    float *xh = rand_vec(rows * n, -3, 3), *wh = rand_vec(n, 0.5f, 1.5f);
+    fitm_weight w = f32_vector(wh, n);
+    float *x = to_dev(b, xh, rows * n), *y = in_place ? x : to_dev(b, NULL, rows * n);
+    b->ops->rmsnorm(b, y, x, &w, rows, n, 1e-6f);
+    float *got = to_host(b, y, rows * n);
+    double *want = malloc((size_t)(rows * n) * sizeof *want);
+    for (int64_t r = 0; r < rows; r++) {
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++)
+            ss += (double)xh[r * n + i] * xh[r * n + i];
+        double inv = 1.0 / sqrt(ss / (double)n + 1e-6);
+        for (int64_t i = 0; i < n; i++)
+            want[r * n + i] = xh[r * n + i] * inv * wh[i];
+    }
+    check_close(in_place ? "rmsnorm (in place)" : "rmsnorm", got, want, rows * n, NULL, 1e-5);
+    free(got), free(want), free(xh), free(wh);
+    if (!in_place)
+        b->ops->free(b, y);
+    b->ops->free(b, x);
+}
+
+static void test_rope(fitm_backend *b, int64_t T, int64_t H, int64_t D, int64_t n_rot, bool neox)
+{
+    float *xh = rand_vec(T * H * D, -2, 2);
+    float *cs = malloc((size_t)(T * n_rot) * sizeof *cs);
+    for (int64_t t = 0; t < T; t++)
+        fitm_ops_rope_table(cs + t * n_rot, n_rot, 7 + 13 * t, 10000.0f, 1.0f);
+    float *x = to_dev(b, xh, T * H * D);
+    b->ops->rope(b, x, T, H, D, n_rot, cs, neox);
+    float *got = to_host(b, x, T * H * D);
+    double *want = malloc((size_t)(T * H * D) * sizeof *want);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *v = xh + (t * H + h) * D;
+            double *o = want + (t * H + h) * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = v[d];
+            for (int64_t i = 0; i < n_rot / 2; i++) {
+                int64_t a = neox ? i : 2 * i, c = neox ? i + n_rot / 2 : 2 * i + 1;
+                double cos_ = cs[t * n_rot + 2 * i], sin_ = cs[t * n_rot + 2 * i + 1];
+                o[a] = v[a] * cos_ - v[c] * sin_;
+                o[c] = v[a] * sin_ + v[c] * cos_;
+            }
+        }
+    check_close(neox ? "rope neox" : "rope normal", got, want, T * H * D, NULL, 1e-5);
+    free(got), free(want), free(xh), free(cs);
+    b->ops->free(b, x);
+}
+
+static void test_elementwise(fitm_backend *b, int64_t n)
+{
+    float *gh = rand_vec(n, -6, 6), *uh = rand_vec(n, -2, 2);
+    float *g = to_dev(b, gh, n), *u = to_dev(b, uh, n), *y = to_dev(b, NULL, n);
+    double *want = malloc((size_t)n * sizeof *want);
+    for (int act = 0; act < 2; act++) {
+        b->ops->glu(b, y, g, u, n, act ? FITM_ACT_GELU : FITM_ACT_SILU);
+        float *got = to_host(b, y, n);
+        for (int64_t i = 0; i < n; i++) {
+            double x = gh[i];
+            double a = act ? 0.5 * x * (1 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+                           : x / (1 + exp(-x));
+            want[i] = a * uh[i];
+        }
+        check_close(act ? "glu gelu" : "glu silu", got, want, n, NULL, 1e-5);
+        free(got);
+    }
+    b->ops->add(b, g, u, n); /* g += u */
+    float *got = to_host(b, g, n);
+    for (int64_t i = 0; i < n; i++)
+        want[i] = (double)gh[i] + uh[i];
+    check_close("add", got, want, n, NULL, 1e-6);
+    free(got);
+    b->ops->softcap(b, u, n, 1.5f);
+    got = to_host(b, u, n);
+    for (int64_t i = 0; i < n; i++)
+        want[i] = 1.5 * tanh(uh[i] / 1.5);
+    check_close("softcap", got, want, n, NULL, 1e-5);
+    free(got), free(want), free(gh), free(uh);
+    b->ops->free(b, g), b->ops->free(b, u), b->ops->free(b, y);
+}
+
+/* ---- attention ---------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t T, pos0, own_base, window;
+    int32_t H, Hkv, D;
+    bool capture, intervene, after;
+} attn_case;
+
+/* The reference row of query i, head h: probabilities over keys [0, pos] (masked keys 0),
+ * intervened when asked, in p (pos + 1 values). */
+static void ref_probs(const attn_case *c, const float *q, const float *kp, const float *ko,
+                      int64_t i, int32_t h, const fitm_intervention *iv, bool do_iv, double *p)
+{
+    const int64_t pos = c->pos0 + i, D = c->D, HkvD = (int64_t)c->Hkv * D;
+    const int32_t g = h / (c->H / c->Hkv);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j <= pos; j++) {
+        bool vis = c->window <= 0 || pos - j < c->window;
+        if (!vis) {
+            p[j] = -INFINITY;
+            continue;
+        }
+        const float *k = (j < c->own_base ? kp + j * HkvD : ko + (j - c->own_base) * HkvD) + g * D;
+        double s = 0;
+        for (int64_t d = 0; d < D; d++)
+            s += (double)q[(i * c->H + h) * D + d] * k[d];
+        p[j] = s / sqrt((double)D);
+        mx = fmax(mx, p[j]);
+    }
+    double z = 0;
+    for (int64_t j = 0; j <= pos; j++)
+        z += p[j] = isinf(p[j]) ? 0 : exp(p[j] - mx);
+    for (int64_t j = 0; j <= pos; j++)
+        p[j] /= z;
+    if (!do_iv)
+        return;
+    float *pf = malloc((size_t)(pos + 1) * sizeof *pf);
+    double *mass = malloc((size_t)iv->n_spans * sizeof *mass);
+    for (int64_t j = 0; j <= pos; j++)
+        pf[j] = (float)p[j];
+    fitm_ops_intervene(pf, 0, pos + 1, iv->spans, iv->alpha, iv->n_spans, mass);
+    for (int64_t j = 0; j <= pos; j++)
+        p[j] = pf[j];
+    free(pf);
+    free(mass);
+}
+
+static void test_attention(fitm_backend *b, const attn_case *c)
+{
+    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
+    const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
+    const int32_t L = 3, layer = 1;
+    float *qh = rand_vec(T * HD, -1.5f, 1.5f);
+    float *kph = rand_vec(c->own_base * HkvD + 1, -1.5f, 1.5f),
+          *vph = rand_vec(c->own_base * HkvD + 1, -1, 1);
+    float *koh = rand_vec(own_rows * HkvD, -1.5f, 1.5f), *voh = rand_vec(own_rows * HkvD, -1, 1);
+    float *q = to_dev(b, qh, T * HD), *out = to_dev(b, NULL, T * HD);
+    float *kp = to_dev(b, kph, c->own_base * HkvD + 1),
+          *vp = to_dev(b, vph, c->own_base * HkvD + 1);
+    float *ko = to_dev(b, koh, own_rows * HkvD), *vo = to_dev(b, voh, own_rows * HkvD);
+
+    /* Spans: two documents inside the keys, sorted and disjoint. */
+    fitm_span spans[2] = {{1, 1 + n_keys / 3}, {n_keys / 3 + 2, n_keys / 3 + 2 + n_keys / 4 + 1}};
+    float alpha[2] = {0.8f, 0.2f};
+    fitm_intervention iv = {
+        .spans = spans, .n_spans = 2, .alpha = alpha, .layers = NULL, .from_pos = c->pos0 + T / 2};
+    /* Capture rows: the first and the last of the call. */
+    int64_t rows[2] = {c->pos0, c->pos0 + T - 1};
+    int32_t n_rows = T > 1 ? 2 : 1;
+    int32_t *cap_index = malloc((size_t)T * sizeof *cap_index);
+    for (int64_t i = 0; i < T; i++)
+        cap_index[i] = i == 0 ? 0 : i == T - 1 ? 1 : -1;
+    const int64_t stride = n_keys + 3;
+    float *span_mass = calloc((size_t)n_rows * L * c->H * 2, sizeof(float));
+    float *probs = calloc((size_t)((int64_t)n_rows * L * c->H * stride), sizeof(float));
+    fitm_capture cap = {.rows = rows,
+                        .n_rows = n_rows,
+                        .spans = spans,
+                        .n_spans = 2,
+                        .span_mass = span_mass,
+                        .probs = probs,
+                        .probs_stride = stride,
+                        .after_intervention = c->after};
+    fitm_attn_args a = {.layer = layer,
+                        .T = T,
+                        .pos0 = c->pos0,
+                        .n_head = c->H,
+                        .n_head_kv = c->Hkv,
+                        .head_dim = c->D,
+                        .scale = 1.0f / sqrtf((float)D),
+                        .window = c->window,
+                        .q = q,
+                        .out = out,
+                        .k_pre = kp,
+                        .v_pre = vp,
+                        .k_own = ko,
+                        .v_own = vo,
+                        .own_base = c->own_base,
+                        .capture = c->capture ? &cap : NULL,
+                        .cap_index = c->capture ? cap_index : NULL,
+                        .n_layer = L,
+                        .intervention = c->intervene ? &iv : NULL};
+    fitm_err err = {{0}};
+    CHECK(b->ops->reserve(b, T, n_keys, D, &err) == FITM_OK, "reserve: %s", err.msg);
+    b->ops->attention(b, &a);
+    float *got = to_host(b, out, T * HD);
+
+    double *want = calloc((size_t)(T * HD), sizeof *want), *p = malloc((size_t)n_keys * sizeof *p);
+    double *pre = malloc((size_t)n_keys * sizeof *pre);
+    float *want_probs = calloc((size_t)((int64_t)n_rows * L * c->H * stride), sizeof(float));
+    double *want_mass = calloc((size_t)n_rows * L * c->H * 2, sizeof(double));
+    for (int64_t i = 0; i < T; i++) {
+        const int64_t pos = c->pos0 + i;
+        bool do_iv = c->intervene && pos >= iv.from_pos;
+        for (int32_t h = 0; h < c->H; h++) {
+            const int32_t g = h / (c->H / c->Hkv);
+            ref_probs(c, qh, kph, koh, i, h, &iv, do_iv, p);
+            for (int64_t j = 0; j <= pos; j++) {
+                const float *v =
+                    (j < c->own_base ? vph + j * HkvD : voh + (j - c->own_base) * HkvD) + g * D;
+                for (int64_t d = 0; d < D; d++)
+                    want[(i * c->H + h) * D + d] += p[j] * v[d];
+            }
+            if (cap_index[i] < 0)
+                continue;
+            /* the captured row: after the intervention when asked, else before it */
+            const double *cp = p;
+            if (do_iv && !c->after) {
+                ref_probs(c, qh, kph, koh, i, h, &iv, false, pre);
+                cp = pre;
+            }
+            int64_t slot = ((int64_t)cap_index[i] * L + layer) * c->H + h;
+            for (int64_t j = 0; j <= pos; j++)
+                want_probs[slot * stride + j] = (float)cp[j];
+            for (int s = 0; s < 2; s++)
+                for (int64_t j = spans[s].start; j < spans[s].end && j <= pos; j++)
+                    want_mass[slot * 2 + s] += cp[j];
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what,
+             "attention T %lld pos0 %lld own_base %lld window %lld H %d Hkv %d D %d%s%s%s",
+             (long long)T, (long long)c->pos0, (long long)c->own_base, (long long)c->window,
+             (int)c->H, (int)c->Hkv, (int)c->D, c->capture ? " capture" : "",
+             c->intervene ? " intervene" : "", c->after ? " (after)" : "");
+    check_close(what, got, want, T * HD, NULL, 2e-5);
+    if (c->capture) {
+        const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
+        double *wp = malloc((size_t)np * sizeof *wp);
+        for (int64_t i = 0; i < np; i++)
+            wp[i] = want_probs[i];
+        char w2[200];
+        snprintf(w2, sizeof w2, "%s: captured probs", what);
+        check_close(w2, probs, wp, np, NULL, 2e-5);
+        snprintf(w2, sizeof w2, "%s: captured span mass", what);
+        check_close(w2, span_mass, want_mass, nm, NULL, 2e-5);
+        free(wp);
+    }
+    free(got), free(want), free(p), free(pre), free(want_probs), free(want_mass);
+    free(span_mass), free(probs), free(cap_index);
+    free(qh), free(kph), free(vph), free(koh), free(voh);
+    b->ops->free(b, q), b->ops->free(b, out), b->ops->free(b, kp), b->ops->free(b, vp);
+    b->ops->free(b, ko), b->ops->free(b, vo);
+}
+
+int main(void)
+{
+    fitm_backend *b = make_backend();
+    fitm_err err = {{0}};
+    if (b->ops->reserve(b, 64, 256, 2048, &err) != FITM_OK) {
+        fprintf(stderr, "reserve: %s\n", err.msg);
+        return 1;
+    }
+    static const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
+                                       FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
+                                       FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        fitm_dtype t = types[i];
+        int64_t blk = fitm_dtype_info_of(t)->block_elems;
+        int64_t K = blk == 1 ? 37 : blk * 3; /* odd: 37 floats, 3 blocks */
+        test_embed(b, t, 11, K);
+        test_matmul(b, t, 1, K, 7, 5);
+        test_matmul(b, t, 13, K, 33, 3);
+    }
+    test_rmsnorm(b, 7, 45, false);
+    test_rmsnorm(b, 1, 640, true);
+    test_rope(b, 5, 3, 16, 16, false);
+    test_rope(b, 3, 2, 24, 16, true);
+    test_elementwise(b, 1001);
+    static const attn_case cases[] = {
+        {.T = 9, .pos0 = 0, .own_base = 0, .window = 0, .H = 4, .Hkv = 2, .D = 16},
+        {.T = 1, .pos0 = 20, .own_base = 0, .window = 0, .H = 3, .Hkv = 1, .D = 8},
+        {.T = 17, .pos0 = 5, .own_base = 0, .window = 6, .H = 2, .Hkv = 2, .D = 32},
+        {.T = 7,
+         .pos0 = 11,
+         .own_base = 11,
+         .window = 0,
+         .H = 4,
+         .Hkv = 1,
+         .D = 16,
+         .capture = true},
+        {.T = 21,
+         .pos0 = 4,
+         .own_base = 4,
+         .window = 0,
+         .H = 2,
+         .Hkv = 1,
+         .D = 8,
+         .capture = true,
+         .intervene = true},
+        {.T = 21,
+         .pos0 = 4,
+         .own_base = 2,
+         .window = 0,
+         .H = 2,
+         .Hkv = 1,
+         .D = 8,
+         .capture = true,
+         .intervene = true,
+         .after = true},
+        {.T = 70,
+         .pos0 = 0,
+         .own_base = 0,
+         .window = 33,
+         .H = 2,
+         .Hkv = 2,
+         .D = 8,
+         .capture = true,
+         .intervene = true,
+         .after = true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        test_attention(b, &cases[i]);
+    fitm_backend_destroy(b);
+    printf("%d checks, %d failed\n", n_checks, failures);
+    return failures ? 1 : 0;
+}
