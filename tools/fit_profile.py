@@ -18,8 +18,9 @@ reads those captures. It
      sigmoid(scale * rel_scaled + bias) by logistic regression (gold = 1, others = 0), and
      writes the profile with the model's identity keys from the GGUF.
 
-    python3 tools/scoring_capture.py --model M.gguf --split dev --cache CACHE   # captures
-    python3 tools/fit_profile.py --model M.gguf --cache CACHE --out PROFILE [--report FILE]
+    python3 tools/fit_profile.py --model M.gguf --cache CACHE --capture 0-49 --out PROFILE
+        [--layers 5 11 17] [--report FILE]
+  (--capture runs tools/scoring_capture.py first; without it only the cache is read)
 """
 from __future__ import annotations
 
@@ -223,9 +224,21 @@ def objective(cells: dict) -> tuple:
     return (round(f(mid_last), 4), round(f(mid), 4), round(f(r1), 4))
 
 
-def fit_logistic(pairs: list, iters: int = 500) -> tuple:
-    """(scale, bias) of sigmoid(scale * x + bias) by Newton's method on the log-likelihood,
-    x standardised for the fit and mapped back."""
+def simplicity(o: dict) -> float:
+    """Tie-break between option sets of equal quality: fewer forward tokens first (no
+    reference, then null_suffix's suffix-only pass, then null_query's full pass; windows add
+    prompts), then fewer knobs away from zero."""
+    cost = {"none": 0, "null_suffix": 1, "null_query": 2}[o["reference"]]
+    cost += 0.5 * (o["window"] > 0)
+    cost += 0.1 * (o["skip_first"] > 0) + 0.1 * (o["sink_factor"] > 0)
+    cost += 0.05 * (o["form"] != "difference") + 0.05 * (o["rows"] != "question")
+    return -cost
+
+
+def fit_logistic(pairs: list, iters: int = 500, ridge: float = 1.0) -> tuple:
+    """(scale, bias) of sigmoid(scale * x + bias) by Newton's method on the log-likelihood
+    with an L2 penalty `ridge` on the slope (finite when the classes separate), x
+    standardised for the fit and mapped back."""
     x = np.array([p[0] for p in pairs])
     y = np.array([p[1] for p in pairs], dtype=np.float64)
     mu, sd = x.mean(), x.std() or 1.0
@@ -233,9 +246,9 @@ def fit_logistic(pairs: list, iters: int = 500) -> tuple:
     w = np.zeros(2)
     X = np.stack([z, np.ones_like(z)], axis=1)
     for _ in range(iters):
-        p = 1 / (1 + np.exp(-(X @ w)))
-        g = X.T @ (y - p)
-        Hm = X.T @ (X * (p * (1 - p))[:, None]) + 1e-6 * np.eye(2)
+        p = 1 / (1 + np.exp(-np.clip(X @ w, -500, 500)))
+        g = X.T @ (y - p) - np.array([ridge * w[0], 0.0])
+        Hm = X.T @ (X * (p * (1 - p))[:, None]) + np.diag([ridge, 1e-9])
         step = np.linalg.solve(Hm, g)
         w += step
         if np.abs(step).max() < 1e-10:
@@ -275,6 +288,7 @@ def fmt_value(v) -> str:
 
 def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads: list,
                   scale: float, bias: float):
+    n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]
     lines += [f"{k} = {fmt_value(v)}" for k, v in ident.items()]
@@ -284,7 +298,8 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     for k in ("rows", "aggregate", "skip_first", "sink_factor", "reference", "form", "window"):
         lines.append(f"{k} = {fmt_value(opts[k])}")
     lines.append("layers = " + ",".join(str(l) for l in sorted({h[0] for h in heads})))
-    lines.append("heads = " + ",".join(f"{l}:{h}" for l, h in heads))
+    if len(heads) != len({h[0] for h in heads}) * n_head:
+        lines.append("heads = " + ",".join(f"{l}:{h}" for l, h in heads))
     lines += ["", "# relevance_score = sigmoid(score_scale * rel_scaled + score_bias)",
               f"score_scale = {scale:.6g}", f"score_bias = {bias:.6g}", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -324,7 +339,23 @@ def main() -> int:
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)
+    ap.add_argument("--capture", metavar="GROUPS",
+                    help="first run tools/scoring_capture.py for these groups (e.g. 0-49); "
+                         "items already in the cache are kept")
+    ap.add_argument("--variants", nargs="+", default=["plain", "hard"])
+    ap.add_argument("--k", type=int, nargs="+", default=[10, 20])
+    ap.add_argument("--windows", type=int, nargs="+", default=[0, 5])
+    ap.add_argument("--layers", type=int, nargs="+",
+                    help="use every head of these layers instead of selecting heads by AUC")
     a = ap.parse_args()
+    if a.capture:
+        import subprocess
+        cmd = [sys.executable, str(ROOT / "tools" / "scoring_capture.py"), "--model", a.model,
+               "--split", a.split, "--cache", a.cache, "--groups", a.capture,
+               "--variants", *a.variants, "--k", *map(str, a.k),
+               "--windows", *map(str, a.windows)]
+        if subprocess.run(cmd).returncode:
+            sys.exit("capture failed")
     hp, swa, n_swa = swa_of(a.model)
     caps = load_captures(pathlib.Path(a.cache), a.split)
     if not caps:
@@ -342,6 +373,8 @@ def main() -> int:
     heads = [(l, h) for v, l, h in ranked if v >= a.min_auc][:a.max_heads]
     if not heads:
         heads = [(l, h) for _, l, h in ranked[:4]]
+    if a.layers:
+        heads = [(l % hp.n_layer, h) for l in a.layers for h in range(hp.n_head)]
     heads.sort()
     print("heads:", heads)
     windows_present = set()
@@ -350,7 +383,7 @@ def main() -> int:
     results = []
     for o in grid(windows_present):
         ev = evaluate(caps, o, heads, swa, n_swa)
-        results.append((objective(ev["cells"]), o, ev))
+        results.append((objective(ev["cells"]) + (simplicity(o),), o, ev))
     results.sort(key=lambda r: r[0], reverse=True)
     for obj, o, ev in results[:15]:
         print(obj, json.dumps(o), "\n    ", cells_md(ev["cells"]))
@@ -365,8 +398,11 @@ def main() -> int:
                          "cells": {"/".join(map(str, k)): v for k, v in r[2]["cells"].items()}}
                         for r in results]}, indent=1))
     if a.out:
-        prov = {"fitted_on": f"tests/quality {a.split} split, {n} captured items, "
-                             f"tools/scoring_capture.py + tools/fit_profile.py",
+        cmd = " ".join(["tools/fit_profile.py"] + [
+            "MODEL" if x == a.model else x for x in sys.argv[1:]])
+        prov = {"fitted_on": f"tests/quality/data/{a.split}.jsonl, {n} captured items "
+                             f"({', '.join(sorted({f'{v} K{k}' for v, k, _, _ in caps}))}); "
+                             f"numpy oracle float32; {cmd}",
                 "fitted_metrics": f"{a.split}: " + cells_md(ev["cells"])}
         write_profile(pathlib.Path(a.out), identity(a.model), prov, best, heads, scale, bias)
         print(f"wrote {a.out}")
