@@ -31,6 +31,18 @@ ONE_SHOT = ("Example:\n"
             "Question: When was Hartle Mill rebuilt?\n"
             "Answer: 1874\n\n")
 
+# Two worked examples with answers of different types (a person, a year), so that the answer
+# type is taken from the question rather than copied from the example.
+TWO_SHOT = ("Example:\n"
+            "Document [1](Title: Pellow Marsh) Pellow Marsh is a wetland reserve in the north. "
+            "Its warden is Ada Quenby.\n"
+            "Document [2](Title: Hartle Mill) Hartle Mill grinds barley and was rebuilt in "
+            "1874.\n"
+            "Question: Who is the warden of Pellow Marsh?\n"
+            "Answer: Ada Quenby\n"
+            "Question: When was Hartle Mill rebuilt?\n"
+            "Answer: 1874\n\n")
+
 TEMPLATES = {
     # today's prompt (Liu et al.): the model continues after "Answer:"
     "paper": dict(pre=HEAD + "Question: {q}\n\n", post="\nQuestion: {q}\nAnswer:"),
@@ -40,6 +52,8 @@ TEMPLATES = {
     "one_shot": dict(pre=HEAD + ONE_SHOT + "Question: {q}\n\n",
                      post="\nQuestion: {q}\nAnswer:"),
     "one_shot_nohead": dict(pre=ONE_SHOT, post="\nQuestion: {q}\nAnswer:"),
+    "two_shot": dict(pre=HEAD + TWO_SHOT + "Question: {q}\n\n",
+                     post="\nQuestion: {q}\nAnswer:"),
 }
 
 

@@ -305,6 +305,25 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
+def read_profile(path: str) -> tuple:
+    """(options, heads) from a profile file (the option keys this tool writes)."""
+    kv = {}
+    for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "=" in line:
+            k, v = (x.strip() for x in line.split("=", 1))
+            kv[k] = v.strip('"')
+    opts = {k: kv[k] for k in ("rows", "aggregate", "reference", "form")}
+    opts.update({k: float(kv[k]) if k == "sink_factor" else int(kv[k])
+                 for k in ("skip_first", "sink_factor", "window")})
+    if "heads" in kv:
+        heads = [tuple(int(x) for x in p.split(":")) for p in kv["heads"].split(",")]
+    else:
+        heads = [(int(l), h) for l in kv["layers"].split(",")
+                 for h in range(int(kv["model_heads"]))]
+    return opts, heads
+
+
 # ---- main --------------------------------------------------------------------------------
 
 GRID = dict(rows=["last", "question", "suffix"], aggregate=["sum", "mean"],
@@ -339,6 +358,9 @@ def main() -> int:
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)
+    ap.add_argument("--evaluate", metavar="PROFILE",
+                    help="only report the profile's options on the split's captures (use "
+                         "once on the test split)")
     ap.add_argument("--capture", metavar="GROUPS",
                     help="first run tools/scoring_capture.py for these groups (e.g. 0-49); "
                          "items already in the cache are kept")
@@ -361,6 +383,13 @@ def main() -> int:
     if not caps:
         sys.exit(f"no {a.split} captures in {a.cache}")
     print(f"{len(caps)} captured {a.split} items")
+    if a.evaluate:
+        opts, heads = read_profile(a.evaluate)
+        ev = evaluate(caps, opts, heads, swa, n_swa)
+        pos = [v for v, l in ev["pairs"] if l]
+        neg = [v for v, l in ev["pairs"] if not l]
+        print(f"{a.evaluate} on {a.split}: AUC {auc(pos, neg):.3f}; " + cells_md(ev["cells"]))
+        return 0
     aucs = head_auc(caps, swa, n_swa, hp.n_layer, hp.n_head)
     best_cfg = max(aucs, key=lambda c: np.nanmean(np.sort(aucs[c].ravel())[-8:]))
     table = aucs[best_cfg]

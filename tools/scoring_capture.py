@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import sys
 import time
 
@@ -78,7 +79,8 @@ def row_groups(model: Model, T: int, rows: list, qspan: tuple, doc_end: int) -> 
     return out.astype(np.float16)
 
 
-def capture_prompt(model: Model, url: str, query: str, docs: list) -> dict:
+def capture_prompt(model: Model, url: str, query: str, docs: list,
+                   null_query: bool = True) -> dict:
     """Main, null_suffix and null_query passes of one prompt (see the module doc)."""
     ids, spans = tokenize(url, query, docs)
     nq_ids, nq_spans = tokenize(url, NULL, docs)
@@ -98,13 +100,15 @@ def capture_prompt(model: Model, url: str, query: str, docs: list) -> dict:
         rows = list(range(doc_end, len(seq)))
         model.forward(seq[doc_end:], cache=c, capture_rows=rows, logits_rows=[len(seq) - 1])
         out[name] = row_groups(model, len(seq), rows, qsp, doc_end)
+    out["nq_spans"] = np.array(nq_spans)
+    if not null_query:
+        return out
     # null_query: the N/A prompt, its own spans; its question rows are the N/A span (the
     # tokens of its suffix that differ from the main prompt's suffix).
     nq_qs = question_span(nq_ids, nq_ids[:nq_end] + ids[doc_end:], nq_end)
     rows = list(range(nq_end, len(nq_ids)))
     model.forward(nq_ids, capture_rows=rows, logits_rows=[len(nq_ids) - 1])
     out["null_query"] = row_groups(model, len(nq_ids), rows, nq_qs, nq_end)
-    out["nq_spans"] = np.array(nq_spans)
     return out
 
 
@@ -123,14 +127,14 @@ def windows(k: int, w: int) -> list:
     return out
 
 
-def capture_item(model: Model, url: str, item: dict, w: int) -> dict:
+def capture_item(model: Model, url: str, item: dict, w: int, null_query: bool = True) -> dict:
     """Every group prompt of the item under window size w; keys prefixed g<i>_."""
     out = {}
     groups = windows(item["k"], w)
     out["groups"] = np.array([len(g) for g in groups])
     for gi, g in enumerate(groups):
         docs = [item["documents"][i] for i in g]
-        for key, v in capture_prompt(model, url, item["query"], docs).items():
+        for key, v in capture_prompt(model, url, item["query"], docs, null_query).items():
             out[f"g{gi}_{key}"] = v
     return out
 
@@ -152,17 +156,23 @@ def main() -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[10, 20])
     ap.add_argument("--windows", type=int, nargs="+", default=[0, 5])
     ap.add_argument("--groups", default="0-19", help="question groups, e.g. 0-19")
+    ap.add_argument("--positions", type=int, nargs="+", help="gold positions (default all)")
+    ap.add_argument("--no-null-query", action="store_true",
+                    help="skip the null_query pass (evaluating a recipe that does not use it)")
     a = ap.parse_args()
     g0, g1 = (int(x) for x in a.groups.split("-"))
     cache = pathlib.Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     items = [it for it in dataset.load(a.split)
              if it["variant"] in a.variants and it["k"] in a.k
-             and g0 <= int(it["id"].split("-g")[1][:2]) <= g1]
+             and g0 <= int(it["id"].split("-g")[1][:2]) <= g1
+             and (not a.positions or it["gold_pos"] in a.positions)]
     # Breadth first: every cell gets its first groups before any gets more.
     items.sort(key=lambda it: (int(it["id"].split("-g")[1][:2]), a.k.index(it["k"]),
                                a.variants.index(it["variant"]), it["gold_pos"]))
     model = load_model(a.model)
+    # SIGTERM ends the run through `finally`, so the fitmd it started goes with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, url = start_daemon(a.model, a.build)
     try:
         for it in items:
@@ -173,7 +183,7 @@ def main() -> int:
                 if path.exists():
                     continue
                 t = time.time()
-                np.savez_compressed(path, **capture_item(model, url, it, w))
+                np.savez_compressed(path, **capture_item(model, url, it, w, not a.no_null_query))
                 print(f"{path.name}: {time.time() - t:.1f} s", flush=True)
     finally:
         proc.terminate()
