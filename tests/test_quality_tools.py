@@ -143,3 +143,20 @@ def test_windows_auc_and_logistic_fit():
     y = rnd.random(20000) < p
     scale, bias = fit_profile.fit_logistic(list(zip(x.tolist(), y.astype(int).tolist())))
     assert abs(scale - 3.0) < 0.2 and abs(bias + 1.0) < 0.1
+
+
+def test_table_rows_and_rejected_methods():
+    ok, bad = quality.Cell(), quality.Cell()
+    ok.n, ok.r1, ok.r3, ok.fwd, ok.prompt, ok.wall = 4, 1, 3, 800, 400, 2.0
+    bad.error = "HTTP 422: unknown method"
+    res = {"good": {("plain", 10, p): ok for p in dataset.positions(10)},
+           "new": {("plain", 10, p): bad for p in dataset.positions(10)}}
+    t = quality.table(res, "plain", 10, False).splitlines()
+    assert len(t) == 4
+    assert t[2].count("0.25 (") == 3 and t[2].count("0.75 (") == 3
+    assert "200 (2.00×)" in t[2] and "| 500 |" in t[2]
+    assert "not run: HTTP 422: unknown method" in t[3]
+    assert quality.parse_spec('x={"method": "calibrated", "rows": "question"}') == \
+        ("x", {"method": "calibrated", "rows": "question"})
+    assert quality.parse_spec("bm25") == ("bm25", {})
+    assert quality.parse_spec("paper") == ("paper", {"method": "paper"})
