@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Rerank and answer quality on the committed QA sets (tests/quality/dataset.py), against a
+live fitmd: Recall@1 and Recall@3 per (variant, K, gold position) for every method and option
+set given, a BM25 baseline computed here, answer accuracy for /answer modes, forward tokens
+(usage.forward_tokens, also as a multiple of one pass over the prompt) and wall time per
+request, with Wilson 95% intervals. Writes markdown that regenerates docs/rerank-results.md
+and docs/answer-results.md.
+
+Methods: `bm25` (computed here), a server method name (`calibrated`, `attention`, `paper`,
+`query_likelihood`, ...), or LABEL=JSON with any /rerank request fields, passed through
+unchanged, e.g.
+    --method paper calibrated query_likelihood bm25 \\
+    --method 'icr={"method": "calibrated", "rows": "question", "reference": "null_query"}'
+Answer modes are LABEL=JSON bodies for /answer (default: vanilla = {"calibrate": false},
+calibrated = {}). A method or mode the server rejects (an option it does not know yet, say)
+is reported as such in its row and the run goes on.
+
+    tests/quality/quality.py --model M.gguf [--split test] [--groups 50] [--k 10 20]
+        [--variants plain hard] [--method ...] [--answer [--mode ...]]
+        [--markdown docs/rerank-results.md] [--answer-markdown docs/answer-results.md]
+        [--json results.json]
+    tests/quality/quality.py --url http://127.0.0.1:8080 [--key KEY] ...
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import requests
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import dataset  # noqa: E402
+
+ROOT = HERE.parent.parent
+
+DEFAULT_MODES = ['vanilla={"calibrate": false}', "calibrated={}"]
+
+
+def start_daemon(model: str, build: str, extra: list) -> tuple:
+    """(process, url) of a fitmd serving model on a free port, once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = pathlib.Path(build) / "src" / "fitmd"
+    p = subprocess.Popen([str(exe), f"--model={model}", f"--port={port}", "--log-level=warn",
+                          "--request-timeout-ms=3600000", *extra])
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return p, url
+        except requests.ConnectionError:
+            pass
+        if p.poll() is not None:
+            sys.exit(f"fitmd exited {p.returncode}")
+        time.sleep(0.1)
+    p.kill()
+    sys.exit("fitmd did not become healthy")
+
+
+# ---- statistics --------------------------------------------------------------------------
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple:
+    """95% Wilson score interval of a proportion k / n."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def fmt_p(k: int, n: int) -> str:
+    if n == 0:
+        return "–"
+    lo, hi = wilson(k, n)
+    return f"{k / n:.2f} ({lo:.2f}–{hi:.2f})"
+
+
+# ---- BM25 --------------------------------------------------------------------------------
+
+WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def words(s: str) -> list:
+    return WORD.findall(s.lower())
+
+
+def bm25(query: str, docs: list, k1: float = 1.2, b: float = 0.75) -> list:
+    """Okapi BM25 of each document (title + text) for the query, the K documents of the
+    request being the collection (IDF = ln(1 + (N - n + 0.5) / (n + 0.5)))."""
+    toks = [words(d.get("title", "") + " " + d["text"]) for d in docs]
+    N = len(toks)
+    avg = sum(len(t) for t in toks) / max(N, 1)
+    df = Counter(w for t in toks for w in set(t))
+    q = words(query)
+    out = []
+    for t in toks:
+        tf = Counter(t)
+        s = 0.0
+        for w in q:
+            if not tf[w]:
+                continue
+            idf = math.log(1 + (N - df[w] + 0.5) / (df[w] + 0.5))
+            s += idf * tf[w] * (k1 + 1) / (tf[w] + k1 * (1 - b + b * len(t) / avg))
+        out.append(s)
+    return out
+
+
+# ---- runs --------------------------------------------------------------------------------
+
+def parse_spec(spec: str) -> tuple:
+    """(label, request fields) from NAME or LABEL=JSON."""
+    if "=" in spec:
+        label, js = spec.split("=", 1)
+        return label, json.loads(js)
+    return spec, ({} if spec == "bm25" else {"method": spec})
+
+
+class Cell:
+    def __init__(self):
+        self.n = self.r1 = self.r3 = self.ok = 0
+        self.fwd = self.prompt = 0
+        self.wall = 0.0
+        self.error = None
+
+
+def rank(url, headers, item, label, fields):
+    """(order of document indices, forward tokens, prompt tokens, seconds) or an error str."""
+    if label == "bm25" and not fields:
+        t = time.perf_counter()
+        s = bm25(item["query"], item["documents"])
+        order = sorted(range(len(s)), key=lambda i: (-s[i], i))
+        return order, 0, 0, time.perf_counter() - t
+    body = {"query": item["query"], "documents": item["documents"], **fields}
+    t = time.perf_counter()
+    r = requests.post(url + "/rerank", headers=headers, timeout=3600, json=body)
+    dt = time.perf_counter() - t
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    js = r.json()
+    u = js.get("usage", {})
+    return ([x["index"] for x in js["results"]], u.get("forward_tokens", 0),
+            u.get("prompt_tokens", 0), dt)
+
+
+def answer(url, headers, item, fields, max_tokens):
+    body = {"query": item["query"], "documents": item["documents"], "max_tokens": max_tokens,
+            **fields}
+    t = time.perf_counter()
+    r = requests.post(url + "/answer", headers=headers, timeout=3600, json=body)
+    dt = time.perf_counter() - t
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    js = r.json()
+    u = js.get("usage", {})
+    return js["answer"], u.get("forward_tokens", 0), u.get("prompt_tokens", 0), dt
+
+
+def select(a) -> list:
+    its = [it for it in dataset.load(a.split) if it["variant"] in a.variants
+           and it["k"] in a.k and int(it["id"].split("-g")[1][:2]) < a.groups]
+    return its
+
+
+def run(a, url, headers, specs, answer_mode: bool) -> dict:
+    """{label: {(variant, k, pos): Cell}}"""
+    out = {}
+    items = select(a)
+    for label, fields in specs:
+        cells = out[label] = {}
+        for it in items:
+            c = cells.setdefault((it["variant"], it["k"], it["gold_pos"]), Cell())
+            if c.error:
+                continue
+            if answer_mode:
+                res = answer(url, headers, it, fields, a.max_tokens)
+            else:
+                res = rank(url, headers, it, label, fields)
+            if isinstance(res, str):
+                c.error = res
+                print(f"{label}: {res}", file=sys.stderr, flush=True)
+                continue
+            c.n += 1
+            if answer_mode:
+                got, c_fwd, c_prompt, dt = res
+                hit = it["answer"].lower() in got.lower()
+                c.ok += hit
+                if a.verbose:
+                    print(f"  [{label} {it['id']}] {it['answer']!r}: {got!r}", flush=True)
+            else:
+                order, c_fwd, c_prompt, dt = res
+                c.r1 += order[0] == it["gold_index"]
+                c.r3 += it["gold_index"] in order[:3]
+            c.fwd += c_fwd
+            c.prompt += c_prompt
+            c.wall += dt
+        print(f"{label}: done", file=sys.stderr, flush=True)
+    return out
+
+
+# ---- reports -----------------------------------------------------------------------------
+
+def cost(cells: list) -> str:
+    n = sum(c.n for c in cells)
+    if not n:
+        return "–", "–"
+    fwd = sum(c.fwd for c in cells) / n
+    pr = sum(c.prompt for c in cells)
+    ratio = f" ({sum(c.fwd for c in cells) / pr:.2f}×)" if pr else ""
+    return f"{fwd:.0f}{ratio}", f"{1000 * sum(c.wall for c in cells) / n:.0f}"
+
+
+def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
+    pos = dataset.positions(k)
+    head = ["method" if not answer_mode else "mode"] + [
+        f"gold {p}" + (" R@1 / R@3" if not answer_mode else " accuracy") for p in pos] + [
+        "forward tokens (× one pass)", "ms / request"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, cells in results.items():
+        row = [f"`{label}`"]
+        cs = [cells.get((variant, k, p)) for p in pos]
+        if any(c is None for c in cs):
+            continue
+        err = next((c.error for c in cs if c.error), None)
+        if err:
+            row += [f"not run: {err[:80]}"] + [""] * (len(head) - 2)
+        else:
+            for c in cs:
+                row.append(fmt_p(c.ok, c.n) if answer_mode
+                           else f"{fmt_p(c.r1, c.n)} / {fmt_p(c.r3, c.n)}")
+            row += list(cost(cs))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown(a, results: dict, answer_mode: bool, model: str, specs: list) -> str:
+    what = "/answer accuracy" if answer_mode else "/rerank Recall@1 / Recall@3"
+    cmd = "python3 tests/quality/quality.py " + " ".join(sys.argv[1:])
+    out = [f"# {what} by gold position: {model}", "",
+           f"Generated by `tests/quality/quality.py` on "
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; nothing in "
+           "this file is edited by hand.", "",
+           f"Set: tests/quality/data/{a.split}.jsonl ({a.groups} questions per cell, gold "
+           "document first / middle ((K + 1) // 2) / last; fictional entities, so only the "
+           "documents can answer; `hard`: every distractor shares part of the gold entity's "
+           "name and states the asked attribute). Cells: proportion with its Wilson 95% "
+           "interval. Forward tokens: usage.forward_tokens per request, and its ratio to the "
+           "prompt's tokens (one pass). Wall time on the machine named below, one request at "
+           "a time.", ""]
+    if answer_mode:
+        out += ["An answer counts when it contains the gold answer string (case-insensitive); "
+                f"greedy, max_tokens {a.max_tokens}.", ""]
+    out += ["Methods and modes (request fields as sent):", ""]
+    out += [f"- `{label}`: `{json.dumps(fields)}`" if fields else
+            f"- `{label}`: BM25 (k1 1.2, b 0.75, the request's K documents as the collection), "
+            "computed by the tool" for label, fields in specs]
+    for variant in a.variants:
+        for k in a.k:
+            out += ["", f"## {variant}, K = {k}", "", table(results, variant, k, answer_mode)]
+    out += ["", f"Reproduce: `{cmd}`", ""]
+    return "\n".join(out)
+
+
+def dump(results: dict) -> dict:
+    return {label: {"/".join(map(str, key)): vars(c) for key, c in cells.items()}
+            for label, cells in results.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--url")
+    ap.add_argument("--key")
+    ap.add_argument("--build", default=str(ROOT / "build"))
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="extra fitmd flag when the tool starts it (repeatable)")
+    ap.add_argument("--split", default="test", choices=["dev", "test"])
+    ap.add_argument("--variants", nargs="+", default=list(dataset.VARIANTS))
+    ap.add_argument("--k", type=int, nargs="+", default=list(dataset.KS))
+    ap.add_argument("--groups", type=int, default=dataset.GROUPS,
+                    help="questions per cell (the first N groups)")
+    ap.add_argument("--method", nargs="+", action="extend", default=None)
+    ap.add_argument("--answer", action="store_true", help="also measure /answer")
+    ap.add_argument("--mode", nargs="+", action="extend", default=None)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--markdown", help="write the /rerank report here")
+    ap.add_argument("--answer-markdown", help="write the /answer report here")
+    ap.add_argument("--json", help="write raw counts here")
+    ap.add_argument("--verbose", action="store_true")
+    a = ap.parse_args()
+    if not a.model and not a.url:
+        ap.error("give --model or --url")
+    methods = [parse_spec(s) for s in (a.method or ["paper", "calibrated", "attention",
+                                                    "query_likelihood", "bm25"])]
+    modes = [parse_spec(s) for s in (a.mode or DEFAULT_MODES)]
+    if a.model:
+        proc, url = start_daemon(a.model, a.build, a.daemon_arg)
+    else:
+        proc, url = None, a.url
+    headers = {"Authorization": f"Bearer {a.key}"} if a.key else {}
+    try:
+        model = requests.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
+        res = run(a, url, headers, methods, False)
+        for variant in a.variants:
+            for k in a.k:
+                print(f"\n{variant}, K = {k}\n" + table(res, variant, k, False), flush=True)
+        if a.markdown:
+            pathlib.Path(a.markdown).write_text(markdown(a, res, False, model, methods))
+        ans = {}
+        if a.answer:
+            ans = run(a, url, headers, modes, True)
+            for variant in a.variants:
+                for k in a.k:
+                    print(f"\n{variant}, K = {k}\n" + table(ans, variant, k, True), flush=True)
+            if a.answer_markdown:
+                pathlib.Path(a.answer_markdown).write_text(
+                    markdown(a, ans, True, model, modes))
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps({"rerank": dump(res),
+                                                        "answer": dump(ans)}, indent=1))
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

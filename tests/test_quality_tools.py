@@ -1,0 +1,162 @@
+"""The quality sets and the pure parts of the quality and profile tools: the committed sets
+equal a fresh generation, the splits are disjoint, every item is answerable from its gold
+document only by name, and BM25, the Wilson interval, AUC, the window split and the logistic
+fit agree with independent computations."""
+import math
+import pathlib
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "quality"))
+sys.path.insert(0, str(ROOT / "tools"))
+import dataset  # noqa: E402
+import quality  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return {s: dataset.load(s) for s in ("dev", "test")}
+
+
+def test_committed_sets_match_the_generator():
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/dataset.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cells_and_items(splits):
+    for split, items in splits.items():
+        cells = {}
+        for it in items:
+            cells[(it["variant"], it["k"], it["gold_pos"])] = \
+                cells.get((it["variant"], it["k"], it["gold_pos"]), 0) + 1
+            docs = it["documents"]
+            assert len(docs) == it["k"] and it["gold_index"] == it["gold_pos"] - 1
+            gold = docs[it["gold_index"]]
+            assert it["answer"] in gold["text"]
+            # the question names the gold entity, and no other document has that title
+            assert gold["title"] in it["query"]
+            assert sum(d["title"] == gold["title"] for d in docs) == 1
+            # the asked attribute's value is unique to the gold document among documents
+            # that state it for another entity (years, products, rivers, professions)
+            if it["attribute"] in ("year", "product", "river", "profession"):
+                assert sum(it["answer"] in d["text"] for d in docs) == 1
+        assert set(cells.values()) == {dataset.GROUPS}
+        assert set(cells) == {(v, k, p) for v in dataset.VARIANTS for k in dataset.KS
+                              for p in dataset.positions(k)}
+
+
+def test_hard_distractors_share_a_name_part(splits):
+    for it in splits["dev"] + splits["test"]:
+        if it["variant"] != "hard":
+            continue
+        gold = it["documents"][it["gold_index"]]["title"]
+        parts = set(gold.split()) if it["kind"] != "town" else None
+        for d in it["documents"]:
+            if d["title"] == gold:
+                continue
+            if parts is not None:
+                assert parts & set(d["title"].split()), (gold, d["title"])
+            else:  # towns: stem + suffix; share either the start or the end
+                assert any(gold.startswith(d["title"][:n]) and gold[n:] != d["title"][n:]
+                           or gold.endswith(d["title"][-n:])
+                           for n in range(3, len(d["title"]))), (gold, d["title"])
+
+
+def test_splits_are_disjoint(splits):
+    def names(items):
+        return {d["title"] for it in items for d in it["documents"]}
+    assert not names(splits["dev"]) & names(splits["test"])
+    tmpl = lambda items: {(it["query"].replace(it["documents"][it["gold_index"]]["title"],  # noqa
+                                               "{}")) for it in items}
+    assert not tmpl(splits["dev"]) & tmpl(splits["test"])
+
+
+def test_positions_are_paired(splits):
+    by = {}
+    for it in splits["dev"]:
+        by.setdefault(it["id"].rsplit("-p", 1)[0], []).append(it)
+    for group in by.values():
+        assert len({it["query"] for it in group}) == 1
+        others = {tuple(d["title"] for i, d in enumerate(it["documents"])
+                        if i != it["gold_index"]) for it in group}
+        assert len(others) == 1
+
+
+def test_bm25_matches_the_formula():
+    docs = [{"title": "a", "text": "b b c"}, {"title": "x", "text": "y"},
+            {"title": "c", "text": "c b"}]
+    got = quality.bm25("b c", docs)
+    toks = [["a", "b", "b", "c"], ["x", "y"], ["c", "c", "b"]]
+    avg = sum(map(len, toks)) / 3
+
+    def idf(w):
+        n = sum(w in t for t in toks)
+        return math.log(1 + (3 - n + 0.5) / (n + 0.5))
+    want = []
+    for t in toks:
+        s = 0
+        for w in ("b", "c"):
+            f = t.count(w)
+            s += idf(w) * f * 2.2 / (f + 1.2 * (0.25 + 0.75 * len(t) / avg)) if f else 0
+        want.append(s)
+    assert np.allclose(got, want)
+    assert got[1] == 0
+
+
+def test_wilson_interval():
+    lo, hi = quality.wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    lo, hi = quality.wilson(0, 50)
+    assert lo == 0 and abs(hi - 0.0713) < 1e-3
+    # coverage close to 95% on simulated draws
+    rnd = random.Random(3)
+    cover = 0
+    for _ in range(2000):
+        k = sum(rnd.random() < 0.3 for _ in range(50))
+        lo, hi = quality.wilson(k, 50)
+        cover += lo <= 0.3 <= hi
+    assert 0.92 < cover / 2000 < 0.98
+
+
+def test_windows_auc_and_logistic_fit():
+    import fit_profile
+    import scoring_capture
+    for k in range(1, 25):
+        for w in range(0, 12):
+            g = scoring_capture.windows(k, w)
+            assert sum(g, []) == list(range(k))
+            sizes = [len(x) for x in g]
+            assert max(sizes) - min(sizes) <= 1
+            assert len(g) == (1 if w <= 0 or w >= k else -(-k // w))
+    assert fit_profile.auc([2, 3], [1, 0]) == 1.0
+    assert fit_profile.auc([1], [1]) == 0.5
+    assert fit_profile.auc([0], [1, 2]) == 0.0
+    rnd = np.random.default_rng(4)
+    x = rnd.normal(0, 1, 20000)
+    p = 1 / (1 + np.exp(-(3.0 * x - 1.0)))
+    y = rnd.random(20000) < p
+    scale, bias = fit_profile.fit_logistic(list(zip(x.tolist(), y.astype(int).tolist())))
+    assert abs(scale - 3.0) < 0.2 and abs(bias + 1.0) < 0.1
+
+
+def test_table_rows_and_rejected_methods():
+    ok, bad = quality.Cell(), quality.Cell()
+    ok.n, ok.r1, ok.r3, ok.fwd, ok.prompt, ok.wall = 4, 1, 3, 800, 400, 2.0
+    bad.error = "HTTP 422: unknown method"
+    res = {"good": {("plain", 10, p): ok for p in dataset.positions(10)},
+           "new": {("plain", 10, p): bad for p in dataset.positions(10)}}
+    t = quality.table(res, "plain", 10, False).splitlines()
+    assert len(t) == 4
+    assert t[2].count("0.25 (") == 3 and t[2].count("0.75 (") == 3
+    assert "200 (2.00×)" in t[2] and "| 500 |" in t[2]
+    assert "not run: HTTP 422: unknown method" in t[3]
+    assert quality.parse_spec('x={"method": "calibrated", "rows": "question"}') == \
+        ("x", {"method": "calibrated", "rows": "question"})
+    assert quality.parse_spec("bm25") == ("bm25", {})
+    assert quality.parse_spec("paper") == ("paper", {"method": "paper"})
