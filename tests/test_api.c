@@ -1,5 +1,6 @@
 /* Unit test for api.c: the error mapping, the /rerank parser's checks (each bad input names
  * its field), UTF-8 validation, and the response writer's shape and top_n cut. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,7 +17,7 @@ static int failures;
     } while (0)
 
 static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
-                                    .model_name = "m", .default_temperature = 5e-5,
+                                    .model_name = "m",
                                     .max_answer_tokens = 50};
 
 /* Parses body; checks the status and that the message contains want (when non-NULL). */
@@ -83,13 +84,14 @@ static void test_parse(void)
     CHECK(req.n_docs == 2 && !strcmp(req.docs[1].title, "T") && !strcmp(req.docs[0].title, ""));
     CHECK(req.top_n == 1 && req.return_documents && req.return_tokens && !req.tei);
     CHECK(req.max_tokens_per_doc == 100); /* lowered to the server's limit */
-    CHECK(req.method == FITM_RERANK_ATTENTION && req.temperature == 0.5);
-    CHECK(req.n_layers == 2 && req.layers[1] == -1 && !strcmp(req.dummy, "zz"));
+    CHECK(req.method == FITM_RERANK_ATTENTION && req.opt.temperature == 0.5);
+    CHECK(req.opt.n_layers == 2 && req.opt.layers[1] == -1 && !strcmp(req.dummy, "zz"));
     fitm_rerank_request_free(&req);
 
     const char *tei = "{\"query\":\"q\",\"texts\":[\"a\"],\"return_text\":true}";
     CHECK(fitm_api_parse_rerank(tei, strlen(tei), &LIM, &req, &err) == FITM_OK);
-    CHECK(req.tei && req.return_documents && req.top_n == 1 && req.temperature == 5e-5);
+    CHECK(req.tei && req.return_documents && req.top_n == 1 && isnan(req.opt.temperature));
+    CHECK(req.opt.rows == -1 && !req.opt.layers && req.opt.window == -1); /* the server's */
     fitm_rerank_request_free(&req);
 
     expect("{", FITM_ERR_FORMAT, "invalid JSON");
@@ -128,8 +130,8 @@ static void test_write(void)
     const char *body = "{\"query\":\"q\",\"documents\":[\"a\",\"b\",\"c\"],\"top_n\":2,"
                        "\"return_documents\":true}";
     CHECK(fitm_api_parse_rerank(body, strlen(body), &LIM, &req, &err) == FITM_OK);
-    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2}, {0, 0.3, 0, 0, 0.1, 0.1},
-                                    {1, 0.2, 1, -0.1, 0.1, 0.2}};
+    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2, 0.6}, {0, 0.3, 0, 0, 0.1, 0.1, 0.3},
+                                    {1, 0.2, 1, -0.1, 0.1, 0.2, 0.1}};
     int32_t layers[2] = {0, 1};
     fitm_rerank_result res = {.results = rs, .n_results = 3,
                               .usage = {.prompt_tokens = 10, .forward_tokens = 25,
@@ -185,7 +187,7 @@ static void test_answer(void)
     CHECK(req.base.n_docs == 2 && req.n_stop == 2 && !strcmp(req.stop[1], "zz"));
     CHECK(req.max_tokens == LIM.max_answer_tokens); /* lowered to the server's limit */
     CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
-    CHECK(req.base.temperature == 0.001 && req.base.n_layers == 2 && req.base.dummy);
+    CHECK(req.base.opt.temperature == 0.001 && req.base.opt.n_layers == 2 && req.base.dummy);
     CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate && req.stream);
     CHECK(req.n_intervene_layers == 1 && req.intervene_layers[0] == -1);
     CHECK(req.base.method == FITM_RERANK_CALIBRATED); /* /rerank's fields are not /answer's */
@@ -196,7 +198,7 @@ static void test_answer(void)
     CHECK(fitm_api_parse_answer(min, strlen(min), &LIM, &req, &err) == FITM_OK);
     CHECK(req.temperature == 0 && req.top_p == 1 && !req.has_seed && req.calibrate);
     CHECK(req.reorder == -1 && req.n_stop == 1 && !req.stream && req.max_tokens >= 1);
-    CHECK(req.base.temperature == LIM.default_temperature);
+    CHECK(isnan(req.base.opt.temperature)); /* the server's default */
     char text[] = "a\xff"
                   "b";
     fitm_answer_result res = {.answer = text, .answer_len = 3, .n_docs = 0};
