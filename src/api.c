@@ -628,7 +628,8 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
         goto done;
     if (res->meta.has_opts &&
         (!cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature) ||
-         !add_options(meta, &res->meta.opts, res->meta.n_groups)))
+         !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
+         (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
         goto done;
     if (req->return_tokens && res->n_groups > 0 && !add_tokens(root, res))
         goto done;
