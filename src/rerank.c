@@ -551,6 +551,23 @@ fitm_status fitm_rr_too_long(int64_t T, const fitm_reranker *r, const fitm_reran
 #define prompt_too_long fitm_rr_too_long
 
 
+/* The next pass's order: positions stably sorted by mass M, ascending (the most attended go
+ * last, next to the question); next is (K) scratch. */
+static void reorder_by_mass(int32_t *order, int32_t *next, const double *M, int32_t K)
+{
+    for (int32_t p = 0; p < K; p++)
+        next[p] = p;
+    for (int32_t i = 1; i < K; i++)
+        for (int32_t j = i; j > 0 && M[next[j - 1]] > M[next[j]]; j--) {
+            int32_t t = next[j];
+            next[j] = next[j - 1];
+            next[j - 1] = t;
+        }
+    for (int32_t p = 0; p < K; p++)
+        next[p] = order[next[p]];
+    memcpy(order, next, (size_t)K * sizeof *order);
+}
+
 /* attention_sort: score every document by its attention mass (sum over its tokens), move the
  * most attended documents last (next to the question), and rerun; the last pass scores. */
 static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_request *req,
@@ -600,18 +617,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
         }
         if (pass == SORT_PASSES - 1)
             break;
-        /* Stable insertion sort of positions by mass, ascending: the most attended go last. */
-        for (int32_t p = 0; p < K; p++)
-            next[p] = p;
-        for (int32_t i = 1; i < K; i++)
-            for (int32_t j = i; j > 0 && M[next[j - 1]] > M[next[j]]; j--) {
-                int32_t t = next[j];
-                next[j] = next[j - 1];
-                next[j - 1] = t;
-            }
-        for (int32_t p = 0; p < K; p++)
-            next[p] = order[next[p]];
-        memcpy(order, next, (size_t)K * sizeof *order);
+        reorder_by_mass(order, next, M, K);
     }
     res->results = calloc((size_t)K, sizeof *res->results);
     if (!res->results) {
@@ -674,6 +680,123 @@ static int answer_ids(const fitm_tokenizer *tok, const char *const *words, int32
     return n;
 }
 
+/* The per-document methods' fixed texts and the ids of their answers. */
+static const char RESTRICT[] = " We can get the answer to this question in the given documents.";
+static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
+
+typedef struct {
+    bool ql;          /* query_likelihood, else relevance                           */
+    fitm_rr_ids q;    /* query_likelihood: " {query}" + RESTRICT, the scored tokens */
+    int32_t yes[4], no[4];
+    int n_yes, n_no;  /* relevance: first tokens of Yes/yes and No/no             */
+} per_doc;
+
+/* query_likelihood's prompt for document k: BOS, its text, "\n\nQuestion:", then the scored
+ * question (whose last token is never fed). */
+static fitm_status ql_prompt(const fitm_reranker *r, const fitm_rerank_request *req, int32_t k,
+                             const per_doc *pd, fitm_rr_ids *ids, fitm_err *err)
+{
+    const fitm_rerank_doc *d = &req->docs[k];
+    fitm_status st = fitm_rr_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, d->text, d->text_len, 0, req->max_tokens_per_doc, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1, err);
+    if (!st && !(st = fitm_rr_reserve(ids, pd->q.n, err))) {
+        memcpy(ids->v + ids->n, pd->q.v, (size_t)pd->q.n * sizeof *ids->v);
+        ids->n += pd->q.n;
+    }
+    return st;
+}
+
+/* relevance's prompt for document k, in the chat template: "Document: {text}\n\nQuestion:
+ * {query}" + ASK (+ "\nAnswer:" without a template). */
+static fitm_status relevance_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                    int32_t k, fitm_rr_ids *ids, fitm_err *err)
+{
+    const bool raw = fitm_reranker_is_raw(r);
+    fitm_status st = fitm_rr_encode(r->tok, ids, r->tmpl->head, strlen(r->tmpl->head),
+                                    FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL, -1, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, "Document:", 9, raw ? 0 : FITM_TOK_CONTINUATION, -1, err);
+    if (!st)
+        st = fitm_rr_body(r, req, k, ids, err);
+    size_t qn = req->query_len + sizeof ASK + 32;
+    char *buf = st ? NULL : malloc(qn);
+    if (!st && !buf)
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (!st) {
+        int n = snprintf(buf, qn, "\n\nQuestion: %s%s%s", req->query, ASK, raw ? "\nAnswer:" : "");
+        st = fitm_rr_encode(r->tok, ids, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err);
+    }
+    free(buf);
+    if (!st && !raw)
+        st = fitm_rr_encode(r->tok, ids, r->tmpl->tail, strlen(r->tmpl->tail),
+                            FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
+    return st;
+}
+
+/* query_likelihood's score of a prompt of T fed tokens whose question starts at n_pre: the
+ * geometric-mean probability of the question's tokens, logit_rows at a time. */
+static fitm_status ql_score(fitm_reranker *r, const per_doc *pd, const fitm_rr_ids *ids,
+                            int64_t n_pre, int64_t T, fitm_rr_stop stop, const void *stop_arg,
+                            double *score, fitm_err *err)
+{
+    int64_t head = n_pre - 1; /* rows head .. T - 1 predict the question's tokens */
+    fitm_status st = FITM_OK;
+    if (head > 0)
+        st = run_tokens(r, r->kv, NULL, ids->v, head, 0, NULL, stop, stop_arg, err);
+    double sum = 0;
+    for (int64_t p = head; st == FITM_OK && p < T; p += r->logit_rows) {
+        int64_t n = T - p < r->logit_rows ? T - p : r->logit_rows;
+        st = run_tokens_logits(r, r->kv, NULL, ids->v + p, n, p, NULL, n, stop, stop_arg, err);
+        for (int64_t i = 0; st == FITM_OK && i < n; i++)
+            sum += log_prob(r->logits + i * r->V, r->V, ids->v[p + i + 1]);
+    }
+    *score = exp(sum / (double)pd->q.n);
+    return st;
+}
+
+/* relevance's score: P(yes) / (P(yes) + P(no)) after the whole prompt. */
+static fitm_status relevance_score(fitm_reranker *r, const per_doc *pd, const fitm_rr_ids *ids,
+                                   fitm_rr_stop stop, const void *stop_arg, double *score,
+                                   fitm_err *err)
+{
+    fitm_status st = run_tokens_logits(r, r->kv, NULL, ids->v, ids->n, 0, NULL, 1, stop,
+                                       stop_arg, err);
+    double py = 0, pn = 0;
+    for (int i = 0; st == FITM_OK && i < pd->n_yes; i++)
+        py += exp(log_prob(r->logits, r->V, pd->yes[i]));
+    for (int i = 0; st == FITM_OK && i < pd->n_no; i++)
+        pn += exp(log_prob(r->logits, r->V, pd->no[i]));
+    *score = py + pn > 0 ? py / (py + pn) : 0.5;
+    return st;
+}
+
+static fitm_status per_doc_init(const fitm_reranker *r, const fitm_rerank_request *req,
+                                per_doc *pd, fitm_err *err)
+{
+    static const char *const YES[4] = {" Yes", "Yes", " yes", "yes"};
+    static const char *const NO[4] = {" No", "No", " no", "no"};
+    if (pd->ql) {
+        size_t n = req->query_len + sizeof RESTRICT + 1;
+        char *buf = malloc(n);
+        if (!buf)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        int len = snprintf(buf, n, " %s%s", req->query, RESTRICT);
+        fitm_status st =
+            fitm_rr_encode(r->tok, &pd->q, buf, (size_t)len, FITM_TOK_CONTINUATION, -1, err);
+        free(buf);
+        return st;
+    }
+    pd->n_yes = answer_ids(r->tok, YES, pd->yes);
+    pd->n_no = answer_ids(r->tok, NO, pd->no);
+    if (!pd->n_yes || !pd->n_no)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "'method' = 'relevance': the vocabulary cannot spell Yes/No");
+    return FITM_OK;
+}
+
 /* query_likelihood (LongLLMLingua's r_k): per document, the mean log-probability of
  * " {query} We can get the answer to this question in the given documents." after
  * "{text}\n\nQuestion:"; relevance_score = exp of it (the tokens' geometric-mean probability).
@@ -685,138 +808,41 @@ static fitm_status run_per_document(fitm_reranker *r, const fitm_rerank_request 
                                     bool (*stop)(const void *), const void *stop_arg,
                                     fitm_rerank_result *res, fitm_err *err)
 {
-    static const char RESTRICT[] = " We can get the answer to this question in the given documents.";
-    static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
-    static const char *const YES[4] = {" Yes", "Yes", " yes", "yes"};
-    static const char *const NO[4] = {" No", "No", " no", "no"};
     double t0 = now_ms(), tok_ms = 0;
     const int32_t K = req->n_docs;
-    const bool ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD;
-    const bool raw = fitm_reranker_is_raw(r);
-    fitm_rr_ids ids = {0}, q = {0};
+    per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
+    fitm_rr_ids ids = {0};
     int64_t forward = 0, T_max = 0;
-    int32_t yes[4], no[4];
-    int n_yes = 0, n_no = 0;
-    fitm_status st = FITM_OK;
-    size_t qn = req->query_len + sizeof RESTRICT + sizeof ASK + 32;
-    char *buf = malloc(qn);
     res->results = calloc((size_t)K, sizeof *res->results);
-    if (!buf || !res->results) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    res->n_results = K;
-    if (ql) {
-        int n = snprintf(buf, qn, " %s%s", req->query, RESTRICT);
-        if ((st = fitm_rr_encode(r->tok, &q, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err)))
-            goto done;
-    } else {
-        n_yes = answer_ids(r->tok, YES, yes);
-        n_no = answer_ids(r->tok, NO, no);
-        if (!n_yes || !n_no) {
-            st = fitm_err_set(err, FITM_ERR_UNSUPPORTED,
-                              "'method' = 'relevance': the vocabulary cannot spell Yes/No");
-            goto done;
-        }
-    }
-    for (int32_t k = 0; k < K; k++) {
-        const fitm_rerank_doc *d = &req->docs[k];
-        double tt = now_ms();
+    fitm_status st = res->results ? per_doc_init(r, req, &pd, err)
+                                  : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    res->n_results = res->results ? K : 0;
+    for (int32_t k = 0; st == FITM_OK && k < K; k++) {
+        double tt = now_ms(), score = 0;
         ids.n = 0;
-        uint32_t first = FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL;
-        if (ql) {
-            st = fitm_rr_encode(r->tok, &ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
-            if (!st)
-                st = fitm_rr_encode(r->tok, &ids, d->text, d->text_len, 0, req->max_tokens_per_doc,
-                                   err);
-            if (!st)
-                st = fitm_rr_encode(r->tok, &ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1,
-                                   err);
-        } else {
-            st = fitm_rr_encode(r->tok, &ids, r->tmpl->head, strlen(r->tmpl->head), first, -1, err);
-            if (!st)
-                st = fitm_rr_encode(r->tok, &ids, "Document:", 9, raw ? 0 : FITM_TOK_CONTINUATION,
-                                   -1, err);
-            if (!st) {
-                char *t = malloc(d->text_len + 2);
-                if (!t) {
-                    st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-                    goto done;
-                }
-                t[0] = ' ';
-                memcpy(t + 1, d->text, d->text_len + 1);
-                st = fitm_rr_encode(r->tok, &ids, t, d->text_len + 1, FITM_TOK_CONTINUATION,
-                                   req->max_tokens_per_doc, err);
-                free(t);
-            }
-            if (!st) {
-                int n = snprintf(buf, qn, "\n\nQuestion: %s%s%s", req->query, ASK,
-                                 raw ? "\nAnswer:" : "");
-                st = fitm_rr_encode(r->tok, &ids, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err);
-            }
-            if (!st && !raw)
-                st = fitm_rr_encode(r->tok, &ids, r->tmpl->tail, strlen(r->tmpl->tail),
-                                   FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
-        }
-        if (st != FITM_OK)
-            goto done;
-        int64_t n_pre = ids.n;
-        if (ql) { /* the scored question follows the document */
-            if ((st = fitm_rr_reserve(&ids, q.n, err)) != FITM_OK)
-                goto done;
-            memcpy(ids.v + ids.n, q.v, (size_t)q.n * sizeof *q.v);
-            ids.n += q.n;
-        }
+        st = pd.ql ? ql_prompt(r, req, k, &pd, &ids, err) : relevance_prompt(r, req, k, &ids, err);
         tok_ms += now_ms() - tt;
-        int64_t T = ql ? ids.n - 1 : ids.n; /* the question's last token is never fed */
-        if (T > r->n_ctx) {
+        int64_t T = pd.ql ? ids.n - 1 : ids.n; /* the question's last token is never fed */
+        if (st == FITM_OK && T > r->n_ctx)
             st = prompt_too_long(T, r, req, err);
-            goto done;
-        }
+        if (st == FITM_OK)
+            st = fitm_kv_rebase(r->kv, 0, err);
+        if (st == FITM_OK)
+            st = pd.ql ? ql_score(r, &pd, &ids, ids.n - pd.q.n, T, stop, stop_arg, &score, err)
+                       : relevance_score(r, &pd, &ids, stop, stop_arg, &score, err);
         T_max = T > T_max ? T : T_max;
-        double score = 0;
-        if ((st = fitm_kv_rebase(r->kv, 0, err)) != FITM_OK)
-            goto done;
-        if (!ql) {
-            if ((st = run_tokens_logits(r, r->kv, NULL, ids.v, T, 0, NULL, 1, stop, stop_arg,
-                                        err)) != FITM_OK)
-                goto done;
-            double py = 0, pn = 0;
-            for (int i = 0; i < n_yes; i++)
-                py += exp(log_prob(r->logits, r->V, yes[i]));
-            for (int i = 0; i < n_no; i++)
-                pn += exp(log_prob(r->logits, r->V, no[i]));
-            score = py + pn > 0 ? py / (py + pn) : 0.5;
-        } else {
-            /* Rows n_pre - 1 .. T - 1 predict the question's tokens, logit_rows at a time. */
-            int64_t head = n_pre - 1;
-            if (head > 0 && (st = run_tokens(r, r->kv, NULL, ids.v, head, 0, NULL, stop, stop_arg,
-                                             err)) != FITM_OK)
-                goto done;
-            double sum = 0;
-            for (int64_t p = head; p < T; p += r->logit_rows) {
-                int64_t n = T - p < r->logit_rows ? T - p : r->logit_rows;
-                if ((st = run_tokens_logits(r, r->kv, NULL, ids.v + p, n, p, NULL, n, stop,
-                                            stop_arg, err)) != FITM_OK)
-                    goto done;
-                for (int64_t i = 0; i < n; i++)
-                    sum += log_prob(r->logits + i * r->V, r->V, ids.v[p + i + 1]);
-            }
-            score = exp(sum / (double)q.n);
-        }
         forward += T;
         res->results[k] = (fitm_rerank_doc_result){.index = k, .position = k,
                                                    .relevance_score = score};
     }
-    qsort(res->results, (size_t)K, sizeof *res->results, cmp_results);
+    if (st == FITM_OK)
+        fitm_rr_sort(res->results, K);
     res->usage = (fitm_rerank_usage){.prompt_tokens = T_max, .forward_tokens = forward,
                                      .total_tokens = T_max};
     res->meta.tokenize_ms = tok_ms;
     res->meta.forward_ms = now_ms() - t0 - tok_ms;
-done:
-    free(buf);
     free(ids.v);
-    free(q.v);
+    free(pd.q.v);
     return st;
 }
 
