@@ -197,6 +197,15 @@ def test_answer_template(fitmd_bin, models, tmp_path):  # noqa: F811
         assert a["prompt"][a["spans"][-1][1]:] == b["prompt"][b["spans"][-1][1]:]
     finally:
         assert d.terminate() == 0 and d2.terminate() == 0
+    # With a chat template the answer prompt is /rerank's, inside the template: no one-shot.
+    d3 = Daemon(fitmd_bin, models["small"], tmp_path, chat_template="chatml")
+    try:
+        c = post(d3, body, "/answer").json()["tokens"]
+        p = post(d3, {**body, "method": "paper"}).json()["tokens"]
+        assert c["prompt"] == p["prompt"] and c["spans"] == p["spans"]
+        assert c["spans"][0][0] < a["spans"][0][0]
+    finally:
+        assert d3.terminate() == 0
 
 
 GEMMA = pathlib.Path(os.environ.get(
