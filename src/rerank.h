@@ -1,6 +1,8 @@
 /* rerank: the request and result of POST /rerank as plain C structs (filled and written by
  * api.c, which is the only JSON user), and the pipeline that turns one into the other on the
- * engine's thread (rerank.c: DESIGN §2's prompt, spans, reference passes and scores).
+ * engine's thread (rerank.c: the prompt, the per-document methods and attention_sort;
+ * rerank_attn.c: the attention methods in steps, score -> reference passes -> calibrate,
+ * with the scoring options of score.h).
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
  * releases them. A result likewise owns its arrays; fitm_rerank_result_free releases them.
@@ -153,7 +155,9 @@ typedef struct {
 extern const char fitm_rerank_answer_template[];
 
 /* Prepares a reranker: the forward scratch and two KV caches of n_ctx rows (the prompt's and
- * one reference branch), allocated once. Borrows m, tok and b, which must outlive it. */
+ * one reference branch), allocated once, and the scoring defaults (built-in under
+ * p->defaults). Borrows m, tok and b, which must outlive it. FITM_ERR_INVALID for an
+ * answer_template without {documents} and {question}. */
 fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
                                  const fitm_tokenizer *tok, fitm_backend *b,
                                  const fitm_reranker_params *p, fitm_err *err);
@@ -167,7 +171,7 @@ const char *fitm_reranker_template(const fitm_reranker *r);
 /* Scores req's documents (DESIGN §2) into *res (the caller frees it, also after a failure).
  * stop(stop_arg) is polled between forward calls; when it returns true the run ends with
  * FITM_ERR_TIMEOUT. Errors: FITM_ERR_LIMIT when the prompt does not fit n_ctx even after
- * per-document truncation, FITM_ERR_INVALID for layers the model does not have,
+ * per-document truncation, FITM_ERR_INVALID for layers or heads the model does not have,
  * FITM_ERR_UNSUPPORTED for methods not implemented yet, FITM_ERR_BACKEND from the backend.
  * Not thread-safe: one thread runs a reranker at a time. */
 fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
