@@ -88,6 +88,27 @@ static void test_parse(void)
     CHECK(req.opt.n_layers == 2 && req.opt.layers[1] == -1 && !strcmp(req.dummy, "zz"));
     fitm_rerank_request_free(&req);
 
+    const char *opts = "{\"query\":\"q\",\"documents\":[\"a\"],\"method\":\"paper\","
+                       "\"rows\":\"suffix\",\"heads\":[[5,1],[-1,0]],\"aggregate\":\"mean\","
+                       "\"skip_first\":2,\"reference\":\"both\",\"dummy_source\":\"documents\","
+                       "\"form\":\"log_ratio\",\"sink_factor\":1.5,\"window\":3,"
+                       "\"score_scale\":7,\"score_bias\":-1,\"layers\":null}";
+    CHECK(fitm_api_parse_rerank(opts, strlen(opts), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.method == FITM_RERANK_PAPER && req.opt.rows == FITM_ROWS_SUFFIX);
+    CHECK(req.opt.n_heads == 2 && req.opt.heads[0] == 5 && req.opt.heads[1] == 1 &&
+          req.opt.heads[2] == -1 && req.opt.heads[3] == 0 && !req.opt.layers);
+    CHECK(req.opt.aggregate == FITM_AGG_MEAN && req.opt.skip_first == 2 &&
+          req.opt.reference == FITM_REF_BOTH && req.opt.dummy_source == FITM_DUMMY_DOCUMENTS);
+    CHECK(req.opt.form == FITM_FORM_LOG_RATIO && req.opt.sink_factor == 1.5 &&
+          req.opt.window == 3 && req.opt.score_scale == 7 && req.opt.score_bias == -1);
+    fitm_rerank_request_free(&req);
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"rows\":\"all\"}", FITM_ERR_INVALID,
+           "'rows'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[1,2,3]]}", FITM_ERR_INVALID,
+           "'heads[0]'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"window\":1.5}", FITM_ERR_INVALID,
+           "'window'");
+
     const char *tei = "{\"query\":\"q\",\"texts\":[\"a\"],\"return_text\":true}";
     CHECK(fitm_api_parse_rerank(tei, strlen(tei), &LIM, &req, &err) == FITM_OK);
     CHECK(req.tei && req.return_documents && req.top_n == 1 && isnan(req.opt.temperature));
@@ -180,7 +201,7 @@ static void test_answer(void)
     fitm_err err = {{0}};
     const char *all = "{\"query\":\"q\",\"documents\":[\"a\",{\"text\":\"b\",\"title\":\"t\"}],"
                       "\"max_tokens\":1000,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
-                      "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,"
+                      "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,\"window\":2,"
                       "\"layers\":[0,-1],\"dummy\":\"d\"},\"reorder\":\"query_likelihood\","
                       "\"intervention_layers\":[-1],\"stream\":true,\"method\":\"bogus\"}";
     CHECK(fitm_api_parse_answer(all, strlen(all), &LIM, &req, &err) == FITM_OK);
@@ -188,6 +209,7 @@ static void test_answer(void)
     CHECK(req.max_tokens == LIM.max_answer_tokens); /* lowered to the server's limit */
     CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
     CHECK(req.base.opt.temperature == 0.001 && req.base.opt.n_layers == 2 && req.base.dummy);
+    CHECK(req.base.opt.window == 2 && req.base.opt.rows == -1);
     CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate && req.stream);
     CHECK(req.n_intervene_layers == 1 && req.intervene_layers[0] == -1);
     CHECK(req.base.method == FITM_RERANK_CALIBRATED); /* /rerank's fields are not /answer's */
@@ -230,6 +252,8 @@ static void test_answer(void)
                   "'top_p'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"calibration\":{\"layers\":[]}}",
                   FITM_ERR_INVALID, "'calibration.layers'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"calibration\":{\"form\":\"x\"}}",
+                  FITM_ERR_INVALID, "'calibration.form'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"reorder\":\"x\"}", FITM_ERR_INVALID,
                   "'reorder'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"intervention_layers\":[600]}",
