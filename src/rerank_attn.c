@@ -249,13 +249,16 @@ static fitm_status fill_dummy(const fitm_reranker *r, const fitm_rerank_request 
     int64_t got = 0;
     if (pl->o.dummy_source == FITM_DUMMY_DOCUMENTS && req->n_docs > 1) {
         fitm_rr_ids body = {0};
-        for (int32_t i = 1; got < N; i = i % (req->n_docs - 1) + 1) {
+        /* empty: consecutive bodies without tokens; a whole cycle of them ends the loop */
+        for (int32_t i = 1, empty = 0; got < N && empty < req->n_docs - 1;
+             i = i % (req->n_docs - 1) + 1) {
             body.n = 0;
             fitm_status st = fitm_rr_body(r, req, (k + i) % req->n_docs, &body, err);
             if (st != FITM_OK) {
                 free(body.v);
                 return st;
             }
+            empty = body.n ? 0 : empty + 1;
             int64_t take = body.n < N - got ? body.n : N - got;
             memcpy(out + got, body.v, (size_t)take * sizeof *out);
             got += take;
