@@ -20,9 +20,9 @@
 #include "rerank.h"
 #include "status.h"
 
-/* Most stop strings a request may carry, and their longest length in bytes. */
+/* Most stop strings a request may carry, and their longest length. */
 #define FITM_ANSWER_MAX_STOP 8
-#define FITM_ANSWER_MAX_STOP_BYTES 256
+#define FITM_ANSWER_MAX_STOP_CHARS 64 /* code points (at most 256 bytes) */
 
 typedef struct {
     /* query, docs, max_tokens_per_doc, model, return_tokens; method is CALIBRATED and

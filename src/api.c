@@ -395,6 +395,21 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     return parse_calibration(root, "", out, err);
 }
 
+/* Whether the JSON text holds the escape \u0000: cJSON ends a string there, so the rest of
+ * that string would be silently lost (a stop string or a document cut short). Each backslash
+ * is taken with the character it escapes, so "\\u0000" is not one. */
+static bool has_nul_escape(const char *body, size_t len)
+{
+    for (size_t i = 0; i + 1 < len; i++) {
+        if (body[i] != '\\')
+            continue;
+        if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4))
+            return true;
+        i++;
+    }
+    return false;
+}
+
 /* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
  * *root is the caller's to cJSON_Delete. */
 static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_err *err)
@@ -402,6 +417,9 @@ static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_e
     *root = NULL;
     if (len == 0)
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
+    if (has_nul_escape(body, len))
+        return fitm_err_set(err, FITM_ERR_INVALID, "a string holds \\u0000 (NUL), which fitm "
+                                                   "does not accept");
     const char *end = NULL;
     cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!r) {
@@ -699,9 +717,12 @@ static fitm_status parse_stop(const cJSON *it, fitm_answer_request *out, fitm_er
         if (st != FITM_OK)
             return st;
         out->n_stop = i + 1;
-        if (len == 0 || len > FITM_ANSWER_MAX_STOP_BYTES)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d bytes", name,
-                                FITM_ANSWER_MAX_STOP_BYTES);
+        size_t chars = 0; /* code points: what the spec's maxLength counts */
+        for (size_t j = 0; j < len; j++)
+            chars += ((unsigned char)out->stop[i][j] & 0xC0) != 0x80;
+        if (len == 0 || chars > FITM_ANSWER_MAX_STOP_CHARS)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d characters",
+                                name, FITM_ANSWER_MAX_STOP_CHARS);
     }
     return FITM_OK;
 }

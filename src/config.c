@@ -108,7 +108,8 @@ static const opt opts[] = {
      "scoring default: see score_scale; empty = the profile's, else 0"},
     {"answer_template", STR(answer_template), "", 0, 0, NULL,
      "/answer's prompt for models without a chat template: text with {documents} once and "
-     "{question} after it, \\n for newlines; empty = the built-in one-shot template"},
+     "{question} after it, \\n for newlines; empty = the built-in template (two "
+     "worked examples before the documents)"},
     {"log_level", ENUM(log_level), "info", 0, 0, "debug|info|warn|error", "log threshold"},
 };
 #define N_OPTS (sizeof opts / sizeof opts[0])

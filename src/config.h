@@ -44,7 +44,7 @@ typedef struct {
     char rows[16], layers[FITM_CONFIG_STR_BYTES], heads[FITM_CONFIG_STR_BYTES];
     char aggregate[16], skip_first[16], reference[16], dummy_source[16], form[16];
     char sink_factor[32], window[16], temperature[32], score_scale[32], score_bias[32];
-    char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in one-shot template */
+    char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in template */
     char log_level[16];                    /* debug | info | warn | error              */
 } fitm_config;
 

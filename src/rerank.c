@@ -84,6 +84,7 @@ const char fitm_rerank_answer_template[] =
     "Document [2](Title: Tamsin Hale) Tamsin Hale is a painter from the river town of "
     "Lindwick.\\n\\n"
     "Question: Who built the lighthouse of Carrow Point?\\nAnswer: Orla Penmarric\\n\\n"
+    "Question: Where is Tamsin Hale from?\\nAnswer: Lindwick\\n\\n"
     "{documents}\\nQuestion: {question}\\nAnswer:";
 
 static const fitm_rr_template templates[] = {

@@ -151,7 +151,11 @@ typedef struct {
     const char *profile;       /* what meta reports as the profile in use; NULL: none      */
 } fitm_reranker_params;
 
-/* The built-in answer_template: a one-shot example before the documents. */
+/* The built-in answer_template: two short worked examples (a name, a place) before the
+ * documents, so a base model answers in a few words instead of continuing the documents'
+ * prose. Two answer types, because a single example made the model copy its answer type; a
+ * trailing "Answer in a few words:" cue alone made it repeat the cue. The answer ends at the
+ * line break (send stop "\n"). */
 extern const char fitm_rerank_answer_template[];
 
 /* Prepares a reranker: the forward scratch and two KV caches of n_ctx rows (the prompt's and

@@ -108,6 +108,9 @@ static void test_parse(void)
            "'heads[0]'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"window\":1.5}", FITM_ERR_INVALID,
            "'window'");
+    /* cJSON would cut a string at \u0000: refused; an escaped backslash before u0000 is text */
+    expect("{\"query\":\"q\\u0000x\",\"documents\":[\"a\"]}", FITM_ERR_INVALID, "NUL");
+    expect("{\"query\":\"q\\\\u0000x\",\"documents\":[\"a\"]}", FITM_OK, NULL);
 
     const char *tei = "{\"query\":\"q\",\"texts\":[\"a\"],\"return_text\":true}";
     CHECK(fitm_api_parse_rerank(tei, strlen(tei), &LIM, &req, &err) == FITM_OK);
