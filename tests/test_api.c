@@ -1,5 +1,6 @@
 /* Unit test for api.c: the error mapping, the /rerank parser's checks (each bad input names
  * its field), UTF-8 validation, and the response writer's shape and top_n cut. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,7 +9,7 @@
 #include "server/api.h"
 
 static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
-                                    .model_name = "m", .default_temperature = 5e-5,
+                                    .model_name = "m",
                                     .max_answer_tokens = 50};
 
 /* Parses body; checks the status and that the message contains want (when non-NULL). */
@@ -75,13 +76,38 @@ static void test_parse(void)
     CHECK(req.n_docs == 2 && !strcmp(req.docs[1].title, "T") && !strcmp(req.docs[0].title, ""));
     CHECK(req.top_n == 1 && req.return_documents && req.return_tokens && !req.tei);
     CHECK(req.max_tokens_per_doc == 100); /* lowered to the server's limit */
-    CHECK(req.method == FITM_RERANK_ATTENTION && req.temperature == 0.5);
-    CHECK(req.n_layers == 2 && req.layers[1] == -1 && !strcmp(req.dummy, "zz"));
+    CHECK(req.method == FITM_RERANK_ATTENTION && req.opt.temperature == 0.5);
+    CHECK(req.opt.n_layers == 2 && req.opt.layers[1] == -1 && !strcmp(req.dummy, "zz"));
     fitm_rerank_request_free(&req);
+
+    const char *opts = "{\"query\":\"q\",\"documents\":[\"a\"],\"method\":\"paper\","
+                       "\"rows\":\"suffix\",\"heads\":[[5,1],[-1,0]],\"aggregate\":\"mean\","
+                       "\"skip_first\":2,\"reference\":\"both\",\"dummy_source\":\"documents\","
+                       "\"form\":\"log_ratio\",\"sink_factor\":1.5,\"window\":3,"
+                       "\"score_scale\":7,\"score_bias\":-1,\"layers\":null}";
+    CHECK(fitm_api_parse_rerank(opts, strlen(opts), &LIM, &req, &err) == FITM_OK);
+    CHECK(req.method == FITM_RERANK_PAPER && req.opt.rows == FITM_ROWS_SUFFIX);
+    CHECK(req.opt.n_heads == 2 && req.opt.heads[0] == 5 && req.opt.heads[1] == 1 &&
+          req.opt.heads[2] == -1 && req.opt.heads[3] == 0 && !req.opt.layers);
+    CHECK(req.opt.aggregate == FITM_AGG_MEAN && req.opt.skip_first == 2 &&
+          req.opt.reference == FITM_REF_BOTH && req.opt.dummy_source == FITM_DUMMY_DOCUMENTS);
+    CHECK(req.opt.form == FITM_FORM_LOG_RATIO && req.opt.sink_factor == 1.5 &&
+          req.opt.window == 3 && req.opt.score_scale == 7 && req.opt.score_bias == -1);
+    fitm_rerank_request_free(&req);
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"rows\":\"all\"}", FITM_ERR_INVALID,
+           "'rows'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[1,2,3]]}", FITM_ERR_INVALID,
+           "'heads[0]'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"window\":1.5}", FITM_ERR_INVALID,
+           "'window'");
+    /* cJSON would cut a string at \u0000: refused; an escaped backslash before u0000 is text */
+    expect("{\"query\":\"q\\u0000x\",\"documents\":[\"a\"]}", FITM_ERR_INVALID, "NUL");
+    expect("{\"query\":\"q\\\\u0000x\",\"documents\":[\"a\"]}", FITM_OK, NULL);
 
     const char *tei = "{\"query\":\"q\",\"texts\":[\"a\"],\"return_text\":true}";
     CHECK(fitm_api_parse_rerank(tei, strlen(tei), &LIM, &req, &err) == FITM_OK);
-    CHECK(req.tei && req.return_documents && req.top_n == 1 && req.temperature == 5e-5);
+    CHECK(req.tei && req.return_documents && req.top_n == 1 && isnan(req.opt.temperature));
+    CHECK(req.opt.rows == -1 && !req.opt.layers && req.opt.window == -1); /* the server's */
     fitm_rerank_request_free(&req);
 
     expect("{", FITM_ERR_FORMAT, "invalid JSON");
@@ -120,8 +146,8 @@ static void test_write(void)
     const char *body = "{\"query\":\"q\",\"documents\":[\"a\",\"b\",\"c\"],\"top_n\":2,"
                        "\"return_documents\":true}";
     CHECK(fitm_api_parse_rerank(body, strlen(body), &LIM, &req, &err) == FITM_OK);
-    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2}, {0, 0.3, 0, 0, 0.1, 0.1},
-                                    {1, 0.2, 1, -0.1, 0.1, 0.2}};
+    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2, 0.6}, {0, 0.3, 0, 0, 0.1, 0.1, 0.3},
+                                    {1, 0.2, 1, -0.1, 0.1, 0.2, 0.1}};
     int32_t layers[2] = {0, 1};
     fitm_rerank_result res = {.results = rs, .n_results = 3,
                               .usage = {.prompt_tokens = 10, .forward_tokens = 25,
@@ -170,14 +196,15 @@ static void test_answer(void)
     fitm_err err = {{0}};
     const char *all = "{\"query\":\"q\",\"documents\":[\"a\",{\"text\":\"b\",\"title\":\"t\"}],"
                       "\"max_tokens\":1000,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
-                      "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,"
+                      "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,\"window\":2,"
                       "\"layers\":[0,-1],\"dummy\":\"d\"},\"reorder\":\"query_likelihood\","
                       "\"intervention_layers\":[-1],\"stream\":true,\"method\":\"bogus\"}";
     CHECK(fitm_api_parse_answer(all, strlen(all), &LIM, &req, &err) == FITM_OK);
     CHECK(req.base.n_docs == 2 && req.n_stop == 2 && !strcmp(req.stop[1], "zz"));
     CHECK(req.max_tokens == LIM.max_answer_tokens); /* lowered to the server's limit */
     CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
-    CHECK(req.base.temperature == 0.001 && req.base.n_layers == 2 && req.base.dummy);
+    CHECK(req.base.opt.temperature == 0.001 && req.base.opt.n_layers == 2 && req.base.dummy);
+    CHECK(req.base.opt.window == 2 && req.base.opt.rows == -1);
     CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate && req.stream);
     CHECK(req.n_intervene_layers == 1 && req.intervene_layers[0] == -1);
     CHECK(req.base.method == FITM_RERANK_CALIBRATED); /* /rerank's fields are not /answer's */
@@ -188,7 +215,7 @@ static void test_answer(void)
     CHECK(fitm_api_parse_answer(min, strlen(min), &LIM, &req, &err) == FITM_OK);
     CHECK(req.temperature == 0 && req.top_p == 1 && !req.has_seed && req.calibrate);
     CHECK(req.reorder == -1 && req.n_stop == 1 && !req.stream && req.max_tokens >= 1);
-    CHECK(req.base.temperature == LIM.default_temperature);
+    CHECK(isnan(req.base.opt.temperature)); /* the server's default */
     char text[] = "a\xff"
                   "b";
     fitm_answer_result res = {.answer = text, .answer_len = 3, .n_docs = 0};
@@ -220,6 +247,8 @@ static void test_answer(void)
                   "'top_p'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"calibration\":{\"layers\":[]}}",
                   FITM_ERR_INVALID, "'calibration.layers'");
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"calibration\":{\"form\":\"x\"}}",
+                  FITM_ERR_INVALID, "'calibration.form'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"reorder\":\"x\"}", FITM_ERR_INVALID,
                   "'reorder'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"intervention_layers\":[600]}",

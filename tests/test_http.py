@@ -215,7 +215,8 @@ def test_413(daemon):
 def test_rerank_shape_and_math(daemon):
     body = {"query": "what is golf", "documents": ["golf is a sport", {"text": "kilo lima",
             "title": "Kilo"}, "the echo of the hotel", "papa oscar"],
-            "return_documents": True, "return_tokens": True, "model": "tiny-llama"}
+            "return_documents": True, "return_tokens": True, "model": "tiny-llama",
+            "method": "paper"}
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = post(daemon, body, path=path)
         assert r.status_code == 200, r.text
@@ -246,13 +247,14 @@ def test_rerank_shape_and_math(daemon):
         assert j["usage"]["forward_tokens"] == T + sum(T - s for s, _ in tok["spans"])
         for (s, e), dummy in zip(tok["spans"], tok["dummies"]):
             assert 0 < s < e <= T and len(dummy) == e - s
-        assert j["meta"]["method"] == "calibrated" and j["meta"]["layers"] == [0, 1]
+        assert j["meta"]["method"] == "paper" and j["meta"]["layers"] == [0, 1]
         assert set(j["meta"]["timings_ms"]) == {"queue", "tokenize", "forward", "total"}
 
 
 def test_prefix_reuse_is_exact(daemon):
     """Reference passes on a branch of the prompt's cache give the scores of full passes."""
-    body = {"query": "golf", "documents": docs(5, 12) + ["golf hotel"], "return_tokens": True}
+    body = {"query": "golf", "documents": docs(5, 12) + ["golf hotel"], "return_tokens": True,
+            "method": "paper"}
     a = post(daemon, body).json()
     b = post(daemon, {**body, "prefix_reuse": False}).json()
     T = a["usage"]["prompt_tokens"]
@@ -288,7 +290,7 @@ def test_rerank_top_n_and_attention_method(daemon):
 
 
 def test_rerank_options(daemon):
-    base = {"query": "alpha", "documents": docs(4, 10)}
+    base = {"query": "alpha", "documents": docs(4, 10), "method": "paper"}
     j = post(daemon, {**base, "layers": [-1]}).json()
     assert j["meta"]["layers"] == [1]
     j2 = post(daemon, {**base, "temperature": 1.0}).json()

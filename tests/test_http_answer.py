@@ -22,11 +22,18 @@ from oracle import model as om
 from test_http import AUTH, Daemon, assert_error, docs, fitmd_bin, models, post  # noqa: F401
 
 QUERY = "where is the golf hotel"
+# /rerank's prompt as the answer template: on it the random "small" model emits no EOS within
+# 400 tokens, which the streaming tests below rely on (the built-in template's worked examples
+# make it stop early).
+RERANK_FRAME = (r"Write a high-quality answer for the given question using only the provided "
+                r"search results (some of which might be irrelevant).\n\nQuestion: {question}"
+                r"\n\n{documents}\nQuestion: {question}\nAnswer:")
 
 
 @pytest.fixture(scope="module")
 def daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
     d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("log"), api_keys="test-key-1",
+               answer_template=RERANK_FRAME,
                max_documents=16, max_body_bytes=65536, max_answer_tokens=400, http_threads=4,
                queue_depth=4)
     yield d
@@ -369,6 +376,7 @@ def test_sigterm_mid_stream_finishes_it(fitmd_bin, models, tmp_path):  # noqa: F
     """SIGTERM while a stream is being generated: the daemon drains, the stream still ends
     with its final event and [DONE], and the daemon exits 0."""
     d = Daemon(fitmd_bin, models["small"], tmp_path, drain_timeout_ms=60000,
+               answer_template=RERANK_FRAME,
                max_answer_tokens=300)
     try:
         with requests.post(d.url("/answer"), json=body(max_tokens=300, calibrate=False,

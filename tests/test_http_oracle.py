@@ -1,8 +1,19 @@
 """/rerank against the independent numpy oracle: for a request answered by the real daemon
-(with return_tokens), the oracle recomputes A, A_dum, rel and alpha from the returned prompt
-ids, spans and dummy ids with its own forward pass (tests/oracle/calib.score_documents), and
-the daemon's numbers must agree. Runs on generated llama and gemma3 models; the gemma3 model
-has a short sliding window so some documents fall outside the local layers' view."""
+(with return_tokens), the oracle recomputes every score from the returned prompt ids, spans,
+question spans, dummy ids and null prompts with its own forward pass (tests/oracle/calib:
+score_documents for method paper, score_options for the scoring options of `calibrated` and
+`attention`), and the daemon's numbers must agree. The options expected are written here from
+the spec (built-in defaults overlaid by the request), not read back from the response.
+Runs on generated llama, qwen2 and gemma3 models; the gemma3 model has a short sliding window
+so some documents fall outside the local layers' view. Documents are fresh random words on
+every run (the seed is in the failure message).
+
+Tolerances, derived from float32: the daemon computes attention in float32 (softmax over at
+most a few hundred keys, sums over at most a few dozen rows and tokens), so A and A_ref agree
+to rtol 2e-4. rel inherits delta = 2e-4 (|A| + |A_ref|) (difference) or 2e-4 x 2 (log_ratio,
+A / (A + eps) <= 1); rel_scaled n x that; weight, to first order, w (exp(2 max delta / t) - 1);
+relevance_score score_scale x delta / 4 (the sigmoid's slope is at most 1/4)."""
+import math
 import subprocess
 
 import numpy as np
@@ -12,7 +23,7 @@ import requests
 from conftest import build_dir
 from oracle import calib
 from oracle import model as om
-from test_http import Daemon, docs
+from test_http import WORDS, Daemon
 
 CASES = {
     "llama": ["--arch", "llama", "--type", "F32"],
@@ -20,6 +31,7 @@ CASES = {
                "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--ff", "256"],
     "qwen2": ["--arch", "qwen2", "--type", "F32"],
 }
+RTOL = 2e-4
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -37,58 +49,189 @@ def served(request, tmp_path_factory):
 # chain of float32 accumulations behind it, n ~ 6 layers x (a 256-long dot product + a 300-key
 # softmax sum) ~ 3300, gamma_n = n u ~ 2e-4 (measured: 7e-6 at worst). ATOL_A only for A ~ 0.
 RTOL_A, ATOL_A = 2e-4, 1e-12
+def random_request(seed: int, K: int = 6):
+    rng = np.random.default_rng(seed)
+    words = lambda n: " ".join(rng.choice(WORDS, size=n))  # noqa: E731
+    documents = [{"text": words(int(rng.integers(4, 12))), "title": words(1)} for _ in range(K)]
+    return words(5), documents
+
+
+def builtin(L: int) -> dict:
+    """The built-in scoring defaults (score.h) for a model of L layers."""
+    first, n = math.floor(L * 5 / 18), max(1, math.floor(L * 3 / 18 + 0.5))
+    return {"rows": "question", "layers": [min(first + i, L - 1) for i in range(n)],
+            "heads": None, "aggregate": "sum", "skip_first": 0, "reference": "null_query",
+            "dummy_source": "fixed", "form": "difference", "sink_factor": 0.0, "window": 0,
+            "temperature": 0.05, "score_scale": 20.0, "score_bias": 0.0}
+
 
 VARIANTS = [
     ("calibrated", {}),
-    ("calibrated", {"temperature": 1e-3, "dummy": "lima lima"}),
-    ("calibrated", {"layers": [0, -1]}),
-    ("attention", {}),
+    ("calibrated", {"rows": "last", "reference": "dummy", "aggregate": "mean", "layers": [0, -1]}),
+    ("calibrated", {"reference": "null_suffix", "rows": "suffix"}),
+    ("calibrated", {"reference": "null_suffix", "prefix_reuse": False}),
+    ("calibrated", {"reference": "both", "dummy_source": "documents", "form": "log_ratio"}),
+    ("calibrated", {"window": 4, "reference": "dummy", "dummy": "lima lima"}),
+    ("calibrated", {"window": 2, "rows": "suffix", "temperature": 0.5, "score_scale": 3.0,
+                    "score_bias": -0.5}),
+    ("calibrated", {"sink_factor": 1.5, "skip_first": 2, "aggregate": "mean"}),
+    ("calibrated", {"heads": [[0, 1], [-1, 0]], "reference": "none"}),
+    ("attention", {"rows": "last"}),
 ]
 
 
+def expected_forward(groups, reference: str, reuse: bool = True) -> int:
+    total = 0
+    for g in groups:
+        T, spans = len(g["prompt"]), g["spans"]
+        total += T
+        if reference in ("dummy", "both"):
+            total += sum(T - (s if reuse else 0) for s, _ in spans)
+        if reference in ("null_query", "both"):
+            total += len(g["null_prompt"])
+        if reference == "null_suffix":
+            total += len(g["null_prompt"]) - (spans[-1][1] if reuse else 0)
+    return total
+
+
+def check_structure(j, o, K, model):
+    tok = j["tokens"]
+    groups = tok["groups"]
+    starts = calib.window_groups(K, o["window"])
+    assert [g["first_document"] for g in groups] == starts[:-1]
+    assert [len(g["spans"]) for g in groups] == [b - a for a, b in zip(starts, starts[1:])]
+    bodies = {}
+    for g in groups:
+        ids = g["prompt"]
+        for j_, (s, e) in enumerate(g["spans"]):
+            bodies[g["first_document"] + j_] = ids[s:e]
+        q0, q1 = g["question"]
+        assert g["spans"][-1][1] < q0 < q1 < len(ids)
+        if "null_prompt" in g:  # the same documents, the query replaced
+            n = g["null_prompt"]
+            assert [n[s:e] for s, e in g["null_spans"]] == [ids[s:e] for s, e in g["spans"]]
+            assert n[g["null_question"][0]:g["null_question"][1]] != ids[q0:q1]
+            if o["reference"] == "null_suffix":
+                end = g["spans"][-1][1]
+                assert n[:end] == ids[:end]
+    if o["reference"] in ("dummy", "both"):
+        for g in groups:
+            for j_, (s, e) in enumerate(g["spans"]):
+                d = g["dummies"][j_]
+                assert len(d) == e - s
+                if o["dummy_source"] == "documents":
+                    k = g["first_document"] + j_
+                    assert d == calib.documents_dummy([bodies[i] for i in range(K)], k, e - s)
+    return groups
+
+
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
-def test_scores_match_oracle(served, variant):
+def test_options_match_oracle(served, variant):
     daemon, model, arch = served
     method, extra = VARIANTS[variant]
-    body = {"query": "where is the golf hotel", "documents": docs(5, 9) + [{"text": "golf hotel",
-            "title": "Golf"}], "method": method, "return_tokens": True, **extra}
-    r = requests.post(daemon.url("/rerank"), json=body, timeout=120)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    query, documents = random_request(seed)
+    K = len(documents)
+    body = {"query": query, "documents": documents, "method": method, "return_tokens": True,
+            **extra}
+    r = requests.post(daemon.url("/rerank"), json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    L = model.hp.n_layer
+    o = builtin(L)
+    o.update({k: v for k, v in extra.items() if k in o})
+    if "temperature" in extra and "score_scale" not in extra:
+        o["score_scale"] = 20.0  # the server's stays: relevance_score does not follow t
+    if method == "attention":
+        o["reference"] = "none"
+    meta = j["meta"]
+    for key in ("rows", "aggregate", "skip_first", "reference", "form", "window", "temperature",
+                "score_scale", "score_bias", "sink_factor"):
+        assert meta[key] == o[key], (key, meta[key], o[key])
+    want_layers = sorted({h[0] % L for h in o["heads"]} if o["heads"] else
+                         {l % L for l in o["layers"]})
+    assert meta["layers"] == want_layers
+    groups = check_structure(j, o, K, model)
+    assert j["usage"]["forward_tokens"] == expected_forward(
+        groups, o["reference"], extra.get("prefix_reuse", True)), seed
+
+    ref = calib.score_options(model, groups, o, K)
+    got = sorted(j["results"], key=lambda x: x["index"])
+    A = np.array([x["attention"] for x in got])
+    R = np.array([x["dummy_attention"] for x in got])
+    np.testing.assert_allclose(A, ref["A"], rtol=RTOL, atol=1e-9, err_msg=f"seed {seed}")
+    if o["reference"] != "none":
+        np.testing.assert_allclose(R, ref["A_ref"], rtol=RTOL, atol=1e-9, err_msg=f"seed {seed}")
+        delta = (2 * RTOL if o["form"] == "log_ratio"
+                 else RTOL * (np.abs(ref["A"]) + np.abs(ref["A_ref"]))) + 1e-9
+        rel = np.array([x["calibrated_attention"] for x in got])
+        np.testing.assert_array_less(np.abs(rel - ref["rel"]), delta + 1e-12, f"seed {seed}")
+    else:
+        delta = RTOL * np.abs(ref["A"]) + 1e-9
+        if o["form"] == "log_ratio":
+            delta = np.full(K, RTOL + 1e-9)
+    n_max = max(len(g["spans"]) for g in groups)
+    d_scaled = float(np.max(delta)) * n_max
+    w = np.array([x["weight"] for x in got])
+    w_tol = ref["weight"] * (math.exp(2 * d_scaled / o["temperature"]) - 1) + 1e-12
+    np.testing.assert_array_less(np.abs(w - ref["weight"]), w_tol, f"seed {seed}")
+    score = np.array([x["relevance_score"] for x in got])
+    if method == "attention":
+        np.testing.assert_allclose(score, ref["A"], rtol=RTOL, atol=1e-9)
+    else:
+        s_tol = abs(o["score_scale"]) * d_scaled / 4 + 1e-12
+        np.testing.assert_array_less(np.abs(score - ref["relevance"]), s_tol, f"seed {seed}")
+    order = [x["index"] for x in j["results"]]
+    assert [x["relevance_score"] for x in j["results"]] == sorted(score, reverse=True)
+    assert sorted(order) == list(range(K))
+    if arch == "gemma3":
+        # a window of 48 tokens: the first documents are outside the local layers' view
+        assert len(groups[0]["prompt"]) - 1 - groups[0]["spans"][0][0] >= 48 or o["window"]
+
+
+PAPER = [{}, {"temperature": 1e-3, "dummy": "lima lima"}, {"layers": [0, -1]}]
+
+
+@pytest.mark.parametrize("variant", range(len(PAPER)))
+def test_paper_matches_oracle(served, variant):
+    """Method paper: today's recipe (last row, K dummy passes, mean, difference, alpha =
+    softmax(rel / t)) recomputed by calib.score_documents."""
+    daemon, model, arch = served
+    extra = PAPER[variant]
+    query, documents = random_request(int(np.random.SeedSequence().entropy % 2**32))
+    body = {"query": query, "documents": documents, "method": "paper", "return_tokens": True,
+            **extra}
+    r = requests.post(daemon.url("/rerank"), json=body, timeout=300)
     assert r.status_code == 200, r.text
     j = r.json()
     tok = j["tokens"]
     spans = [tuple(s) for s in tok["spans"]]
     L = model.hp.n_layer
     layers = None if "layers" not in extra else sorted({l % L for l in extra["layers"]})
-    if layers is None:
-        assert j["meta"]["layers"] == calib.default_score_layers(model.hp)
-    else:
-        assert j["meta"]["layers"] == layers
-    dummies = tok["dummies"] if method == "calibrated" else [tok["prompt"][s:e] for s, e in spans]
-    ref = calib.score_documents(model, tok["prompt"], spans, dummies,
-                                t=j["meta"].get("temperature", calib.DEFAULT_T), layers=layers)
+    assert j["meta"]["layers"] == (layers or calib.default_score_layers(model.hp))
+    t = extra.get("temperature", 5e-5)
+    assert j["meta"]["temperature"] == t and j["meta"]["rows"] == "last"
+    ref = calib.score_documents(model, tok["prompt"], spans, tok["dummies"], t=t, layers=layers)
     by_index = sorted(j["results"], key=lambda x: x["index"])
     A = np.array([x["attention"] for x in by_index])
     np.testing.assert_allclose(A, ref["A"], rtol=RTOL_A, atol=ATOL_A)
-    if method == "calibrated":
-        A_dum = np.array([x["dummy_attention"] for x in by_index])
-        np.testing.assert_allclose(A_dum, ref["A_dum"], rtol=RTOL_A, atol=ATOL_A)
-        # rel = A - A_dum: the daemon's own difference (to JSON's printed digits), and the
-        # oracle's rel within the sum of the two attentions' bounds.
-        rel = np.array([x["calibrated_attention"] for x in by_index])
-        assert (np.abs(rel - (A - A_dum)) <= 1e-12 * (np.abs(A) + np.abs(A_dum))).all()
-        eps = RTOL_A * (np.abs(ref["A"]) + np.abs(ref["A_dum"])) + 2 * ATOL_A
-        assert (np.abs(rel - ref["rel"]) <= eps).all(), (rel, ref["rel"], eps)
-        # alpha = softmax(rel / t): d log alpha_k = (d rel_k - sum_j alpha_j d rel_j) / t, so
-        # |d log alpha_k| <= 2 max(eps) / t.
-        alpha = np.array([x["relevance_score"] for x in by_index])
-        t = j["meta"]["temperature"]
-        tol = ref["alpha"] * np.expm1(2 * eps.max() / t) + 1e-12
-        assert (np.abs(alpha - ref["alpha"]) <= tol).all(), (alpha, ref["alpha"], tol)
-        assert abs(alpha.sum() - 1) <= 1e-12
-        T = len(tok["prompt"])
-        assert j["usage"]["forward_tokens"] == T + sum(T - s for s, _ in spans)
-    else:
-        np.testing.assert_allclose([x["relevance_score"] for x in by_index], ref["A"], rtol=2e-4)
+    A_dum = np.array([x["dummy_attention"] for x in by_index])
+    np.testing.assert_allclose(A_dum, ref["A_dum"], rtol=RTOL_A, atol=ATOL_A)
+    # rel = A - A_dum: the daemon's own difference (to JSON's printed digits), and the
+    # oracle's rel within the sum of the two attentions' bounds.
+    rel = np.array([x["calibrated_attention"] for x in by_index])
+    assert (np.abs(rel - (A - A_dum)) <= 1e-12 * (np.abs(A) + np.abs(A_dum))).all()
+    eps = RTOL_A * (np.abs(ref["A"]) + np.abs(ref["A_dum"])) + 2 * ATOL_A
+    assert (np.abs(rel - ref["rel"]) <= eps).all(), (rel, ref["rel"], eps)
+    # alpha = softmax(rel / t): d log alpha_k = (d rel_k - sum_j alpha_j d rel_j) / t, so
+    # |d log alpha_k| <= 2 max(eps) / t.
+    alpha = np.array([x["relevance_score"] for x in by_index])
+    tol = ref["alpha"] * np.expm1(2 * eps.max() / t) + 1e-12
+    assert (np.abs(alpha - ref["alpha"]) <= tol).all(), (alpha, ref["alpha"], tol)
+    assert abs(alpha.sum() - 1) <= 1e-12
+    np.testing.assert_allclose([x["weight"] for x in by_index], alpha, rtol=0, atol=0)
+    T = len(tok["prompt"])
+    assert j["usage"]["forward_tokens"] == T + sum(T - s for s, _ in spans)
     if arch == "gemma3":
         # a window of 48 tokens: the first documents are outside the local layers' view
         assert len(tok["prompt"]) - 1 - spans[0][0] >= 48

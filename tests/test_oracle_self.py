@@ -1,5 +1,5 @@
 """Checks of the numpy oracle itself against ground truth it did not produce: llama.cpp's logits
-and greedy output for stories260K, hand-made GGUF files, the invariants DESIGN §2 states for
+and greedy output for stories260K, hand-made GGUF files, the invariants docs/design.md, Method states for
 the calibration math, and (slow, when installed) Gemma 3 270M continuing plain English."""
 import json
 import pathlib

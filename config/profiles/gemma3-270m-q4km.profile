@@ -26,3 +26,4 @@ layers = 5,11,17
 # relevance_score = sigmoid(score_scale * rel_scaled + score_bias)
 score_scale = 17.261
 score_bias = -4.49968
+temperature = 0.05

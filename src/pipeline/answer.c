@@ -220,209 +220,238 @@ static fitm_status rank(fitm_reranker *r, const fitm_answer_request *req, fitm_r
     return fitm_reranker_run(r, &q, stop, stop_arg, out, err);
 }
 
+/* One answer's working state, allocated once before the token loop. */
+typedef struct {
+    int32_t K, L;
+    int32_t *order;        /* (K) the document at each position                       */
+    fitm_rerank_doc *docs; /* (K) the request's documents in that order (shallow)     */
+    fitm_span *spans;      /* (K) their bodies in the answer prompt, by position      */
+    float *alpha;          /* (K) the intervention's weights, by position             */
+    uint8_t *use;          /* (L) the layers intervened in                            */
+    fitm_intervention iv;
+    bool intervene;
+    sampler sm;
+    text_buf text;
+    int64_t T, max_gen;
+} answer_state;
+
+static void state_free(answer_state *s)
+{
+    free(s->order);
+    free(s->docs);
+    free(s->spans);
+    free(s->alpha);
+    free(s->use);
+    free(s->sm.logits);
+    free(s->sm.sorted);
+    free(s->text.v);
+}
+
+static fitm_status state_init(const fitm_reranker *r, const fitm_answer_request *req,
+                              answer_state *s, fitm_answer_result *res, fitm_err *err)
+{
+    const fitm_model_config *c = fitm_model_config_of(fitm_reranker_model(r));
+    const int32_t K = req->base.n_docs;
+    bool sorted = req->temperature > 0 && req->top_p < 1.0;
+    *s = (answer_state){.K = K, .L = c->n_layer,
+                        .sm = {.req = req, .V = c->n_vocab, .rng = req->seed}};
+    s->order = malloc((size_t)K * sizeof *s->order);
+    s->docs = malloc((size_t)K * sizeof *s->docs);
+    s->spans = calloc((size_t)K, sizeof *s->spans);
+    s->alpha = malloc((size_t)K * sizeof *s->alpha);
+    s->use = calloc((size_t)s->L, 1);
+    s->sm.logits = malloc((size_t)s->sm.V * sizeof *s->sm.logits);
+    s->sm.sorted = sorted ? malloc((size_t)s->sm.V * sizeof *s->sm.sorted) : NULL;
+    res->docs = calloc((size_t)K, sizeof *res->docs);
+    res->n_docs = K;
+    if (!s->order || !s->docs || !s->spans || !s->alpha || !s->use || !s->sm.logits ||
+        !res->docs || (sorted && !s->sm.sorted))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t k = 0; k < K; k++) {
+        s->order[k] = k;
+        s->alpha[k] = 1.0f / (float)K;
+        res->docs[k] = (fitm_answer_doc){.index = k, .position = k, .weight = 1.0 / K};
+    }
+    return FITM_OK;
+}
+
+/* Step 1, order: the documents reordered by req->reorder (most relevant first), then the
+ * intervention's weights from the calibrated scores of the reordered documents. */
+static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *req,
+                                   answer_state *s, bool (*stop)(const void *),
+                                   const void *stop_arg, fitm_answer_result *res, fitm_err *err)
+{
+    fitm_rerank_result rr = {0};
+    fitm_status st = FITM_OK;
+    if (req->reorder >= 0) {
+        st = rank(r, req, (fitm_rerank_method)req->reorder, req->base.docs, stop, stop_arg, &rr,
+                  err);
+        for (int32_t p = 0; st == FITM_OK && p < s->K; p++)
+            s->order[p] = rr.results[p].index;
+        res->forward_tokens += rr.usage.forward_tokens;
+        fitm_rerank_result_free(&rr);
+    }
+    for (int32_t p = 0; st == FITM_OK && p < s->K; p++) {
+        s->docs[p] = req->base.docs[s->order[p]];
+        res->docs[s->order[p]].position = p;
+    }
+    if (st == FITM_OK && req->calibrate) {
+        st = rank(r, req, FITM_RERANK_CALIBRATED, s->docs, stop, stop_arg, &rr, err);
+        for (int32_t i = 0; st == FITM_OK && i < s->K; i++) {
+            int32_t p = rr.results[i].index; /* the reordered request's index = position */
+            s->alpha[p] = (float)rr.results[i].weight;
+            res->docs[s->order[p]].weight = rr.results[i].weight;
+            res->docs[s->order[p]].calibrated_attention = rr.results[i].calibrated_attention;
+        }
+        res->forward_tokens += rr.usage.forward_tokens;
+        fitm_rerank_result_free(&rr);
+    }
+    return st;
+}
+
+/* The layers of the intervention: the request's, else the last half. */
+static fitm_status intervention_layers(const fitm_answer_request *req, answer_state *s,
+                                       fitm_err *err)
+{
+    if (!req->intervene_layers) {
+        for (int32_t l = s->L / 2; l < s->L; l++)
+            s->use[l] = 1;
+        return FITM_OK;
+    }
+    for (int32_t i = 0; i < req->n_intervene_layers; i++) {
+        int32_t l = req->intervene_layers[i] < 0 ? req->intervene_layers[i] + s->L
+                                                 : req->intervene_layers[i];
+        if (l < 0 || l >= s->L)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'intervention_layers[%d]' = %d: the model has %d layers", (int)i,
+                                (int)req->intervene_layers[i], (int)s->L);
+        s->use[l] = 1;
+    }
+    return FITM_OK;
+}
+
+/* Step 2, prefill: the answer prompt (the answer template for a model without a chat
+ * template, else the chat-wrapped prompt of docs/design.md, Method) with the documents in order, run with
+ * the intervention; rows the prompt cache already holds (rows before the intervention are
+ * the same with or without it) are not recomputed. */
+static fitm_status prefill(fitm_reranker *r, const fitm_answer_request *req, answer_state *s,
+                           bool (*stop)(const void *), const void *stop_arg,
+                           fitm_answer_result *res, fitm_err *err)
+{
+    const int64_t n_ctx = fitm_reranker_n_ctx(r);
+    fitm_rerank_request q = req->base;
+    q.docs = s->docs;
+    fitm_status st = fitm_reranker_prompt(r, &q, fitm_reranker_answer_frame(r), NULL,
+                                          &res->tokens, &s->T, s->spans, err);
+    if (st != FITM_OK)
+        return st;
+    if (s->T > n_ctx)
+        return fitm_err_set(err, FITM_ERR_LIMIT,
+                            "the prompt is %lld tokens, over the context of %lld tokens: send "
+                            "fewer or shorter documents",
+                            (long long)s->T, (long long)n_ctx);
+    /* Every generated token but the last needs a KV row. */
+    s->max_gen = req->max_tokens < n_ctx - s->T + 1 ? req->max_tokens : n_ctx - s->T + 1;
+    int32_t *grown = realloc(res->tokens, (size_t)(s->T + s->max_gen) * sizeof *grown);
+    res->spans = malloc((size_t)s->K * sizeof *res->spans);
+    if (grown)
+        res->tokens = grown;
+    if (!grown || !res->spans)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    res->prompt_tokens = s->T;
+    for (int32_t p = 0; p < s->K; p++)
+        res->spans[s->order[p]] = s->spans[p];
+    if ((st = intervention_layers(req, s, err)) != FITM_OK)
+        return st;
+    s->iv = (fitm_intervention){.spans = s->spans, .n_spans = s->K, .alpha = s->alpha,
+                                .layers = s->use, .from_pos = s->spans[s->K - 1].end};
+    s->intervene = req->calibrate;
+    int64_t start = fitm_reranker_cached(r, res->tokens, s->T);
+    int64_t limit = s->intervene ? s->iv.from_pos : s->T - 1;
+    start = start < limit ? start : limit;
+    st = fitm_reranker_prefill(r, res->tokens, s->T, start, s->intervene ? &s->iv : NULL,
+                               s->sm.logits, stop, stop_arg, err);
+    res->forward_tokens += s->T - start;
+    return st;
+}
+
+/* Step 3, decode: sample, hand out text, stop at EOS, a stop string or the length. */
+static fitm_status decode(fitm_reranker *r, const fitm_answer_request *req, answer_state *s,
+                          bool (*stop)(const void *), const void *stop_arg,
+                          fitm_answer_on_delta on_delta, void *delta_arg, double t0,
+                          fitm_answer_result *res, fitm_err *err)
+{
+    /* Room for typical pieces up front, so the token loop rarely grows the text. */
+    s->text.cap = (size_t)s->max_gen * 32 + 1;
+    if (!(s->text.v = malloc(s->text.cap)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the answer text");
+    s->text.v[0] = '\0';
+    const fitm_tokenizer *tok = fitm_reranker_tokenizer(r);
+    fitm_status st = FITM_OK;
+    res->finish = FITM_FINISH_LENGTH;
+    int64_t n_done = 0;
+    while (st == FITM_OK && n_done < s->max_gen) {
+        int32_t next = sample(&s->sm);
+        res->tokens[s->T + n_done++] = next;
+        res->completion_tokens = n_done;
+        if (n_done == 1)
+            res->first_token_ms = now_ms() - t0;
+        if (fitm_tok_is_eog(tok, next)) {
+            res->finish = FITM_FINISH_STOP;
+            break;
+        }
+        char piece[FITM_TOK_MAX_PIECE_BYTES];
+        size_t n_piece = 0;
+        if ((st = fitm_tok_piece(tok, next, 0, piece, sizeof piece, &n_piece, err)) != FITM_OK ||
+            (st = text_append(&s->text, piece, n_piece, err)) != FITM_OK)
+            break;
+        if (cut_at_stop(req, &s->text, n_piece)) {
+            res->finish = FITM_FINISH_STOP;
+            break;
+        }
+        if ((st = flush(req, &s->text, false, on_delta, delta_arg, err)) != FITM_OK ||
+            n_done == s->max_gen)
+            break;
+        if (stop && stop(stop_arg))
+            return stopped(err);
+        int64_t pos = s->T + n_done - 1;
+        st = fitm_reranker_step(r, next, pos, s->intervene ? &s->iv : NULL, s->sm.logits, err);
+        res->forward_tokens += st == FITM_OK;
+    }
+    res->n_tokens = s->T + n_done;
+    if (st == FITM_OK)
+        st = flush(req, &s->text, true, on_delta, delta_arg, err);
+    return st;
+}
+
 fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
                             bool (*stop)(const void *), const void *stop_arg,
                             fitm_answer_on_delta on_delta, void *delta_arg, fitm_answer_result *res,
                             fitm_err *err)
 {
     memset(res, 0, sizeof *res);
-    double t0 = now_ms();
-    fitm_reranker_parts P;
-    fitm_reranker_parts_of(r, &P);
-    const fitm_model_config *c = fitm_model_config_of(P.m);
-    const int32_t K = req->base.n_docs, L = c->n_layer;
-    fitm_status st = FITM_OK;
-    fitm_rerank_result rr = {0};
-    int32_t *order = malloc((size_t)K * sizeof *order);
-    fitm_rerank_doc *docs = malloc((size_t)K * sizeof *docs);
-    fitm_span *spans = calloc((size_t)K, sizeof *spans);
-    float *alpha = malloc((size_t)K * sizeof *alpha);
-    uint8_t *use = calloc((size_t)L, 1);
-    text_buf text = {0};
-    sampler sm = {.req = req, .V = c->n_vocab, .rng = req->seed};
-    sm.logits = malloc((size_t)sm.V * sizeof *sm.logits);
-    sm.sorted =
-        req->temperature > 0 && req->top_p < 1.0 ? malloc((size_t)sm.V * sizeof *sm.sorted) : NULL;
-    res->docs = calloc((size_t)K, sizeof *res->docs);
-    res->n_docs = K;
-    if (!order || !docs || !spans || !alpha || !use || !sm.logits || !res->docs ||
-        (req->temperature > 0 && req->top_p < 1.0 && !sm.sorted)) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    for (int32_t k = 0; k < K; k++) {
-        order[k] = k;
-        alpha[k] = 1.0f / (float)K;
-        res->docs[k] = (fitm_answer_doc){.index = k, .position = k, .weight = 1.0 / K};
-    }
-
-    /* Reorder (most relevant first), then calibrate on the reordered prompt. */
-    if (req->reorder >= 0) {
-        if ((st = rank(r, req, (fitm_rerank_method)req->reorder, req->base.docs, stop, stop_arg,
-                       &rr, err)) != FITM_OK)
-            goto done;
-        for (int32_t p = 0; p < K; p++)
-            order[p] = rr.results[p].index;
-        res->forward_tokens += rr.usage.forward_tokens;
-        fitm_rerank_result_free(&rr);
-    }
-    for (int32_t p = 0; p < K; p++) {
-        docs[p] = req->base.docs[order[p]];
-        res->docs[order[p]].position = p;
-    }
-    if (req->calibrate) {
-        if ((st = rank(r, req, FITM_RERANK_CALIBRATED, docs, stop, stop_arg, &rr, err)) != FITM_OK)
-            goto done;
-        for (int32_t i = 0; i < K; i++) {
-            int32_t p = rr.results[i].index; /* the reordered request's index = position */
-            alpha[p] = (float)rr.results[i].relevance_score;
-            res->docs[order[p]].weight = rr.results[i].relevance_score;
-            res->docs[order[p]].calibrated_attention = rr.results[i].calibrated_attention;
-        }
-        res->forward_tokens += rr.usage.forward_tokens;
-        fitm_rerank_result_free(&rr);
-    }
+    const double t0 = now_ms();
+    answer_state s;
+    fitm_status st = state_init(r, req, &s, res, err);
+    if (st == FITM_OK)
+        st = order_documents(r, req, &s, stop, stop_arg, res, err);
     res->rank_ms = now_ms() - t0;
-
-    int64_t T = 0;
-    if ((st = fitm_reranker_prompt(r, &req->base, order, &res->tokens, &T, spans, err)) != FITM_OK)
-        goto done;
-    if (T > P.n_ctx) {
-        st = fitm_err_set(err, FITM_ERR_LIMIT,
-                          "the prompt is %lld tokens, over the context of %lld tokens: send "
-                          "fewer or shorter documents",
-                          (long long)T, (long long)P.n_ctx);
-        goto done;
-    }
-    /* Every generated token but the last needs a KV row. */
-    int64_t max_gen = req->max_tokens < P.n_ctx - T + 1 ? req->max_tokens : P.n_ctx - T + 1;
-    int32_t *grown = realloc(res->tokens, (size_t)(T + max_gen) * sizeof *grown);
-    if (!grown) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    res->tokens = grown;
-    res->prompt_tokens = T;
-    res->spans = malloc((size_t)K * sizeof *res->spans);
-    if (!res->spans) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    for (int32_t p = 0; p < K; p++)
-        res->spans[order[p]] = spans[p];
-    /* Room for typical pieces up front, so the token loop rarely grows the text. */
-    text.cap = (size_t)max_gen * 32 + 1;
-    if (!(text.v = malloc(text.cap))) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the answer text");
-        goto done;
-    }
-    text.v[0] = '\0';
-
-    if (req->intervene_layers) {
-        for (int32_t i = 0; i < req->n_intervene_layers; i++) {
-            int32_t l = req->intervene_layers[i];
-            if (l < 0)
-                l += L;
-            if (l < 0 || l >= L) {
-                st = fitm_err_set(err, FITM_ERR_INVALID,
-                                  "'intervention_layers[%d]' = %d: the model has %d layers", (int)i,
-                                  (int)req->intervene_layers[i], (int)L);
-                goto done;
-            }
-            use[l] = 1;
-        }
-    } else {
-        for (int32_t l = L / 2; l < L; l++)
-            use[l] = 1;
-    }
-    fitm_intervention iv = {
-        .spans = spans, .n_spans = K, .alpha = alpha, .layers = use, .from_pos = spans[K - 1].end};
-    const fitm_intervention *ivp = req->calibrate ? &iv : NULL;
-
-    /* Prefill on the batch path in every chunk (as `fitm generate`'s one call), logits for the
-     * last prompt token. The calibrated scoring just computed this very prompt into the cache
-     * (rerank.h), and rows before the intervention are the same with or without it: only
-     * [from_pos, T) is recomputed then. */
-    double t1 = now_ms();
-    int64_t start = req->calibrate ? iv.from_pos : 0;
-    for (int64_t off = start; off < T; off += P.chunk) {
-        if (stop && stop(stop_arg)) {
-            st = stopped(err);
-            goto done;
-        }
-        int64_t len = T - off < P.chunk ? T - off : P.chunk;
-        bool last = off + len == T;
-        fitm_forward_opts o = {.n_logits = last ? 1 : 0,
-                               .logits = last ? sm.logits : NULL,
-                               .intervention = ivp,
-                               .path = FITM_PATH_BATCH};
-        if ((st = fitm_forward_run(P.fwd, P.kv, res->tokens + off, len, off, &o, err)) != FITM_OK)
-            goto forward_failed;
-    }
-    res->forward_tokens += T - start;
+    const double t1 = now_ms();
+    if (st == FITM_OK)
+        st = prefill(r, req, &s, stop, stop_arg, res, err);
     res->prefill_ms = now_ms() - t1;
-
-    double t2 = now_ms();
-    res->finish = FITM_FINISH_LENGTH;
-    int64_t n_done = 0;
-    while (n_done < max_gen) {
-        int32_t next = sample(&sm);
-        res->tokens[T + n_done++] = next;
-        res->completion_tokens = n_done;
-        if (n_done == 1)
-            res->first_token_ms = now_ms() - t0;
-        if (fitm_tok_is_eog(P.tok, next)) {
-            res->finish = FITM_FINISH_STOP;
-            break;
-        }
-        char piece[FITM_TOK_MAX_PIECE_BYTES];
-        size_t n_piece = 0;
-        if ((st = fitm_tok_piece(P.tok, next, 0, piece, sizeof piece, &n_piece, err)) != FITM_OK ||
-            (st = text_append(&text, piece, n_piece, err)) != FITM_OK)
-            goto done;
-        if (cut_at_stop(req, &text, n_piece)) {
-            res->finish = FITM_FINISH_STOP;
-            break;
-        }
-        if ((st = flush(req, &text, false, on_delta, delta_arg, err)) != FITM_OK)
-            goto done;
-        if (n_done == max_gen)
-            break;
-        if (stop && stop(stop_arg)) {
-            st = stopped(err);
-            goto done;
-        }
-        int64_t pos = T + n_done - 1;
-        fitm_forward_opts o = {.n_logits = 1, .logits = sm.logits, .intervention = ivp};
-        if ((st = fitm_forward_run(P.fwd, P.kv, &res->tokens[pos], 1, pos, &o, err)) != FITM_OK)
-            goto forward_failed;
-        res->forward_tokens++;
-    }
-    if ((st = flush(req, &text, true, on_delta, delta_arg, err)) != FITM_OK)
-        goto done;
-    res->n_tokens = T + n_done;
+    const double t2 = now_ms();
+    if (st == FITM_OK)
+        st = decode(r, req, &s, stop, stop_arg, on_delta, delta_arg, t0, res, err);
     res->decode_ms = now_ms() - t2;
-    if (!text.v && (st = text_append(&text, "", 0, err)) != FITM_OK)
-        goto done;
-    res->answer = text.v;
-    res->answer_len = text.n;
-    text.v = NULL;
-    res->total_ms = now_ms() - t0;
-    goto done;
-forward_failed:
-    if (st == FITM_ERR_INVALID || st == FITM_ERR_LIMIT) {
-        fitm_err_prefix(err, "forward pass");
-        st = FITM_ERR_INTERNAL; /* arguments were checked: this is a bug */
+    if (st == FITM_OK && !s.text.v)
+        st = text_append(&s.text, "", 0, err);
+    if (st == FITM_OK) {
+        res->answer = s.text.v;
+        res->answer_len = s.text.n;
+        s.text.v = NULL;
     }
-done:
-    fitm_rerank_result_free(&rr);
-    free(order);
-    free(docs);
-    free(spans);
-    free(alpha);
-    free(use);
-    free(sm.logits);
-    free(sm.sorted);
-    free(text.v);
+    res->total_ms = now_ms() - t0;
+    state_free(&s);
     return st;
 }

@@ -1,7 +1,10 @@
 /* answer: the request and result of POST /answer as plain C structs (filled and written by
- * api.c), and the pipeline on the engine's thread: docs/design.md's prompt (the reranker's, with
- * exact document spans), alpha from the calibrated scores, then generation with the
- * intervention in the chosen layers for every query row after the last document.
+ * api.c), and the pipeline on the engine's thread, in three steps: order (an optional
+ * reorder, then alpha = the calibrated method's weights), prefill (the answer prompt: the
+ * answer template for a base model, else the reranker's inside the chat template, with exact
+ * document spans; rows the reranker's cache already holds are reused) and decode, with the
+ * intervention in the chosen layers for every query row after the last document. It uses the
+ * reranker only through rerank.h's shared interface.
  *
  * Ownership: a request owns every string and array it points to (fitm_answer_request_free);
  * a result likewise (fitm_answer_result_free).
@@ -17,13 +20,13 @@
 #include "base/status.h"
 #include "pipeline/rerank.h"
 
-/* Most stop strings a request may carry, and their longest length in bytes. */
+/* Most stop strings a request may carry, and their longest length. */
 #define FITM_ANSWER_MAX_STOP 8
-#define FITM_ANSWER_MAX_STOP_BYTES 256
+#define FITM_ANSWER_MAX_STOP_CHARS 64 /* code points (at most 256 bytes) */
 
 typedef struct {
     /* query, docs, max_tokens_per_doc, model, return_tokens; method is CALIBRATED and
-     * temperature/layers/dummy are the calibration options. */
+     * opt and dummy are the calibration options. */
     fitm_rerank_request base;
     int32_t max_tokens; /* in [1, server limit]                                        */
     char **stop;        /* (n_stop) owned, non-empty strings                           */

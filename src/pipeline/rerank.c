@@ -1,4 +1,4 @@
-#include "pipeline/rerank.h"
+#include "pipeline/rerank_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -18,6 +18,7 @@ static const char *method_names[FITM_RERANK_METHOD_COUNT] = {
     [FITM_RERANK_ATTENTION_SORT] = "attention_sort",
     [FITM_RERANK_QUERY_LIKELIHOOD] = "query_likelihood",
     [FITM_RERANK_RELEVANCE] = "relevance",
+    [FITM_RERANK_PAPER] = "paper",
 };
 
 const char *fitm_rerank_method_name(fitm_rerank_method m)
@@ -46,9 +47,10 @@ void fitm_rerank_request_free(fitm_rerank_request *req)
     free(req->docs);
     free(req->query);
     free(req->model);
-    free(req->layers);
+    fitm_score_opts_free(&req->opt);
     free(req->dummy);
     memset(req, 0, sizeof *req);
+    fitm_score_opts_init(&req->opt);
 }
 
 void fitm_rerank_result_free(fitm_rerank_result *res)
@@ -57,28 +59,41 @@ void fitm_rerank_result_free(fitm_rerank_result *res)
         return;
     free(res->results);
     free(res->meta.layers);
-    free(res->tokens);
-    free(res->spans);
-    free(res->dummy_tokens);
-    free(res->dummy_offsets);
+    fitm_score_opts_free(&res->meta.opts);
+    for (int32_t g = 0; res->groups && g < res->n_groups; g++) {
+        fitm_rerank_tokens *t = &res->groups[g];
+        free(t->ids);
+        free(t->spans);
+        free(t->dummy_tokens);
+        free(t->dummy_offsets);
+        free(t->null_ids);
+        free(t->null_spans);
+    }
+    free(res->groups);
     memset(res, 0, sizeof *res);
+    fitm_score_opts_init(&res->meta.opts);
 }
 
 /* ---- the pipeline ------------------------------------------------------------------------ */
 
 /* Liu et al.'s query-aware prompt (docs/design.md, Method). */
-static const char PROMPT_HEAD[] = "Write a high-quality answer for the given question using only "
-                                  "the provided search results (some of which might be "
-                                  "irrelevant).\n\nQuestion: ";
+const fitm_rerank_frame fitm_rerank_default_frame = {
+    .before = "Write a high-quality answer for the given question using only the provided "
+              "search results (some of which might be irrelevant).\n\nQuestion: {question}\n\n",
+    .after = "\nQuestion: {question}\nAnswer:",
+};
 
-typedef struct {
-    const char *name;
-    const char *marker; /* in tokenizer.chat_template, and a token of the vocabulary */
-    const char *head;   /* before the user's content (control tokens parsed)          */
-    const char *tail;   /* after it, up to where the model's answer starts            */
-} chat_template;
+const char fitm_rerank_answer_template[] =
+    "Answer the question in a few words, using only the documents.\\n\\n"
+    "Document [1](Title: Orla Penmarric) Orla Penmarric (1871-1930) was a Velmish engineer who "
+    "built the lighthouse of Carrow Point.\\n"
+    "Document [2](Title: Tamsin Hale) Tamsin Hale is a painter from the river town of "
+    "Lindwick.\\n\\n"
+    "Question: Who built the lighthouse of Carrow Point?\\nAnswer: Orla Penmarric\\n\\n"
+    "Question: Where is Tamsin Hale from?\\nAnswer: Lindwick\\n\\n"
+    "{documents}\\nQuestion: {question}\\nAnswer:";
 
-static const chat_template templates[] = {
+static const fitm_rr_template templates[] = {
     {"raw", NULL, "", ""},
     {"gemma", "<start_of_turn>", "<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"},
     {"chatml", "<|im_start|>", "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"},
@@ -88,33 +103,12 @@ static const chat_template templates[] = {
 };
 #define N_TEMPLATES (sizeof templates / sizeof templates[0])
 
-struct fitm_reranker {
-    const fitm_model *m;
-    const fitm_tokenizer *tok;
-    fitm_backend *b;
-    fitm_forward *fwd;
-    fitm_kv *kv;     /* the prompt's cache, [0, T)            */
-    fitm_kv *branch; /* one reference pass: [s_k, T) on kv    */
-    int64_t n_ctx, chunk;
-    const chat_template *tmpl;
-    int32_t *dummy;  /* default dummy ids (" " + dummy_text)  */
-    int64_t n_dummy;
-    int32_t L, H, V;
-    int64_t logit_rows; /* min(LOGIT_ROWS, chunk)                                  */
-    float *logits;   /* (logit_rows, V) host, for query_likelihood and relevance */
-};
-
 /* Logit rows per forward call (query_likelihood scores its question in pieces of this). */
 #define LOGIT_ROWS 32
 /* Passes of attention_sort (Peysakhovich & Lerer sort and rerun; the last pass scores). */
 #define SORT_PASSES 3
 
-typedef struct {
-    int32_t *v;
-    int64_t n, cap;
-} ids_vec;
-
-static fitm_status vec_reserve(ids_vec *a, int64_t more, fitm_err *err)
+fitm_status fitm_rr_reserve(fitm_rr_ids *a, int64_t more, fitm_err *err)
 {
     if (a->n + more <= a->cap)
         return FITM_OK;
@@ -130,17 +124,16 @@ static fitm_status vec_reserve(ids_vec *a, int64_t more, fitm_err *err)
     return FITM_OK;
 }
 
-/* Tokenizes text[0..len) and appends at most keep ids (keep < 0: all). */
-static fitm_status encode_append(const fitm_tokenizer *tok, ids_vec *a, const char *text,
-                                 size_t len, uint32_t flags, int64_t keep, fitm_err *err)
+fitm_status fitm_rr_encode(const fitm_tokenizer *tok, fitm_rr_ids *a, const char *text,
+                           size_t len, uint32_t flags, int64_t keep, fitm_err *err)
 {
     int64_t room = (int64_t)len + 8, n = 0;
-    fitm_status st = vec_reserve(a, room, err);
+    fitm_status st = fitm_rr_reserve(a, room, err);
     if (st != FITM_OK)
         return st;
     st = fitm_tok_encode(tok, text, len, flags, a->v + a->n, room, &n, err);
     if (st == FITM_ERR_LIMIT && n > room) {
-        if ((st = vec_reserve(a, n, err)) != FITM_OK)
+        if ((st = fitm_rr_reserve(a, n, err)) != FITM_OK)
             return st;
         st = fitm_tok_encode(tok, text, len, flags, a->v + a->n, n, &n, err);
     }
@@ -150,13 +143,14 @@ static fitm_status encode_append(const fitm_tokenizer *tok, ids_vec *a, const ch
     return FITM_OK;
 }
 
-static double now_ms(void)
+double fitm_rr_now_ms(void)
 {
     return fitm_clock_ms();
 }
+#define now_ms fitm_rr_now_ms
 
-static const chat_template *pick_template(const fitm_model *m, const fitm_tokenizer *tok,
-                                          const char *want)
+static const fitm_rr_template *pick_template(const fitm_model *m, const fitm_tokenizer *tok,
+                                             const char *want)
 {
     if (want && strcmp(want, "auto") != 0) {
         for (size_t i = 0; i < N_TEMPLATES; i++)
@@ -187,14 +181,74 @@ void fitm_reranker_destroy(fitm_reranker *r)
     fitm_kv_destroy(r->branch);
     fitm_kv_destroy(r->kv);
     fitm_forward_destroy(r->fwd);
+    fitm_score_opts_free(&r->defaults);
     free(r->dummy);
     free(r->logits);
+    free(r->kv_ids);
+    free(r->answer_text);
     free(r);
 }
 
 const char *fitm_reranker_template(const fitm_reranker *r)
 {
     return r->tmpl->name;
+}
+
+/* The default dummy's ids: " " + text. */
+static fitm_status encode_dummy(fitm_reranker *r, const char *text, fitm_err *err)
+{
+    fitm_rr_ids d = {0};
+    size_t dl = strlen(text);
+    char *t = malloc(dl + 2);
+    if (!t)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    t[0] = ' ';
+    memcpy(t + 1, text, dl + 1);
+    fitm_status st = fitm_rr_encode(r->tok, &d, t, dl + 1, FITM_TOK_CONTINUATION, -1, err);
+    free(t);
+    r->dummy = d.v;
+    r->n_dummy = d.n;
+    if (st == FITM_OK && r->n_dummy == 0)
+        st = fitm_err_set(err, FITM_ERR_INVALID, "dummy_text gives no tokens");
+    return st;
+}
+
+/* The answer template, "\\n" and "\\\\" unescaped, cut at its one {documents}. */
+static fitm_status parse_answer_template(fitm_reranker *r, const char *t, fitm_err *err)
+{
+    static const char DOCS[] = "{documents}";
+    t = t && *t ? t : fitm_rerank_answer_template;
+    char *u = malloc(strlen(t) + 1), *o = u;
+    if (!u)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (; *t; t++) {
+        bool esc = t[0] == '\\' && (t[1] == 'n' || t[1] == '\\');
+        *o++ = esc ? (t[1] == 'n' ? '\n' : '\\') : *t;
+        t += esc;
+    }
+    *o = '\0';
+    r->answer_text = u;
+    char *d = strstr(u, DOCS);
+    if (!d || strstr(d + 1, DOCS) || !strstr(d, "{question}"))
+        return fitm_err_set(err, FITM_ERR_INVALID, "answer_template must hold {documents} once "
+                                                   "and {question} after it");
+    *d = '\0';
+    r->answer_frame = (fitm_rerank_frame){.before = u, .after = d + sizeof DOCS - 1};
+    return FITM_OK;
+}
+
+/* Built-in options under the server's. */
+static fitm_status resolve_defaults(fitm_reranker *r, const fitm_reranker_params *p,
+                                    fitm_err *err)
+{
+    fitm_status st = fitm_score_opts_builtin(&r->defaults, r->L, err);
+    if (st == FITM_OK && p->defaults)
+        st = fitm_score_opts_overlay(&r->defaults, p->defaults, err);
+    if (st == FITM_OK && p->defaults && isnan(p->defaults->score_scale) &&
+        !isnan(p->defaults->temperature))
+        r->defaults.score_scale = 1.0 / r->defaults.temperature; /* still orders like weight */
+    r->paper_temperature = p->paper_temperature > 0 ? p->paper_temperature : 5e-5;
+    return st;
 }
 
 fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
@@ -209,6 +263,7 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
     fitm_reranker *r = calloc(1, sizeof *r);
     if (!r)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    fitm_score_opts_init(&r->defaults);
     r->m = m;
     r->tok = tok;
     r->b = b;
@@ -223,33 +278,19 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
                               .max_logits = r->logit_rows};
     fitm_status st;
     r->logits = malloc((size_t)r->logit_rows * (size_t)(uint32_t)r->V * sizeof *r->logits);
-    if (!r->logits) {
+    r->kv_ids = malloc((size_t)r->n_ctx * sizeof *r->kv_ids);
+    if (!r->logits || !r->kv_ids) {
         st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for logits");
         goto fail;
     }
     if ((st = fitm_forward_create(&r->fwd, m, b, &fp, err)) != FITM_OK ||
         (st = fitm_kv_create(&r->kv, b, c, r->n_ctx, err)) != FITM_OK ||
-        (st = fitm_kv_create(&r->branch, b, c, r->n_ctx, err)) != FITM_OK)
+        (st = fitm_kv_create(&r->branch, b, c, r->n_ctx, err)) != FITM_OK ||
+        (st = encode_dummy(r, p->dummy_text, err)) != FITM_OK ||
+        (st = resolve_defaults(r, p, err)) != FITM_OK ||
+        (st = parse_answer_template(r, p->answer_template, err)) != FITM_OK)
         goto fail;
-    ids_vec d = {0};
-    size_t dl = strlen(p->dummy_text);
-    char *text = malloc(dl + 2);
-    if (!text) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    text[0] = ' ';
-    memcpy(text + 1, p->dummy_text, dl + 1);
-    st = encode_append(tok, &d, text, dl + 1, FITM_TOK_CONTINUATION, -1, err);
-    free(text);
-    r->dummy = d.v;
-    r->n_dummy = d.n;
-    if (st != FITM_OK)
-        goto fail;
-    if (r->n_dummy == 0) {
-        st = fitm_err_set(err, FITM_ERR_INVALID, "dummy_text gives no tokens");
-        goto fail;
-    }
+    snprintf(r->profile, sizeof r->profile, "%s", p->profile ? p->profile : "");
     *out = r;
     return FITM_OK;
 fail:
@@ -258,76 +299,140 @@ fail:
     return st;
 }
 
-/* The prompt of docs/design.md, tokenized piecewise: ids, and the body span of the document at
- * each position. order[p] is the document at position p (NULL: request order). */
-static fitm_status build_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
-                                const int32_t *order, ids_vec *ids, fitm_span *spans,
-                                fitm_err *err)
+fitm_status fitm_rr_body(const fitm_reranker *r, const fitm_rerank_request *req, int32_t k,
+                         fitm_rr_ids *a, fitm_err *err)
 {
-    const fitm_tokenizer *tok = r->tok;
-    bool raw = r->tmpl == &templates[0];
-    fitm_status st;
-    /* BOS and the template's head (its control tokens parsed; user text never is). */
-    if ((st = encode_append(tok, ids, r->tmpl->head, strlen(r->tmpl->head),
-                            FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL, -1, err)) != FITM_OK)
-        return st;
-    size_t hl = strlen(PROMPT_HEAD);
-    size_t n = hl + req->query_len + 2;
-    char *buf = malloc(n + 1);
-    if (!buf)
+    const fitm_rerank_doc *d = &req->docs[k];
+    char *line = malloc(d->text_len + 2);
+    if (!line)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    memcpy(buf, PROMPT_HEAD, hl);
-    memcpy(buf + hl, req->query, req->query_len);
-    memcpy(buf + hl + req->query_len, "\n\n", 3);
-    st = encode_append(tok, ids, buf, n, raw ? 0 : FITM_TOK_CONTINUATION, -1, err);
-    free(buf);
-    if (st != FITM_OK)
-        return st;
-    for (int32_t k = 0; k < req->n_docs; k++) {
+    line[0] = ' ';
+    memcpy(line + 1, d->text, d->text_len);
+    fitm_status st = fitm_rr_encode(r->tok, a, line, d->text_len + 1, FITM_TOK_CONTINUATION,
+                                    req->max_tokens_per_doc, err);
+    free(line);
+    return st;
+}
+
+/* Appends text[0..len) with every {question} replaced by q (tokenized on its own, so its
+ * span is exact; a space before the marker goes with the question). *span: the last
+ * occurrence's span. first: the flags of the first piece. */
+static fitm_status encode_framed(const fitm_reranker *r, fitm_rr_ids *ids, const char *text,
+                                 const char *q, size_t q_len, uint32_t first, fitm_span *span,
+                                 fitm_err *err)
+{
+    static const char MARK[] = "{question}";
+    fitm_status st = FITM_OK;
+    uint32_t flags = first;
+    while (st == FITM_OK && *text) {
+        const char *m = strstr(text, MARK);
+        size_t n = m ? (size_t)(m - text) : strlen(text);
+        bool space = m && n > 0 && text[n - 1] == ' ';
+        if (n - space > 0) {
+            st = fitm_rr_encode(r->tok, ids, text, n - space, flags, -1, err);
+            flags = FITM_TOK_CONTINUATION;
+        }
+        if (!m || st != FITM_OK)
+            break;
+        char *piece = malloc(q_len + 2);
+        if (!piece)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        piece[0] = ' ';
+        memcpy(piece + 1, q, q_len);
+        int64_t s = ids->n;
+        st = fitm_rr_encode(r->tok, ids, piece + !space, q_len + space, flags, -1, err);
+        free(piece);
+        flags = FITM_TOK_CONTINUATION;
+        if (span)
+            *span = (fitm_span){.start = s, .end = ids->n};
+        text = m + sizeof MARK - 1;
+    }
+    return st;
+}
+
+/* The document lines: "Document [i](Title: t)" + body + "\n" each, spans of the bodies. */
+static fitm_status encode_documents(const fitm_reranker *r, const fitm_rerank_request *req,
+                                    const int32_t *order, int32_t n, fitm_rr_ids *ids,
+                                    fitm_span *spans, fitm_err *err)
+{
+    for (int32_t k = 0; k < n; k++) {
         const fitm_rerank_doc *d = &req->docs[order ? order[k] : k];
-        size_t cap = d->title_len + d->text_len + 64;
+        size_t cap = d->title_len + 64;
         char *line = malloc(cap);
         if (!line)
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
         int hn = snprintf(line, cap, "Document [%d](Title: %s)", (int)k + 1, d->title);
-        st = encode_append(tok, ids, line, (size_t)hn, FITM_TOK_CONTINUATION, -1, err);
-        if (st == FITM_OK) {
-            line[0] = ' ';
-            memcpy(line + 1, d->text, d->text_len);
-            spans[k].start = ids->n;
-            st = encode_append(tok, ids, line, d->text_len + 1, FITM_TOK_CONTINUATION,
-                               req->max_tokens_per_doc, err);
-            spans[k].end = ids->n;
-        }
+        fitm_status st = fitm_rr_encode(r->tok, ids, line, (size_t)hn, FITM_TOK_CONTINUATION, -1,
+                                        err);
         free(line);
+        spans[k].start = ids->n;
         if (st == FITM_OK)
-            st = encode_append(tok, ids, "\n", 1, FITM_TOK_CONTINUATION, -1, err);
+            st = fitm_rr_body(r, req, order ? order[k] : k, ids, err);
+        spans[k].end = ids->n;
+        if (st == FITM_OK)
+            st = fitm_rr_encode(r->tok, ids, "\n", 1, FITM_TOK_CONTINUATION, -1, err);
         if (st != FITM_OK)
             return st;
     }
-    n = 11 + req->query_len + 8;
-    buf = malloc(n + 1);
-    if (!buf)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    memcpy(buf, "\nQuestion: ", 11);
-    memcpy(buf + 11, req->query, req->query_len);
-    memcpy(buf + 11 + req->query_len, "\nAnswer:", 9);
-    st = encode_append(tok, ids, buf, n, FITM_TOK_CONTINUATION, -1, err);
-    free(buf);
-    if (st == FITM_OK && !raw)
-        st = encode_append(tok, ids, r->tmpl->tail, strlen(r->tmpl->tail),
-                           FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
+    return FITM_OK;
+}
+
+fitm_status fitm_rr_build_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const fitm_rerank_frame *f, const int32_t *order, int32_t n,
+                                 const fitm_rr_queries *q, fitm_rr_ids *ids, fitm_span *spans,
+                                 fitm_span *question, fitm_err *err)
+{
+    f = f ? f : &fitm_rerank_default_frame;
+    fitm_rr_queries own = {req->query, req->query, req->query_len, req->query_len};
+    q = q ? q : &own;
+    bool raw = r->tmpl == &templates[0];
+    fitm_span unused;
+    fitm_status st;
+    /* BOS and the template's head (its control tokens parsed; user text never is). */
+    if ((st = fitm_rr_encode(r->tok, ids, r->tmpl->head, strlen(r->tmpl->head),
+                             FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL, -1, err)) != FITM_OK ||
+        (st = encode_framed(r, ids, f->before, q->head, q->head_len,
+                            raw ? 0 : FITM_TOK_CONTINUATION, &unused, err)) != FITM_OK ||
+        (st = encode_documents(r, req, order, n, ids, spans, err)) != FITM_OK ||
+        (st = encode_framed(r, ids, f->after, q->tail, q->tail_len, FITM_TOK_CONTINUATION,
+                            question ? question : &unused, err)) != FITM_OK)
+        return st;
+    if (!raw)
+        st = fitm_rr_encode(r->tok, ids, r->tmpl->tail, strlen(r->tmpl->tail),
+                            FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
     return st;
 }
 
-/* Runs ids at positions [pos0, pos0 + n) on kv (a branch of prefix when prefix is non-NULL)
- * in chunks; cap (may be NULL) goes with the last chunk, which holds the last position. */
-static fitm_status run_tokens_logits(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix,
-                                     const int32_t *ids, int64_t n, int64_t pos0,
-                                     const fitm_capture *cap, int64_t n_logits,
-                                     bool (*stop)(const void *), const void *stop_arg,
-                                     fitm_err *err)
+/* The sub-capture of cap for the rows in [pos0, pos0 + n) (NULL when none are). */
+static const fitm_capture *capture_part(const fitm_reranker *r, const fitm_capture *cap,
+                                        int64_t pos0, int64_t n, fitm_capture *part)
 {
+    if (!cap)
+        return NULL;
+    int32_t i = 0, j;
+    while (i < cap->n_rows && cap->rows[i] < pos0)
+        i++;
+    for (j = i; j < cap->n_rows && cap->rows[j] < pos0 + n; j++)
+        ;
+    if (j == i)
+        return NULL;
+    const size_t per = (size_t)r->L * (size_t)r->H;
+    *part = *cap;
+    part->rows = cap->rows + i;
+    part->n_rows = j - i;
+    if (cap->span_mass)
+        part->span_mass = cap->span_mass + (size_t)i * per * (size_t)cap->n_spans;
+    if (cap->probs)
+        part->probs = cap->probs + (size_t)i * per * (size_t)cap->probs_stride;
+    return part;
+}
+
+fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
+                        int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
+                        fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
+{
+    if (kv == r->kv && r->kv_n > pos0)
+        r->kv_n = pos0; /* rows from pos0 on are about to change */
     for (int64_t off = 0; off < n; off += r->chunk) {
         if (stop && stop(stop_arg))
             return fitm_err_set(err, FITM_ERR_TIMEOUT,
@@ -335,9 +440,11 @@ static fitm_status run_tokens_logits(fitm_reranker *r, fitm_kv *kv, const fitm_k
                                 "shutting down");
         int64_t len = n - off < r->chunk ? n - off : r->chunk;
         bool last_call = off + len == n;
+        fitm_capture part;
         /* Always the batch path: a reference pass's last chunk may be one token, and its rows
          * must be computed exactly as the original pass's were. */
-        fitm_forward_opts o = {.prefix = prefix, .capture = last_call ? cap : NULL,
+        fitm_forward_opts o = {.prefix = prefix,
+                               .capture = capture_part(r, cap, pos0 + off, len, &part),
                                .n_logits = last_call ? n_logits : 0,
                                .logits = last_call && n_logits ? r->logits : NULL,
                                .path = FITM_PATH_BATCH};
@@ -348,17 +455,24 @@ static fitm_status run_tokens_logits(fitm_reranker *r, fitm_kv *kv, const fitm_k
         }
         if (st != FITM_OK)
             return st;
+        if (kv == r->kv && r->kv_n == pos0 + off && prefix == NULL) {
+            memcpy(r->kv_ids + pos0 + off, ids + off, (size_t)len * sizeof *ids);
+            r->kv_n = pos0 + off + len;
+        }
     }
     return FITM_OK;
 }
 
-/* run_tokens_logits without logits. */
+/* fitm_rr_run without logits. */
 static fitm_status run_tokens(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix,
                               const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                              bool (*stop)(const void *), const void *stop_arg, fitm_err *err)
+                              fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
 {
-    return run_tokens_logits(r, kv, prefix, ids, n, pos0, cap, 0, stop, stop_arg, err);
+    return fitm_rr_run(r, kv, prefix, ids, n, pos0, cap, 0, stop, stop_arg, err);
 }
+
+/* run_tokens_logits: the per-document methods' name for fitm_rr_run. */
+#define run_tokens_logits fitm_rr_run
 
 /* A[k]: mean over the span's visible chosen layers and all heads of (span mass / N_k). */
 static void doc_attention(const fitm_reranker *r, const float *mass, int32_t n_spans,
@@ -385,28 +499,42 @@ static int cmp_results(const void *a, const void *b)
     return x->index - y->index;
 }
 
-/* The layers to average over: the request's (negative = from the end), else every layer
- * that sees the whole context (all layers for models without sliding windows). */
-static fitm_status choose_layers(const fitm_reranker *r, const fitm_rerank_request *req,
-                                 uint8_t *use, fitm_rerank_meta *meta, fitm_err *err)
+void fitm_rr_sort(fitm_rerank_doc_result *res, int32_t K)
+{
+    qsort(res, (size_t)K, sizeof *res, cmp_results);
+}
+
+fitm_status fitm_rr_layers(const fitm_reranker *r, const int32_t *layers, int32_t n, uint8_t *use,
+                           fitm_err *err)
 {
     memset(use, 0, (size_t)(uint32_t)r->L);
-    if (req->layers) {
-        for (int32_t i = 0; i < req->n_layers; i++) {
-            int32_t l = req->layers[i] < 0 ? r->L + req->layers[i] : req->layers[i];
+    if (n > 0) {
+        for (int32_t i = 0; i < n; i++) {
+            int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
             if (l < 0 || l >= r->L)
                 return fitm_err_set(err, FITM_ERR_INVALID,
                                     "'layers[%d]' = %d: the model has %d layers", (int)i,
-                                    (int)req->layers[i], (int)r->L);
+                                    (int)layers[i], (int)r->L);
             use[l] = 1;
         }
-    } else {
-        bool any_global = false;
-        for (int32_t l = 0; l < r->L; l++)
-            any_global |= !fitm_model_layer(r->m, l)->local;
-        for (int32_t l = 0; l < r->L; l++)
-            use[l] = !any_global || !fitm_model_layer(r->m, l)->local;
+        return FITM_OK;
     }
+    bool any_global = false;
+    for (int32_t l = 0; l < r->L; l++)
+        any_global |= !fitm_model_layer(r->m, l)->local;
+    for (int32_t l = 0; l < r->L; l++)
+        use[l] = !any_global || !fitm_model_layer(r->m, l)->local;
+    return FITM_OK;
+}
+
+/* The layers to average over (fitm_rr_layers of the request's), listed into meta. */
+static fitm_status choose_layers(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 uint8_t *use, fitm_rerank_meta *meta, fitm_err *err)
+{
+    fitm_status st = fitm_rr_layers(r, req->opt.layers, req->opt.layers ? req->opt.n_layers : 0,
+                                    use, err);
+    if (st != FITM_OK)
+        return st;
     meta->layers = calloc((size_t)(uint32_t)r->L, sizeof *meta->layers);
     if (!meta->layers)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
@@ -416,8 +544,8 @@ static fitm_status choose_layers(const fitm_reranker *r, const fitm_rerank_reque
     return FITM_OK;
 }
 
-static fitm_status prompt_too_long(int64_t T, const fitm_reranker *r,
-                                   const fitm_rerank_request *req, fitm_err *err)
+fitm_status fitm_rr_too_long(int64_t T, const fitm_reranker *r, const fitm_rerank_request *req,
+                             fitm_err *err)
 {
     return fitm_err_set(err, FITM_ERR_LIMIT,
                         "the prompt is %lld tokens, over the context of %lld tokens even with "
@@ -425,164 +553,24 @@ static fitm_status prompt_too_long(int64_t T, const fitm_reranker *r,
                         "shorter documents",
                         (long long)T, (long long)r->n_ctx, (int)req->max_tokens_per_doc);
 }
+#define prompt_too_long fitm_rr_too_long
 
-/* calibrated and attention: one pass over the prompt, and for calibrated one reference pass
- * per document on a branch of the prompt's cache. */
-static fitm_status run_attention(fitm_reranker *r, const fitm_rerank_request *req,
-                                 bool (*stop)(const void *), const void *stop_arg,
-                                 fitm_rerank_result *res, fitm_err *err)
+
+/* The next pass's order: positions stably sorted by mass M, ascending (the most attended go
+ * last, next to the question); next is (K) scratch. */
+static void reorder_by_mass(int32_t *order, int32_t *next, const double *M, int32_t K)
 {
-    double t0 = now_ms();
-    const int32_t K = req->n_docs;
-    bool calibrated = req->method == FITM_RERANK_CALIBRATED;
-    ids_vec ids = {0}, dummy = {0};
-    fitm_span *spans = calloc((size_t)K, sizeof *spans);
-    uint8_t *use = malloc((size_t)r->L);
-    double *A = calloc((size_t)K * 2, sizeof *A), *A_dum = A ? A + K : NULL;
-    float *mass = malloc((size_t)r->L * (size_t)r->H * (size_t)K * sizeof *mass);
-    float *mass1 = malloc((size_t)r->L * (size_t)r->H * sizeof *mass1);
-    int32_t *ref = NULL;
-    fitm_status st = FITM_OK;
-    if (!spans || !use || !A || !mass || !mass1) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for %d documents", (int)K);
-        goto done;
-    }
-    if ((st = choose_layers(r, req, use, &res->meta, err)) != FITM_OK)
-        goto done;
-    if ((st = build_prompt(r, req, NULL, &ids, spans, err)) != FITM_OK)
-        goto done;
-    const int64_t T = ids.n;
-    if (T > r->n_ctx) {
-        st = prompt_too_long(T, r, req, err);
-        goto done;
-    }
-    /* The dummy: the request's text or the server's, as ids to repeat or cut. */
-    const int32_t *dv = r->dummy;
-    int64_t dn = r->n_dummy;
-    if (calibrated && req->dummy) {
-        char *t = malloc(req->dummy_len + 2);
-        if (!t) {
-            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-            goto done;
+    for (int32_t p = 0; p < K; p++)
+        next[p] = p;
+    for (int32_t i = 1; i < K; i++)
+        for (int32_t j = i; j > 0 && M[next[j - 1]] > M[next[j]]; j--) {
+            int32_t t = next[j];
+            next[j] = next[j - 1];
+            next[j - 1] = t;
         }
-        t[0] = ' ';
-        memcpy(t + 1, req->dummy, req->dummy_len + 1);
-        st = encode_append(r->tok, &dummy, t, req->dummy_len + 1, FITM_TOK_CONTINUATION, -1, err);
-        free(t);
-        if (st != FITM_OK)
-            goto done;
-        dv = dummy.v;
-        dn = dummy.n;
-    }
-    res->meta.tokenize_ms = now_ms() - t0;
-
-    double tf = now_ms();
-    const int64_t last = T - 1;
-    fitm_capture cap = {.rows = &last, .n_rows = 1, .spans = spans, .n_spans = K,
-                        .span_mass = mass};
-    if ((st = fitm_kv_rebase(r->kv, 0, err)) != FITM_OK ||
-        (st = run_tokens(r, r->kv, NULL, ids.v, T, 0, &cap, stop, stop_arg, err)) != FITM_OK)
-        goto done;
-    int64_t forward = T;
-    for (int32_t k = 0; k < K; k++)
-        doc_attention(r, mass, K, k, spans[k].start, spans[k].end - spans[k].start, use, last,
-                      &A[k]);
-
-    if (calibrated) {
-        int64_t total_ref = 0;
-        for (int32_t k = 0; k < K; k++)
-            total_ref += spans[k].end - spans[k].start;
-        ref = malloc((size_t)(T > 0 ? T : 1) * sizeof *ref);
-        if (req->return_tokens) {
-            res->dummy_tokens = malloc((size_t)(total_ref > 0 ? total_ref : 1) * sizeof(int32_t));
-            res->dummy_offsets = calloc((size_t)K, sizeof(int64_t));
-        }
-        if (!ref || (req->return_tokens && (!res->dummy_tokens || !res->dummy_offsets))) {
-            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-            goto done;
-        }
-        int64_t doff = 0;
-        for (int32_t k = 0; k < K; k++) {
-            /* Reference pass k: the dummy, length-matched, in place of document k's body;
-             * [0, s_k) is the original pass's cache, read through the branch. */
-            int64_t s = spans[k].start, e = spans[k].end, N = e - s;
-            for (int64_t i = 0; i < N; i++)
-                ref[i] = dv[i % dn];
-            memcpy(ref + N, ids.v + e, (size_t)(T - e) * sizeof *ref);
-            if (res->dummy_tokens) {
-                res->dummy_offsets[k] = doff;
-                memcpy(res->dummy_tokens + doff, ref, (size_t)N * sizeof *ref);
-                doff += N;
-            }
-            fitm_span own = {.start = s, .end = e};
-            fitm_capture c1 = {.rows = &last, .n_rows = 1, .spans = &own, .n_spans = 1,
-                               .span_mass = mass1};
-            if (req->prefix_reuse) {
-                if ((st = fitm_kv_rebase(r->branch, s, err)) != FITM_OK ||
-                    (st = run_tokens(r, r->branch, s > 0 ? r->kv : NULL, ref, T - s, s, &c1,
-                                     stop, stop_arg, err)) != FITM_OK)
-                    goto done;
-                forward += T - s;
-            } else {
-                /* The whole reference prompt from position 0 (for benchmarks and checks). */
-                memmove(ref + s, ref, (size_t)(T - s) * sizeof *ref);
-                memcpy(ref, ids.v, (size_t)s * sizeof *ref);
-                if ((st = fitm_kv_rebase(r->branch, 0, err)) != FITM_OK ||
-                    (st = run_tokens(r, r->branch, NULL, ref, T, 0, &c1, stop, stop_arg, err)) !=
-                        FITM_OK)
-                    goto done;
-                forward += T;
-            }
-            doc_attention(r, mass1, 1, 0, s, N, use, last, &A_dum[k]);
-        }
-    }
-    res->meta.forward_ms = now_ms() - tf;
-
-    res->results = calloc((size_t)K, sizeof *res->results);
-    if (!res->results) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    res->n_results = K;
-    double mx = -INFINITY, z = 0;
-    for (int32_t k = 0; k < K; k++) {
-        double rel = (A[k] - A_dum[k]) / req->temperature;
-        if (rel > mx)
-            mx = rel;
-    }
-    for (int32_t k = 0; k < K; k++)
-        z += exp((A[k] - A_dum[k]) / req->temperature - mx);
-    for (int32_t k = 0; k < K; k++) {
-        fitm_rerank_doc_result *o = &res->results[k];
-        o->index = k;
-        o->position = k;
-        o->attention = A[k];
-        o->dummy_attention = calibrated ? A_dum[k] : 0.0;
-        o->calibrated_attention = calibrated ? A[k] - A_dum[k] : 0.0;
-        o->relevance_score =
-            calibrated ? exp((A[k] - A_dum[k]) / req->temperature - mx) / z : A[k];
-    }
-    qsort(res->results, (size_t)K, sizeof *res->results, cmp_results);
-    res->usage.prompt_tokens = T;
-    res->usage.forward_tokens = forward;
-    res->usage.total_tokens = T;
-    if (req->return_tokens) {
-        res->tokens = ids.v;
-        res->n_tokens = T;
-        res->spans = spans;
-        ids.v = NULL;
-        spans = NULL;
-    }
-done:
-    free(ids.v);
-    free(dummy.v);
-    free(spans);
-    free(use);
-    free(A);
-    free(mass);
-    free(mass1);
-    free(ref);
-    return st;
+    for (int32_t p = 0; p < K; p++)
+        next[p] = order[next[p]];
+    memcpy(order, next, (size_t)K * sizeof *order);
 }
 
 /* attention_sort: score every document by its attention mass (sum over its tokens), move the
@@ -593,7 +581,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
 {
     double t0 = now_ms(), tok_ms = 0;
     const int32_t K = req->n_docs;
-    ids_vec ids = {0};
+    fitm_rr_ids ids = {0};
     fitm_span *spans = calloc((size_t)K, sizeof *spans);
     uint8_t *use = malloc((size_t)(uint32_t)r->L);
     int32_t *order = malloc((size_t)K * sizeof *order), *next = malloc((size_t)K * sizeof *next);
@@ -612,7 +600,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
     for (int pass = 0; pass < SORT_PASSES; pass++) {
         double tt = now_ms();
         ids.n = 0;
-        if ((st = build_prompt(r, req, order, &ids, spans, err)) != FITM_OK)
+        if ((st = fitm_rr_build_prompt(r, req, NULL, order, K, NULL, &ids, spans, NULL, err)) != FITM_OK)
             goto done;
         tok_ms += now_ms() - tt;
         T = ids.n;
@@ -634,18 +622,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
         }
         if (pass == SORT_PASSES - 1)
             break;
-        /* Stable insertion sort of positions by mass, ascending: the most attended go last. */
-        for (int32_t p = 0; p < K; p++)
-            next[p] = p;
-        for (int32_t i = 1; i < K; i++)
-            for (int32_t j = i; j > 0 && M[next[j - 1]] > M[next[j]]; j--) {
-                int32_t t = next[j];
-                next[j] = next[j - 1];
-                next[j - 1] = t;
-            }
-        for (int32_t p = 0; p < K; p++)
-            next[p] = order[next[p]];
-        memcpy(order, next, (size_t)K * sizeof *order);
+        reorder_by_mass(order, next, M, K);
     }
     res->results = calloc((size_t)K, sizeof *res->results);
     if (!res->results) {
@@ -693,8 +670,8 @@ static int answer_ids(const fitm_tokenizer *tok, const char *const *words, int32
 {
     int n = 0;
     for (int w = 0; w < 4; w++) {
-        ids_vec v = {0};
-        if (encode_append(tok, &v, words[w], strlen(words[w]), FITM_TOK_CONTINUATION, -1, NULL) ==
+        fitm_rr_ids v = {0};
+        if (fitm_rr_encode(tok, &v, words[w], strlen(words[w]), FITM_TOK_CONTINUATION, -1, NULL) ==
                 FITM_OK &&
             v.n > 0) {
             bool dup = false;
@@ -708,6 +685,123 @@ static int answer_ids(const fitm_tokenizer *tok, const char *const *words, int32
     return n;
 }
 
+/* The per-document methods' fixed texts and the ids of their answers. */
+static const char RESTRICT[] = " We can get the answer to this question in the given documents.";
+static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
+
+typedef struct {
+    bool ql;          /* query_likelihood, else relevance                           */
+    fitm_rr_ids q;    /* query_likelihood: " {query}" + RESTRICT, the scored tokens */
+    int32_t yes[4], no[4];
+    int n_yes, n_no;  /* relevance: first tokens of Yes/yes and No/no             */
+} per_doc;
+
+/* query_likelihood's prompt for document k: BOS, its text, "\n\nQuestion:", then the scored
+ * question (whose last token is never fed). */
+static fitm_status ql_prompt(const fitm_reranker *r, const fitm_rerank_request *req, int32_t k,
+                             const per_doc *pd, fitm_rr_ids *ids, fitm_err *err)
+{
+    const fitm_rerank_doc *d = &req->docs[k];
+    fitm_status st = fitm_rr_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, d->text, d->text_len, 0, req->max_tokens_per_doc, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1, err);
+    if (!st && !(st = fitm_rr_reserve(ids, pd->q.n, err))) {
+        memcpy(ids->v + ids->n, pd->q.v, (size_t)pd->q.n * sizeof *ids->v);
+        ids->n += pd->q.n;
+    }
+    return st;
+}
+
+/* relevance's prompt for document k, in the chat template: "Document: {text}\n\nQuestion:
+ * {query}" + ASK (+ "\nAnswer:" without a template). */
+static fitm_status relevance_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                    int32_t k, fitm_rr_ids *ids, fitm_err *err)
+{
+    const bool raw = fitm_reranker_is_raw(r);
+    fitm_status st = fitm_rr_encode(r->tok, ids, r->tmpl->head, strlen(r->tmpl->head),
+                                    FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL, -1, err);
+    if (!st)
+        st = fitm_rr_encode(r->tok, ids, "Document:", 9, raw ? 0 : FITM_TOK_CONTINUATION, -1, err);
+    if (!st)
+        st = fitm_rr_body(r, req, k, ids, err);
+    size_t qn = req->query_len + sizeof ASK + 32;
+    char *buf = st ? NULL : malloc(qn);
+    if (!st && !buf)
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (!st) {
+        int n = snprintf(buf, qn, "\n\nQuestion: %s%s%s", req->query, ASK, raw ? "\nAnswer:" : "");
+        st = fitm_rr_encode(r->tok, ids, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err);
+    }
+    free(buf);
+    if (!st && !raw)
+        st = fitm_rr_encode(r->tok, ids, r->tmpl->tail, strlen(r->tmpl->tail),
+                            FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
+    return st;
+}
+
+/* query_likelihood's score of a prompt of T fed tokens whose question starts at n_pre: the
+ * geometric-mean probability of the question's tokens, logit_rows at a time. */
+static fitm_status ql_score(fitm_reranker *r, const per_doc *pd, const fitm_rr_ids *ids,
+                            int64_t n_pre, int64_t T, fitm_rr_stop stop, const void *stop_arg,
+                            double *score, fitm_err *err)
+{
+    int64_t head = n_pre - 1; /* rows head .. T - 1 predict the question's tokens */
+    fitm_status st = FITM_OK;
+    if (head > 0)
+        st = run_tokens(r, r->kv, NULL, ids->v, head, 0, NULL, stop, stop_arg, err);
+    double sum = 0;
+    for (int64_t p = head; st == FITM_OK && p < T; p += r->logit_rows) {
+        int64_t n = T - p < r->logit_rows ? T - p : r->logit_rows;
+        st = run_tokens_logits(r, r->kv, NULL, ids->v + p, n, p, NULL, n, stop, stop_arg, err);
+        for (int64_t i = 0; st == FITM_OK && i < n; i++)
+            sum += log_prob(r->logits + i * r->V, r->V, ids->v[p + i + 1]);
+    }
+    *score = exp(sum / (double)pd->q.n);
+    return st;
+}
+
+/* relevance's score: P(yes) / (P(yes) + P(no)) after the whole prompt. */
+static fitm_status relevance_score(fitm_reranker *r, const per_doc *pd, const fitm_rr_ids *ids,
+                                   fitm_rr_stop stop, const void *stop_arg, double *score,
+                                   fitm_err *err)
+{
+    fitm_status st = run_tokens_logits(r, r->kv, NULL, ids->v, ids->n, 0, NULL, 1, stop,
+                                       stop_arg, err);
+    double py = 0, pn = 0;
+    for (int i = 0; st == FITM_OK && i < pd->n_yes; i++)
+        py += exp(log_prob(r->logits, r->V, pd->yes[i]));
+    for (int i = 0; st == FITM_OK && i < pd->n_no; i++)
+        pn += exp(log_prob(r->logits, r->V, pd->no[i]));
+    *score = py + pn > 0 ? py / (py + pn) : 0.5;
+    return st;
+}
+
+static fitm_status per_doc_init(const fitm_reranker *r, const fitm_rerank_request *req,
+                                per_doc *pd, fitm_err *err)
+{
+    static const char *const YES[4] = {" Yes", "Yes", " yes", "yes"};
+    static const char *const NO[4] = {" No", "No", " no", "no"};
+    if (pd->ql) {
+        size_t n = req->query_len + sizeof RESTRICT + 1;
+        char *buf = malloc(n);
+        if (!buf)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        int len = snprintf(buf, n, " %s%s", req->query, RESTRICT);
+        fitm_status st =
+            fitm_rr_encode(r->tok, &pd->q, buf, (size_t)len, FITM_TOK_CONTINUATION, -1, err);
+        free(buf);
+        return st;
+    }
+    pd->n_yes = answer_ids(r->tok, YES, pd->yes);
+    pd->n_no = answer_ids(r->tok, NO, pd->no);
+    if (!pd->n_yes || !pd->n_no)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "'method' = 'relevance': the vocabulary cannot spell Yes/No");
+    return FITM_OK;
+}
+
 /* query_likelihood (LongLLMLingua's r_k): per document, the mean log-probability of
  * " {query} We can get the answer to this question in the given documents." after
  * "{text}\n\nQuestion:"; relevance_score = exp of it (the tokens' geometric-mean probability).
@@ -719,138 +813,41 @@ static fitm_status run_per_document(fitm_reranker *r, const fitm_rerank_request 
                                     bool (*stop)(const void *), const void *stop_arg,
                                     fitm_rerank_result *res, fitm_err *err)
 {
-    static const char RESTRICT[] = " We can get the answer to this question in the given documents.";
-    static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
-    static const char *const YES[4] = {" Yes", "Yes", " yes", "yes"};
-    static const char *const NO[4] = {" No", "No", " no", "no"};
     double t0 = now_ms(), tok_ms = 0;
     const int32_t K = req->n_docs;
-    const bool ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD;
-    const bool raw = r->tmpl == &templates[0];
-    ids_vec ids = {0}, q = {0};
+    per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
+    fitm_rr_ids ids = {0};
     int64_t forward = 0, T_max = 0;
-    int32_t yes[4], no[4];
-    int n_yes = 0, n_no = 0;
-    fitm_status st = FITM_OK;
-    size_t qn = req->query_len + sizeof RESTRICT + sizeof ASK + 32;
-    char *buf = malloc(qn);
     res->results = calloc((size_t)K, sizeof *res->results);
-    if (!buf || !res->results) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    res->n_results = K;
-    if (ql) {
-        int n = snprintf(buf, qn, " %s%s", req->query, RESTRICT);
-        if ((st = encode_append(r->tok, &q, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err)))
-            goto done;
-    } else {
-        n_yes = answer_ids(r->tok, YES, yes);
-        n_no = answer_ids(r->tok, NO, no);
-        if (!n_yes || !n_no) {
-            st = fitm_err_set(err, FITM_ERR_UNSUPPORTED,
-                              "'method' = 'relevance': the vocabulary cannot spell Yes/No");
-            goto done;
-        }
-    }
-    for (int32_t k = 0; k < K; k++) {
-        const fitm_rerank_doc *d = &req->docs[k];
-        double tt = now_ms();
+    fitm_status st = res->results ? per_doc_init(r, req, &pd, err)
+                                  : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    res->n_results = res->results ? K : 0;
+    for (int32_t k = 0; st == FITM_OK && k < K; k++) {
+        double tt = now_ms(), score = 0;
         ids.n = 0;
-        uint32_t first = FITM_TOK_ADD_BOS | FITM_TOK_PARSE_SPECIAL;
-        if (ql) {
-            st = encode_append(r->tok, &ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
-            if (!st)
-                st = encode_append(r->tok, &ids, d->text, d->text_len, 0, req->max_tokens_per_doc,
-                                   err);
-            if (!st)
-                st = encode_append(r->tok, &ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1,
-                                   err);
-        } else {
-            st = encode_append(r->tok, &ids, r->tmpl->head, strlen(r->tmpl->head), first, -1, err);
-            if (!st)
-                st = encode_append(r->tok, &ids, "Document:", 9, raw ? 0 : FITM_TOK_CONTINUATION,
-                                   -1, err);
-            if (!st) {
-                char *t = malloc(d->text_len + 2);
-                if (!t) {
-                    st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-                    goto done;
-                }
-                t[0] = ' ';
-                memcpy(t + 1, d->text, d->text_len + 1);
-                st = encode_append(r->tok, &ids, t, d->text_len + 1, FITM_TOK_CONTINUATION,
-                                   req->max_tokens_per_doc, err);
-                free(t);
-            }
-            if (!st) {
-                int n = snprintf(buf, qn, "\n\nQuestion: %s%s%s", req->query, ASK,
-                                 raw ? "\nAnswer:" : "");
-                st = encode_append(r->tok, &ids, buf, (size_t)n, FITM_TOK_CONTINUATION, -1, err);
-            }
-            if (!st && !raw)
-                st = encode_append(r->tok, &ids, r->tmpl->tail, strlen(r->tmpl->tail),
-                                   FITM_TOK_CONTINUATION | FITM_TOK_PARSE_SPECIAL, -1, err);
-        }
-        if (st != FITM_OK)
-            goto done;
-        int64_t n_pre = ids.n;
-        if (ql) { /* the scored question follows the document */
-            if ((st = vec_reserve(&ids, q.n, err)) != FITM_OK)
-                goto done;
-            memcpy(ids.v + ids.n, q.v, (size_t)q.n * sizeof *q.v);
-            ids.n += q.n;
-        }
+        st = pd.ql ? ql_prompt(r, req, k, &pd, &ids, err) : relevance_prompt(r, req, k, &ids, err);
         tok_ms += now_ms() - tt;
-        int64_t T = ql ? ids.n - 1 : ids.n; /* the question's last token is never fed */
-        if (T > r->n_ctx) {
+        int64_t T = pd.ql ? ids.n - 1 : ids.n; /* the question's last token is never fed */
+        if (st == FITM_OK && T > r->n_ctx)
             st = prompt_too_long(T, r, req, err);
-            goto done;
-        }
+        if (st == FITM_OK)
+            st = fitm_kv_rebase(r->kv, 0, err);
+        if (st == FITM_OK)
+            st = pd.ql ? ql_score(r, &pd, &ids, ids.n - pd.q.n, T, stop, stop_arg, &score, err)
+                       : relevance_score(r, &pd, &ids, stop, stop_arg, &score, err);
         T_max = T > T_max ? T : T_max;
-        double score = 0;
-        if ((st = fitm_kv_rebase(r->kv, 0, err)) != FITM_OK)
-            goto done;
-        if (!ql) {
-            if ((st = run_tokens_logits(r, r->kv, NULL, ids.v, T, 0, NULL, 1, stop, stop_arg,
-                                        err)) != FITM_OK)
-                goto done;
-            double py = 0, pn = 0;
-            for (int i = 0; i < n_yes; i++)
-                py += exp(log_prob(r->logits, r->V, yes[i]));
-            for (int i = 0; i < n_no; i++)
-                pn += exp(log_prob(r->logits, r->V, no[i]));
-            score = py + pn > 0 ? py / (py + pn) : 0.5;
-        } else {
-            /* Rows n_pre - 1 .. T - 1 predict the question's tokens, logit_rows at a time. */
-            int64_t head = n_pre - 1;
-            if (head > 0 && (st = run_tokens(r, r->kv, NULL, ids.v, head, 0, NULL, stop, stop_arg,
-                                             err)) != FITM_OK)
-                goto done;
-            double sum = 0;
-            for (int64_t p = head; p < T; p += r->logit_rows) {
-                int64_t n = T - p < r->logit_rows ? T - p : r->logit_rows;
-                if ((st = run_tokens_logits(r, r->kv, NULL, ids.v + p, n, p, NULL, n, stop,
-                                            stop_arg, err)) != FITM_OK)
-                    goto done;
-                for (int64_t i = 0; i < n; i++)
-                    sum += log_prob(r->logits + i * r->V, r->V, ids.v[p + i + 1]);
-            }
-            score = exp(sum / (double)q.n);
-        }
         forward += T;
         res->results[k] = (fitm_rerank_doc_result){.index = k, .position = k,
                                                    .relevance_score = score};
     }
-    qsort(res->results, (size_t)K, sizeof *res->results, cmp_results);
+    if (st == FITM_OK)
+        fitm_rr_sort(res->results, K);
     res->usage = (fitm_rerank_usage){.prompt_tokens = T_max, .forward_tokens = forward,
                                      .total_tokens = T_max};
     res->meta.tokenize_ms = tok_ms;
     res->meta.forward_ms = now_ms() - t0 - tok_ms;
-done:
-    free(buf);
     free(ids.v);
-    free(q.v);
+    free(pd.q.v);
     return st;
 }
 
@@ -859,12 +856,13 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
                               fitm_rerank_result *res, fitm_err *err)
 {
     memset(res, 0, sizeof *res);
+    fitm_score_opts_init(&res->meta.opts);
     res->meta.method = req->method;
-    res->meta.temperature = req->temperature;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
     case FITM_RERANK_ATTENTION:
-        return run_attention(r, req, stop, stop_arg, res, err);
+    case FITM_RERANK_PAPER:
+        return fitm_rr_run_attention(r, req, stop, stop_arg, res, err);
     case FITM_RERANK_ATTENTION_SORT:
         return run_attention_sort(r, req, stop, stop_arg, res, err);
     case FITM_RERANK_QUERY_LIKELIHOOD:
@@ -876,19 +874,81 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     return fitm_err_set(err, FITM_ERR_INVALID, "'method': unknown");
 }
 
-void fitm_reranker_parts_of(fitm_reranker *r, fitm_reranker_parts *out)
+/* ---- what /answer shares ----------------------------------------------------------------- */
+
+const fitm_model *fitm_reranker_model(const fitm_reranker *r) { return r->m; }
+const fitm_tokenizer *fitm_reranker_tokenizer(const fitm_reranker *r) { return r->tok; }
+int64_t fitm_reranker_n_ctx(const fitm_reranker *r) { return r->n_ctx; }
+bool fitm_reranker_is_raw(const fitm_reranker *r) { return r->tmpl == &templates[0]; }
+
+const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r)
 {
-    *out = (fitm_reranker_parts){.m = r->m, .tok = r->tok, .fwd = r->fwd, .kv = r->kv,
-                                 .n_ctx = r->n_ctx, .chunk = r->chunk};
+    return fitm_reranker_is_raw(r) ? &r->answer_frame : &fitm_rerank_default_frame;
 }
 
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
-                                 const int32_t *order, int32_t **ids, int64_t *n_ids,
-                                 fitm_span *spans, fitm_err *err)
+                                 const fitm_rerank_frame *f, const int32_t *order, int32_t **ids,
+                                 int64_t *n_ids, fitm_span *spans, fitm_err *err)
 {
-    ids_vec v = {0};
-    fitm_status st = build_prompt(r, req, order, &v, spans, err);
+    fitm_rr_ids v = {0};
+    fitm_status st =
+        fitm_rr_build_prompt(r, req, f, order, req->n_docs, NULL, &v, spans, NULL, err);
     *ids = v.v;
     *n_ids = v.n;
     return st;
+}
+
+int64_t fitm_reranker_cached(const fitm_reranker *r, const int32_t *ids, int64_t n)
+{
+    int64_t i = 0;
+    while (i < n && i < r->kv_n && r->kv_ids[i] == ids[i])
+        i++;
+    return i;
+}
+
+/* Arguments were checked before any forward pass: its INVALID or LIMIT is a bug. */
+static fitm_status forward_failed(fitm_status st, fitm_err *err)
+{
+    if (st != FITM_ERR_INVALID && st != FITM_ERR_LIMIT)
+        return st;
+    fitm_err_prefix(err, "forward pass");
+    return FITM_ERR_INTERNAL;
+}
+
+fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t n, int64_t pos0,
+                                  const struct fitm_intervention *iv, float *logits,
+                                  bool (*stop)(const void *), const void *stop_arg, fitm_err *err)
+{
+    if (pos0 > fitm_reranker_cached(r, ids, pos0))
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "prefill from %lld: the cache holds less",
+                            (long long)pos0);
+    for (int64_t off = pos0; off < n; off += r->chunk) {
+        if (stop && stop(stop_arg))
+            return fitm_err_set(err, FITM_ERR_TIMEOUT, "stopped: the request's deadline passed "
+                                                       "or the server is shutting down");
+        int64_t len = n - off < r->chunk ? n - off : r->chunk;
+        bool last = off + len == n;
+        fitm_forward_opts o = {.n_logits = last && logits ? 1 : 0,
+                               .logits = last ? logits : NULL,
+                               .intervention = iv,
+                               .path = FITM_PATH_BATCH};
+        r->kv_n = off < r->kv_n ? off : r->kv_n;
+        fitm_status st = fitm_forward_run(r->fwd, r->kv, ids + off, len, off, &o, err);
+        if (st != FITM_OK)
+            return forward_failed(st, err);
+        /* Rows under an intervention are not the plain prompt's: not reusable. */
+        if (!iv) {
+            memcpy(r->kv_ids + off, ids + off, (size_t)len * sizeof *ids);
+            r->kv_n = off + len;
+        }
+    }
+    return FITM_OK;
+}
+
+fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
+                               const struct fitm_intervention *iv, float *logits, fitm_err *err)
+{
+    fitm_forward_opts o = {.n_logits = 1, .logits = logits, .intervention = iv};
+    r->kv_n = pos < r->kv_n ? pos : r->kv_n; /* generated rows are nobody's prompt */
+    return forward_failed(fitm_forward_run(r->fwd, r->kv, &id, 1, pos, &o, err), err);
 }

@@ -1,7 +1,8 @@
 /* rerank: the request and result of POST /rerank as plain C structs (filled and written by
  * api.c, which is the only JSON user), and the pipeline that turns one into the other on the
- * engine's thread (rerank.c: the prompt, spans, reference passes and scores of
- * docs/design.md, Method).
+ * engine's thread (rerank.c: the prompt, the per-document methods and attention_sort;
+ * rerank_attn.c: the attention methods in steps, score -> reference passes -> calibrate,
+ * with the scoring options of score.h).
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
  * releases them. A result likewise owns its arrays; fitm_rerank_result_free releases them.
@@ -16,13 +17,16 @@
 
 #include "base/status.h"
 #include "compute/ops.h"
+#include "pipeline/score.h"
 
 typedef enum {
-    FITM_RERANK_CALIBRATED = 0, /* alpha = softmax((A - A_dum) / t)  (default)            */
-    FITM_RERANK_ATTENTION,      /* uncalibrated A                                          */
+    FITM_RERANK_CALIBRATED = 0, /* attention scored with the scoring options (default)     */
+    FITM_RERANK_ATTENTION,      /* the same options with no reference: uncalibrated A      */
     FITM_RERANK_ATTENTION_SORT, /* Peysakhovich & Lerer: attention mass, sort, repeat      */
     FITM_RERANK_QUERY_LIKELIHOOD, /* LongLLMLingua r_k                                     */
     FITM_RERANK_RELEVANCE,      /* yes/no prompting                                        */
+    FITM_RERANK_PAPER,          /* the paper's recipe: last row, K dummy passes, mean,
+                                   difference, alpha = softmax(rel / t)                    */
     FITM_RERANK_METHOD_COUNT
 } fitm_rerank_method;
 
@@ -33,7 +37,7 @@ const char *fitm_rerank_method_name(fitm_rerank_method m);
 int fitm_rerank_method_parse(const char *s);
 
 /* Longest `layers` list a request may carry. */
-#define FITM_RERANK_MAX_LAYERS 512
+#define FITM_RERANK_MAX_LAYERS FITM_SCORE_MAX_LIST
 
 typedef struct {
     char *text;  /* owned, NUL-terminated, valid UTF-8 */
@@ -52,9 +56,8 @@ typedef struct {
     int32_t max_tokens_per_doc; /* 0: the server's limit; else in [1, server limit]     */
     char *model;                /* owned; NULL when absent (already checked by api)     */
     fitm_rerank_method method;
-    double temperature;         /* > 0; 0 in the struct means the server default        */
-    int32_t *layers;            /* (n_layers) owned; NULL: the method's default layers  */
-    int32_t n_layers;
+    fitm_score_opts opt;        /* owned; the options the request sets (others unset:
+                                   the server's defaults)                                  */
     char *dummy;                /* owned; NULL: the server's dummy text                 */
     size_t dummy_len;
     bool return_tokens;
@@ -67,11 +70,14 @@ void fitm_rerank_request_free(fitm_rerank_request *req);
 
 typedef struct {
     int32_t index;               /* the document's index in the request                   */
-    double relevance_score;      /* the method's score; for calibrated: alpha             */
-    int32_t position;            /* 0-based place of the document in the scored prompt     */
-    double calibrated_attention; /* rel = A - A_dum (0 for methods without reference passes) */
+    double relevance_score;      /* the method's score: calibrated: sigmoid(score_scale x
+                                    rel_scaled + score_bias); paper: alpha; attention: A   */
+    int32_t position;            /* 0-based place of the document in its scored prompt     */
+    double calibrated_attention; /* rel (0 for methods without a reference)                */
     double attention;            /* A                                                      */
-    double dummy_attention;      /* A_dum (0 without reference passes)                     */
+    double dummy_attention;      /* A_ref, the reference's attention (0 without one)       */
+    double weight;               /* alpha = softmax(rel_scaled / temperature) over K (the
+                                    attention methods; 0 for the others)                   */
 } fitm_rerank_doc_result;
 
 typedef struct {
@@ -86,21 +92,38 @@ typedef struct {
     int32_t *layers; /* (n_layers) owned: the layers scores were averaged over */
     int32_t n_layers;
     double temperature;
+    bool has_opts;        /* the attention methods: opts holds the options used          */
+    fitm_score_opts opts; /* owned, every option set (layers as given, before resolving) */
+    int32_t n_groups;     /* prompts scored (windows)                                   */
+    char profile[256];    /* the server's profile ("" when none)                         */
 } fitm_rerank_meta;
+
+/* One scored prompt's tokens (return_tokens): its ids, each document's body span, the span of
+ * the trailing question, the dummy ids of its reference passes (document j's dummy is
+ * dummy_tokens + dummy_offsets[j], spans[j] long; NULL without dummy passes), and the
+ * null reference's prompt with its spans and question span (NULL without one). Documents
+ * first_doc .. first_doc + n_docs - 1 of the request, in that order. */
+typedef struct {
+    int32_t first_doc, n_docs;
+    int32_t *ids;
+    int64_t n_ids;
+    fitm_span *spans;
+    fitm_span question;
+    int32_t *dummy_tokens;
+    int64_t *dummy_offsets;
+    int32_t *null_ids;
+    int64_t n_null_ids;
+    fitm_span *null_spans;
+    fitm_span null_question;
+} fitm_rerank_tokens;
 
 typedef struct {
     fitm_rerank_doc_result *results; /* (n_results) owned, sorted by relevance_score desc */
     int32_t n_results;               /* K (the writer cuts to top_n)                     */
     fitm_rerank_usage usage;
     fitm_rerank_meta meta;
-    /* With return_tokens: the prompt's ids, each document's span, and for each reference
-     * pass the ids that replaced [s_k, e_k) (dummy_tokens + dummy_offsets[k], of length
-     * spans[k].end - spans[k].start). NULL/0 otherwise. */
-    int32_t *tokens;
-    int64_t n_tokens;
-    fitm_span *spans; /* (n_results) */
-    int32_t *dummy_tokens;
-    int64_t *dummy_offsets; /* (n_results) */
+    fitm_rerank_tokens *groups; /* (n_groups) owned, with return_tokens; NULL otherwise */
+    int32_t n_groups;
 } fitm_rerank_result;
 
 /* Releases what res owns and zeroes it. NULL is a no-op. */
@@ -112,16 +135,33 @@ typedef struct fitm_model fitm_model;
 typedef struct fitm_tokenizer fitm_tokenizer;
 typedef struct fitm_backend fitm_backend;
 typedef struct fitm_reranker fitm_reranker;
+struct fitm_intervention;
 
 typedef struct {
     int64_t n_ctx;             /* most prompt tokens (KV rows); <= the model's context      */
     int64_t chunk;             /* tokens per forward call (prefill batch)                   */
     const char *dummy_text;    /* the default dummy document text                           */
     const char *chat_template; /* auto | raw | chatml | gemma | llama2 | llama3             */
+    const fitm_score_opts *defaults; /* the server's scoring options (profile and config);
+                                        unset ones take the built-in defaults; may be NULL */
+    double paper_temperature;  /* t of method paper when the request has none (> 0)        */
+    const char *answer_template; /* /answer's prompt for a model without a chat template:
+                                    text with one {documents} and, after it, {question};
+                                    "\n" for a newline. NULL or "": the built-in one       */
+    const char *profile;       /* what meta reports as the profile in use; NULL: none      */
 } fitm_reranker_params;
 
+/* The built-in answer_template: two short worked examples (a name, a place) before the
+ * documents, so a base model answers in a few words instead of continuing the documents'
+ * prose. Two answer types, because a single example made the model copy its answer type; a
+ * trailing "Answer in a few words:" cue alone made it repeat the cue. The answer ends at the
+ * line break (send stop "\n"). */
+extern const char fitm_rerank_answer_template[];
+
 /* Prepares a reranker: the forward scratch and two KV caches of n_ctx rows (the prompt's and
- * one reference branch), allocated once. Borrows m, tok and b, which must outlive it. */
+ * one reference branch), allocated once, and the scoring defaults (built-in under
+ * p->defaults). Borrows m, tok and b, which must outlive it. FITM_ERR_INVALID for an
+ * answer_template without {documents} and {question}. */
 fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
                                  const fitm_tokenizer *tok, fitm_backend *b,
                                  const fitm_reranker_params *p, fitm_err *err);
@@ -135,7 +175,7 @@ const char *fitm_reranker_template(const fitm_reranker *r);
 /* Scores req's documents (docs/design.md) into *res (the caller frees it, also after a failure).
  * stop(stop_arg) is polled between forward calls; when it returns true the run ends with
  * FITM_ERR_TIMEOUT. Errors: FITM_ERR_LIMIT when the prompt does not fit n_ctx even after
- * per-document truncation, FITM_ERR_INVALID for layers the model does not have,
+ * per-document truncation, FITM_ERR_INVALID for layers or heads the model does not have,
  * FITM_ERR_UNSUPPORTED for methods not implemented yet, FITM_ERR_BACKEND from the backend.
  * Not thread-safe: one thread runs a reranker at a time. */
 fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
@@ -144,28 +184,51 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
 
 /* ---- what /answer shares (answer.c) ----------------------------------------------------- */
 
-/* The reranker's model, tokenizer, forward scratch and prompt cache, for a pipeline that runs
- * on the same thread between reranker runs (it may overwrite the cache freely). Borrowed.
- * Promise: after a successful fitm_reranker_run with method calibrated or attention, kv holds
- * exactly the scored prompt's rows [0, T) (what fitm_reranker_prompt builds for the same
- * request), computed on the batch path for every row but possibly the last. */
+/* The model and tokenizer the reranker serves, and its context (KV rows). Borrowed. */
+const fitm_model *fitm_reranker_model(const fitm_reranker *r);
+const fitm_tokenizer *fitm_reranker_tokenizer(const fitm_reranker *r);
+int64_t fitm_reranker_n_ctx(const fitm_reranker *r);
+
+/* Whether the chat template in use is raw (no template: a base model's prompt). */
+bool fitm_reranker_is_raw(const fitm_reranker *r);
+
+/* A prompt frame: the text before the documents and after them. Each may hold {question}
+ * (replaced by the query; the span of its last occurrence in `after` is the question span).
+ * The chat template's head and tail wrap the whole. */
 typedef struct {
-    const fitm_model *m;
-    const fitm_tokenizer *tok;
-    struct fitm_forward *fwd;
-    struct fitm_kv *kv;
-    int64_t n_ctx; /* KV rows                       */
-    int64_t chunk; /* tokens per forward call, >= 1 */
-} fitm_reranker_parts;
+    const char *before, *after;
+} fitm_rerank_frame;
 
-void fitm_reranker_parts_of(fitm_reranker *r, fitm_reranker_parts *out);
+/* The frame of the prompt of docs/design.md (Method) (Liu et al.'s, used by the attention methods). */
+extern const fitm_rerank_frame fitm_rerank_default_frame;
 
-/* The prompt (docs/design.md) for req exactly as fitm_reranker_run builds it: *ids (malloc'd, the
- * caller frees it, also after a failure) of *n_ids tokens, and spans[p] (K entries, caller's)
- * the body of the document at position p. order[p] is the document at position p (NULL:
- * request order). */
+/* /answer's frame: the answer template's when the chat template is raw, else the default
+ * frame (inside the chat template). Valid while r lives. */
+const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r);
+
+/* The prompt for req in frame f (NULL: the default frame) exactly as the attention methods
+ * build it: *ids (malloc'd, the caller frees it, also after a failure) of *n_ids tokens, and
+ * spans[p] (K entries, caller's) the body of the document at position p. order[p] is the
+ * document at position p (NULL: request order). */
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
-                                 const int32_t *order, int32_t **ids, int64_t *n_ids,
-                                 fitm_span *spans, fitm_err *err);
+                                 const fitm_rerank_frame *f, const int32_t *order, int32_t **ids,
+                                 int64_t *n_ids, fitm_span *spans, fitm_err *err);
+
+/* How many leading rows of the prompt cache hold exactly ids[0, n) (what the last run left
+ * there): a pipeline may start its forward pass at any position up to that. */
+int64_t fitm_reranker_cached(const fitm_reranker *r, const int32_t *ids, int64_t n);
+
+/* Runs ids (n tokens) at positions [pos0, pos0 + n) on the prompt cache on the batch path in
+ * chunks (pos0 <= fitm_reranker_cached of the prompt so far), with the intervention iv (may
+ * be NULL) and the last token's logits into logits (V floats; may be NULL). stop as in
+ * fitm_reranker_run. For prefill; decode steps use fitm_reranker_step. */
+fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t n, int64_t pos0,
+                                  const struct fitm_intervention *iv, float *logits,
+                                  bool (*stop)(const void *), const void *stop_arg,
+                                  fitm_err *err);
+
+/* One decode step: token id at position pos (the cache holds [0, pos)), logits (V) out. */
+fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
+                               const struct fitm_intervention *iv, float *logits, fitm_err *err);
 
 #endif

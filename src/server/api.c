@@ -196,16 +196,78 @@ static fitm_status parse_documents(const cJSON *arr, const char *field,
     return FITM_OK;
 }
 
-/* The calibration options (temperature, layers, dummy) of obj; pre prefixes field names in
- * messages ("" for /rerank's top level, "calibration." for /answer's). */
+/* The scoring option `name` given as JSON, in its text form for fitm_score_opts_set: enum
+ * names as strings, counts and reals as numbers, heads as [[layer, head], ...]. */
+static fitm_status option_text(const cJSON *it, const char *pre, const char *name, char *buf,
+                               size_t cap, fitm_err *err)
+{
+    bool list = !strcmp(name, "heads");
+    if (*fitm_score_enum_choices(name)) {
+        if (!cJSON_IsString(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' must be one of %s", pre, name,
+                                fitm_score_enum_choices(name));
+        snprintf(buf, cap, "%s", it->valuestring);
+        return FITM_OK;
+    }
+    if (!list) {
+        if (!cJSON_IsNumber(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' must be a number", pre, name);
+        snprintf(buf, cap, "%.17g", it->valuedouble);
+        return FITM_OK;
+    }
+    int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 0;
+    if (n < 1 || n > FITM_SCORE_MAX_LIST)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'%s%s' must be an array of 1 to %d [layer, head] pairs", pre, name,
+                            FITM_SCORE_MAX_LIST);
+    size_t used = 0;
+    for (int i = 0; i < n; i++) {
+        const cJSON *pr = cJSON_GetArrayItem(it, i);
+        const cJSON *l = cJSON_GetArrayItem(pr, 0), *h = cJSON_GetArrayItem(pr, 1);
+        if (!cJSON_IsArray(pr) || cJSON_GetArraySize(pr) != 2 || !cJSON_IsNumber(l) ||
+            !cJSON_IsNumber(h) || l->valuedouble != (double)(int)l->valuedouble ||
+            h->valuedouble != (double)(int)h->valuedouble)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s[%d]' must be [layer, head]", pre,
+                                name, i);
+        used += (size_t)snprintf(buf + used, cap - used, "%s%d:%d", i ? "," : "",
+                                 (int)l->valuedouble, (int)h->valuedouble);
+        if (used >= cap)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' is too long", pre, name);
+    }
+    return FITM_OK;
+}
+
+/* The scoring options of obj other than layers and temperature (score.h's names); pre
+ * prefixes field names in messages. */
+static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_score_opts *o,
+                                       fitm_err *err)
+{
+    static const char *const names[] = {"rows",        "heads",  "aggregate",  "skip_first",
+                                        "reference",   "dummy_source", "form", "sink_factor",
+                                        "window",      "score_scale",  "score_bias"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
+        if (!it || cJSON_IsNull(it))
+            continue;
+        char text[8 * FITM_SCORE_MAX_LIST + 64];
+        fitm_status st = option_text(it, pre, names[i], text, sizeof text, err);
+        if (st == FITM_OK && (st = fitm_score_opts_set(o, names[i], text, err)) != FITM_OK)
+            fitm_err_prefix(err, "'%s%s'", pre, names[i]);
+        if (st != FITM_OK)
+            return FITM_ERR_INVALID;
+    }
+    return FITM_OK;
+}
+
+/* The calibration options (temperature, layers, dummy and the scoring options) of obj; pre
+ * prefixes field names in messages ("" for /rerank's top level, "calibration." for
+ * /answer's). Options the request leaves out stay unset (the server's defaults). */
 static fitm_status parse_calibration(const cJSON *root, const char *pre,
-                                     const fitm_api_limits *lim, fitm_rerank_request *out,
-                                     fitm_err *err)
+                                     fitm_rerank_request *out, fitm_err *err)
 {
     fitm_status st;
     int64_t v;
     const cJSON *it;
-    out->temperature = lim->default_temperature;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsNumber(it))
             return fitm_err_set(err, FITM_ERR_INVALID, "'%stemperature' must be a number", pre);
@@ -213,7 +275,7 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
         if (!isfinite(t) || t < 1e-12 || t > 1e6)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'%stemperature' = %g is out of range [1e-12, 1e6]", pre, t);
-        out->temperature = t;
+        out->opt.temperature = t;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "layers")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsArray(it))
@@ -223,10 +285,10 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
         if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
             return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must list 1 to %d layers",
                                 pre, FITM_RERANK_MAX_LAYERS);
-        out->layers = calloc((size_t)n, sizeof *out->layers);
-        if (!out->layers)
+        out->opt.layers = calloc((size_t)n, sizeof *out->opt.layers);
+        if (!out->opt.layers)
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        out->n_layers = n;
+        out->opt.n_layers = n;
         int i = 0;
         const cJSON *l;
         cJSON_ArrayForEach(l, it)
@@ -238,7 +300,7 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
             if ((st = take_int(l, name, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v,
                                err)) != FITM_OK)
                 return st;
-            out->layers[i++] = (int32_t)v;
+            out->opt.layers[i++] = (int32_t)v;
         }
     }
     char dname[48];
@@ -249,7 +311,7 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
         if (out->dummy_len == 0)
             return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is empty", dname);
     }
-    return FITM_OK;
+    return parse_score_options(root, pre, &out->opt, err);
 }
 
 static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits *lim,
@@ -326,11 +388,26 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
         if (m < 0)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'method' = '%.100s': must be one of calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance",
+                                "attention_sort, query_likelihood, relevance, paper",
                                 it->valuestring);
         out->method = (fitm_rerank_method)m;
     }
-    return parse_calibration(root, "", lim, out, err);
+    return parse_calibration(root, "", out, err);
+}
+
+/* Whether the JSON text holds the escape \u0000: cJSON ends a string there, so the rest of
+ * that string would be silently lost (a stop string or a document cut short). Each backslash
+ * is taken with the character it escapes, so "\\u0000" is not one. */
+static bool has_nul_escape(const char *body, size_t len)
+{
+    for (size_t i = 0; i + 1 < len; i++) {
+        if (body[i] != '\\')
+            continue;
+        if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4))
+            return true;
+        i++;
+    }
+    return false;
 }
 
 /* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
@@ -340,6 +417,9 @@ static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_e
     *root = NULL;
     if (len == 0)
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
+    if (has_nul_escape(body, len))
+        return fitm_err_set(err, FITM_ERR_INVALID, "a string holds \\u0000 (NUL), which fitm "
+                                                   "does not accept");
     const char *end = NULL;
     cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!r) {
@@ -361,6 +441,7 @@ fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_l
                                   fitm_rerank_request *out, fitm_err *err)
 {
     memset(out, 0, sizeof *out);
+    fitm_score_opts_init(&out->opt);
     cJSON *root = NULL;
     fitm_status st = parse_body(body, len, &root, err);
     if (st != FITM_OK)
@@ -413,32 +494,98 @@ static cJSON *int_array(const int32_t *v, int64_t n)
     return a;
 }
 
+static bool add_span(cJSON *obj, const char *name, fitm_span s)
+{
+    int32_t se[2] = {(int32_t)s.start, (int32_t)s.end};
+    cJSON *sp = int_array(se, 2);
+    if (sp && cJSON_AddItemToObject(obj, name, sp))
+        return true;
+    cJSON_Delete(sp);
+    return false;
+}
+
+static bool add_spans(cJSON *obj, const char *name, const fitm_span *s, int32_t n)
+{
+    cJSON *arr = cJSON_AddArrayToObject(obj, name);
+    for (int32_t k = 0; arr && k < n; k++) {
+        int32_t se[2] = {(int32_t)s[k].start, (int32_t)s[k].end};
+        cJSON *sp = int_array(se, 2);
+        if (!sp || !cJSON_AddItemToArray(arr, sp)) {
+            cJSON_Delete(sp);
+            return false;
+        }
+    }
+    return arr != NULL;
+}
+
+/* One scored prompt's tokens into obj: prompt, spans, question, dummies (per document, in
+ * request order), and null_prompt, null_spans, null_question with a null reference. */
+static bool add_group_tokens(cJSON *obj, const fitm_rerank_tokens *g)
+{
+    cJSON *prompt = int_array(g->ids, g->n_ids);
+    if (!prompt || !cJSON_AddItemToObject(obj, "prompt", prompt) ||
+        !cJSON_AddNumberToObject(obj, "first_document", g->first_doc) ||
+        !add_spans(obj, "spans", g->spans, g->n_docs) || !add_span(obj, "question", g->question))
+        return false;
+    cJSON *dums = cJSON_AddArrayToObject(obj, "dummies");
+    if (!dums)
+        return false;
+    for (int32_t k = 0; g->dummy_tokens && k < g->n_docs; k++) {
+        cJSON *d = int_array(g->dummy_tokens + g->dummy_offsets[k],
+                             g->spans[k].end - g->spans[k].start);
+        if (!d || !cJSON_AddItemToArray(dums, d))
+            return false;
+    }
+    if (!g->null_ids)
+        return true;
+    cJSON *np = int_array(g->null_ids, g->n_null_ids);
+    return np && cJSON_AddItemToObject(obj, "null_prompt", np) &&
+           add_spans(obj, "null_spans", g->null_spans, g->n_docs) &&
+           add_span(obj, "null_question", g->null_question);
+}
+
+/* `tokens`: the first scored prompt's fields, and `groups` with every prompt's (windows). */
 static bool add_tokens(cJSON *root, const fitm_rerank_result *res)
 {
     cJSON *t = cJSON_AddObjectToObject(root, "tokens");
-    if (!t)
+    cJSON *groups = t ? cJSON_AddArrayToObject(t, "groups") : NULL;
+    if (!groups || !add_group_tokens(t, &res->groups[0]))
         return false;
-    cJSON *prompt = int_array(res->tokens, res->n_tokens);
-    if (!prompt || !cJSON_AddItemToObject(t, "prompt", prompt))
-        return false;
-    cJSON *spans = cJSON_AddArrayToObject(t, "spans");
-    cJSON *dums = cJSON_AddArrayToObject(t, "dummies");
-    if (!spans || !dums)
-        return false;
-    /* Spans and dummies in document (request) order. */
-    for (int32_t k = 0; k < res->n_results; k++) {
-        const fitm_span *s = &res->spans[k];
-        int32_t se[2] = {(int32_t)s->start, (int32_t)s->end};
-        cJSON *sp = int_array(se, 2);
-        if (!sp || !cJSON_AddItemToArray(spans, sp))
+    for (int32_t g = 0; g < res->n_groups; g++) {
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(groups, o) || !add_group_tokens(o, &res->groups[g]))
             return false;
-        if (res->dummy_tokens) {
-            cJSON *d = int_array(res->dummy_tokens + res->dummy_offsets[k], s->end - s->start);
-            if (!d || !cJSON_AddItemToArray(dums, d))
-                return false;
-        }
     }
     return true;
+}
+
+/* meta's scoring options (the attention methods). */
+static bool add_options(cJSON *meta, const fitm_score_opts *o, int32_t n_groups)
+{
+    if (!cJSON_AddStringToObject(meta, "rows", fitm_score_rows_name(o->rows)) ||
+        !cJSON_AddStringToObject(meta, "aggregate", fitm_score_aggregate_name(o->aggregate)) ||
+        !cJSON_AddNumberToObject(meta, "skip_first", o->skip_first) ||
+        !cJSON_AddStringToObject(meta, "reference", fitm_score_reference_name(o->reference)) ||
+        !cJSON_AddStringToObject(meta, "dummy_source",
+                                 fitm_score_dummy_source_name(o->dummy_source)) ||
+        !cJSON_AddStringToObject(meta, "form", fitm_score_form_name(o->form)) ||
+        !cJSON_AddNumberToObject(meta, "sink_factor", o->sink_factor) ||
+        !cJSON_AddNumberToObject(meta, "window", o->window) ||
+        !cJSON_AddNumberToObject(meta, "groups", n_groups) ||
+        !cJSON_AddNumberToObject(meta, "score_scale", o->score_scale) ||
+        !cJSON_AddNumberToObject(meta, "score_bias", o->score_bias))
+        return false;
+    if (!o->heads)
+        return true;
+    cJSON *heads = cJSON_AddArrayToObject(meta, "heads");
+    for (int32_t i = 0; heads && i < o->n_heads; i++) {
+        cJSON *pr = int_array(o->heads + 2 * i, 2);
+        if (!pr || !cJSON_AddItemToArray(heads, pr)) {
+            cJSON_Delete(pr);
+            return false;
+        }
+    }
+    return heads != NULL;
 }
 
 char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_result *res,
@@ -476,7 +623,8 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
         if (!cJSON_AddNumberToObject(o, "position", r->position) ||
             !cJSON_AddNumberToObject(o, "calibrated_attention", r->calibrated_attention) ||
             !cJSON_AddNumberToObject(o, "attention", r->attention) ||
-            !cJSON_AddNumberToObject(o, "dummy_attention", r->dummy_attention))
+            !cJSON_AddNumberToObject(o, "dummy_attention", r->dummy_attention) ||
+            (res->meta.has_opts && !cJSON_AddNumberToObject(o, "weight", r->weight)))
             goto done;
     }
     cJSON *usage = cJSON_AddObjectToObject(root, "usage");
@@ -496,10 +644,12 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
     cJSON *layers = int_array(res->meta.layers, res->meta.n_layers);
     if (!layers || !cJSON_AddItemToObject(meta, "layers", layers))
         goto done;
-    if (res->meta.method == FITM_RERANK_CALIBRATED &&
-        !cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature))
+    if (res->meta.has_opts &&
+        (!cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature) ||
+         !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
+         (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
         goto done;
-    if (req->return_tokens && res->tokens && !add_tokens(root, res))
+    if (req->return_tokens && res->n_groups > 0 && !add_tokens(root, res))
         goto done;
     out = cJSON_PrintUnformatted(root);
 done:
@@ -567,9 +717,12 @@ static fitm_status parse_stop(const cJSON *it, fitm_answer_request *out, fitm_er
         if (st != FITM_OK)
             return st;
         out->n_stop = i + 1;
-        if (len == 0 || len > FITM_ANSWER_MAX_STOP_BYTES)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d bytes", name,
-                                FITM_ANSWER_MAX_STOP_BYTES);
+        size_t chars = 0; /* code points: what the spec's maxLength counts */
+        for (size_t j = 0; j < len; j++)
+            chars += ((unsigned char)out->stop[i][j] & 0xC0) != 0x80;
+        if (len == 0 || chars > FITM_ANSWER_MAX_STOP_CHARS)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must have 1 to %d characters",
+                                name, FITM_ANSWER_MAX_STOP_CHARS);
     }
     return FITM_OK;
 }
@@ -644,7 +797,7 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsObject(it))
             return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
-        if ((st = parse_calibration(it, "calibration.", lim, &out->base, err)) != FITM_OK)
+        if ((st = parse_calibration(it, "calibration.", &out->base, err)) != FITM_OK)
             return st;
     }
     out->reorder = -1;
@@ -655,7 +808,7 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
         if (m == -1)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'reorder' must be one of none, calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance");
+                                "attention_sort, query_likelihood, relevance, paper");
         out->reorder = m < 0 ? -1 : m;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "intervention_layers")) &&
@@ -688,6 +841,7 @@ fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_l
                                   fitm_answer_request *out, fitm_err *err)
 {
     memset(out, 0, sizeof *out);
+    fitm_score_opts_init(&out->base.opt);
     cJSON *root = NULL;
     fitm_status st = parse_body(body, len, &root, err);
     if (st != FITM_OK)

@@ -44,7 +44,6 @@ typedef struct {
     int32_t max_documents;
     int32_t max_tokens_per_doc;
     const char *model_name; /* a request's `model`, when given, must equal it */
-    double default_temperature;
     int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
 } fitm_api_limits;
 

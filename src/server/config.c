@@ -67,7 +67,49 @@ static const opt opts[] = {
      "The quick brown fox jumps over the lazy dog while the sun sets behind the hills.", 0, 0,
      NULL, "neutral text of the dummy documents of the reference passes"},
     {"calib_temperature", REAL(calib_temperature), "5e-5", 1e-12, 1e6, NULL,
-     "default temperature t of alpha = softmax(rel / t)"},
+     "default temperature t of method paper's alpha = softmax(rel / t)"},
+    {"profile", STR(profile), "", 0, 0, NULL,
+     "scoring profile file (config/profiles/); empty = <model path without .gguf>.profile "
+     "when that exists, else none; 'none' = no profile"},
+    {"rows", STR(rows), "", 0, 0, NULL,
+     "scoring default: attention rows last|question|suffix; empty = the profile's, else "
+     "question"},
+    {"layers", STR(layers), "", 0, 0, NULL,
+     "scoring default: layers to average, comma-separated (negative from the end); empty = "
+     "the profile's, else the three at 28-44% of the depth (5,6,7 of 18)"},
+    {"heads", STR(heads), "", 0, 0, NULL,
+     "scoring default: layer:head pairs (overrides layers); empty = the profile's, else all "
+     "heads of the layers"},
+    {"aggregate", STR(aggregate), "", 0, 0, NULL,
+     "scoring default: sum|mean over a document's tokens; empty = the profile's, else sum"},
+    {"skip_first", STR(skip_first), "", 0, 0, NULL,
+     "scoring default: tokens at the start of each document not counted; empty = the "
+     "profile's, else 0"},
+    {"reference", STR(reference), "", 0, 0, NULL,
+     "scoring default: none|dummy|null_query|null_suffix|both; empty = the profile's, else "
+     "null_query"},
+    {"dummy_source", STR(dummy_source), "", 0, 0, NULL,
+     "scoring default: fixed|documents text of the dummy passes; empty = the profile's, else "
+     "fixed"},
+    {"form", STR(form), "", 0, 0, NULL,
+     "scoring default: difference|log_ratio calibration; empty = the profile's, else "
+     "difference"},
+    {"sink_factor", STR(sink_factor), "", 0, 0, NULL,
+     "scoring default: leave out tokens over f x the mean reference attention (0 = off); "
+     "empty = the profile's, else 0"},
+    {"window", STR(window), "", 0, 0, NULL,
+     "scoring default: documents per window (0 = one prompt); empty = the profile's, else 0"},
+    {"temperature", STR(temperature), "", 0, 0, NULL,
+     "scoring default: t of weight = softmax(rel_scaled / t); empty = the profile's, else 0.05"},
+    {"score_scale", STR(score_scale), "", 0, 0, NULL,
+     "scoring default: relevance_score = sigmoid(score_scale x rel_scaled + score_bias); "
+     "empty = the profile's, else 1 / temperature"},
+    {"score_bias", STR(score_bias), "", 0, 0, NULL,
+     "scoring default: see score_scale; empty = the profile's, else 0"},
+    {"answer_template", STR(answer_template), "", 0, 0, NULL,
+     "/answer's prompt for models without a chat template: text with {documents} once and "
+     "{question} after it, \\n for newlines; empty = the built-in template (two "
+     "worked examples before the documents)"},
     {"log_level", ENUM(log_level), "info", 0, 0, "debug|info|warn|error", "log threshold"},
 };
 #define N_OPTS (sizeof opts / sizeof opts[0])
@@ -171,6 +213,32 @@ static char *trim(char *s)
     return s;
 }
 
+/* A scoring option's text must parse (its meaning is score.h's). */
+static fitm_status check_score_opt(const opt *o, const char *text, const char *where,
+                                   fitm_err *err)
+{
+    fitm_score_opts scratch;
+    fitm_score_opts_init(&scratch);
+    fitm_status st = fitm_score_opts_set(&scratch, o->name, text, err);
+    fitm_score_opts_free(&scratch);
+    if (st != FITM_OK)
+        fitm_err_prefix(err, "%s", where);
+    return st == FITM_OK ? FITM_OK : FITM_ERR_INVALID;
+}
+
+fitm_status fitm_config_score_opts(const fitm_config *cfg, fitm_score_opts *o, fitm_err *err)
+{
+    for (size_t i = 0; i < N_OPTS; i++) {
+        if (!fitm_score_is_key(opts[i].name))
+            continue;
+        fitm_status st = fitm_score_opts_set(o, opts[i].name, (const char *)cfg + opts[i].offset,
+                                             err);
+        if (st != FITM_OK)
+            return FITM_ERR_INVALID;
+    }
+    return FITM_OK;
+}
+
 static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
 {
     FILE *f = fopen(path, "r");
@@ -209,6 +277,8 @@ static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
             break;
         }
         st = set_opt(cfg, o, value, where, err);
+        if (st == FITM_OK && fitm_score_is_key(o->name))
+            st = check_score_opt(o, (const char *)cfg + o->offset, where, err);
     }
     fclose(f);
     return st;
@@ -254,6 +324,9 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
         snprintf(where, sizeof where, "environment %s", name);
         if (v && (st = set_opt(cfg, &opts[i], v, where, err)) != FITM_OK)
             return st;
+        if (v && fitm_score_is_key(opts[i].name) &&
+            (st = check_score_opt(&opts[i], v, where, err)) != FITM_OK)
+            return st;
     }
 
     for (int i = 1; i < argc; i++) {
@@ -284,6 +357,8 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
         char where[96];
         snprintf(where, sizeof where, "flag --%s", o->name);
         if ((st = set_opt(cfg, o, value, where, err)) != FITM_OK)
+            return st;
+        if (fitm_score_is_key(o->name) && (st = check_score_opt(o, value, where, err)) != FITM_OK)
             return st;
     }
     return FITM_OK;

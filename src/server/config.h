@@ -11,6 +11,8 @@
 #include <stdio.h>
 
 #include "base/status.h"
+#include "pipeline/score.h"
+
 
 #define FITM_CONFIG_STR_BYTES 1024
 
@@ -36,9 +38,21 @@ typedef struct {
     int64_t max_answer_tokens;
     char chat_template[32];                /* auto | raw | chatml | gemma | llama2 | llama3 */
     char dummy_text[FITM_CONFIG_STR_BYTES];
-    double calib_temperature;
+    double calib_temperature;              /* method paper's t                          */
+    char profile[FITM_CONFIG_STR_BYTES];   /* scoring profile; "" = <model>.profile if any */
+    /* The scoring options' server defaults (score.h's names and syntax); "" = the
+     * profile's, else the built-in default. */
+    char rows[16], layers[FITM_CONFIG_STR_BYTES], heads[FITM_CONFIG_STR_BYTES];
+    char aggregate[16], skip_first[16], reference[16], dummy_source[16], form[16];
+    char sink_factor[32], window[16], temperature[32], score_scale[32], score_bias[32];
+    char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in template */
     char log_level[16];                    /* debug | info | warn | error              */
 } fitm_config;
+
+/* The scoring options set in cfg (the non-empty ones) into o (initialised by the caller).
+ * Errors name the option. */
+fitm_status fitm_config_score_opts(const fitm_config *cfg, fitm_score_opts *o,
+                                   fitm_err *err);
 
 /* Fills cfg with the defaults. */
 void fitm_config_defaults(fitm_config *cfg);

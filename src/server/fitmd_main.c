@@ -20,6 +20,7 @@
 #include "base/log.h"
 #include "model/backend.h"
 #include "model/model.h"
+#include "pipeline/profile.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
 #include "server/download.h"
@@ -41,6 +42,71 @@ typedef struct {
     fitm_backend *backend;
     fitm_reranker *reranker;
 } daemon_model;
+
+/* The loaded model's identity, as a profile states it. */
+static void model_identity(const char *path, const fitm_model *m, fitm_profile_identity *id)
+{
+    const fitm_model_config *mc = fitm_model_config_of(m);
+    memset(id, 0, sizeof *id);
+    snprintf(id->architecture, sizeof id->architecture, "%s", fitm_arch_name(mc->arch));
+    fitm_gguf_str name = {0};
+    if (fitm_gguf_get_str(fitm_model_gguf(m), "general.name", &name, NULL) == FITM_OK)
+        snprintf(id->name, sizeof id->name, "%.*s", (int)name.len, name.ptr);
+    id->layers = mc->n_layer;
+    id->embd = mc->n_embd;
+    id->heads = mc->n_head;
+    id->vocab = mc->n_vocab;
+    struct stat sb;
+    id->file_bytes = stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
+}
+
+/* The scoring profile's path: the profile option ("none": no profile), else
+ * <model path without .gguf>.profile when that file exists; "" for none. */
+static void profile_path(const fitm_config *cfg, char *out, size_t n)
+{
+    out[0] = '\0';
+    if (!strcmp(cfg->profile, "none"))
+        return;
+    if (cfg->profile[0]) {
+        snprintf(out, n, "%s", cfg->profile);
+        return;
+    }
+    size_t l = strlen(cfg->model);
+    if (l > 5 && !strcmp(cfg->model + l - 5, ".gguf"))
+        l -= 5;
+    snprintf(out, n, "%.*s.profile", (int)l, cfg->model);
+    if (access(out, R_OK) != 0)
+        out[0] = '\0';
+}
+
+/* The server's scoring defaults into out: the profile's options (checked against the model)
+ * under the config's non-empty ones; desc says which profile (for meta). */
+static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
+                                    fitm_score_opts *out, char *desc, size_t n, fitm_err *err)
+{
+    char path[FITM_CONFIG_STR_BYTES + 16];
+    profile_path(cfg, path, sizeof path);
+    desc[0] = '\0';
+    fitm_status st = FITM_OK;
+    if (path[0]) {
+        fitm_profile p;
+        fitm_profile_identity id;
+        model_identity(cfg->model, m, &id);
+        if ((st = fitm_profile_load(&p, path, err)) == FITM_OK &&
+            (st = fitm_profile_check(&p, &id, err)) != FITM_OK)
+            fitm_err_prefix(err, "profile %s does not fit model %s", path, cfg->model);
+        if (st == FITM_OK)
+            st = fitm_score_opts_overlay(out, &p.opts, err);
+        snprintf(desc, n, "%s", path);
+        fitm_profile_free(&p);
+    }
+    fitm_score_opts conf;
+    fitm_score_opts_init(&conf);
+    if (st == FITM_OK && (st = fitm_config_score_opts(cfg, &conf, err)) == FITM_OK)
+        st = fitm_score_opts_overlay(out, &conf, err);
+    fitm_score_opts_free(&conf);
+    return st;
+}
 
 static fitm_status model_load(void *ctx, fitm_err *err)
 {
@@ -72,19 +138,30 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         n_ctx = mc->n_ctx_train; /* positions past the trained context are not meaningful */
     if (n_ctx == 0)
         n_ctx = 4096;
+    fitm_score_opts defaults;
+    fitm_score_opts_init(&defaults);
+    char profile[256];
+    if ((st = scoring_defaults(cfg, dm->model, &defaults, profile, sizeof profile, err)) !=
+        FITM_OK) {
+        fitm_score_opts_free(&defaults);
+        return st;
+    }
     fitm_reranker_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
-                               .chat_template = cfg->chat_template};
-    if ((st = fitm_reranker_create(&dm->reranker, dm->model, dm->tok, dm->backend, &rp, err)) !=
-        FITM_OK)
+                               .chat_template = cfg->chat_template, .defaults = &defaults,
+                               .paper_temperature = cfg->calib_temperature,
+                               .answer_template = cfg->answer_template, .profile = profile};
+    st = fitm_reranker_create(&dm->reranker, dm->model, dm->tok, dm->backend, &rp, err);
+    fitm_score_opts_free(&defaults);
+    if (st != FITM_OK)
         return st;
     snprintf(dm->info->arch, sizeof dm->info->arch, "%s", fitm_arch_name(mc->arch));
     dm->info->n_ctx = n_ctx;
     FITM_LOG(FITM_LOG_INFO, NULL,
-             "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, cpu backend "
-             "with %d threads, in %.0f ms",
+             "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, profile %s, "
+             "cpu backend with %d threads, in %.0f ms",
              cfg->model, dm->info->arch, (int)mc->n_layer, (int)mc->n_embd, (int)mc->n_vocab,
-             (long long)n_ctx, fitm_reranker_template(dm->reranker), threads,
-             fitm_clock_ms() - t0);
+             (long long)n_ctx, fitm_reranker_template(dm->reranker), profile[0] ? profile : "none",
+             threads, fitm_clock_ms() - t0);
     return FITM_OK;
 }
 

@@ -751,7 +751,6 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.max_documents = (int32_t)cfg->max_documents;
     h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
     h->limits.model_name = p->model->name;
-    h->limits.default_temperature = cfg->calib_temperature;
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
     parse_keys(h, cfg->api_keys);
     atomic_init(&h->draining, false);

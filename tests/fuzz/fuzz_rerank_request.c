@@ -13,7 +13,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static const fitm_api_limits lim = {.max_documents = 64, .max_tokens_per_doc = 512,
-                                        .model_name = "m", .default_temperature = 5e-5,
+                                        .model_name = "m",
                                         .max_answer_tokens = 64};
     fitm_rerank_request req;
     fitm_err err;

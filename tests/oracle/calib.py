@@ -1,4 +1,4 @@
-"""The calibration math of DESIGN §2 on plain arrays: document attention, calibrated scores,
+"""The calibration math of docs/design.md, Method on plain arrays: document attention, calibrated scores,
 the attention intervention, sliding-window visibility; plus the whole /rerank computation on
 the oracle model (score_documents) so a response's scores can be recomputed from its tokens.
 
@@ -139,7 +139,7 @@ def make_hook(spans, alpha, layers: Sequence[int], first_row: Optional[int] = No
 
 
 def default_score_layers(hp) -> list:
-    """DESIGN §2's default layer set for scoring: the full-attention layers of a model with
+    """docs/design.md, Method's default layer set for scoring: the full-attention layers of a model with
     sliding-window layers, else all layers."""
     glob = [l for l in range(hp.n_layer) if not hp.swa_layers[l]]
     return glob if hp.n_swa > 0 and glob else list(range(hp.n_layer))
@@ -168,3 +168,145 @@ def score_documents(model, ids, spans, dummy_ids, t: float = DEFAULT_T, layers=N
         A_dum[k] = doc_attention(ref, [(s, e)], [per_span[k]])[0]
     rel, alpha = calibrate(A, A_dum, t)
     return dict(A=A, A_dum=A_dum, rel=rel, alpha=alpha, layers=per_span)
+
+
+# ---- the scoring options (the spec of `calibrated`, implemented from it) ----------------------
+#
+#   rows        last: [T-1]; question: the trailing question's span; suffix: [end of the last
+#               document, T)
+#   pairs       `heads` [(layer, head)] when given, else every head of `layers`; a (row, layer)
+#               whose layer cannot see the document's first token from the row is left out
+#   a[i]        per document token: the mean over the visible (row, layer, head) triples of the
+#               attention probability on that token (0 when none is visible)
+#   A, A_ref    over the counted tokens (i >= skip_first, and with sink_factor f > 0 and a
+#               reference: a_ref[i] <= f x the mean of a_ref over i >= skip_first): sum or mean
+#   A_ref       the dummy pass's (document k's body replaced), the null pass's (the null
+#               prompt, its own rows and spans) or, for `both`, the mean of the two, per token
+#   rel         A - A_ref, or ln(A + 1e-9) - ln(A_ref + 1e-9)
+#   rel_scaled  rel x (documents in the group); the paper's recipe keeps rel
+#   weight      softmax(rel_scaled / temperature) over all K
+#   relevance   sigmoid(score_scale x rel_scaled + score_bias)
+
+LOG_EPS = 1e-9
+
+
+def rows_attention(model, ids, rows) -> np.ndarray:
+    """(n_rows, L, H, T) attention probabilities of the given rows over the whole prompt."""
+    ids = [int(i) for i in ids]
+    model.forward(ids, capture_rows=list(rows), logits_rows=[len(ids) - 1])
+    return np.stack([a for a in model.attn], axis=0).transpose(2, 0, 1, 3)
+
+
+def score_rows(kind: str, T: int, spans, question) -> list:
+    if kind == "last":
+        return [T - 1]
+    if kind == "question":
+        return list(range(question[0], question[1]))
+    if kind == "suffix":
+        return list(range(spans[-1][1], T))
+    raise ValueError(kind)
+
+
+def pair_mask(hp, layers=None, heads=None) -> np.ndarray:
+    """(L, H) booleans: the (layer, head) pairs averaged over (negative layers from the end)."""
+    m = np.zeros((hp.n_layer, hp.n_head), dtype=bool)
+    if heads is not None:
+        for l, h in heads:
+            m[l % hp.n_layer, h] = True
+    else:
+        for l in layers:
+            m[l % hp.n_layer, :] = True
+    return m
+
+
+def token_attention(P, rows, span, pairs, hp) -> np.ndarray:
+    """a (N,) for one document: P (n_rows, L, H, T) averaged over the visible triples."""
+    s, e = span
+    total = np.zeros(e - s)
+    count = 0
+    for i, row in enumerate(rows):
+        for l in range(hp.n_layer):
+            if hp.swa_layers[l] and hp.n_swa > 0 and row - s >= hp.n_swa:
+                continue
+            for h in range(hp.n_head):
+                if pairs[l, h]:
+                    total += P[i, l, h, s:e]
+                    count += 1
+    return total / count if count else total
+
+
+def reduce_document(a, a_ref, skip_first: int, sink_factor: float, aggregate: str):
+    """(A, A_ref) of one document from per-token attention (a_ref None: no reference)."""
+    keep = np.arange(len(a)) >= skip_first
+    if a_ref is not None and sink_factor > 0 and keep.any():
+        keep &= a_ref <= sink_factor * a_ref[keep].mean()
+    ref = np.zeros_like(a) if a_ref is None else a_ref
+    A, R = a[keep].sum(), ref[keep].sum()
+    if aggregate == "mean":
+        n = keep.sum()
+        A, R = (A / n, R / n) if n else (0.0, 0.0)
+    return float(A), float(R)
+
+
+def sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-np.asarray(z, dtype=np.float64)))
+
+
+def score_options(model, groups, o: dict, K: int, paper: bool = False) -> dict:
+    """The scores of `calibrated` with options o (rows, layers, heads, aggregate, skip_first,
+    reference, form, sink_factor, temperature, score_scale, score_bias) recomputed on the
+    oracle model from each scored prompt's tokens (the daemon's return_tokens groups: prompt,
+    spans, question, first_document, dummies, null_prompt, null_spans, null_question).
+    Returns dict(A, A_ref, rel, scaled, weight, relevance) over the K documents."""
+    hp = model.hp
+    pairs = pair_mask(hp, o.get("layers"), o.get("heads"))
+    out = {k: np.zeros(K) for k in ("A", "A_ref", "rel", "scaled")}
+    ref_kind = o["reference"]
+    for g in groups:
+        ids, spans = g["prompt"], [tuple(s) for s in g["spans"]]
+        rows = score_rows(o["rows"], len(ids), spans, g["question"])
+        P = rows_attention(model, ids, rows)
+        n = len(spans)
+        nul = None
+        if ref_kind in ("null_query", "null_suffix", "both"):
+            nspans = [tuple(s) for s in g["null_spans"]]
+            nrows = score_rows(o["rows"], len(g["null_prompt"]), nspans, g["null_question"])
+            NP = rows_attention(model, g["null_prompt"], nrows)
+            nul = [token_attention(NP, nrows, nspans[j], pairs, hp) for j in range(n)]
+        for j, (s, e) in enumerate(spans):
+            a = token_attention(P, rows, (s, e), pairs, hp)
+            a_ref = None
+            if ref_kind in ("dummy", "both"):
+                ref_ids = list(ids[:s]) + list(g["dummies"][j]) + list(ids[e:])
+                a_ref = token_attention(rows_attention(model, ref_ids, rows), rows, (s, e),
+                                        pairs, hp)
+            if nul is not None:
+                a_ref = nul[j] if a_ref is None else 0.5 * (a_ref + nul[j])
+            A, R = reduce_document(a, a_ref, o["skip_first"], o["sink_factor"], o["aggregate"])
+            k = g["first_document"] + j
+            rel = (np.log(A + LOG_EPS) - np.log(R + LOG_EPS) if o["form"] == "log_ratio"
+                   else A - R)
+            out["A"][k], out["A_ref"][k], out["rel"][k] = A, R, rel
+            out["scaled"][k] = rel if paper else rel * n
+    out["weight"] = softmax(out["scaled"] / o["temperature"])
+    out["relevance"] = sigmoid(o["score_scale"] * out["scaled"] + o["score_bias"])
+    return out
+
+
+def window_groups(K: int, W: int) -> list:
+    """The window rule: ceil(K / W) consecutive groups of sizes differing by at most one, the
+    larger first; one group when W is 0 or at least K."""
+    G = 1 if W <= 0 or W >= K else -(-K // W)
+    sizes = [K // G + (1 if g < K % G else 0) for g in range(G)]
+    return [sum(sizes[:g]) for g in range(G)] + [K]
+
+
+def documents_dummy(bodies, k: int, N: int) -> list:
+    """dummy_source documents: the other documents' body ids cycling from k + 1, cut to N."""
+    K = len(bodies)
+    out = []
+    i = 1
+    while len(out) < N:
+        out += list(bodies[(k + i) % K])
+        i = i % (K - 1) + 1
+    return out[:N]

@@ -1,0 +1,534 @@
+/* rerank_attn: the attention methods (calibrated, attention, paper), in named steps:
+ *   plan      the options: built-in < server (profile, config) < request; paper's are fixed
+ *   groups    windows of documents, each scored as its own prompt
+ *   score     one pass over a group's prompt capturing the chosen rows' attention
+ *   reference the dummy passes and/or the null pass of that group
+ *   calibrate A and A_ref per document (aggregate, skip_first, sinks), rel by the form,
+ *             rel_scaled = rel x n_group, weight = softmax, relevance_score = sigmoid
+ * Attention is averaged uniformly over the (row, layer, head) triples whose layer sees the
+ * whole document from that row (sliding windows); a document no triple sees gets A = 0. */
+#include "pipeline/rerank_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char NULL_QUERY[] = "N/A";
+
+typedef struct {
+    fitm_score_opts o;   /* resolved: every option set                                  */
+    fitm_rerank_method method;
+    bool sink;           /* per-token capture: sink_factor > 0 with a reference         */
+    bool dummy_passes, null_pass;
+    uint8_t *pair;       /* (L * H) the (layer, head) pairs averaged over               */
+    const int32_t *dummy;
+    int64_t n_dummy;
+    fitm_rr_ids own_dummy; /* the request's dummy text's ids                           */
+} plan;
+
+/* One prompt: its ids, document spans, trailing question span and capture rows. */
+typedef struct {
+    fitm_rr_ids ids;
+    fitm_span *spans; /* (n) */
+    fitm_span question;
+    int64_t *rows;
+    int32_t n_rows;
+} prompt;
+
+static void prompt_free(prompt *p)
+{
+    free(p->ids.v);
+    free(p->spans);
+    free(p->rows);
+    memset(p, 0, sizeof *p);
+}
+
+/* ---- plan -------------------------------------------------------------------------------- */
+
+/* The paper's recipe: only layers, temperature and the dummy text come from the request. */
+static fitm_status paper_opts(const fitm_reranker *r, const fitm_rerank_request *req,
+                              fitm_score_opts *o, fitm_err *err)
+{
+    fitm_score_opts only = {0};
+    fitm_score_opts_init(&only);
+    only.layers = req->opt.layers;
+    only.n_layers = req->opt.n_layers;
+    fitm_status st = fitm_score_opts_overlay(o, &only, err);
+    o->rows = FITM_ROWS_LAST;
+    o->aggregate = FITM_AGG_MEAN;
+    o->skip_first = 0;
+    o->reference = FITM_REF_DUMMY;
+    o->dummy_source = FITM_DUMMY_FIXED;
+    o->form = FITM_FORM_DIFFERENCE;
+    o->sink_factor = 0;
+    o->window = 0;
+    o->temperature = isnan(req->opt.temperature) ? r->paper_temperature : req->opt.temperature;
+    o->score_scale = 1.0 / o->temperature;
+    o->score_bias = 0;
+    return st;
+}
+
+/* The (layer, head) pairs: `heads` when given, else every head of `layers` (paper without
+ * layers: every layer that sees the whole context). */
+static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_meta *meta,
+                                fitm_err *err)
+{
+    uint8_t *use = calloc((size_t)r->L, 1);
+    pl->pair = calloc((size_t)r->L * (size_t)r->H, 1);
+    meta->layers = calloc((size_t)r->L, sizeof *meta->layers);
+    if (!use || !pl->pair || !meta->layers) {
+        free(use);
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
+    const fitm_score_opts *o = &pl->o;
+    fitm_status st = FITM_OK;
+    if (o->heads) {
+        for (int32_t i = 0; i < o->n_heads && st == FITM_OK; i++) {
+            int32_t l = o->heads[2 * i] < 0 ? r->L + o->heads[2 * i] : o->heads[2 * i];
+            int32_t h = o->heads[2 * i + 1];
+            if (l < 0 || l >= r->L || h >= r->H)
+                st = fitm_err_set(err, FITM_ERR_INVALID,
+                                  "'heads[%d]' = [%d, %d]: the model has %d layers of %d heads",
+                                  (int)i, (int)o->heads[2 * i], (int)h, (int)r->L, (int)r->H);
+            else
+                use[l] = pl->pair[l * r->H + h] = 1;
+        }
+    } else if ((st = fitm_rr_layers(r, o->layers, o->layers ? o->n_layers : 0, use, err)) ==
+               FITM_OK) {
+        for (int32_t l = 0; l < r->L; l++)
+            memset(pl->pair + (size_t)l * (size_t)r->H, use[l], (size_t)r->H);
+    }
+    for (int32_t l = 0; l < r->L; l++)
+        if (use[l])
+            meta->layers[meta->n_layers++] = l;
+    free(use);
+    return st;
+}
+
+static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *req, plan *pl,
+                             fitm_rerank_meta *meta, fitm_err *err)
+{
+    fitm_score_opts_init(&pl->o);
+    pl->method = req->method;
+    fitm_status st;
+    if (req->method == FITM_RERANK_PAPER)
+        st = paper_opts(r, req, &pl->o, err);
+    else if ((st = fitm_score_opts_overlay(&pl->o, &r->defaults, err)) == FITM_OK)
+        st = fitm_score_opts_overlay(&pl->o, &req->opt, err);
+    if (st != FITM_OK)
+        return st;
+    if (req->method == FITM_RERANK_ATTENTION)
+        pl->o.reference = FITM_REF_NONE;
+    int32_t ref = pl->o.reference;
+    pl->dummy_passes = ref == FITM_REF_DUMMY || ref == FITM_REF_BOTH;
+    pl->null_pass = ref == FITM_REF_NULL_QUERY || ref == FITM_REF_NULL_SUFFIX || ref == FITM_REF_BOTH;
+    pl->sink = pl->o.sink_factor > 0 && ref != FITM_REF_NONE;
+    pl->dummy = r->dummy;
+    pl->n_dummy = r->n_dummy;
+    if (req->dummy && pl->dummy_passes) {
+        fitm_rerank_doc d = {.text = req->dummy, .text_len = req->dummy_len};
+        fitm_rerank_request one = {.docs = &d, .n_docs = 1, .max_tokens_per_doc = -1};
+        if ((st = fitm_rr_body(r, &one, 0, &pl->own_dummy, err)) != FITM_OK)
+            return st;
+        pl->dummy = pl->own_dummy.v;
+        pl->n_dummy = pl->own_dummy.n;
+    }
+    if ((st = choose_pairs(r, pl, meta, err)) != FITM_OK)
+        return st;
+    meta->temperature = pl->o.temperature;
+    meta->has_opts = true;
+    if (req->method != FITM_RERANK_PAPER)
+        snprintf(meta->profile, sizeof meta->profile, "%s", r->profile);
+    return fitm_score_opts_overlay(&meta->opts, &pl->o, err);
+}
+
+/* ---- score: prompts and passes ---------------------------------------------------------- */
+
+/* The prompt of the n documents order[0..n) with the queries q (NULL: the request's), and
+ * the rows the plan captures in it. */
+static fitm_status make_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                               const plan *pl, const int32_t *order, int32_t n,
+                               const fitm_rr_queries *q, prompt *p, fitm_err *err)
+{
+    p->spans = calloc((size_t)n, sizeof *p->spans);
+    if (!p->spans)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    fitm_status st = fitm_rr_build_prompt(r, req, NULL, order, n, q, &p->ids, p->spans,
+                                          &p->question, err);
+    if (st != FITM_OK)
+        return st;
+    const int64_t T = p->ids.n;
+    if (T > r->n_ctx)
+        return fitm_rr_too_long(T, r, req, err);
+    int64_t a = T - 1, b = T;
+    if (pl->o.rows == FITM_ROWS_QUESTION)
+        a = p->question.start, b = p->question.end;
+    else if (pl->o.rows == FITM_ROWS_SUFFIX)
+        a = p->spans[n - 1].end;
+    p->rows = malloc((size_t)(b - a) * sizeof *p->rows);
+    if (!p->rows)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int64_t i = a; i < b; i++)
+        p->rows[p->n_rows++] = i;
+    return FITM_OK;
+}
+
+/* Averages one document's captured attention over the visible (row, pair) triples: the
+ * summed span c of mass (n_spans spans) into out[0], or (sink) each token of span sp from
+ * probs (rows of stride keys) into out[0, N). */
+static void collect(const fitm_reranker *r, const plan *pl, const int64_t *rows, int32_t n_rows,
+                    const float *mass, int32_t n_spans, int32_t c, const float *probs,
+                    int64_t stride, fitm_span sp, double *out)
+{
+    const int64_t N = pl->sink ? sp.end - sp.start : 1;
+    int64_t count = 0;
+    memset(out, 0, (size_t)N * sizeof *out);
+    for (int32_t i = 0; i < n_rows; i++)
+        for (int32_t l = 0; l < r->L; l++) {
+            if (!fitm_model_key_visible(r->m, l, rows[i], sp.start))
+                continue;
+            for (int32_t h = 0; h < r->H; h++) {
+                if (!pl->pair[l * r->H + h])
+                    continue;
+                size_t at = ((size_t)i * (size_t)r->L + (size_t)l) * (size_t)r->H + (size_t)h;
+                count++;
+                if (!pl->sink)
+                    out[0] += mass[at * (size_t)n_spans + (size_t)c];
+                else
+                    for (int64_t t = 0; t < N; t++)
+                        out[t] += probs[at * (size_t)stride + (size_t)(sp.start + t)];
+            }
+        }
+    for (int64_t t = 0; t < N; t++)
+        out[t] = count ? out[t] / (double)count : 0.0;
+}
+
+/* One pass: ids[from, T) at positions from.. on kv (a branch of prefix when non-NULL),
+ * capturing rows; the attention of each of the n documents with spans sp goes to out +
+ * off[j] (collect). */
+static fitm_status attend(fitm_reranker *r, const plan *pl, fitm_kv *kv, const fitm_kv *prefix,
+                          const int32_t *ids, int64_t T, int64_t from, const int64_t *rows,
+                          int32_t n_rows, const fitm_span *sp, int32_t n, const int64_t *off,
+                          double *out, fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
+{
+    const size_t per = (size_t)n_rows * (size_t)r->L * (size_t)r->H;
+    fitm_span *cs = malloc((size_t)n * sizeof *cs);
+    float *buf = malloc(per * (size_t)(pl->sink ? T : n) * sizeof *buf);
+    if (!cs || !buf) {
+        free(cs);
+        free(buf);
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the attention capture");
+    }
+    for (int32_t j = 0; j < n; j++) { /* the counted part of each span */
+        int64_t skip = pl->o.skip_first < sp[j].end - sp[j].start ? pl->o.skip_first
+                                                                  : sp[j].end - sp[j].start;
+        cs[j] = (fitm_span){.start = sp[j].start + skip, .end = sp[j].end};
+    }
+    fitm_capture cap = {.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : cs,
+                        .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : buf,
+                        .probs = pl->sink ? buf : NULL, .probs_stride = T};
+    fitm_status st = fitm_kv_rebase(kv, prefix ? from : 0, err);
+    if (st == FITM_OK)
+        st = fitm_rr_run(r, kv, prefix, ids + from, T - from, from, &cap, 0, stop, stop_arg, err);
+    for (int32_t j = 0; st == FITM_OK && j < n; j++)
+        collect(r, pl, rows, n_rows, buf, n, j, buf, T, sp[j], out + off[j]);
+    free(cs);
+    free(buf);
+    return st;
+}
+
+/* ---- reference --------------------------------------------------------------------------- */
+
+/* The N ids that stand in for document order[j] in its dummy pass: the dummy text repeated,
+ * or (dummy_source documents) the request's other documents' bodies, cycling from the next
+ * one, cut to N; the fixed dummy when there is no other document. */
+static fitm_status fill_dummy(const fitm_reranker *r, const fitm_rerank_request *req,
+                              const plan *pl, int32_t k, int64_t N, int32_t *out, fitm_err *err)
+{
+    int64_t got = 0;
+    if (pl->o.dummy_source == FITM_DUMMY_DOCUMENTS && req->n_docs > 1) {
+        fitm_rr_ids body = {0};
+        /* empty: consecutive bodies without tokens; a whole cycle of them ends the loop */
+        for (int32_t i = 1, empty = 0; got < N && empty < req->n_docs - 1;
+             i = i % (req->n_docs - 1) + 1) {
+            body.n = 0;
+            fitm_status st = fitm_rr_body(r, req, (k + i) % req->n_docs, &body, err);
+            if (st != FITM_OK) {
+                free(body.v);
+                return st;
+            }
+            empty = body.n ? 0 : empty + 1;
+            int64_t take = body.n < N - got ? body.n : N - got;
+            memcpy(out + got, body.v, (size_t)take * sizeof *out);
+            got += take;
+        }
+        free(body.v);
+    }
+    for (; got < N; got++)
+        out[got] = pl->dummy[got % pl->n_dummy];
+    return FITM_OK;
+}
+
+/* The paper's reference: per document j, the prompt with its body replaced by a
+ * length-matched dummy, on a branch of the prompt's cache from s_j (prefix_reuse) or whole. */
+static fitm_status dummy_passes(fitm_reranker *r, const fitm_rerank_request *req,
+                                const plan *pl, const prompt *p, const int32_t *order, int32_t n,
+                                const int64_t *off, double *out, fitm_rerank_tokens *tok,
+                                int64_t *forward, fitm_rr_stop stop, const void *stop_arg,
+                                fitm_err *err)
+{
+    const int64_t T = p->ids.n;
+    int64_t total = 0;
+    for (int32_t j = 0; j < n; j++)
+        total += p->spans[j].end - p->spans[j].start;
+    int32_t *ref = malloc((size_t)T * sizeof *ref);
+    if (tok) {
+        tok->dummy_tokens = malloc((size_t)(total > 0 ? total : 1) * sizeof(int32_t));
+        tok->dummy_offsets = calloc((size_t)n, sizeof(int64_t));
+    }
+    fitm_status st = FITM_OK;
+    if (!ref || (tok && (!tok->dummy_tokens || !tok->dummy_offsets)))
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t j = 0, doff = 0; st == FITM_OK && j < n; j++) {
+        int64_t s = p->spans[j].start, e = p->spans[j].end;
+        memcpy(ref, p->ids.v, (size_t)T * sizeof *ref);
+        if ((st = fill_dummy(r, req, pl, order[j], e - s, ref + s, err)) != FITM_OK)
+            break;
+        if (tok) {
+            tok->dummy_offsets[j] = doff;
+            memcpy(tok->dummy_tokens + doff, ref + s, (size_t)(e - s) * sizeof *ref);
+            doff += (int32_t)(e - s);
+        }
+        int64_t from = req->prefix_reuse ? s : 0;
+        st = attend(r, pl, r->branch, from > 0 ? r->kv : NULL, ref, T, from, p->rows, p->n_rows,
+                    &p->spans[j], 1, off + j, out, stop, stop_arg, err);
+        *forward += T - from;
+    }
+    free(ref);
+    return st;
+}
+
+/* The content-free query's reference: the prompt with the query replaced by "N/A" in both
+ * places (null_query, a whole pass) or in the trailing question only (null_suffix, on a
+ * branch of the prompt's cache from the end of the documents when prefix_reuse). */
+static fitm_status null_pass(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
+                             const prompt *p, const int32_t *order, int32_t n,
+                             const int64_t *off, double *out, fitm_rerank_tokens *tok,
+                             int64_t *forward, fitm_rr_stop stop, const void *stop_arg,
+                             fitm_err *err)
+{
+    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
+    const size_t nl = sizeof NULL_QUERY - 1;
+    fitm_rr_queries q = {suffix ? req->query : NULL_QUERY, NULL_QUERY,
+                         suffix ? req->query_len : nl, nl};
+    prompt np = {0};
+    fitm_status st = make_prompt(r, req, pl, order, n, &q, &np, err);
+    int64_t from = suffix && req->prefix_reuse ? p->spans[n - 1].end : 0;
+    if (st == FITM_OK && from > 0 &&
+        memcmp(np.ids.v, p->ids.v, (size_t)from * sizeof *np.ids.v) != 0)
+        st = fitm_err_set(err, FITM_ERR_INTERNAL, "null_suffix: the prompts differ before the "
+                                                  "end of the documents");
+    if (st == FITM_OK)
+        st = attend(r, pl, r->branch, from > 0 ? r->kv : NULL, np.ids.v, np.ids.n, from,
+                    np.rows, np.n_rows, np.spans, n, off, out, stop, stop_arg, err);
+    *forward += np.ids.n - from;
+    if (st == FITM_OK && tok) {
+        tok->null_ids = np.ids.v;
+        tok->n_null_ids = np.ids.n;
+        tok->null_spans = np.spans;
+        tok->null_question = np.question;
+        np.ids.v = NULL;
+        np.spans = NULL;
+    }
+    prompt_free(&np);
+    return st;
+}
+
+/* The reference attention (len entries at off[j] per document): the dummy passes', the null
+ * pass's, or (both) their mean. */
+static fitm_status reference(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
+                             const prompt *p, const int32_t *order, int32_t n,
+                             const int64_t *off, int64_t len, double *out,
+                             fitm_rerank_tokens *tok, int64_t *forward, fitm_rr_stop stop,
+                             const void *stop_arg, fitm_err *err)
+{
+    double *nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *nul) : out;
+    if (!nul)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    fitm_status st = FITM_OK;
+    if (pl->dummy_passes)
+        st = dummy_passes(r, req, pl, p, order, n, off, out, tok, forward, stop, stop_arg, err);
+    if (st == FITM_OK && pl->null_pass)
+        st = null_pass(r, req, pl, p, order, n, off, nul, tok, forward, stop, stop_arg, err);
+    if (nul != out) {
+        for (int64_t i = 0; i < len; i++)
+            out[i] = 0.5 * (out[i] + nul[i]);
+        free(nul);
+    }
+    return st;
+}
+
+/* ---- calibrate --------------------------------------------------------------------------- */
+
+typedef struct {
+    double *A, *A_ref, *rel, *scaled; /* (K) each, request order */
+    int32_t *position;                /* (K) place in its group's prompt */
+    int64_t forward, T_max;
+    double tok_ms;
+} scores;
+
+/* A, A_ref, rel and rel_scaled of the group's documents first .. first + n - 1. */
+static void calibrate(const plan *pl, const fitm_span *spans, int32_t first, int32_t n,
+                      const int64_t *off, const double *a, const double *a_ref, scores *sc)
+{
+    const fitm_score_opts *o = &pl->o;
+    for (int32_t j = 0; j < n; j++) {
+        int64_t N = spans[j].end - spans[j].start;
+        double A, Ar;
+        if (pl->sink) {
+            fitm_score_reduce(a + off[j], a_ref + off[j], N, o->skip_first, o->sink_factor,
+                              o->aggregate, &A, &Ar);
+        } else {
+            int64_t counted = N > o->skip_first ? N - o->skip_first : 0;
+            double div = o->aggregate == FITM_AGG_MEAN ? (double)counted : 1.0;
+            A = div > 0 ? a[off[j]] / div : 0.0;
+            Ar = div > 0 && a_ref ? a_ref[off[j]] / div : 0.0;
+        }
+        int32_t k = first + j;
+        sc->A[k] = A;
+        sc->A_ref[k] = Ar;
+        sc->rel[k] = fitm_score_rel(o->form, A, Ar);
+        sc->scaled[k] = pl->method == FITM_RERANK_PAPER ? sc->rel[k] : sc->rel[k] * (double)n;
+        sc->position[k] = j;
+    }
+}
+
+/* Keeps the group's prompt for return_tokens. */
+static void keep_tokens(prompt *p, int32_t first, int32_t n, fitm_rerank_tokens *tok)
+{
+    tok->first_doc = first;
+    tok->n_docs = n;
+    tok->ids = p->ids.v;
+    tok->n_ids = p->ids.n;
+    tok->spans = p->spans;
+    tok->question = p->question;
+    p->ids.v = NULL;
+    p->spans = NULL;
+}
+
+/* One group (the documents first .. first + n - 1): prompt, pass, reference, calibrate. */
+static fitm_status score_group(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
+                               int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
+                               fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
+{
+    prompt p = {0};
+    int32_t *order = malloc((size_t)n * sizeof *order);
+    int64_t *off = malloc((size_t)(n + 1) * sizeof *off);
+    double *a = NULL;
+    double t0 = fitm_rr_now_ms();
+    fitm_status st = order && off ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t j = 0; st == FITM_OK && j < n; j++)
+        order[j] = first + j;
+    if (st == FITM_OK)
+        st = make_prompt(r, req, pl, order, n, NULL, &p, err);
+    sc->tok_ms += fitm_rr_now_ms() - t0;
+    if (st == FITM_OK) {
+        off[0] = 0;
+        for (int32_t j = 0; j < n; j++)
+            off[j + 1] = off[j] + (pl->sink ? p.spans[j].end - p.spans[j].start : 1);
+        if (!(a = calloc((size_t)off[n] * 2 + 1, sizeof *a)))
+            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
+    if (st == FITM_OK)
+        st = attend(r, pl, r->kv, NULL, p.ids.v, p.ids.n, 0, p.rows, p.n_rows, p.spans, n, off,
+                    a, stop, stop_arg, err);
+    sc->forward += p.ids.n;
+    sc->T_max = p.ids.n > sc->T_max ? p.ids.n : sc->T_max;
+    bool has_ref = pl->o.reference != FITM_REF_NONE;
+    if (st == FITM_OK && has_ref)
+        st = reference(r, req, pl, &p, order, n, off, off[n], a + off[n], tok, &sc->forward,
+                       stop, stop_arg, err);
+    if (st == FITM_OK)
+        calibrate(pl, p.spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
+    if (st == FITM_OK && tok)
+        keep_tokens(&p, first, n, tok);
+    prompt_free(&p);
+    free(order);
+    free(off);
+    free(a);
+    return st;
+}
+
+/* ---- the method -------------------------------------------------------------------------- */
+
+/* weight, relevance_score and the sorted results. */
+static fitm_status finish(const plan *pl, const scores *sc, int32_t K, fitm_rerank_result *res,
+                          fitm_err *err)
+{
+    double *w = malloc((size_t)K * sizeof *w);
+    res->results = calloc((size_t)K, sizeof *res->results);
+    if (!w || !res->results) {
+        free(w);
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
+    res->n_results = K;
+    fitm_score_softmax(sc->scaled, K, pl->o.temperature, w);
+    bool ref = pl->o.reference != FITM_REF_NONE;
+    for (int32_t k = 0; k < K; k++) {
+        double score = pl->method == FITM_RERANK_PAPER       ? w[k]
+                       : pl->method == FITM_RERANK_ATTENTION ? sc->A[k]
+                                                             : fitm_score_sigmoid(sc->scaled[k],
+                                                                                  pl->o.score_scale,
+                                                                                  pl->o.score_bias);
+        res->results[k] = (fitm_rerank_doc_result){
+            .index = k, .position = sc->position[k], .attention = sc->A[k],
+            .dummy_attention = ref ? sc->A_ref[k] : 0.0,
+            .calibrated_attention = ref ? sc->rel[k] : 0.0, .weight = w[k],
+            .relevance_score = score};
+    }
+    free(w);
+    fitm_rr_sort(res->results, K);
+    return FITM_OK;
+}
+
+fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *req,
+                                  fitm_rr_stop stop, const void *stop_arg,
+                                  fitm_rerank_result *res, fitm_err *err)
+{
+    const double t0 = fitm_rr_now_ms();
+    const int32_t K = req->n_docs;
+    plan pl = {0};
+    scores sc = {0};
+    int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
+    double *buf = calloc((size_t)K * 4, sizeof *buf);
+    sc.position = calloc((size_t)K, sizeof *sc.position);
+    fitm_status st = starts && buf && sc.position
+                         ? make_plan(r, req, &pl, &res->meta, err)
+                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st == FITM_OK) {
+        sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
+                      .position = sc.position};
+        int32_t G = fitm_score_groups(K, pl.o.window, starts);
+        res->meta.n_groups = G;
+        if (req->return_tokens && !(res->groups = calloc((size_t)G, sizeof *res->groups)))
+            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        res->n_groups = res->groups ? G : 0;
+        for (int32_t g = 0; st == FITM_OK && g < G; g++)
+            st = score_group(r, req, &pl, starts[g], starts[g + 1] - starts[g], &sc,
+                             res->groups ? &res->groups[g] : NULL, stop, stop_arg, err);
+    }
+    if (st == FITM_OK)
+        st = finish(&pl, &sc, K, res, err);
+    res->usage = (fitm_rerank_usage){.prompt_tokens = sc.T_max, .forward_tokens = sc.forward,
+                                     .total_tokens = sc.T_max};
+    res->meta.tokenize_ms = sc.tok_ms;
+    res->meta.forward_ms = fitm_rr_now_ms() - t0 - sc.tok_ms;
+    fitm_score_opts_free(&pl.o);
+    free(pl.pair);
+    free(pl.own_dummy.v);
+    free(starts);
+    free(buf);
+    free(sc.position);
+    return st;
+}

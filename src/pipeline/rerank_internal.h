@@ -1,0 +1,102 @@
+/* rerank_internal: what the reranker's own files share (rerank.c: the reranker, its prompt,
+ * the per-document and attention_sort methods; rerank_attn.c: the attention methods with
+ * their scoring options). Not for other modules: they use rerank.h. */
+#ifndef FITM_RERANK_INTERNAL_H
+#define FITM_RERANK_INTERNAL_H
+
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/kv.h"
+#include "model/model.h"
+#include "pipeline/rerank.h"
+#include "tokenizer/tokenizer.h"
+
+typedef struct {
+    const char *name;
+    const char *marker; /* in tokenizer.chat_template, and a token of the vocabulary */
+    const char *head;   /* before the user's content (control tokens parsed)          */
+    const char *tail;   /* after it, up to where the model's answer starts            */
+} fitm_rr_template;
+
+struct fitm_reranker {
+    const fitm_model *m;
+    const fitm_tokenizer *tok;
+    fitm_backend *b;
+    fitm_forward *fwd;
+    fitm_kv *kv;     /* the prompt's cache, [0, T)            */
+    fitm_kv *branch; /* one reference pass: [s_k, T) on kv    */
+    int64_t n_ctx, chunk;
+    const fitm_rr_template *tmpl;
+    int32_t *dummy;  /* default dummy ids (" " + dummy_text)  */
+    int64_t n_dummy;
+    int32_t L, H, V;
+    int64_t logit_rows; /* min(LOGIT_ROWS, chunk)                                  */
+    float *logits;   /* (logit_rows, V) host, for query_likelihood and relevance */
+    fitm_score_opts defaults; /* every option set: built-in < params->defaults        */
+    double paper_temperature;
+    int32_t *kv_ids; /* (n_ctx) the ids whose rows kv holds: [0, kv_n)            */
+    int64_t kv_n;
+    char *answer_text;   /* the answer template, unescaped and cut at {documents} */
+    fitm_rerank_frame answer_frame;
+    char profile[256];
+};
+
+typedef struct {
+    int32_t *v;
+    int64_t n, cap;
+} fitm_rr_ids;
+
+typedef bool (*fitm_rr_stop)(const void *);
+
+/* Room for more ids. */
+fitm_status fitm_rr_reserve(fitm_rr_ids *a, int64_t more, fitm_err *err);
+
+/* Tokenizes text[0..len) and appends at most keep ids (keep < 0: all). */
+fitm_status fitm_rr_encode(const fitm_tokenizer *tok, fitm_rr_ids *a, const char *text,
+                           size_t len, uint32_t flags, int64_t keep, fitm_err *err);
+
+/* Appends document k's body: " " + text, cut to max_tokens_per_doc. */
+fitm_status fitm_rr_body(const fitm_reranker *r, const fitm_rerank_request *req, int32_t k,
+                         fitm_rr_ids *a, fitm_err *err);
+
+/* The texts that replace {question}: in the frame's `before` and in its `after`. */
+typedef struct {
+    const char *head, *tail;
+    size_t head_len, tail_len;
+} fitm_rr_queries;
+
+/* The prompt of frame f (NULL: the default) for the n documents order[0..n) (NULL: request
+ * order, n = K): ids, the body span of the document at each position, and the span of the
+ * last {question} of f->after (question may be NULL). */
+fitm_status fitm_rr_build_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const fitm_rerank_frame *f, const int32_t *order, int32_t n,
+                                 const fitm_rr_queries *q, fitm_rr_ids *ids, fitm_span *spans,
+                                 fitm_span *question, fitm_err *err);
+
+/* Runs ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) in chunks
+ * on the batch path. cap (may be NULL) lists rows in ascending order; each chunk captures the
+ * rows it holds (span_mass and probs offset accordingly). n_logits logit rows of the last
+ * chunk go to r->logits. */
+fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
+                        int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
+                        fitm_rr_stop stop, const void *stop_arg, fitm_err *err);
+
+fitm_status fitm_rr_too_long(int64_t T, const fitm_reranker *r, const fitm_rerank_request *req,
+                             fitm_err *err);
+
+/* The layers given (negative = from the end) into use (L flags), or, with n = 0, every layer
+ * that sees the whole context (all layers for models without sliding windows). */
+fitm_status fitm_rr_layers(const fitm_reranker *r, const int32_t *layers, int32_t n, uint8_t *use,
+                           fitm_err *err);
+
+/* Sorts results by relevance_score descending, ties by index. */
+void fitm_rr_sort(fitm_rerank_doc_result *res, int32_t K);
+
+double fitm_rr_now_ms(void);
+
+/* The attention methods: calibrated, attention, paper (rerank_attn.c). */
+fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *req,
+                                  fitm_rr_stop stop, const void *stop_arg,
+                                  fitm_rerank_result *res, fitm_err *err);
+
+#endif

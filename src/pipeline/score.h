@@ -1,0 +1,118 @@
+/* score: the scoring options of calibrated attention (one struct, shared by requests, the
+ * config defaults and the model's profile, all spelling each option the same way), their
+ * text form, and the pure math that turns document attention into scores: the calibration
+ * form, the window groups, the weights (alpha) and relevance_score. No model, no I/O.
+ *
+ * An option is "unset" (-1 for enums and counts, NAN for reals, NULL for lists) until a layer
+ * sets it; fitm_score_opts_overlay stacks layers (built-in < profile < config < request).
+ *
+ * Legend: K documents, L layers, H heads. */
+#ifndef FITM_SCORE_H
+#define FITM_SCORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+
+typedef enum { FITM_ROWS_LAST = 0, FITM_ROWS_QUESTION, FITM_ROWS_SUFFIX } fitm_score_rows;
+typedef enum { FITM_AGG_SUM = 0, FITM_AGG_MEAN } fitm_score_aggregate;
+typedef enum {
+    FITM_REF_NONE = 0,
+    FITM_REF_DUMMY,       /* one length-matched dummy pass per document (the paper's)      */
+    FITM_REF_NULL_QUERY,  /* one pass with the query replaced by "N/A" in both places      */
+    FITM_REF_NULL_SUFFIX, /* one pass with only the trailing query replaced, from the cache */
+    FITM_REF_BOTH         /* dummy and null_query, averaged                                */
+} fitm_score_reference;
+typedef enum { FITM_DUMMY_FIXED = 0, FITM_DUMMY_DOCUMENTS } fitm_score_dummy_source;
+typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
+
+/* Longest `layers` or `heads` list. */
+#define FITM_SCORE_MAX_LIST 512
+/* eps of the log_ratio form. */
+#define FITM_SCORE_LOG_EPS 1e-9
+
+typedef struct {
+    int32_t rows;         /* fitm_score_rows                                               */
+    int32_t *layers;      /* (n_layers) owned; negative = from the end                     */
+    int32_t n_layers;
+    int32_t *heads;       /* (2 * n_heads) owned: layer, head pairs; overrides layers      */
+    int32_t n_heads;
+    int32_t aggregate;    /* fitm_score_aggregate                                          */
+    int32_t skip_first;   /* >= 0 tokens at the start of each document not counted         */
+    int32_t reference;    /* fitm_score_reference                                          */
+    int32_t dummy_source; /* fitm_score_dummy_source                                       */
+    int32_t form;         /* fitm_score_form                                               */
+    double sink_factor;   /* 0 = off; f > 0: tokens over f x the span's mean reference
+                             attention are left out                                         */
+    int32_t window;       /* 0 = off; W > 0: groups of about W documents                   */
+    double temperature;   /* > 0: weight = softmax(rel_scaled / temperature)               */
+    double score_scale;   /* relevance_score = sigmoid(score_scale * rel_scaled + bias)   */
+    double score_bias;
+} fitm_score_opts;
+
+/* Every option unset. */
+void fitm_score_opts_init(fitm_score_opts *o);
+
+/* Releases the lists and leaves o unset. NULL is a no-op. */
+void fitm_score_opts_free(fitm_score_opts *o);
+
+/* Copies every option set in src over dst (lists deep-copied). FITM_ERR_NOMEM only. */
+fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts *src,
+                                    fitm_err *err);
+
+/* The built-in defaults for a model of L layers into *o (overwritten, not freed; every option
+ * set): rows question, the
+ * layers at 28-44% of the depth (5, 6, 7 of 18), sum, skip_first 0, null_query, fixed
+ * dummy, difference, no sinks, no windows, temperature 0.05, and score_scale = 1 /
+ * temperature, score_bias 0 (so relevance_score orders exactly like weight). */
+fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err);
+
+/* Whether name is one of the option keys ("rows", "layers", ...). */
+bool fitm_score_is_key(const char *name);
+
+/* Sets option `name` from its text form (the config/profile syntax): enum names, integers,
+ * reals, `layers = 3,4,-1`, `heads = 5:1,11:0`. The empty text unsets it. Errors
+ * (FITM_ERR_INVALID) name the option and the value; FITM_ERR_NOT_FOUND for an unknown key. */
+fitm_status fitm_score_opts_set(fitm_score_opts *o, const char *name, const char *text,
+                                fitm_err *err);
+
+/* Wire names of the enum values; "unknown" out of range. */
+const char *fitm_score_rows_name(int32_t v);
+const char *fitm_score_aggregate_name(int32_t v);
+const char *fitm_score_reference_name(int32_t v);
+const char *fitm_score_dummy_source_name(int32_t v);
+const char *fitm_score_form_name(int32_t v);
+
+/* Parses an enum option's value by option name ("rows", "aggregate", "reference",
+ * "dummy_source", "form"); -1 when the name or the value is unknown. */
+int32_t fitm_score_enum_parse(const char *option, const char *value);
+
+/* The '|'-separated choices of an enum option ("" for other names). */
+const char *fitm_score_enum_choices(const char *option);
+
+/* ---- the math ---------------------------------------------------------------------------- */
+
+/* rel of one document: A - A_ref (difference) or ln(A + eps) - ln(A_ref + eps). */
+double fitm_score_rel(int32_t form, double A, double A_ref);
+
+/* Splits K documents (request order) into ceil(K / W) consecutive groups whose sizes differ
+ * by at most one (one group when W <= 0 or W >= K); writes n_groups + 1 boundaries into
+ * starts (room for K + 1) and returns n_groups. */
+int32_t fitm_score_groups(int32_t K, int32_t W, int32_t *starts);
+
+/* weight[k] = softmax(x / t) over K values (t > 0). */
+void fitm_score_softmax(const double *x, int32_t K, double t, double *weight);
+
+/* sigmoid(scale * x + bias), in [0, 1]. */
+double fitm_score_sigmoid(double x, double scale, double bias);
+
+/* One document's A and A_ref from per-token attention a (N) and a_ref (N, may be NULL: no
+ * reference, A_ref = 0): tokens i < skip_first are not counted, nor (sink_factor > 0 and
+ * a_ref) tokens with a_ref[i] > sink_factor x the mean of a_ref over the counted tokens.
+ * sum or mean over what is counted (mean 0 when nothing is). */
+void fitm_score_reduce(const double *a, const double *a_ref, int64_t N, int32_t skip_first,
+                       double sink_factor, int32_t aggregate, double *A, double *A_ref);
+
+#endif

