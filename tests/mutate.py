@@ -41,7 +41,13 @@ MUTANTS = [
            pytest=["tests/test_http_oracle.py"]),
     Mutant("rerank-one-doc-uncalibrated",
            "the first document is scored by A instead of A - A_dum",
-           "double mx = -INFINITY, z = 0;", "A_dum[0] = 0;\n    double mx = -INFINITY, z = 0;",
+           "sc->rel[k] = fitm_score_rel(o->form, A, Ar);",
+           "sc->rel[k] = fitm_score_rel(o->form, A, k == 0 ? 0.0 : Ar);",
+           pytest=["tests/test_http_oracle.py"]),
+    Mutant("question-span-off-by-one",
+           "the rows of the trailing question start one token late",
+           "*span = (fitm_span){.start = s, .end = ids->n};",
+           "*span = (fitm_span){.start = s + 1, .end = ids->n};",
            pytest=["tests/test_http_oracle.py"]),
     Mutant("intervention-no-constant-C",
            "Eq. 5's constant C (the visible mass over sum n_k alpha_k) dropped",
@@ -68,7 +74,7 @@ MUTANTS = [
            meson=["tokenizer"], pytest=["tests/test_tokenize_cli.py"]),
     Mutant("answer-late-intervention",
            "/answer's intervention starts one row after the last document",
-           ".from_pos = spans[K - 1].end}", ".from_pos = spans[K - 1].end + 1}",
+           ".from_pos = s->spans[s->K - 1].end}", ".from_pos = s->spans[s->K - 1].end + 1}",
            pytest=["tests/test_http_answer.py"]),
 ]
 

@@ -243,7 +243,9 @@ def oracle_served(fitmd_bin, tmp_path_factory):  # noqa: F811
     path = d / "m.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--seed", "3", "-q", "-o",
                     str(path), "--arch", "llama", "--type", "F32"], check=True)
-    daemon = Daemon(fitmd_bin, path, d)
+    # /rerank's prompt as the answer template, so the scoring pass's rows are the answer
+    # prompt's rows and the prefill starts exactly at the end of the documents.
+    daemon = Daemon(fitmd_bin, path, d, answer_template=RERANK_FRAME)
     yield daemon, om.Model.load(path)
     assert daemon.terminate() == 0
 
@@ -267,14 +269,17 @@ def oracle_greedy(model, ids, n, hook=None, stop_ids=()):
 def test_intervention_matches_oracle(oracle_served, extra):
     """The daemon's greedy ids are the oracle's with calib.make_hook (the intervention on every
     row from the end of the last document, in the chosen layers), and calibrate:false gives the
-    oracle's ids without it. Every row from that one on is computed once with the intervention:
-    usage.forward_tokens counts exactly the scoring passes, the prefill from the end of the last
-    document and one row per further token, so an intervention starting one row late shows
-    there even where the ids do not move (the daemon returns no logits to compare; the oracle's
-    logits show, below, that the hook changes every step's logits)."""
+    oracle's ids without it. With the null_suffix reference the scoring leaves the prompt's rows
+    up to the end of the documents in the cache, so every row from there on is computed once
+    with the intervention: usage.forward_tokens counts exactly the scoring passes (as /rerank
+    reports them for the same documents), the prefill from the end of the last document and one
+    row per further token, so an intervention starting one row late shows there even where the
+    ids do not move (the daemon returns no logits to compare; the oracle's logits show, below,
+    that the hook changes every step's logits)."""
     daemon, model = oracle_served
+    calibration = {"reference": "null_suffix"}
     b = {"query": QUERY, "documents": docs(4, 7) + [{"text": "golf hotel", "title": "Golf"}],
-         "max_tokens": 16, "return_tokens": True, **extra}
+         "max_tokens": 16, "return_tokens": True, "calibration": calibration, **extra}
     r = requests.post(daemon.url("/answer"), json=b, timeout=300)
     assert r.status_code == 200, r.text
     j = r.json()
@@ -291,9 +296,17 @@ def test_intervention_matches_oracle(oracle_served, extra):
     want, rows = oracle_greedy(model, tok["prompt"], n, hook, eos)
     assert want == tok["completion"]
     T, end = len(tok["prompt"]), max(e for _, e in spans)
-    scoring = T + sum(T - s for s, _ in spans)
+
+    def rerank_cost(documents, method):
+        body = {"query": QUERY, "documents": documents, "method": method, **calibration}
+        rr = requests.post(daemon.url("/rerank"), json=body, timeout=300)
+        assert rr.status_code == 200, rr.text
+        return rr.json()["usage"]["forward_tokens"]
+
+    ordered = [b["documents"][k] for k in pos]
+    scoring = rerank_cost(ordered, "calibrated")
     if "reorder" in extra:  # one attention pass over the documents in request order first
-        scoring += T
+        scoring += rerank_cost(b["documents"], extra["reorder"])
     assert j["usage"]["forward_tokens"] == scoring + (T - end) + (n - 1), j["usage"]
 
     # calibrate:false is the oracle without the hook, on the same prompt ids (before any
@@ -305,7 +318,10 @@ def test_intervention_matches_oracle(oracle_served, extra):
     free, _ = oracle_greedy(model, ptok["prompt"], len(ptok["completion"]), None, eos)
     assert free == ptok["completion"]
     if "reorder" not in extra:
-        assert plain["usage"]["forward_tokens"] == len(ptok["prompt"]) + len(free) - 1
+        # the /rerank calls above left this plain prompt's rows in the cache (rows computed
+        # under an intervention never count as reusable), so only the last prompt row is
+        # recomputed, for its logits
+        assert plain["usage"]["forward_tokens"] == 1 + len(free) - 1
     cache = model.new_cache()
     seq = list(tok["prompt"])
     unhooked = [model.forward(seq, logits_rows=[T - 1], cache=cache)[0]]
