@@ -1,6 +1,15 @@
 /* cuda_emu runtime: memory, streams, events, errors, and the fiber scheduler behind launches
- * (contract in cuda_runtime_api.h and emu_device.h). */
+ * (contract in cuda_runtime_api.h and emu_device.h).
+ *
+ * Fibers are started once with makecontext and live across blocks and launches (each runs
+ * the launch's entry, reports done, and waits for the next block); switches between a fiber
+ * and the scheduler are _setjmp/_longjmp, which unlike swapcontext make no system call. The
+ * fortified longjmp would take a jump to another stack for stack smashing, hence the #undef. */
+#ifdef _FORTIFY_SOURCE
+#undef _FORTIFY_SOURCE
+#endif
 #include <pthread.h>
+#include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +34,10 @@ enum fiber_state { RUNNABLE, WAIT_SYNC, WAIT_SHFL, DONE };
 
 struct fiber {
     fitm_emu_thread t;
-    ucontext_t ctx;
+    jmp_buf env;   /* where it yielded */
+    ucontext_t uc; /* its first start */
+    char *stack;   /* FIBER_STACK bytes, kept for the life of the process */
+    bool started;  /* false: the next resume starts it afresh */
     fiber_state state;
     unsigned wait_gen; /* generation of the barrier or shuffle it waits on */
 };
@@ -38,11 +50,10 @@ struct warp_state {
 
 /* Everything one launch's blocks share; one per host thread, reused across launches. */
 struct block_runner {
-    std::vector<fiber> fibers;
-    std::vector<char> stacks;
-    std::vector<warp_state> warps;
+    fiber fibers[MAX_THREADS]; /* never moves: started fibers point into their stacks */
+    warp_state warps[MAX_THREADS / 32];
     std::vector<char> dyn_shared;
-    ucontext_t sched;
+    jmp_buf sched;
     int n, live;
     unsigned sync_gen, sync_arrived;
     void (*entry)(void *);
@@ -80,21 +91,48 @@ fiber *current(void)
 
 void yield_to_scheduler(void)
 {
-    swapcontext(&current()->ctx, &runner->sched);
+    if (!_setjmp(current()->env))
+        _longjmp(runner->sched, 1);
 }
 
+/* A fiber's whole life: run the current launch's kernel for the current block, report done,
+ * wait to be resumed for another block. */
 void fiber_main(void)
 {
-    runner->entry(runner->entry_ctx);
-    block_runner *r = runner;
-    current()->state = DONE;
-    r->live--;
-    /* threads that have exited count as arrived at a barrier the others wait on */
-    if (r->sync_arrived > 0 && r->sync_arrived == (unsigned)r->live) {
-        r->sync_gen++;
-        r->sync_arrived = 0;
+    for (;;) {
+        runner->entry(runner->entry_ctx);
+        block_runner *r = runner;
+        current()->state = DONE;
+        r->live--;
+        /* threads that have exited count as arrived at a barrier the others wait on */
+        if (r->sync_arrived > 0 && r->sync_arrived == (unsigned)r->live) {
+            r->sync_gen++;
+            r->sync_arrived = 0;
+        }
+        yield_to_scheduler();
     }
-    /* returning resumes uc_link, the scheduler */
+}
+
+void resume(block_runner *r, fiber *f)
+{
+    fitm_emu_cur = &f->t;
+    if (_setjmp(r->sched))
+        return; /* the fiber yielded */
+    if (f->started)
+        _longjmp(f->env, 1);
+    f->started = true;
+    if (!f->stack)
+        f->stack = (char *)malloc(FIBER_STACK);
+    if (!f->stack) {
+        fprintf(stderr, "cuda_emu: out of memory for fiber stacks\n");
+        abort();
+    }
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->stack;
+    f->uc.uc_stack.ss_size = FIBER_STACK;
+    f->uc.uc_link = NULL; /* fiber_main never returns */
+    makecontext(&f->uc, fiber_main, 0);
+    setcontext(&f->uc);
 }
 
 bool ready(const block_runner *r, const fiber *f, int i)
@@ -119,14 +157,9 @@ bool run_block(block_runner *r)
         const unsigned bx = fitm_emu_block_dim.x, by = fitm_emu_block_dim.y;
         f->t.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
         f->state = RUNNABLE;
-        getcontext(&f->ctx);
-        f->ctx.uc_stack.ss_sp = &r->stacks[(size_t)i * FIBER_STACK];
-        f->ctx.uc_stack.ss_size = FIBER_STACK;
-        f->ctx.uc_link = &r->sched;
-        makecontext(&f->ctx, fiber_main, 0);
     }
-    for (auto &w : r->warps)
-        w.gen = w.arrived = 0;
+    for (int w = 0; w < (r->n + 31) / 32; w++)
+        r->warps[w].gen = r->warps[w].arrived = 0;
     r->live = r->n;
     r->sync_gen = r->sync_arrived = 0;
     int first = 0;
@@ -137,12 +170,14 @@ bool run_block(block_runner *r)
         for (int i = first; i < r->n && pick < 0; i++)
             if (ready(r, &r->fibers[i], i))
                 pick = i;
-        if (pick < 0)
+        if (pick < 0) {
+            for (int i = 0; i < r->n; i++) /* stuck mid-kernel: start afresh next time */
+                r->fibers[i].started = r->fibers[i].started && r->fibers[i].state == DONE;
             return false;
+        }
         fiber *f = &r->fibers[pick];
-        f->state = f->state == DONE ? DONE : RUNNABLE;
-        fitm_emu_cur = &f->t;
-        swapcontext(&r->sched, &f->ctx);
+        f->state = RUNNABLE;
+        resume(r, f);
     }
     return true;
 }
@@ -167,7 +202,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 {
     block_runner *r = runner;
     fiber *f = current();
-    const int i = (int)(f - r->fibers.data());
+    const int i = (int)(f - r->fibers);
     warp_state *w = &r->warps[i / 32];
     const unsigned gen = w->gen, par = gen & 1u;
     w->slot[par][i % 32] = bits;
@@ -212,12 +247,6 @@ void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (
         runner = new block_runner();
     block_runner *r = runner;
     r->n = (int)n;
-    if (r->fibers.size() < (size_t)n) {
-        r->fibers.resize((size_t)n);
-        r->stacks.resize((size_t)n * FIBER_STACK);
-        r->warps.resize(((size_t)n + 31) / 32);
-    }
-    r->warps.resize(((size_t)n + 31) / 32);
     r->dyn_shared.assign(dyn_shared, (char)0xA5);
     r->entry = entry;
     r->entry_ctx = ctx;
