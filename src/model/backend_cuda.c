@@ -3,7 +3,8 @@
  *
  * Weights: prepare uploads every tensor of the model once, in its stored type, and keeps a
  * table from the host view's data address to the device copy; a weight view that is not in
- * the table (tests hand in their own) is copied to a scratch buffer for the one call.
+ * the table (tests hand in their own) is copied to a scratch buffer for the one call. The
+ * table holds one model: preparing another releases the previous model's copies.
  * Products: every row is one warp-per-output dot product over the stored weight
  * (fitm_cuda_matmul_rows), for decode steps and prefill alike, so a row's result never depends
  * on T or on the BATCH/STEP path. Attention: fitm_cuda_attention, one block per (row, head),
@@ -157,11 +158,21 @@ static fitm_status add_weight(cuda_backend *c, const fitm_weight *w, size_t cap,
     return FITM_OK;
 }
 
+static void release_weights(cuda_backend *c)
+{
+    for (size_t i = 0; i < c->n_w; i++)
+        cudaFree(c->w[i].dev);
+    c->n_w = 0;
+}
+
 static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *err)
 {
     cuda_backend *c = cu(b);
     const fitm_model_config *cfg = fitm_model_config_of(m);
-    const size_t per_layer = 17, cap = 3 + (size_t)cfg->n_layer * per_layer + c->n_w;
+    const size_t per_layer = 17, cap = 3 + (size_t)cfg->n_layer * per_layer;
+    /* One model at a time: the previous model's views may be gone and their addresses
+     * reused by this one's (forwards of the same model find the fresh copies). */
+    release_weights(c);
     dev_weight *w = realloc(c->w, cap * sizeof *w);
     if (!w)
         return fitm_err_set(err, FITM_ERR_NOMEM, "CUDA backend: weight table");
@@ -231,8 +242,7 @@ static void free_buf(grow_buf *g)
 static void cuda_destroy(fitm_backend *b)
 {
     cuda_backend *c = cu(b);
-    for (size_t i = 0; i < c->n_w; i++)
-        cudaFree(c->w[i].dev);
+    release_weights(c);
     free(c->w);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->ids,      &c->cap_index, &c->cap_spans,
                         &c->iv_spans, &c->iv_alpha, &c->cap_mass, &c->cap_probs};
