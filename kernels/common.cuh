@@ -7,6 +7,18 @@
 
 #define FITM_WARP 32
 
+/* FITM_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...) is kernel<<<...>>>(args...).
+ * The macro lets the same source compile under the CPU emulator of tests/cuda_emu, whose
+ * <cuda_runtime.h> defines it as a call into its fiber scheduler. */
+#ifndef FITM_LAUNCH
+#define FITM_LAUNCH(grid, block, shm, stream, ...) __VA_ARGS__<<<grid, block, shm, stream>>>
+#endif
+
+/* The launch's dynamic shared memory as an array `name` of `type`. */
+#ifndef FITM_DYNAMIC_SHARED
+#define FITM_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 /* Launchers receive the stream as void * (see kernels.h). */
 static inline cudaStream_t fitm_stream(void *s)
 {

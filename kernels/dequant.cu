@@ -47,11 +47,12 @@ static int fitm_dequant_launch(const void *src, OUT *dst, int64_t n, cudaStream_
     const int threads = 256;
     const uint8_t *s = (const uint8_t *)src;
     if constexpr (fitm_qtraits<T>::BE == 1) {
-        fitm_dequant_elems<T, OUT><<<fitm_grid_for(n, threads), threads, 0, st>>>(s, dst, n);
+        FITM_LAUNCH(fitm_grid_for(n, threads), threads, 0, st, fitm_dequant_elems<T, OUT>)
+        (s, dst, n);
     } else {
         const int64_t n_chunks = n / 8;
-        fitm_dequant_blocks<T, OUT>
-            <<<fitm_grid_for(n_chunks, threads), threads, 0, st>>>(s, dst, n_chunks);
+        FITM_LAUNCH(fitm_grid_for(n_chunks, threads), threads, 0, st, fitm_dequant_blocks<T, OUT>)
+        (s, dst, n_chunks);
     }
     return (int)cudaGetLastError();
 }

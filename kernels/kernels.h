@@ -103,6 +103,64 @@ int fitm_cuda_swiglu(float *y, const float *g, const float *u, int64_t n, void *
 /* y (n) = gelu_tanh(g) * u, as fitm_ops_geglu. y may equal g or u. */
 int fitm_cuda_geglu(float *y, const float *g, const float *u, int64_t n, void *stream);
 
+/* ---- element-wise (kernels/ops.cu) ---- */
+
+/* x (T, C) = rows ids[t] (device, T int32 in [0, rows of W)) of W (rows of C elements of type
+ * t, row_bytes apart) times scale, as fitm_dequant_row. C must be a multiple of t's block. */
+int fitm_cuda_embed(fitm_dtype t, const void *W, int64_t row_bytes, int64_t C, const int32_t *ids,
+                    int64_t T, float scale, float *x, void *stream);
+
+/* y (n) += x (n). */
+int fitm_cuda_add(float *y, const float *x, int64_t n, void *stream);
+
+/* y (rows, n) += b (n) on every row. */
+int fitm_cuda_add_rows(float *y, const float *b, int64_t rows, int64_t n, void *stream);
+
+/* x (n) = cap * tanh(x / cap). */
+int fitm_cuda_softcap(float *x, int64_t n, float cap, void *stream);
+
+/* In place RoPE on x (T, H, D) with the driver's table cs (T, n_rot/2, {cos, sin}) (device),
+ * as fitm_ops_rope_apply on every head vector. n_rot even, in [2, D]. */
+int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot, const float *cs,
+                         int neox, void *stream);
+
+/* ---- matrix products (kernels/matvec.cu) ---- */
+
+/* y (T, N) = x (T, K) . W^T, each row as fitm_cuda_matvec computes it (so a row's result does
+ * not depend on T). Same conditions as fitm_cuda_matvec; T <= 65535. */
+int fitm_cuda_matmul_rows(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x,
+                          int64_t T, float *y, void *stream);
+
+/* ---- attention (kernels/attention.cu) ---- */
+
+#define FITM_CUDA_ATTN_MAX_SPANS 4096
+
+/* One layer's attention for T query rows at positions pos0.., as the backend's attention op
+ * (model/backend.h, fitm_attn_args) with every array on the device. Spans are
+ * {start, end} int64 pairs. Capture outputs are per layer: cap_mass (n_cap_rows, H,
+ * cap_n_spans), cap_probs (n_cap_rows, H, cap_probs_stride), indexed by cap_index (T; -1: row
+ * not captured; NULL: no capture). iv_n_spans 0: no intervention. head_dim <= 256. */
+typedef struct {
+    int64_t T, pos0, own_base, window;
+    int32_t n_head, n_head_kv, head_dim;
+    float scale;
+    const float *q;
+    float *out;
+    const float *k_pre, *v_pre, *k_own, *v_own;
+    const int32_t *cap_index;
+    const int64_t *cap_spans;
+    int32_t cap_n_spans;
+    int cap_after;
+    float *cap_mass, *cap_probs;
+    int64_t cap_probs_stride;
+    const int64_t *iv_spans;
+    const float *iv_alpha;
+    int32_t iv_n_spans;
+    int64_t iv_from_pos;
+} fitm_cuda_attn;
+
+int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

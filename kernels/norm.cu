@@ -54,8 +54,8 @@ extern "C" int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float
         return (int)cudaErrorInvalidValue;
     if (T == 0 || C == 0)
         return 0;
-    fitm_rmsnorm_rows<<<(unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream)>>>(y, x, w, w_offset,
-                                                                                 C, eps);
+    FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream), fitm_rmsnorm_rows)
+    (y, x, w, w_offset, C, eps);
     return (int)cudaGetLastError();
 }
 
@@ -65,6 +65,7 @@ extern "C" int fitm_cuda_softmax_rows(float *x, int64_t n_rows, int64_t n, int64
         return (int)cudaErrorInvalidValue;
     if (n_rows == 0 || n == 0)
         return 0;
-    fitm_softmax_rows<<<(unsigned)n_rows, FITM_ROW_THREADS, 0, fitm_stream(stream)>>>(x, n, ld);
+    FITM_LAUNCH((unsigned)n_rows, FITM_ROW_THREADS, 0, fitm_stream(stream), fitm_softmax_rows)
+    (x, n, ld);
     return (int)cudaGetLastError();
 }

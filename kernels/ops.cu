@@ -3,6 +3,7 @@
  * freq_scale != 1; fitm_ops_swiglu, fitm_ops_geglu. */
 #include "common.cuh"
 #include "kernels.h"
+#include "qdecode.cuh"
 
 #define FITM_EW_THREADS 256
 
@@ -67,8 +68,9 @@ extern "C" int fitm_cuda_rope(float *x, int64_t T, int64_t H, int64_t D, int64_t
     if (T > INT64_MAX / H / (n_rot / 2))
         return (int)cudaErrorInvalidValue;
     const int64_t n = T * H * (n_rot / 2);
-    fitm_rope_pairs<<<fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream)>>>(
-        x, T, H, D, ld, n_rot, pos, pos0, base, freq_scale, neox);
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_rope_pairs)
+    (x, T, H, D, ld, n_rot, pos, pos0, base, freq_scale, neox);
     return (int)cudaGetLastError();
 }
 
@@ -78,8 +80,9 @@ extern "C" int fitm_cuda_swiglu(float *y, const float *g, const float *u, int64_
         return (int)cudaErrorInvalidValue;
     if (n == 0)
         return 0;
-    fitm_swiglu_elems<<<fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0,
-                        fitm_stream(stream)>>>(y, g, u, n);
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_swiglu_elems)
+    (y, g, u, n);
     return (int)cudaGetLastError();
 }
 
@@ -89,7 +92,150 @@ extern "C" int fitm_cuda_geglu(float *y, const float *g, const float *u, int64_t
         return (int)cudaErrorInvalidValue;
     if (n == 0)
         return 0;
-    fitm_geglu_elems<<<fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0,
-                       fitm_stream(stream)>>>(y, g, u, n);
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_geglu_elems)
+    (y, g, u, n);
+    return (int)cudaGetLastError();
+}
+
+/* ---- the backend's element-wise ops ---- */
+
+/* Row t of x = row ids[t] of W, one thread per chunk of 8 (block types) or element. */
+template <int T>
+__global__ void fitm_embed_rows(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t C,
+                                const int32_t *__restrict__ ids, int64_t n_rows, float scale,
+                                float *__restrict__ x)
+{
+    const bool chunked = fitm_qtraits<T>::BE > 1;
+    const int64_t per_row = chunked ? C / 8 : C, n = n_rows * per_row;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+        const int64_t t = idx / per_row, c = idx % per_row;
+        const uint8_t *w = W + (int64_t)ids[t] * row_bytes;
+        if (chunked) {
+            float v[8];
+            fitm_decode_chunk<T>(w, c, v);
+            for (int i = 0; i < 8; i++)
+                x[t * C + 8 * c + i] = v[i] * scale;
+        } else {
+            x[t * C + c] = fitm_load1<T>(w, c) * scale;
+        }
+    }
+}
+
+template <int T>
+static int fitm_embed_launch(const void *W, int64_t row_bytes, int64_t C, const int32_t *ids,
+                             int64_t n_rows, float scale, float *x, cudaStream_t st)
+{
+    const int64_t n = n_rows * (fitm_qtraits<T>::BE > 1 ? C / 8 : C);
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, st, fitm_embed_rows<T>)
+    ((const uint8_t *)W, row_bytes, C, ids, n_rows, scale, x);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_embed(fitm_dtype t, const void *W, int64_t row_bytes, int64_t C,
+                               const int32_t *ids, int64_t T, float scale, float *x, void *stream)
+{
+    if (!fitm_cuda_dequant_supported(t) || !W || !ids || !x || T < 0 || C < 0 || row_bytes < 0 ||
+        C % fitm_qblock_elems(t) != 0 || !fitm_aligned16(W) || row_bytes % 2 != 0)
+        return (int)cudaErrorInvalidValue;
+    if (T == 0 || C == 0)
+        return 0;
+    cudaStream_t st = fitm_stream(stream);
+    // clang-format off
+    switch (t) {
+    case FITM_DTYPE_F32: return fitm_embed_launch<FITM_DTYPE_F32>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_F16: return fitm_embed_launch<FITM_DTYPE_F16>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_BF16: return fitm_embed_launch<FITM_DTYPE_BF16>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q4_0: return fitm_embed_launch<FITM_DTYPE_Q4_0>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q5_0: return fitm_embed_launch<FITM_DTYPE_Q5_0>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q8_0: return fitm_embed_launch<FITM_DTYPE_Q8_0>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q4_K: return fitm_embed_launch<FITM_DTYPE_Q4_K>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q5_K: return fitm_embed_launch<FITM_DTYPE_Q5_K>(W, row_bytes, C, ids, T, scale, x, st);
+    case FITM_DTYPE_Q6_K: return fitm_embed_launch<FITM_DTYPE_Q6_K>(W, row_bytes, C, ids, T, scale, x, st);
+    default: return (int)cudaErrorInvalidValue;
+    }
+    // clang-format on
+}
+
+/* y += x;  or with n_cols > 0, y[i] += x[i % n_cols] (a bias on every row). */
+__global__ void fitm_add_elems(float *y, const float *x, int64_t n, int64_t n_cols)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] += x[n_cols > 0 ? i % n_cols : i];
+}
+
+extern "C" int fitm_cuda_add(float *y, const float *x, int64_t n, void *stream)
+{
+    if (n < 0 || !y || !x)
+        return (int)cudaErrorInvalidValue;
+    if (n == 0)
+        return 0;
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_add_elems)
+    (y, x, n, (int64_t)0);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_add_rows(float *y, const float *b, int64_t rows, int64_t n, void *stream)
+{
+    if (rows < 0 || n < 0 || !y || !b || (n > 0 && rows > INT64_MAX / n))
+        return (int)cudaErrorInvalidValue;
+    if (rows == 0 || n == 0)
+        return 0;
+    FITM_LAUNCH(fitm_grid_for(rows * n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_add_elems)
+    (y, b, rows * n, n);
+    return (int)cudaGetLastError();
+}
+
+__global__ void fitm_softcap_elems(float *x, int64_t n, float cap)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
+extern "C" int fitm_cuda_softcap(float *x, int64_t n, float cap, void *stream)
+{
+    if (n < 0 || !x || !(cap > 0.0f))
+        return (int)cudaErrorInvalidValue;
+    if (n == 0)
+        return 0;
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_softcap_elems)
+    (x, n, cap);
+    return (int)cudaGetLastError();
+}
+
+/* One thread per rotated pair (t, h, i), the angle's cos/sin from the table. */
+__global__ void fitm_rope_table_pairs(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot,
+                                      const float *__restrict__ cs, int neox)
+{
+    const int64_t half = n_rot / 2, n = T * H * half;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+        const int64_t i = idx % half, th = idx / half, t = th / H;
+        const float c = cs[t * n_rot + 2 * i], s = cs[t * n_rot + 2 * i + 1];
+        float *v = x + th * D;
+        const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = v[a], x1 = v[b];
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+}
+
+extern "C" int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot,
+                                    const float *cs, int neox, void *stream)
+{
+    if (T < 0 || H < 0 || D < 0 || n_rot < 2 || n_rot > D || n_rot % 2 != 0 || !x || !cs)
+        return (int)cudaErrorInvalidValue;
+    if (T == 0 || H == 0)
+        return 0;
+    const int64_t n = T * H * (n_rot / 2);
+    FITM_LAUNCH(fitm_grid_for(n, FITM_EW_THREADS), FITM_EW_THREADS, 0, fitm_stream(stream),
+                fitm_rope_table_pairs)
+    (x, T, H, D, n_rot, cs, neox);
     return (int)cudaGetLastError();
 }

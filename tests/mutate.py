@@ -3,8 +3,9 @@ a scratch copy of the working tree (never in the tree itself), rebuilds, runs th
 should notice, and reports which tests caught each bug. Exit status 1 when a bug went uncaught,
 or when the unmutated copy does not pass those tests to begin with.
 
-Each bug is located by a snippet of code searched in every file under src/ (so files may move
-between folders); the snippet must occur exactly once.
+Each bug is located by a snippet of code searched in every file under src/ and kernels/ (so
+files may move between folders); the snippet must occur exactly once. The kernel mutants are
+caught by the kernel tests run on the CPU emulator (tests/cuda_emu), so no GPU is needed.
 
     python3 tests/mutate.py                  # every mutant (about 10 minutes on 2 cores)
     python3 tests/mutate.py answer-late-intervention rerank-one-doc-uncalibrated
@@ -76,6 +77,22 @@ MUTANTS = [
            "/answer's intervention starts one row after the last document",
            ".from_pos = s->spans[s->K - 1].end}", ".from_pos = s->spans[s->K - 1].end + 1}",
            pytest=["tests/test_http_answer.py"]),
+    Mutant("cuda-reduce-no-first-barrier",
+           "the block reduction writes shared memory a previous call may still be reading",
+           "    __syncthreads(); /* shm may still be read by a previous call */\n", "",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-reduce-no-second-barrier",
+           "the block reduction reads the warps' partial results before all are written",
+           "        shm[warp] = v;\n    __syncthreads();\n", "        shm[warp] = v;\n",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-attention-span-off-by-one",
+           "the attention kernel counts a span's end key as inside the span",
+           "else if (j >= a.iv_spans[2 * mid + 1])", "else if (j > a.iv_spans[2 * mid + 1])",
+           meson=["backend_ops_cuda_emu"]),
+    Mutant("cuda-warp-sum-wrong-lane",
+           "the warp sum's butterfly exchanges with lane o - 1 instead of o",
+           "v += __shfl_xor_sync(0xffffffffu, v, o);", "v += __shfl_xor_sync(0xffffffffu, v, o - 1);",
+           meson=["cuda_kernels_emu"]),
 ]
 
 
@@ -97,12 +114,12 @@ def copy_tree(dest: pathlib.Path) -> None:
 
 def locate(tree: pathlib.Path, snippet: str) -> pathlib.Path:
     hits = [(p, p.read_text(errors="replace").count(snippet))
-            for p in sorted((tree / "src").rglob("*")) if p.is_file() and p.suffix in
-            (".c", ".h", ".cu", ".cuh")]
+            for d in ("src", "kernels") for p in sorted((tree / d).rglob("*"))
+            if p.is_file() and p.suffix in (".c", ".h", ".cu", ".cuh")]
     hits = [(p, n) for p, n in hits if n]
     if len(hits) != 1 or hits[0][1] != 1:
         raise SystemExit(f"snippet {snippet.splitlines()[0]!r}: found {hits or 'nowhere'}, "
-                         "want exactly once under src/: update MUTANTS")
+                         "want exactly once under src/ and kernels/: update MUTANTS")
     return hits[0][0]
 
 

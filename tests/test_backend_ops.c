@@ -19,6 +19,10 @@
 #include "compute/ops.h"
 #include "compute/quant.h"
 #include "model/backend.h"
+#ifdef FITM_TEST_BACKEND_CUDA
+#include "kernels.h"
+#include "model/backend_cuda.h"
+#endif
 
 /* ---- harness --------------------------------------------------------------------------- */
 
@@ -40,11 +44,21 @@ static float *rand_vec(int64_t n, float lo, float hi)
     return v;
 }
 
+/* The backend under test: the CPU's, or with FITM_TEST_BACKEND_CUDA the CUDA backend (on a
+ * device, or on the emulator of tests/cuda_emu); without a device that test skips (77). */
 static fitm_backend *make_backend(void)
 {
     fitm_backend *b = NULL;
     fitm_err err = {{0}};
+#ifdef FITM_TEST_BACKEND_CUDA
+    if (fitm_cuda_device_count() == 0) {
+        printf("no CUDA device: skipped\n");
+        exit(77);
+    }
+    if (fitm_backend_cuda_create(&b, 0, &err) != FITM_OK) {
+#else
     if (fitm_backend_cpu_create(&b, 2, &err) != FITM_OK) {
+#endif
         fprintf(stderr, "backend: %s\n", err.msg);
         exit(1);
     }

@@ -102,6 +102,10 @@ typedef struct {
     void (*download)(fitm_backend *b, void *dst_host, const void *src, size_t n_bytes);
     /* Optional: called once per model before its first forward pass (e.g. upload weights). */
     fitm_status (*prepare)(fitm_backend *b, const fitm_model *m, fitm_err *err);
+    /* Optional (backends whose ops can fail, e.g. on a device): waits for the ops so far and
+     * reports the first failure among them since the last call (FITM_ERR_BACKEND, NOMEM, ...)
+     * with a message, then forgets it unless the device is lost for good. */
+    fitm_status (*status)(fitm_backend *b, fitm_err *err);
 
     /* x (T, C) = rows ids (host, T) of w, times scale. */
     void (*embed)(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,

@@ -393,5 +393,9 @@ fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens
     fitm_kv_set_end(kv, pos0 + T);
     if (opts->n_logits > 0)
         output_head(&p);
+    if (f->b->ops->status && (s = f->b->ops->status(f->b, err)) != FITM_OK) {
+        fitm_kv_set_end(kv, pos0); /* the rows this call wrote cannot be trusted */
+        return s;
+    }
     return FITM_OK;
 }

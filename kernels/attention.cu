@@ -1,0 +1,216 @@
+/* attention: one layer's attention for T query rows, flash-style (no T x T matrix anywhere),
+ * with the per-span mass capture and the Eq. 5 intervention of docs/design.md.
+ * CPU reference: the CPU backend's attention (src/model/backend_cpu.c), which in turn follows
+ * fitm_ops_softmax, fitm_ops_span_mass and fitm_ops_intervene (src/compute/ops.c).
+ *
+ * One block per (query row, head). The query vector sits in shared memory; keys are visited
+ * in tiles of FITM_ATT_THREADS, one key per thread, the score a dot product in a fixed order.
+ *   pass 1: the row's max and softmax denominator, online over the tiles;
+ *   pass 2 (intervened rows): the mass of every intervention span, one thread per span, and
+ *           from them the Eq. 5 factor of every span (in dynamic shared memory);
+ *   pass 3 (captured rows): the captured spans' masses, one thread per span;
+ *   pass 4: out = sum_j p_j v_j over the tiles in key order, each thread owning head dims.
+ * Every sum has one fixed order (no atomics), so a row's result does not depend on T. */
+#include "common.cuh"
+#include "kernels.h"
+
+#define FITM_ATT_THREADS 128
+#define FITM_ATT_MAX_D 256
+#define FITM_ATT_MIN_MASS 1e-30 /* FITM_OPS_INTERVENE_MIN_MASS */
+
+struct fitm_att_row {
+    int64_t i, p, v0; /* row in the call, its position, first visible key */
+    int h, g;
+};
+
+__device__ __forceinline__ const float *fitm_att_kv(const fitm_cuda_attn &a, const float *pre,
+                                                    const float *own, int64_t j, int g)
+{
+    const int64_t HkvD = (int64_t)a.n_head_kv * a.head_dim;
+    return (j < a.own_base ? pre + j * HkvD : own + (j - a.own_base) * HkvD) +
+           (int64_t)g * a.head_dim;
+}
+
+__device__ __forceinline__ float fitm_att_score(const fitm_cuda_attn &a, const float *q, int64_t j,
+                                                int g)
+{
+    const float *k = fitm_att_kv(a, a.k_pre, a.k_own, j, g);
+    float s = 0.0f;
+    for (int d = 0; d < a.head_dim; d++)
+        s = fmaf(q[d], k[d], s);
+    return s * a.scale;
+}
+
+/* Index of the intervention span holding key j, or -1 (spans sorted and disjoint). */
+__device__ __forceinline__ int fitm_att_span_of(const fitm_cuda_attn &a, int64_t j)
+{
+    int lo = 0, hi = a.iv_n_spans - 1;
+    while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        if (j < a.iv_spans[2 * mid])
+            hi = mid - 1;
+        else if (j >= a.iv_spans[2 * mid + 1])
+            lo = mid + 1;
+        else
+            return mid;
+    }
+    return -1;
+}
+
+/* Probability of key j (visible) in this row: before the intervention, or after it when
+ * factor (the Eq. 5 factors by span, NULL: none) is given. */
+__device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const float *q, int64_t j,
+                                               int g, float mx, float inv_l, const float *factor)
+{
+    float pj = expf(fitm_att_score(a, q, j, g) - mx) * inv_l;
+    if (factor) {
+        const int k = fitm_att_span_of(a, j);
+        if (k >= 0)
+            pj *= factor[k];
+    }
+    return pj;
+}
+
+/* Block-wide double sum, returned to every thread (FITM_ATT_THREADS threads). */
+__device__ double fitm_att_sum_d(double v, double *shm)
+{
+    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (threadIdx.x % FITM_WARP == 0)
+        shm[threadIdx.x / FITM_WARP] = v;
+    __syncthreads();
+    double r = 0.0;
+    for (int w = 0; w < FITM_ATT_THREADS / FITM_WARP; w++)
+        r += shm[w];
+    return r;
+}
+
+/* Sum of the probabilities over keys [lo, hi) clipped to the visible [v0, p], in key order. */
+__device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r, const float *q,
+                                int64_t lo, int64_t hi, float mx, float inv_l, const float *factor)
+{
+    lo = lo > r.v0 ? lo : r.v0;
+    hi = hi < r.p + 1 ? hi : r.p + 1;
+    double m = 0.0;
+    for (int64_t j = lo; j < hi; j++)
+        m += (double)fitm_att_prob(a, q, j, r.g, mx, inv_l, factor);
+    return m;
+}
+
+__global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cuda_attn a)
+{
+    __shared__ float q[FITM_ATT_MAX_D];
+    __shared__ float tile[FITM_ATT_THREADS];
+    __shared__ float red[32];
+    __shared__ double redd[32];
+    FITM_DYNAMIC_SHARED(float, factor); /* (iv_n_spans) */
+    const int tid = threadIdx.x, D = a.head_dim;
+    fitm_att_row r;
+    r.i = blockIdx.x;
+    r.h = blockIdx.y;
+    r.g = r.h / (a.n_head / a.n_head_kv);
+    r.p = a.pos0 + r.i;
+    r.v0 = a.window > 0 && r.p - a.window + 1 > 0 ? r.p - a.window + 1 : 0;
+    const float *qg = a.q + (r.i * a.n_head + r.h) * D;
+    for (int d = tid; d < D; d += FITM_ATT_THREADS)
+        q[d] = qg[d];
+    __syncthreads();
+
+    /* pass 1: max and denominator, online over tiles */
+    float mx = -INFINITY, l = 0.0f;
+    for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
+        const int64_t j = j0 + tid;
+        const float s = j <= r.p ? fitm_att_score(a, q, j, r.g) : -INFINITY;
+        const float tmx = fitm_block_reduce(s, red, true);
+        const float m_new = fmaxf(mx, tmx);
+        const float e = j <= r.p ? expf(s - m_new) : 0.0f;
+        l = l * expf(mx - m_new) + fitm_block_reduce(e, red, false);
+        mx = m_new;
+    }
+    const float inv_l = 1.0f / l;
+
+    /* pass 2: Eq. 5 factors of the intervention spans */
+    const bool intervene = a.iv_n_spans > 0 && r.p >= a.iv_from_pos;
+    if (intervene) {
+        double S = 0.0, Z = 0.0;
+        for (int k = tid; k < a.iv_n_spans; k += FITM_ATT_THREADS) {
+            const double m =
+                fitm_att_mass(a, r, q, a.iv_spans[2 * k], a.iv_spans[2 * k + 1], mx, inv_l, NULL);
+            factor[k] = (float)m; /* the mass, for now */
+            if (m > FITM_ATT_MIN_MASS) {
+                S += m;
+                Z += (double)(a.iv_spans[2 * k + 1] - a.iv_spans[2 * k]) * (double)a.iv_alpha[k];
+            }
+        }
+        S = fitm_att_sum_d(S, redd);
+        Z = fitm_att_sum_d(Z, redd);
+        const double C = Z > 0.0 ? S / Z : 0.0;
+        for (int k = tid; k < a.iv_n_spans; k += FITM_ATT_THREADS) {
+            const double m = factor[k]; /* written by this thread above */
+            factor[k] = Z > 0.0 && m > FITM_ATT_MIN_MASS
+                            ? (float)((double)a.iv_alpha[k] *
+                                      (double)(a.iv_spans[2 * k + 1] - a.iv_spans[2 * k]) * C / m)
+                            : 1.0f;
+        }
+        __syncthreads();
+    }
+    const float *fac = intervene ? factor : NULL;
+
+    /* pass 3: captured span masses */
+    const int32_t cr = a.cap_index ? a.cap_index[r.i] : -1;
+    const float *cap_fac = a.cap_after ? fac : NULL;
+    if (cr >= 0 && a.cap_mass) {
+        float *dst = a.cap_mass + ((int64_t)cr * a.n_head + r.h) * a.cap_n_spans;
+        for (int k = tid; k < a.cap_n_spans; k += FITM_ATT_THREADS)
+            dst[k] = (float)fitm_att_mass(a, r, q, a.cap_spans[2 * k], a.cap_spans[2 * k + 1], mx,
+                                          inv_l, cap_fac);
+    }
+
+    /* pass 4: the output, and the captured probabilities */
+    float *cp = cr >= 0 && a.cap_probs
+                    ? a.cap_probs + ((int64_t)cr * a.n_head + r.h) * a.cap_probs_stride
+                    : NULL;
+    float acc[FITM_ATT_MAX_D / FITM_ATT_THREADS] = {0.0f, 0.0f};
+    if (cp)
+        for (int64_t j = tid; j < a.cap_probs_stride; j += FITM_ATT_THREADS)
+            if (j < r.v0 || j > r.p)
+                cp[j] = 0.0f;
+    for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
+        const int64_t j = j0 + tid;
+        if (j <= r.p) {
+            const float pj = fitm_att_prob(a, q, j, r.g, mx, inv_l, fac);
+            tile[tid] = pj;
+            if (cp)
+                cp[j] = cap_fac || !fac ? pj : fitm_att_prob(a, q, j, r.g, mx, inv_l, NULL);
+        }
+        __syncthreads();
+        const int64_t n = r.p + 1 - j0 < FITM_ATT_THREADS ? r.p + 1 - j0 : FITM_ATT_THREADS;
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = fitm_att_kv(a, a.v_pre, a.v_own, j0 + t, r.g);
+            for (int c = 0, d = tid; d < D; c++, d += FITM_ATT_THREADS)
+                acc[c] = fmaf(tile[t], v[d], acc[c]);
+        }
+        __syncthreads();
+    }
+    float *o = a.out + (r.i * a.n_head + r.h) * D;
+    for (int c = 0, d = tid; d < D; c++, d += FITM_ATT_THREADS)
+        o[d] = acc[c];
+}
+
+extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
+{
+    if (!a || a->T < 0 || a->n_head < 1 || a->n_head_kv < 1 || a->n_head % a->n_head_kv != 0 ||
+        a->head_dim < 1 || a->head_dim > FITM_ATT_MAX_D || a->T > INT32_MAX || a->n_head > 65535 ||
+        a->iv_n_spans < 0 || a->iv_n_spans > FITM_CUDA_ATTN_MAX_SPANS || a->cap_n_spans < 0 ||
+        !a->q || !a->out || !a->k_own || !a->v_own ||
+        (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans))
+        return (int)cudaErrorInvalidValue;
+    if (a->T == 0)
+        return 0;
+    const size_t shm = (size_t)a->iv_n_spans * sizeof(float);
+    FITM_LAUNCH(dim3((unsigned)a->T, (unsigned)a->n_head), FITM_ATT_THREADS, shm,
+                fitm_stream(stream), fitm_attention_rows)
+    (*a);
+    return (int)cudaGetLastError();
+}

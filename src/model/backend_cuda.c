@@ -1,0 +1,499 @@
+/* backend_cuda: the backend vtable (backend.h) on a CUDA device, over the kernels of kernels/
+ * (kernels.h).
+ *
+ * Weights: prepare uploads every tensor of the model once, in its stored type, and keeps a
+ * table from the host view's data address to the device copy; a weight view that is not in
+ * the table (tests hand in their own) is copied to a scratch buffer for the one call. The
+ * table holds one model: preparing another releases the previous model's copies.
+ * Products: every row is one warp-per-output dot product over the stored weight
+ * (fitm_cuda_matmul_rows), for decode steps and prefill alike, so a row's result never depends
+ * on T or on the BATCH/STEP path. Attention: fitm_cuda_attention, one block per (row, head),
+ * with capture results downloaded per captured row into the caller's host arrays.
+ *
+ * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
+ * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
+ * it, unless the error is sticky (the context is lost): then every later status call fails. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels.h"
+#include "model/backend_cuda.h"
+
+typedef struct {
+    const void *host; /* the view's data address: the key */
+    void *dev;
+} dev_weight;
+
+typedef struct {
+    void *p;
+    size_t cap;
+} grow_buf;
+
+typedef struct {
+    fitm_backend base;
+    cudaStream_t stream;
+    int rc;      /* first error of the pass (a cudaError_t value), 0 none */
+    bool sticky; /* rc left the context unusable */
+    char what[96];
+    dev_weight *w; /* sorted by host */
+    size_t n_w;
+    grow_buf tmp_w[2], ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass, cap_probs;
+} cuda_backend;
+
+static cuda_backend *cu(fitm_backend *b)
+{
+    return (cuda_backend *)b;
+}
+
+/* Records rc as the pass's error when it is the first; true when the pass may go on. */
+static bool ok(cuda_backend *c, int rc, const char *what)
+{
+    if (rc != 0 && c->rc == 0) {
+        c->rc = rc;
+        c->sticky = fitm_cuda_error_is_sticky(rc);
+        snprintf(c->what, sizeof c->what, "%s", what);
+    }
+    return c->rc == 0;
+}
+
+static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
+{
+    if (g->cap >= bytes)
+        return c->rc == 0;
+    if (g->p && !ok(c, (int)cudaFree(g->p), "free scratch"))
+        return false;
+    g->p = NULL;
+    g->cap = 0;
+    if (!ok(c, (int)cudaMalloc(&g->p, bytes), "scratch allocation"))
+        return false;
+    g->cap = bytes;
+    return true;
+}
+
+static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
+{
+    return n == 0 ||
+           ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), what);
+}
+
+/* Host copy of n bytes; synchronous (the stream's work before it is done). */
+static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
+{
+    if (n == 0 || c->rc)
+        return c->rc == 0;
+    if (!ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
+        return false;
+    return ok(c, (int)cudaStreamSynchronize(c->stream), what);
+}
+
+/* ---- weights ------------------------------------------------------------------------------ */
+
+static size_t weight_bytes(const fitm_weight *w)
+{
+    return (size_t)w->n_rows * w->row_bytes;
+}
+
+static const dev_weight *find_weight(const cuda_backend *c, const void *host)
+{
+    size_t lo = 0, hi = c->n_w;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (c->w[mid].host == host)
+            return &c->w[mid];
+        if ((uintptr_t)c->w[mid].host < (uintptr_t)host)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+/* The device copy of w: the resident one, or a copy in scratch slot `slot` for this call. */
+static const void *weight_dev(cuda_backend *c, const fitm_weight *w, int slot)
+{
+    const dev_weight *d = find_weight(c, w->data);
+    if (d)
+        return d->dev;
+    const size_t n = weight_bytes(w);
+    if (!grow(c, &c->tmp_w[slot], n) || !to_dev(c, c->tmp_w[slot].p, w->data, n, "weight upload"))
+        return NULL;
+    return c->tmp_w[slot].p;
+}
+
+static int cmp_weight(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)((const dev_weight *)a)->host,
+              y = (uintptr_t)((const dev_weight *)b)->host;
+    return x < y ? -1 : x > y;
+}
+
+static fitm_status add_weight(cuda_backend *c, const fitm_weight *w, size_t cap, fitm_err *err)
+{
+    if (!w->data || find_weight(c, w->data))
+        return FITM_OK;
+    for (size_t i = 0; i < c->n_w; i++) /* not yet sorted: a tied output is added twice */
+        if (c->w[i].host == w->data)
+            return FITM_OK;
+    if (!fitm_cuda_dequant_supported(w->type))
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED, "CUDA backend: tensor '%s' has type %d",
+                            w->name ? w->name : "?", (int)w->type);
+    if (c->n_w == cap)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "CUDA backend: weight table full");
+    void *dev = NULL;
+    const size_t n = weight_bytes(w);
+    int rc = (int)cudaMalloc(&dev, n ? n : 1);
+    if (rc == 0)
+        rc = (int)cudaMemcpy(dev, w->data, n, cudaMemcpyHostToDevice);
+    if (rc != 0) {
+        cudaFree(dev);
+        char what[128];
+        snprintf(what, sizeof what, "uploading '%s'", w->name ? w->name : "?");
+        return fitm_cuda_status(rc, err, what);
+    }
+    c->w[c->n_w++] = (dev_weight){w->data, dev};
+    return FITM_OK;
+}
+
+static void release_weights(cuda_backend *c)
+{
+    for (size_t i = 0; i < c->n_w; i++)
+        cudaFree(c->w[i].dev);
+    c->n_w = 0;
+}
+
+static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *err)
+{
+    cuda_backend *c = cu(b);
+    const fitm_model_config *cfg = fitm_model_config_of(m);
+    const size_t per_layer = 17, cap = 3 + (size_t)cfg->n_layer * per_layer;
+    /* One model at a time: the previous model's views may be gone and their addresses
+     * reused by this one's (forwards of the same model find the fresh copies). */
+    release_weights(c);
+    dev_weight *w = realloc(c->w, cap * sizeof *w);
+    if (!w)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "CUDA backend: weight table");
+    c->w = w;
+    fitm_status s = FITM_OK;
+    const fitm_weight *top[3] = {fitm_model_tok_embd(m), fitm_model_output_norm(m),
+                                 fitm_model_output(m)};
+    for (int i = 0; i < 3 && !s; i++)
+        s = add_weight(c, top[i], cap, err);
+    for (int32_t l = 0; l < cfg->n_layer && !s; l++) {
+        const fitm_layer *ly = fitm_model_layer(m, l);
+        const fitm_weight *lw[17] = {&ly->attn_norm,    &ly->wq,     &ly->wk,   &ly->wv,
+                                     &ly->bq,           &ly->bk,     &ly->bv,   &ly->q_norm,
+                                     &ly->k_norm,       &ly->wo,     &ly->bo,   &ly->post_attn_norm,
+                                     &ly->ffn_norm,     &ly->w_gate, &ly->w_up, &ly->w_down,
+                                     &ly->post_ffn_norm};
+        for (size_t i = 0; i < per_layer && !s; i++)
+            s = add_weight(c, lw[i], cap, err);
+    }
+    qsort(c->w, c->n_w, sizeof *c->w, cmp_weight);
+    return s;
+}
+
+/* ---- memory --------------------------------------------------------------------------------- */
+
+static void *cuda_alloc(fitm_backend *b, size_t n)
+{
+    cuda_backend *c = cu(b);
+    void *p = NULL;
+    if (cudaMalloc(&p, n ? n : 1) != cudaSuccess)
+        return NULL; /* the caller reports it; not an error of the pass */
+    if (cudaMemset(p, 0, n ? n : 1) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+        cudaFree(p);
+        (void)c;
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_free(fitm_backend *b, void *p)
+{
+    (void)b;
+    if (p)
+        cudaFree(p);
+}
+
+static void cuda_upload(fitm_backend *b, void *dst, const void *src_host, size_t n)
+{
+    cuda_backend *c = cu(b);
+    if (to_dev(c, dst, src_host, n, "upload"))
+        ok(c, (int)cudaStreamSynchronize(c->stream), "upload"); /* src_host may go away */
+}
+
+static void cuda_download(fitm_backend *b, void *dst_host, const void *src, size_t n)
+{
+    to_host(cu(b), dst_host, src, n, "download");
+}
+
+static void free_buf(grow_buf *g)
+{
+    if (g->p)
+        cudaFree(g->p);
+    g->p = NULL;
+    g->cap = 0;
+}
+
+static void cuda_destroy(fitm_backend *b)
+{
+    cuda_backend *c = cu(b);
+    release_weights(c);
+    free(c->w);
+    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->ids,      &c->cap_index, &c->cap_spans,
+                        &c->iv_spans, &c->iv_alpha, &c->cap_mass, &c->cap_probs};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        free_buf(bufs[i]);
+    cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static fitm_status cuda_reserve(fitm_backend *b, int64_t max_tokens, int64_t max_keys,
+                                int64_t max_k, fitm_err *err)
+{
+    cuda_backend *c = cu(b);
+    (void)max_keys, (void)max_k;
+    if (!grow(c, &c->ids, (size_t)max_tokens * sizeof(int32_t)) ||
+        !grow(c, &c->cap_index, (size_t)max_tokens * sizeof(int32_t))) {
+        const int rc = c->rc;
+        c->rc = 0;
+        return fitm_cuda_status(rc, err, "CUDA backend: reserve");
+    }
+    return FITM_OK;
+}
+
+/* ---- ops ---------------------------------------------------------------------------------- */
+
+static void cuda_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,
+                       float scale, float *x)
+{
+    cuda_backend *c = cu(b);
+    const void *W = weight_dev(c, w, 0);
+    if (!W || !grow(c, &c->ids, (size_t)T * sizeof(int32_t)) ||
+        !to_dev(c, c->ids.p, ids, (size_t)T * sizeof(int32_t), "embed ids"))
+        return;
+    ok(c,
+       fitm_cuda_embed(w->type, W, (int64_t)w->row_bytes, w->n_cols, c->ids.p, T, scale, x,
+                       c->stream),
+       "embed");
+    /* ids go to the device asynchronously: keep the host array's contents out of reach of
+     * the caller's next write until the copy is done */
+    ok(c, (int)cudaStreamSynchronize(c->stream), "embed");
+}
+
+#define MM_ROWS_PER_LAUNCH 65535
+
+static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
+                        int n_outs, bool batched)
+{
+    cuda_backend *c = cu(b);
+    (void)batched; /* one numerics class: each row the same whatever the path */
+    for (int i = 0; i < n_outs && c->rc == 0; i++) {
+        const fitm_weight *w = outs[i].w;
+        const int64_t N = w->n_rows, K = w->n_cols;
+        const void *W = weight_dev(c, w, 0);
+        for (int64_t t0 = 0; W && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
+            const int64_t n = T - t0 < MM_ROWS_PER_LAUNCH ? T - t0 : MM_ROWS_PER_LAUNCH;
+            ok(c,
+               fitm_cuda_matmul_rows(w->type, W, N, K, x + t0 * K, n, outs[i].y + t0 * N,
+                                     c->stream),
+               "matmul");
+        }
+        if (outs[i].bias) {
+            const void *bias = weight_dev(c, outs[i].bias, 1);
+            if (bias)
+                ok(c, fitm_cuda_add_rows(outs[i].y, bias, T, N, c->stream), "bias");
+        }
+    }
+}
+
+static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
+                         int64_t rows, int64_t n, float eps)
+{
+    cuda_backend *c = cu(b);
+    if (w->type != FITM_DTYPE_F32) {
+        ok(c, (int)cudaErrorInvalidValue, "rmsnorm weight is not F32");
+        return;
+    }
+    const void *wd = weight_dev(c, w, 1);
+    if (wd)
+        ok(c, fitm_cuda_rmsnorm(y, x, wd, 0.0f, rows, n, eps, c->stream), "rmsnorm");
+}
+
+static void cuda_rope(fitm_backend *b, float *x, int64_t T, int64_t n_heads, int64_t D,
+                      int64_t n_rot, const float *cs, bool neox)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc == 0)
+        ok(c, fitm_cuda_rope_table(x, T, n_heads, D, n_rot, cs, neox, c->stream), "rope");
+}
+
+static void cuda_glu(fitm_backend *b, float *y, const float *g, const float *u, int64_t n,
+                     fitm_act act)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc == 0)
+        ok(c,
+           act == FITM_ACT_GELU ? fitm_cuda_geglu(y, g, u, n, c->stream)
+                                : fitm_cuda_swiglu(y, g, u, n, c->stream),
+           "glu");
+}
+
+static void cuda_add(fitm_backend *b, float *y, const float *x, int64_t n)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc == 0)
+        ok(c, fitm_cuda_add(y, x, n, c->stream), "add");
+}
+
+static void cuda_softcap(fitm_backend *b, float *x, int64_t n, float cap)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc == 0)
+        ok(c, fitm_cuda_softcap(x, n, cap, c->stream), "softcap");
+}
+
+/* Uploads n host items into a growing device buffer; its device address, or NULL. */
+static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
+{
+    if (!grow(c, g, bytes ? bytes : 1) || !to_dev(c, g->p, host, bytes, "attention arguments"))
+        return NULL;
+    return g->p;
+}
+
+/* Copies the captured rows of this call from the device buffers to the caller's arrays. */
+static void download_capture(cuda_backend *c, const fitm_attn_args *a)
+{
+    const fitm_capture *cap = a->capture;
+    const int64_t H = a->n_head;
+    for (int64_t i = 0; i < a->T && c->rc == 0; i++) {
+        const int32_t r = a->cap_index[i];
+        if (r < 0)
+            continue;
+        const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * H;
+        if (cap->span_mass && cap->n_spans > 0)
+            to_host(c, cap->span_mass + slot * cap->n_spans,
+                    (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans,
+                    (size_t)(H * cap->n_spans) * sizeof(float), "capture download");
+        if (cap->probs)
+            to_host(c, cap->probs + slot * cap->probs_stride,
+                    (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
+                    (size_t)(H * cap->probs_stride) * sizeof(float), "capture download");
+    }
+}
+
+static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc)
+        return;
+    fitm_cuda_attn k = {
+        .T = a->T,
+        .pos0 = a->pos0,
+        .own_base = a->own_base,
+        .window = a->window,
+        .n_head = a->n_head,
+        .n_head_kv = a->n_head_kv,
+        .head_dim = a->head_dim,
+        .scale = a->scale,
+        .q = a->q,
+        .out = a->out,
+        .k_pre = a->k_pre,
+        .v_pre = a->v_pre,
+        .k_own = a->k_own,
+        .v_own = a->v_own,
+    };
+    const fitm_capture *cap = a->capture;
+    if (cap && cap->n_rows > 0) {
+        k.cap_index = stage(c, &c->cap_index, a->cap_index, (size_t)a->T * sizeof(int32_t));
+        k.cap_after = cap->after_intervention;
+        if (cap->span_mass && cap->n_spans > 0) {
+            k.cap_spans = stage(c, &c->cap_spans, cap->spans, (size_t)cap->n_spans * 16);
+            k.cap_n_spans = cap->n_spans;
+            if (grow(c, &c->cap_mass,
+                     (size_t)cap->n_rows * (size_t)a->n_head * (size_t)cap->n_spans * 4))
+                k.cap_mass = c->cap_mass.p;
+        }
+        if (cap->probs &&
+            grow(c, &c->cap_probs,
+                 (size_t)cap->n_rows * (size_t)a->n_head * (size_t)cap->probs_stride * 4)) {
+            k.cap_probs = c->cap_probs.p;
+            k.cap_probs_stride = cap->probs_stride;
+        }
+    }
+    const fitm_intervention *iv = a->intervention;
+    if (iv && iv->n_spans > 0) {
+        k.iv_spans = stage(c, &c->iv_spans, iv->spans, (size_t)iv->n_spans * 16);
+        k.iv_alpha = stage(c, &c->iv_alpha, iv->alpha, (size_t)iv->n_spans * sizeof(float));
+        k.iv_n_spans = iv->n_spans;
+        k.iv_from_pos = iv->from_pos;
+    }
+    if (c->rc || !ok(c, fitm_cuda_attention(&k, c->stream), "attention"))
+        return;
+    if (k.cap_index)
+        download_capture(c, a);
+    else /* the staged arguments must outlive the kernel: the host arrays are the caller's */
+        ok(c, (int)cudaStreamSynchronize(c->stream), "attention");
+}
+
+static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc == 0) /* errors inside kernels surface here */
+        ok(c, (int)cudaStreamSynchronize(c->stream), "a kernel");
+    if (c->rc == 0)
+        return FITM_OK;
+    char what[160];
+    snprintf(what, sizeof what, "CUDA backend: %s%s", c->what[0] ? c->what : "stream",
+             c->sticky ? " (device lost: restart the service)" : "");
+    fitm_status s = fitm_cuda_status(c->rc, err, what);
+    if (!c->sticky)
+        c->rc = 0, c->what[0] = 0;
+    return s;
+}
+
+static const fitm_backend_ops cuda_ops = {
+    .name = "cuda",
+    .destroy = cuda_destroy,
+    .reserve = cuda_reserve,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .prepare = cuda_prepare,
+    .status = cuda_status,
+    .embed = cuda_embed,
+    .matmul = cuda_matmul,
+    .rmsnorm = cuda_rmsnorm,
+    .rope = cuda_rope,
+    .glu = cuda_glu,
+    .add = cuda_add,
+    .softcap = cuda_softcap,
+    .attention = cuda_attention,
+};
+
+fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err)
+{
+    *out = NULL;
+    if (fitm_cuda_device_count() <= device)
+        return fitm_err_set(err, FITM_ERR_BACKEND, "no CUDA device %d (found %d)", device,
+                            fitm_cuda_device_count());
+    int rc = (int)cudaSetDevice(device);
+    if (rc != 0)
+        return fitm_cuda_status(rc, err, "CUDA backend: selecting the device");
+    cuda_backend *c = calloc(1, sizeof *c);
+    if (!c)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the CUDA backend");
+    c->base.ops = &cuda_ops;
+    rc = (int)cudaStreamCreate(&c->stream);
+    if (rc != 0) {
+        free(c);
+        return fitm_cuda_status(rc, err, "CUDA backend: creating a stream");
+    }
+    *out = &c->base;
+    return FITM_OK;
+}

@@ -1,0 +1,274 @@
+/* cuda_emu: the CUDA device built-ins for kernels compiled as C++ by the host compiler.
+ *
+ * A launch runs its blocks one after another; inside a block every CUDA thread is a fiber
+ * (ucontext) with its own stack, so __syncthreads is a real barrier and a warp shuffle waits
+ * for every lane named in its mask. The scheduler always resumes the lowest-numbered fiber
+ * that can run, so one warp races as far ahead of the others as the synchronisation allows:
+ * a missing barrier lets it overwrite shared memory that a later warp has not read yet, which
+ * is the order that exposes such bugs. A barrier or shuffle that some thread never reaches is
+ * a deadlock: the launch is abandoned and reported as cudaErrorLaunchFailure.
+ *
+ * __shared__ variables are function-local statics: one copy, used by one block at a time
+ * (launches from several host threads are serialised). */
+#ifndef FITM_CUDA_EMU_DEVICE_H
+#define FITM_CUDA_EMU_DEVICE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "cuda_runtime_api.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_)
+    {
+    }
+};
+struct uint3 {
+    unsigned x, y, z;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+/* ---- per-fiber state (emu_runtime.cpp) ---- */
+
+struct fitm_emu_thread {
+    uint3 tid;
+};
+extern thread_local fitm_emu_thread *fitm_emu_cur;
+extern thread_local uint3 fitm_emu_block_idx;
+extern thread_local dim3 fitm_emu_block_dim, fitm_emu_grid_dim;
+
+#define threadIdx (fitm_emu_cur->tid)
+#define blockIdx (fitm_emu_block_idx)
+#define blockDim (fitm_emu_block_dim)
+#define gridDim (fitm_emu_grid_dim)
+#define warpSize 32
+
+void fitm_emu_syncthreads(void);
+/* Deposits bits as this lane's value of the current shuffle and returns the value lane src
+ * deposited (src < 0: this lane's own), after every lane in mask has deposited. */
+uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src);
+void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st, void (*entry)(void *),
+                  void *ctx);
+void *fitm_emu_dynamic_shared(void);
+
+#define __syncthreads() fitm_emu_syncthreads()
+#define __syncwarp(...) ((void)0)
+
+/* Source lane of a shuffle, or -1 for "own value" (target outside the caller's segment). */
+static inline int fitm_emu_lane(void)
+{
+    return (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) % 32;
+}
+
+template <typename T> static inline T fitm_emu_shfl_t(unsigned mask, T v, int src)
+{
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle type");
+    uint64_t b = 0;
+    memcpy(&b, &v, sizeof v);
+    b = fitm_emu_shfl(mask, b, src);
+    T r;
+    memcpy(&r, &b, sizeof r);
+    return r;
+}
+
+template <typename T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32)
+{
+    const int lane = fitm_emu_lane();
+    return fitm_emu_shfl_t(mask, v, lane / width * width + ((src % width) + width) % width);
+}
+
+template <typename T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32)
+{
+    const int lane = fitm_emu_lane(), s = lane ^ lane_mask;
+    return fitm_emu_shfl_t(mask, v, s >= (lane / width + 1) * width ? -1 : s);
+}
+
+template <typename T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32)
+{
+    const int lane = fitm_emu_lane(), s = lane + (int)delta;
+    return fitm_emu_shfl_t(mask, v, s >= (lane / width + 1) * width ? -1 : s);
+}
+
+template <typename T>
+static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32)
+{
+    const int lane = fitm_emu_lane(), s = lane - (int)delta;
+    return fitm_emu_shfl_t(mask, v, s < lane / width * width ? -1 : s);
+}
+
+template <typename T> static inline T __ldg(const T *p)
+{
+    return *p;
+}
+
+/* ---- bit casts and 16-bit floats ---- */
+
+static inline float __uint_as_float(unsigned u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f)
+{
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float __int_as_float(int i)
+{
+    return __uint_as_float((unsigned)i);
+}
+static inline int __float_as_int(float f)
+{
+    return (int)__float_as_uint(f);
+}
+
+struct __half {
+    uint16_t bits;
+};
+struct __nv_bfloat16 {
+    uint16_t bits;
+};
+
+static inline __half __ushort_as_half(unsigned short b)
+{
+    __half h;
+    h.bits = b;
+    return h;
+}
+static inline unsigned short __half_as_ushort(__half h)
+{
+    return h.bits;
+}
+
+/* IEEE half -> float, exact (subnormals, inf and NaN included). */
+static inline float __half2float(__half h)
+{
+    const uint32_t s = (uint32_t)(h.bits >> 15) << 31, e = h.bits >> 10 & 31u, m = h.bits & 1023u;
+    if (e == 31)
+        return __uint_as_float(s | 0x7f800000u | m << 13);
+    if (e == 0)
+        return s ? -ldexpf((float)m, -24) : ldexpf((float)m, -24);
+    return __uint_as_float(s | (e + 112u) << 23 | m << 13);
+}
+
+/* float -> IEEE half, round to nearest even; overflow to +-inf, NaN stays NaN. */
+static inline __half __float2half_rn(float f)
+{
+    const uint32_t u = __float_as_uint(f), s = u >> 16 & 0x8000u;
+    const uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u)
+        return __ushort_as_half((unsigned short)(s | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0)));
+    if (a >= 0x477ff000u) /* rounds to 65520 or more */
+        return __ushort_as_half((unsigned short)(s | 0x7c00u));
+    if (a < 0x38800000u) { /* below the smallest normal half: a multiple of 2^-24 */
+        const float q = rintf(__uint_as_float(a) * 16777216.0f); /* exact scaling, RNE */
+        return __ushort_as_half((unsigned short)(s | (uint32_t)q));
+    }
+    const uint32_t r = a + 0xfffu + (a >> 13 & 1u); /* round the 13 dropped bits to even */
+    return __ushort_as_half((unsigned short)(s | ((r >> 13) - (112u << 10))));
+}
+static inline __half __float2half(float f)
+{
+    return __float2half_rn(f);
+}
+
+static inline float __bfloat162float(__nv_bfloat16 b)
+{
+    return __uint_as_float((uint32_t)b.bits << 16);
+}
+/* float -> bfloat16, round to nearest even; NaN stays NaN. */
+static inline __nv_bfloat16 __float2bfloat16_rn(float f)
+{
+    const uint32_t u = __float_as_uint(f);
+    __nv_bfloat16 b;
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        b.bits = (uint16_t)(u >> 16 | 0x40u);
+    else
+        b.bits = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+    return b;
+}
+static inline __nv_bfloat16 __float2bfloat16(float f)
+{
+    return __float2bfloat16_rn(f);
+}
+
+/* ---- atomics (blocks run one at a time and fibers switch only at barriers and shuffles, so
+ * plain read-modify-write is atomic here) ---- */
+
+template <typename T> static inline T atomicAdd(T *p, T v)
+{
+    const T old = *p;
+    *p = old + v;
+    return old;
+}
+template <typename T> static inline T atomicMax(T *p, T v)
+{
+    const T old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
+
+/* ---- launches: FITM_LAUNCH(grid, block, shm, stream, kernel)(args...) ---- */
+
+template <typename... P> struct fitm_emu_launcher {
+    void (*kernel)(P...);
+    dim3 grid, block;
+    size_t shm;
+    cudaStream_t stream;
+
+    template <typename... A> void operator()(A... a) const
+    {
+        std::tuple<P...> args(static_cast<P>(a)...);
+        auto k = kernel;
+        auto body = [&]() { std::apply(k, args); };
+        fitm_emu_run(grid, block, shm, stream, &call<decltype(body)>, &body);
+    }
+
+    template <typename L> static void call(void *p)
+    {
+        (*(L *)p)();
+    }
+};
+
+template <typename... P>
+static inline fitm_emu_launcher<P...> fitm_emu_launch(dim3 g, dim3 b, size_t shm, cudaStream_t st,
+                                                      void (*k)(P...))
+{
+    return fitm_emu_launcher<P...>{k, g, b, shm, st};
+}
+
+#define FITM_DYNAMIC_SHARED(type, name) type *name = (type *)fitm_emu_dynamic_shared()
+
+#define FITM_LAUNCH(grid, block, shm, stream, ...)                                                 \
+    fitm_emu_launch(grid, block, shm, stream, __VA_ARGS__)
+
+#endif

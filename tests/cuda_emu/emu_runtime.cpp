@@ -1,0 +1,519 @@
+/* cuda_emu runtime: memory, streams, events, errors, and the fiber scheduler behind launches
+ * (contract in cuda_runtime_api.h and emu_device.h).
+ *
+ * Fibers are started once with makecontext and live across blocks and launches (each runs
+ * the launch's entry, reports done, and waits for the next block); switches between a fiber
+ * and the scheduler are _setjmp/_longjmp, which unlike swapcontext make no system call. The
+ * fortified longjmp would take a jump to another stack for stack smashing, hence the #undef. */
+#ifdef _FORTIFY_SOURCE
+#undef _FORTIFY_SOURCE
+#endif
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <ucontext.h>
+
+#include <vector>
+
+#include "cuda_runtime.h"
+
+thread_local fitm_emu_thread *fitm_emu_cur;
+thread_local uint3 fitm_emu_block_idx;
+thread_local dim3 fitm_emu_block_dim, fitm_emu_grid_dim;
+
+namespace
+{
+
+const size_t FIBER_STACK = 64 * 1024;
+const int MAX_THREADS = 1024;
+
+enum fiber_state { RUNNABLE, WAIT_SYNC, WAIT_SHFL, DONE };
+
+struct fiber {
+    fitm_emu_thread t;
+    jmp_buf env;   /* where it yielded */
+    ucontext_t uc; /* its first start */
+    char *stack;   /* FIBER_STACK bytes, kept for the life of the process */
+    bool started;  /* false: the next resume starts it afresh */
+    fiber_state state;
+    unsigned wait_gen; /* generation of the barrier or shuffle it waits on */
+};
+
+struct warp_state {
+    unsigned gen;         /* completed shuffles */
+    unsigned arrived;     /* lanes deposited in the current one */
+    uint64_t slot[2][32]; /* values by shuffle parity: a lane two shuffles ahead is impossible */
+};
+
+/* Everything one launch's blocks share; one per host thread, reused across launches. */
+struct block_runner {
+    fiber fibers[MAX_THREADS]; /* never moves: started fibers point into their stacks */
+    warp_state warps[MAX_THREADS / 32];
+    std::vector<char> dyn_shared;
+    jmp_buf sched;
+    int n, live;
+    unsigned sync_gen, sync_arrived;
+    void (*entry)(void *);
+    void *entry_ctx;
+};
+
+thread_local block_runner *runner;
+pthread_mutex_t launch_lock = PTHREAD_MUTEX_INITIALIZER; /* __shared__ statics: one block */
+pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
+cudaError_t last_error = cudaSuccess;
+cudaError_t injected_malloc = cudaSuccess, injected_launch = cudaSuccess;
+
+cudaError_t set_error(cudaError_t e)
+{
+    pthread_mutex_lock(&state_lock);
+    if (e != cudaSuccess)
+        last_error = e;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+cudaError_t take_injected(cudaError_t *slot)
+{
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t e = *slot;
+    *slot = cudaSuccess;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+fiber *current(void)
+{
+    return (fiber *)fitm_emu_cur; /* t is the first member */
+}
+
+void yield_to_scheduler(void)
+{
+    if (!_setjmp(current()->env))
+        _longjmp(runner->sched, 1);
+}
+
+/* A fiber's whole life: run the current launch's kernel for the current block, report done,
+ * wait to be resumed for another block. */
+void fiber_main(void)
+{
+    for (;;) {
+        runner->entry(runner->entry_ctx);
+        block_runner *r = runner;
+        current()->state = DONE;
+        r->live--;
+        /* threads that have exited count as arrived at a barrier the others wait on */
+        if (r->sync_arrived > 0 && r->sync_arrived == (unsigned)r->live) {
+            r->sync_gen++;
+            r->sync_arrived = 0;
+        }
+        yield_to_scheduler();
+    }
+}
+
+void resume(block_runner *r, fiber *f)
+{
+    fitm_emu_cur = &f->t;
+    if (_setjmp(r->sched))
+        return; /* the fiber yielded */
+    if (f->started)
+        _longjmp(f->env, 1);
+    f->started = true;
+    if (!f->stack)
+        f->stack = (char *)malloc(FIBER_STACK);
+    if (!f->stack) {
+        fprintf(stderr, "cuda_emu: out of memory for fiber stacks\n");
+        abort();
+    }
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->stack;
+    f->uc.uc_stack.ss_size = FIBER_STACK;
+    f->uc.uc_link = NULL; /* fiber_main never returns */
+    makecontext(&f->uc, fiber_main, 0);
+    setcontext(&f->uc);
+}
+
+bool ready(const block_runner *r, const fiber *f, int i)
+{
+    switch (f->state) {
+    case RUNNABLE:
+        return true;
+    case WAIT_SYNC:
+        return r->sync_gen != f->wait_gen;
+    case WAIT_SHFL:
+        return r->warps[i / 32].gen != f->wait_gen;
+    default:
+        return false;
+    }
+}
+
+/* Runs one block to completion; false on a deadlock. */
+bool run_block(block_runner *r)
+{
+    for (int i = 0; i < r->n; i++) {
+        fiber *f = &r->fibers[i];
+        const unsigned bx = fitm_emu_block_dim.x, by = fitm_emu_block_dim.y;
+        f->t.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
+        f->state = RUNNABLE;
+    }
+    for (int w = 0; w < (r->n + 31) / 32; w++)
+        r->warps[w].gen = r->warps[w].arrived = 0;
+    r->live = r->n;
+    r->sync_gen = r->sync_arrived = 0;
+    int first = 0;
+    while (r->live > 0) {
+        while (r->fibers[first].state == DONE)
+            first++;
+        int pick = -1;
+        for (int i = first; i < r->n && pick < 0; i++)
+            if (ready(r, &r->fibers[i], i))
+                pick = i;
+        if (pick < 0) {
+            for (int i = 0; i < r->n; i++) /* stuck mid-kernel: start afresh next time */
+                r->fibers[i].started = r->fibers[i].started && r->fibers[i].state == DONE;
+            return false;
+        }
+        fiber *f = &r->fibers[pick];
+        f->state = RUNNABLE;
+        resume(r, f);
+    }
+    return true;
+}
+
+} // namespace
+
+void fitm_emu_syncthreads(void)
+{
+    block_runner *r = runner;
+    fiber *f = current();
+    f->wait_gen = r->sync_gen;
+    if (++r->sync_arrived == (unsigned)r->live) {
+        r->sync_gen++;
+        r->sync_arrived = 0;
+        return;
+    }
+    f->state = WAIT_SYNC;
+    yield_to_scheduler();
+}
+
+uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
+{
+    block_runner *r = runner;
+    fiber *f = current();
+    const int i = (int)(f - r->fibers);
+    warp_state *w = &r->warps[i / 32];
+    const unsigned gen = w->gen, par = gen & 1u;
+    w->slot[par][i % 32] = bits;
+    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
+        w->gen++;
+        w->arrived = 0;
+    } else {
+        f->state = WAIT_SHFL;
+        f->wait_gen = gen;
+        yield_to_scheduler();
+    }
+    if (src < 0)
+        return bits;
+    if (!(mask >> src & 1u) || i / 32 * 32 + src >= r->n) {
+        fprintf(stderr, "cuda_emu: shuffle from lane %d outside mask %08x\n", src, mask);
+        abort();
+    }
+    return w->slot[par][src];
+}
+
+void *fitm_emu_dynamic_shared(void)
+{
+    return runner->dyn_shared.data();
+}
+
+void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (*entry)(void *),
+                  void *ctx)
+{
+    const cudaError_t inj = take_injected(&injected_launch);
+    if (inj != cudaSuccess) {
+        set_error(inj);
+        return;
+    }
+    const long long n = (long long)block.x * block.y * block.z;
+    if (n < 1 || n > MAX_THREADS || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+        dyn_shared > 228 * 1024) {
+        set_error(cudaErrorInvalidConfiguration);
+        return;
+    }
+    pthread_mutex_lock(&launch_lock);
+    if (!runner)
+        runner = new block_runner();
+    block_runner *r = runner;
+    r->n = (int)n;
+    r->dyn_shared.assign(dyn_shared, (char)0xA5);
+    r->entry = entry;
+    r->entry_ctx = ctx;
+    fitm_emu_block_dim = block;
+    fitm_emu_grid_dim = grid;
+    bool ok = true;
+    for (unsigned z = 0; z < grid.z && ok; z++)
+        for (unsigned y = 0; y < grid.y && ok; y++)
+            for (unsigned x = 0; x < grid.x && ok; x++) {
+                fitm_emu_block_idx = {x, y, z};
+                ok = run_block(r);
+            }
+    fitm_emu_cur = nullptr;
+    pthread_mutex_unlock(&launch_lock);
+    if (!ok) {
+        fprintf(stderr,
+                "cuda_emu: deadlock in block (%u,%u,%u): a barrier or shuffle not "
+                "reached by every thread\n",
+                fitm_emu_block_idx.x, fitm_emu_block_idx.y, fitm_emu_block_idx.z);
+        set_error(cudaErrorLaunchFailure);
+    }
+}
+
+/* ---- runtime API ---- */
+
+extern "C" {
+
+int fitm_emu_device_count(void)
+{
+    const char *v = getenv("FITM_CUDA_EMU_DEVICES");
+    return v && *v ? atoi(v) : 1;
+}
+
+void fitm_emu_inject_error(const char *kind, cudaError_t e)
+{
+    pthread_mutex_lock(&state_lock);
+    if (strcmp(kind, "malloc") == 0)
+        injected_malloc = e;
+    else if (strcmp(kind, "launch") == 0)
+        injected_launch = e;
+    pthread_mutex_unlock(&state_lock);
+}
+
+cudaError_t cudaGetDeviceCount(int *n)
+{
+    *n = fitm_emu_device_count();
+    return *n > 0 ? cudaSuccess : set_error(cudaErrorNoDevice);
+}
+
+cudaError_t cudaSetDevice(int dev)
+{
+    return dev >= 0 && dev < fitm_emu_device_count() ? cudaSuccess
+                                                     : set_error(cudaErrorInvalidDevice);
+}
+
+cudaError_t cudaGetDevice(int *dev)
+{
+    *dev = 0;
+    return fitm_emu_device_count() > 0 ? cudaSuccess : set_error(cudaErrorNoDevice);
+}
+
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
+{
+    if (dev < 0 || dev >= fitm_emu_device_count())
+        return set_error(cudaErrorInvalidDevice);
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "fitm CUDA emulator (CPU)");
+    p->totalGlobalMem = (size_t)4 << 30;
+    p->major = 8;
+    p->minor = 0;
+    p->multiProcessorCount = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void)
+{
+    return cudaPeekAtLastError();
+}
+
+cudaError_t cudaGetLastError(void)
+{
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+cudaError_t cudaPeekAtLastError(void)
+{
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t e = last_error;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+const char *cudaGetErrorName(cudaError_t e)
+{
+    switch (e) {
+#define NAME(x)                                                                                    \
+    case x:                                                                                        \
+        return #x;
+        NAME(cudaSuccess)
+        NAME(cudaErrorInvalidValue)
+        NAME(cudaErrorMemoryAllocation)
+        NAME(cudaErrorInvalidConfiguration)
+        NAME(cudaErrorNoDevice)
+        NAME(cudaErrorInvalidDevice)
+        NAME(cudaErrorECCUncorrectable)
+        NAME(cudaErrorInvalidResourceHandle)
+        NAME(cudaErrorNotReady)
+        NAME(cudaErrorIllegalAddress)
+        NAME(cudaErrorLaunchTimeout)
+        NAME(cudaErrorContextIsDestroyed)
+        NAME(cudaErrorAssert)
+        NAME(cudaErrorHardwareStackError)
+        NAME(cudaErrorIllegalInstruction)
+        NAME(cudaErrorMisalignedAddress)
+        NAME(cudaErrorInvalidAddressSpace)
+        NAME(cudaErrorInvalidPc)
+        NAME(cudaErrorLaunchFailure)
+#undef NAME
+    }
+    return "cudaErrorUnknown";
+}
+
+const char *cudaGetErrorString(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess:
+        return "no error";
+    case cudaErrorInvalidValue:
+        return "invalid argument";
+    case cudaErrorMemoryAllocation:
+        return "out of memory";
+    case cudaErrorNoDevice:
+        return "no CUDA-capable device is detected";
+    case cudaErrorLaunchFailure:
+        return "unspecified launch failure";
+    case cudaErrorIllegalAddress:
+        return "an illegal memory access was encountered";
+    default:
+        return cudaGetErrorName(e);
+    }
+}
+
+cudaError_t cudaMalloc(void **p, size_t bytes)
+{
+    *p = NULL;
+    const cudaError_t inj = take_injected(&injected_malloc);
+    if (inj != cudaSuccess)
+        return set_error(inj);
+    const size_t rounded = (bytes + 255) / 256 * 256;
+    *p = aligned_alloc(256, rounded ? rounded : 256);
+    return *p ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFree(void *p)
+{
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t bytes)
+{
+    return cudaMalloc(p, bytes);
+}
+
+cudaError_t cudaFreeHost(void *p)
+{
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
+{
+    *free_bytes = *total_bytes = (size_t)4 << 30;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
+{
+    if (bytes && (!dst || !src))
+        return set_error(cudaErrorInvalidValue);
+    if (bytes)
+        memmove(dst, src, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t)
+{
+    return cudaMemcpy(dst, src, bytes, kind);
+}
+
+cudaError_t cudaMemset(void *dst, int value, size_t bytes)
+{
+    if (bytes && !dst)
+        return set_error(cudaErrorInvalidValue);
+    if (bytes)
+        memset(dst, value, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t)
+{
+    return cudaMemset(dst, value, bytes);
+}
+
+struct fitm_emu_stream {
+    unsigned flags;
+};
+struct fitm_emu_event {
+    double t_ms;
+};
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
+{
+    *s = new fitm_emu_stream{flags};
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+    delete s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t)
+{
+    return cudaPeekAtLastError();
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e)
+{
+    *e = new fitm_emu_event{0.0};
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    delete e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    e->t_ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t)
+{
+    return cudaPeekAtLastError();
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
+{
+    *ms = (float)(end->t_ms - start->t_ms);
+    return cudaSuccess;
+}
+
+} // extern "C"

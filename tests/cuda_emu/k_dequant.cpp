@@ -1,0 +1,2 @@
+/* The real kernels/dequant.cu compiled by the host compiler against cuda_emu. */
+#include "dequant.cu"

@@ -1,0 +1,279 @@
+/* test_backend_cuda: the whole CUDA backend against the CPU backend on generated models
+ * (llama, qwen2, gemma3 x the nine weight types), through the one forward driver: logits,
+ * captured span masses and the logits of intervened passes; and on the CUDA backend alone,
+ * prefix reuse and single-token steps bit-identical to a full pass.
+ *
+ * Runs on a CUDA device, or on the emulator of tests/cuda_emu (test_backend_cuda_emu); exits
+ * 77 (skip) without a device.
+ *
+ * Tolerances. Both backends multiply by the same decoded weight values (the CPU's BATCH path
+ * converts weights to F32 tiles, the GPU decodes them in registers), so the two differ only in
+ * the order of float sums and in fused multiply-adds: a unit roundoff u = 6e-8 per operation,
+ * growing like sqrt(K) u |w||x| over a dot product of length K <= 512 (about 1.4e-6 relative),
+ * then carried through 2-6 layers of norms and residual sums, which amplify it by about the
+ * ratio of a logit to its inputs' norms. Measured worst cases on these models are about 5e-6
+ * of the largest logit (printed per model); the bounds below, 2e-4 of the largest logit of the
+ * row and 2e-4 absolute for probabilities (span masses lie in [0, 1]), leave a factor of 40
+ * over them and are still far below what a wrong mask, span boundary or Eq. 5 factor gives
+ * (1e-2 and more).
+ * One exception: the CPU computes the output head on its STEP path (model/forward.h), which
+ * for quantized weights first rounds the head's input to Q8 (each element within 1/254 of its
+ * block's largest magnitude), while the GPU multiplies by the exact input. Over a dot product
+ * of K = 256 such roundings with random signs that is about sqrt(256)/254 = 6e-2 of a typical
+ * term, a few 1e-2 of the largest logit (measured up to 1.5e-2): quantized heads get 5e-2.
+ * The layers below the head are still held to 2e-4 there, through the captured span masses,
+ * which match to about 3e-6 for every type. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "check.h"
+#include "gguf/gguf_writer.h"
+#include "kernels.h"
+#include "model/backend_cuda.h"
+#include "model/forward.h"
+#include "model/genmodel.h"
+
+#define T 20
+#define NL 6 /* logit rows compared: the last six (the intervention starts at row 15) */
+#define LOGIT_RTOL 2e-4
+#define LOGIT_RTOL_Q8 5e-2
+#define MASS_ATOL 2e-4
+
+static const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
+                                   FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
+                                   FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
+
+static fitm_model *gen_model(fitm_gen_arch arch, fitm_dtype type, void **buf)
+{
+    fitm_gen_config cfg;
+    fitm_gen_defaults(&cfg, arch);
+    cfg.type = type;
+    cfg.seed = 7 + (uint64_t)type;
+    /* gemma3: layers 0-4 local (window 16 < T), layer 5 global */
+    cfg.n_layer = arch == FITM_GEN_ARCH_GEMMA3 ? 6 : 2;
+    fitm_gguf_writer *w = NULL;
+    fitm_err err;
+    size_t n = 0;
+    *buf = NULL;
+    fitm_gguf *g = NULL;
+    fitm_model *m = NULL;
+    if (fitm_gen_build(&cfg, &w, &err) || fitm_gguf_writer_write_memory(w, buf, &n, &err) ||
+        fitm_gguf_open_memory(&g, *buf, n, &err) || fitm_model_from_gguf(&m, g, &err)) {
+        fprintf(stderr, "model: %s\n", err.msg);
+        m = NULL;
+    }
+    fitm_gguf_writer_destroy(w);
+    return m;
+}
+
+typedef struct {
+    fitm_backend *b;
+    fitm_forward *f;
+    fitm_kv *kv, *kv2;
+} runner;
+
+static bool runner_open(runner *r, fitm_backend *b, const fitm_model *m)
+{
+    fitm_err err;
+    const fitm_forward_params fp = {T, T, T};
+    memset(r, 0, sizeof *r);
+    r->b = b;
+    const fitm_model_config *c = fitm_model_config_of(m);
+    if (fitm_forward_create(&r->f, m, b, &fp, &err) || fitm_kv_create(&r->kv, b, c, T, &err) ||
+        fitm_kv_create(&r->kv2, b, c, T, &err)) {
+        fprintf(stderr, "%s: %s\n", b->ops->name, err.msg);
+        return false;
+    }
+    return true;
+}
+
+static void runner_close(runner *r)
+{
+    fitm_kv_destroy(r->kv);
+    fitm_kv_destroy(r->kv2);
+    fitm_forward_destroy(r->f);
+}
+
+/* One pass over ids with logits of every row; capture and intervention as given. */
+static bool run(runner *r, const int32_t *ids, float *logits, const fitm_capture *cap,
+                const fitm_intervention *iv)
+{
+    fitm_err err;
+    fitm_kv_truncate(r->kv, 0);
+    fitm_forward_opts o = {.n_logits = NL,
+                           .logits = logits,
+                           .capture = cap,
+                           .intervention = iv,
+                           .path = FITM_PATH_BATCH};
+    fitm_status s = fitm_forward_run(r->f, r->kv, ids, T, 0, &o, &err);
+    CHECK(s == FITM_OK, "%s forward: %s", r->b->ops->name, err.msg);
+    return s == FITM_OK;
+}
+
+/* Worst |got - want| over each row, relative to the row's largest |want|. */
+static double logit_err(const float *got, const float *want, int64_t rows, int64_t V)
+{
+    double worst = 0;
+    for (int64_t t = 0; t < rows; t++) {
+        double mx = 1e-30, e = 0;
+        for (int64_t v = 0; v < V; v++) {
+            mx = fmax(mx, fabs(want[t * V + v]));
+            e = fmax(e, fabs((double)got[t * V + v] - want[t * V + v]));
+        }
+        worst = fmax(worst, isfinite(e) ? e / mx : INFINITY);
+    }
+    return worst;
+}
+
+static double abs_err(const float *got, const float *want, int64_t n)
+{
+    double e = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - want[i]);
+        e = fmax(e, isfinite(d) ? d : INFINITY);
+    }
+    return e;
+}
+
+static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch, fitm_dtype t)
+{
+    void *buf = NULL;
+    fitm_model *m = gen_model(arch, t, &buf);
+    CHECK(m != NULL, "model");
+    runner rc, rg;
+    bool ok = m && runner_open(&rc, cpu, m) && runner_open(&rg, gpu, m);
+    CHECK(ok, "runners");
+    if (!ok) {
+        fitm_model_close(m);
+        free(buf);
+        return;
+    }
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab, L = c->n_layer, H = c->n_head;
+    int32_t ids[T];
+    for (int i = 0; i < T; i++)
+        ids[i] = (int32_t)((i * 7919 + 13 * (int)t + 5) % V);
+    float *lc = malloc(sizeof(float) * T * V), *lg = malloc(sizeof(float) * T * V);
+    float *lg2 = malloc(sizeof(float) * T * V);
+
+    /* plain pass */
+    double e_plain = INFINITY, e_iv = INFINITY, e_mass = INFINITY;
+    if (run(&rc, ids, lc, NULL, NULL) && run(&rg, ids, lg, NULL, NULL))
+        e_plain = logit_err(lg, lc, NL, V);
+
+    /* captured and intervened: two documents, captured rows 4 and T-1 after the intervention */
+    const fitm_span spans[2] = {{2, 7}, {8, 15}};
+    const float alpha[2] = {1.7f, 0.3f};
+    const int64_t rows[2] = {4, T - 1};
+    const int64_t nm = 2 * L * H * 2;
+    float *mc = calloc((size_t)nm, sizeof(float)), *mg = calloc((size_t)nm, sizeof(float));
+    fitm_capture cc = {.rows = rows,
+                       .n_rows = 2,
+                       .spans = spans,
+                       .n_spans = 2,
+                       .span_mass = mc,
+                       .after_intervention = true};
+    fitm_capture cg = cc;
+    cg.span_mass = mg;
+    const fitm_intervention iv = {.spans = spans, .n_spans = 2, .alpha = alpha, .from_pos = 15};
+    float *lg_iv = malloc(sizeof(float) * T * V);
+    if (run(&rc, ids, lc, &cc, &iv) && run(&rg, ids, lg_iv, &cg, &iv)) {
+        e_iv = logit_err(lg_iv, lc, NL, V);
+        e_mass = abs_err(mg, mc, nm);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "%s %s", fitm_gen_arch_name(arch), fitm_dtype_info_of(t)->name);
+    printf("%-16s logits %.2e  intervened %.2e  span mass %.2e\n", what, e_plain, e_iv, e_mass);
+    const double rtol = fitm_dtype_info_of(t)->block_elems > 1 ? LOGIT_RTOL_Q8 : LOGIT_RTOL;
+    CHECK(e_plain <= rtol, "%s: logits off by %.3g of the largest", what, e_plain);
+    CHECK(e_iv <= rtol, "%s: intervened logits off by %.3g", what, e_iv);
+    CHECK(e_mass <= MASS_ATOL, "%s: captured span mass off by %.3g", what, e_mass);
+
+    /* CUDA alone: a branch over [0, 9) recomputing [9, T), and single-token steps, give the
+     * full pass's rows bit for bit (lg holds the plain pass) */
+    fitm_err err;
+    {
+        fitm_kv_rebase(rg.kv2, 9, &err);
+        fitm_forward_opts ob = {
+            .prefix = rg.kv, .n_logits = NL, .logits = lg2, .path = FITM_PATH_BATCH};
+        CHECK(fitm_forward_run(rg.f, rg.kv2, ids + 9, T - 9, 9, &ob, &err) == FITM_OK, "%s",
+              err.msg);
+        CHECK(memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
+              "%s: prefix reuse differs from the full pass", what);
+        fitm_kv_rebase(rg.kv2, 0, &err);
+        for (int64_t i = 0; i < T && t == FITM_DTYPE_Q4_K; i++) { /* one type: slow emulated */
+            fitm_forward_opts o1 = {.n_logits = i >= T - NL,
+                                    .logits = i >= T - NL ? lg2 + (i - (T - NL)) * V : NULL};
+            CHECK(fitm_forward_run(rg.f, rg.kv2, ids + i, 1, i, &o1, &err) == FITM_OK, "%s",
+                  err.msg);
+        }
+        CHECK(t != FITM_DTYPE_Q4_K || memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
+              "%s: single-token steps differ from the full pass", what);
+        /* the intervention did change the rows it covers (else the checks above are void) */
+        CHECK(logit_err(lg + 2 * V, lg_iv + 2 * V, NL - 2, V) > 1e-3,
+              "%s: the intervention changed nothing", what);
+    }
+    free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg);
+    runner_close(&rc);
+    runner_close(&rg);
+    fitm_model_close(m);
+    free(buf);
+}
+
+/* A failed launch becomes FITM_ERR_BACKEND for that call and the next call works. */
+static void test_error_channel(fitm_backend *gpu)
+{
+#ifdef FITM_CUDA_EMU
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_LLAMA, FITM_DTYPE_Q8_0, &buf);
+    runner r;
+    if (!m || !runner_open(&r, gpu, m)) {
+        CHECK(false, "error channel setup");
+        return;
+    }
+    int32_t ids[T] = {1, 2, 3};
+    float *l = malloc(sizeof(float) * T * fitm_model_config_of(m)->n_vocab);
+    fitm_err err;
+    fitm_emu_inject_error("launch", cudaErrorInvalidConfiguration);
+    fitm_forward_opts o = {.n_logits = 1, .logits = l};
+    CHECK(fitm_forward_run(r.f, r.kv, ids, 3, 0, &o, &err) == FITM_ERR_BACKEND);
+    CHECK(strstr(err.msg, "cudaErrorInvalidConfiguration") != NULL, "message: %s", err.msg);
+    CHECK(fitm_kv_pos_end(r.kv) == 0);
+    CHECK(fitm_forward_run(r.f, r.kv, ids, 3, 0, &o, &err) == FITM_OK, "%s", err.msg);
+    free(l);
+    runner_close(&r);
+    fitm_model_close(m);
+    free(buf);
+#else
+    (void)gpu; /* a real device cannot be made to fail on demand */
+#endif
+}
+
+int main(int argc, char **argv)
+{
+    if (fitm_cuda_device_count() == 0) {
+        printf("no CUDA device: skipped\n");
+        return 77;
+    }
+    fitm_backend *cpu = NULL, *gpu = NULL;
+    fitm_err err;
+    if (fitm_backend_cpu_create(&cpu, 2, &err) || fitm_backend_cuda_create(&gpu, 0, &err)) {
+        fprintf(stderr, "backend: %s\n", err.msg);
+        return 1;
+    }
+    /* argv[1]: only the types whose name starts with it (for quick runs by hand) */
+    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+        for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+            if (argc < 2 ||
+                strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
+                test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
+    test_error_channel(gpu);
+    fitm_backend_destroy(cpu);
+    fitm_backend_destroy(gpu);
+    printf("%d checks, %d failed\n", n_checks, failures);
+    return failures ? 1 : 0;
+}
