@@ -38,7 +38,8 @@ class Mutant:
 MUTANTS = [
     Mutant("rerank-no-per-token-mean",
            "A_k sums the span's attention instead of averaging it per token",
-           "sum / (double)count / (double)N", "sum / (double)count",
+           "double div = o->aggregate == FITM_AGG_MEAN ? (double)counted : 1.0;",
+           "double div = 1.0;",
            pytest=["tests/test_http_oracle.py"]),
     Mutant("rerank-one-doc-uncalibrated",
            "the first document is scored by A instead of A - A_dum",
