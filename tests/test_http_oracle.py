@@ -111,9 +111,14 @@ def check_structure(j, o, K, model):
             n = g["null_prompt"]
             assert [n[s:e] for s, e in g["null_spans"]] == [ids[s:e] for s, e in g["spans"]]
             assert n[g["null_question"][0]:g["null_question"][1]] != ids[q0:q1]
+            # the question spans hold exactly the query and "N/A": what follows them is the
+            # same in both prompts, and (null_suffix) so is everything before them
+            nq0, nq1 = g["null_question"]
+            assert n[nq1:] == ids[q1:]
             if o["reference"] == "null_suffix":
                 end = g["spans"][-1][1]
                 assert n[:end] == ids[:end]
+                assert n[:nq0] == ids[:q0]
     if o["reference"] in ("dummy", "both"):
         for g in groups:
             for j_, (s, e) in enumerate(g["spans"]):
