@@ -18,6 +18,12 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
     case FITM_API_COND_MEDIA_TYPE:
         return (fitm_api_error_class){415, "invalid_request_error", "unsupported_media_type",
                                       false};
+    case FITM_API_COND_FRAMING:
+        return (fitm_api_error_class){400, "invalid_request_error", "bad_framing", false};
+    case FITM_API_COND_CODING:
+        return (fitm_api_error_class){501, "invalid_request_error", "not_implemented", false};
+    case FITM_API_COND_SLOW:
+        return (fitm_api_error_class){408, "invalid_request_error", "request_timeout", false};
     case FITM_API_COND_NONE:
         break;
     }

@@ -55,6 +55,8 @@ typedef struct {
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
     size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
+    bool must_close; /* the answer ends the connection (a framing error: what follows the
+                      * headers cannot be trusted to be the next request) */
     fitm_job job;
     fitm_rerank_request req;
     fitm_answer_request areq; /* /answer's request */
@@ -91,7 +93,7 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
-    if (atomic_load(&r->h->draining))
+    if (r->must_close || atomic_load(&r->h->draining))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(r->conn, (unsigned)code, resp);
     MHD_destroy_response(resp);
@@ -571,12 +573,87 @@ static enum MHD_Result check_post_headers(request *r)
     return MHD_YES;
 }
 
+/* ---- strict HTTP/1.1 framing ----------------------------------------------------------------- */
+
+/* What the header block says about framing, counted over every header line. */
+typedef struct {
+    int n_cl, n_te, n_host;
+    const char *cl, *te;
+    bool bad_name; /* a field name that is not an RFC 9110 token (e.g. "Content-Length ") */
+} framing;
+
+static bool token_char(char c)
+{
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (c && strchr("!#$%&'*+-.^_`|~", c));
+}
+
+static enum MHD_Result count_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                    const char *value)
+{
+    framing *f = cls;
+    (void)kind;
+    bool token = key && *key;
+    for (const char *k = key; token && *k; k++)
+        token = token_char(*k);
+    f->bad_name |= !token;
+    if (!key)
+        return MHD_YES;
+    if (!strcasecmp(key, "Content-Length")) {
+        f->n_cl++;
+        f->cl = value;
+    } else if (!strcasecmp(key, "Transfer-Encoding")) {
+        f->n_te++;
+        f->te = value;
+    } else if (!strcasecmp(key, "Host")) {
+        f->n_host++;
+    }
+    return MHD_YES;
+}
+
+/* Refuses a request whose framing is ambiguous, before any of its body is read: a front proxy
+ * and this server could otherwise disagree on where the request ends (request smuggling).
+ * The refusal closes the connection, so bytes after the headers are never taken for a request.
+ * Returns true (and has answered) when the request was refused. libmicrohttpd itself answers,
+ * before this runs, a malformed Content-Length value, an unparsable request line and
+ * oversized lines (docs/reliability.md). */
+static bool refuse_framing(request *r, const char *method, const char *version,
+                           enum MHD_Result *out)
+{
+    framing f = {0};
+    MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_header, &f);
+    const char *msg = NULL;
+    fitm_api_cond cond = FITM_API_COND_FRAMING;
+    if (f.bad_name)
+        msg = "a header name is not a token (no spaces or controls before the colon)";
+    else if (f.n_cl && f.n_te)
+        msg = "Content-Length and Transfer-Encoding together: send one of them";
+    else if (f.n_cl > 1)
+        msg = "more than one Content-Length header";
+    else if (f.n_te > 1 || (f.n_te && strcmp(f.te, "chunked") != 0)) {
+        cond = FITM_API_COND_CODING;
+        msg = "Transfer-Encoding: only 'chunked' (alone, lower case) is supported";
+    } else if (!strcmp(version, "HTTP/1.1") && f.n_host != 1)
+        msg = f.n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header";
+    else if (strcmp(method, "POST") != 0 && (f.n_te || (f.n_cl && strcmp(f.cl, "0") != 0)))
+        msg = "this method takes no request body";
+    if (!msg)
+        return false;
+    r->must_close = true;
+    *out = send_error(r, FITM_ERR_INVALID, cond, NULL, msg);
+    return true;
+}
+
 /* First callback of a request: everything decidable from the request line and headers. */
-static enum MHD_Result first_call(request *r, const char *url, const char *method)
+static enum MHD_Result first_call(request *r, const char *url, const char *method,
+                                  const char *version)
 {
     const route_def *rd = find_route(url);
     r->rd = rd;
     r->route = rd ? rd->route : FITM_ROUTE_OTHER;
+    enum MHD_Result refused;
+    if (refuse_framing(r, method, version, &refused))
+        return refused;
     if (atomic_load(&r->h->draining))
         return send_error(r, FITM_ERR_CANCELLED, FITM_API_COND_NONE, NULL,
                           "the server is shutting down");
@@ -666,7 +743,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!r)
             return MHD_NO;
         *con_cls = r;
-        return first_call(r, url, method);
+        return first_call(r, url, method, version);
     }
     if (r->state == ST_ANSWERED) {
         *upload_data_size = 0; /* an early answer (413, 401, ...): drop what still arrives */
