@@ -6,7 +6,9 @@ would take as the end of the first; the daemon must answer exactly once, with a 
 Connection: close, so the hidden request is never served."""
 import json
 import re
+import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -101,3 +103,103 @@ def test_well_framed_requests_still_pipeline(daemon):
     got = responses(exchange(daemon, data))
     assert [g[0] for g in got] == [200, 200, 200], got
     assert json.loads(got[0][2])["results"][0]["index"] == 0
+
+
+# ---- clients that leave, and shutdown ------------------------------------------------------
+
+def slow_rerank():
+    """Thousands of forward tokens: a job that runs long enough for its client to leave."""
+    return {"query": "what is golf", "documents": docs(8, 50), "prefix_reuse": False}
+
+
+def wait_for_log(d, pattern, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(pattern, d.log_text())
+        if m:
+            return m
+        time.sleep(0.05)
+    pytest.fail(f"no log line matching {pattern!r}:\n{d.log_text()[-3000:]}")
+
+
+def inflight(d) -> bool:
+    return "fitm_inflight_requests 1" in requests.get(d.url("/metrics")).text
+
+
+def abandon(d, path, body, rid, read_first=False):
+    """Sends body, waits until the engine runs it (or the stream's headers came), then leaves."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + HEAD
+                  + b"X-Request-Id: " + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data)
+                  + data)
+        if read_first:
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+        deadline = time.time() + 30
+        while not inflight(d) and time.time() < deadline:
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def long_daemon(fitmd_bin, models, tmp_path):  # noqa: F811
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, queue_depth=2)
+    yield d
+    if d.proc.poll() is None:
+        assert d.terminate() == 0, d.log_text()
+
+
+@pytest.mark.parametrize("path,extra,read_first", [
+    ("/rerank", {}, False),
+    ("/answer", {"max_tokens": 200}, False),
+    ("/answer", {"max_tokens": 200, "stream": True}, True),
+])
+def test_abandoned_job_is_cancelled_not_200(long_daemon, path, extra, read_first):
+    """The job of a client that left stops at the next forward call and is counted as 499
+    (never sent), with a log line saying why; on main it ran to the end and logged 200."""
+    d = long_daemon
+    abandon(d, path, {**slow_rerank(), **extra}, "gone-1", read_first)
+    m = wait_for_log(d, r"req=gone-1 msg=\"POST \S+ -> (\d+)")
+    assert m.group(1) == "499", d.log_text()[-2000:]
+    assert re.search(r"req=gone-1 msg=\"(job cancelled: the client disconnected"
+                     r"|answer stream ended \(cancelled\))", d.log_text())
+    route = path.strip("/")
+    assert f'fitm_requests_total{{route="{route}",code="499"}} 1' in requests.get(
+        d.url("/metrics")).text
+    assert d.healthy()
+
+
+def test_abandoned_jobs_do_not_fill_the_queue(long_daemon):
+    """Three abandoned requests with queue_depth 2: once they are cancelled, a fresh request
+    is served (on main they kept the engine busy, then the queue full)."""
+    d = long_daemon
+    for i in range(3):
+        abandon(d, "/rerank", slow_rerank(), f"gone-{i}")
+    for i in range(3):
+        wait_for_log(d, rf"req=gone-{i} msg=\"POST /rerank -> 499")
+    r = requests.post(d.url("/rerank"), json={"query": "q", "documents": ["a"]}, headers=AUTH,
+                      timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_shutdown_cancels_with_its_own_reason(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A job stopped by SIGTERM past drain_timeout_ms says 'cancelled' and 'shutting down'
+    (on main: deadline_exceeded)."""
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, drain_timeout_ms=0)
+    got = {}
+
+    def run():
+        got["r"] = requests.post(d.url("/rerank"), json=slow_rerank(), headers=AUTH, timeout=120)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while not inflight(d) and time.time() < deadline:
+        time.sleep(0.01)
+    d.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert d.proc.wait(60) == 0
+    d.log.close()
+    r = got["r"]
+    assert r.status_code == 503, r.text
+    e = r.json()["error"]
+    assert e["code"] == "cancelled" and "shutting down" in e["message"], e

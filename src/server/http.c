@@ -1,5 +1,6 @@
 #include "server/http.h"
 
+#include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -22,6 +23,9 @@
 #include "server/work.h"
 
 #define MAX_KEYS 32
+/* The code logged and counted for a request whose client left before its answer (the code
+ * nginx uses for it); never sent. */
+#define FITM_HTTP_CLIENT_LEFT 499
 
 struct fitm_http {
     fitm_http_params p;
@@ -73,6 +77,7 @@ typedef struct {
     bool s_done, s_suspended, s_closed;
     atomic_bool s_cancel;
     atomic_int refs;
+    atomic_bool client_left; /* the job was stopped because the client went away */
 } request;
 
 /* ---- responses ---------------------------------------------------------------------- */
@@ -246,11 +251,33 @@ static void job_done(fitm_job *job, void *user)
 
 /* The body is complete: parse it and hand the job to the engine (suspending the connection),
  * or answer at once with the error. */
+/* fitm_job.client_gone: the peer closed (or reset) the connection of a waiting request. A
+ * non-streamed request's connection is suspended for the whole job, so its socket stays open
+ * and is peeked here without consuming pipelined bytes; a stream learns of the close from
+ * on_completed. A client that half-closes its sending side counts as gone. */
+static bool client_gone(void *user)
+{
+    request *r = user;
+    if (r->streaming)
+        return atomic_load(&r->s_cancel);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return false;
+    char c;
+    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    bool gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (gone)
+        atomic_store(&r->client_left, true);
+    return gone;
+}
+
 /* Ties r->job to the request: its deadline (counted from arrival), its owner, its log id. */
 static void job_bind(request *r)
 {
     r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
     r->job.user = r;
+    r->job.client_gone = client_gone;
     snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
 }
 
@@ -765,10 +792,19 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     if (!r)
         return;
     double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
+    bool closed = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
+    if (r->streaming && closed) {
+        pthread_mutex_lock(&r->smu);
+        if (!r->s_done || r->soff < r->sbuf.len)
+            atomic_store(&r->client_left, true); /* the stream was cut before its end */
+        pthread_mutex_unlock(&r->smu);
+    }
+    if (atomic_load(&r->client_left))
+        r->code = FITM_HTTP_CLIENT_LEFT; /* counted as cancelled, whatever was sent */
     if (r->code)
         fitm_metrics_request(r->route, r->code, s);
     FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
-             s * 1e3, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (connection closed)");
+             s * 1e3, closed ? " (connection closed)" : "");
     *con_cls = NULL;
     if (r->streaming) {
         /* The job may still run: make it stop at its next token, and never wake a
