@@ -203,3 +203,70 @@ def test_shutdown_cancels_with_its_own_reason(fitmd_bin, models, tmp_path):  # n
     assert r.status_code == 503, r.text
     e = r.json()["error"]
     assert e["code"] == "cancelled" and "shutting down" in e["message"], e
+
+
+# ---- connection hygiene ------------------------------------------------------------------------
+
+def health_from(d, source: str) -> int:
+    """GET /health over a connection from the loopback address source; the status code."""
+    with socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out = b""
+        while (b := s.recv(65536)):
+            out += b
+    return int(out.split(b" ", 2)[1])
+
+
+def test_trickled_body_is_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A body sent a byte at a time, each well within the idle timeout, is cut once
+    http_receive_timeout_s has passed (on main it is held for as long as it trickles)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, http_receive_timeout_s=1,
+               http_idle_timeout_s=30)
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+            s.sendall(post_raw(b"Content-Length: %d\r\n" % len(BODY)))
+            out = b""
+            for c in BODY[:-1]:
+                s.sendall(bytes([c]))
+                time.sleep(0.2)
+                s.setblocking(False)
+                try:
+                    out += s.recv(65536)
+                except BlockingIOError:
+                    pass
+                s.setblocking(True)
+                if out:
+                    break
+            s.settimeout(10)
+            while (b := s.recv(65536)):
+                out += b
+        code, hdr, body = responses(out)[0]
+        assert code == 408 and hdr["connection"] == "close", out
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0
+
+
+def test_one_address_cannot_take_every_connection(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With max_connections_per_client 4, a fifth connection from 127.0.0.1 is refused while
+    /health from another loopback address (127.0.0.2) is answered (on main the fifth is
+    accepted, and such a flood from one address starves everyone)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, max_connections_per_client=4)
+    held = []
+    try:
+        for _ in range(4):
+            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
+        time.sleep(0.3)  # the daemon has accepted them
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+            try:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                got = s.recv(100)
+            except ConnectionResetError:
+                got = b""
+            assert got == b"", got
+        assert health_from(d, "127.0.0.2") == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0

@@ -43,6 +43,11 @@ static const opt opts[] = {
      "seconds a connection may stay silent (slow or idle clients) before it is closed"},
     {"max_connections", INT(max_connections), "512", 4, 100000, NULL,
      "open client connections at once; more are refused at accept"},
+    {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
+     "open connections from one client address; more are refused at accept"},
+    {"http_receive_timeout_s", INT(http_receive_timeout_s), "60", 1, 3600, NULL,
+     "seconds a request's body may take to arrive, however steadily it trickles (408 and "
+     "close beyond)"},
     {"api_keys", STR(api_keys), "", 0, 0, NULL,
      "comma-separated bearer keys guarding inference routes; empty = no auth"},
     {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,

@@ -759,6 +759,45 @@ static enum MHD_Result on_complete(request *r)
     return rd->start(r);
 }
 
+/* A body still arriving http_receive_timeout_s after the request began: a trickling client
+ * would otherwise hold its connection for as long as it keeps sending a byte per idle
+ * timeout. */
+static bool receive_overdue(const request *r)
+{
+    return fitm_clock_ns() - r->t0_ns > r->h->p.cfg->http_receive_timeout_s * 1000000000;
+}
+
+/* 408 and close. Once the body is complete it is an ordinary answer; while the body is half
+ * read libmicrohttpd refuses any response, so the 408 is written straight to the socket
+ * (nothing else is being sent on it then) and the connection is closed. */
+static enum MHD_Result send_slow(request *r, bool body_complete)
+{
+    char msg[160];
+    snprintf(msg, sizeof msg, "the request was not received within %lld s",
+             (long long)r->h->p.cfg->http_receive_timeout_s);
+    r->must_close = true;
+    fitm_buf_free(&r->body);
+    if (body_complete)
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_SLOW, NULL, msg);
+    fitm_api_error_class c = fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_SLOW);
+    char *json = fitm_api_error_json(&c, msg);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    fitm_buf out = {0};
+    if (json && ci &&
+        fitm_buf_printf(&out,
+                        "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+                        "Content-Type: application/json\r\nX-Request-Id: %s\r\n"
+                        "Content-Length: %zu\r\n\r\n%s",
+                        r->id, strlen(json), json))
+        (void)!send(ci->connect_fd, out.p, out.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    fitm_buf_free(&out);
+    free(json);
+    r->code = c.http;
+    r->state = ST_ANSWERED;
+    return MHD_NO;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
                                   const char *method, const char *version,
                                   const char *upload_data, size_t *upload_data_size,
@@ -779,8 +818,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_data_size) {
         size_t n = *upload_data_size;
         *upload_data_size = 0;
+        if (receive_overdue(r))
+            return send_slow(r, false);
         return take_body(r, upload_data, n);
     }
+    if (r->state == ST_BODY && receive_overdue(r))
+        return send_slow(r, true);
     return on_complete(r);
 }
 
@@ -892,7 +935,8 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
         flags, (uint16_t)cfg->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
         MHD_OPTION_THREAD_POOL_SIZE, (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)cfg->max_connections, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+        (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
         MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!h->d) {
