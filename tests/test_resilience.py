@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -270,3 +271,49 @@ def test_one_address_cannot_take_every_connection(fitmd_bin, models, tmp_path): 
         for s in held:
             s.close()
         assert d.terminate() == 0
+
+
+# ---- strict JSON ---------------------------------------------------------------------------------
+
+def post_body(d, raw: bytes, path="/rerank"):
+    return requests.post(d.url(path), data=raw, timeout=120,
+                         headers={**AUTH, "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path,raw,mentions", [
+    ("/rerank", b'{"query":"q","documents":["abc\\u0000SECRET"]}', "'documents' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["abc\x00SECRET"]}', "NUL byte"),
+    ("/rerank", b'{"query":"q\\u0000x","documents":["a"]}', "'query' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","te\\u0000xt":"b"}]}', "key contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["a"],"query":"other"}', "duplicate key 'query'"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","text":"b"}]}', "duplicate key 'text'"),
+    ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740993}', "'seed'"),
+    ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740992}', "2^53"),
+])
+def test_json_that_cjson_would_bend_is_refused(daemon, path, raw, mentions):
+    """On main each was accepted: the document cut at the NUL, the first duplicate kept, the
+    seed rounded to 2^53."""
+    r = post_body(daemon, raw, path)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert mentions in e["message"], e
+
+
+def test_strict_json_keeps_what_is_exact(daemon):
+    """A backslash before u0000 that is itself escaped is text, not NUL; the largest exact seed
+    is accepted and reported as sent."""
+    r = post_body(daemon, b'{"query":"q","documents":["a\\\\u0000b"]}')
+    assert r.status_code == 200, r.text
+    r = post_body(daemon, b'{"query":"q","documents":["a"],"seed":9007199254740991,'
+                          b'"max_tokens":1}', "/answer")
+    assert r.status_code == 200, r.text
+    assert r.json()["meta"]["seed"] == 9007199254740991
+
+
+def test_too_many_api_keys_is_a_startup_error(fitmd_bin, models):  # noqa: F811
+    keys = ",".join(f"key-{i}" for i in range(33))
+    p = subprocess.run([str(fitmd_bin), f"--model={models['small']}", "--host=127.0.0.1",
+                        "--port=1", f"--api_keys={keys}"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0
+    assert "api_keys lists more than 32 keys" in p.stdout + p.stderr

@@ -875,10 +875,12 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
-static void parse_keys(fitm_http *h, const char *list)
+/* Splits the comma-separated key list into h->keys. False when it holds more than MAX_KEYS
+ * keys: keys past the limit would otherwise be ignored without a word. */
+static bool parse_keys(fitm_http *h, const char *list)
 {
     const char *p = list;
-    while (*p && h->n_keys < MAX_KEYS) {
+    while (*p) {
         size_t n = strcspn(p, ",");
         const char *s = p, *e = p + n;
         while (s < e && *s == ' ')
@@ -886,6 +888,8 @@ static void parse_keys(fitm_http *h, const char *list)
         while (e > s && e[-1] == ' ')
             e--;
         if (e > s) {
+            if (h->n_keys == MAX_KEYS)
+                return false;
             memcpy(h->keys[h->n_keys], s, (size_t)(e - s));
             h->keys[h->n_keys][e - s] = '\0';
             h->n_keys++;
@@ -894,6 +898,7 @@ static void parse_keys(fitm_http *h, const char *list)
         if (*p == ',')
             p++;
     }
+    return true;
 }
 
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err)
@@ -909,13 +914,16 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.model_name = p->model->name;
     h->limits.default_temperature = cfg->calib_temperature;
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
-    parse_keys(h, cfg->api_keys);
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);
     if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
         h->id_salt = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
     pthread_mutex_init(&h->mu, NULL);
     pthread_cond_init(&h->idle, NULL);
+    if (!parse_keys(h, cfg->api_keys)) {
+        fitm_http_stop(h);
+        return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
+    }
 
     char port[16];
     snprintf(port, sizeof port, "%lld", (long long)cfg->port);
