@@ -5,6 +5,7 @@ Each smuggling case carries a hidden second request ("GET /nope") after what a l
 would take as the end of the first; the daemon must answer exactly once, with a JSON error and
 Connection: close, so the hidden request is never served."""
 import json
+import os
 import re
 import signal
 import socket
@@ -317,3 +318,45 @@ def test_too_many_api_keys_is_a_startup_error(fitmd_bin, models):  # noqa: F811
                        timeout=60)
     assert p.returncode != 0
     assert "api_keys lists more than 32 keys" in p.stdout + p.stderr
+
+
+# ---- the model file under the mapping -----------------------------------------------------------
+
+def own_model(models, tmp_path, name="long"):  # noqa: F811
+    p = tmp_path / "model.gguf"
+    p.write_bytes(models[name].read_bytes())
+    return p
+
+
+def test_health_fails_when_the_model_file_changes(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Rewritten in place (same bytes, new mtime): /health turns 503 and says why (on main it
+    stayed 200 while answers could silently change)."""
+    model = own_model(models, tmp_path, "small")
+    d = Daemon(fitmd_bin, model, tmp_path)
+    try:
+        data = model.read_bytes()
+        with open(model, "r+b") as f:
+            f.write(data)
+        st = model.stat()
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+        r = requests.get(d.url("/health"), timeout=10)
+        assert r.status_code == 503, r.text
+        assert "model file changed" in r.json()["message"]
+    finally:
+        assert d.terminate() == 0
+
+
+def test_truncated_model_file_is_a_logged_fatal_error(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Truncated while serving: the next request faults (SIGBUS) and the log says what
+    happened (on main the process died without a line)."""
+    model = own_model(models, tmp_path)
+    d = Daemon(fitmd_bin, model, tmp_path)
+    try:
+        os.truncate(model, 4096)
+        with pytest.raises(requests.ConnectionError):
+            requests.post(d.url("/rerank"), json={"query": "q", "documents": ["a b c"]},
+                          timeout=60)
+        assert d.proc.wait(30) == -signal.SIGBUS
+        assert "SIGBUS" in d.log_text() and "model file was truncated" in d.log_text()
+    finally:
+        d.kill()

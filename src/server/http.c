@@ -11,6 +11,7 @@
 #include <strings.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -194,6 +195,24 @@ static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t
 
 /* ---- route handlers --------------------------------------------------------------------- */
 
+bool fitm_file_id_of(const char *path, fitm_file_id *id)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return false;
+    *id = (fitm_file_id){(uint64_t)sb.st_dev, (uint64_t)sb.st_ino, (uint64_t)sb.st_size,
+                         (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec};
+    return true;
+}
+
+/* True while the model file on disk is the one loaded (the weights are mapped from it: a
+ * truncated file faults, a rewritten one silently changes answers). */
+static bool model_file_unchanged(const fitm_http_model_info *m)
+{
+    fitm_file_id now;
+    return fitm_file_id_of(m->path, &now) && !memcmp(&now, &m->file, sizeof now);
+}
+
 static enum MHD_Result handle_health(request *r)
 {
     fitm_err msg = {{0}};
@@ -202,6 +221,10 @@ static enum MHD_Result handle_health(request *r)
         return send_json(r, 503, fitm_api_write_health("draining", "the server is shutting down"));
     switch (s) {
     case FITM_ENGINE_READY:
+        if (!model_file_unchanged(r->h->p.model))
+            return send_json(r, 503, fitm_api_write_health(
+                                         "error", "the model file changed on disk since it was "
+                                                  "loaded (size, mtime or inode): restart fitmd"));
         return send_json(r, 200, fitm_api_write_health("ok", NULL));
     case FITM_ENGINE_LOADING:
         return send_json(r, 503, fitm_api_write_health("loading", "the model is loading"));
