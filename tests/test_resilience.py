@@ -360,3 +360,20 @@ def test_truncated_model_file_is_a_logged_fatal_error(fitmd_bin, models, tmp_pat
         assert "SIGBUS" in d.log_text() and "model file was truncated" in d.log_text()
     finally:
         d.kill()
+
+
+def test_model_load_copy_survives_the_file_changing(fitmd_bin, models, tmp_path):  # noqa: F811
+    """model_load=copy (llama.cpp's --no-mmap) reads the weights into private memory: the file
+    truncated and rewritten under it changes nothing; answers stay the same and /health ok."""
+    model = own_model(models, tmp_path)
+    d = Daemon(fitmd_bin, model, tmp_path, model_load="copy")
+    try:
+        body = {"query": "golf", "documents": docs(3, 6)}
+        before = requests.post(d.url("/rerank"), json=body, timeout=120).json()["results"]
+        os.truncate(model, 4096)
+        model.write_bytes(b"\0" * 8192)
+        after = requests.post(d.url("/rerank"), json=body, timeout=120).json()["results"]
+        assert after == before
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0

@@ -31,6 +31,9 @@ static const opt opts[] = {
     {"model_url", STR(model_url), "", 0, 0, NULL,
      "http(s) URL to download the model from when the model path does not exist yet "
      "(on the engine thread: /health is 503 until it is done)"},
+    {"model_load", ENUM(model_load), "mmap", 0, 0, "mmap|copy",
+     "mmap: map the weights from the file (it must not change while served); copy: read them "
+     "into private memory (llama.cpp's --no-mmap), for files replaced in place"},
     {"model_name", STR(model_name), "", 0, 0, NULL,
      "model id reported by /v1/models and accepted in requests; empty = file name"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},

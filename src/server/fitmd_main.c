@@ -54,11 +54,13 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
         (st = fitm_download_file(cfg->model_url, cfg->model, err)) != FITM_OK)
         return st;
-    if ((st = fitm_model_open(&dm->model, cfg->model, err)) != FITM_OK) {
+    bool copy = !strcmp(cfg->model_load, "copy");
+    if ((st = fitm_model_open_mode(&dm->model, cfg->model, copy, err)) != FITM_OK) {
         fitm_err_prefix(err, "model %s", cfg->model);
         return st;
     }
-    snprintf(dm->info->path, sizeof dm->info->path, "%s", cfg->model);
+    if (!copy) /* a private copy does not depend on the file: /health need not watch it */
+        snprintf(dm->info->path, sizeof dm->info->path, "%s", cfg->model);
     if (!fitm_file_id_of(cfg->model, &dm->info->file))
         return fitm_err_set(err, FITM_ERR_IO, "model %s: cannot stat it after opening",
                             cfg->model);

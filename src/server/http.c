@@ -210,6 +210,8 @@ bool fitm_file_id_of(const char *path, fitm_file_id *id)
 static bool model_file_unchanged(const fitm_http_model_info *m)
 {
     fitm_file_id now;
+    if (!m->path[0]) /* not mapped (model_load copy): nothing to watch */
+        return true;
     return fitm_file_id_of(m->path, &now) && !memcmp(&now, &m->file, sizeof now);
 }
 

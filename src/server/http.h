@@ -34,7 +34,7 @@ typedef struct {
     int64_t n_ctx;
     int64_t created_s; /* file mtime */
     /* The model file as loaded (written by the loader, like arch): /health compares the file
-     * on disk with it and reports the server unhealthy once it differs. */
+     * on disk with it and reports the server unhealthy once it differs ("": not watched). */
     char path[1024];
     fitm_file_id file;
 } fitm_http_model_info;
