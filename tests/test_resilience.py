@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from test_http import AUTH, KEY, Daemon, docs, fitmd_bin, models  # noqa: F401 (fixtures)
+from test_http import AUTH, KEY, Daemon, docs, fitmd_bin, free_port, models  # noqa: F401 (fixtures)
 
 BODY = b'{"query":"q","documents":["a"]}'
 HEAD = b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
@@ -273,6 +273,34 @@ def test_one_address_cannot_take_every_connection(fitmd_bin, models, tmp_path): 
             s.close()
         assert d.terminate() == 0
 
+
+
+def test_probe_port_answers_while_connections_are_exhausted(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With every main-port connection taken (max_connections 4, from several addresses),
+    /health and /metrics on probe_port still answer; inference routes do not exist there
+    (on main there is no probe_port: probes queue behind the flood)."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, max_connections=4,
+               probe_port=probe)
+    held = []
+    try:
+        for i in range(4):
+            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=10,
+                                                 source_address=(f"127.0.0.{i + 2}", 0)))
+        time.sleep(0.3)
+        with pytest.raises((requests.ConnectionError, requests.Timeout)):  # not accepted
+            requests.get(d.url("/health"), timeout=3)
+        base = f"http://127.0.0.1:{probe}"
+        r = requests.get(base + "/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert requests.get(base + "/metrics", timeout=5).status_code == 200
+        r = requests.post(base + "/rerank", json={"query": "q", "documents": ["a"]},
+                          headers=AUTH, timeout=5)
+        assert r.status_code == 404
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
 
 # ---- strict JSON ---------------------------------------------------------------------------------
 

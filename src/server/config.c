@@ -38,6 +38,9 @@ static const opt opts[] = {
      "model id reported by /v1/models and accepted in requests; empty = file name"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
+    {"probe_port", INT(probe_port), "0", 0, 65535, NULL,
+     "second TCP port serving only GET /health and /metrics, with connections of its own (probes "
+     "stay answerable while the main port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
      "compute backend; auto = CUDA when a device works, else CPU (decided once at start)"},
     {"threads", INT(threads), "0", 0, 1024, NULL, "CPU compute threads; 0 = one per core"},

@@ -21,6 +21,7 @@ typedef struct {
     char model_name[128];                  /* id reported by /v1/models; "" = file name */
     char host[256];
     int64_t port;
+    int64_t probe_port;                    /* /health and /metrics only; 0 = none      */
     char backend[16];                      /* auto | cpu | cuda                        */
     int64_t threads;                       /* CPU compute threads; 0 = all cores       */
     int64_t http_threads;

@@ -31,6 +31,7 @@
 struct fitm_http {
     fitm_http_params p;
     struct MHD_Daemon *d;
+    struct MHD_Daemon *probe_d; /* probe_port's listener (health and metrics only); NULL: none */
     fitm_api_limits limits;
     char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
     int n_keys;
@@ -54,6 +55,7 @@ typedef struct {
     int64_t t0_ns;
     fitm_route route;
     const route_def *rd; /* NULL: no such route */
+    bool probe;          /* arrived on probe_port: only /health and /metrics exist there */
     char method[8];
     char path[128];
     req_state state;
@@ -701,6 +703,8 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
                                   const char *version)
 {
     const route_def *rd = find_route(url);
+    if (rd && r->probe && rd->route != FITM_ROUTE_HEALTH && rd->route != FITM_ROUTE_METRICS)
+        rd = NULL;
     r->rd = rd;
     r->route = rd ? rd->route : FITM_ROUTE_OTHER;
     enum MHD_Result refused;
@@ -834,6 +838,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!r)
             return MHD_NO;
         *con_cls = r;
+        r->probe = false;
         return first_call(r, url, method, version);
     }
     if (r->state == ST_ANSWERED) {
@@ -850,6 +855,23 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (r->state == ST_BODY && receive_overdue(r))
         return send_slow(r, true);
     return on_complete(r);
+}
+
+/* probe_port's requests: as on_request, with every route but /health and /metrics absent. */
+static enum MHD_Result on_probe_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                        const char *method, const char *version,
+                                        const char *upload_data, size_t *upload_data_size,
+                                        void **con_cls)
+{
+    if (*con_cls)
+        return on_request(cls, conn, url, method, version, upload_data, upload_data_size,
+                          con_cls);
+    request *r = request_new(cls, conn, url, method);
+    if (!r)
+        return MHD_NO;
+    *con_cls = r;
+    r->probe = true;
+    return first_call(r, url, method, version);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -926,6 +948,35 @@ static bool parse_keys(fitm_http *h, const char *list)
     return true;
 }
 
+/* Listens on cfg->host:port. The probe listener serves only /health and /metrics, with a
+ * thread and connection budget of its own, so probes are answered while the main port's
+ * connections are all taken. NULL when the address cannot be had. */
+static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
+{
+    const fitm_config *cfg = h->p.cfg;
+    char service[16];
+    snprintf(service, sizeof service, "%lld", (long long)port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    if (getaddrinfo(cfg->host[0] ? cfg->host : NULL, service, &hints, &ai) != 0)
+        return NULL;
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
+                     MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    struct MHD_Daemon *d = MHD_start_daemon(
+        flags, (uint16_t)port, NULL, NULL, probe ? on_probe_request : on_request, h,
+        MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_THREAD_POOL_SIZE,
+        probe ? 1u : (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
+        probe ? 10u : (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+        probe ? 64u : (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        probe ? 16u : (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED,
+        on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    return d;
+}
+
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err)
 {
     *out = NULL;
@@ -950,33 +1001,15 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
         return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
     }
 
-    char port[16];
-    snprintf(port, sizeof port, "%lld", (long long)cfg->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
-    struct addrinfo *ai = NULL;
-    int gai = getaddrinfo(cfg->host[0] ? cfg->host : NULL, port, &hints, &ai);
-    if (gai != 0) {
-        fitm_http_stop(h);
-        return fitm_err_set(err, FITM_ERR_INVALID, "host '%s': %s", cfg->host, gai_strerror(gai));
-    }
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
-                     MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6)
-        flags |= MHD_USE_IPv6;
-    h->d = MHD_start_daemon(
-        flags, (uint16_t)cfg->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_THREAD_POOL_SIZE, (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-        (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
-        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!h->d) {
+    h->d = listen_on(h, cfg->port, false);
+    if (h->d && cfg->probe_port)
+        h->probe_d = listen_on(h, cfg->probe_port, true);
+    if (!h->d || (cfg->probe_port && !h->probe_d)) {
+        long long port = h->d ? cfg->probe_port : cfg->port;
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_IO,
-                            "cannot listen on %s:%lld (address in use, or not permitted)",
-                            cfg->host, (long long)cfg->port);
+                            "cannot listen on %s:%lld (bad host, address in use, or not "
+                            "permitted)", cfg->host, port);
     }
     *out = h;
     return FITM_OK;
@@ -1013,6 +1046,8 @@ void fitm_http_stop(fitm_http *h)
 {
     if (!h)
         return;
+    if (h->probe_d)
+        MHD_stop_daemon(h->probe_d);
     if (h->d)
         MHD_stop_daemon(h->d);
     pthread_cond_destroy(&h->idle);
