@@ -219,6 +219,14 @@ def health_from(d, source: str) -> int:
     return int(out.split(b" ", 2)[1])
 
 
+def accepted_connection(d, source="127.0.0.1"):
+    """A keep-alive connection the daemon has certainly accepted: it answered a request on it."""
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0))
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    return s
+
+
 def test_trickled_body_is_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
     """A body sent a byte at a time, each well within the idle timeout, is cut once
     http_receive_timeout_s has passed (on main it is held for as long as it trickles)."""
@@ -258,8 +266,7 @@ def test_one_address_cannot_take_every_connection(fitmd_bin, models, tmp_path): 
     held = []
     try:
         for _ in range(4):
-            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
-        time.sleep(0.3)  # the daemon has accepted them
+            held.append(accepted_connection(d))
         with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
             try:
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -285,9 +292,7 @@ def test_probe_port_answers_while_connections_are_exhausted(fitmd_bin, models, t
     held = []
     try:
         for i in range(4):
-            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=10,
-                                                 source_address=(f"127.0.0.{i + 2}", 0)))
-        time.sleep(0.3)
+            held.append(accepted_connection(d, f"127.0.0.{i + 2}"))
         with pytest.raises((requests.ConnectionError, requests.Timeout)):  # not accepted
             requests.get(d.url("/health"), timeout=3)
         base = f"http://127.0.0.1:{probe}"
