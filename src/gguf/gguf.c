@@ -31,6 +31,7 @@ struct fitm_gguf {
     const uint8_t *base; /* the file's bytes (mapping or caller buffer) */
     size_t size;
     bool mapped;
+    bool owned; /* base is a private malloc'd copy of the file (fitm_gguf_open_copy) */
     uint32_t version;
     uint32_t alignment;
     uint64_t data_start; /* byte offset of the data section */
@@ -587,6 +588,8 @@ static void release(fitm_gguf *g)
     free(g->t_sorted);
     if (g->mapped)
         munmap((void *)g->base, g->size);
+    if (g->owned)
+        free((void *)g->base);
     free(g);
 }
 
@@ -616,7 +619,44 @@ fitm_status fitm_gguf_open_memory(fitm_gguf **out, const void *data, size_t n_by
     return st;
 }
 
+/* Reads the whole of fd (size bytes) into a new buffer *out (the caller's to free); fails when
+ * the file is shorter than size. */
+static fitm_status read_all(int fd, size_t size, const char *path, uint8_t **out, fitm_err *err)
+{
+    *out = NULL;
+    uint8_t *buf = malloc(size);
+    if (!buf)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "%s: out of memory copying %zu bytes", path,
+                            size);
+    size_t got = 0;
+    while (got < size) {
+        ssize_t n = read(fd, buf + got, size - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            free(buf);
+            return fitm_err_set(err, FITM_ERR_IO, "%s: cannot read (%s)", path,
+                                n < 0 ? strerror(errno) : "shorter than its size");
+        }
+        got += (size_t)n;
+    }
+    *out = buf;
+    return FITM_OK;
+}
+
+static fitm_status open_file(fitm_gguf **out, const char *path, bool copy, fitm_err *err);
+
 fitm_status fitm_gguf_open(fitm_gguf **out, const char *path, fitm_err *err)
+{
+    return open_file(out, path, false, err);
+}
+
+fitm_status fitm_gguf_open_copy(fitm_gguf **out, const char *path, fitm_err *err)
+{
+    return open_file(out, path, true, err);
+}
+
+static fitm_status open_file(fitm_gguf **out, const char *path, bool copy, fitm_err *err)
 {
     fitm_status st = FITM_OK;
     int fd = -1;
@@ -647,20 +687,26 @@ fitm_status fitm_gguf_open(fitm_gguf **out, const char *path, fitm_err *err)
         goto done;
     }
     size = (size_t)sb.st_size;
-    map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) {
+    uint8_t *buf = NULL;
+    if (copy && (st = read_all(fd, size, path, &buf, err)) != FITM_OK)
+        goto done;
+    if (!copy)
+        map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (!copy && map == MAP_FAILED) {
         st = fitm_err_set(err, FITM_ERR_IO, "%s: cannot mmap %zu bytes: %s", path, size,
                           strerror(errno));
         goto done;
     }
     g = calloc(1, sizeof *g);
     if (!g) {
+        free(buf);
         st = fitm_err_set(err, FITM_ERR_NOMEM, "%s: out of memory", path);
         goto done;
     }
-    g->base = map;
+    g->base = copy ? buf : map;
     g->size = size;
-    g->mapped = true;
+    g->mapped = !copy;
+    g->owned = copy;
     map = MAP_FAILED; /* owned by g now */
     st = parse(g, err);
     if (st != FITM_OK) {

@@ -77,6 +77,10 @@ typedef struct {
  * key or tensor involved and the byte offset where useful). */
 fitm_status fitm_gguf_open(fitm_gguf **out, const char *path, fitm_err *err);
 
+/* As fitm_gguf_open, but the file is read into private memory instead of mapped: a file
+ * changed or truncated afterwards no longer affects (or faults) the opened model. */
+fitm_status fitm_gguf_open_copy(fitm_gguf **out, const char *path, fitm_err *err);
+
 /* Same checks on a caller-owned buffer (tests, fuzzing). The buffer must outlive the result. */
 fitm_status fitm_gguf_open_memory(fitm_gguf **out, const void *data, size_t n_bytes, fitm_err *err);
 

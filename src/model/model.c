@@ -439,9 +439,14 @@ fail:
 
 fitm_status fitm_model_open(fitm_model **out, const char *path, fitm_err *err)
 {
+    return fitm_model_open_mode(out, path, false, err);
+}
+
+fitm_status fitm_model_open_mode(fitm_model **out, const char *path, bool copy, fitm_err *err)
+{
     *out = NULL;
     fitm_gguf *g;
-    fitm_status s = fitm_gguf_open(&g, path, err);
+    fitm_status s = copy ? fitm_gguf_open_copy(&g, path, err) : fitm_gguf_open(&g, path, err);
     if (s)
         return s;
     s = fitm_model_from_gguf(out, g, err);

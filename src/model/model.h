@@ -107,6 +107,10 @@ typedef struct fitm_model fitm_model;
  * e.g. "tensor 'blk.3.attn_k.weight': shape [64, 48], expected [64, 32]". */
 fitm_status fitm_model_open(fitm_model **out, const char *path, fitm_err *err);
 
+/* fitm_model_open with copy true reads the weights into private memory instead of mapping
+ * the file (fitm_gguf_open_copy): slower to start, immune to the file changing. */
+fitm_status fitm_model_open_mode(fitm_model **out, const char *path, bool copy, fitm_err *err);
+
 /* Loads from an already open file. The model takes ownership of g (closing it with the model,
  * or at once on failure). */
 fitm_status fitm_model_from_gguf(fitm_model **out, fitm_gguf *g, fitm_err *err);

@@ -18,6 +18,12 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
     case FITM_API_COND_MEDIA_TYPE:
         return (fitm_api_error_class){415, "invalid_request_error", "unsupported_media_type",
                                       false};
+    case FITM_API_COND_FRAMING:
+        return (fitm_api_error_class){400, "invalid_request_error", "bad_framing", false};
+    case FITM_API_COND_CODING:
+        return (fitm_api_error_class){501, "invalid_request_error", "not_implemented", false};
+    case FITM_API_COND_SLOW:
+        return (fitm_api_error_class){408, "invalid_request_error", "request_timeout", false};
     case FITM_API_COND_NONE:
         break;
     }
@@ -126,6 +132,9 @@ static fitm_status take_int(const cJSON *item, const char *field, int64_t lo, in
     double d = item->valuedouble;
     if (!isfinite(d) || d != floor(d))
         return fitm_err_set(err, FITM_ERR_INVALID, "'%s' must be an integer, got %g", field, d);
+    if (fabs(d) >= 9007199254740992.0) /* from 2^53 on, the text may not be the value read */
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'%s' = %.0f is not below 2^53 (not exactly representable)", field, d);
     if (d < (double)lo || d > (double)hi)
         return fitm_err_set(err, FITM_ERR_INVALID, "'%s' = %.0f is out of range [%lld, %lld]",
                             field, d, (long long)lo, (long long)hi);
@@ -410,6 +419,67 @@ static bool has_nul_escape(const char *body, size_t len)
     return false;
 }
 
+/* ---- strict JSON: what cJSON would silently accept -------------------------------------- */
+
+/* The first NUL character in the text of body: a raw NUL byte anywhere, or a \u0000 escape in
+ * a string (cJSON would cut the string there and drop the rest). Names the object key that
+ * the string belongs to (the last key before it; "" at the top level), or says it is a key. */
+static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
+{
+    const char *key = "", *str = NULL; /* the last key, the string being read */
+    size_t key_n = 0;
+    bool nul = false;
+    for (size_t i = 0; i < len; i++) {
+        char c = body[i];
+        if (c == '\0')
+            return fitm_err_set(err, FITM_ERR_INVALID, "a NUL byte at byte %zu of the body", i);
+        if (!str) {
+            if (c == '"')
+                str = body + i + 1;
+            continue;
+        }
+        if (c == '\\' && i + 1 < len) {
+            nul |= i + 5 < len && !strncmp(body + i + 1, "u0000", 5);
+            i++;
+            continue;
+        }
+        if (c != '"')
+            continue;
+        size_t j = i + 1; /* the string ended: a key if a colon follows */
+        while (j < len && strchr(" \t\r\n", body[j]) && body[j])
+            j++;
+        bool is_key = j < len && body[j] == ':';
+        if (nul)
+            return is_key ? fitm_err_set(err, FITM_ERR_INVALID,
+                                         "an object key contains a NUL character (\\u0000)")
+                          : fitm_err_set(err, FITM_ERR_INVALID,
+                                         "'%.*s' contains a NUL character (\\u0000)", (int)key_n,
+                                         key);
+        if (is_key) {
+            key = str;
+            key_n = (size_t)(body + i - str) < 64 ? (size_t)(body + i - str) : 64;
+        }
+        str = NULL;
+    }
+    return FITM_OK;
+}
+
+/* A key given twice in one object, anywhere in the tree (cJSON would keep the first). */
+static fitm_status reject_duplicate_keys(const cJSON *node, fitm_err *err)
+{
+    for (const cJSON *a = node ? node->child : NULL; a; a = a->next) {
+        if (cJSON_IsObject(node) && a->string)
+            for (const cJSON *b = a->next; b; b = b->next)
+                if (b->string && !strcmp(a->string, b->string))
+                    return fitm_err_set(err, FITM_ERR_INVALID, "duplicate key '%.64s'",
+                                        a->string);
+        fitm_status st = reject_duplicate_keys(a, err);
+        if (st != FITM_OK)
+            return st;
+    }
+    return FITM_OK;
+}
+
 /* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
  * *root is the caller's to cJSON_Delete. */
 static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_err *err)
@@ -432,6 +502,13 @@ static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_e
             return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: trailing data at byte %zu",
                                 (size_t)(p - body));
         }
+    }
+    fitm_status st = reject_nul(body, len, err);
+    if (st == FITM_OK)
+        st = reject_duplicate_keys(r, err);
+    if (st != FITM_OK) {
+        cJSON_Delete(r);
+        return st;
     }
     *root = r;
     return FITM_OK;

@@ -22,6 +22,9 @@ typedef enum {
     FITM_API_COND_METHOD,         /* method not allowed on this route    */
     FITM_API_COND_BODY_TOO_LARGE, /* body over max_body_bytes            */
     FITM_API_COND_MEDIA_TYPE,     /* POST body that is not JSON          */
+    FITM_API_COND_FRAMING,        /* ambiguous HTTP framing (400, closes) */
+    FITM_API_COND_CODING,         /* a transfer coding other than chunked (501) */
+    FITM_API_COND_SLOW,           /* headers or body not received in time (408) */
 } fitm_api_cond;
 
 typedef struct {

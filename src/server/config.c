@@ -31,10 +31,16 @@ static const opt opts[] = {
     {"model_url", STR(model_url), "", 0, 0, NULL,
      "http(s) URL to download the model from when the model path does not exist yet "
      "(on the engine thread: /health is 503 until it is done)"},
+    {"model_load", ENUM(model_load), "mmap", 0, 0, "mmap|copy",
+     "mmap: map the weights from the file (it must not change while served); copy: read them "
+     "into private memory (llama.cpp's --no-mmap), for files replaced in place"},
     {"model_name", STR(model_name), "", 0, 0, NULL,
      "model id reported by /v1/models and accepted in requests; empty = file name"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
+    {"probe_port", INT(probe_port), "0", 0, 65535, NULL,
+     "second TCP port serving only GET /health and /metrics, with connections of its own (probes "
+     "stay answerable while the main port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
      "compute backend; auto = CUDA when a device works, else CPU (decided once at start)"},
     {"threads", INT(threads), "0", 0, 1024, NULL, "CPU compute threads; 0 = one per core"},
@@ -43,6 +49,11 @@ static const opt opts[] = {
      "seconds a connection may stay silent (slow or idle clients) before it is closed"},
     {"max_connections", INT(max_connections), "512", 4, 100000, NULL,
      "open client connections at once; more are refused at accept"},
+    {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
+     "open connections from one client address; more are refused at accept"},
+    {"http_receive_timeout_s", INT(http_receive_timeout_s), "60", 1, 3600, NULL,
+     "seconds a request's body may take to arrive, however steadily it trickles (408 and "
+     "close beyond)"},
     {"api_keys", STR(api_keys), "", 0, 0, NULL,
      "comma-separated bearer keys guarding inference routes; empty = no auth"},
     {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,

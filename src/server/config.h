@@ -19,14 +19,18 @@
 typedef struct {
     char model[FITM_CONFIG_STR_BYTES];     /* local GGUF path                          */
     char model_url[FITM_CONFIG_STR_BYTES]; /* downloaded to model when that is missing */
+    char model_load[8];                    /* mmap | copy                               */
     char model_name[128];                  /* id reported by /v1/models; "" = file name */
     char host[256];
     int64_t port;
+    int64_t probe_port;                    /* /health and /metrics only; 0 = none      */
     char backend[16];                      /* auto | cpu | cuda                        */
     int64_t threads;                       /* CPU compute threads; 0 = all cores       */
     int64_t http_threads;
     int64_t http_idle_timeout_s;           /* close connections idle this long         */
     int64_t max_connections;               /* open connections at once                 */
+    int64_t max_connections_per_client;    /* ... from one client address              */
+    int64_t http_receive_timeout_s;        /* whole-body receive deadline (408)        */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     int64_t max_body_bytes;
     int64_t max_documents;

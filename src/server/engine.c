@@ -53,6 +53,25 @@ static fitm_job *pop_locked(fitm_engine *e)
     return j;
 }
 
+static bool client_gone(const fitm_job *job)
+{
+    return job->client_gone && job->client_gone(job->user);
+}
+
+/* The status of a job that run (or the check before it) ended with st: a stop asked for by
+ * shutdown or by a vanished client is reported as such, not as the deadline it looks like
+ * to the pipeline. */
+static fitm_status stop_reason(fitm_job *job, fitm_status st)
+{
+    if (st != FITM_ERR_TIMEOUT && st != FITM_ERR_CANCELLED)
+        return st;
+    if (job->abort_flag && atomic_load(job->abort_flag))
+        return fitm_err_set(&job->err, FITM_ERR_CANCELLED, "the server is shutting down");
+    if (client_gone(job))
+        return fitm_err_set(&job->err, FITM_ERR_CANCELLED, "the client disconnected");
+    return st;
+}
+
 static void *worker_main(void *arg)
 {
     fitm_engine *e = arg;
@@ -82,9 +101,13 @@ static void *worker_main(void *arg)
         if (now >= job->deadline_ns) {
             js = fitm_err_set(&job->err, FITM_ERR_TIMEOUT,
                               "the request's deadline passed while it waited in the queue");
+        } else if (client_gone(job)) {
+            js = fitm_err_set(&job->err, FITM_ERR_CANCELLED, "the client disconnected");
         } else {
-            js = e->hooks.run(e->hooks.ctx, job, &job->err);
+            js = stop_reason(job, e->hooks.run(e->hooks.ctx, job, &job->err));
         }
+        if (js == FITM_ERR_CANCELLED)
+            FITM_LOG(FITM_LOG_INFO, job->req_id, "job cancelled: %s", job->err.msg);
         if (js == FITM_ERR_BACKEND) {
             pthread_mutex_lock(&e->mu);
             e->state = FITM_ENGINE_BROKEN;
@@ -265,7 +288,7 @@ bool fitm_job_should_stop(const fitm_job *job)
 {
     if (job->abort_flag && atomic_load(job->abort_flag))
         return true;
-    return fitm_clock_ns() >= job->deadline_ns;
+    return fitm_clock_ns() >= job->deadline_ns || client_gone(job);
 }
 
 fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg)

@@ -33,6 +33,10 @@ struct fitm_job {
     int64_t deadline_ns; /* fitm_clock_ns time; the job fails with FITM_ERR_TIMEOUT after it */
     void (*on_done)(fitm_job *job, void *user);
     void *user;
+    /* May be NULL. True once the client that waits for this job is gone; polled (with user)
+     * before the job runs and wherever it may stop, on the worker thread. A gone client's
+     * job stops at the next forward-call boundary with FITM_ERR_CANCELLED. */
+    bool (*client_gone)(void *user);
     char req_id[40]; /* for logs */
     /* Set by the engine before on_done. */
     fitm_status status;
@@ -80,7 +84,10 @@ void fitm_engine_destroy(fitm_engine *e);
  * does not keep the job and never calls on_done. */
 fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err);
 
-/* For hooks.run: true when the job's deadline passed or the engine is shutting down. */
+/* For hooks.run: true when the job's deadline passed, its client is gone or the engine is
+ * shutting down. Whatever hooks.run then returns, the job ends with the reason that holds:
+ * FITM_ERR_CANCELLED "the server is shutting down", FITM_ERR_CANCELLED "the client
+ * disconnected", else what hooks.run said (FITM_ERR_TIMEOUT for the deadline). */
 bool fitm_job_should_stop(const fitm_job *job);
 
 /* The state, and (when msg is non-NULL) the load or backend error message. */

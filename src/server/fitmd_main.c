@@ -120,10 +120,16 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
         (st = fitm_download_file(cfg->model_url, cfg->model, err)) != FITM_OK)
         return st;
-    if ((st = fitm_model_open(&dm->model, cfg->model, err)) != FITM_OK) {
+    bool copy = !strcmp(cfg->model_load, "copy");
+    if ((st = fitm_model_open_mode(&dm->model, cfg->model, copy, err)) != FITM_OK) {
         fitm_err_prefix(err, "model %s", cfg->model);
         return st;
     }
+    if (!copy) /* a private copy does not depend on the file: /health need not watch it */
+        snprintf(dm->info->path, sizeof dm->info->path, "%s", cfg->model);
+    if (!fitm_file_id_of(cfg->model, &dm->info->file))
+        return fitm_err_set(err, FITM_ERR_IO, "model %s: cannot stat it after opening",
+                            cfg->model);
     if ((st = fitm_tok_create(&dm->tok, fitm_model_gguf(dm->model), err)) != FITM_OK) {
         fitm_err_prefix(err, "tokenizer of %s", cfg->model);
         return st;
@@ -266,6 +272,20 @@ static int describe_model(const fitm_config *cfg, fitm_http_model_info *info)
     return -1;
 }
 
+/* The weights are mapped from the model file: when it is truncated under the mapping, the
+ * next read of a page that is gone raises SIGBUS. Says so in the log (write(2) only: async-
+ * signal-safe) and dies of the signal as before, rather than silently. */
+static void on_sigbus(int sig)
+{
+    static const char msg[] =
+        "level=error msg=\"fatal: SIGBUS reading mapped memory: the model file was truncated "
+        "or replaced while fitmd served from it; restart fitmd (replace model files by rename, "
+        "never in place)\"\n";
+    (void)!write(STDERR_FILENO, msg, sizeof msg - 1);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 /* Signals go to the main thread only: blocked (into *set, for sigwait) before any thread
  * starts. */
 static void block_signals(sigset_t *set)
@@ -275,6 +295,8 @@ static void block_signals(sigset_t *set)
     sigaddset(set, SIGINT);
     pthread_sigmask(SIG_BLOCK, set, NULL);
     signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa = {.sa_handler = on_sigbus};
+    sigaction(SIGBUS, &sa, NULL);
 }
 
 /* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0), stops

@@ -1,5 +1,6 @@
 #include "server/http.h"
 
+#include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -10,6 +11,7 @@
 #include <strings.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,10 +24,14 @@
 #include "server/work.h"
 
 #define MAX_KEYS 32
+/* The code logged and counted for a request whose client left before its answer (the code
+ * nginx uses for it); never sent. */
+#define FITM_HTTP_CLIENT_LEFT 499
 
 struct fitm_http {
     fitm_http_params p;
     struct MHD_Daemon *d;
+    struct MHD_Daemon *probe_d; /* probe_port's listener (health and metrics only); NULL: none */
     fitm_api_limits limits;
     char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
     int n_keys;
@@ -49,12 +55,15 @@ typedef struct {
     int64_t t0_ns;
     fitm_route route;
     const route_def *rd; /* NULL: no such route */
+    bool probe;          /* arrived on probe_port: only /health and /metrics exist there */
     char method[8];
     char path[128];
     req_state state;
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
     size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
+    bool must_close; /* the answer ends the connection (a framing error: what follows the
+                      * headers cannot be trusted to be the next request) */
     fitm_job job;
     fitm_rerank_request req;
     fitm_answer_request areq; /* /answer's request */
@@ -71,6 +80,7 @@ typedef struct {
     bool s_done, s_suspended, s_closed;
     atomic_bool s_cancel;
     atomic_int refs;
+    atomic_bool client_left; /* the job was stopped because the client went away */
 } request;
 
 /* ---- responses ---------------------------------------------------------------------- */
@@ -91,7 +101,7 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
-    if (atomic_load(&r->h->draining))
+    if (r->must_close || atomic_load(&r->h->draining))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(r->conn, (unsigned)code, resp);
     MHD_destroy_response(resp);
@@ -187,6 +197,26 @@ static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t
 
 /* ---- route handlers --------------------------------------------------------------------- */
 
+bool fitm_file_id_of(const char *path, fitm_file_id *id)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return false;
+    *id = (fitm_file_id){(uint64_t)sb.st_dev, (uint64_t)sb.st_ino, (uint64_t)sb.st_size,
+                         (int64_t)sb.st_mtim.tv_sec * 1000000000 + sb.st_mtim.tv_nsec};
+    return true;
+}
+
+/* True while the model file on disk is the one loaded (the weights are mapped from it: a
+ * truncated file faults, a rewritten one silently changes answers). */
+static bool model_file_unchanged(const fitm_http_model_info *m)
+{
+    fitm_file_id now;
+    if (!m->path[0]) /* not mapped (model_load copy): nothing to watch */
+        return true;
+    return fitm_file_id_of(m->path, &now) && !memcmp(&now, &m->file, sizeof now);
+}
+
 static enum MHD_Result handle_health(request *r)
 {
     fitm_err msg = {{0}};
@@ -195,6 +225,10 @@ static enum MHD_Result handle_health(request *r)
         return send_json(r, 503, fitm_api_write_health("draining", "the server is shutting down"));
     switch (s) {
     case FITM_ENGINE_READY:
+        if (!model_file_unchanged(r->h->p.model))
+            return send_json(r, 503, fitm_api_write_health(
+                                         "error", "the model file changed on disk since it was "
+                                                  "loaded (size, mtime or inode): restart fitmd"));
         return send_json(r, 200, fitm_api_write_health("ok", NULL));
     case FITM_ENGINE_LOADING:
         return send_json(r, 503, fitm_api_write_health("loading", "the model is loading"));
@@ -244,11 +278,33 @@ static void job_done(fitm_job *job, void *user)
 
 /* The body is complete: parse it and hand the job to the engine (suspending the connection),
  * or answer at once with the error. */
+/* fitm_job.client_gone: the peer closed (or reset) the connection of a waiting request. A
+ * non-streamed request's connection is suspended for the whole job, so its socket stays open
+ * and is peeked here without consuming pipelined bytes; a stream learns of the close from
+ * on_completed. A client that half-closes its sending side counts as gone. */
+static bool client_gone(void *user)
+{
+    request *r = user;
+    if (r->streaming)
+        return atomic_load(&r->s_cancel);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return false;
+    char c;
+    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    bool gone = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (gone)
+        atomic_store(&r->client_left, true);
+    return gone;
+}
+
 /* Ties r->job to the request: its deadline (counted from arrival), its owner, its log id. */
 static void job_bind(request *r)
 {
     r->job.deadline_ns = r->t0_ns + r->h->p.cfg->request_timeout_ms * 1000000;
     r->job.user = r;
+    r->job.client_gone = client_gone;
     snprintf(r->job.req_id, sizeof r->job.req_id, "%s", r->id);
 }
 
@@ -571,12 +627,89 @@ static enum MHD_Result check_post_headers(request *r)
     return MHD_YES;
 }
 
+/* ---- strict HTTP/1.1 framing ----------------------------------------------------------------- */
+
+/* What the header block says about framing, counted over every header line. */
+typedef struct {
+    int n_cl, n_te, n_host;
+    const char *cl, *te;
+    bool bad_name; /* a field name that is not an RFC 9110 token (e.g. "Content-Length ") */
+} framing;
+
+static bool token_char(char c)
+{
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+           (c && strchr("!#$%&'*+-.^_`|~", c));
+}
+
+static enum MHD_Result count_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                    const char *value)
+{
+    framing *f = cls;
+    (void)kind;
+    bool token = key && *key;
+    for (const char *k = key; token && *k; k++)
+        token = token_char(*k);
+    f->bad_name |= !token;
+    if (!key)
+        return MHD_YES;
+    if (!strcasecmp(key, "Content-Length")) {
+        f->n_cl++;
+        f->cl = value;
+    } else if (!strcasecmp(key, "Transfer-Encoding")) {
+        f->n_te++;
+        f->te = value;
+    } else if (!strcasecmp(key, "Host")) {
+        f->n_host++;
+    }
+    return MHD_YES;
+}
+
+/* Refuses a request whose framing is ambiguous, before any of its body is read: a front proxy
+ * and this server could otherwise disagree on where the request ends (request smuggling).
+ * The refusal closes the connection, so bytes after the headers are never taken for a request.
+ * Returns true (and has answered) when the request was refused. libmicrohttpd itself answers,
+ * before this runs, a malformed Content-Length value, an unparsable request line and
+ * oversized lines (docs/reliability.md). */
+static bool refuse_framing(request *r, const char *method, const char *version,
+                           enum MHD_Result *out)
+{
+    framing f = {0};
+    MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_header, &f);
+    const char *msg = NULL;
+    fitm_api_cond cond = FITM_API_COND_FRAMING;
+    if (f.bad_name)
+        msg = "a header name is not a token (no spaces or controls before the colon)";
+    else if (f.n_cl && f.n_te)
+        msg = "Content-Length and Transfer-Encoding together: send one of them";
+    else if (f.n_cl > 1)
+        msg = "more than one Content-Length header";
+    else if (f.n_te > 1 || (f.n_te && strcmp(f.te, "chunked") != 0)) {
+        cond = FITM_API_COND_CODING;
+        msg = "Transfer-Encoding: only 'chunked' (alone, lower case) is supported";
+    } else if (!strcmp(version, "HTTP/1.1") && f.n_host != 1)
+        msg = f.n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header";
+    else if (strcmp(method, "POST") != 0 && (f.n_te || (f.n_cl && strcmp(f.cl, "0") != 0)))
+        msg = "this method takes no request body";
+    if (!msg)
+        return false;
+    r->must_close = true;
+    *out = send_error(r, FITM_ERR_INVALID, cond, NULL, msg);
+    return true;
+}
+
 /* First callback of a request: everything decidable from the request line and headers. */
-static enum MHD_Result first_call(request *r, const char *url, const char *method)
+static enum MHD_Result first_call(request *r, const char *url, const char *method,
+                                  const char *version)
 {
     const route_def *rd = find_route(url);
+    if (rd && r->probe && rd->route != FITM_ROUTE_HEALTH && rd->route != FITM_ROUTE_METRICS)
+        rd = NULL;
     r->rd = rd;
     r->route = rd ? rd->route : FITM_ROUTE_OTHER;
+    enum MHD_Result refused;
+    if (refuse_framing(r, method, version, &refused))
+        return refused;
     if (atomic_load(&r->h->draining))
         return send_error(r, FITM_ERR_CANCELLED, FITM_API_COND_NONE, NULL,
                           "the server is shutting down");
@@ -655,6 +788,45 @@ static enum MHD_Result on_complete(request *r)
     return rd->start(r);
 }
 
+/* A body still arriving http_receive_timeout_s after the request began: a trickling client
+ * would otherwise hold its connection for as long as it keeps sending a byte per idle
+ * timeout. */
+static bool receive_overdue(const request *r)
+{
+    return fitm_clock_ns() - r->t0_ns > r->h->p.cfg->http_receive_timeout_s * 1000000000;
+}
+
+/* 408 and close. Once the body is complete it is an ordinary answer; while the body is half
+ * read libmicrohttpd refuses any response, so the 408 is written straight to the socket
+ * (nothing else is being sent on it then) and the connection is closed. */
+static enum MHD_Result send_slow(request *r, bool body_complete)
+{
+    char msg[160];
+    snprintf(msg, sizeof msg, "the request was not received within %lld s",
+             (long long)r->h->p.cfg->http_receive_timeout_s);
+    r->must_close = true;
+    fitm_buf_free(&r->body);
+    if (body_complete)
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_SLOW, NULL, msg);
+    fitm_api_error_class c = fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_SLOW);
+    char *json = fitm_api_error_json(&c, msg);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    fitm_buf out = {0};
+    if (json && ci &&
+        fitm_buf_printf(&out,
+                        "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+                        "Content-Type: application/json\r\nX-Request-Id: %s\r\n"
+                        "Content-Length: %zu\r\n\r\n%s",
+                        r->id, strlen(json), json))
+        (void)!send(ci->connect_fd, out.p, out.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    fitm_buf_free(&out);
+    free(json);
+    r->code = c.http;
+    r->state = ST_ANSWERED;
+    return MHD_NO;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
                                   const char *method, const char *version,
                                   const char *upload_data, size_t *upload_data_size,
@@ -666,7 +838,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!r)
             return MHD_NO;
         *con_cls = r;
-        return first_call(r, url, method);
+        r->probe = false;
+        return first_call(r, url, method, version);
     }
     if (r->state == ST_ANSWERED) {
         *upload_data_size = 0; /* an early answer (413, 401, ...): drop what still arrives */
@@ -675,9 +848,30 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (*upload_data_size) {
         size_t n = *upload_data_size;
         *upload_data_size = 0;
+        if (receive_overdue(r))
+            return send_slow(r, false);
         return take_body(r, upload_data, n);
     }
+    if (r->state == ST_BODY && receive_overdue(r))
+        return send_slow(r, true);
     return on_complete(r);
+}
+
+/* probe_port's requests: as on_request, with every route but /health and /metrics absent. */
+static enum MHD_Result on_probe_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                        const char *method, const char *version,
+                                        const char *upload_data, size_t *upload_data_size,
+                                        void **con_cls)
+{
+    if (*con_cls)
+        return on_request(cls, conn, url, method, version, upload_data, upload_data_size,
+                          con_cls);
+    request *r = request_new(cls, conn, url, method);
+    if (!r)
+        return MHD_NO;
+    *con_cls = r;
+    r->probe = true;
+    return first_call(r, url, method, version);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -688,10 +882,19 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     if (!r)
         return;
     double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
+    bool closed = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
+    if (r->streaming && closed) {
+        pthread_mutex_lock(&r->smu);
+        if (!r->s_done || r->soff < r->sbuf.len)
+            atomic_store(&r->client_left, true); /* the stream was cut before its end */
+        pthread_mutex_unlock(&r->smu);
+    }
+    if (atomic_load(&r->client_left))
+        r->code = FITM_HTTP_CLIENT_LEFT; /* counted as cancelled, whatever was sent */
     if (r->code)
         fitm_metrics_request(r->route, r->code, s);
     FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
-             s * 1e3, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : " (connection closed)");
+             s * 1e3, closed ? " (connection closed)" : "");
     *con_cls = NULL;
     if (r->streaming) {
         /* The job may still run: make it stop at its next token, and never wake a
@@ -719,10 +922,12 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
-static void parse_keys(fitm_http *h, const char *list)
+/* Splits the comma-separated key list into h->keys. False when it holds more than MAX_KEYS
+ * keys: keys past the limit would otherwise be ignored without a word. */
+static bool parse_keys(fitm_http *h, const char *list)
 {
     const char *p = list;
-    while (*p && h->n_keys < MAX_KEYS) {
+    while (*p) {
         size_t n = strcspn(p, ",");
         const char *s = p, *e = p + n;
         while (s < e && *s == ' ')
@@ -730,6 +935,8 @@ static void parse_keys(fitm_http *h, const char *list)
         while (e > s && e[-1] == ' ')
             e--;
         if (e > s) {
+            if (h->n_keys == MAX_KEYS)
+                return false;
             memcpy(h->keys[h->n_keys], s, (size_t)(e - s));
             h->keys[h->n_keys][e - s] = '\0';
             h->n_keys++;
@@ -738,6 +945,36 @@ static void parse_keys(fitm_http *h, const char *list)
         if (*p == ',')
             p++;
     }
+    return true;
+}
+
+/* Listens on cfg->host:port. The probe listener serves only /health and /metrics, with a
+ * thread and connection budget of its own, so probes are answered while the main port's
+ * connections are all taken. NULL when the address cannot be had. */
+static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
+{
+    const fitm_config *cfg = h->p.cfg;
+    char service[16];
+    snprintf(service, sizeof service, "%lld", (long long)port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *ai = NULL;
+    if (getaddrinfo(cfg->host[0] ? cfg->host : NULL, service, &hints, &ai) != 0)
+        return NULL;
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
+                     MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    struct MHD_Daemon *d = MHD_start_daemon(
+        flags, (uint16_t)port, NULL, NULL, probe ? on_probe_request : on_request, h,
+        MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_THREAD_POOL_SIZE,
+        probe ? 1u : (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
+        probe ? 10u : (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+        probe ? 64u : (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        probe ? 16u : (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED,
+        on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    return d;
 }
 
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err)
@@ -752,40 +989,26 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
     h->limits.model_name = p->model->name;
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
-    parse_keys(h, cfg->api_keys);
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);
     if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
         h->id_salt = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
     pthread_mutex_init(&h->mu, NULL);
     pthread_cond_init(&h->idle, NULL);
-
-    char port[16];
-    snprintf(port, sizeof port, "%lld", (long long)cfg->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
-    struct addrinfo *ai = NULL;
-    int gai = getaddrinfo(cfg->host[0] ? cfg->host : NULL, port, &hints, &ai);
-    if (gai != 0) {
+    if (!parse_keys(h, cfg->api_keys)) {
         fitm_http_stop(h);
-        return fitm_err_set(err, FITM_ERR_INVALID, "host '%s': %s", cfg->host, gai_strerror(gai));
+        return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
     }
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
-                     MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6)
-        flags |= MHD_USE_IPv6;
-    h->d = MHD_start_daemon(
-        flags, (uint16_t)cfg->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-        MHD_OPTION_THREAD_POOL_SIZE, (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-        (unsigned)cfg->max_connections, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
-        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
-    freeaddrinfo(ai);
-    if (!h->d) {
+
+    h->d = listen_on(h, cfg->port, false);
+    if (h->d && cfg->probe_port)
+        h->probe_d = listen_on(h, cfg->probe_port, true);
+    if (!h->d || (cfg->probe_port && !h->probe_d)) {
+        long long port = h->d ? cfg->probe_port : cfg->port;
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_IO,
-                            "cannot listen on %s:%lld (address in use, or not permitted)",
-                            cfg->host, (long long)cfg->port);
+                            "cannot listen on %s:%lld (bad host, address in use, or not "
+                            "permitted)", cfg->host, port);
     }
     *out = h;
     return FITM_OK;
@@ -822,6 +1045,8 @@ void fitm_http_stop(fitm_http *h)
 {
     if (!h)
         return;
+    if (h->probe_d)
+        MHD_stop_daemon(h->probe_d);
     if (h->d)
         MHD_stop_daemon(h->d);
     pthread_cond_destroy(&h->idle);

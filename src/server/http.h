@@ -16,6 +16,16 @@
 #include "server/config.h"
 #include "server/engine.h"
 
+/* What identifies a file's content without reading it: replaced, truncated or rewritten in
+ * place, one of these changes. */
+typedef struct {
+    uint64_t dev, ino, size;
+    int64_t mtime_ns;
+} fitm_file_id;
+
+/* Fills *id from path; false when it cannot be stat'ed. */
+bool fitm_file_id_of(const char *path, fitm_file_id *id);
+
 /* Model facts for /v1/models and responses. name is fixed at start; arch and n_ctx are
  * written by the loader before the engine becomes READY and read only after. */
 typedef struct {
@@ -23,6 +33,10 @@ typedef struct {
     char arch[32];
     int64_t n_ctx;
     int64_t created_s; /* file mtime */
+    /* The model file as loaded (written by the loader, like arch): /health compares the file
+     * on disk with it and reports the server unhealthy once it differs ("": not watched). */
+    char path[1024];
+    fitm_file_id file;
 } fitm_http_model_info;
 
 typedef struct {

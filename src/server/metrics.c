@@ -15,8 +15,8 @@ static const char *route_names[FITM_ROUTE_COUNT] = {
     [FITM_ROUTE_OTHER] = "other",
 };
 
-/* HTTP codes fitmd sends; anything else is counted under its own value in the last slot. */
-static const int codes[] = {200, 400, 401, 404, 405, 413, 415, 422, 429, 500, 503};
+/* HTTP codes fitmd sends (499: only counted, for a client that left); anything else is counted under its own value in the last slot. */
+static const int codes[] = {200, 400, 401, 404, 405, 408, 413, 415, 422, 429, 499, 500, 501, 503};
 #define N_CODES (sizeof codes / sizeof codes[0])
 
 static const double buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

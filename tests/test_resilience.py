@@ -1,0 +1,412 @@
+"""fitmd under the faults of issue 11, against the real daemon on 127.0.0.1: ambiguous HTTP
+framing (request smuggling), bodies where none belongs, clients that leave while their job runs.
+
+Each smuggling case carries a hidden second request ("GET /nope") after what a lenient server
+would take as the end of the first; the daemon must answer exactly once, with a JSON error and
+Connection: close, so the hidden request is never served."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from test_http import AUTH, KEY, Daemon, docs, fitmd_bin, free_port, models  # noqa: F401 (fixtures)
+
+BODY = b'{"query":"q","documents":["a"]}'
+HEAD = b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+HIDDEN = b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("log"), api_keys=KEY)
+    yield d
+    assert d.terminate() == 0, d.log_text()
+
+
+def exchange(d, data: bytes, wait=10.0) -> bytes:
+    """Sends data and reads until the server closes; a silent open connection fails."""
+    with socket.create_connection(("127.0.0.1", d.port), timeout=wait) as s:
+        s.sendall(data)
+        out = b""
+        while (b := s.recv(65536)):
+            out += b
+        return out
+
+
+def responses(out: bytes):
+    """[(status, headers, body)] of every response in out (Content-Length framed)."""
+    got = []
+    while out:
+        head, sep, rest = out.partition(b"\r\n\r\n")
+        assert sep, out
+        lines = head.decode("latin-1").split("\r\n")
+        m = re.match(r"HTTP/1\.1 (\d{3}) ", lines[0])
+        assert m, lines[0]
+        hdr = {k.strip().lower(): v.strip() for k, v in (l.split(":", 1) for l in lines[1:])}
+        n = int(hdr.get("content-length", "0"))
+        got.append((int(m.group(1)), hdr, rest[:n]))
+        out = rest[n:]
+    return got
+
+
+def post_raw(framing: bytes, body: bytes = b"") -> bytes:
+    return b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + framing + b"\r\n" + body
+
+
+@pytest.mark.parametrize("name,data,status,mentions", [
+    ("CL and TE", post_raw(b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+                           b"0\r\n\r\n" + HIDDEN), 400, "together"),
+    ("two CL", post_raw(b"Content-Length: %d\r\nContent-Length: %d\r\n" % (len(BODY), len(BODY)),
+                        BODY + HIDDEN), 400, "more than one Content-Length"),
+    ("space before colon", post_raw(b"Content-Length : %d\r\n" % len(BODY), BODY + HIDDEN), 400,
+     "not a token"),
+    ("TE Chunked", post_raw(b"Transfer-Encoding: Chunked\r\n", b"0\r\n\r\n" + HIDDEN), 501,
+     "chunked"),
+    ("TE xchunked", post_raw(b"Transfer-Encoding: xchunked\r\n", b"0\r\n\r\n" + HIDDEN), 501,
+     "chunked"),
+    ("TE gzip, chunked", post_raw(b"Transfer-Encoding: gzip, chunked\r\n", b"0\r\n\r\n" + HIDDEN),
+     501, "chunked"),
+    ("two TE", post_raw(b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+                        b"0\r\n\r\n" + HIDDEN), 501, "chunked"),
+    ("no Host", b"GET /health HTTP/1.1\r\n\r\n" + HIDDEN, 400, "Host"),
+    ("two Hosts", b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n" + HIDDEN, 400, "Host"),
+    ("GET with a body", b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello" + HIDDEN,
+     400, "no request body"),
+    ("GET chunked", b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"5\r\nhello\r\n0\r\n\r\n" + HIDDEN, 400, "no request body"),
+])
+def test_ambiguous_framing_is_refused_and_closes(daemon, name, data, status, mentions):
+    got = responses(exchange(daemon, data))
+    assert len(got) == 1, (name, got)  # the hidden request was not answered
+    code, hdr, body = got[0]
+    assert code == status, (name, body)
+    assert hdr["connection"].lower() == "close"
+    assert hdr["content-type"].startswith("application/json")
+    e = json.loads(body)["error"]
+    assert mentions in e["message"], e
+    assert e["code"] in ("bad_framing", "not_implemented")
+    assert daemon.healthy()
+
+
+def test_well_framed_requests_still_pipeline(daemon):
+    """The checks refuse only what is ambiguous: a chunked POST, an HTTP/1.0 request without
+    Host and a GET with Content-Length: 0 are served, and keep-alive still works."""
+    chunk = b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\n\r\n"
+    data = (post_raw(b"Transfer-Encoding: chunked\r\n", chunk)
+            + b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            + b"GET /health HTTP/1.0\r\n\r\n")
+    got = responses(exchange(daemon, data))
+    assert [g[0] for g in got] == [200, 200, 200], got
+    assert json.loads(got[0][2])["results"][0]["index"] == 0
+
+
+# ---- clients that leave, and shutdown ------------------------------------------------------
+
+def slow_rerank():
+    """Thousands of forward tokens: a job that runs long enough for its client to leave."""
+    return {"query": "what is golf", "documents": docs(8, 50), "prefix_reuse": False}
+
+
+def wait_for_log(d, pattern, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(pattern, d.log_text())
+        if m:
+            return m
+        time.sleep(0.05)
+    pytest.fail(f"no log line matching {pattern!r}:\n{d.log_text()[-3000:]}")
+
+
+def inflight(d) -> bool:
+    return "fitm_inflight_requests 1" in requests.get(d.url("/metrics")).text
+
+
+def abandon(d, path, body, rid, read_first=False):
+    """Sends body, waits until the engine runs it (or the stream's headers came), then leaves."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + HEAD
+                  + b"X-Request-Id: " + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data)
+                  + data)
+        if read_first:
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+        deadline = time.time() + 30
+        while not inflight(d) and time.time() < deadline:
+            time.sleep(0.01)
+
+
+@pytest.fixture
+def long_daemon(fitmd_bin, models, tmp_path):  # noqa: F811
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, queue_depth=2)
+    yield d
+    if d.proc.poll() is None:
+        assert d.terminate() == 0, d.log_text()
+
+
+@pytest.mark.parametrize("path,extra,read_first", [
+    ("/rerank", {}, False),
+    ("/answer", {"max_tokens": 200}, False),
+    ("/answer", {"max_tokens": 200, "stream": True}, True),
+])
+def test_abandoned_job_is_cancelled_not_200(long_daemon, path, extra, read_first):
+    """The job of a client that left stops at the next forward call and is counted as 499
+    (never sent), with a log line saying why; on main it ran to the end and logged 200."""
+    d = long_daemon
+    abandon(d, path, {**slow_rerank(), **extra}, "gone-1", read_first)
+    m = wait_for_log(d, r"req=gone-1 msg=\"POST \S+ -> (\d+)")
+    assert m.group(1) == "499", d.log_text()[-2000:]
+    assert re.search(r"req=gone-1 msg=\"(job cancelled: the client disconnected"
+                     r"|answer stream ended \(cancelled\))", d.log_text())
+    route = path.strip("/")
+    assert f'fitm_requests_total{{route="{route}",code="499"}} 1' in requests.get(
+        d.url("/metrics")).text
+    assert d.healthy()
+
+
+def test_abandoned_jobs_do_not_fill_the_queue(long_daemon):
+    """Three abandoned requests with queue_depth 2: once they are cancelled, a fresh request
+    is served (on main they kept the engine busy, then the queue full)."""
+    d = long_daemon
+    for i in range(3):
+        abandon(d, "/rerank", slow_rerank(), f"gone-{i}")
+    for i in range(3):
+        wait_for_log(d, rf"req=gone-{i} msg=\"POST /rerank -> 499")
+    r = requests.post(d.url("/rerank"), json={"query": "q", "documents": ["a"]}, headers=AUTH,
+                      timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_shutdown_cancels_with_its_own_reason(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A job stopped by SIGTERM past drain_timeout_ms says 'cancelled' and 'shutting down'
+    (on main: deadline_exceeded)."""
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, drain_timeout_ms=0)
+    got = {}
+
+    def run():
+        got["r"] = requests.post(d.url("/rerank"), json=slow_rerank(), headers=AUTH, timeout=120)
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while not inflight(d) and time.time() < deadline:
+        time.sleep(0.01)
+    d.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert d.proc.wait(60) == 0
+    d.log.close()
+    r = got["r"]
+    assert r.status_code == 503, r.text
+    e = r.json()["error"]
+    assert e["code"] == "cancelled" and "shutting down" in e["message"], e
+
+
+# ---- connection hygiene ------------------------------------------------------------------------
+
+def health_from(d, source: str) -> int:
+    """GET /health over a connection from the loopback address source; the status code."""
+    with socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out = b""
+        while (b := s.recv(65536)):
+            out += b
+    return int(out.split(b" ", 2)[1])
+
+
+def accepted_connection(d, source="127.0.0.1"):
+    """A keep-alive connection the daemon has certainly accepted: it answered a request on it."""
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0))
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def test_trickled_body_is_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A body sent a byte at a time, each well within the idle timeout, is cut once
+    http_receive_timeout_s has passed (on main it is held for as long as it trickles)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, http_receive_timeout_s=1,
+               http_idle_timeout_s=30)
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+            s.sendall(post_raw(b"Content-Length: %d\r\n" % len(BODY)))
+            out = b""
+            for c in BODY[:-1]:
+                s.sendall(bytes([c]))
+                time.sleep(0.2)
+                s.setblocking(False)
+                try:
+                    out += s.recv(65536)
+                except BlockingIOError:
+                    pass
+                s.setblocking(True)
+                if out:
+                    break
+            s.settimeout(10)
+            while (b := s.recv(65536)):
+                out += b
+        code, hdr, body = responses(out)[0]
+        assert code == 408 and hdr["connection"] == "close", out
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0
+
+
+def test_one_address_cannot_take_every_connection(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With max_connections_per_client 4, a fifth connection from 127.0.0.1 is refused while
+    /health from another loopback address (127.0.0.2) is answered (on main the fifth is
+    accepted, and such a flood from one address starves everyone)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, max_connections_per_client=4)
+    held = []
+    try:
+        for _ in range(4):
+            held.append(accepted_connection(d))
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+            try:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                got = s.recv(100)
+            except ConnectionResetError:
+                got = b""
+            assert got == b"", got
+        assert health_from(d, "127.0.0.2") == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
+
+def test_probe_port_answers_while_connections_are_exhausted(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With every main-port connection taken (max_connections 4, from several addresses),
+    /health and /metrics on probe_port still answer; inference routes do not exist there
+    (on main there is no probe_port: probes queue behind the flood)."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, max_connections=4,
+               probe_port=probe)
+    held = []
+    try:
+        for i in range(4):
+            held.append(accepted_connection(d, f"127.0.0.{i + 2}"))
+        with pytest.raises((requests.ConnectionError, requests.Timeout)):  # not accepted
+            requests.get(d.url("/health"), timeout=3)
+        base = f"http://127.0.0.1:{probe}"
+        r = requests.get(base + "/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert requests.get(base + "/metrics", timeout=5).status_code == 200
+        r = requests.post(base + "/rerank", json={"query": "q", "documents": ["a"]},
+                          headers=AUTH, timeout=5)
+        assert r.status_code == 404
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+# ---- strict JSON ---------------------------------------------------------------------------------
+
+def post_body(d, raw: bytes, path="/rerank"):
+    return requests.post(d.url(path), data=raw, timeout=120,
+                         headers={**AUTH, "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path,raw,mentions", [
+    ("/rerank", b'{"query":"q","documents":["abc\\u0000SECRET"]}', "'documents' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["abc\x00SECRET"]}', "NUL byte"),
+    ("/rerank", b'{"query":"q\\u0000x","documents":["a"]}', "'query' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","te\\u0000xt":"b"}]}', "key contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["a"],"query":"other"}', "duplicate key 'query'"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","text":"b"}]}', "duplicate key 'text'"),
+    ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740993}', "'seed'"),
+    ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740992}', "2^53"),
+])
+def test_json_that_cjson_would_bend_is_refused(daemon, path, raw, mentions):
+    """On main each was accepted: the document cut at the NUL, the first duplicate kept, the
+    seed rounded to 2^53."""
+    r = post_body(daemon, raw, path)
+    assert r.status_code == 400, r.text
+    e = r.json()["error"]
+    assert mentions in e["message"], e
+
+
+def test_strict_json_keeps_what_is_exact(daemon):
+    """A backslash before u0000 that is itself escaped is text, not NUL; the largest exact seed
+    is accepted and reported as sent."""
+    r = post_body(daemon, b'{"query":"q","documents":["a\\\\u0000b"]}')
+    assert r.status_code == 200, r.text
+    r = post_body(daemon, b'{"query":"q","documents":["a"],"seed":9007199254740991,'
+                          b'"max_tokens":1}', "/answer")
+    assert r.status_code == 200, r.text
+    assert r.json()["meta"]["seed"] == 9007199254740991
+
+
+def test_too_many_api_keys_is_a_startup_error(fitmd_bin, models):  # noqa: F811
+    keys = ",".join(f"key-{i}" for i in range(33))
+    p = subprocess.run([str(fitmd_bin), f"--model={models['small']}", "--host=127.0.0.1",
+                        "--port=1", f"--api_keys={keys}"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0
+    assert "api_keys lists more than 32 keys" in p.stdout + p.stderr
+
+
+# ---- the model file under the mapping -----------------------------------------------------------
+
+def own_model(models, tmp_path, name="long"):  # noqa: F811
+    p = tmp_path / "model.gguf"
+    p.write_bytes(models[name].read_bytes())
+    return p
+
+
+def test_health_fails_when_the_model_file_changes(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Rewritten in place (same bytes, new mtime): /health turns 503 and says why (on main it
+    stayed 200 while answers could silently change)."""
+    model = own_model(models, tmp_path, "small")
+    d = Daemon(fitmd_bin, model, tmp_path)
+    try:
+        data = model.read_bytes()
+        with open(model, "r+b") as f:
+            f.write(data)
+        st = model.stat()
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+        r = requests.get(d.url("/health"), timeout=10)
+        assert r.status_code == 503, r.text
+        assert "model file changed" in r.json()["message"]
+    finally:
+        assert d.terminate() == 0
+
+
+def test_truncated_model_file_is_a_logged_fatal_error(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Truncated while serving: the next request faults (SIGBUS) and the log says what
+    happened (on main the process died without a line)."""
+    model = own_model(models, tmp_path)
+    d = Daemon(fitmd_bin, model, tmp_path)
+    try:
+        os.truncate(model, 4096)
+        with pytest.raises(requests.ConnectionError):
+            requests.post(d.url("/rerank"), json={"query": "q", "documents": ["a b c"]},
+                          timeout=60)
+        assert d.proc.wait(30) == -signal.SIGBUS
+        assert "SIGBUS" in d.log_text() and "model file was truncated" in d.log_text()
+    finally:
+        d.kill()
+
+
+def test_model_load_copy_survives_the_file_changing(fitmd_bin, models, tmp_path):  # noqa: F811
+    """model_load=copy (llama.cpp's --no-mmap) reads the weights into private memory: the file
+    truncated and rewritten under it changes nothing; answers stay the same and /health ok."""
+    model = own_model(models, tmp_path)
+    d = Daemon(fitmd_bin, model, tmp_path, model_load="copy")
+    try:
+        body = {"query": "golf", "documents": docs(3, 6)}
+        before = requests.post(d.url("/rerank"), json=body, timeout=120).json()["results"]
+        os.truncate(model, 4096)
+        model.write_bytes(b"\0" * 8192)
+        after = requests.post(d.url("/rerank"), json=body, timeout=120).json()["results"]
+        assert after == before
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0
