@@ -404,21 +404,6 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     return parse_calibration(root, "", out, err);
 }
 
-/* Whether the JSON text holds the escape \u0000: cJSON ends a string there, so the rest of
- * that string would be silently lost (a stop string or a document cut short). Each backslash
- * is taken with the character it escapes, so "\\u0000" is not one. */
-static bool has_nul_escape(const char *body, size_t len)
-{
-    for (size_t i = 0; i + 1 < len; i++) {
-        if (body[i] != '\\')
-            continue;
-        if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4))
-            return true;
-        i++;
-    }
-    return false;
-}
-
 /* ---- strict JSON: what cJSON would silently accept -------------------------------------- */
 
 /* The first NUL character in the text of body: a raw NUL byte anywhere, or a \u0000 escape in
@@ -487,9 +472,6 @@ static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_e
     *root = NULL;
     if (len == 0)
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
-    if (has_nul_escape(body, len))
-        return fitm_err_set(err, FITM_ERR_INVALID, "a string holds \\u0000 (NUL), which fitm "
-                                                   "does not accept");
     const char *end = NULL;
     cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!r) {
