@@ -220,14 +220,19 @@ README_QUERY = "What is the capital of Zorvania?"
 
 @pytest.mark.skipif(not GEMMA.exists(), reason="the default model is not installed "
                     "(deploy/install-deps.sh --model)")
-def test_default_model_with_shipped_profile(fitmd_bin, tmp_path):  # noqa: F811
-    """The shipped profile fits the default model; README's examples: the rerank ranks the
-    Miltrek document first and /answer names Miltrek, at most 2.2 passes' cost."""
-    d = Daemon(fitmd_bin, GEMMA, tmp_path, profile=SHIPPED)
+@pytest.mark.parametrize("profile", [None, SHIPPED])
+def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # noqa: F811
+    """The shipped profile fits the default model, and a bare fitmd on that model (no
+    --profile, no file beside it: README's users) picks it from the binary; README's examples:
+    the rerank ranks the Miltrek document first and /answer names Miltrek, at most 2.2 passes'
+    cost."""
+    kw = {"profile": profile} if profile else {}
+    d = Daemon(fitmd_bin, GEMMA, tmp_path, **kw)
     try:
         j = post(d, {"query": README_QUERY, "documents": README_DOCS, "return_tokens": True})
         j = j.json()
-        assert j["meta"]["profile"] == str(SHIPPED)
+        want = str(SHIPPED) if profile else "built-in gemma3-270m-q4km.profile"
+        assert j["meta"]["profile"] == want
         assert j["results"][0]["index"] == 2, j["results"]
         T = len(j["tokens"]["prompt"])
         assert j["usage"]["forward_tokens"] <= 2.2 * T

@@ -32,6 +32,10 @@
 /* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
 extern const char fitm_openapi_yaml[];
 extern const size_t fitm_openapi_yaml_len;
+/* The default model's scoring profile, embedded from config/profiles/ (used when its identity
+ * matches the loaded model and no profile file was named or found). */
+extern const char fitm_profile_gemma3_270m[];
+extern const size_t fitm_profile_gemma3_270m_len;
 
 /* What the engine thread owns. */
 typedef struct {
@@ -88,16 +92,27 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
     profile_path(cfg, path, sizeof path);
     desc[0] = '\0';
     fitm_status st = FITM_OK;
+    fitm_profile_identity id;
+    model_identity(cfg->model, m, &id);
     if (path[0]) {
         fitm_profile p;
-        fitm_profile_identity id;
-        model_identity(cfg->model, m, &id);
         if ((st = fitm_profile_load(&p, path, err)) == FITM_OK &&
             (st = fitm_profile_check(&p, &id, err)) != FITM_OK)
             fitm_err_prefix(err, "profile %s does not fit model %s", path, cfg->model);
         if (st == FITM_OK)
             st = fitm_score_opts_overlay(out, &p.opts, err);
         snprintf(desc, n, "%s", path);
+        fitm_profile_free(&p);
+    } else if (strcmp(cfg->profile, "none")) {
+        /* No file: the shipped profile, if it was fitted on exactly this model. */
+        fitm_profile p;
+        fitm_err quiet = {0};
+        if (fitm_profile_parse(&p, fitm_profile_gemma3_270m, fitm_profile_gemma3_270m_len,
+                               "built-in gemma3-270m-q4km.profile", &quiet) == FITM_OK &&
+            fitm_profile_check(&p, &id, &quiet) == FITM_OK) {
+            st = fitm_score_opts_overlay(out, &p.opts, err);
+            snprintf(desc, n, "built-in gemma3-270m-q4km.profile");
+        }
         fitm_profile_free(&p);
     }
     fitm_score_opts conf;
