@@ -19,13 +19,14 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import requests
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "quality"))
+from quality import start_daemon  # noqa: E402  (the quality tool's: one daemon starter)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = ("river stone market winter lantern copper harbor meadow signal orchard ledger falcon "
@@ -37,27 +38,6 @@ VOCAB = ("river stone market winter lantern copper harbor meadow signal orchard 
 def make_docs(k, words, seed):
     rnd = random.Random(seed)
     return [" ".join(rnd.choice(VOCAB) for _ in range(words)) + "." for _ in range(k)]
-
-
-def start_daemon(model, build):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = pathlib.Path(build) / "src" / "fitmd"
-    p = subprocess.Popen([str(exe), f"--model={model}", f"--port={port}", "--log-level=warn",
-                          "--request-timeout-ms=3600000"])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
-        except requests.ConnectionError:
-            pass
-        if p.poll() is not None:
-            sys.exit(f"fitmd exited {p.returncode}")
-        time.sleep(0.1)
-    p.kill()
-    sys.exit("fitmd did not become healthy")
 
 
 def one(url, headers, body):
@@ -85,7 +65,7 @@ def main():
     proc = None
     url = a.url
     if a.model:
-        proc, url = start_daemon(a.model, a.build)
+        proc, url = start_daemon(a.model, a.build, [])
     headers = {"Authorization": f"Bearer {a.key}"} if a.key else {}
     try:
         model = requests.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
