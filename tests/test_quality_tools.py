@@ -2,6 +2,7 @@
 equal a fresh generation, the splits are disjoint, every item is answerable from its gold
 document only by name, and BM25, the Wilson interval, AUC, the window split and the logistic
 fit agree with independent computations."""
+import json
 import math
 import pathlib
 import random
@@ -160,3 +161,34 @@ def test_table_rows_and_rejected_methods():
         ("x", {"method": "calibrated", "rows": "question"})
     assert quality.parse_spec("bm25") == ("bm25", {})
     assert quality.parse_spec("paper") == ("paper", {"method": "paper"})
+
+
+def test_runs_merge_into_one_report(tmp_path):
+    """Two runs' JSON files (different methods, different n) render as one report that names
+    both runs; a method present in both is refused."""
+    def run_file(name, label, n, r1):
+        c = quality.Cell()
+        c.n, c.r1, c.r3, c.fwd, c.prompt, c.wall = n, r1, n, 100 * n, 50 * n, 1.0
+        res = {label: {("plain", 10, p): c for p in dataset.positions(10)}}
+        meta = {"cmd": f"python3 tests/quality/quality.py --method {label}", "split": "test",
+                "groups": n, "model": "m", "machine": "cpu", "daemon_args": [],
+                "max_tokens": 16, "date": "d"}
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": meta, "specs": {"rerank": [[label, {}]],
+                                                             "answer": []},
+                                    "rerank": quality.dump(res), "answer": {}}))
+        assert quality.undump(quality.dump(res))[label][("plain", 10, 5)].r1 == r1
+        return str(path)
+
+    a, b = run_file("a.json", "one", 4, 1), run_file("b.json", "two", 8, 8)
+    md = tmp_path / "out.md"
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a, b,
+                        "--variants", "plain", "--k", "10", "--markdown", str(md)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert "| `one` | 4 | 0.25 (" in text and "| `two` | 8 | 1.00 (" in text
+    assert "--method one" in text and "--method two" in text
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a, a,
+                        "--markdown", str(md)], capture_output=True, text=True)
+    assert r.returncode != 0 and "in two runs" in r.stderr

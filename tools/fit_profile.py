@@ -21,6 +21,14 @@ reads those captures. It
     python3 tools/fit_profile.py --model M.gguf --cache CACHE --capture 0-49 --out PROFILE
         [--layers 5 11 17] [--report FILE]
   (--capture runs tools/scoring_capture.py first; without it only the cache is read)
+
+With --daemon OPTIONS the options are given (chosen on the dev split with
+tests/quality/quality.py, docs/scoring-profile.md) and no capture is needed: fitmd itself
+(build/src/fitmd, started with no profile) scores the dev items of --groups with those
+options, and only score_scale and score_bias are fitted, on its rel_scaled values:
+
+    python3 tools/fit_profile.py --model M.gguf --daemon '{"window": 5, ...}' --groups 20
+        --out PROFILE
 """
 from __future__ import annotations
 
@@ -295,13 +303,16 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     lines += ["", "# provenance"]
     lines += [f"{k} = {fmt_value(v)}" for k, v in prov.items()]
     lines += ["", "# scoring options (the /rerank request fields of the same names)"]
-    for k in ("rows", "aggregate", "skip_first", "sink_factor", "reference", "form", "window"):
+    for k in OPTION_KEYS:
         lines.append(f"{k} = {fmt_value(opts[k])}")
     lines.append("layers = " + ",".join(str(l) for l in sorted({h[0] for h in heads})))
     if len(heads) != len({h[0] for h in heads}) * n_head:
         lines.append("heads = " + ",".join(f"{l}:{h}" for l, h in heads))
     lines += ["", "# relevance_score = sigmoid(score_scale * rel_scaled + score_bias)",
-              f"score_scale = {scale:.6g}", f"score_bias = {bias:.6g}", ""]
+              f"score_scale = {scale:.6g}", f"score_bias = {bias:.6g}"]
+    if "temperature" in opts:  # weight = softmax(rel_scaled / temperature), for /answer
+        lines.append(f"temperature = {fmt_value(float(opts['temperature']))}")
+    lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
@@ -322,6 +333,62 @@ def read_profile(path: str) -> tuple:
         heads = [(int(l), h) for l in kv["layers"].split(",")
                  for h in range(int(kv["model_heads"]))]
     return opts, heads
+
+
+# ---- the daemon's scores -----------------------------------------------------------------
+
+OPTION_KEYS = ("rows", "aggregate", "skip_first", "sink_factor", "reference", "form", "window")
+
+
+def daemon_fit(a) -> int:
+    """Fits score_scale / score_bias on fitmd's own rel_scaled for the given options (see the
+    module doc) and writes the profile with them."""
+    import requests
+    from quality import start_daemon
+    from scoring_capture import windows
+    opts = json.loads(a.daemon)
+    missing = [k for k in OPTION_KEYS + ("layers",) if k not in opts]
+    if missing:
+        sys.exit(f"--daemon: give every option ({', '.join(missing)} missing)")
+    items = [it for it in dataset.load(a.split) if it["variant"] in a.variants
+             and it["k"] in a.k and int(it["id"].split("-g")[1][:2]) < a.groups]
+    proc, url = start_daemon(a.model, a.build, ["--profile=none"])
+    pairs, cells = [], {}
+    try:
+        for it in items:
+            body = dict(opts, query=it["query"], documents=it["documents"], top_n=it["k"])
+            r = requests.post(url + "/rerank", json=body, timeout=3600)
+            if r.status_code != 200:
+                sys.exit(f"/rerank -> {r.status_code}: {r.text[:300]}")
+            res = r.json()["results"]
+            size = {i: len(g) for g in windows(it["k"], opts["window"]) for i in g}
+            for d in res:
+                pairs.append((d["calibrated_attention"] * size[d["index"]],
+                              int(d["index"] == it["gold_index"])))
+            order = [d["index"] for d in res]
+            c = cells.setdefault((it["variant"], it["k"], it["gold_pos"]), [0, 0, 0])
+            c[0] += 1
+            c[1] += order[0] == it["gold_index"]
+            c[2] += it["gold_index"] in order[:3]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    scale, bias = fit_logistic(pairs)
+    ident = identity(a.model)
+    heads = [(l % ident["model_layers"], h) for l in opts["layers"]
+             for h in range(ident["model_heads"])]
+    cmd = " ".join(["tools/fit_profile.py"] + ["MODEL" if x == a.model else x
+                                               for x in sys.argv[1:]])
+    metrics = {k: (n, r1 / n, r3 / n) for k, (n, r1, r3) in cells.items()}
+    prov = {"fitted_on": f"tests/quality/data/{a.split}.jsonl, {len(items)} items "
+                         f"(groups 0-{a.groups - 1}); scores from fitmd; {cmd}",
+            "fitted_metrics": f"{a.split}: " + cells_md(metrics)}
+    print(f"{len(items)} items: score_scale {scale:.6g}, score_bias {bias:.6g}")
+    print(cells_md(metrics))
+    if a.out:
+        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias)
+        print(f"wrote {a.out}")
+    return 0
 
 
 # ---- main --------------------------------------------------------------------------------
@@ -352,7 +419,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--cache", required=True, help="tools/scoring_capture.py's folder")
+    ap.add_argument("--cache", help="tools/scoring_capture.py's folder")
+    ap.add_argument("--daemon", metavar="OPTIONS",
+                    help="JSON of every scoring option: fit only score_scale/score_bias, on "
+                         "fitmd's own scores (see the module doc)")
+    ap.add_argument("--groups", type=int, default=20, help="with --daemon: dev groups used")
+    ap.add_argument("--build", default=str(ROOT / "build"), help="with --daemon: fitmd's build")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--out", help="profile file to write")
     ap.add_argument("--report", help="write the measurements as JSON here")
@@ -370,6 +442,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, nargs="+",
                     help="use every head of these layers instead of selecting heads by AUC")
     a = ap.parse_args()
+    if a.daemon:
+        return daemon_fit(a)
+    if not a.cache:
+        sys.exit("--cache is needed (or --daemon)")
     if a.capture:
         import subprocess
         cmd = [sys.executable, str(ROOT / "tools" / "scoring_capture.py"), "--model", a.model,

@@ -173,7 +173,7 @@ def main() -> int:
     model = load_model(a.model)
     # SIGTERM ends the run through `finally`, so the fitmd it started goes with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    proc, url = start_daemon(a.model, a.build)
+    proc, url = start_daemon(a.model, a.build, [])
     try:
         for it in items:
             for w in a.windows:
