@@ -38,6 +38,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import sys
 
 import numpy as np
@@ -337,6 +338,12 @@ def read_profile(path: str) -> tuple:
 
 # ---- the daemon's scores -----------------------------------------------------------------
 
+def command_line(a) -> str:
+    """This run's command as a shell would take it, the model's path written MODEL."""
+    return shlex.join(["tools/fit_profile.py"] + ["MODEL" if x == a.model else x
+                                                  for x in sys.argv[1:]])
+
+
 OPTION_KEYS = ("rows", "aggregate", "skip_first", "sink_factor", "reference", "form", "window")
 
 
@@ -377,8 +384,7 @@ def daemon_fit(a) -> int:
     ident = identity(a.model)
     heads = [(l % ident["model_layers"], h) for l in opts["layers"]
              for h in range(ident["model_heads"])]
-    cmd = " ".join(["tools/fit_profile.py"] + ["MODEL" if x == a.model else x
-                                               for x in sys.argv[1:]])
+    cmd = command_line(a)
     metrics = {k: (n, r1 / n, r3 / n) for k, (n, r1, r3) in cells.items()}
     prov = {"fitted_on": f"tests/quality/data/{a.split}.jsonl, {len(items)} items "
                          f"(groups 0-{a.groups - 1}); scores from fitmd; {cmd}",
@@ -503,8 +509,7 @@ def main() -> int:
                          "cells": {"/".join(map(str, k)): v for k, v in r[2]["cells"].items()}}
                         for r in results]}, indent=1))
     if a.out:
-        cmd = " ".join(["tools/fit_profile.py"] + [
-            "MODEL" if x == a.model else x for x in sys.argv[1:]])
+        cmd = command_line(a)
         prov = {"fitted_on": f"tests/quality/data/{a.split}.jsonl, {n} captured items "
                              f"({', '.join(sorted({f'{v} K{k}' for v, k, _, _ in caps}))}); "
                              f"numpy oracle float32; {cmd}",

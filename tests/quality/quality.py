@@ -212,14 +212,28 @@ def run(a, url, headers, specs, answer_mode: bool) -> dict:
 
 # ---- reports -----------------------------------------------------------------------------
 
-def cost(cells: list) -> str:
+def cost(cells: list, one_pass: float) -> str:
+    """Mean forward tokens per request, as a multiple of one_pass (mean tokens of the whole
+    prompt), and mean wall milliseconds."""
     n = sum(c.n for c in cells)
     if not n:
         return "–", "–"
     fwd = sum(c.fwd for c in cells) / n
-    pr = sum(c.prompt for c in cells)
-    ratio = f" ({sum(c.fwd for c in cells) / pr:.2f}×)" if pr else ""
+    ratio = f" ({fwd / one_pass:.2f}×)" if one_pass and fwd else ""
     return f"{fwd:.0f}{ratio}", f"{1000 * sum(c.wall for c in cells) / n:.0f}"
+
+
+def one_pass_tokens(results: dict, keys: list) -> float:
+    """Mean length of the whole prompt over the cells `keys`: usage.prompt_tokens is the longest
+    prompt a request built, which for windowed methods is one window's, so the whole prompt is
+    the largest mean any method of the table reports for these cells."""
+    best = 0.0
+    for cells in results.values():
+        cs = [cells.get(key) for key in keys]
+        n = sum(c.n for c in cs if c)
+        if n and all(c and not c.error for c in cs):
+            best = max(best, sum(c.prompt for c in cs) / n)
+    return best
 
 
 def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
@@ -228,6 +242,7 @@ def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
         f"gold {p}" + (" R@1 / R@3" if not answer_mode else " accuracy") for p in pos] + [
         "forward tokens (× one pass)", "ms / request"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    one_pass = one_pass_tokens(results, [(variant, k, p) for p in pos])
     for label, cells in results.items():
         cs = [cells.get((variant, k, p)) for p in pos]
         if any(c is None for c in cs):
@@ -240,7 +255,7 @@ def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
             for c in cs:
                 row.append(fmt_p(c.ok, c.n) if answer_mode
                            else f"{fmt_p(c.r1, c.n)} / {fmt_p(c.r3, c.n)}")
-            row += list(cost(cs))
+            row += list(cost(cs, one_pass))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -285,7 +300,8 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
            "entities, so only the documents can answer; `hard`: every distractor shares part "
            "of the gold entity's name and states the asked attribute). Cells: proportion with "
            "its Wilson 95% interval. Forward tokens: usage.forward_tokens per request, and its "
-           "ratio to the prompt's tokens (one pass). Wall time: one request at a time.", ""]
+           "ratio to one pass over the whole prompt (the longest usage.prompt_tokens of the "
+           "table's methods: a windowed method's own prompts are shorter). Wall time: one request at a time.", ""]
     if answer_mode:
         out += ["An answer counts when it contains the gold answer string (case-insensitive); "
                 f"greedy, max_tokens {r0['max_tokens']}.", ""]
@@ -384,7 +400,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, nargs="+", default=list(dataset.KS))
     ap.add_argument("--groups", type=int, default=dataset.GROUPS,
                     help="questions per cell (the first N groups)")
-    ap.add_argument("--method", nargs="+", action="extend", default=None)
+    ap.add_argument("--method", nargs="+", action="extend", default=None,
+                    help="methods to rank with; `none` for only /answer (with --answer)")
     ap.add_argument("--answer", action="store_true", help="also measure /answer")
     ap.add_argument("--mode", nargs="+", action="extend", default=None)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -403,7 +420,7 @@ def main() -> int:
     if not a.model and not a.url:
         ap.error("give --model or --url")
     methods = [parse_spec(s) for s in (a.method or ["paper", "calibrated", "attention",
-                                                    "query_likelihood", "bm25"])]
+                                                    "query_likelihood", "bm25"]) if s != "none"]
     modes = [parse_spec(s) for s in (a.mode or DEFAULT_MODES)]
     if a.model:
         proc, url = start_daemon(a.model, a.build, a.daemon_arg)
