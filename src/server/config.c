@@ -35,7 +35,10 @@ static const opt opts[] = {
      "mmap: map the weights from the file (it must not change while served); copy: read them "
      "into private memory (llama.cpp's --no-mmap), for files replaced in place"},
     {"model_name", STR(model_name), "", 0, 0, NULL,
-     "model id reported by /v1/models and accepted in requests; empty = file name"},
+     "model id reported by /v1/models and in every response; empty = file name"},
+    {"strict_model", ENUM(strict_model), "false", 0, 0, "false|true",
+     "true: a request whose 'model' is not model_name gets 404; false: it is answered by the "
+     "served model (clients send their own default names)"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
     {"probe_port", INT(probe_port), "0", 0, 65535, NULL,

@@ -52,8 +52,9 @@ typedef struct fitm_http fitm_http;
 /* Binds cfg->host:cfg->port and starts the thread pool (cfg->http_threads). */
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err);
 
-/* Stops accepting connections; requests that still arrive on open connections get 503 with
- * Connection: close. In-flight requests carry on. */
+/* Starts draining: the server keeps listening (Kubernetes probes /health until the endpoint
+ * is gone); /health answers 503 "draining", new inference requests 503 with Retry-After, every
+ * answer closes its connection. In-flight requests carry on. */
 void fitm_http_quiesce(fitm_http *h);
 
 /* Waits up to timeout_ms until no request is open. True when none is. */
