@@ -149,7 +149,10 @@ def test_health_and_request_id(daemon):
     assert len(r.headers["X-Request-Id"]) >= 8
     r = requests.get(daemon.url("/health"), headers={"X-Request-Id": "my-trace-42"})
     assert r.headers["X-Request-Id"] == "my-trace-42"
-    assert "req=my-trace-42" in daemon.log_text()
+    # probes are logged at debug; a route's request at info carries the client's id
+    r = requests.get(daemon.url("/v1/models"), headers={"X-Request-Id": "my-trace-43", **AUTH})
+    assert r.headers["X-Request-Id"] == "my-trace-43"
+    assert "req=my-trace-43" in daemon.log_text()
 
 
 def test_models(daemon):

@@ -392,7 +392,7 @@ static void print_bounds(FILE *f, const opt *o)
 
 void fitm_config_print_help(FILE *f)
 {
-    fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config]\n\n"
+    fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config] [--version]\n\n"
                "Precedence: flags > FITM_* environment > config file > defaults.\n\noptions:\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt *o = &opts[i];
@@ -419,7 +419,12 @@ void fitm_config_print_file(FILE *f, const fitm_config *cfg)
         switch (o->kind) {
         case OPT_STR:
         case OPT_ENUM:
-            fprintf(f, "\"%s\"\n", field);
+            /* Secrets never reach a printed config (it ends up in logs and tickets); the
+             * placeholder is one key no client has, so a file reused as is fails closed. */
+            if (!strcmp(o->name, "api_keys") && field[0])
+                fprintf(f, "\"<redacted>\"\n");
+            else
+                fprintf(f, "\"%s\"\n", field);
             break;
         case OPT_INT:
             fprintf(f, "%lld\n", (long long)*(const int64_t *)(const void *)field);

@@ -108,6 +108,8 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    if (code == 401) /* RFC 6750: say which scheme to authenticate with */
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (r->must_close || atomic_load(&r->h->draining))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(r->conn, (unsigned)code, resp);
@@ -123,7 +125,9 @@ static enum MHD_Result send_error(request *r, fitm_status s, fitm_api_cond cond,
 {
     fitm_api_error_class c = fitm_api_classify(s, cond);
     char *json = fitm_api_error_json(&c, msg);
-    FITM_LOG(FITM_LOG_DEBUG, r->id, "error %d %s: %s", c.http, c.code, msg ? msg : "");
+    /* Why a request was refused is what an operator looks for: info, not debug. */
+    FITM_LOG(c.http >= 500 ? FITM_LOG_WARN : FITM_LOG_INFO, r->id, "error %d %s: %s", c.http,
+             c.code, msg ? msg : "");
     if (!json)
         return MHD_NO;
     return send_body(r, c.http, json, strlen(json), "application/json", allow, c.retry);
@@ -959,8 +963,10 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
         r->code = FITM_HTTP_CLIENT_LEFT; /* counted as cancelled, whatever was sent */
     if (r->code)
         fitm_metrics_request(r->route, r->code, s);
-    FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
-             s * 1e3, closed ? " (connection closed)" : "");
+    /* Probes and scrapes come every few seconds: at info they would drown the requests. */
+    bool probe = r->route == FITM_ROUTE_HEALTH || r->route == FITM_ROUTE_METRICS;
+    FITM_LOG(probe ? FITM_LOG_DEBUG : FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s",
+             r->method, r->path, r->code, s * 1e3, closed ? " (connection closed)" : "");
     *con_cls = NULL;
     if (r->streaming) {
         /* The job may still run: make it stop at its next token, and never wake a
