@@ -33,6 +33,9 @@
 /* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
 extern const char fitm_openapi_yaml[];
 extern const size_t fitm_openapi_yaml_len;
+/* The playground page, embedded from src/server/playground.html. */
+extern const char fitm_playground_html[];
+extern const size_t fitm_playground_html_len;
 /* The default model's scoring profile, embedded from config/profiles/ (used when its identity
  * matches the loaded model and no profile file was named or found). */
 extern const char fitm_profile_gemma3_270m[];
@@ -399,7 +402,9 @@ int main(int argc, char **argv)
         return 1;
     }
     fitm_http_params hp = {.cfg = &cfg, .engine = engine, .model = &info,
-                           .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len};
+                           .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len,
+                           .playground = fitm_playground_html,
+                           .playground_len = fitm_playground_html_len};
     fitm_http *http = NULL;
     if (fitm_http_start(&http, &hp, &err) != FITM_OK) {
         FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);

@@ -279,6 +279,18 @@ static enum MHD_Result handle_openapi(request *r)
     return send_body(r, 200, copy, r->h->p.openapi_len, "application/yaml", NULL, false);
 }
 
+/* The playground page: public, like /health, because it holds no data; the calls it makes are
+ * the API's own and carry the key the user types. Its own CSP keeps it to this origin. */
+static enum MHD_Result handle_playground(request *r)
+{
+    char *copy = malloc(r->h->p.playground_len + 1);
+    if (!copy)
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    memcpy(copy, r->h->p.playground, r->h->p.playground_len);
+    return send_body(r, 200, copy, r->h->p.playground_len, "text/html; charset=utf-8", NULL,
+                     false);
+}
+
 static void job_done(fitm_job *job, void *user)
 {
     request *r = user;
@@ -642,6 +654,7 @@ static const route_def routes[] = {
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
     {"/openapi.yaml", FITM_ROUTE_OPENAPI, "GET, HEAD", true, handle_openapi, NULL},
+    {"/", FITM_ROUTE_PLAYGROUND, "GET, HEAD", false, handle_playground, NULL},
 };
 
 static const route_def *find_route(const char *path)

@@ -3,8 +3,10 @@
  * jobs; a /rerank connection is suspended while its job waits and runs, so HTTP threads never
  * block on the model and /health answers at any time.
  *
- * Routes: POST /rerank, /v1/rerank, /v2/rerank; GET /health, /metrics, /v1/models,
- * /openapi.yaml. Bearer keys (when configured) guard all but /health and /metrics. */
+ * Routes: POST /rerank, /v1/rerank, /v2/rerank, /answer, /v1/answer, /v1/chat/completions,
+ * /v1/completions; GET /health, /metrics, /v1/models, /openapi.yaml, / (the playground).
+ * Bearer keys (when configured) guard all but /health, /metrics and the playground page (which
+ * holds no data; its requests carry the key the user types). */
 #ifndef FITM_HTTP_H
 #define FITM_HTTP_H
 
@@ -45,6 +47,8 @@ typedef struct {
     const fitm_http_model_info *model; /* borrowed                                */
     const char *openapi;             /* the spec served at /openapi.yaml          */
     size_t openapi_len;
+    const char *playground;          /* the HTML page served at /                 */
+    size_t playground_len;
 } fitm_http_params;
 
 typedef struct fitm_http fitm_http;
