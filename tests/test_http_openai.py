@@ -14,7 +14,8 @@ import time
 import pytest
 import requests
 
-from test_http import AUTH, Daemon, assert_error, build_dir, docs, post, slow_body
+from test_http import (AUTH, Daemon, assert_error, build_dir, docs, post, slow_body,
+                       spec_validator)
 
 DOCS = ["alpha bravo charlie delta echo", "golf hotel india juliet kilo",
         "lima mike november oscar papa"]
@@ -170,10 +171,31 @@ def test_documents_give_the_calibrated_answer(daemon):
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "'prompt'"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "'max_tokens'"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "'stop[0]'"),
+    # The options of the calibrated answer are checked with or without documents.
+    ("/v1/completions", {"prompt": "x", "max_tokens_per_doc": 0}, 400, "'max_tokens_per_doc'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "intervention_layers": ""}, 400, "'intervention_layers'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "calibrate": "yes"}, 400, "'calibrate'"),
+    ("/v1/completions", {"prompt": "x", "reorder": "best"}, 400, "'reorder'"),
+    ("/v1/completions", {"prompt": "x", "calibration": {"layers": "all"}}, 400,
+     "'calibration.layers'"),
 ])
 def test_validation(daemon, path, body, status, mentions):
     assert_error(post(daemon, body, path=path), status, mentions=mentions)
     assert daemon.healthy()
+
+
+def test_responses_follow_the_spec(daemon):
+    check = spec_validator()
+    msgs = [{"role": "user", "content": "golf"}]
+    for path, base in (("/v1/chat/completions", {"messages": msgs}),
+                       ("/v1/completions", {"prompt": "golf"})):
+        check(path, "post", post(daemon, {**base, "max_tokens": 3}, path=path))
+        check(path, "post", post(daemon, {**base, "max_tokens": 3, "documents": DOCS}, path=path))
+        check(path, "post", post(daemon, {**base, "stream": True, "max_tokens": 2}, path=path))
+        check(path, "post", post(daemon, {**base, "n": 3}, path=path))
+        check(path, "post", requests.post(daemon.url(path), json=base, timeout=30))
 
 
 def test_auth_and_metrics(daemon):

@@ -1259,10 +1259,21 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     it = cJSON_GetObjectItemCaseSensitive(root, "documents");
     if (it && !cJSON_IsNull(it))
         return parse_openai_documents(root, lim, chat, out, err);
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream")) && !cJSON_IsNull(it) &&
-        (st = take_bool(it, "stream", &out->stream, err)) != FITM_OK)
-        return st;
-    return FITM_OK;
+    /* Without documents the answer's options have no effect, but a malformed one is refused
+     * as it would be with documents: a field means one thing whatever else is sent. They are
+     * parsed into a scratch request (stream included) and only `stream` is kept. */
+    fitm_answer_request scratch = {0};
+    fitm_score_opts_init(&scratch.base.opt);
+    it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
+    if (it && !cJSON_IsNull(it))
+        st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err);
+    else
+        st = FITM_OK;
+    if (st == FITM_OK)
+        st = parse_answer_options(root, &scratch, err);
+    out->stream = scratch.stream;
+    fitm_answer_request_free(&scratch);
+    return st;
 }
 
 fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_limits *lim,
