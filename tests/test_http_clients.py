@@ -190,3 +190,34 @@ def test_openai_sdk_completions_and_documents(daemon):
     docs = r.model_extra["documents"]
     assert sorted(d["index"] for d in docs) == [0, 1, 2, 3]
     assert abs(sum(d["weight"] for d in docs) - 1) < 1e-6
+
+
+def test_readme_snippets(daemon, capsys):
+    """README.md's client snippets, run as they stand (only the URL and key replaced), give
+    what plain HTTP calls give."""
+    from conftest import ROOT
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) == 5
+    for mod in ("cohere", "langchain_cohere", "llama_index.postprocessor.cohere_rerank",
+                "openai"):
+        pytest.importorskip(mod)
+    ns = {}
+    for b in blocks:
+        exec(b.replace("http://localhost:8080", daemon.base).replace('"my-key"', repr(KEY)), ns)
+    docs = ns["documents"]
+    assert ns["query"] == QUERY and docs == DOCS[:3]
+    want = plain_docs(daemon, docs)
+    assert [(r.index, r.relevance_score) for r in ns["ranked"]] == want[:2]
+    assert [(d.page_content, d.metadata["relevance_score"]) for d in ns["kept"]] == \
+        [(docs[i], s) for i, s in want]
+    assert [(n.node.get_content(), n.score) for n in ns["nodes"]] == \
+        [(docs[i], s) for i, s in want[:2]]
+    assert ns["reply"].model == "fitm-test" and ns["reply"].usage.completion_tokens >= 1
+    grounded = requests.post(daemon.url("/answer"), headers={"Authorization": f"Bearer {KEY}"},
+                             json={"query": QUERY, "documents": docs, "max_tokens": 32}).json()
+    assert ns["grounded"].choices[0].message.content == grounded["answer"]
+    assert [d["weight"] for d in ns["grounded"].model_extra["documents"]] == \
+        [d["weight"] for d in grounded["documents"]]
+    out = capsys.readouterr().out
+    assert str([(r.index, r.relevance_score) for r in ns["ranked"]]) in out
