@@ -115,6 +115,7 @@ def test_playground_draws_what_the_api_returns(daemon, tmp_path):
         rows = b.find_elements(By.CSS_SELECTOR, "#scores tbody tr")
         assert [int(r.get_attribute("data-index")) for r in rows] == list(range(len(DOCS)))
         amax = max(max(x["attention"], x["dummy_attention"]) for x in results)
+        smax = max(x["relevance_score"] for x in results)
         for r in rows:
             x = by_index[int(r.get_attribute("data-index"))]
             assert int(r.get_attribute("data-position")) == x["position"]
@@ -122,7 +123,7 @@ def test_playground_draws_what_the_api_returns(daemon, tmp_path):
             kinds = [bb.get_attribute("class").split()[1] for bb in bars]
             assert kinds == ["attention", "reference", "score"]
             want = [x["attention"], x["dummy_attention"], x["relevance_score"]]
-            scale = [amax, amax, 1.0]
+            scale = [amax, amax, smax]
             for bb, v, m in zip(bars, want, scale):
                 assert float(bb.get_attribute("data-value")) == v
                 # The drawn length: the bar's share of its track is v / max.
