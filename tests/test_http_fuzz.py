@@ -32,7 +32,10 @@ def test_openapi_fuzz(tmp_path):
     model = tmp_path / "m.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--seed", "1",
                     "-q", "-o", str(model)], check=True)
-    d = Daemon(build_dir() / "src" / "fitmd", model, tmp_path, api_keys=KEY, max_documents=16)
+    # max_answer_tokens bounds the generating routes (/answer and the OpenAI ones), whose
+    # generated max_tokens would otherwise make each example a long generation.
+    d = Daemon(build_dir() / "src" / "fitmd", model, tmp_path, api_keys=KEY, max_documents=16,
+               max_answer_tokens=4)
     try:
         p = subprocess.run(
             [cli, "run", str(ROOT / "openapi" / "openapi.yaml"), "--url", d.base,
@@ -40,7 +43,7 @@ def test_openapi_fuzz(tmp_path):
              "--exclude-checks", "positive_data_acceptance", "--max-examples", "40",
              "--seed", "7", "--workers", "1",
              "--phases", "examples,fuzzing,stateful"],
-            capture_output=True, text=True, timeout=300)
+            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-2000:]
         assert d.healthy()
     finally:

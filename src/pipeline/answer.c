@@ -21,6 +21,11 @@ void fitm_answer_request_free(fitm_answer_request *req)
         free(req->stop[i]);
     free(req->stop);
     free(req->intervene_layers);
+    for (int32_t i = 0; i < req->n_messages; i++) {
+        free(req->messages[i].role);
+        free(req->messages[i].content);
+    }
+    free(req->messages);
     memset(req, 0, sizeof *req);
 }
 
@@ -255,14 +260,15 @@ static fitm_status state_init(const fitm_reranker *r, const fitm_answer_request 
     bool sorted = req->temperature > 0 && req->top_p < 1.0;
     *s = (answer_state){.K = K, .L = c->n_layer,
                         .sm = {.req = req, .V = c->n_vocab, .rng = req->seed}};
-    s->order = malloc((size_t)K * sizeof *s->order);
-    s->docs = malloc((size_t)K * sizeof *s->docs);
-    s->spans = calloc((size_t)K, sizeof *s->spans);
-    s->alpha = malloc((size_t)K * sizeof *s->alpha);
+    const size_t k1 = K > 0 ? (size_t)K : 1; /* plain generation has no documents */
+    s->order = malloc(k1 * sizeof *s->order);
+    s->docs = malloc(k1 * sizeof *s->docs);
+    s->spans = calloc(k1, sizeof *s->spans);
+    s->alpha = malloc(k1 * sizeof *s->alpha);
     s->use = calloc((size_t)s->L, 1);
     s->sm.logits = malloc((size_t)s->sm.V * sizeof *s->sm.logits);
     s->sm.sorted = sorted ? malloc((size_t)s->sm.V * sizeof *s->sm.sorted) : NULL;
-    res->docs = calloc((size_t)K, sizeof *res->docs);
+    res->docs = calloc(k1, sizeof *res->docs);
     res->n_docs = K;
     if (!s->order || !s->docs || !s->spans || !s->alpha || !s->use || !s->sm.logits ||
         !res->docs || (sorted && !s->sm.sorted))
@@ -375,6 +381,191 @@ static fitm_status prefill(fitm_reranker *r, const fitm_answer_request *req, ans
     return st;
 }
 
+/* ---- plain generation (no documents) ------------------------------------------------------ */
+
+/* One piece of a rendered prompt: control markers (special) or text. */
+typedef struct {
+    const char *p;
+    size_t n;
+    bool special;
+} piece;
+
+/* A chat template's turn markers: open + role + mid, the content, close; `end` opens the
+ * assistant's turn. model_role names the assistant in the markers (gemma: "model"). */
+typedef struct {
+    const char *name, *open, *mid, *close, *end, *model_role;
+} turn_markers;
+
+static const turn_markers markers[] = {
+    {"gemma", "<start_of_turn>", "\n", "<end_of_turn>\n", "<start_of_turn>model\n", "model"},
+    {"chatml", "<|im_start|>", "\n", "<|im_end|>\n", "<|im_start|>assistant\n", "assistant"},
+    {"llama3", "<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>",
+     "<|start_header_id|>assistant<|end_header_id|>\n\n", "assistant"},
+};
+
+/* The prompt's pieces into ps (room for 4 * n_messages + 2), their count. For a template
+ * without markers (raw; llama2, whose turns are [INST] pairs) the pieces are written here too. */
+static int32_t render_pieces(const fitm_reranker *r, const fitm_answer_request *req, piece *ps)
+{
+    const char *name = fitm_reranker_template(r);
+    int32_t n = 0;
+    if (req->raw_prompt) {
+        ps[n++] = (piece){req->messages[0].content, strlen(req->messages[0].content), false};
+        return n;
+    }
+    const turn_markers *tm = NULL;
+    for (size_t i = 0; i < sizeof markers / sizeof markers[0]; i++)
+        if (!strcmp(markers[i].name, name))
+            tm = &markers[i];
+    bool llama2 = !strcmp(name, "llama2");
+    for (int32_t i = 0; i < req->n_messages; i++) {
+        const fitm_answer_message *m = &req->messages[i];
+        bool assistant = !strcmp(m->role, "assistant");
+        const char *c = m->content;
+        if (tm) {
+            /* gemma has no system turn: a system message is a user turn */
+            const char *role = assistant                                         ? tm->model_role
+                               : !strcmp(tm->name, "gemma") && strcmp(m->role, "user") ? "user"
+                                                                                      : m->role;
+            ps[n++] = (piece){tm->open, strlen(tm->open), true};
+            ps[n++] = (piece){role, strlen(role), false};
+            ps[n++] = (piece){tm->mid, strlen(tm->mid), true};
+            ps[n++] = (piece){c, strlen(c), false};
+            ps[n++] = (piece){tm->close, strlen(tm->close), true};
+        } else if (llama2) {
+            ps[n++] = (piece){assistant ? " " : "[INST] ", assistant ? 1 : 7, !assistant};
+            ps[n++] = (piece){c, strlen(c), false};
+            ps[n++] = (piece){assistant ? " " : " [/INST]", assistant ? 1 : 8, !assistant};
+        } else { /* raw: a transcript */
+            ps[n++] = (piece){m->role, strlen(m->role), false};
+            ps[n++] = (piece){": ", 2, false};
+            ps[n++] = (piece){c, strlen(c), false};
+            ps[n++] = (piece){"\n", 1, false};
+        }
+    }
+    if (tm)
+        ps[n++] = (piece){tm->end, strlen(tm->end), true};
+    else if (!llama2)
+        ps[n++] = (piece){"assistant:", 10, false};
+    return n;
+}
+
+/* The pieces' texts in one malloc'd string. */
+static fitm_status join_pieces(const piece *ps, int32_t n, char **out, size_t *len, fitm_err *err)
+{
+    size_t total = 0;
+    for (int32_t i = 0; i < n; i++)
+        total += ps[i].n;
+    char *s = malloc(total + 1);
+    if (!s)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the prompt");
+    size_t o = 0;
+    for (int32_t i = 0; i < n; i++) {
+        memcpy(s + o, ps[i].p, ps[i].n);
+        o += ps[i].n;
+    }
+    s[o] = '\0';
+    *out = s;
+    *len = o;
+    return FITM_OK;
+}
+
+static piece *pieces_alloc(const fitm_answer_request *req)
+{
+    return malloc((size_t)(5 * req->n_messages + 2) * sizeof(piece));
+}
+
+fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request *req, char **out,
+                               size_t *len, fitm_err *err)
+{
+    *out = NULL;
+    piece *ps = pieces_alloc(req);
+    if (!ps)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the prompt");
+    fitm_status st = join_pieces(ps, render_pieces(r, req, ps), out, len, err);
+    free(ps);
+    return st;
+}
+
+/* Appends the tokens of text[0..n) to *ids (cap grown as needed). */
+static fitm_status encode_append(const fitm_tokenizer *tok, const char *text, size_t n,
+                                 uint32_t flags, int32_t **ids, int64_t *n_ids, int64_t *cap,
+                                 fitm_err *err)
+{
+    for (;;) {
+        int64_t room = *cap - *n_ids, got = 0;
+        fitm_status st = room > 0 ? fitm_tok_encode(tok, text, n, flags, *ids + *n_ids, room,
+                                                    &got, err)
+                                  : FITM_ERR_LIMIT;
+        if (st == FITM_OK) {
+            *n_ids += got;
+            return FITM_OK;
+        }
+        if (st != FITM_ERR_LIMIT)
+            return st;
+        int64_t want = *cap * 2 + (int64_t)n + 16;
+        int32_t *grown = realloc(*ids, (size_t)want * sizeof *grown);
+        if (!grown)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the prompt's tokens");
+        *ids = grown;
+        *cap = want;
+    }
+}
+
+/* Plain generation's step 2: the rendered prompt tokenized (a template's markers as control
+ * tokens; a transcript, having none, in one piece) and run without an intervention. */
+static fitm_status prefill_plain(fitm_reranker *r, const fitm_answer_request *req,
+                                 answer_state *s, bool (*stop)(const void *),
+                                 const void *stop_arg, fitm_answer_result *res, fitm_err *err)
+{
+    const int64_t n_ctx = fitm_reranker_n_ctx(r);
+    const fitm_tokenizer *tok = fitm_reranker_tokenizer(r);
+    piece *ps = pieces_alloc(req);
+    if (!ps)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the prompt");
+    int32_t n = render_pieces(r, req, ps);
+    bool any_special = false;
+    for (int32_t i = 0; i < n; i++)
+        any_special |= ps[i].special;
+    int64_t cap = 256, T = 0;
+    res->tokens = malloc((size_t)cap * sizeof *res->tokens);
+    fitm_status st = res->tokens ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st == FITM_OK && !any_special) {
+        char *text = NULL;
+        size_t len = 0;
+        if ((st = join_pieces(ps, n, &text, &len, err)) == FITM_OK)
+            st = encode_append(tok, text, len, FITM_TOK_ADD_BOS, &res->tokens, &T, &cap, err);
+        free(text);
+    }
+    for (int32_t i = 0; st == FITM_OK && any_special && i < n; i++) {
+        uint32_t f = (i == 0 ? FITM_TOK_ADD_BOS : FITM_TOK_CONTINUATION) |
+                     (ps[i].special ? FITM_TOK_PARSE_SPECIAL : 0);
+        st = encode_append(tok, ps[i].p, ps[i].n, f, &res->tokens, &T, &cap, err);
+    }
+    free(ps);
+    if (st != FITM_OK)
+        return st;
+    s->T = T;
+    if (T < 1)
+        return fitm_err_set(err, FITM_ERR_INVALID, "the prompt is empty");
+    if (T > n_ctx)
+        return fitm_err_set(err, FITM_ERR_LIMIT,
+                            "the prompt is %lld tokens, over the context of %lld tokens",
+                            (long long)T, (long long)n_ctx);
+    s->max_gen = req->max_tokens < n_ctx - T + 1 ? req->max_tokens : n_ctx - T + 1;
+    int32_t *grown = realloc(res->tokens, (size_t)(T + s->max_gen) * sizeof *grown);
+    if (!grown)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    res->tokens = grown;
+    res->prompt_tokens = T;
+    s->intervene = false;
+    int64_t start = fitm_reranker_cached(r, res->tokens, T);
+    start = start < T - 1 ? start : T - 1;
+    st = fitm_reranker_prefill(r, res->tokens, T, start, NULL, s->sm.logits, stop, stop_arg, err);
+    res->forward_tokens += T - start;
+    return st;
+}
+
 /* Step 3, decode: sample, hand out text, stop at EOS, a stop string or the length. */
 static fitm_status decode(fitm_reranker *r, const fitm_answer_request *req, answer_state *s,
                           bool (*stop)(const void *), const void *stop_arg,
@@ -433,12 +624,14 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
     const double t0 = now_ms();
     answer_state s;
     fitm_status st = state_init(r, req, &s, res, err);
-    if (st == FITM_OK)
+    bool plain = req->base.n_docs == 0;
+    if (st == FITM_OK && !plain)
         st = order_documents(r, req, &s, stop, stop_arg, res, err);
     res->rank_ms = now_ms() - t0;
     const double t1 = now_ms();
     if (st == FITM_OK)
-        st = prefill(r, req, &s, stop, stop_arg, res, err);
+        st = plain ? prefill_plain(r, req, &s, stop, stop_arg, res, err)
+                   : prefill(r, req, &s, stop, stop_arg, res, err);
     res->prefill_ms = now_ms() - t1;
     const double t2 = now_ms();
     if (st == FITM_OK)

@@ -24,10 +24,23 @@
 #define FITM_ANSWER_MAX_STOP 8
 #define FITM_ANSWER_MAX_STOP_CHARS 64 /* code points (at most 256 bytes) */
 
+/* One turn of a conversation (the OpenAI routes): role is "system", "user", "assistant" or
+ * another name the template writes as is. Both strings owned. */
+typedef struct {
+    char *role;
+    char *content;
+} fitm_answer_message;
+
 typedef struct {
     /* query, docs, max_tokens_per_doc, model, return_tokens; method is CALIBRATED and
-     * opt and dummy are the calibration options. */
+     * opt and dummy are the calibration options. n_docs 0 (the OpenAI routes without
+     * documents): plain generation from messages, no ranking and no intervention. */
     fitm_rerank_request base;
+    /* Plain generation's prompt (n_docs 0): the conversation rendered in the chat template
+     * (fitm_answer_render), or, with raw_prompt, messages[0].content as it is (a completion). */
+    fitm_answer_message *messages; /* (n_messages) owned */
+    int32_t n_messages;
+    bool raw_prompt;
     int32_t max_tokens; /* in [1, server limit]                                        */
     char **stop;        /* (n_stop) owned, non-empty strings                           */
     int32_t n_stop;
@@ -89,6 +102,16 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
                             bool (*stop)(const void *), const void *stop_arg,
                             fitm_answer_on_delta on_delta, void *delta_arg, fitm_answer_result *res,
                             fitm_err *err);
+
+/* The text of plain generation's prompt for req (n_docs 0) in the reranker's chat template,
+ * as fitm_answer_run tokenizes it: with a template (gemma, chatml, llama2, llama3), every
+ * message in the template's turn markers (gemma has no system turn: a system message opens the
+ * first user turn) and the assistant's turn opened; without one (raw: a base model) a
+ * transcript "role: content" one line per message, ending in "assistant:". Control markers are
+ * tokenized as control tokens, message text never is. *out is malloc'd (the caller frees it).
+ * For tests and logs; fitm_answer_run renders the same way. */
+fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request *req, char **out,
+                               size_t *len, fitm_err *err);
 
 /* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
 uint64_t fitm_answer_rand(uint64_t *state);

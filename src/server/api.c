@@ -357,9 +357,10 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     const cJSON *it;
     out->top_n = out->n_docs;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_n")) && !cJSON_IsNull(it)) {
-        if ((st = take_int(it, "top_n", 1, out->n_docs, &v, err)) != FITM_OK)
+        /* More than there are documents means all of them (as Cohere and vLLM answer). */
+        if ((st = take_int(it, "top_n", 1, INT32_MAX, &v, err)) != FITM_OK)
             return st;
-        out->top_n = (int32_t)v;
+        out->top_n = v < out->n_docs ? (int32_t)v : out->n_docs;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "return_documents")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "return_documents", &out->return_documents, err)) != FITM_OK)
@@ -384,7 +385,9 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "model")) && !cJSON_IsNull(it)) {
         if ((st = take_string(it, "model", &out->model, NULL, err)) != FITM_OK)
             return st;
-        if (lim->model_name && strcmp(out->model, lim->model_name) != 0)
+        /* Clients send their own default name (rerank-english-v3.0, ...): any name is
+         * answered by the served model unless the operator asked for strict checking. */
+        if (lim->strict_model && lim->model_name && strcmp(out->model, lim->model_name) != 0)
             return fitm_err_set(err, FITM_ERR_NOT_FOUND,
                                 "'model' = '%.100s': this server serves '%.100s'", out->model,
                                 lim->model_name);
@@ -798,6 +801,9 @@ static fitm_status take_number(const cJSON *it, const char *field, double lo, do
     return FITM_OK;
 }
 
+static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *out,
+                                        fitm_err *err);
+
 static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits *lim,
                                        fitm_answer_request *out, fitm_err *err)
 {
@@ -849,6 +855,17 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
         out->seed = (uint64_t)v;
         out->has_seed = true;
     }
+    return parse_answer_options(root, out, err);
+}
+
+/* The options of the calibrated answer that /answer and the OpenAI routes share: calibrate,
+ * calibration, reorder, intervention_layers and stream. */
+static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *out,
+                                        fitm_err *err)
+{
+    fitm_status st;
+    const cJSON *it;
+    int64_t v;
     out->calibrate = true;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "calibrate", &out->calibrate, err)) != FITM_OK)
@@ -1035,6 +1052,356 @@ char *fitm_api_write_answer_delta(const char *text, size_t len)
         out = cJSON_PrintUnformatted(root);
     else
         cJSON_Delete(t);
+    cJSON_Delete(root);
+    return out;
+}
+
+/* ---- the OpenAI routes: POST /v1/chat/completions and /v1/completions ------------------ */
+
+/* A message's content: a string, null (an assistant turn that only called tools: ""), or an
+ * array of parts of which the {type: "text", text} ones are joined. */
+static fitm_status take_content(const cJSON *it, const char *field, char **dst, fitm_err *err)
+{
+    if (!it || cJSON_IsNull(it)) {
+        *dst = calloc(1, 1);
+        return *dst ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
+    if (cJSON_IsString(it))
+        return take_string(it, field, dst, NULL, err);
+    if (!cJSON_IsArray(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'%s' must be a string or an array of {type: text, text} parts",
+                            field);
+    size_t total = 0;
+    const cJSON *part;
+    cJSON_ArrayForEach(part, it)
+    {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0 ||
+            !cJSON_IsString(text))
+            return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                                "'%s': only text parts ({type: text, text}) are supported", field);
+        if (!fitm_api_utf8_valid(text->valuestring, strlen(text->valuestring)))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'%s' is not valid UTF-8", field);
+        total += strlen(text->valuestring);
+    }
+    char *s = malloc(total + 1);
+    if (!s)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    size_t o = 0;
+    cJSON_ArrayForEach(part, it)
+    {
+        const char *t = cJSON_GetObjectItemCaseSensitive(part, "text")->valuestring;
+        memcpy(s + o, t, strlen(t));
+        o += strlen(t);
+    }
+    s[o] = '\0';
+    *dst = s;
+    return FITM_OK;
+}
+
+static fitm_status parse_messages(const cJSON *arr, fitm_answer_request *out, fitm_err *err)
+{
+    int n = cJSON_IsArray(arr) ? cJSON_GetArraySize(arr) : 0;
+    if (n < 1)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'messages' must be a non-empty array of {role, content}");
+    if (n > 4096)
+        return fitm_err_set(err, FITM_ERR_LIMIT, "'messages' has %d entries, more than 4096", n);
+    out->messages = calloc((size_t)n, sizeof *out->messages);
+    if (!out->messages)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n; i++) {
+        const cJSON *m = cJSON_GetArrayItem(arr, i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        char name[48];
+        snprintf(name, sizeof name, "messages[%d].role", i);
+        static const char *const roles[] = {"system", "developer", "user", "assistant", "tool"};
+        size_t r = 0;
+        while (cJSON_IsString(role) && r < 5 && strcmp(role->valuestring, roles[r]) != 0)
+            r++;
+        if (!cJSON_IsObject(m) || !cJSON_IsString(role) || r == 5)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%s' must be one of system, developer, user, assistant, tool",
+                                name);
+        /* developer is OpenAI's newer name for system */
+        out->messages[i].role = strdup(r == 1 ? "system" : roles[r]);
+        out->n_messages = i + 1;
+        if (!out->messages[i].role)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        snprintf(name, sizeof name, "messages[%d].content", i);
+        fitm_status st = take_content(cJSON_GetObjectItemCaseSensitive(m, "content"), name,
+                                      &out->messages[i].content, err);
+        if (st != FITM_OK)
+            return st;
+    }
+    return FITM_OK;
+}
+
+/* The retrieved documents of the extension field: the calibrated answer's query is the last
+ * user message (chat) or the prompt (completions). */
+static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limits *lim,
+                                          bool chat, fitm_answer_request *out, fitm_err *err)
+{
+    fitm_rerank_request *b = &out->base;
+    fitm_status st = parse_documents(cJSON_GetObjectItemCaseSensitive(root, "documents"),
+                                     "documents", lim, b, err);
+    if (st != FITM_OK)
+        return st;
+    const char *q = NULL;
+    for (int32_t i = out->n_messages - 1; i >= 0 && !q; i--)
+        if (!chat || !strcmp(out->messages[i].role, "user"))
+            q = out->messages[i].content;
+    if (!q || !*q)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            chat ? "'documents' need a user message (the question)"
+                                 : "'documents' need a non-empty 'prompt' (the question)");
+    b->query = strdup(q);
+    if (!b->query)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    b->query_len = strlen(q);
+    b->top_n = b->n_docs;
+    b->method = FITM_RERANK_CALIBRATED;
+    b->prefix_reuse = true;
+    b->max_tokens_per_doc = lim->max_tokens_per_doc;
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
+    int64_t v;
+    if (it && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err)) != FITM_OK)
+            return st;
+        if (v < lim->max_tokens_per_doc)
+            b->max_tokens_per_doc = (int32_t)v;
+    }
+    return parse_answer_options(root, out, err);
+}
+
+static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits *lim, bool chat,
+                                       fitm_answer_request *out, bool *include_usage,
+                                       fitm_err *err)
+{
+    if (!cJSON_IsObject(root))
+        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+    fitm_status st;
+    const cJSON *it;
+    int64_t v;
+    if (chat) {
+        if ((st = parse_messages(cJSON_GetObjectItemCaseSensitive(root, "messages"), out, err)) !=
+            FITM_OK)
+            return st;
+    } else {
+        it = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+        if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 1)
+            it = cJSON_GetArrayItem(it, 0);
+        if (!cJSON_IsString(it))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'prompt' must be a string (or an array of one string)");
+        out->messages = calloc(1, sizeof *out->messages);
+        if (!out->messages)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        out->n_messages = 1;
+        out->raw_prompt = true;
+        out->messages[0].role = strdup("prompt");
+        if (!out->messages[0].role)
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        if ((st = take_string(it, "prompt", &out->messages[0].content, NULL, err)) != FITM_OK)
+            return st;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "model")) && !cJSON_IsNull(it)) {
+        if ((st = take_string(it, "model", &out->base.model, NULL, err)) != FITM_OK)
+            return st;
+        if (lim->strict_model && lim->model_name && strcmp(out->base.model, lim->model_name))
+            return fitm_err_set(err, FITM_ERR_NOT_FOUND,
+                                "'model' = '%.100s': this server serves '%.100s'",
+                                out->base.model, lim->model_name);
+    }
+    out->max_tokens = lim->max_answer_tokens < 256 ? lim->max_answer_tokens : 256;
+    static const char *const max_names[] = {"max_tokens", "max_completion_tokens"};
+    for (int i = 0; i < 2; i++)
+        if ((it = cJSON_GetObjectItemCaseSensitive(root, max_names[i])) && !cJSON_IsNull(it)) {
+            if ((st = take_int(it, max_names[i], 1, INT32_MAX, &v, err)) != FITM_OK)
+                return st;
+            out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
+        }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "n")) && !cJSON_IsNull(it) &&
+        (st = take_int(it, "n", 1, 1, &v, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
+        (st = parse_stop(it, out, err)) != FITM_OK)
+        return st;
+    out->temperature = 1.0; /* OpenAI's default: sampling */
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
+        (st = take_number(it, "temperature", 0, 2, &out->temperature, err)) != FITM_OK)
+        return st;
+    out->top_p = 1.0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
+        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
+            return st;
+        if (out->top_p <= 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
+            return st;
+        out->seed = (uint64_t)v;
+        out->has_seed = true;
+    }
+    *include_usage = false;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream_options")) && !cJSON_IsNull(it)) {
+        const cJSON *u = cJSON_GetObjectItemCaseSensitive(it, "include_usage");
+        if (!cJSON_IsObject(it) ||
+            (u && !cJSON_IsNull(u) &&
+             (st = take_bool(u, "stream_options.include_usage", include_usage, err)) != FITM_OK))
+            return cJSON_IsObject(it) ? st
+                                      : fitm_err_set(err, FITM_ERR_INVALID,
+                                                     "'stream_options' must be an object");
+    }
+    it = cJSON_GetObjectItemCaseSensitive(root, "documents");
+    if (it && !cJSON_IsNull(it))
+        return parse_openai_documents(root, lim, chat, out, err);
+    /* Without documents the answer's options have no effect, but a malformed one is refused
+     * as it would be with documents: a field means one thing whatever else is sent. They are
+     * parsed into a scratch request (stream included) and only `stream` is kept. */
+    fitm_answer_request scratch = {0};
+    fitm_score_opts_init(&scratch.base.opt);
+    it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
+    if (it && !cJSON_IsNull(it))
+        st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err);
+    else
+        st = FITM_OK;
+    if (st == FITM_OK)
+        st = parse_answer_options(root, &scratch, err);
+    out->stream = scratch.stream;
+    fitm_answer_request_free(&scratch);
+    return st;
+}
+
+fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_limits *lim,
+                                  bool chat, fitm_answer_request *out, bool *include_usage,
+                                  fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    fitm_score_opts_init(&out->base.opt);
+    *include_usage = false;
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    st = parse_openai_object(root, lim, chat, out, include_usage, err);
+    cJSON_Delete(root);
+    return st;
+}
+
+/* The extension field `documents`: each document's index, position, weight and calibrated
+ * attention (as /answer's). */
+static bool add_answer_docs(cJSON *root, const fitm_answer_result *res)
+{
+    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
+    for (int32_t k = 0; docs && k < res->n_docs; k++) {
+        const fitm_answer_doc *d = &res->docs[k];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(docs, o)) {
+            cJSON_Delete(o);
+            return false;
+        }
+        if (!cJSON_AddNumberToObject(o, "index", d->index) ||
+            !cJSON_AddNumberToObject(o, "position", d->position) ||
+            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
+            return false;
+    }
+    return docs != NULL;
+}
+
+static bool add_openai_usage(cJSON *root, const fitm_answer_result *res)
+{
+    cJSON *u = cJSON_AddObjectToObject(root, "usage");
+    return u && cJSON_AddNumberToObject(u, "prompt_tokens", (double)res->prompt_tokens) &&
+           cJSON_AddNumberToObject(u, "completion_tokens", (double)res->completion_tokens) &&
+           cJSON_AddNumberToObject(u, "total_tokens",
+                                   (double)(res->prompt_tokens + res->completion_tokens));
+}
+
+/* The envelope every OpenAI response and chunk shares. */
+static cJSON *openai_envelope(const fitm_api_openai_head *h, bool chunk)
+{
+    cJSON *root = cJSON_CreateObject();
+    const char *object = h->chat ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                                 : "text_completion";
+    if (!root || !cJSON_AddStringToObject(root, "id", h->id) ||
+        !cJSON_AddStringToObject(root, "object", object) ||
+        !cJSON_AddNumberToObject(root, "created", (double)h->created) ||
+        !cJSON_AddStringToObject(root, "model", h->model) ||
+        !cJSON_AddStringToObject(root, "system_fingerprint", "fitm")) {
+        cJSON_Delete(root);
+        return NULL;
+    }
+    return root;
+}
+
+/* One choice: chat's {index, message|delta: {role?, content?}, finish_reason, logprobs},
+ * completions' {index, text, finish_reason, logprobs}. text NULL: no content. */
+static bool add_choice(cJSON *choices, bool chat, bool chunk, bool role, const char *text,
+                       size_t len, const char *finish)
+{
+    cJSON *c = cJSON_CreateObject();
+    if (!c || !cJSON_AddItemToArray(choices, c)) {
+        cJSON_Delete(c);
+        return false;
+    }
+    if (!cJSON_AddNumberToObject(c, "index", 0))
+        return false;
+    if (chat) {
+        cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
+        if (!m || (role && !cJSON_AddStringToObject(m, "role", "assistant")))
+            return false;
+        cJSON *t = text ? text_item(text, len) : NULL;
+        if (text && (!t || !cJSON_AddItemToObject(m, "content", t))) {
+            cJSON_Delete(t);
+            return false;
+        }
+    } else {
+        cJSON *t = text_item(text ? text : "", text ? len : 0);
+        if (!t || !cJSON_AddItemToObject(c, "text", t)) {
+            cJSON_Delete(t);
+            return false;
+        }
+    }
+    return cJSON_AddNullToObject(c, "logprobs") &&
+           (finish ? cJSON_AddStringToObject(c, "finish_reason", finish) != NULL
+                   : cJSON_AddNullToObject(c, "finish_reason") != NULL);
+}
+
+char *fitm_api_write_openai(const fitm_api_openai_head *h, const fitm_answer_result *res)
+{
+    char *out = NULL;
+    cJSON *root = openai_envelope(h, false);
+    cJSON *choices = root ? cJSON_AddArrayToObject(root, "choices") : NULL;
+    if (choices &&
+        add_choice(choices, h->chat, false, true, res->answer ? res->answer : "",
+                   res->answer_len, fitm_answer_finish_name(res->finish)) &&
+        add_openai_usage(root, res) && (res->n_docs == 0 || add_answer_docs(root, res)))
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+char *fitm_api_write_openai_chunk(const fitm_api_openai_head *h, const char *text, size_t len,
+                                  bool role, const fitm_answer_result *final,
+                                  bool usage_only)
+{
+    char *out = NULL;
+    cJSON *root = openai_envelope(h, true);
+    cJSON *choices = root ? cJSON_AddArrayToObject(root, "choices") : NULL;
+    bool ok = choices != NULL;
+    if (ok && usage_only)
+        ok = add_openai_usage(root, final);
+    else if (ok)
+        ok = add_choice(choices, h->chat, true, role, final ? (h->chat ? NULL : "") : text,
+                        final ? 0 : len, final ? fitm_answer_finish_name(final->finish) : NULL) &&
+             (!final || final->n_docs == 0 || add_answer_docs(root, final));
+    if (ok)
+        out = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     return out;
 }

@@ -46,7 +46,8 @@ char *fitm_api_error_json(const fitm_api_error_class *c, const char *message);
 typedef struct {
     int32_t max_documents;
     int32_t max_tokens_per_doc;
-    const char *model_name; /* a request's `model`, when given, must equal it */
+    const char *model_name; /* the served model's name                           */
+    bool strict_model;      /* a request's `model`, when given, must equal model_name */
     int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
 } fitm_api_limits;
 
@@ -54,8 +55,9 @@ typedef struct {
  * which the caller releases with fitm_rerank_request_free (also after a failure). Errors name
  * the field: FITM_ERR_FORMAT for invalid JSON; FITM_ERR_INVALID for wrong types, missing or
  * empty values, non-UTF-8 text, unknown methods, out-of-range numbers; FITM_ERR_LIMIT for
- * more documents than lim->max_documents; FITM_ERR_NOT_FOUND for a `model` this server does
- * not serve. Unknown fields are ignored (clients send their own extras). A per-request
+ * more documents than lim->max_documents; FITM_ERR_NOT_FOUND, with lim->strict_model, for a
+ * `model` this server does not serve (else any name is answered by the served model). top_n
+ * above the document count is lowered to it. Unknown fields are ignored (clients send their own extras). A per-request
  * max_tokens_per_doc above the server's limit is lowered to it. */
 fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_limits *lim,
                                   fitm_rerank_request *out, fitm_err *err);
@@ -93,5 +95,40 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
 
 /* One stream event's JSON: {"delta": text}. */
 char *fitm_api_write_answer_delta(const char *text, size_t len);
+
+/* ---- the OpenAI routes ----------------------------------------------------------------- */
+
+/* Parses a POST /v1/chat/completions (chat) or /v1/completions body into *out (release with
+ * fitm_answer_request_free, also after a failure): messages (roles system, developer = system,
+ * user, assistant, tool; content a string or text parts) or prompt (a string or an array of
+ * one), model (as /rerank's), max_tokens or max_completion_tokens (lowered to
+ * lim->max_answer_tokens; default min(256, that)), n (1 only), stop, temperature ([0, 2],
+ * default 1 as OpenAI's), top_p, seed, stream, stream_options.include_usage (into
+ * *include_usage). The extension field `documents` (as /answer's, with max_tokens_per_doc,
+ * calibrate, calibration, reorder and intervention_layers) makes it a calibrated answer whose
+ * question is the last user message (the prompt); without it n_docs is 0: plain generation.
+ * Other OpenAI fields are ignored. Errors as fitm_api_parse_answer. */
+fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_limits *lim,
+                                  bool chat, fitm_answer_request *out, bool *include_usage,
+                                  fitm_err *err);
+
+/* What every OpenAI response and chunk of one request repeats. */
+typedef struct {
+    const char *id; /* "chatcmpl-..." / "cmpl-..." */
+    const char *model;
+    int64_t created; /* unix seconds */
+    bool chat;       /* chat.completion(.chunk), else text_completion */
+} fitm_api_openai_head;
+
+/* The whole response: one choice with the answer and its finish_reason, usage, and (with
+ * documents) the extension field `documents` as /answer's. */
+char *fitm_api_write_openai(const fitm_api_openai_head *h, const fitm_answer_result *res);
+
+/* One stream chunk. final NULL: a piece of text (role: the first chunk, which names the
+ * assistant role); final non-NULL: the last choice chunk (empty delta, finish_reason,
+ * `documents`), or with usage_only the chunk stream_options.include_usage asks for (no
+ * choices, usage). */
+char *fitm_api_write_openai_chunk(const fitm_api_openai_head *h, const char *text, size_t len,
+                                  bool role, const fitm_answer_result *final, bool usage_only);
 
 #endif

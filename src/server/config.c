@@ -35,7 +35,10 @@ static const opt opts[] = {
      "mmap: map the weights from the file (it must not change while served); copy: read them "
      "into private memory (llama.cpp's --no-mmap), for files replaced in place"},
     {"model_name", STR(model_name), "", 0, 0, NULL,
-     "model id reported by /v1/models and accepted in requests; empty = file name"},
+     "model id reported by /v1/models and in every response; empty = file name"},
+    {"strict_model", ENUM(strict_model), "false", 0, 0, "false|true",
+     "true: a request whose 'model' is not model_name gets 404; false: it is answered by the "
+     "served model (clients send their own default names)"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
     {"probe_port", INT(probe_port), "0", 0, 65535, NULL,
@@ -43,7 +46,8 @@ static const opt opts[] = {
      "stay answerable while the main port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
      "compute backend; auto = CUDA when a device works, else CPU (decided once at start)"},
-    {"threads", INT(threads), "0", 0, 1024, NULL, "CPU compute threads; 0 = one per core"},
+    {"threads", INT(threads), "0", 0, 1024, NULL,
+     "CPU compute threads; 0 = the CPUs this process may use (affinity mask, cgroup CPU quota)"},
     {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},
     {"http_idle_timeout_s", INT(http_idle_timeout_s), "30", 1, 3600, NULL,
      "seconds a connection may stay silent (slow or idle clients) before it is closed"},
@@ -69,9 +73,10 @@ static const opt opts[] = {
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,
-     "on SIGTERM, how long in-flight requests may finish before exit"},
+     "on SIGTERM: /health says draining, new requests get 503, in-flight ones have this long "
+     "to finish; then exit 0"},
     {"max_answer_tokens", INT(max_answer_tokens), "512", 1, 65536, NULL,
-     "upper bound of max_tokens in /answer"},
+     "upper bound of max_tokens in /answer and the OpenAI routes"},
     {"chat_template", ENUM(chat_template), "auto", 0, 0, "auto|raw|chatml|gemma|llama2|llama3",
      "prompt wrapping; auto = recognise tokenizer.chat_template, raw when unknown"},
     {"dummy_text", STR(dummy_text),
@@ -389,7 +394,7 @@ static void print_bounds(FILE *f, const opt *o)
 
 void fitm_config_print_help(FILE *f)
 {
-    fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config]\n\n"
+    fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config] [--version]\n\n"
                "Precedence: flags > FITM_* environment > config file > defaults.\n\noptions:\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt *o = &opts[i];
@@ -416,7 +421,12 @@ void fitm_config_print_file(FILE *f, const fitm_config *cfg)
         switch (o->kind) {
         case OPT_STR:
         case OPT_ENUM:
-            fprintf(f, "\"%s\"\n", field);
+            /* Secrets never reach a printed config (it ends up in logs and tickets); the
+             * placeholder is one key no client has, so a file reused as is fails closed. */
+            if (!strcmp(o->name, "api_keys") && field[0])
+                fprintf(f, "\"<redacted>\"\n");
+            else
+                fprintf(f, "\"%s\"\n", field);
             break;
         case OPT_INT:
             fprintf(f, "%lld\n", (long long)*(const int64_t *)(const void *)field);

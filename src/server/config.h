@@ -21,6 +21,7 @@ typedef struct {
     char model_url[FITM_CONFIG_STR_BYTES]; /* downloaded to model when that is missing */
     char model_load[8];                    /* mmap | copy                               */
     char model_name[128];                  /* id reported by /v1/models; "" = file name */
+    char strict_model[8];                  /* true: refuse requests naming another model */
     char host[256];
     int64_t port;
     int64_t probe_port;                    /* /health and /metrics only; 0 = none      */

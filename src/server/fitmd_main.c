@@ -23,6 +23,7 @@
 #include "pipeline/profile.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
+#include "server/cpus.h"
 #include "server/download.h"
 #include "server/engine.h"
 #include "server/http.h"
@@ -32,6 +33,9 @@
 /* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
 extern const char fitm_openapi_yaml[];
 extern const size_t fitm_openapi_yaml_len;
+/* The playground page, embedded from src/server/playground.html. */
+extern const char fitm_playground_html[];
+extern const size_t fitm_playground_html_len;
 /* The default model's scoring profile, embedded from config/profiles/ (used when its identity
  * matches the loaded model and no profile file was named or found). */
 extern const char fitm_profile_gemma3_270m[];
@@ -123,6 +127,21 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
     return st;
 }
 
+/* Names what failed ("model PATH: ...") once: the loader's own message may already start
+ * with the path ("PATH: bad magic"), which a plain prefix would repeat. */
+static void prefix_once(fitm_err *err, const char *what, const char *path)
+{
+    size_t n = strlen(path);
+    if (!strncmp(err->msg, path, n) && err->msg[n] == ':') {
+        fitm_err rest;
+        snprintf(rest.msg, sizeof rest.msg, "%s", err->msg + n + 1);
+        while (rest.msg[0] == ' ')
+            memmove(rest.msg, rest.msg + 1, strlen(rest.msg));
+        *err = rest;
+    }
+    fitm_err_prefix(err, "%s %s", what, path);
+}
+
 static fitm_status model_load(void *ctx, fitm_err *err)
 {
     daemon_model *dm = ctx;
@@ -137,7 +156,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return st;
     bool copy = !strcmp(cfg->model_load, "copy");
     if ((st = fitm_model_open_mode(&dm->model, cfg->model, copy, err)) != FITM_OK) {
-        fitm_err_prefix(err, "model %s", cfg->model);
+        prefix_once(err, "model", cfg->model);
         return st;
     }
     if (!copy) /* a private copy does not depend on the file: /health need not watch it */
@@ -146,11 +165,20 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return fitm_err_set(err, FITM_ERR_IO, "model %s: cannot stat it after opening",
                             cfg->model);
     if ((st = fitm_tok_create(&dm->tok, fitm_model_gguf(dm->model), err)) != FITM_OK) {
-        fitm_err_prefix(err, "tokenizer of %s", cfg->model);
+        prefix_once(err, "tokenizer of", cfg->model);
         return st;
     }
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int threads = cfg->threads > 0 ? (int)cfg->threads : (int)(cores > 0 ? cores : 1);
+    int affinity = 0;
+    double quota = 0;
+    int threads = cfg->threads > 0 ? (int)cfg->threads : fitm_cpus_available(&affinity, &quota);
+    if (cfg->threads == 0 && quota > 0)
+        FITM_LOG(FITM_LOG_INFO, NULL,
+                 "threads = 0: %d threads (%d CPUs in the affinity mask, cgroup CPU quota %.2f)",
+                 threads, affinity, quota);
+    else if (cfg->threads == 0)
+        FITM_LOG(FITM_LOG_INFO, NULL,
+                 "threads = 0: %d threads (%d CPUs in the affinity mask, no cgroup CPU quota)",
+                 threads, affinity);
     if ((st = fitm_backend_cpu_create(&dm->backend, threads, err)) != FITM_OK)
         return st;
     const fitm_model_config *mc = fitm_model_config_of(dm->model);
@@ -346,6 +374,11 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
  * signal -> shut down. */
 int main(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--version") || !strcmp(argv[i], "-V")) {
+            printf("fitmd %s\n", FITM_VERSION);
+            return 0;
+        }
     curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
     static fitm_config cfg;
     static fitm_http_model_info info;
@@ -369,7 +402,9 @@ int main(int argc, char **argv)
         return 1;
     }
     fitm_http_params hp = {.cfg = &cfg, .engine = engine, .model = &info,
-                           .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len};
+                           .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len,
+                           .playground = fitm_playground_html,
+                           .playground_len = fitm_playground_html_len};
     fitm_http *http = NULL;
     if (fitm_http_start(&http, &hp, &err) != FITM_OK) {
         FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);

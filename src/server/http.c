@@ -81,6 +81,13 @@ typedef struct {
     atomic_bool s_cancel;
     atomic_int refs;
     atomic_bool client_left; /* the job was stopped because the client went away */
+    /* An OpenAI route's request (/v1/chat/completions, /v1/completions): its answer is
+     * written in OpenAI's shapes. */
+    bool oai;
+    fitm_api_openai_head oai_head; /* its strings point into r (oai_id) and the model info */
+    char oai_id[56];
+    bool oai_usage;     /* stream_options.include_usage */
+    bool oai_role_sent; /* the first chat chunk (with the role) went out */
 } request;
 
 /* ---- responses ---------------------------------------------------------------------- */
@@ -101,6 +108,8 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    if (code == 401) /* RFC 6750: say which scheme to authenticate with */
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     if (r->must_close || atomic_load(&r->h->draining))
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ok = MHD_queue_response(r->conn, (unsigned)code, resp);
@@ -116,7 +125,9 @@ static enum MHD_Result send_error(request *r, fitm_status s, fitm_api_cond cond,
 {
     fitm_api_error_class c = fitm_api_classify(s, cond);
     char *json = fitm_api_error_json(&c, msg);
-    FITM_LOG(FITM_LOG_DEBUG, r->id, "error %d %s: %s", c.http, c.code, msg ? msg : "");
+    /* Why a request was refused is what an operator looks for: info, not debug. */
+    FITM_LOG(c.http >= 500 ? FITM_LOG_WARN : FITM_LOG_INFO, r->id, "error %d %s: %s", c.http,
+             c.code, msg ? msg : "");
     if (!json)
         return MHD_NO;
     return send_body(r, c.http, json, strlen(json), "application/json", allow, c.retry);
@@ -268,6 +279,18 @@ static enum MHD_Result handle_openapi(request *r)
     return send_body(r, 200, copy, r->h->p.openapi_len, "application/yaml", NULL, false);
 }
 
+/* The playground page: public, like /health, because it holds no data; the calls it makes are
+ * the API's own and carry the key the user types. Its own CSP keeps it to this origin. */
+static enum MHD_Result handle_playground(request *r)
+{
+    char *copy = malloc(r->h->p.playground_len + 1);
+    if (!copy)
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    memcpy(copy, r->h->p.playground, r->h->p.playground_len);
+    return send_body(r, 200, copy, r->h->p.playground_len, "text/html; charset=utf-8", NULL,
+                     false);
+}
+
 static void job_done(fitm_job *job, void *user)
 {
     request *r = user;
@@ -406,7 +429,14 @@ static bool sse_delta(void *arg, const char *text, size_t len)
         return false;
     if (len == 0)
         return true;
-    char *json = fitm_api_write_answer_delta(text, len);
+    char *json;
+    if (r->oai) {
+        json = fitm_api_write_openai_chunk(&r->oai_head, text, len, !r->oai_role_sent, NULL,
+                                           false);
+        r->oai_role_sent = true;
+    } else {
+        json = fitm_api_write_answer_delta(text, len);
+    }
     bool ok = json && sse_push(r, json, false);
     free(json);
     return ok;
@@ -430,8 +460,19 @@ static void sse_job_done(fitm_job *job, void *user)
                                 r->awork.result.completion_tokens
                                     ? (job->queue_ms + r->awork.result.first_token_ms) / 1e3
                                     : -1);
-        json = fitm_api_write_answer(&r->areq, &r->awork.result, r->id, r->h->p.model->name,
-                                     job->queue_ms, total_ms, false);
+        if (r->oai) {
+            json = fitm_api_write_openai_chunk(&r->oai_head, NULL, 0, !r->oai_role_sent,
+                                               &r->awork.result, false);
+            if (r->oai_usage) {
+                sse_push(r, json, false);
+                free(json);
+                json = fitm_api_write_openai_chunk(&r->oai_head, NULL, 0, false,
+                                                   &r->awork.result, true);
+            }
+        } else {
+            json = fitm_api_write_answer(&r->areq, &r->awork.result, r->id,
+                                         r->h->p.model->name, job->queue_ms, total_ms, false);
+        }
     } else {
         FITM_LOG(FITM_LOG_INFO, r->id, "answer stream ended (%s) after %lld tokens: %s",
                  fitm_status_name(job->status),
@@ -504,6 +545,8 @@ static enum MHD_Result start_stream(request *r)
     return ok;
 }
 
+static enum MHD_Result submit_answer(request *r);
+
 static enum MHD_Result start_answer(request *r)
 {
     fitm_err err = {{0}};
@@ -512,6 +555,39 @@ static enum MHD_Result start_answer(request *r)
     fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    return submit_answer(r);
+}
+
+/* POST /v1/chat/completions and /v1/completions: the same job as /answer's (plain generation
+ * without documents), answered in OpenAI's shapes. */
+static enum MHD_Result start_openai(request *r, bool chat)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_openai(r->body.p ? r->body.p : "", r->body.len,
+                                           &r->h->limits, chat, &r->areq, &r->oai_usage, &err);
+    fitm_buf_free(&r->body);
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    r->oai = true;
+    snprintf(r->oai_id, sizeof r->oai_id, "%s-%s", chat ? "chatcmpl" : "cmpl", r->id);
+    r->oai_head = (fitm_api_openai_head){.id = r->oai_id, .model = r->h->p.model->name,
+                                         .created = (int64_t)time(NULL), .chat = chat};
+    return submit_answer(r);
+}
+
+static enum MHD_Result start_chat(request *r)
+{
+    return start_openai(r, true);
+}
+
+static enum MHD_Result start_completion(request *r)
+{
+    return start_openai(r, false);
+}
+
+/* Submits the parsed r->areq (streamed or not). */
+static enum MHD_Result submit_answer(request *r)
+{
     if (!r->areq.has_seed) /* reported in meta.seed, so any answer can be reproduced */
         r->areq.seed =
             ((uint64_t)fitm_clock_ns() ^ r->h->id_salt) & ((UINT64_C(1) << 53) - 1);
@@ -542,8 +618,9 @@ static enum MHD_Result finish_answer(request *r)
                             res->completion_tokens ? (j->queue_ms + res->first_token_ms) / 1e3
                                                    : -1);
     double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
-    char *json = fitm_api_write_answer(&r->areq, res, r->id, r->h->p.model->name, j->queue_ms,
-                                       total_ms, true);
+    char *json = r->oai ? fitm_api_write_openai(&r->oai_head, res)
+                        : fitm_api_write_answer(&r->areq, res, r->id, r->h->p.model->name,
+                                                j->queue_ms, total_ms, true);
     FITM_LOG(FITM_LOG_DEBUG, r->id, "answer: K %d T %lld generated %lld",
              (int)r->areq.base.n_docs, (long long)res->prompt_tokens,
              (long long)res->completion_tokens);
@@ -571,10 +648,13 @@ static const route_def routes[] = {
     {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
     {"/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
     {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
+    {"/v1/chat/completions", FITM_ROUTE_CHAT, "POST", true, start_chat, finish_answer},
+    {"/v1/completions", FITM_ROUTE_COMPLETIONS, "POST", true, start_completion, finish_answer},
     {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
     {"/openapi.yaml", FITM_ROUTE_OPENAPI, "GET, HEAD", true, handle_openapi, NULL},
+    {"/", FITM_ROUTE_PLAYGROUND, "GET, HEAD", false, handle_playground, NULL},
 };
 
 static const route_def *find_route(const char *path)
@@ -710,9 +790,12 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
     enum MHD_Result refused;
     if (refuse_framing(r, method, version, &refused))
         return refused;
-    if (atomic_load(&r->h->draining))
+    /* Draining: the listener stays open so probes see 503 "draining" (not a refused
+     * connection) while the endpoint is taken out of rotation; new inference is refused with
+     * Retry-After, for the client to retry elsewhere. */
+    if (atomic_load(&r->h->draining) && rd && rd->finish)
         return send_error(r, FITM_ERR_CANCELLED, FITM_API_COND_NONE, NULL,
-                          "the server is shutting down");
+                          "the server is shutting down (draining): retry on another instance");
     if (!rd) {
         char msg[200];
         snprintf(msg, sizeof msg, "no route %.120s", url);
@@ -893,8 +976,10 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
         r->code = FITM_HTTP_CLIENT_LEFT; /* counted as cancelled, whatever was sent */
     if (r->code)
         fitm_metrics_request(r->route, r->code, s);
-    FITM_LOG(FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s", r->method, r->path, r->code,
-             s * 1e3, closed ? " (connection closed)" : "");
+    /* Probes and scrapes come every few seconds: at info they would drown the requests. */
+    bool probe = r->route == FITM_ROUTE_HEALTH || r->route == FITM_ROUTE_METRICS;
+    FITM_LOG(probe ? FITM_LOG_DEBUG : FITM_LOG_INFO, r->id, "%s %s -> %d in %.1f ms%s",
+             r->method, r->path, r->code, s * 1e3, closed ? " (connection closed)" : "");
     *con_cls = NULL;
     if (r->streaming) {
         /* The job may still run: make it stop at its next token, and never wake a
@@ -988,6 +1073,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.max_documents = (int32_t)cfg->max_documents;
     h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
     h->limits.model_name = p->model->name;
+    h->limits.strict_model = !strcmp(cfg->strict_model, "true");
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);
@@ -1017,9 +1103,6 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
 void fitm_http_quiesce(fitm_http *h)
 {
     atomic_store(&h->draining, true);
-    MHD_socket s = MHD_quiesce_daemon(h->d);
-    if (s != MHD_INVALID_SOCKET)
-        close(s);
 }
 
 bool fitm_http_wait_idle(fitm_http *h, int64_t timeout_ms)

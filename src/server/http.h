@@ -3,8 +3,10 @@
  * jobs; a /rerank connection is suspended while its job waits and runs, so HTTP threads never
  * block on the model and /health answers at any time.
  *
- * Routes: POST /rerank, /v1/rerank, /v2/rerank; GET /health, /metrics, /v1/models,
- * /openapi.yaml. Bearer keys (when configured) guard all but /health and /metrics. */
+ * Routes: POST /rerank, /v1/rerank, /v2/rerank, /answer, /v1/answer, /v1/chat/completions,
+ * /v1/completions; GET /health, /metrics, /v1/models, /openapi.yaml, / (the playground).
+ * Bearer keys (when configured) guard all but /health, /metrics and the playground page (which
+ * holds no data; its requests carry the key the user types). */
 #ifndef FITM_HTTP_H
 #define FITM_HTTP_H
 
@@ -45,6 +47,8 @@ typedef struct {
     const fitm_http_model_info *model; /* borrowed                                */
     const char *openapi;             /* the spec served at /openapi.yaml          */
     size_t openapi_len;
+    const char *playground;          /* the HTML page served at /                 */
+    size_t playground_len;
 } fitm_http_params;
 
 typedef struct fitm_http fitm_http;
@@ -52,8 +56,9 @@ typedef struct fitm_http fitm_http;
 /* Binds cfg->host:cfg->port and starts the thread pool (cfg->http_threads). */
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err);
 
-/* Stops accepting connections; requests that still arrive on open connections get 503 with
- * Connection: close. In-flight requests carry on. */
+/* Starts draining: the server keeps listening (Kubernetes probes /health until the endpoint
+ * is gone); /health answers 503 "draining", new inference requests 503 with Retry-After, every
+ * answer closes its connection. In-flight requests carry on. */
 void fitm_http_quiesce(fitm_http *h);
 
 /* Waits up to timeout_ms until no request is open. True when none is. */

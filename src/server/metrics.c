@@ -12,6 +12,8 @@ static const char *route_names[FITM_ROUTE_COUNT] = {
     [FITM_ROUTE_RERANK] = "rerank",   [FITM_ROUTE_HEALTH] = "health",
     [FITM_ROUTE_METRICS] = "metrics", [FITM_ROUTE_MODELS] = "models",
     [FITM_ROUTE_OPENAPI] = "openapi", [FITM_ROUTE_ANSWER] = "answer",
+    [FITM_ROUTE_CHAT] = "chat_completions", [FITM_ROUTE_COMPLETIONS] = "completions",
+    [FITM_ROUTE_PLAYGROUND] = "playground",
     [FITM_ROUTE_OTHER] = "other",
 };
 

@@ -22,6 +22,9 @@ typedef enum {
     FITM_ROUTE_MODELS,
     FITM_ROUTE_OPENAPI,
     FITM_ROUTE_ANSWER,
+    FITM_ROUTE_CHAT,        /* /v1/chat/completions */
+    FITM_ROUTE_COMPLETIONS, /* /v1/completions      */
+    FITM_ROUTE_PLAYGROUND,  /* GET /                */
     FITM_ROUTE_OTHER, /* unknown paths (404s) */
     FITM_ROUTE_COUNT
 } fitm_route;
