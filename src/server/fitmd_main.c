@@ -7,6 +7,7 @@
 #include <libgen.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,13 +18,13 @@
 #include "fitm_config.h"
 
 #include "base/clock.h"
+#include "base/download.h"
 #include "base/log.h"
 #include "model/backend.h"
 #include "model/model.h"
 #include "pipeline/profile.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
-#include "server/download.h"
 #include "server/engine.h"
 #include "server/http.h"
 #include "server/work.h"
@@ -123,6 +124,45 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
     return st;
 }
 
+/* Set on SIGTERM/SIGINT: a model download in progress stops (its .part file stays for the
+ * next start to resume). */
+static atomic_bool stopping;
+
+static bool download_cancelled(void *arg)
+{
+    return atomic_load(&stopping);
+}
+
+/* Download progress: /health's "downloading 42%" and a log line every 5 s. */
+static void download_progress(const fitm_download_progress *p, void *arg)
+{
+    daemon_model *dm = arg;
+    static int64_t last_ns;
+    int pct = p->total > 0 ? (int)(100 * (double)p->done / (double)p->total) : 0;
+    atomic_store(&dm->info->download_pct, p->final ? -1 : pct);
+    int64_t now = fitm_clock_ns();
+    if (p->final || now - last_ns < 5000000000LL)
+        return;
+    last_ns = now;
+    FITM_LOG(FITM_LOG_INFO, NULL, "downloading %s: %d%% (%lld of %lld bytes) at %.1f MB/s, "
+             "%.0f s left", dm->cfg->model, pct, (long long)p->done, (long long)p->total,
+             p->rate / 1e6, p->eta_s);
+}
+
+static fitm_status download_model(daemon_model *dm, fitm_err *err)
+{
+    fitm_download_opts o;
+    fitm_download_opts_init(&o);
+    o.sha256 = dm->cfg->model_sha256;
+    o.progress = download_progress;
+    o.progress_arg = dm;
+    o.cancel = download_cancelled;
+    atomic_store(&dm->info->download_pct, 0);
+    fitm_status st = fitm_download(dm->cfg->model_url, dm->cfg->model, &o, err);
+    atomic_store(&dm->info->download_pct, -1);
+    return st;
+}
+
 static fitm_status model_load(void *ctx, fitm_err *err)
 {
     daemon_model *dm = ctx;
@@ -133,7 +173,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
                             "backend 'cuda' is not built into this fitmd (use auto or cpu)");
     if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
-        (st = fitm_download_file(cfg->model_url, cfg->model, err)) != FITM_OK)
+        (st = download_model(dm, err)) != FITM_OK)
         return st;
     bool copy = !strcmp(cfg->model_load, "copy");
     if ((st = fitm_model_open_mode(&dm->model, cfg->model, copy, err)) != FITM_OK) {
@@ -327,6 +367,7 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
         rc = 1;
         fitm_http_quiesce(http);
     } else {
+        atomic_store(&stopping, true);
         FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
         fitm_http_quiesce(http);
@@ -349,6 +390,7 @@ int main(int argc, char **argv)
     curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
     static fitm_config cfg;
     static fitm_http_model_info info;
+    atomic_init(&info.download_pct, -1);
     int rc = configure(argc, argv, &cfg);
     if (rc < 0)
         rc = describe_model(&cfg, &info);
