@@ -3,7 +3,7 @@
 #   docker run --rm -p 8080:8080 fitm
 # Another model: mount it and set FITM_MODEL, e.g.
 #   docker run --rm -p 8080:8080 -v $PWD/models:/models -e FITM_MODEL=/models/x.gguf fitm
-# The build targets x86-64-v3 (AVX2/FMA) so the image runs on any recent x86 server.
+# The binary picks its SIMD kernels (baseline / AVX2 / AVX-512) at run time: any x86-64 runs it.
 
 FROM debian:bookworm AS build
 RUN apt-get update \
@@ -13,7 +13,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN meson setup /build -Dcuda=disabled -Dcpu_arch=x86-64-v3 --buildtype=release --prefix=/usr/local \
+RUN meson setup /build -Dcuda=disabled --buildtype=release --prefix=/usr/local \
  && ninja -C /build src/fitmd src/fitm \
  && install -D -m 755 /build/src/fitmd /out/usr/local/bin/fitmd \
  && install -D -m 755 /build/src/fitm /out/usr/local/bin/fitm

@@ -18,6 +18,7 @@
 #include "fitm_config.h"
 
 #include "base/clock.h"
+#include "base/cpu.h"
 #include "base/download.h"
 #include "base/log.h"
 #include "model/backend.h"
@@ -418,7 +419,8 @@ int main(int argc, char **argv)
         fitm_engine_destroy(engine);
         return 1;
     }
-    FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s", FITM_VERSION,
-             cfg.host, (long long)cfg.port, cfg.model);
+    FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s, cpu kernels %s",
+             FITM_VERSION, cfg.host, (long long)cfg.port, cfg.model,
+             fitm_cpu_path_name(fitm_cpu_path()));
     return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
 }
