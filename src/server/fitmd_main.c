@@ -21,6 +21,7 @@
 #include "base/cpu.h"
 #include "base/download.h"
 #include "base/log.h"
+#include "base/notify.h"
 #include "model/backend.h"
 #include "model/model.h"
 #include "pipeline/profile.h"
@@ -262,16 +263,43 @@ static void model_unload(void *ctx)
     dm->model = NULL;
 }
 
-/* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0). */
+/* Tells the service manager (base/notify.h; nothing outside one); a failure is logged once. */
+static void notify(const char *state)
+{
+    static bool warned;
+    fitm_err err = {{0}};
+    if (fitm_notify_send(state, &err) != FITM_OK && !warned) {
+        warned = true;
+        FITM_LOG(FITM_LOG_WARN, NULL, "%s", err.msg);
+    }
+}
+
+/* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0).
+ * Meanwhile: READY=1 to the service manager once the model is loaded, and WATCHDOG=1 at half
+ * the interval it asks for while the engine is not broken (a broken backend stops the pings,
+ * so the manager restarts the daemon). */
 static int wait_for_signal(const sigset_t *set, fitm_engine *e)
 {
+    const double watchdog_ms = (double)fitm_notify_watchdog_usec() / 2000.0;
+    double last_ping = fitm_clock_ms();
+    bool ready = false;
     for (;;) {
         struct timespec ts = {0, 200 * 1000 * 1000};
         int sig = sigtimedwait(set, NULL, &ts);
         if (sig > 0)
             return sig;
-        if (fitm_engine_get_state(e, NULL) == FITM_ENGINE_FAILED)
+        fitm_engine_state st = fitm_engine_get_state(e, NULL);
+        if (st == FITM_ENGINE_FAILED)
             return 0;
+        if (!ready && st == FITM_ENGINE_READY) {
+            ready = true;
+            notify("READY=1\nSTATUS=ready");
+        }
+        if (watchdog_ms > 0 && st != FITM_ENGINE_BROKEN &&
+            fitm_clock_ms() - last_ping >= watchdog_ms) {
+            last_ping = fitm_clock_ms();
+            notify("WATCHDOG=1");
+        }
     }
 }
 
@@ -369,6 +397,7 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
         fitm_http_quiesce(http);
     } else {
         atomic_store(&stopping, true);
+        notify("STOPPING=1\nSTATUS=draining");
         FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
         fitm_http_quiesce(http);
