@@ -214,6 +214,11 @@ def test_probes_ports_and_drain_agree_with_fitmd(rendered):
         assert c["args"] == [f"--config={mount['mountPath']}/fitmd.conf"] and mount["readOnly"]
         (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
         assert vol["configMap"]["name"] == the(objs, "ConfigMap")["metadata"]["name"]
+        # the image's environment beats the file: the two must agree
+        image_env = dict(re.findall(r"(FITM_\w+)=(\S+)", dockerfile()[
+            dockerfile().rindex("FROM run-${TARGET}"):]))
+        for var, name in (("FITM_HOST", "host"), ("FITM_PORT", "port"), ("FITM_MODEL", "model")):
+            assert image_env[var] == conf[name], (var, image_env[var], conf[name])
         # requests set (the scheduler and the HPA's utilisation need them)
         assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
 
