@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/cpu.h"
 #include "model/backend.h"
 #include "model/forward.h"
 #include "model/kv.h"
@@ -136,7 +137,7 @@ int main(int argc, char **argv)
            c->n_ff, c->n_vocab, c->n_swa);
     for (int32_t l = 0; l < c->n_layer; l++)
         printf("%s%d", l ? "," : "", fitm_model_layer(m, l)->local ? 1 : 0);
-    printf("]}\n");
+    printf("],\"cpu\":\"%s\"}\n", fitm_cpu_path_name(fitm_cpu_path()));
     fflush(stdout);
 
     int64_t *ids64 = malloc(MAX_LIST * sizeof *ids64);

@@ -2,8 +2,9 @@
  *  - fp16 and bf16 conversions: every one of the 65536 bit patterns each way against
  *    references written here from the format definitions (value from fields; nearest value by
  *    search over the sorted representable values), midpoints and random floats, inf/NaN;
- *    the F16C instructions where the build has them;
- *  - the vectorised paths against the scalar ones (dequantization bit-exact, dots within
+ *    the F16C instructions where the CPU has them;
+ *  - the vectorised paths (the one base/cpu.h picks, or FITM_CPU forces: tests/meson.build
+ *    runs this once per path) against the scalar ones (dequantization bit-exact, dots within
  *    float rounding) on random blocks and odd lengths;
  *  - matvec == per-row dot and writes only its rows; matmul (dequantized tiles + BLAS)
  *    against matvec on the same activation values;
@@ -16,12 +17,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/cpu.h"
 #include "check.h"
 #include "compute/quant.h"
 #include "compute/quant_internal.h"
 
-#if FITM_QUANT_SIMD
+#if FITM_QUANT_X86
 #include <immintrin.h>
+/* The hardware's conversions, as references where the CPU has them (have_f16c). */
+static bool have_f16c;
+__attribute__((target("f16c"))) static uint16_t f16c_from_f32(float f)
+{
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+}
+__attribute__((target("f16c"))) static float f16c_to_f32(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
 #endif
 
 static uint64_t rng_state;
@@ -131,9 +143,11 @@ static void check_to_half(float f)
     } else {
         CHECK(got == want, "fp16(%a = %08x) = %04x, want %04x", f, fbits(f), got, want);
     }
-#if FITM_QUANT_SIMD
-    uint16_t hw = (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-    CHECK(got == hw, "fp16(%08x) = %04x, F16C says %04x", fbits(f), got, hw);
+#if FITM_QUANT_X86
+    if (have_f16c) {
+        uint16_t hw = f16c_from_f32(f);
+        CHECK(got == hw, "fp16(%08x) = %04x, F16C says %04x", fbits(f), got, hw);
+    }
 #endif
 }
 
@@ -160,8 +174,9 @@ static void test_conversions(void)
         } else {
             CHECK((double)got == want && !signbit(got) == !signbit(want), "fp16->fp32 %04x", h);
         }
-#if FITM_QUANT_SIMD
-        CHECK(fbits(got) == fbits(_cvtsh_ss((unsigned short)h)), "fp16 %04x vs F16C", h);
+#if FITM_QUANT_X86
+        if (have_f16c)
+            CHECK(fbits(got) == fbits(f16c_to_f32((uint16_t)h)), "fp16 %04x vs F16C", h);
 #endif
         double wb = ref_bf16_value((uint16_t)h);
         float gb = fitm_bf16_to_fp32((uint16_t)h);
@@ -496,6 +511,15 @@ int main(void)
 {
     const char *seed = getenv("FITM_TEST_SEED");
     rng_state = seed ? strtoull(seed, NULL, 0) : 0x5eedf00dull;
+    const char *forced = getenv("FITM_CPU");
+    int want = forced ? fitm_cpu_parse_path(forced) : -1;
+    if (want >= 0 && !fitm_cpu_supports((fitm_cpu_path_id)want)) {
+        printf("SKIP test_quant: this CPU has no %s path\n", forced);
+        return 77;
+    }
+#if FITM_QUANT_X86
+    have_f16c = fitm_cpu_supports(FITM_CPU_AVX2);
+#endif
     fitm_quant_blas_single_thread();
     test_conversions();
     test_paths();
@@ -505,6 +529,6 @@ int main(void)
         fprintf(stderr, "test_quant: %d failures\n", failures);
         return 1;
     }
-    printf("test_quant: ok (simd %s)\n", FITM_QUANT_SIMD ? "on" : "off");
+    printf("test_quant: ok (path %s)\n", fitm_cpu_path_name(fitm_cpu_path()));
     return 0;
 }

@@ -10,5 +10,6 @@ int fitm_cli_mkmodel(int argc, char **argv); /* cli_mkmodel.c: write a tiny rand
 int fitm_cli_inspect(int argc, char **argv); /* cli_inspect.c: what a GGUF file holds */
 int fitm_cli_generate(int argc, char **argv); /* cli_generate.c: greedy continuation */
 int fitm_cli_tokenize(int argc, char **argv); /* cli_tokenize.c: text -> token ids (and back) */
+int fitm_cli_pull(int argc, char **argv); /* cli_pull.c: download a model, resumably */
 
 #endif

@@ -15,6 +15,7 @@ static const struct {
     {"mkmodel", fitm_cli_mkmodel, "write a tiny random GGUF model (llama, qwen2, gemma3)"},
     {"tokenize", fitm_cli_tokenize, "print the token ids of a text (or, with --decode, the text of ids)"},
     {"generate", fitm_cli_generate, "greedy continuation of a prompt (text or --ids)"},
+    {"pull", fitm_cli_pull, "download a model over http(s): resumes, retries, checks --sha256"},
     {NULL, NULL, NULL},
 };
 

@@ -1,14 +1,16 @@
 /* quant: the entry points of quant.h: which formats exist, and the row / matvec / matmul
- * drivers that pick the vectorised kernels (quant_x86.c) when built in and the scalar ones
- * (quant_scalar.c) otherwise. Block layouts: see quant_internal.h. */
+ * drivers that call the vectorised kernels of the process's SIMD path (quant_x86.c, built per
+ * path; base/cpu.h) and the scalar ones (quant_scalar.c) on the baseline path. Block layouts: see quant_internal.h. */
 #include "compute/quant.h"
 
 #include <assert.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include <cblas.h>
 
+#include "base/cpu.h"
 #include "compute/quant_internal.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -48,21 +50,51 @@ fitm_dtype fitm_quant_vec_dtype(fitm_dtype t)
     }
 }
 
+/* The SIMD path of this process (base/cpu.h), read once: every call below branches on it, a
+ * predictable branch on a constant, against one dot product or one row (bench_quant: no
+ * measurable cost). */
+static fitm_cpu_path_id simd_path(void)
+{
+    static _Atomic int path = -1;
+    int p = atomic_load_explicit(&path, memory_order_relaxed);
+    if (p < 0) {
+        p = FITM_QUANT_X86 ? (int)fitm_cpu_path() : FITM_CPU_BASELINE;
+        atomic_store_explicit(&path, p, memory_order_relaxed);
+    }
+    return (fitm_cpu_path_id)p;
+}
+
 void fitm_dequant_row(fitm_dtype t, const void *src, float *dst, int64_t n)
 {
-#if FITM_QUANT_SIMD
-    fitm_quant_dequant_row_simd(t, src, dst, n);
-#else
-    fitm_quant_dequant_row_scalar(t, src, dst, n);
+#if FITM_QUANT_X86
+    switch (simd_path()) {
+    case FITM_CPU_AVX512:
+        fitm_quant_dequant_row_avx512(t, src, dst, n);
+        return;
+    case FITM_CPU_AVX2:
+        fitm_quant_dequant_row_avx2(t, src, dst, n);
+        return;
+    default:
+        break;
+    }
 #endif
+    fitm_quant_dequant_row_scalar(t, src, dst, n);
 }
 
 void fitm_quant_row(fitm_dtype t, const float *src, void *dst, int64_t n)
 {
-#if FITM_QUANT_SIMD
+#if FITM_QUANT_X86
     if (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q8_K) { /* activations: once per matvec */
-        fitm_quant_quant_row_simd(t, src, dst, n);
-        return;
+        switch (simd_path()) {
+        case FITM_CPU_AVX512:
+            fitm_quant_quant_row_avx512(t, src, dst, n);
+            return;
+        case FITM_CPU_AVX2:
+            fitm_quant_quant_row_avx2(t, src, dst, n);
+            return;
+        default:
+            break;
+        }
     }
 #endif
     fitm_quant_quant_row_scalar(t, src, dst, n);
@@ -70,11 +102,17 @@ void fitm_quant_row(fitm_dtype t, const float *src, void *dst, int64_t n)
 
 float fitm_quant_dot(fitm_dtype t, const void *w_row, const void *x_q, int64_t n)
 {
-#if FITM_QUANT_SIMD
-    return fitm_quant_dot_simd(t, w_row, x_q, n);
-#else
-    return fitm_quant_dot_scalar(t, w_row, x_q, n);
+#if FITM_QUANT_X86
+    switch (simd_path()) {
+    case FITM_CPU_AVX512:
+        return fitm_quant_dot_avx512(t, w_row, x_q, n);
+    case FITM_CPU_AVX2:
+        return fitm_quant_dot_avx2(t, w_row, x_q, n);
+    default:
+        break;
+    }
 #endif
+    return fitm_quant_dot_scalar(t, w_row, x_q, n);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -86,12 +124,20 @@ void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float 
     const size_t rb = fitm_dtype_row_bytes(t, K);
     assert(rb > 0);
     const uint8_t *w = (const uint8_t *)W + (size_t)n0 * rb;
-#if FITM_QUANT_SIMD
-    fitm_quant_matvec_simd(t, w, rb, K, x_q, y + n0, n1 - n0);
-#else
+#if FITM_QUANT_X86
+    switch (simd_path()) {
+    case FITM_CPU_AVX512:
+        fitm_quant_matvec_avx512(t, w, rb, K, x_q, y + n0, n1 - n0);
+        return;
+    case FITM_CPU_AVX2:
+        fitm_quant_matvec_avx2(t, w, rb, K, x_q, y + n0, n1 - n0);
+        return;
+    default:
+        break;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++, w += rb)
         y[n] = fitm_quant_dot_scalar(t, w, x_q, K);
-#endif
 }
 
 /* Rows of W dequantized per sgemm call. Measured (bench_quant, M = 512, one thread): 32 rows

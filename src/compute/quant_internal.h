@@ -95,24 +95,25 @@ void fitm_quant_dequant_row_scalar(fitm_dtype t, const void *src, float *dst, in
 void fitm_quant_quant_row_scalar(fitm_dtype t, const float *src, void *dst, int64_t n);
 float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
 
-/* Vectorised paths (quant_x86.c), compiled in when FITM_QUANT_SIMD is 1 (AVX2 with FMA and
- * F16C); otherwise they do not exist and quant.c uses the scalar paths. The dequantizer is
- * bit-exact with the scalar one; the dots differ from the scalar ones only in float summation
- * order (the integer block sums are identical). */
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define FITM_QUANT_SIMD 1
+/* Vectorised paths (quant_x86.c), x86-64 only, compiled once per SIMD path of base/cpu.h
+ * (src/compute/meson.build: -march=x86-64-v3 with FITM_SIMD_SUFFIX=avx2, x86-64-v4 + VNNI with
+ * avx512); quant.c calls the one fitm_cpu_path() names, or the scalar paths for baseline. The
+ * dequantizer is bit-exact with the scalar one; the dots differ from the scalar ones only in
+ * float summation order (the integer block sums are identical). */
+#if defined(__x86_64__)
+#define FITM_QUANT_X86 1
+#define FITM_QUANT_SIMD_DECL(sfx)                                                                  \
+    float fitm_quant_dot_##sfx(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);      \
+    void fitm_quant_dequant_row_##sfx(fitm_dtype t, const void *src, float *dst, int64_t n);      \
+    /* Q8_0 and Q8_K only (the activation types); bytes identical to the scalar one's. */        \
+    void fitm_quant_quant_row_##sfx(fitm_dtype t, const float *src, void *dst, int64_t n);        \
+    /* y[r] = dot(row r, x_q) for r in [0, n_rows), rows row_bytes apart starting at w. */        \
+    void fitm_quant_matvec_##sfx(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,     \
+                                 const void *x_q, float *y, int64_t n_rows);
+FITM_QUANT_SIMD_DECL(avx2)
+FITM_QUANT_SIMD_DECL(avx512)
 #else
-#define FITM_QUANT_SIMD 0
-#endif
-
-#if FITM_QUANT_SIMD
-float fitm_quant_dot_simd(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
-void fitm_quant_dequant_row_simd(fitm_dtype t, const void *src, float *dst, int64_t n);
-/* Q8_0 and Q8_K only (the activation types); bytes identical to the scalar quantizer's. */
-void fitm_quant_quant_row_simd(fitm_dtype t, const float *src, void *dst, int64_t n);
-/* y[r] = dot(row r, x_q) for r in [0, n_rows), rows row_bytes apart starting at w. */
-void fitm_quant_matvec_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
-                            const void *x_q, float *y, int64_t n_rows);
+#define FITM_QUANT_X86 0
 #endif
 
 #endif

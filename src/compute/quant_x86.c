@@ -1,13 +1,14 @@
 /* quant_x86: AVX2/FMA/F16C dot products, matvec, dequantizers and activation quantizers.
- * Compiled to nothing unless the build targets such a CPU (FITM_QUANT_SIMD, see
- * quant_internal.h). Optional extras on the same 256-bit vectors where the build targets
+ * Compiled once per SIMD path of base/cpu.h (src/compute/meson.build): with -march=x86-64-v3
+ * as the fitm_quant_*_avx2 functions and with -march=x86-64-v4 -mavx512vnni as
+ * fitm_quant_*_avx512; quant.c calls the path the CPU has. Optional extras on the same 256-bit vectors where the build targets
  * them: AVX-VNNI or AVX512-VNNI + VL (one vpdpbusd instead of vpmaddubsw + vpmaddwd; the
  * results are identical because no pmaddubsw pair below can saturate: |pair| <= 2 * 128 *
  * 127 < 32768 for the value ranges each caller feeds it) and AVX512BW + VL (mask registers
  * for Q5_0's fifth bits, a variable shift for nibbles). Where the build targets AVX512F/BW/
  * DQ/VNNI, the Q8_0 and Q5_0 dots (most of a Gemma 3 decode step) run on 512-bit vectors, two
- * blocks per vector (FITM_DOT512). tests/meson.build also builds the
- * unit test for plain AVX2 (x86-64-v3) and without SIMD, so every path is checked.
+ * blocks per vector (FITM_DOT512). tests/meson.build runs the unit test
+ * once per path the machine has (FITM_CPU), so every path is checked.
  *
  * Layouts: quant_internal.h. Every integer block sum equals the scalar path's; only float
  * accumulation order differs. The dequantizers and quantizers use the scalar path's exact
@@ -15,7 +16,16 @@
 #include "compute/quant.h"
 #include "compute/quant_internal.h"
 
-#if FITM_QUANT_SIMD
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || !defined(FITM_SIMD_SUFFIX)
+#error "quant_x86.c is built once per SIMD path, with its -march and FITM_SIMD_SUFFIX"
+#endif
+#define SIMD_CAT_(a, b) a##_##b
+#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
+/* this object's names of the quant_internal.h entry points */
+#define fitm_quant_dot_simd SIMD_CAT(fitm_quant_dot, FITM_SIMD_SUFFIX)
+#define fitm_quant_dequant_row_simd SIMD_CAT(fitm_quant_dequant_row, FITM_SIMD_SUFFIX)
+#define fitm_quant_quant_row_simd SIMD_CAT(fitm_quant_quant_row, FITM_SIMD_SUFFIX)
+#define fitm_quant_matvec_simd SIMD_CAT(fitm_quant_matvec, FITM_SIMD_SUFFIX)
 
 #include <immintrin.h>
 #include <string.h>
@@ -758,8 +768,3 @@ void fitm_quant_quant_row_simd(fitm_dtype t, const float *src, void *dst, int64_
     }
     fitm_quant_quant_row_scalar(t, src, dst, n);
 }
-
-#else
-/* ISO C forbids an empty translation unit. */
-typedef int fitm_quant_x86_unused;
-#endif

@@ -2,7 +2,14 @@
  * dot products; fixed-order products over float tiles), attention with fixed-order kernels,
  * all split across a thread pool: matrix products by output rows, attention by (head, query
  * tile), row-wise ops by rows. Every output element is summed in an order independent of the
- * batch size and of how the work is split (see is_float_type and the attention section). */
+ * batch size and of how the work is split (see is_float_type and the attention section).
+ *
+ * Built once per SIMD path of base/cpu.h (src/model/meson.build gives each object its -march
+ * and FITM_CPU_SUFFIX): fitm_backend_cpu_create_baseline/_avx2/_avx512, of which
+ * backend_cpu_select.c calls the one the process runs. */
+#ifndef FITM_CPU_SUFFIX
+#error "backend_cpu.c is built once per SIMD path, with its -march and FITM_CPU_SUFFIX"
+#endif
 #include <assert.h>
 #if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -306,8 +313,10 @@ static void cpu_softcap(fitm_backend *b, float *x, int64_t n, float cap)
 
 /* ---- fixed-order dot products ------------------------------------------------------------ */
 
-/* Vector width: 16 floats where the build targets AVX-512 (full-width FMA units on current
- * x86 cores), 8 otherwise. Fixed at compile time, so one binary always sums the same way. */
+/* Vector width: 16 floats in the avx512 object (full-width FMA units on current x86 cores), 8
+ * otherwise. Fixed per object, and the object fixed per process (base/cpu.h), so a binary on
+ * one machine always sums the same way; the paths differ from each other in the last bits
+ * (16 or 8 lanes; FMA or a rounded multiply then add in the baseline object). */
 #if defined(__AVX512F__)
 #define VW 16
 #else
@@ -878,7 +887,13 @@ static const fitm_backend_ops cpu_ops = {
     .attention = cpu_attention,
 };
 
-fitm_status fitm_backend_cpu_create(fitm_backend **out, int n_threads, fitm_err *err)
+#define CPU_CAT_(a, b) a##_##b
+#define CPU_CAT(a, b) CPU_CAT_(a, b)
+
+fitm_status CPU_CAT(fitm_backend_cpu_create, FITM_CPU_SUFFIX)(fitm_backend **out, int n_threads,
+                                                              fitm_err *err);
+fitm_status CPU_CAT(fitm_backend_cpu_create, FITM_CPU_SUFFIX)(fitm_backend **out, int n_threads,
+                                                              fitm_err *err)
 {
     *out = NULL;
     cpu_backend *c = calloc(1, sizeof *c);
@@ -893,10 +908,4 @@ fitm_status fitm_backend_cpu_create(fitm_backend **out, int n_threads, fitm_err 
     c->n_threads = n_threads;
     *out = &c->base;
     return FITM_OK;
-}
-
-void fitm_backend_destroy(fitm_backend *b)
-{
-    if (b)
-        b->ops->destroy(b);
 }

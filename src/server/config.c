@@ -30,7 +30,11 @@ static const opt opts[] = {
      "path of the GGUF model file to serve (required; model_url downloads to it)"},
     {"model_url", STR(model_url), "", 0, 0, NULL,
      "http(s) URL to download the model from when the model path does not exist yet "
-     "(on the engine thread: /health is 503 until it is done)"},
+     "(on the engine thread: /health is 503, \"downloading N%\", until it is done; resumes "
+     "and retries after network faults)"},
+    {"model_sha256", STR(model_sha256), "", 0, 0, NULL,
+     "SHA-256 of the file model_url serves (64 hex digits), checked before the download "
+     "becomes the model file; empty = not checked"},
     {"model_load", ENUM(model_load), "mmap", 0, 0, "mmap|copy",
      "mmap: map the weights from the file (it must not change while served); copy: read them "
      "into private memory (llama.cpp's --no-mmap), for files replaced in place"},

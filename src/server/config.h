@@ -19,6 +19,7 @@
 typedef struct {
     char model[FITM_CONFIG_STR_BYTES];     /* local GGUF path                          */
     char model_url[FITM_CONFIG_STR_BYTES]; /* downloaded to model when that is missing */
+    char model_sha256[72];                 /* model_url's expected digest; "" = unchecked */
     char model_load[8];                    /* mmap | copy                               */
     char model_name[128];                  /* id reported by /v1/models; "" = file name */
     char strict_model[8];                  /* true: refuse requests naming another model */

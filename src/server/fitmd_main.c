@@ -7,6 +7,7 @@
 #include <libgen.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,14 +18,16 @@
 #include "fitm_config.h"
 
 #include "base/clock.h"
+#include "base/cpu.h"
+#include "base/download.h"
 #include "base/log.h"
+#include "base/notify.h"
 #include "model/backend.h"
 #include "model/model.h"
 #include "pipeline/profile.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
 #include "server/cpus.h"
-#include "server/download.h"
 #include "server/engine.h"
 #include "server/http.h"
 #include "server/work.h"
@@ -142,6 +145,45 @@ static void prefix_once(fitm_err *err, const char *what, const char *path)
     fitm_err_prefix(err, "%s %s", what, path);
 }
 
+/* Set on SIGTERM/SIGINT: a model download in progress stops (its .part file stays for the
+ * next start to resume). */
+static atomic_bool stopping;
+
+static bool download_cancelled(void *arg)
+{
+    return atomic_load(&stopping);
+}
+
+/* Download progress: /health's "downloading 42%" and a log line every 5 s. */
+static void download_progress(const fitm_download_progress *p, void *arg)
+{
+    daemon_model *dm = arg;
+    static int64_t last_ns;
+    int pct = p->total > 0 ? (int)(100 * (double)p->done / (double)p->total) : 0;
+    atomic_store(&dm->info->download_pct, p->final ? -1 : pct);
+    int64_t now = fitm_clock_ns();
+    if (p->final || now - last_ns < 5000000000LL)
+        return;
+    last_ns = now;
+    FITM_LOG(FITM_LOG_INFO, NULL, "downloading %s: %d%% (%lld of %lld bytes) at %.1f MB/s, "
+             "%.0f s left", dm->cfg->model, pct, (long long)p->done, (long long)p->total,
+             p->rate / 1e6, p->eta_s);
+}
+
+static fitm_status download_model(daemon_model *dm, fitm_err *err)
+{
+    fitm_download_opts o;
+    fitm_download_opts_init(&o);
+    o.sha256 = dm->cfg->model_sha256;
+    o.progress = download_progress;
+    o.progress_arg = dm;
+    o.cancel = download_cancelled;
+    atomic_store(&dm->info->download_pct, 0);
+    fitm_status st = fitm_download(dm->cfg->model_url, dm->cfg->model, &o, err);
+    atomic_store(&dm->info->download_pct, -1);
+    return st;
+}
+
 static fitm_status model_load(void *ctx, fitm_err *err)
 {
     daemon_model *dm = ctx;
@@ -152,7 +194,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
                             "backend 'cuda' is not built into this fitmd (use auto or cpu)");
     if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
-        (st = fitm_download_file(cfg->model_url, cfg->model, err)) != FITM_OK)
+        (st = download_model(dm, err)) != FITM_OK)
         return st;
     bool copy = !strcmp(cfg->model_load, "copy");
     if ((st = fitm_model_open_mode(&dm->model, cfg->model, copy, err)) != FITM_OK) {
@@ -249,16 +291,43 @@ static void model_unload(void *ctx)
     dm->model = NULL;
 }
 
-/* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0). */
+/* Tells the service manager (base/notify.h; nothing outside one); a failure is logged once. */
+static void notify(const char *state)
+{
+    static bool warned;
+    fitm_err err = {{0}};
+    if (fitm_notify_send(state, &err) != FITM_OK && !warned) {
+        warned = true;
+        FITM_LOG(FITM_LOG_WARN, NULL, "%s", err.msg);
+    }
+}
+
+/* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0).
+ * Meanwhile: READY=1 to the service manager once the model is loaded, and WATCHDOG=1 at half
+ * the interval it asks for while the engine is not broken (a broken backend stops the pings,
+ * so the manager restarts the daemon). */
 static int wait_for_signal(const sigset_t *set, fitm_engine *e)
 {
+    const double watchdog_ms = (double)fitm_notify_watchdog_usec() / 2000.0;
+    double last_ping = fitm_clock_ms();
+    bool ready = false;
     for (;;) {
         struct timespec ts = {0, 200 * 1000 * 1000};
         int sig = sigtimedwait(set, NULL, &ts);
         if (sig > 0)
             return sig;
-        if (fitm_engine_get_state(e, NULL) == FITM_ENGINE_FAILED)
+        fitm_engine_state st = fitm_engine_get_state(e, NULL);
+        if (st == FITM_ENGINE_FAILED)
             return 0;
+        if (!ready && st == FITM_ENGINE_READY) {
+            ready = true;
+            notify("READY=1\nSTATUS=ready");
+        }
+        if (watchdog_ms > 0 && st != FITM_ENGINE_BROKEN &&
+            fitm_clock_ms() - last_ping >= watchdog_ms) {
+            last_ping = fitm_clock_ms();
+            notify("WATCHDOG=1");
+        }
     }
 }
 
@@ -355,6 +424,8 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
         rc = 1;
         fitm_http_quiesce(http);
     } else {
+        atomic_store(&stopping, true);
+        notify("STOPPING=1\nSTATUS=draining");
         FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
         fitm_http_quiesce(http);
@@ -382,6 +453,7 @@ int main(int argc, char **argv)
     curl_global_init(CURL_GLOBAL_DEFAULT); /* before any thread starts */
     static fitm_config cfg;
     static fitm_http_model_info info;
+    atomic_init(&info.download_pct, -1);
     int rc = configure(argc, argv, &cfg);
     if (rc < 0)
         rc = describe_model(&cfg, &info);
@@ -411,7 +483,8 @@ int main(int argc, char **argv)
         fitm_engine_destroy(engine);
         return 1;
     }
-    FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s", FITM_VERSION,
-             cfg.host, (long long)cfg.port, cfg.model);
+    FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s, cpu kernels %s",
+             FITM_VERSION, cfg.host, (long long)cfg.port, cfg.model,
+             fitm_cpu_path_name(fitm_cpu_path()));
     return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
 }

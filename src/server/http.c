@@ -241,8 +241,15 @@ static enum MHD_Result handle_health(request *r)
                                          "error", "the model file changed on disk since it was "
                                                   "loaded (size, mtime or inode): restart fitmd"));
         return send_json(r, 200, fitm_api_write_health("ok", NULL));
-    case FITM_ENGINE_LOADING:
-        return send_json(r, 503, fitm_api_write_health("loading", "the model is loading"));
+    case FITM_ENGINE_LOADING: {
+        int pct = atomic_load(&r->h->p.model->download_pct);
+        char what[32];
+        if (pct >= 0)
+            snprintf(what, sizeof what, "downloading %d%%", pct);
+        return send_json(r, 503, fitm_api_write_health("loading", pct >= 0
+                                                                      ? what
+                                                                      : "the model is loading"));
+    }
     case FITM_ENGINE_FAILED:
     case FITM_ENGINE_BROKEN:
         break;

