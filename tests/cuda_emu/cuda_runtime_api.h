@@ -104,6 +104,10 @@ int fitm_emu_device_count(void);
  * "malloc" or "launch". */
 void fitm_emu_inject_error(const char *kind, cudaError_t e);
 
+/* Environment: FITM_CUDA_EMU_DEVICES (above); FITM_CUDA_EMU_FAIL_LAUNCH_IF=PATH: while PATH
+ * exists, the next launch fails with cudaErrorLaunchFailure and removes PATH (one failure per
+ * file created, for tests that drive a whole process). */
+
 #ifdef __cplusplus
 }
 #endif
