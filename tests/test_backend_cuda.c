@@ -33,6 +33,7 @@
 #include "check.h"
 #include "gguf/gguf_writer.h"
 #include "kernels.h"
+#include "model/backend_check.h"
 #include "model/backend_cuda.h"
 #include "model/forward.h"
 #include "model/genmodel.h"
@@ -220,6 +221,12 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
     free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg);
     runner_close(&rc);
     runner_close(&rg);
+    /* fitmd's start-up self-test passes on this model (its bounds, backend_check.c, are looser
+     * than the ones above: they must hold for 30-layer models too) */
+    fitm_backend_check_report rep;
+    CHECK(fitm_backend_check(m, cpu, gpu, &rep, &err) == FITM_OK, "%s: %s", what, err.msg);
+    printf("%-16s start-up check: logits %.2e  attention %.2e\n", what, rep.logit_err,
+           rep.prob_err);
     fitm_model_close(m);
     free(buf);
 }

@@ -39,6 +39,7 @@ typedef struct {
     int rc;      /* first error of the pass (a cudaError_t value), 0 none */
     bool sticky; /* rc left the context unusable */
     char what[96];
+    char device[320]; /* name, compute capability, memory: for the log */
     dev_weight *w; /* sorted by host */
     size_t n_w;
     grow_buf tmp_w[2], ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass, cap_probs;
@@ -494,6 +495,22 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
         free(c);
         return fitm_cuda_status(rc, err, "CUDA backend: creating a stream");
     }
+    struct cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
+        snprintf(c->device, sizeof c->device, "%.256s (sm_%d%d, %zu MiB)", p.name, p.major,
+                 p.minor, p.totalGlobalMem >> 20);
+    else
+        snprintf(c->device, sizeof c->device, "CUDA device %d", device);
     *out = &c->base;
     return FITM_OK;
+}
+
+int fitm_backend_cuda_device_count(void)
+{
+    return fitm_cuda_device_count();
+}
+
+const char *fitm_backend_cuda_device(const fitm_backend *b)
+{
+    return ((const cuda_backend *)b)->device;
 }
