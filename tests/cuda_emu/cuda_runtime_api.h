@@ -35,7 +35,8 @@ typedef enum cudaError {
     cudaErrorMisalignedAddress = 716,
     cudaErrorInvalidAddressSpace = 717,
     cudaErrorInvalidPc = 718,
-    cudaErrorLaunchFailure = 719
+    cudaErrorLaunchFailure = 719,
+    cudaErrorUnknown = 999
 } cudaError_t;
 
 typedef enum cudaMemcpyKind {

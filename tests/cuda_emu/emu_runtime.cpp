@@ -251,12 +251,21 @@ bool launch_fails_by_file(void)
     return path && *path && unlink(path) == 0;
 }
 
+cudaError_t fitm_emu_set_error(cudaError_t e)
+{
+    return set_error(e);
+}
+
+cudaError_t fitm_emu_take_launch_failure(void)
+{
+    const cudaError_t inj = take_injected(&injected_launch);
+    return inj == cudaSuccess && launch_fails_by_file() ? cudaErrorLaunchFailure : inj;
+}
+
 void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (*entry)(void *),
                   void *ctx)
 {
-    cudaError_t inj = take_injected(&injected_launch);
-    if (inj == cudaSuccess && launch_fails_by_file())
-        inj = cudaErrorLaunchFailure;
+    const cudaError_t inj = fitm_emu_take_launch_failure();
     if (inj != cudaSuccess) {
         set_error(inj);
         return;
@@ -393,6 +402,7 @@ const char *cudaGetErrorName(cudaError_t e)
         NAME(cudaErrorInvalidAddressSpace)
         NAME(cudaErrorInvalidPc)
         NAME(cudaErrorLaunchFailure)
+        NAME(cudaErrorUnknown)
 #undef NAME
     }
     return "cudaErrorUnknown";
