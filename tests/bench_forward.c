@@ -1,9 +1,12 @@
-/* bench_forward: CPU forward-pass speed, as llama-bench measures it (pp = prefill of P tokens
+/* bench_forward: forward-pass speed, as llama-bench measures it (pp = prefill of P tokens
  * in one batch, tg = N single-token decode steps from an empty cache), next to the machine's
  * own sgemm ceiling measured in the same process, plus resident memory after loading.
  *
- *   bench_forward -m MODEL [-t THREADS] [-p 512] [-n 128] [-r REPS]
+ *   bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] [-n 128] [-r REPS]
  *                 [--ref-pp TOK_S] [--ref-tg TOK_S]   (e.g. llama-bench's figures, for ratios)
+ *
+ * -b cuda (a CUDA build) runs on device 0; the sgemm ceiling stays the CPU's, so for the GPU's
+ * limits see tests/bench_cuda.py, which runs this.
  *
  * Prints best and median tok/s over the REPS runs (llama-bench prints mean +- stddev) in a
  * table; never fails on speed (benchmarks measure, tests assert). */
@@ -15,10 +18,14 @@
 
 #include "base/pool.h"
 #include "compute/quant.h"
+#include "fitm_config.h"
 #include "model/backend.h"
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
+#if FITM_HAVE_CUDA
+#include "model/backend_cuda.h"
+#endif
 
 static double now_s(void)
 {
@@ -103,13 +110,15 @@ static double sgemm_gflops(fitm_pool *pool, int threads)
 
 int main(int argc, char **argv)
 {
-    const char *path = NULL;
+    const char *path = NULL, *backend = "cpu";
     int threads = 2, reps = 3;
     long n_pp = 512, n_tg = 128;
     double ref_pp = 0.0, ref_tg = 0.0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc)
             path = argv[++i];
+        else if (!strcmp(argv[i], "-b") && i + 1 < argc)
+            backend = argv[++i];
         else if (!strcmp(argv[i], "-t") && i + 1 < argc)
             threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-p") && i + 1 < argc)
@@ -123,8 +132,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--ref-tg") && i + 1 < argc)
             ref_tg = atof(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_forward -m MODEL [-t THREADS] [-p 512] [-n 128] [-r 3] "
-                            "[--ref-pp TOK_S] [--ref-tg TOK_S]\n");
+            fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
+                            "[-n 128] [-r 3] [--ref-pp TOK_S] [--ref-tg TOK_S]\n");
             return 2;
         }
     }
@@ -144,8 +153,14 @@ int main(int argc, char **argv)
     fitm_status s = fitm_model_open(&m, path, &err);
     const fitm_model_config *c = s ? NULL : fitm_model_config_of(m);
     fitm_forward_params fp = {n_pp, n_ctx, 1};
-    if (!s)
+    if (!s && !strcmp(backend, "cpu"))
         s = fitm_backend_cpu_create(&b, threads, &err);
+#if FITM_HAVE_CUDA
+    else if (!s && !strcmp(backend, "cuda"))
+        s = fitm_backend_cuda_create(&b, 0, &err);
+#endif
+    else if (!s)
+        s = fitm_err_set(&err, FITM_ERR_INVALID, "backend '%s' is not in this build", backend);
     if (!s)
         s = fitm_forward_create(&fw, m, b, &fp, &err);
     if (!s)
@@ -225,28 +240,32 @@ int main(int argc, char **argv)
     double file_mib = fitm_gguf_file_bytes(fitm_model_gguf(m)) / 1048576.0;
     double kv_mib = fitm_kv_bytes(kv) / 1048576.0;
 
-    printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %d threads, %d runs\n",
+    printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %s backend, %d "
+           "threads, %d runs\n",
            path, fitm_arch_name(c->arch), c->n_layer, c->n_embd, c->n_head, c->n_head_kv,
-           c->head_dim, c->n_ff, c->n_vocab, threads, reps);
-    printf("| test                        | tok/s best | tok/s median |   GFLOP/s | vs sgemm ceiling | vs reference |\n");
-    printf("| --------------------------- | ---------: | -----------: | --------: | ---------------: | -----------: |\n");
-    printf("| pp%-5ld (prefill, 1 batch)  | %10.1f | %12.1f | %9.1f | %15.0f%% |", n_pp, pp_tps, pp_med,
-           pp_flops / best_pp * 1e-9, gfn > 0 ? 100.0 * pp_flops / best_pp * 1e-9 / gfn : 0.0);
+           c->head_dim, c->n_ff, c->n_vocab, backend, threads, reps);
+    printf("| test                        | tok/s best | tok/s median |   GFLOP/s | vs sgemm "
+           "ceiling | vs reference |\n");
+    printf("| --------------------------- | ---------: | -----------: | --------: | "
+           "---------------: | -----------: |\n");
+    printf("| pp%-5ld (prefill, 1 batch)  | %10.1f | %12.1f | %9.1f | %15.0f%% |", n_pp, pp_tps,
+           pp_med, pp_flops / best_pp * 1e-9,
+           gfn > 0 ? 100.0 * pp_flops / best_pp * 1e-9 / gfn : 0.0);
     if (ref_pp > 0)
         printf(" %11.2fx |\n", pp_tps / ref_pp);
     else
         printf(" %12s |\n", "-");
-    printf("| tg%-5ld (decode, 1 token)   | %10.1f | %12.1f | %9s | %16s |", n_tg, tg_tps, tg_med, "-",
-           "-");
+    printf("| tg%-5ld (decode, 1 token)   | %10.1f | %12.1f | %9s | %16s |", n_tg, tg_tps, tg_med,
+           "-", "-");
     if (ref_tg > 0)
         printf(" %11.2fx |\n", tg_tps / ref_tg);
     else
         printf(" %12s |\n", "-");
-    printf("| sgemm 512x1024x512, 1 thread |          - |            - | %9.1f | %16s | %12s |\n", gf1,
-           "-", "-");
-    printf("| sgemm, %d threads at once     |          - |            - | %9.1f | %15.0f%% | %12s |\n",
-           threads,
-           gfn, 100.0, "-");
+    printf("| sgemm 512x1024x512, 1 thread |          - |            - | %9.1f | %16s | %12s |\n",
+           gf1, "-", "-");
+    printf(
+        "| sgemm, %d threads at once     |          - |            - | %9.1f | %15.0f%% | %12s |\n",
+        threads, gfn, 100.0, "-");
     printf("load %.3f s; VmRSS before load %.1f MiB, after load + %d-row KV cache + runs %.1f MiB; "
            "file %.1f MiB, KV cache %.1f MiB; (VmRSS - before) / (file + KV) = %.2f\n",
            t_load, rss0 / 1024.0, (int)n_ctx, rss / 1024.0, file_mib, kv_mib,

@@ -1,7 +1,9 @@
 /* test_backend_cuda: the whole CUDA backend against the CPU backend on generated models
  * (llama, qwen2, gemma3 x the nine weight types), through the one forward driver: logits,
  * captured span masses and the logits of intervened passes; and on the CUDA backend alone,
- * prefix reuse and single-token steps bit-identical to a full pass.
+ * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count)
+ * bit-identical to a full pass, and STEP-class steps (the warp-per-output kernel) within the
+ * logit tolerance of it.
  *
  * Runs on a CUDA device, or on the emulator of tests/cuda_emu (test_backend_cuda_emu); exits
  * 77 (skip) without a device.
@@ -33,6 +35,7 @@
 #include "check.h"
 #include "gguf/gguf_writer.h"
 #include "kernels.h"
+#include "model/backend_check.h"
 #include "model/backend_cuda.h"
 #include "model/forward.h"
 #include "model/genmodel.h"
@@ -193,8 +196,9 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
     CHECK(e_iv <= rtol, "%s: intervened logits off by %.3g", what, e_iv);
     CHECK(e_mass <= MASS_ATOL, "%s: captured span mass off by %.3g", what, e_mass);
 
-    /* CUDA alone: a branch over [0, 9) recomputing [9, T), and single-token steps, give the
-     * full pass's rows bit for bit (lg holds the plain pass) */
+    /* CUDA alone: a branch over [0, 9) recomputing [9, T), and single-token steps on the
+     * BATCH path, give the full pass's rows bit for bit (lg holds the plain pass); on the
+     * STEP path (another kernel: sums in another order) within the logit tolerance */
     fitm_err err;
     {
         fitm_kv_rebase(rg.kv2, 9, &err);
@@ -204,15 +208,24 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
               err.msg);
         CHECK(memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
               "%s: prefix reuse differs from the full pass", what);
-        fitm_kv_rebase(rg.kv2, 0, &err);
-        for (int64_t i = 0; i < T && t == FITM_DTYPE_Q4_K; i++) { /* one type: slow emulated */
-            fitm_forward_opts o1 = {.n_logits = i >= T - NL,
-                                    .logits = i >= T - NL ? lg2 + (i - (T - NL)) * V : NULL};
-            CHECK(fitm_forward_run(rg.f, rg.kv2, ids + i, 1, i, &o1, &err) == FITM_OK, "%s",
-                  err.msg);
+        for (int path = FITM_PATH_BATCH; path <= FITM_PATH_STEP && t == FITM_DTYPE_Q4_K; path++) {
+            fitm_kv_rebase(rg.kv2, 0, &err); /* one type: slow emulated */
+            memset(lg2, 0, sizeof(float) * NL * V);
+            for (int64_t i = 0; i < T; i++) {
+                fitm_forward_opts o1 = {.n_logits = i >= T - NL,
+                                        .logits = i >= T - NL ? lg2 + (i - (T - NL)) * V : NULL,
+                                        .path = (fitm_forward_path)path};
+                CHECK(fitm_forward_run(rg.f, rg.kv2, ids + i, 1, i, &o1, &err) == FITM_OK, "%s",
+                      err.msg);
+            }
+            if (path == FITM_PATH_BATCH)
+                CHECK(memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
+                      "%s: single-token steps (BATCH) differ from the full pass", what);
+            else
+                CHECK(logit_err(lg2, lg, NL, V) <= LOGIT_RTOL,
+                      "%s: single-token steps (STEP) off by %.3g of the largest logit", what,
+                      logit_err(lg2, lg, NL, V));
         }
-        CHECK(t != FITM_DTYPE_Q4_K || memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
-              "%s: single-token steps differ from the full pass", what);
         /* the intervention did change the rows it covers (else the checks above are void) */
         CHECK(logit_err(lg + 2 * V, lg_iv + 2 * V, NL - 2, V) > 1e-3,
               "%s: the intervention changed nothing", what);
@@ -220,6 +233,12 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
     free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg);
     runner_close(&rc);
     runner_close(&rg);
+    /* fitmd's start-up self-test passes on this model (its bounds, backend_check.c, are looser
+     * than the ones above: they must hold for 30-layer models too) */
+    fitm_backend_check_report rep;
+    CHECK(fitm_backend_check(m, cpu, gpu, &rep, &err) == FITM_OK, "%s: %s", what, err.msg);
+    printf("%-16s start-up check: logits %.2e  attention %.2e\n", what, rep.logit_err,
+           rep.prob_err);
     fitm_model_close(m);
     free(buf);
 }

@@ -5,10 +5,13 @@
  * table from the host view's data address to the device copy; a weight view that is not in
  * the table (tests hand in their own) is copied to a scratch buffer for the one call. The
  * table holds one model: preparing another releases the previous model's copies.
- * Products: every row is one warp-per-output dot product over the stored weight
- * (fitm_cuda_matmul_rows), for decode steps and prefill alike, so a row's result never depends
- * on T or on the BATCH/STEP path. Attention: fitm_cuda_attention, one block per (row, head),
- * with capture results downloaded per captured row into the caller's host arrays.
+ * Products, by the driver's numerics class (backend.h, matmul): STEP calls (decode steps) run
+ * every row as one warp-per-output dot product over the stored weight (fitm_cuda_matmul_rows).
+ * BATCH calls (prefill, reference passes) dequantize the weight to F32 in a device scratch
+ * buffer and multiply with cuBLAS (below, gemm_rows), F32 in and out with F32 pedantic compute
+ * (no TF32, no F16: Gemma's activations overflow half). Attention: fitm_cuda_attention, one
+ * block per (row, head), with capture results downloaded per captured row into the caller's
+ * host arrays.
  *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
@@ -18,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include "kernels.h"
@@ -36,12 +40,15 @@ typedef struct {
 typedef struct {
     fitm_backend base;
     cudaStream_t stream;
+    cublasHandle_t blas;
     int rc;      /* first error of the pass (a cudaError_t value), 0 none */
     bool sticky; /* rc left the context unusable */
     char what[96];
-    dev_weight *w; /* sorted by host */
+    char device[320]; /* name, compute capability, memory: for the log */
+    dev_weight *w;    /* sorted by host */
     size_t n_w;
-    grow_buf tmp_w[2], ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass, cap_probs;
+    grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
+        cap_probs;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -244,10 +251,13 @@ static void cuda_destroy(fitm_backend *b)
     cuda_backend *c = cu(b);
     release_weights(c);
     free(c->w);
-    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->ids,      &c->cap_index, &c->cap_spans,
-                        &c->iv_spans, &c->iv_alpha, &c->cap_mass, &c->cap_probs};
+    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->wf,        &c->xpad,
+                        &c->ypad,     &c->ids,      &c->cap_index, &c->cap_spans,
+                        &c->iv_spans, &c->iv_alpha, &c->cap_mass,  &c->cap_probs};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
+    if (c->blas)
+        cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -287,16 +297,100 @@ static void cuda_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids
 
 #define MM_ROWS_PER_LAUNCH 65535
 
+/* Rows of every cuBLAS call of the BATCH class. cuBLAS picks its kernel (tiles, split-K) by
+ * the shape, so a row of a 7-row call and the same row of a 300-row call could be summed in
+ * different orders; every call here has exactly GEMM_ROWS rows (the last chunk zero-padded in
+ * scratch), the same N and K, and 256-byte aligned operands, so every chunk runs the same
+ * kernel, which reduces K in the same order for each output: a row's result does not depend on
+ * T or on where the row falls in it. cuBLAS does not document that promise; the CUDA build's
+ * test_backend_cuda checks it on the device (prefix reuse bit-identical to a full pass). 64
+ * rows keep the padding of short calls (reference passes of a few tokens) cheap while the
+ * weight, read once per chunk, is reused 64 times. */
+#define GEMM_ROWS 64
+
+static bool blas_ok(cuda_backend *c, cublasStatus_t st, const char *what)
+{
+    if (st == CUBLAS_STATUS_SUCCESS)
+        return c->rc == 0;
+    char w[96];
+    snprintf(w, sizeof w, "%s (%s)", what, cublasGetStatusName(st));
+    /* a kernel failing inside cuBLAS leaves its error in the runtime */
+    const int rc = (int)cudaGetLastError();
+    return ok(c,
+              rc                                 ? rc
+              : st == CUBLAS_STATUS_ALLOC_FAILED ? (int)cudaErrorMemoryAllocation
+                                                 : (int)cudaErrorUnknown,
+              w);
+}
+
+/* y (T, N) = x (T, K) . Wf^T, Wf (N, K) F32 on the device, in calls of GEMM_ROWS rows. */
+static void gemm_rows(cuda_backend *c, const float *Wf, int64_t N, int64_t K, const float *x,
+                      int64_t T, float *y)
+{
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t t0 = 0; t0 < T && c->rc == 0; t0 += GEMM_ROWS) {
+        const int64_t n = T - t0 < GEMM_ROWS ? T - t0 : GEMM_ROWS;
+        const float *xs = x + t0 * K;
+        float *ys = y + t0 * N;
+        if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
+            if (!grow(c, &c->xpad, (size_t)(GEMM_ROWS * K) * 4) ||
+                !grow(c, &c->ypad, (size_t)(GEMM_ROWS * N) * 4) ||
+                !ok(c,
+                    (int)cudaMemcpyAsync(c->xpad.p, xs, (size_t)(n * K) * 4,
+                                         cudaMemcpyDeviceToDevice, c->stream),
+                    "matmul padding") ||
+                !ok(c,
+                    (int)cudaMemsetAsync((float *)c->xpad.p + n * K, 0,
+                                         (size_t)((GEMM_ROWS - n) * K) * 4, c->stream),
+                    "matmul padding"))
+                return;
+            xs = c->xpad.p;
+            ys = c->ypad.p;
+        }
+        /* column-major view: y^T (N, rows) = W (K, N)^T . x^T (K, rows) */
+        if (!blas_ok(c,
+                     cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, GEMM_ROWS, (int)K,
+                                  &one, Wf, CUDA_R_32F, (int)K, xs, CUDA_R_32F, (int)K, &zero, ys,
+                                  CUDA_R_32F, (int)N, CUBLAS_COMPUTE_32F_PEDANTIC,
+                                  CUBLAS_GEMM_DEFAULT),
+                     "matmul (cuBLAS GEMM)"))
+            return;
+        if (n < GEMM_ROWS)
+            ok(c,
+               (int)cudaMemcpyAsync(y + t0 * N, c->ypad.p, (size_t)(n * N) * 4,
+                                    cudaMemcpyDeviceToDevice, c->stream),
+               "matmul padding");
+    }
+}
+
+/* The BATCH class: the weight as F32 (itself when stored so, else dequantized into scratch),
+ * then gemm_rows. */
+static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W, const float *x,
+                           int64_t T, float *y)
+{
+    const int64_t N = w->n_rows, K = w->n_cols;
+    const float *Wf = W;
+    if (w->type != FITM_DTYPE_F32) {
+        if (!grow(c, &c->wf, (size_t)(N * K) * 4) ||
+            !ok(c, fitm_cuda_dequant_f32(w->type, W, c->wf.p, N * K, c->stream),
+                "matmul (dequantize)"))
+            return;
+        Wf = c->wf.p;
+    }
+    gemm_rows(c, Wf, N, K, x, T, y);
+}
+
 static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
                         int n_outs, bool batched)
 {
     cuda_backend *c = cu(b);
-    (void)batched; /* one numerics class: each row the same whatever the path */
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;
         const void *W = weight_dev(c, w, 0);
-        for (int64_t t0 = 0; W && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
+        if (W && batched)
+            matmul_batched(c, w, W, x, T, outs[i].y);
+        for (int64_t t0 = 0; W && !batched && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
             const int64_t n = T - t0 < MM_ROWS_PER_LAUNCH ? T - t0 : MM_ROWS_PER_LAUNCH;
             ok(c,
                fitm_cuda_matmul_rows(w->type, W, N, K, x + t0 * K, n, outs[i].y + t0 * N,
@@ -494,6 +588,30 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
         free(c);
         return fitm_cuda_status(rc, err, "CUDA backend: creating a stream");
     }
+    cublasStatus_t st = cublasCreate(&c->blas);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasSetStream(c->blas, c->stream);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        fitm_backend_destroy(&c->base);
+        return fitm_err_set(err, FITM_ERR_BACKEND, "CUDA backend: cuBLAS: %s",
+                            cublasGetStatusName(st));
+    }
+    struct cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
+        snprintf(c->device, sizeof c->device, "%.256s (sm_%d%d, %zu MiB)", p.name, p.major, p.minor,
+                 p.totalGlobalMem >> 20);
+    else
+        snprintf(c->device, sizeof c->device, "CUDA device %d", device);
     *out = &c->base;
     return FITM_OK;
+}
+
+int fitm_backend_cuda_device_count(void)
+{
+    return fitm_cuda_device_count();
+}
+
+const char *fitm_backend_cuda_device(const fitm_backend *b)
+{
+    return ((const cuda_backend *)b)->device;
 }

@@ -10,4 +10,10 @@
  * no such device or its context cannot be set up. *out is NULL on failure. */
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err);
 
+/* Usable CUDA devices: 0 without a driver or a device. */
+int fitm_backend_cuda_device_count(void);
+
+/* "NAME (sm_XY, N MiB)" of the device b runs on (b from fitm_backend_cuda_create). */
+const char *fitm_backend_cuda_device(const fitm_backend *b);
+
 #endif

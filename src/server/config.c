@@ -49,7 +49,9 @@ static const opt opts[] = {
      "second TCP port serving only GET /health and /metrics, with connections of its own (probes "
      "stay answerable while the main port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
-     "compute backend; auto = CUDA when a device works, else CPU (decided once at start)"},
+     "compute backend, chosen once at start; cuda = GPU 0, which must pass a start-up check "
+     "against the CPU on the loaded model (else fitmd exits); auto = cuda when a device is there "
+     "and passes, else the CPU with one log line saying why"},
     {"threads", INT(threads), "0", 0, 1024, NULL,
      "CPU compute threads; 0 = the CPUs this process may use (affinity mask, cgroup CPU quota)"},
     {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},

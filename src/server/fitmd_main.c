@@ -33,6 +33,16 @@
 #include "server/work.h"
 #include "tokenizer/tokenizer.h"
 
+/* The CUDA backend is in this fitmd when the CUDA toolchain built it, or when the tests link
+ * it against the CPU emulator of tests/cuda_emu (fitmd_cuda_emu). */
+#if FITM_HAVE_CUDA || defined(FITMD_CUDA_EMU)
+#define FITMD_CUDA 1
+#include "model/backend_check.h"
+#include "model/backend_cuda.h"
+#else
+#define FITMD_CUDA 0
+#endif
+
 /* The spec, embedded at build time from openapi/openapi.yaml (see src/embed_file.py). */
 extern const char fitm_openapi_yaml[];
 extern const size_t fitm_openapi_yaml_len;
@@ -184,15 +194,80 @@ static fitm_status download_model(daemon_model *dm, fitm_err *err)
     return st;
 }
 
+/* backend=cuda needs a device: said before the model is read, not after. */
+static fitm_status cuda_wanted_and_absent(const fitm_config *cfg, fitm_err *err)
+{
+    if (strcmp(cfg->backend, "cuda"))
+        return FITM_OK;
+#if FITMD_CUDA
+    if (fitm_backend_cuda_device_count() < 1)
+        return fitm_err_set(err, FITM_ERR_BACKEND,
+                            "backend 'cuda': no CUDA device (no driver, no GPU, or none visible "
+                            "in CUDA_VISIBLE_DEVICES); use backend auto or cpu");
+    return FITM_OK;
+#else
+    return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                        "backend 'cuda' is not built into this fitmd (built without the CUDA "
+                        "toolchain); use auto or cpu");
+#endif
+}
+
+/* The backend the config asks for into dm->backend (the model loaded), described in desc.
+ * cpu: the CPU. cuda: device 0, which must pass fitm_backend_check against the CPU on the
+ * loaded model, else a start-up error. auto: the same device when it exists and passes, else
+ * the CPU with one log line saying why. */
+static fitm_status choose_backend(daemon_model *dm, int threads, char *desc, size_t n,
+                                  fitm_err *err)
+{
+    const char *want = dm->cfg->backend;
+    fitm_status st = fitm_backend_cpu_create(&dm->backend, threads, err);
+    if (st != FITM_OK)
+        return st;
+    snprintf(desc, n, "cpu backend with %d threads", threads);
+    if (!strcmp(want, "cpu"))
+        return FITM_OK;
+#if FITMD_CUDA
+    fitm_backend *gpu = NULL;
+    fitm_backend_check_report rep;
+    fitm_err why = {{0}};
+    bool checked = false;
+    st = fitm_backend_cuda_create(&gpu, 0, &why);
+    if (st == FITM_OK) {
+        checked = true;
+        st = fitm_backend_check(dm->model, dm->backend, gpu, &rep, &why);
+    }
+    if (st == FITM_OK) {
+        snprintf(desc, n,
+                 "cuda backend on %s (start-up check against the CPU: logits within %.2g, "
+                 "attention within %.2g)",
+                 fitm_backend_cuda_device(gpu), rep.logit_err, rep.prob_err);
+        fitm_backend_destroy(dm->backend);
+        dm->backend = gpu;
+        return FITM_OK;
+    }
+    fitm_backend_destroy(gpu);
+    if (!strcmp(want, "cuda")) {
+        *err = why;
+        fitm_err_prefix(err, "backend 'cuda'%s", checked ? ": start-up check failed" : "");
+        return st;
+    }
+    FITM_LOG(checked ? FITM_LOG_WARN : FITM_LOG_INFO, NULL, "backend auto: the CPU, since %s%s",
+             checked ? "the CUDA start-up check failed: " : "", why.msg);
+#else
+    FITM_LOG(FITM_LOG_INFO, NULL, "backend auto: the CPU, since this fitmd was built without "
+                                  "CUDA");
+#endif
+    return FITM_OK;
+}
+
 static fitm_status model_load(void *ctx, fitm_err *err)
 {
     daemon_model *dm = ctx;
     const fitm_config *cfg = dm->cfg;
     double t0 = fitm_clock_ms();
     fitm_status st;
-    if (!strcmp(cfg->backend, "cuda"))
-        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
-                            "backend 'cuda' is not built into this fitmd (use auto or cpu)");
+    if ((st = cuda_wanted_and_absent(cfg, err)) != FITM_OK)
+        return st;
     if (access(cfg->model, F_OK) != 0 && cfg->model_url[0] &&
         (st = download_model(dm, err)) != FITM_OK)
         return st;
@@ -221,7 +296,8 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         FITM_LOG(FITM_LOG_INFO, NULL,
                  "threads = 0: %d threads (%d CPUs in the affinity mask, no cgroup CPU quota)",
                  threads, affinity);
-    if ((st = fitm_backend_cpu_create(&dm->backend, threads, err)) != FITM_OK)
+    char backend[512];
+    if ((st = choose_backend(dm, threads, backend, sizeof backend, err)) != FITM_OK)
         return st;
     const fitm_model_config *mc = fitm_model_config_of(dm->model);
     int64_t n_ctx = cfg->ctx_size;
@@ -249,10 +325,10 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     dm->info->n_ctx = n_ctx;
     FITM_LOG(FITM_LOG_INFO, NULL,
              "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, profile %s, "
-             "cpu backend with %d threads, in %.0f ms",
+             "%s, in %.0f ms",
              cfg->model, dm->info->arch, (int)mc->n_layer, (int)mc->n_embd, (int)mc->n_vocab,
              (long long)n_ctx, fitm_reranker_template(dm->reranker), profile[0] ? profile : "none",
-             threads, fitm_clock_ms() - t0);
+             backend, fitm_clock_ms() - t0);
     return FITM_OK;
 }
 

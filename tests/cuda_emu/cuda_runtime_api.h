@@ -35,7 +35,8 @@ typedef enum cudaError {
     cudaErrorMisalignedAddress = 716,
     cudaErrorInvalidAddressSpace = 717,
     cudaErrorInvalidPc = 718,
-    cudaErrorLaunchFailure = 719
+    cudaErrorLaunchFailure = 719,
+    cudaErrorUnknown = 999
 } cudaError_t;
 
 typedef enum cudaMemcpyKind {
@@ -103,6 +104,10 @@ int fitm_emu_device_count(void);
 /* Makes the next call of the named kind fail once with e (for error-path tests): kind is
  * "malloc" or "launch". */
 void fitm_emu_inject_error(const char *kind, cudaError_t e);
+
+/* Environment: FITM_CUDA_EMU_DEVICES (above); FITM_CUDA_EMU_FAIL_LAUNCH_IF=PATH: while PATH
+ * exists, the next launch fails with cudaErrorLaunchFailure and removes PATH (one failure per
+ * file created, for tests that drive a whole process). */
 
 #ifdef __cplusplus
 }

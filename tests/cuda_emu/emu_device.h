@@ -75,6 +75,10 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src);
 void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st, void (*entry)(void *),
                   void *ctx);
 void *fitm_emu_dynamic_shared(void);
+/* For stand-ins of device libraries (emu_cublas.cpp): the error a launch would fail with now
+ * (an injected one, consumed), or cudaSuccess; and the runtime's sticky-until-read error. */
+cudaError_t fitm_emu_take_launch_failure(void);
+cudaError_t fitm_emu_set_error(cudaError_t e);
 
 #define __syncthreads() fitm_emu_syncthreads()
 #define __syncwarp(...) ((void)0)

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <ucontext.h>
 
 #include <vector>
@@ -56,6 +57,7 @@ struct block_runner {
     jmp_buf sched;
     int n, live;
     unsigned sync_gen, sync_arrived;
+    unsigned long progress; /* barriers and shuffles completed: waits that may have ended */
     void (*entry)(void *);
     void *entry_ctx;
 };
@@ -108,6 +110,7 @@ void fiber_main(void)
         if (r->sync_arrived > 0 && r->sync_arrived == (unsigned)r->live) {
             r->sync_gen++;
             r->sync_arrived = 0;
+            r->progress++;
         }
         yield_to_scheduler();
     }
@@ -162,12 +165,18 @@ bool run_block(block_runner *r)
         r->warps[w].gen = r->warps[w].arrived = 0;
     r->live = r->n;
     r->sync_gen = r->sync_arrived = 0;
-    int first = 0;
+    /* The lowest-numbered ready fiber runs next. A fiber's readiness changes only when a barrier
+     * or a shuffle completes (progress), so while none does, every fiber below the last one
+     * picked stays unready and the search resumes where it stopped: one pass per barrier
+     * instead of one per yield. */
+    int first = 0, from = 0;
     while (r->live > 0) {
         while (r->fibers[first].state == DONE)
             first++;
+        if (from < first)
+            from = first;
         int pick = -1;
-        for (int i = first; i < r->n && pick < 0; i++)
+        for (int i = from; i < r->n && pick < 0; i++)
             if (ready(r, &r->fibers[i], i))
                 pick = i;
         if (pick < 0) {
@@ -177,7 +186,9 @@ bool run_block(block_runner *r)
         }
         fiber *f = &r->fibers[pick];
         f->state = RUNNABLE;
+        const unsigned long before = r->progress;
         resume(r, f);
+        from = r->progress == before ? pick : first;
     }
     return true;
 }
@@ -192,6 +203,7 @@ void fitm_emu_syncthreads(void)
     if (++r->sync_arrived == (unsigned)r->live) {
         r->sync_gen++;
         r->sync_arrived = 0;
+        r->progress++;
         return;
     }
     f->state = WAIT_SYNC;
@@ -209,6 +221,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
         w->gen++;
         w->arrived = 0;
+        r->progress++;
     } else {
         f->state = WAIT_SHFL;
         f->wait_gen = gen;
@@ -228,10 +241,31 @@ void *fitm_emu_dynamic_shared(void)
     return runner->dyn_shared.data();
 }
 
+/* For tests of a whole process (fitmd_cuda_emu): while the file named by
+ * FITM_CUDA_EMU_FAIL_LAUNCH_IF exists, the next launch fails with cudaErrorLaunchFailure (which
+ * loses the context on a real device) and removes it, so a test can fail one launch of a running
+ * daemon at a moment of its choosing. */
+bool launch_fails_by_file(void)
+{
+    static const char *path = getenv("FITM_CUDA_EMU_FAIL_LAUNCH_IF");
+    return path && *path && unlink(path) == 0;
+}
+
+cudaError_t fitm_emu_set_error(cudaError_t e)
+{
+    return set_error(e);
+}
+
+cudaError_t fitm_emu_take_launch_failure(void)
+{
+    const cudaError_t inj = take_injected(&injected_launch);
+    return inj == cudaSuccess && launch_fails_by_file() ? cudaErrorLaunchFailure : inj;
+}
+
 void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (*entry)(void *),
                   void *ctx)
 {
-    const cudaError_t inj = take_injected(&injected_launch);
+    const cudaError_t inj = fitm_emu_take_launch_failure();
     if (inj != cudaSuccess) {
         set_error(inj);
         return;
@@ -368,6 +402,7 @@ const char *cudaGetErrorName(cudaError_t e)
         NAME(cudaErrorInvalidAddressSpace)
         NAME(cudaErrorInvalidPc)
         NAME(cudaErrorLaunchFailure)
+        NAME(cudaErrorUnknown)
 #undef NAME
     }
     return "cudaErrorUnknown";

@@ -1,0 +1,136 @@
+/* cuda_emu: the cuBLAS calls fitm uses, on the CPU (contract in cublas_v2.h). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cublas_v2.h"
+#include "cuda_runtime.h"
+
+struct fitm_emu_cublas {
+    cudaStream_t stream;
+    cublasMath_t math;
+};
+
+namespace
+{
+
+/* Element (r, c) of op(X), X column-major with leading dimension ld, stored as type t. */
+float elem(const void *X, cudaDataType t, int ld, bool trans, int r, int c)
+{
+    const int64_t i = trans ? (int64_t)c + (int64_t)r * ld : (int64_t)r + (int64_t)c * ld;
+    if (t == CUDA_R_16BF) {
+        __nv_bfloat16 b;
+        memcpy(&b.bits, (const uint16_t *)X + i, 2);
+        return __bfloat162float(b);
+    }
+    return ((const float *)X)[i];
+}
+
+cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                    int k, const float *alpha, const void *A, cudaDataType at, int lda,
+                    const void *B, cudaDataType bt, int ldb, const float *beta, float *C, int ldc)
+{
+    const bool tA = ta == CUBLAS_OP_T, tB = tb == CUBLAS_OP_T;
+    if (!h)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    if ((ta != CUBLAS_OP_N && !tA) || (tb != CUBLAS_OP_N && !tB) || m < 0 || n < 0 || k < 0 ||
+        lda < (tA ? (k > 1 ? k : 1) : (m > 1 ? m : 1)) ||
+        ldb < (tB ? (n > 1 ? n : 1) : (k > 1 ? k : 1)) || ldc < (m > 1 ? m : 1) || !alpha || !beta)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (m == 0 || n == 0)
+        return CUBLAS_STATUS_SUCCESS;
+    const cudaError_t e = fitm_emu_take_launch_failure();
+    if (e != cudaSuccess) {
+        fitm_emu_set_error(e);
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    }
+    const float a = *alpha, b = *beta;
+    for (int c = 0; c < n; c++)
+        for (int r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int i = 0; i < k; i++)
+                acc = fmaf(elem(A, at, lda, tA, r, i), elem(B, bt, ldb, tB, i, c), acc);
+            float *dst = C + (int64_t)r + (int64_t)c * ldc;
+            *dst = b == 0.0f ? a * acc : fmaf(b, *dst, a * acc);
+        }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+} // namespace
+
+extern "C" {
+
+cublasStatus_t cublasCreate(cublasHandle_t *handle)
+{
+    if (fitm_emu_device_count() < 1)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    *handle = new fitm_emu_cublas{nullptr, CUBLAS_DEFAULT_MATH};
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy(cublasHandle_t handle)
+{
+    delete handle;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream)
+{
+    if (!handle)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    handle->stream = stream;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode)
+{
+    if (!handle)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    handle->math = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+const char *cublasGetStatusName(cublasStatus_t status)
+{
+    switch (status) {
+    case CUBLAS_STATUS_SUCCESS:
+        return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+        return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+        return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+        return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+        return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+        return "CUBLAS_STATUS_NOT_SUPPORTED";
+    }
+    return "CUBLAS_STATUS_UNKNOWN";
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa,
+                           cublasOperation_t transb, int m, int n, int k, const float *alpha,
+                           const float *A, int lda, const float *B, int ldb, const float *beta,
+                           float *C, int ldc)
+{
+    return gemm(handle, transa, transb, m, n, k, alpha, A, CUDA_R_32F, lda, B, CUDA_R_32F, ldb,
+                beta, C, ldc);
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
+                            cublasOperation_t transb, int m, int n, int k, const void *alpha,
+                            const void *A, cudaDataType Atype, int lda, const void *B,
+                            cudaDataType Btype, int ldb, const void *beta, void *C,
+                            cudaDataType Ctype, int ldc, cublasComputeType_t computeType,
+                            cublasGemmAlgo_t algo)
+{
+    (void)algo; /* one algorithm here: the fixed-order sum */
+    if (Atype != Btype || (Atype != CUDA_R_32F && Atype != CUDA_R_16BF) || Ctype != CUDA_R_32F ||
+        (computeType != CUBLAS_COMPUTE_32F && computeType != CUBLAS_COMPUTE_32F_PEDANTIC))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    return gemm(handle, transa, transb, m, n, k, (const float *)alpha, A, Atype, lda, B, Btype, ldb,
+                (const float *)beta, (float *)C, ldc);
+}
+
+} // extern "C"
