@@ -92,7 +92,10 @@ MUTANTS = [
            meson=["backend_ops_cuda_emu"]),
     Mutant("cuda-warp-sum-wrong-lane",
            "the warp sum's butterfly exchanges with lane o - 1 instead of o",
-           "v += __shfl_xor_sync(0xffffffffu, v, o);", "v += __shfl_xor_sync(0xffffffffu, v, o - 1);",
+           "float fitm_warp_sum(float v)\n{\n    for (int o = FITM_WARP / 2; o > 0; o >>= 1)\n"
+           "        v += __shfl_xor_sync(0xffffffffu, v, o);",
+           "float fitm_warp_sum(float v)\n{\n    for (int o = FITM_WARP / 2; o > 0; o >>= 1)\n"
+           "        v += __shfl_xor_sync(0xffffffffu, v, o - 1);",
            meson=["cuda_kernels_emu"]),
 ]
 
