@@ -68,6 +68,12 @@ static const opt opts[] = {
      "requests waiting for the engine; beyond it 503 with Retry-After"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
+    {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,
+     "most forward tokens one request may cost, estimated from its tokenized prompt before it "
+     "queues (reference passes, windows, max_tokens counted): 422 beyond; 0 = no limit"},
+    {"max_queued_forward_tokens", INT(max_queued_forward_tokens), "262144", 0, 1e12, NULL,
+     "most estimated forward tokens the waiting requests may hold together: 503 with "
+     "Retry-After beyond (an empty queue takes any request); 0 = no limit"},
     {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,
      "on SIGTERM, how long in-flight requests may finish before exit"},
     {"max_answer_tokens", INT(max_answer_tokens), "512", 1, 65536, NULL,

@@ -38,6 +38,8 @@ typedef struct {
     int64_t ctx_size;                      /* 0 = the model's trained context          */
     int64_t queue_depth;
     int64_t request_timeout_ms;
+    int64_t max_request_forward_tokens; /* admission: one request's estimated cost (422)  */
+    int64_t max_queued_forward_tokens;  /* admission: the queued requests' cost (503)     */
     int64_t drain_timeout_ms;
     int64_t max_answer_tokens;
     char chat_template[32];                /* auto | raw | chatml | gemma | llama2 | llama3 */
