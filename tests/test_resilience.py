@@ -315,12 +315,23 @@ def post_body(d, raw: bytes, path="/rerank"):
 
 
 @pytest.mark.parametrize("path,raw,mentions", [
-    ("/rerank", b'{"query":"q","documents":["abc\\u0000SECRET"]}', "'documents' contains a NUL"),
-    ("/rerank", b'{"query":"q","documents":["abc\x00SECRET"]}', "NUL byte"),
+    ("/rerank", b'{"query":"q","documents":["abc\\u0000SECRET"]}', "'documents[0]' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["abc\x00SECRET"]}', "'documents[0]' contains a NUL byte"),
     ("/rerank", b'{"query":"q\\u0000x","documents":["a"]}', "'query' contains a NUL"),
-    ("/rerank", b'{"query":"q","documents":[{"text":"a","te\\u0000xt":"b"}]}', "key contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","te\\u0000xt":"b"}]}',
+     "an object key contains a NUL character (\\u0000) (at byte 41) in 'documents[0]'"),
     ("/rerank", b'{"query":"q","documents":["a"],"query":"other"}', "duplicate key 'query'"),
-    ("/rerank", b'{"query":"q","documents":[{"text":"a","text":"b"}]}', "duplicate key 'text'"),
+    ("/rerank", b'{"query":"q","documents":[{"text":"a","text":"b"}]}',
+     "duplicate key 'text' in 'documents[0]'"),
+    # The full path of the field, through arrays and objects, whatever the spacing.
+    ("/rerank", b'{"query":"q", "documents": [ "a" , {"title": "t, [x]", "text": "b"},'
+                b' {"title":"u", "text":"c\\u0000d"}]}', "'documents[2].text' contains a NUL"),
+    ("/rerank", b'{"query":"q","documents":["a",{"text":"b","title":"x","title":"y"}]}',
+     "duplicate key 'title' in 'documents[1]'"),
+    ("/answer", b'{"query":"q","documents":["a"],"calibration":{"layers":[1],"layers":[2]}}',
+     "duplicate key 'layers' in 'calibration'"),
+    ("/answer", b'{"query":"q","documents":["a"],"stop":["x","y\\u0000"]}',
+     "'stop[1]' contains a NUL"),
     ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740993}', "'seed'"),
     ("/answer", b'{"query":"q","documents":["a"],"seed":9007199254740992}', "2^53"),
 ])
