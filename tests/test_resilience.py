@@ -107,6 +107,88 @@ def test_well_framed_requests_still_pipeline(daemon):
     assert json.loads(got[0][2])["results"][0]["index"] == 0
 
 
+# ---- heads libmicrohttpd 0.9.75 would answer itself ---------------------------------------------
+# On main these get HTML bodies, a status line and headers sent twice, or no reply at all; the
+# gate (src/server/gate.c) answers each with the documented JSON error and Connection: close.
+
+@pytest.mark.parametrize("name,data,status,code,mentions", [
+    ("CL -1", post_raw(b"Content-Length: -1\r\n", BODY + HIDDEN), 400, "bad_framing",
+     "Content-Length"),
+    ("CL abc", post_raw(b"Content-Length: abc\r\n", BODY + HIDDEN), 400, "bad_framing",
+     "Content-Length"),
+    ("CL +N", post_raw(b"Content-Length: +%d\r\n" % len(BODY), BODY + HIDDEN), 400,
+     "bad_framing", "Content-Length"),
+    ("CL over 2^64", post_raw(b"Content-Length: 18446744073709551617\r\n", BODY + HIDDEN), 413,
+     "body_too_large", "Content-Length"),
+    ("garbage request line", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n", 400,
+     "bad_framing", "request line"),
+    ("no version", b"GET /health\r\n\r\n" + HIDDEN, 400, "bad_framing", "request line"),
+    ("URI too long", b"GET /" + b"a" * 40000 + b" HTTP/1.1\r\nHost: x\r\n\r\n" + HIDDEN, 414,
+     "uri_too_long", "request target"),
+    ("headers too large", b"GET /health HTTP/1.1\r\nHost: x\r\n"
+     + b"X-Pad: %s\r\n" % (b"a" * 1000) * 40 + b"\r\n" + HIDDEN, 431, "headers_too_large",
+     "request head"),
+    ("HTTP/2.0", b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n" + HIDDEN, 505,
+     "http_version_not_supported", "version"),
+    ("HTTP/1.2", b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n" + HIDDEN, 505,
+     "http_version_not_supported", "version"),
+])
+def test_bad_heads_get_one_json_error(daemon, name, data, status, code, mentions):
+    got = responses(exchange(daemon, data))
+    assert len(got) == 1, (name, got)  # once, and the hidden request was not answered
+    st, hdr, body = got[0]
+    assert st == status, (name, body)
+    assert hdr["connection"].lower() == "close"
+    assert hdr["content-type"].startswith("application/json"), (name, body[:200])
+    e = json.loads(body)["error"]
+    assert e["code"] == code and mentions in e["message"], e
+    assert daemon.healthy()
+
+
+def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A request head sent a byte at a time, each well within the idle timeout, is cut once
+    http_header_timeout_s has passed; a connection that sends nothing is closed then too (on
+    main both are held for as long as the client likes: there is no header deadline)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, http_header_timeout_s=1,
+               http_idle_timeout_s=30)
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=10) as quiet, \
+                socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+            start = time.time()
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            out = b""
+            for c in b"X-Slow: " + b"a" * 40:
+                try:
+                    s.sendall(bytes([c]))
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                time.sleep(0.1)
+                s.setblocking(False)
+                try:
+                    out += s.recv(65536)
+                except BlockingIOError:
+                    pass
+                s.setblocking(True)
+                if out:
+                    break
+            assert out, "the trickled head was not cut"
+            s.settimeout(10)
+            try:
+                while (b := s.recv(65536)):
+                    out += b
+            except ConnectionResetError:
+                pass
+            assert time.time() - start < 3.5
+            (code, hdr, body), = responses(out)
+            assert code == 408 and hdr["connection"] == "close", out
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+            quiet.settimeout(5)
+            assert quiet.recv(100) == b""  # closed without a word, not held
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0
+
+
 # ---- clients that leave, and shutdown ------------------------------------------------------
 
 def slow_rerank():

@@ -24,6 +24,13 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
         return (fitm_api_error_class){501, "invalid_request_error", "not_implemented", false};
     case FITM_API_COND_SLOW:
         return (fitm_api_error_class){408, "invalid_request_error", "request_timeout", false};
+    case FITM_API_COND_TARGET_TOO_LONG:
+        return (fitm_api_error_class){414, "invalid_request_error", "uri_too_long", false};
+    case FITM_API_COND_HEAD_TOO_LARGE:
+        return (fitm_api_error_class){431, "invalid_request_error", "headers_too_large", false};
+    case FITM_API_COND_VERSION:
+        return (fitm_api_error_class){505, "invalid_request_error", "http_version_not_supported",
+                                      false};
     case FITM_API_COND_NONE:
         break;
     }

@@ -51,6 +51,9 @@ static const opt opts[] = {
      "open client connections at once; more are refused at accept"},
     {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
      "open connections from one client address; more are refused at accept"},
+    {"http_header_timeout_s", INT(http_header_timeout_s), "10", 1, 3600, NULL,
+     "seconds a new connection's request line and headers may take to arrive, however "
+     "steadily they trickle (408 and close beyond; a connection that sent nothing is closed)"},
     {"http_receive_timeout_s", INT(http_receive_timeout_s), "60", 1, 3600, NULL,
      "seconds a request's body may take to arrive, however steadily it trickles (408 and "
      "close beyond)"},
