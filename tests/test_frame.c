@@ -31,8 +31,7 @@ static void expect(const char *s, fitm_frame_verdict want, int want_status)
 
 static void test_fixed(void)
 {
-    const fitm_frame_verdict OK = FITM_FRAME_OK, INC = FITM_FRAME_INCOMPLETE,
-                             BAD = FITM_FRAME_BAD;
+    const fitm_frame_verdict OK = FITM_FRAME_OK, INC = FITM_FRAME_INCOMPLETE, BAD = FITM_FRAME_BAD;
     expect("GET / HTTP/1.1\r\nHost: x\r\n\r\n", OK, 0);
     expect("GET / HTTP/1.0\n\n", OK, 0);
     expect("\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\nbody", OK, 0);
@@ -43,7 +42,12 @@ static void test_fixed(void)
     expect("GET /a", INC, 0);
     expect("GET / HTTP/1.1\r\nHost: x\r\n", INC, 0);
     /* Request line. */
-    expect("\x16\x03\x01\x02", BAD, 400); /* a TLS hello: refused at its first byte */
+    expect("\x16\x03\x01\x02", BAD, 400);        /* a TLS hello: refused at its first byte */
+    static char blob[3 * FITM_FRAME_MAX_TARGET]; /* no line end, not a request line: 400 */
+    memset(blob, 0xff, sizeof blob - 1);
+    expect(blob, BAD, 400);
+    memset(blob, 'a', sizeof blob - 1); /* a token too long for any method: 414 */
+    expect(blob, BAD, 414);
     expect("GET  / HTTP/1.1\r\n\r\n", BAD, 400);
     expect("GET / HTTP/1.1 \r\n\r\n", BAD, 400);
     expect("GET /\r\n\r\n", BAD, 400);
@@ -82,8 +86,18 @@ static size_t put_from(char *p, uint64_t *rng, const char *set, size_t n)
 #define TCHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#$%&'*+-.^_`|~"
 #define VCHARS TCHARS "\"(),/:;<=>?@[\\]{}"
 
-enum { DEFECT_NONE, DEFECT_VERSION, DEFECT_SPACES, DEFECT_NO_COLON, DEFECT_CTL, DEFECT_CL,
-       DEFECT_FOLD, DEFECT_TARGET, DEFECT_HEAD, N_DEFECTS };
+enum {
+    DEFECT_NONE,
+    DEFECT_VERSION,
+    DEFECT_SPACES,
+    DEFECT_NO_COLON,
+    DEFECT_CTL,
+    DEFECT_CL,
+    DEFECT_FOLD,
+    DEFECT_TARGET,
+    DEFECT_HEAD,
+    N_DEFECTS
+};
 static const int defect_status[N_DEFECTS] = {0, 505, 400, 400, 400, 400, 400, 414, 431};
 
 /* A random head into buf with one defect planted (DEFECT_NONE: a valid head); its length. */
@@ -98,8 +112,11 @@ static size_t random_head(char *buf, uint64_t *rng, int defect)
     *p++ = '/';
     size_t tn = defect == DEFECT_TARGET ? FITM_FRAME_MAX_TARGET + 1 : fitm_rng_next(rng) % 60;
     p += put_from(p, rng, VCHARS, tn);
-    p += sprintf(p, " HTTP/%s%s", defect == DEFECT_VERSION ? "2.0"
-                                  : fitm_rng_next(rng) % 2 ? "1.1" : "1.0", eol);
+    p += sprintf(p, " HTTP/%s%s",
+                 defect == DEFECT_VERSION ? "2.0"
+                 : fitm_rng_next(rng) % 2 ? "1.1"
+                                          : "1.0",
+                 eol);
     int fields = (int)(fitm_rng_next(rng) % 8), bad_at = (int)(fitm_rng_next(rng) % 8);
     if (defect == DEFECT_HEAD)
         fields = FITM_FRAME_MAX_HEAD; /* as many as it takes to pass the limit */
@@ -131,10 +148,11 @@ static size_t random_head(char *buf, uint64_t *rng, int defect)
             p += sprintf(p, " folded%s", eol);
     }
     if (!fields && defect >= DEFECT_NO_COLON && defect <= DEFECT_FOLD) /* none to plant in */
-        p += sprintf(p, "%s", defect == DEFECT_NO_COLON ? "Host x"
-                              : defect == DEFECT_CTL    ? "Host: \x7f"
-                              : defect == DEFECT_CL     ? "Content-Length: 1e3"
-                                                        : "Host: x\r\n\tfolded");
+        p += sprintf(p, "%s",
+                     defect == DEFECT_NO_COLON ? "Host x"
+                     : defect == DEFECT_CTL    ? "Host: \x7f"
+                     : defect == DEFECT_CL     ? "Content-Length: 1e3"
+                                               : "Host: x\r\n\tfolded");
     if (!fields && defect >= DEFECT_NO_COLON && defect <= DEFECT_FOLD)
         p += sprintf(p, "%s", eol);
     p += sprintf(p, "%s", eol);
@@ -164,13 +182,13 @@ static void test_random(void)
                 /* Every prefix (the gate's view while it arrives) waits for more. */
                 for (size_t k = 0; k < n; k += 1 + k / 16) {
                     fitm_frame_verdict pv = check(buf, k, &st);
-                    CHECK(pv == FITM_FRAME_INCOMPLETE, "prefix %zu of a valid head: %d/%d", k,
-                          pv, st);
+                    CHECK(pv == FITM_FRAME_INCOMPLETE, "prefix %zu of a valid head: %d/%d", k, pv,
+                          st);
                 }
                 continue;
             }
-            CHECK(v == FITM_FRAME_BAD && st == defect_status[defect],
-                  "defect %d: got %d/%d: %.*s", defect, v, st, n > 200 ? 200 : (int)n, buf);
+            CHECK(v == FITM_FRAME_BAD && st == defect_status[defect], "defect %d: got %d/%d: %.*s",
+                  defect, v, st, n > 200 ? 200 : (int)n, buf);
             seen_bad[defect] += v == FITM_FRAME_BAD;
             for (size_t k = 0; k < n; k += 1 + k / 8)
                 CHECK(check(buf, k, &st) != FITM_FRAME_OK, "prefix %zu of a bad head is OK", k);

@@ -54,8 +54,8 @@ static fitm_frame_verdict check_request_line(const char *p, size_t len, fitm_fra
                    FITM_FRAME_MAX_TARGET);
     const char *v = sp2 + 1;
     size_t vn = len - (size_t)(v - p);
-    bool shaped = vn == 8 && !memcmp(v, "HTTP/", 5) && v[5] >= '0' && v[5] <= '9' &&
-                  v[6] == '.' && v[7] >= '0' && v[7] <= '9';
+    bool shaped = vn == 8 && !memcmp(v, "HTTP/", 5) && v[5] >= '0' && v[5] <= '9' && v[6] == '.' &&
+                  v[7] >= '0' && v[7] <= '9';
     if (!shaped)
         return bad(e, 400, "the request line is not METHOD SP TARGET SP HTTP-version");
     if (memcmp(v, "HTTP/1.1", 8) && memcmp(v, "HTTP/1.0", 8))
@@ -109,15 +109,17 @@ fitm_frame_verdict fitm_frame_check_head(const char *buf, size_t n, fitm_frame_e
     while (p < end && (*p == '\n' || (*p == '\r' && p + 1 < end && p[1] == '\n')))
         p += *p == '\r' ? 2 : 1;
     if (!next_line(p, end, &len, &next)) {
-        if ((size_t)(end - p) > FITM_FRAME_MAX_TARGET + 64)
-            return bad(e, 414, "the request line is over %d bytes (the request target's limit is %d)",
-                       FITM_FRAME_MAX_TARGET + 64, FITM_FRAME_MAX_TARGET);
         /* Bytes that cannot start a request line are refused at once. */
         size_t k = 0;
         while (k < (size_t)(end - p) && is_tchar((unsigned char)p[k]))
             k++;
         if (k < (size_t)(end - p) && (p[k] != ' ' || k == 0))
             return bad(e, 400, "the request line is not METHOD SP TARGET SP HTTP-version");
+        if ((size_t)(end - p) > FITM_FRAME_MAX_TARGET + 64)
+            return bad(e, 414,
+                       "the request line is over %d bytes (the request target's limit "
+                       "is %d)",
+                       FITM_FRAME_MAX_TARGET + 64, FITM_FRAME_MAX_TARGET);
         return FITM_FRAME_INCOMPLETE;
     }
     fitm_frame_verdict v = check_request_line(p, len, e);

@@ -22,7 +22,7 @@
 
 typedef struct {
     int fd;
-    bool closing;        /* answered: draining until EOF or the deadline */
+    bool closing; /* answered: draining until EOF or the deadline */
     int64_t deadline_ns;
     struct sockaddr_storage addr;
     socklen_t addr_len;
@@ -31,11 +31,11 @@ typedef struct {
 struct fitm_gate {
     fitm_gate_params p;
     pthread_t thread;
-    int wake[2];         /* a byte on wake[1]: re-read `stop` and `quiesce` */
+    int wake[2]; /* a byte on wake[1]: re-read `stop` and `quiesce` */
     _Atomic bool stop, quiesce;
     pending *conns;
     int64_t n, cap;
-    char *peek;          /* FITM_FRAME_MAX_HEAD + 1 bytes */
+    char *peek; /* FITM_FRAME_MAX_HEAD + 1 bytes */
 };
 
 static bool same_addr(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
@@ -176,9 +176,11 @@ static void accept_all(fitm_gate *g)
             close(fd); /* refused at accept, as libmicrohttpd's own limits do */
             continue;
         }
-        g->conns[g->n++] = (pending){.fd = fd, .addr = a, .addr_len = al,
-                                     .deadline_ns = fitm_clock_ns() +
-                                                    g->p.head_timeout_ms * 1000000};
+        g->conns[g->n++] =
+            (pending){.fd = fd,
+                      .addr = a,
+                      .addr_len = al,
+                      .deadline_ns = fitm_clock_ns() + g->p.head_timeout_ms * 1000000};
     }
 }
 

@@ -18,10 +18,10 @@
 typedef struct fitm_gate fitm_gate;
 
 typedef struct {
-    int listen_fd;          /* bound and listening; the gate closes it on stop/quiesce   */
+    int listen_fd;           /* bound and listening; the gate closes it on stop/quiesce   */
     int64_t head_timeout_ms; /* a head not complete this long after accept: 408, close    */
-    int64_t max_pending;    /* connections waiting for their head, in all                */
-    int64_t max_per_client; /* ... from one address                                      */
+    int64_t max_pending;     /* connections waiting for their head, in all                */
+    int64_t max_per_client;  /* ... from one address                                      */
     /* Takes over fd (a connection whose head passed) with its peer address; called on the
      * gate's thread. */
     void (*hand)(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len);
