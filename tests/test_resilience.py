@@ -189,6 +189,40 @@ def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa
         assert d.terminate() == 0
 
 
+def test_out_of_descriptors_pauses_accepting_and_recovers(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With the process out of file descriptors, the gate pauses accepting (one warning per
+    pause, not a spin on the still-readable listening socket: a spin logs thousands) and serves
+    again once connections close."""
+    import resource
+    d = Daemon(fitmd_bin, models["small"], tmp_path, http_header_timeout_s=30)
+    held = []
+    try:
+        fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (fds + 4, hard))
+        for _ in range(12):
+            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=10))
+        time.sleep(1.0)
+        warnings = d.log_text().count("cannot accept a connection")
+        assert 1 <= warnings <= 30, warnings
+        for s in held:
+            s.close()
+        held = []
+        resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                if d.healthy():
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        assert d.healthy()
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
 # ---- clients that leave, and shutdown ------------------------------------------------------
 
 def slow_rerank():

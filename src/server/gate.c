@@ -19,6 +19,8 @@
  * still sends, so closing it does not reset the answer away (a close with unread bytes sends
  * RST). */
 #define LINGER_MS 2000
+/* How long accepting pauses when the process is out of descriptors. */
+#define ACCEPT_PAUSE_MS 100
 
 typedef struct {
     int fd;
@@ -35,7 +37,8 @@ struct fitm_gate {
     _Atomic bool stop, quiesce;
     pending *conns;
     int64_t n, cap;
-    char *peek; /* FITM_FRAME_MAX_HEAD + 1 bytes */
+    char *peek;              /* FITM_FRAME_MAX_HEAD + 1 bytes */
+    int64_t accept_after_ns; /* accepting paused until then (out of descriptors) */
 };
 
 static bool same_addr(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
@@ -167,8 +170,15 @@ static void accept_all(fitm_gate *g)
         struct sockaddr_storage a;
         socklen_t al = sizeof a;
         int fd = accept4(g->p.listen_fd, (struct sockaddr *)&a, &al, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
+        if (fd < 0) {
+            /* Out of descriptors or memory: the listening socket stays readable, so pause
+             * accepting a while rather than spin on it (the backlog holds the newcomers). */
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                FITM_LOG(FITM_LOG_WARN, NULL, "cannot accept a connection: %s", strerror(errno));
+                g->accept_after_ns = fitm_clock_ns() + ACCEPT_PAUSE_MS * 1000000;
+            }
             return; /* EAGAIN, or an error the next poll reports again */
+        }
         int64_t same = 0;
         for (int64_t i = 0; i < g->n; i++)
             same += same_addr(&g->conns[i].addr, &a);
@@ -226,7 +236,10 @@ static void *gate_main(void *arg)
         }
         nfds_t k = 0;
         pf[k++] = (struct pollfd){.fd = g->wake[0], .events = POLLIN};
-        bool listening = g->p.listen_fd >= 0 && g->n < g->p.max_pending;
+        bool listening =
+            g->p.listen_fd >= 0 && g->n < g->p.max_pending && now >= g->accept_after_ns;
+        if (now < g->accept_after_ns && g->accept_after_ns < next)
+            next = g->accept_after_ns;
         if (listening)
             pf[k++] = (struct pollfd){.fd = g->p.listen_fd, .events = POLLIN};
         nfds_t first = k;
