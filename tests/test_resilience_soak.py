@@ -1,5 +1,5 @@
 """Soak: FITM_SOAK_S seconds of mixed load against one fitmd (normal and streamed requests,
-clients that leave mid-request, bodies that trickle), then SIGTERM. Reports lost responses
+clients that leave mid-request, bodies and heads that trickle), then SIGTERM. Reports lost responses
 (a request sent before the SIGTERM that got no HTTP answer), duplicated ones (a request id
 answered twice in the log) and RSS drift; the first two must be 0.
 
@@ -29,9 +29,21 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def connect(d):
+    """A connection to d; None once it stopped listening (a client scheduled after the
+    SIGTERM: the pool runs its queued clients late)."""
+    try:
+        return socket.create_connection(("127.0.0.1", d.port), timeout=10)
+    except ConnectionRefusedError:
+        return None
+
+
 def leave_mid_request(d, rid):
     body = json.dumps({"query": "golf", "documents": docs(6, 40)}).encode()
-    with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+    s = connect(d)
+    if s is None:
+        return
+    with s:
         s.sendall(b"POST /rerank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                   + b"\r\nContent-Type: application/json\r\nX-Request-Id: " + rid.encode()
                   + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -40,7 +52,10 @@ def leave_mid_request(d, rid):
 
 def trickle(d, rid):
     body = b'{"query":"q","documents":["a"]}'
-    with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+    s = connect(d)
+    if s is None:
+        return
+    with s:
         s.sendall(b"POST /rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"X-Request-Id: " + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
         try:
@@ -51,9 +66,26 @@ def trickle(d, rid):
             pass  # cut with 408: what should happen
 
 
+def slow_head(d, rid):
+    """Trickles its request head: the gate cuts it at http_header_timeout_s."""
+    head = (b"POST /rerank HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + rid.encode()
+            + b"\r\nContent-Type: application/json\r\n\r\n")
+    s = connect(d)
+    if s is None:
+        return
+    with s:
+        try:
+            for c in head:
+                s.sendall(bytes([c]))
+                time.sleep(0.1)
+        except OSError:
+            pass  # cut with 408: what should happen
+
+
 @pytest.mark.skipif(SOAK_S <= 0, reason="soak: set FITM_SOAK_S (seconds) to run it")
 def test_soak(fitmd_bin, models, tmp_path):  # noqa: F811
     d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, http_receive_timeout_s=2,
+               http_header_timeout_s=2,
                queue_depth=32, http_threads=8, drain_timeout_ms=60000)
     rng = random.Random(11)
     outcome, lock = {}, threading.Lock()
@@ -91,8 +123,10 @@ def test_soak(fitmd_bin, models, tmp_path):  # noqa: F811
                 futs.append(ex.submit(normal, i))
             elif k < 0.9:
                 futs.append(ex.submit(leave_mid_request, d, f"gone-{i}"))
-            else:
+            elif k < 0.95:
                 futs.append(ex.submit(trickle, d, f"slow-{i}"))
+            else:
+                futs.append(ex.submit(slow_head, d, f"head-{i}"))
             i += 1
             time.sleep(rng.uniform(0, 0.05))
             futs = [f for f in futs if not f.done()]

@@ -209,11 +209,9 @@ static fitm_status stopped(fitm_err *err)
                         "stopped: the request's deadline passed or the server is shutting down");
 }
 
-/* Ranks with method on docs in order (NULL: request order) and returns the shallow request
- * copy's result in *out. */
-static fitm_status rank(fitm_reranker *r, const fitm_answer_request *req, fitm_rerank_method m,
-                        const fitm_rerank_doc *docs, bool (*stop)(const void *),
-                        const void *stop_arg, fitm_rerank_result *out, fitm_err *err)
+/* The shallow request copy that ranks req's documents docs (in that order) with method m. */
+static fitm_rerank_request rank_request(const fitm_answer_request *req, fitm_rerank_method m,
+                                        const fitm_rerank_doc *docs)
 {
     fitm_rerank_request q = req->base;
     q.docs = (fitm_rerank_doc *)docs;
@@ -222,6 +220,16 @@ static fitm_status rank(fitm_reranker *r, const fitm_answer_request *req, fitm_r
     q.return_tokens = false;
     q.return_documents = false;
     q.tei = false;
+    return q;
+}
+
+/* Ranks with method on docs in order (NULL: request order) and returns the shallow request
+ * copy's result in *out. */
+static fitm_status rank(fitm_reranker *r, const fitm_answer_request *req, fitm_rerank_method m,
+                        const fitm_rerank_doc *docs, bool (*stop)(const void *),
+                        const void *stop_arg, fitm_rerank_result *out, fitm_err *err)
+{
+    fitm_rerank_request q = rank_request(req, m, docs);
     return fitm_reranker_run(r, &q, stop, stop_arg, out, err);
 }
 
@@ -646,5 +654,44 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
     }
     res->total_ms = now_ms() - t0;
     state_free(&s);
+    return st;
+}
+
+fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
+                             int64_t *tokens, fitm_err *err)
+{
+    const bool reorder = req->reorder >= 0;
+    int64_t sum = 0, t = 0;
+    fitm_status st = FITM_OK;
+    if (reorder) {
+        fitm_rerank_request q = rank_request(req, (fitm_rerank_method)req->reorder,
+                                             req->base.docs);
+        st = fitm_reranker_cost(r, &q, false, &t, err);
+        sum += t;
+    }
+    if (st == FITM_OK && req->calibrate) {
+        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
+        st = fitm_reranker_cost(r, &q, reorder, &t, err);
+        sum += t;
+    }
+    /* Prefill at most the whole answer prompt (rows the cache holds are skipped), then one
+     * step per generated token but the last, never past the context. */
+    if (st == FITM_OK) {
+        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
+        const fitm_rerank_frame *f = fitm_reranker_answer_frame(r);
+        if (reorder) {
+            st = fitm_reranker_prompt_bound(r, &q, f, &t, err);
+        } else {
+            int32_t *ids = NULL;
+            fitm_span *spans = malloc((size_t)q.n_docs * sizeof *spans);
+            st = spans ? fitm_reranker_prompt(r, &q, f, NULL, &ids, &t, spans, err)
+                       : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+            free(ids);
+            free(spans);
+        }
+        int64_t n_ctx = fitm_reranker_n_ctx(r), gen = t + req->max_tokens - 1;
+        sum += gen < n_ctx ? gen : n_ctx;
+    }
+    *tokens = sum;
     return st;
 }

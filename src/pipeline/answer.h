@@ -116,4 +116,12 @@ fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request
 /* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
 uint64_t fitm_answer_rand(uint64_t *state);
 
+/* At most the forward tokens (forward_tokens) fitm_answer_run will compute for req, counted
+ * from its tokenized prompts without running the model: the reorder's and the calibration's
+ * ranking (fitm_reranker_cost; bounded when the reorder's order is not known yet), the whole
+ * answer prompt (less when the cache already holds its start) and max_tokens - 1 decode steps,
+ * within the context. Fails as fitm_reranker_cost does. Thread-safety as fitm_reranker_cost. */
+fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
+                             int64_t *tokens, fitm_err *err);
+
 #endif

@@ -350,6 +350,9 @@ static fitm_status encode_framed(const fitm_reranker *r, fitm_rr_ids *ids, const
     return st;
 }
 
+/* The line before each document's body (its 1-based position, its title). */
+#define DOC_HEADER "Document [%d](Title: %s)"
+
 /* The document lines: "Document [i](Title: t)" + body + "\n" each, spans of the bodies. */
 static fitm_status encode_documents(const fitm_reranker *r, const fitm_rerank_request *req,
                                     const int32_t *order, int32_t n, fitm_rr_ids *ids,
@@ -361,7 +364,7 @@ static fitm_status encode_documents(const fitm_reranker *r, const fitm_rerank_re
         char *line = malloc(cap);
         if (!line)
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        int hn = snprintf(line, cap, "Document [%d](Title: %s)", (int)k + 1, d->title);
+        int hn = snprintf(line, cap, DOC_HEADER, (int)k + 1, d->title);
         fitm_status st = fitm_rr_encode(r->tok, ids, line, (size_t)hn, FITM_TOK_CONTINUATION, -1,
                                         err);
         free(line);
@@ -951,4 +954,140 @@ fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
     fitm_forward_opts o = {.n_logits = 1, .logits = logits, .intervention = iv};
     r->kv_n = pos < r->kv_n ? pos : r->kv_n; /* generated rows are nobody's prompt */
     return forward_failed(fitm_forward_run(r->fwd, r->kv, &id, 1, pos, &o, err), err);
+}
+
+/* ---- cost: the forward tokens of a request, counted before it runs ------------------------ */
+
+/* Most tokens a piece of n bytes encoded on its own can give: every token covers at least one
+ * byte (byte fallback, byte-level BPE, an unknown character), plus a space prefix. */
+static int64_t piece_bound(size_t n)
+{
+    return (int64_t)n + 1;
+}
+
+fitm_status fitm_rr_prompt_bound(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const fitm_rerank_frame *f, const fitm_rr_queries *q,
+                                 const int32_t *starts, int32_t G, int64_t *frame,
+                                 int64_t *docs, fitm_err *err)
+{
+    const int32_t K = req->n_docs;
+    fitm_rr_ids ids = {0};
+    fitm_status st = fitm_rr_build_prompt(r, req, f, NULL, 0, q, &ids, NULL, NULL, err);
+    *frame = ids.n;
+    int64_t d = 0;
+    size_t longest = 0;
+    bool same = true;
+    for (int32_t k = 0; st == FITM_OK && k < K; k++) {
+        const fitm_rerank_doc *x = &req->docs[k];
+        longest = x->title_len > longest ? x->title_len : longest;
+        same = same && x->title_len == req->docs[0].title_len &&
+               !memcmp(x->title, req->docs[0].title, x->title_len);
+        ids.n = 0;
+        if ((st = fitm_rr_body(r, req, k, &ids, err)) == FITM_OK)
+            d += ids.n;
+    }
+    ids.n = 0;
+    if (st == FITM_OK && (st = fitm_rr_encode(r->tok, &ids, "\n", 1, FITM_TOK_CONTINUATION, -1,
+                                              err)) == FITM_OK)
+        d += (int64_t)K * ids.n;
+    /* The header of the place p of a group: exact when every title is the same (then the
+     * order does not change it), else bounded by its bytes with the longest title. */
+    char *line = st == FITM_OK ? malloc(longest + 64) : NULL;
+    if (st == FITM_OK && !line)
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t g = 0; st == FITM_OK && g < G; g++)
+        for (int32_t p = 0; st == FITM_OK && p < starts[g + 1] - starts[g]; p++) {
+            int hn = snprintf(line, longest + 64, DOC_HEADER, (int)p + 1,
+                              same ? req->docs[0].title : "");
+            if (!same) {
+                d += piece_bound((size_t)hn + longest);
+                continue;
+            }
+            ids.n = 0;
+            if ((st = fitm_rr_encode(r->tok, &ids, line, (size_t)hn, FITM_TOK_CONTINUATION, -1,
+                                     err)) == FITM_OK)
+                d += ids.n;
+        }
+    free(line);
+    free(ids.v);
+    *docs = d;
+    return st;
+}
+
+/* attention_sort: the first pass's prompt exactly; the later passes' (documents reordered)
+ * the same when every title is the same, else bounded. */
+static fitm_status attention_sort_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                                       int64_t *tokens, fitm_err *err)
+{
+    const int32_t K = req->n_docs;
+    fitm_rr_ids ids = {0};
+    fitm_span *spans = calloc((size_t)K, sizeof *spans);
+    fitm_status st = spans ? fitm_rr_build_prompt(r, req, NULL, NULL, K, NULL, &ids, spans, NULL,
+                                                  err)
+                           : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    const int64_t T = ids.n;
+    free(ids.v);
+    free(spans);
+    if (st == FITM_OK && T > r->n_ctx)
+        st = prompt_too_long(T, r, req, err);
+    int32_t starts[2] = {0, K};
+    int64_t frame = 0, docs = 0;
+    if (st == FITM_OK)
+        st = fitm_rr_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err);
+    int64_t later = frame + docs > T ? frame + docs : T;
+    *tokens = T + (SORT_PASSES - 1) * later;
+    return st;
+}
+
+/* query_likelihood and relevance: each document's prompt, as run_per_document feeds it. */
+static fitm_status per_document_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                                     int64_t *tokens, fitm_err *err)
+{
+    per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
+    fitm_rr_ids ids = {0};
+    int64_t sum = 0;
+    fitm_status st = per_doc_init(r, req, &pd, err);
+    for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
+        ids.n = 0;
+        st = pd.ql ? ql_prompt(r, req, k, &pd, &ids, err) : relevance_prompt(r, req, k, &ids, err);
+        int64_t T = pd.ql ? ids.n - 1 : ids.n;
+        if (st == FITM_OK && T > r->n_ctx)
+            st = prompt_too_long(T, r, req, err);
+        sum += T;
+    }
+    free(ids.v);
+    free(pd.q.v);
+    *tokens = sum;
+    return st;
+}
+
+fitm_status fitm_reranker_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                               bool any_order, int64_t *tokens, fitm_err *err)
+{
+    *tokens = 0;
+    switch (req->method) {
+    case FITM_RERANK_CALIBRATED:
+    case FITM_RERANK_ATTENTION:
+    case FITM_RERANK_PAPER:
+        return fitm_rr_attention_cost(r, req, any_order, tokens, err);
+    case FITM_RERANK_ATTENTION_SORT:
+        return attention_sort_cost(r, req, tokens, err);
+    case FITM_RERANK_QUERY_LIKELIHOOD:
+    case FITM_RERANK_RELEVANCE:
+        return per_document_cost(r, req, tokens, err);
+    case FITM_RERANK_METHOD_COUNT:
+        break;
+    }
+    return fitm_err_set(err, FITM_ERR_INVALID, "'method': unknown");
+}
+
+fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank_request *req,
+                                       const fitm_rerank_frame *f, int64_t *tokens,
+                                       fitm_err *err)
+{
+    int32_t starts[2] = {0, req->n_docs};
+    int64_t frame = 0, docs = 0;
+    fitm_status st = fitm_rr_prompt_bound(r, req, f, NULL, starts, 1, &frame, &docs, err);
+    *tokens = frame + docs;
+    return st;
 }

@@ -182,6 +182,17 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_err *err);
 
+/* The forward tokens (usage.forward_tokens) fitm_reranker_run will compute for req, counted
+ * from its tokenized prompts without running the model: exact for every method with the
+ * documents in request order, except attention_sort with titles that differ (its reordered
+ * passes are bounded: a header counts at most its bytes). any_order: the documents will be in
+ * an order not known yet (/answer's reorder): an upper bound. Fails as fitm_reranker_run
+ * would (FITM_ERR_LIMIT for a prompt over the context, FITM_ERR_INVALID for layers or heads
+ * the model does not have, ...). Reads only what fitm_reranker_create made, so it may run on
+ * any thread while fitm_reranker_run runs on another. */
+fitm_status fitm_reranker_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                               bool any_order, int64_t *tokens, fitm_err *err);
+
 /* ---- what /answer shares (answer.c) ----------------------------------------------------- */
 
 /* The model and tokenizer the reranker serves, and its context (KV rows). Borrowed. */
@@ -213,6 +224,12 @@ const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r);
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
                                  const fitm_rerank_frame *f, const int32_t *order, int32_t **ids,
                                  int64_t *n_ids, fitm_span *spans, fitm_err *err);
+
+/* At most the tokens of the prompt of frame f (NULL: the default) over req's documents in any
+ * order (exact when every title is the same). Thread-safety as fitm_reranker_cost. */
+fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank_request *req,
+                                       const fitm_rerank_frame *f, int64_t *tokens,
+                                       fitm_err *err);
 
 /* How many leading rows of the prompt cache hold exactly ids[0, n) (what the last run left
  * there): a pipeline may start its forward pass at any position up to that. */

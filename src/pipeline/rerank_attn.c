@@ -309,6 +309,16 @@ static fitm_status dummy_passes(fitm_reranker *r, const fitm_rerank_request *req
     return st;
 }
 
+/* The null pass's queries: "N/A" in both places (null_query) or in the trailing question
+ * only (null_suffix). */
+static fitm_rr_queries null_queries(const fitm_rerank_request *req, const plan *pl)
+{
+    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
+    const size_t nl = sizeof NULL_QUERY - 1;
+    return (fitm_rr_queries){suffix ? req->query : NULL_QUERY, NULL_QUERY,
+                             suffix ? req->query_len : nl, nl};
+}
+
 /* The content-free query's reference: the prompt with the query replaced by "N/A" in both
  * places (null_query, a whole pass) or in the trailing question only (null_suffix, on a
  * branch of the prompt's cache from the end of the documents when prefix_reuse). */
@@ -319,9 +329,7 @@ static fitm_status null_pass(fitm_reranker *r, const fitm_rerank_request *req, c
                              fitm_err *err)
 {
     const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
-    const size_t nl = sizeof NULL_QUERY - 1;
-    fitm_rr_queries q = {suffix ? req->query : NULL_QUERY, NULL_QUERY,
-                         suffix ? req->query_len : nl, nl};
+    fitm_rr_queries q = null_queries(req, pl);
     prompt np = {0};
     fitm_status st = make_prompt(r, req, pl, order, n, &q, &np, err);
     int64_t from = suffix && req->prefix_reuse ? p->spans[n - 1].end : 0;
@@ -530,5 +538,75 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
     free(starts);
     free(buf);
     free(sc.position);
+    return st;
+}
+
+/* ---- cost -------------------------------------------------------------------------------- */
+
+/* One group's passes, as score_group, dummy_passes and null_pass run them. */
+static fitm_status group_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                              const plan *pl, int32_t first, int32_t n, int64_t *sum,
+                              fitm_err *err)
+{
+    prompt p = {0}, np = {0};
+    int32_t *order = malloc((size_t)n * sizeof *order);
+    fitm_status st = order ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t j = 0; st == FITM_OK && j < n; j++)
+        order[j] = first + j;
+    if (st == FITM_OK && (st = make_prompt(r, req, pl, order, n, NULL, &p, err)) == FITM_OK) {
+        const int64_t T = p.ids.n;
+        *sum += T;
+        for (int32_t j = 0; pl->dummy_passes && j < n; j++)
+            *sum += T - (req->prefix_reuse ? p.spans[j].start : 0);
+    }
+    if (st == FITM_OK && pl->null_pass) {
+        fitm_rr_queries q = null_queries(req, pl);
+        bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
+        if ((st = make_prompt(r, req, pl, order, n, &q, &np, err)) == FITM_OK)
+            *sum += np.ids.n - (suffix && req->prefix_reuse ? p.spans[n - 1].end : 0);
+    }
+    prompt_free(&p);
+    prompt_free(&np);
+    free(order);
+    return st;
+}
+
+fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                                   bool any_order, int64_t *tokens, fitm_err *err)
+{
+    const int32_t K = req->n_docs;
+    plan pl = {0};
+    fitm_rerank_result scratch = {0}; /* make_plan's meta, not kept */
+    fitm_score_opts_init(&scratch.meta.opts);
+    int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
+    fitm_status st = starts ? make_plan(r, req, &pl, &scratch.meta, err)
+                            : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    int64_t sum = 0;
+    int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
+    if (st == FITM_OK && !any_order) {
+        for (int32_t g = 0; st == FITM_OK && g < G; g++)
+            st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &sum, err);
+    } else if (st == FITM_OK) {
+        /* Every group's prompt is at most frame + its documents' part; the parts add up to at
+         * most docs; a dummy pass is at most its group's prompt. */
+        int32_t n_max = 0;
+        for (int32_t g = 0; g < G; g++)
+            n_max = starts[g + 1] - starts[g] > n_max ? starts[g + 1] - starts[g] : n_max;
+        int64_t frame = 0, docs = 0;
+        st = fitm_rr_prompt_bound(r, req, NULL, NULL, starts, G, &frame, &docs, err);
+        int64_t passes = G * frame + docs;
+        sum = passes + (pl.dummy_passes ? n_max * passes : 0);
+        if (st == FITM_OK && pl.null_pass) {
+            fitm_rr_queries q = null_queries(req, &pl);
+            st = fitm_rr_prompt_bound(r, req, NULL, &q, starts, G, &frame, &docs, err);
+            sum += G * frame + docs;
+        }
+    }
+    *tokens = sum;
+    fitm_rerank_result_free(&scratch);
+    fitm_score_opts_free(&pl.o);
+    free(pl.pair);
+    free(pl.own_dummy.v);
+    free(starts);
     return st;
 }

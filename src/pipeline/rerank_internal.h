@@ -99,4 +99,20 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
                                   fitm_rr_stop stop, const void *stop_arg,
                                   fitm_rerank_result *res, fitm_err *err);
 
+/* The forward tokens fitm_rr_run_attention computes for req: exactly, or (any_order: the
+ * documents in an order not known yet) at most this. Fails as the run would for options,
+ * layers or heads the model does not have and for a prompt over the context (exact only). */
+fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+                                   bool any_order, int64_t *tokens, fitm_err *err);
+
+/* Bounds the prompts of frame f (NULL: the default) with the queries q (NULL: the request's)
+ * over req's documents split into the G groups starts[0..G] (fitm_score_groups), in any order
+ * within and across the groups: each group's prompt is at most *frame (the frame alone, exact)
+ * plus its documents' part, and the documents' parts of all groups add up to at most *docs
+ * (exact when every document has the same title). */
+fitm_status fitm_rr_prompt_bound(const fitm_reranker *r, const fitm_rerank_request *req,
+                                 const fitm_rerank_frame *f, const fitm_rr_queries *q,
+                                 const int32_t *starts, int32_t G, int64_t *frame,
+                                 int64_t *docs, fitm_err *err);
+
 #endif

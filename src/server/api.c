@@ -24,6 +24,13 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
         return (fitm_api_error_class){501, "invalid_request_error", "not_implemented", false};
     case FITM_API_COND_SLOW:
         return (fitm_api_error_class){408, "invalid_request_error", "request_timeout", false};
+    case FITM_API_COND_TARGET_TOO_LONG:
+        return (fitm_api_error_class){414, "invalid_request_error", "uri_too_long", false};
+    case FITM_API_COND_HEAD_TOO_LARGE:
+        return (fitm_api_error_class){431, "invalid_request_error", "headers_too_large", false};
+    case FITM_API_COND_VERSION:
+        return (fitm_api_error_class){505, "invalid_request_error", "http_version_not_supported",
+                                      false};
     case FITM_API_COND_NONE:
         break;
     }
@@ -409,59 +416,130 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
 
 /* ---- strict JSON: what cJSON would silently accept -------------------------------------- */
 
-/* The first NUL character in the text of body: a raw NUL byte anywhere, or a \u0000 escape in
- * a string (cJSON would cut the string there and drop the rest). Names the object key that
- * the string belongs to (the last key before it; "" at the top level), or says it is a key. */
+/* Where a JSON scan stands: the path of the value being read, as a client would write it
+ * (`documents[3].text`), one level per open object or array. Deeper levels than FITM_JSON_DEPTH
+ * are counted but not named. */
+#define FITM_JSON_DEPTH 16
+typedef struct {
+    bool array;
+    int64_t index;   /* array: the element being read         */
+    const char *key; /* object: the last key (not terminated) */
+    size_t key_n;
+} json_level;
+
+typedef struct {
+    json_level level[FITM_JSON_DEPTH];
+    int depth;
+} json_path;
+
+/* path as text into out (cap bytes, always terminated): "" at the top level. */
+static void json_path_text(const json_path *p, char *out, size_t cap)
+{
+    size_t n = 0;
+    out[0] = '\0';
+    int shown = p->depth < FITM_JSON_DEPTH ? p->depth : FITM_JSON_DEPTH;
+    for (int d = 0; d < shown && n + 1 < cap; d++) {
+        int w = p->level[d].array
+                    ? snprintf(out + n, cap - n, "[%lld]", (long long)p->level[d].index)
+                    : snprintf(out + n, cap - n, "%s%.*s", d ? "." : "",
+                               (int)(p->level[d].key_n < 64 ? p->level[d].key_n : 64),
+                               p->level[d].key ? p->level[d].key : "");
+        n = w > 0 && (size_t)w < cap - n ? n + (size_t)w : cap - 1;
+    }
+    if (p->depth > shown && n + 4 < cap)
+        snprintf(out + n, cap - n, "...");
+}
+
+/* The first NUL character in the text of body (valid JSON): a raw NUL byte anywhere, or a
+ * \u0000 escape in a string (cJSON would cut the string there and drop the rest). Names the
+ * field by its full path (`documents[3].text`), or says an object key holds it. */
 static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
 {
-    const char *key = "", *str = NULL; /* the last key, the string being read */
-    size_t key_n = 0;
-    bool nul = false;
+    json_path p = {.depth = 0};
+    const char *str = NULL; /* the string being read */
+    bool nul = false, raw = false;
+    size_t at = 0;
+    char where[256];
     for (size_t i = 0; i < len; i++) {
         char c = body[i];
-        if (c == '\0')
+        if (c == '\0' && !str)
             return fitm_err_set(err, FITM_ERR_INVALID, "a NUL byte at byte %zu of the body", i);
         if (!str) {
-            if (c == '"')
+            int d = p.depth - 1;
+            bool named = d >= 0 && d < FITM_JSON_DEPTH;
+            if (c == '"') {
                 str = body + i + 1;
+            } else if (c == '{' || c == '[') {
+                if (p.depth < FITM_JSON_DEPTH)
+                    p.level[p.depth] = (json_level){.array = c == '['};
+                p.depth++;
+            } else if ((c == '}' || c == ']') && p.depth > 0) {
+                p.depth--;
+            } else if (c == ',' && named && p.level[d].array) {
+                p.level[d].index++;
+            }
             continue;
         }
+        if (c == '\0' && !nul) {
+            nul = raw = true;
+            at = i;
+        }
         if (c == '\\' && i + 1 < len) {
-            nul |= i + 5 < len && !strncmp(body + i + 1, "u0000", 5);
+            if (!nul && i + 5 < len && !strncmp(body + i + 1, "u0000", 5)) {
+                nul = true;
+                at = i;
+            }
             i++;
             continue;
         }
         if (c != '"')
             continue;
         size_t j = i + 1; /* the string ended: a key if a colon follows */
-        while (j < len && strchr(" \t\r\n", body[j]) && body[j])
+        while (j < len && body[j] && strchr(" \t\r\n", body[j]))
             j++;
         bool is_key = j < len && body[j] == ':';
-        if (nul)
-            return is_key ? fitm_err_set(err, FITM_ERR_INVALID,
-                                         "an object key contains a NUL character (\\u0000)")
-                          : fitm_err_set(err, FITM_ERR_INVALID,
-                                         "'%.*s' contains a NUL character (\\u0000)", (int)key_n,
-                                         key);
-        if (is_key) {
-            key = str;
-            key_n = (size_t)(body + i - str) < 64 ? (size_t)(body + i - str) : 64;
+        int d = p.depth - 1;
+        if (is_key && d >= 0 && d < FITM_JSON_DEPTH) {
+            p.level[d].key = str;
+            p.level[d].key_n = (size_t)(body + i - str);
+        }
+        if (nul) {
+            const char *what = raw ? "a NUL byte" : "a NUL character (\\u0000)";
+            if (is_key)
+                p.depth--; /* name the object, not the broken key */
+            json_path_text(&p, where, sizeof where);
+            if (is_key)
+                return fitm_err_set(err, FITM_ERR_INVALID,
+                                    "an object key contains %s (at byte %zu)%s%s%s", what, at,
+                                    where[0] ? " in '" : "", where, where[0] ? "'" : "");
+            return where[0] ? fitm_err_set(err, FITM_ERR_INVALID, "'%s' contains %s (at byte %zu)",
+                                           where, what, at)
+                            : fitm_err_set(err, FITM_ERR_INVALID, "the body's string contains %s "
+                                           "(at byte %zu)", what, at);
         }
         str = NULL;
     }
     return FITM_OK;
 }
 
-/* A key given twice in one object, anywhere in the tree (cJSON would keep the first). */
-static fitm_status reject_duplicate_keys(const cJSON *node, fitm_err *err)
+/* A key given twice in one object, anywhere in the tree (cJSON would keep the first); path
+ * (n bytes used of cap) is the node's, and names where. */
+static fitm_status reject_duplicate_keys(const cJSON *node, char *path, size_t n, size_t cap,
+                                         fitm_err *err)
 {
-    for (const cJSON *a = node ? node->child : NULL; a; a = a->next) {
+    int64_t index = 0;
+    for (const cJSON *a = node ? node->child : NULL; a; a = a->next, index++) {
         if (cJSON_IsObject(node) && a->string)
             for (const cJSON *b = a->next; b; b = b->next)
                 if (b->string && !strcmp(a->string, b->string))
-                    return fitm_err_set(err, FITM_ERR_INVALID, "duplicate key '%.64s'",
-                                        a->string);
-        fitm_status st = reject_duplicate_keys(a, err);
+                    return fitm_err_set(err, FITM_ERR_INVALID, "duplicate key '%.64s'%s%s%s",
+                                        a->string, n ? " in '" : "", path, n ? "'" : "");
+        int w = cJSON_IsArray(node) ? snprintf(path + n, cap - n, "[%lld]", (long long)index)
+                                    : snprintf(path + n, cap - n, "%s%.64s", n ? "." : "",
+                                               a->string ? a->string : "");
+        size_t m = w > 0 && (size_t)w < cap - n ? n + (size_t)w : n;
+        fitm_status st = reject_duplicate_keys(a, path, m, cap, err);
+        path[n] = '\0';
         if (st != FITM_OK)
             return st;
     }
@@ -489,8 +567,9 @@ static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_e
         }
     }
     fitm_status st = reject_nul(body, len, err);
+    char path[256] = "";
     if (st == FITM_OK)
-        st = reject_duplicate_keys(r, err);
+        st = reject_duplicate_keys(r, path, 0, sizeof path, err);
     if (st != FITM_OK) {
         cJSON_Delete(r);
         return st;

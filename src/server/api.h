@@ -25,6 +25,9 @@ typedef enum {
     FITM_API_COND_FRAMING,        /* ambiguous HTTP framing (400, closes) */
     FITM_API_COND_CODING,         /* a transfer coding other than chunked (501) */
     FITM_API_COND_SLOW,           /* headers or body not received in time (408) */
+    FITM_API_COND_TARGET_TOO_LONG, /* request target over the limit (414)          */
+    FITM_API_COND_HEAD_TOO_LARGE,  /* request head over the limit (431)            */
+    FITM_API_COND_VERSION,         /* an HTTP version other than 1.0/1.1 (505)     */
 } fitm_api_cond;
 
 typedef struct {

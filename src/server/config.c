@@ -61,6 +61,9 @@ static const opt opts[] = {
      "open client connections at once; more are refused at accept"},
     {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
      "open connections from one client address; more are refused at accept"},
+    {"http_header_timeout_s", INT(http_header_timeout_s), "10", 1, 3600, NULL,
+     "seconds a new connection's request line and headers may take to arrive, however "
+     "steadily they trickle (408 and close beyond; a connection that sent nothing is closed)"},
     {"http_receive_timeout_s", INT(http_receive_timeout_s), "60", 1, 3600, NULL,
      "seconds a request's body may take to arrive, however steadily it trickles (408 and "
      "close beyond)"},
@@ -78,6 +81,12 @@ static const opt opts[] = {
      "requests waiting for the engine; beyond it 503 with Retry-After"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
+    {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,
+     "most forward tokens one request may cost, estimated from its tokenized prompt before it "
+     "queues (reference passes, windows, max_tokens counted): 422 beyond; 0 = no limit"},
+    {"max_queued_forward_tokens", INT(max_queued_forward_tokens), "262144", 0, 1e12, NULL,
+     "most estimated forward tokens the waiting requests may hold together: 503 with "
+     "Retry-After beyond (an empty queue takes any request); 0 = no limit"},
     {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,
      "on SIGTERM: /health says draining, new requests get 503, in-flight ones have this long "
      "to finish; then exit 0"},

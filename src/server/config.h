@@ -32,6 +32,7 @@ typedef struct {
     int64_t http_idle_timeout_s;           /* close connections idle this long         */
     int64_t max_connections;               /* open connections at once                 */
     int64_t max_connections_per_client;    /* ... from one client address              */
+    int64_t http_header_timeout_s;         /* first request head receive deadline (408) */
     int64_t http_receive_timeout_s;        /* whole-body receive deadline (408)        */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     int64_t max_body_bytes;
@@ -40,6 +41,8 @@ typedef struct {
     int64_t ctx_size;                      /* 0 = the model's trained context          */
     int64_t queue_depth;
     int64_t request_timeout_ms;
+    int64_t max_request_forward_tokens; /* admission: one request's estimated cost (422)  */
+    int64_t max_queued_forward_tokens;  /* admission: the queued requests' cost (503)     */
     int64_t drain_timeout_ms;
     int64_t max_answer_tokens;
     char chat_template[32];                /* auto | raw | chatml | gemma | llama2 | llama3 */

@@ -18,6 +18,9 @@ struct fitm_engine {
     fitm_job *head, *tail;  /* FIFO of waiting jobs                          */
     int64_t n_queued, capacity;
     int64_t running;        /* 0 or 1                                       */
+    int64_t queued_cost;    /* sum of the queued jobs' cost                  */
+    int64_t max_job_cost, max_queued_cost; /* 0: no bound                  */
+    int64_t costing;        /* submits inside hooks.cost (unload waits)      */
     fitm_engine_state state;
     fitm_err state_err;
     bool draining;          /* submit refuses                                */
@@ -49,6 +52,7 @@ static fitm_job *pop_locked(fitm_engine *e)
             e->tail = NULL;
         j->next = NULL;
         e->n_queued--;
+        e->queued_cost -= j->cost;
     }
     return j;
 }
@@ -122,6 +126,8 @@ static void *worker_main(void *arg)
         e->running = 0;
         pthread_cond_broadcast(&e->idle);
     }
+    while (e->costing) /* a submit still reading the model for its estimate */
+        pthread_cond_wait(&e->idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
     e->hooks.unload(e->hooks.ctx);
     return NULL;
@@ -143,6 +149,7 @@ static void *timer_main(void *arg)
                 if (e->tail == j)
                     e->tail = prev;
                 e->n_queued--;
+                e->queued_cost -= j->cost;
                 j->next = expired;
                 expired = j;
             } else {
@@ -225,6 +232,7 @@ void fitm_engine_shutdown(fitm_engine *e)
     fitm_job *waiting = e->head;
     e->head = e->tail = NULL;
     e->n_queued = 0;
+    e->queued_cost = 0;
     pthread_cond_broadcast(&e->work);
     pthread_cond_broadcast(&e->timer);
     pthread_mutex_unlock(&e->mu);
@@ -253,20 +261,71 @@ void fitm_engine_destroy(fitm_engine *e)
     free(e);
 }
 
+void fitm_engine_set_budget(fitm_engine *e, int64_t max_job_cost, int64_t max_queued_cost)
+{
+    pthread_mutex_lock(&e->mu);
+    e->max_job_cost = max_job_cost > 0 ? max_job_cost : 0;
+    e->max_queued_cost = max_queued_cost > 0 ? max_queued_cost : 0;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Why the engine takes no job now (FITM_OK: it does), under e->mu. */
+static fitm_status refusal_locked(const fitm_engine *e, fitm_err *err)
+{
+    if (e->draining)
+        return fitm_err_set(err, FITM_ERR_CANCELLED, "the server is shutting down");
+    if (e->state == FITM_ENGINE_LOADING)
+        return fitm_err_set(err, FITM_ERR_BUSY, "the model is still loading");
+    if (e->state != FITM_ENGINE_READY)
+        return fitm_err_set(err, FITM_ERR_BUSY, "the engine is unhealthy: %s", e->state_err.msg);
+    return FITM_OK;
+}
+
+/* Whether job fits the budgets and the queue, under e->mu. */
+static fitm_status admit_locked(const fitm_engine *e, const fitm_job *job, fitm_err *err)
+{
+    if (e->max_job_cost && job->cost > e->max_job_cost)
+        return fitm_err_set(err, FITM_ERR_LIMIT,
+                            "the request would compute an estimated %lld forward tokens, over "
+                            "the limit of %lld per request (max_request_forward_tokens): send "
+                            "fewer or shorter documents, a smaller max_tokens or a cheaper "
+                            "method or reference",
+                            (long long)job->cost, (long long)e->max_job_cost);
+    if (e->n_queued >= e->capacity)
+        return fitm_err_set(err, FITM_ERR_BUSY, "the queue is full (%lld requests waiting)",
+                            (long long)e->n_queued);
+    if (e->max_queued_cost && e->n_queued > 0 &&
+        e->queued_cost + job->cost > e->max_queued_cost)
+        return fitm_err_set(err, FITM_ERR_BUSY,
+                            "the queue is full: %lld waiting requests hold an estimated %lld "
+                            "forward tokens, and this one's %lld more would pass the limit of "
+                            "%lld (max_queued_forward_tokens)",
+                            (long long)e->n_queued, (long long)e->queued_cost,
+                            (long long)job->cost, (long long)e->max_queued_cost);
+    return FITM_OK;
+}
+
 fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err)
 {
-    fitm_status st = FITM_OK;
+    job->cost = 0;
     pthread_mutex_lock(&e->mu);
-    if (e->draining) {
-        st = fitm_err_set(err, FITM_ERR_CANCELLED, "the server is shutting down");
-    } else if (e->state == FITM_ENGINE_LOADING) {
-        st = fitm_err_set(err, FITM_ERR_BUSY, "the model is still loading");
-    } else if (e->state != FITM_ENGINE_READY) {
-        st = fitm_err_set(err, FITM_ERR_BUSY, "the engine is unhealthy: %s", e->state_err.msg);
-    } else if (e->n_queued >= e->capacity) {
-        st = fitm_err_set(err, FITM_ERR_BUSY, "the queue is full (%lld requests waiting)",
-                          (long long)e->n_queued);
-    } else {
+    fitm_status st = refusal_locked(e, err);
+    /* The estimate tokenizes the request: outside the lock, but counted, so the worker does
+     * not unload the model under it. */
+    bool costing = st == FITM_OK && e->hooks.cost;
+    e->costing += costing;
+    pthread_mutex_unlock(&e->mu);
+    if (costing) {
+        st = e->hooks.cost(e->hooks.ctx, job, &job->cost, err);
+        pthread_mutex_lock(&e->mu);
+        e->costing--;
+        pthread_cond_broadcast(&e->idle);
+        pthread_mutex_unlock(&e->mu);
+    }
+    if (st != FITM_OK)
+        return st;
+    pthread_mutex_lock(&e->mu);
+    if ((st = refusal_locked(e, err)) == FITM_OK && (st = admit_locked(e, job, err)) == FITM_OK) {
         job->next = NULL;
         job->enqueued_ns = fitm_clock_ns();
         job->abort_flag = &e->abort_flag;
@@ -277,11 +336,21 @@ fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err)
             e->head = job;
         e->tail = job;
         e->n_queued++;
+        e->queued_cost += job->cost;
         pthread_cond_signal(&e->work);
         pthread_cond_broadcast(&e->timer);
     }
     pthread_mutex_unlock(&e->mu);
     return st;
+}
+
+int64_t fitm_engine_queued_cost(const fitm_engine *e)
+{
+    fitm_engine *m = (fitm_engine *)e;
+    pthread_mutex_lock(&m->mu);
+    int64_t c = m->queued_cost;
+    pthread_mutex_unlock(&m->mu);
+    return c;
 }
 
 bool fitm_job_should_stop(const fitm_job *job)

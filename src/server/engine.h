@@ -38,6 +38,8 @@ struct fitm_job {
      * job stops at the next forward-call boundary with FITM_ERR_CANCELLED. */
     bool (*client_gone)(void *user);
     char req_id[40]; /* for logs */
+    /* Set by the engine at submit: the job's estimated cost (hooks.cost; 0 without one). */
+    int64_t cost;
     /* Set by the engine before on_done. */
     fitm_status status;
     fitm_err err;
@@ -56,6 +58,10 @@ typedef struct {
     /* Runs one job: does what job->kind says with job->work. Long runs poll
      * fitm_job_should_stop between steps. */
     fitm_status (*run)(void *ctx, fitm_job *job, fitm_err *err);
+    /* May be NULL. The job's cost in forward tokens (at least what run will compute),
+     * estimated at submit on the submitting thread while run may be running on the worker
+     * (so it reads only what load made). A failure refuses the job with its status. */
+    fitm_status (*cost)(void *ctx, const fitm_job *job, int64_t *tokens, fitm_err *err);
     /* Releases what load made (also after a failed load). */
     void (*unload)(void *ctx);
 } fitm_engine_hooks;
@@ -79,9 +85,17 @@ void fitm_engine_shutdown(fitm_engine *e);
 /* Shuts down (if not yet) and frees. NULL is a no-op. */
 void fitm_engine_destroy(fitm_engine *e);
 
-/* Queues job. FITM_ERR_BUSY when the queue is full, the model is still loading or the engine
- * is broken, FITM_ERR_CANCELLED once draining began; err says which. On failure the engine
- * does not keep the job and never calls on_done. */
+/* Admission by cost (hooks.cost): a job estimated over max_job_cost is refused with
+ * FITM_ERR_LIMIT; one that would bring the queued jobs' total cost over max_queued_cost with
+ * FITM_ERR_BUSY (an empty queue takes any job within max_job_cost). 0 = no bound. Both are 0
+ * until this is called. */
+void fitm_engine_set_budget(fitm_engine *e, int64_t max_job_cost, int64_t max_queued_cost);
+
+/* Queues job. FITM_ERR_BUSY when the queue is full (by count or by cost), the model is still
+ * loading or the engine is broken, FITM_ERR_LIMIT when the job's cost is over the budget (see
+ * fitm_engine_set_budget), the cost hook's status when it fails, FITM_ERR_CANCELLED once
+ * draining began; err says which. On failure the engine does not keep the job and never
+ * calls on_done. */
 fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err);
 
 /* For hooks.run: true when the job's deadline passed, its client is gone or the engine is
@@ -92,6 +106,9 @@ bool fitm_job_should_stop(const fitm_job *job);
 
 /* The state, and (when msg is non-NULL) the load or backend error message. */
 fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg);
+
+/* The queued jobs' total estimated cost now (forward tokens). */
+int64_t fitm_engine_queued_cost(const fitm_engine *e);
 
 /* Queue depth now, capacity, and jobs running (0 or 1). */
 void fitm_engine_stats(const fitm_engine *e, int64_t *depth, int64_t *capacity,

@@ -354,6 +354,21 @@ static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
+/* hooks.cost: the job's forward tokens, from its tokenized prompts (pipeline's cost). */
+static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, fitm_err *err)
+{
+    daemon_model *dm = ctx;
+    switch ((fitm_work_kind)job->kind) {
+    case FITM_WORK_RERANK:
+        return fitm_reranker_cost(dm->reranker, ((const fitm_rerank_work *)job->work)->req,
+                                  false, tokens, err);
+    case FITM_WORK_ANSWER:
+        return fitm_answer_cost(dm->reranker, ((const fitm_answer_work *)job->work)->req, tokens,
+                                err);
+    }
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
+}
+
 static void model_unload(void *ctx)
 {
     daemon_model *dm = ctx;
@@ -542,13 +557,14 @@ int main(int argc, char **argv)
     dm.cfg = &cfg;
     dm.info = &info;
     fitm_engine_hooks hooks = {.ctx = &dm, .load = model_load, .run = model_run,
-                               .unload = model_unload};
+                               .cost = model_cost, .unload = model_unload};
     fitm_err err = {{0}};
     fitm_engine *engine = NULL;
     if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {
         fprintf(stderr, "fitmd: %s\n", err.msg);
         return 1;
     }
+    fitm_engine_set_budget(engine, cfg.max_request_forward_tokens, cfg.max_queued_forward_tokens);
     fitm_http_params hp = {.cfg = &cfg, .engine = engine, .model = &info,
                            .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len,
                            .playground = fitm_playground_html,

@@ -20,6 +20,7 @@
 #include "base/log.h"
 #include "base/rng.h"
 #include "server/api.h"
+#include "server/gate.h"
 #include "server/metrics.h"
 #include "server/work.h"
 
@@ -32,6 +33,7 @@ struct fitm_http {
     fitm_http_params p;
     struct MHD_Daemon *d;
     struct MHD_Daemon *probe_d; /* probe_port's listener (health and metrics only); NULL: none */
+    fitm_gate *gate;            /* the main port's accept loop, in front of d (gate.h)      */
     fitm_api_limits limits;
     char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
     int n_keys;
@@ -1040,8 +1042,32 @@ static bool parse_keys(fitm_http *h, const char *list)
     return true;
 }
 
-/* Listens on cfg->host:port. The probe listener serves only /health and /metrics, with a
- * thread and connection budget of its own, so probes are answered while the main port's
+/* gate's hand: a connection whose first request head passed the gate's check. */
+static void hand_to_mhd(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len)
+{
+    fitm_http *h = user;
+    if (MHD_add_connection(h->d, fd, addr, addr_len) != MHD_YES) /* it closed fd */
+        FITM_LOG(FITM_LOG_DEBUG, NULL, "connection refused by the HTTP server (limits)");
+}
+
+/* A listening TCP socket on ai; -1 when the address cannot be had. */
+static int listen_socket(const struct addrinfo *ai)
+{
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0)
+        return -1;
+    if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 511) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Listens on cfg->host:port. The main port's connections come through the gate (gate.h: a
+ * strict check of each connection's first request head, with a deadline, before
+ * libmicrohttpd sees it). The probe listener serves only /health and /metrics, with a thread
+ * and connection budget of its own, so probes are answered while the main port's
  * connections are all taken. NULL when the address cannot be had. */
 static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
 {
@@ -1057,15 +1083,41 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
                      MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6)
         flags |= MHD_USE_IPv6;
+    int fd = -1;
+    if (!probe) {
+        flags |= MHD_USE_NO_LISTEN_SOCKET;
+        if ((fd = listen_socket(ai)) < 0) {
+            freeaddrinfo(ai);
+            return NULL;
+        }
+    }
     struct MHD_Daemon *d = MHD_start_daemon(
-        flags, (uint16_t)port, NULL, NULL, probe ? on_probe_request : on_request, h,
-        MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_THREAD_POOL_SIZE,
+        flags, probe ? (uint16_t)port : 0, NULL, NULL, probe ? on_probe_request : on_request, h,
+        MHD_OPTION_SOCK_ADDR, probe ? ai->ai_addr : NULL, MHD_OPTION_THREAD_POOL_SIZE,
         probe ? 1u : (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
         probe ? 10u : (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
         probe ? 64u : (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         probe ? 16u : (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED,
         on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
     freeaddrinfo(ai);
+    if (probe || !d) {
+        if (fd >= 0)
+            close(fd);
+        return d;
+    }
+    h->d = d; /* hand_to_mhd's, from the gate's first hand-off on */
+    fitm_err err = {{0}};
+    fitm_gate_params gp = {.listen_fd = fd, .head_timeout_ms = cfg->http_header_timeout_s * 1000,
+                           .max_pending = cfg->max_connections,
+                           .max_per_client = cfg->max_connections_per_client,
+                           .hand = hand_to_mhd, .user = h};
+    if (fitm_gate_start(&h->gate, &gp, &err) != FITM_OK) {
+        FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);
+        close(fd);
+        MHD_stop_daemon(d);
+        h->d = NULL;
+        return NULL;
+    }
     return d;
 }
 
@@ -1137,6 +1189,7 @@ void fitm_http_stop(fitm_http *h)
         return;
     if (h->probe_d)
         MHD_stop_daemon(h->probe_d);
+    fitm_gate_stop(h->gate); /* no hand-off to d after this */
     if (h->d)
         MHD_stop_daemon(h->d);
     pthread_cond_destroy(&h->idle);

@@ -53,7 +53,10 @@ def start_daemon(model: str, build: str, extra: list) -> tuple:
         port = s.getsockname()[1]
     exe = pathlib.Path(build) / "src" / "fitmd"
     p = subprocess.Popen([str(exe), f"--model={model}", f"--port={port}", "--log-level=warn",
-                          "--request-timeout-ms=3600000", *extra])
+                          "--request-timeout-ms=3600000",
+                          # measurements run requests far costlier than a service admits
+                          "--max-request-forward-tokens=0", "--max-queued-forward-tokens=0",
+                          *extra])
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
