@@ -393,6 +393,15 @@ static void notify(const char *state)
     }
 }
 
+/* SIGTERM/SIGINT taken by a thread that does not block them (one a runtime started before
+ * main, such as a sanitizer's): recorded here for wait_for_signal instead of killing fitmd. */
+static volatile sig_atomic_t stray_signal;
+
+static void on_stray_signal(int sig)
+{
+    stray_signal = sig;
+}
+
 /* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0).
  * Meanwhile: READY=1 to the service manager once the model is loaded, and WATCHDOG=1 at half
  * the interval it asks for while the engine is not broken (a broken backend stops the pings,
@@ -407,6 +416,8 @@ static int wait_for_signal(const sigset_t *set, fitm_engine *e)
         int sig = sigtimedwait(set, NULL, &ts);
         if (sig > 0)
             return sig;
+        if (stray_signal)
+            return stray_signal;
         fitm_engine_state st = fitm_engine_get_state(e, NULL);
         if (st == FITM_ENGINE_FAILED)
             return 0;
@@ -489,13 +500,16 @@ static void on_sigbus(int sig)
     raise(sig);
 }
 
-/* Signals go to the main thread only: blocked (into *set, for sigwait) before any thread
- * starts. */
+/* Signals go to the main thread: blocked (into *set, for sigwait) before any thread of ours
+ * starts; a handler catches the ones delivered to threads started before main. */
 static void block_signals(sigset_t *set)
 {
     sigemptyset(set);
     sigaddset(set, SIGTERM);
     sigaddset(set, SIGINT);
+    struct sigaction term = {.sa_handler = on_stray_signal};
+    sigaction(SIGTERM, &term, NULL);
+    sigaction(SIGINT, &term, NULL);
     pthread_sigmask(SIG_BLOCK, set, NULL);
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_sigbus};

@@ -264,7 +264,8 @@ def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
 
 
 def machine() -> str:
-    """The CPU, its core count and the commit measured, for the report's provenance."""
+    """The CPU, its core count and the commit of the source tree (as the run starts), for the
+    report's provenance."""
     cpu = "unknown CPU"
     try:
         for line in open("/proc/cpuinfo", encoding="utf-8"):
@@ -276,6 +277,9 @@ def machine() -> str:
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, check=True).stdout.strip()
+        if subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                          capture_output=True, text=True, check=True).stdout.strip():
+            rev += " with local changes"
     except (OSError, subprocess.CalledProcessError):
         rev = "unknown"
     import os
@@ -315,9 +319,11 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
     for variant in variants:
         for k in ks:
             out += ["", f"## {variant}, K = {k}", "", table(results, variant, k, answer_mode)]
-    out += ["", "Runs (each on " + "; ".join(sorted({r["machine"] for r in runs})) + "):", ""]
+    out += ["", "Runs (the command, the machine and the source tree; a `note` added to a run's "
+            "JSON meta is shown after it):", ""]
     out += [f"- {r['date']}: `{r['cmd']}`"
             + (f" (fitmd flags {' '.join(r['daemon_args'])})" if r.get("daemon_args") else "")
+            + f"; {r['machine']}" + (f"; {r['note']}" if r.get("note") else "")
             for r in runs]
     out.append("")
     return "\n".join(out)
@@ -432,11 +438,11 @@ def main() -> int:
     headers = {"Authorization": f"Bearer {a.key}"} if a.key else {}
     try:
         model = requests.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
+        meta = run_meta(a, model)  # the tree as the run starts, not as it ends
         res = run(a, url, headers, methods, False)
         for variant in a.variants:
             for k in a.k:
                 print(f"\n{variant}, K = {k}\n" + table(res, variant, k, False), flush=True)
-        meta = run_meta(a, model)
         if a.markdown:
             pathlib.Path(a.markdown).write_text(
                 markdown([meta], res, False, methods, a.variants, a.k))
