@@ -8,6 +8,7 @@
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "server/metrics.h"
 
 struct fitm_engine {
     fitm_engine_hooks hooks;
@@ -96,6 +97,7 @@ static bool start_job(fitm_engine *e, fitm_job *job)
 {
     int64_t now = fitm_clock_ns();
     job->queue_ms = (double)(now - job->enqueued_ns) / 1e6;
+    fitm_metrics_queue_wait(job->queue_ms / 1e3);
     job->kv_bytes = 0;
     fitm_status js;
     if (now >= job->deadline_ns) {
