@@ -2,7 +2,9 @@
 model (Q4_K, where the batched and one-token products differ in rounding, so a row computed on
 the wrong path would show), with /answer generations decoding together in one batch.
 
-Every request is first answered alone (the reference); then all of them run at once from
+Prompts are prefilled 24 tokens per step (batch_prefill_tokens), so new prompts are cut in
+chunks and packed beside running decodes. Every request is first answered alone (the
+reference); then all of them run at once from
 separate clients -- /rerank, plain and streamed /answer (greedy, sampled, calibrated or not),
 and streams whose clients hang up after the first event -- and each response must equal its
 reference exactly: the same completion ids, text, finish reason and document weights, the same
@@ -35,7 +37,7 @@ def daemon(fitmd_bin, tmp_path_factory):  # noqa: F811
                     "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
     dm = Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
                 max_documents=16, max_answer_tokens=200, http_threads=32, queue_depth=64,
-                max_running=4)
+                max_running=4, batch_prefill_tokens=24)
     yield dm
     assert dm.terminate() == 0, dm.log_text()
 

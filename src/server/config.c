@@ -70,6 +70,9 @@ static const opt opts[] = {
      "/answer generations decoding together in one batch; more wait in the queue"},
     {"batch_kv_mb", INT(batch_kv_mb), "1024", 1, 1048576, NULL,
      "KV cache memory (MiB) the running /answer generations may hold before new ones wait"},
+    {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
+     "prompt tokens per batched step, over all new /answer prompts: lower keeps running "
+     "streams' token gaps short, higher gives new requests their first token sooner"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,

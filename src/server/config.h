@@ -39,6 +39,7 @@ typedef struct {
     int64_t queue_depth;
     int64_t max_running; /* /answer generations in the running batch           */
     int64_t batch_kv_mb; /* their KV memory before new ones wait in the queue  */
+    int64_t batch_prefill_tokens; /* prompt tokens per batched step             */
     int64_t request_timeout_ms;
     int64_t drain_timeout_ms;
     int64_t max_answer_tokens;

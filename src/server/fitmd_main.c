@@ -208,11 +208,6 @@ static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
-/* Prompt tokens per batched step, over all answers being prefilled: bounds how long one step
- * (and so the gap between two tokens of a running stream) takes while a new prompt is
- * prefilled beside the running generations. */
-#define PREFILL_STEP_TOKENS 128
-
 /* Continuous batching: an /answer joins the running batch once its documents are ordered
  * (fitm_answer_begin); a /rerank runs whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
@@ -241,7 +236,9 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
     fitm_err errs[FITM_ENGINE_MAX_RUNNING];
     for (int32_t i = 0; i < n; i++)
         seqs[i] = ((fitm_answer_work *)jobs[i]->work)->seq;
-    fitm_answer_step(dm->reranker, seqs, n, PREFILL_STEP_TOKENS, st, done, errs);
+    /* The prompt budget bounds how long one step (and so the gap between two tokens of a
+     * running stream) takes while new prompts are prefilled beside the running answers. */
+    fitm_answer_step(dm->reranker, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
     for (int32_t i = 0; i < n; i++) {
         if (!done[i])
             continue;
