@@ -1,8 +1,10 @@
 /* bench_forward: forward-pass speed, as llama-bench measures it (pp = prefill of P tokens
  * in one batch, tg = N single-token decode steps from an empty cache), next to the machine's
  * own sgemm ceiling measured in the same process, plus resident memory after loading.
+ * With -B B: also B sequences decoding together, one fitm_forward_run_batch call per step
+ * (what the server's continuous batching runs), as aggregate tok/s against tg's.
  *
- *   bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] [-n 128] [-r REPS]
+ *   bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] [-n 128] [-r REPS] [-B B]...
  *                 [--ref-pp TOK_S] [--ref-tg TOK_S]   (e.g. llama-bench's figures, for ratios)
  *
  * -b cuda (a CUDA build) runs on device 0; the sgemm ceiling stays the CPU's, so for the GPU's
@@ -108,12 +110,48 @@ static double sgemm_gflops(fitm_pool *pool, int threads)
     return best;
 }
 
+/* Best aggregate tok/s over reps runs of B sequences decoding n_tg steps together from empty
+ * caches: every step one batched call with a token and a logit row per sequence. */
+static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
+                                        const fitm_model_config *c, const int32_t *ids,
+                                        long n_tg, int B, int reps, double *tps, fitm_err *err)
+{
+    fitm_kv *kv[FITM_FORWARD_MAX_SEQS] = {0};
+    fitm_forward_seq seq[FITM_FORWARD_MAX_SEQS];
+    fitm_forward_opts o[FITM_FORWARD_MAX_SEQS];
+    float *logits = malloc(sizeof *logits * (size_t)c->n_vocab * (size_t)B);
+    fitm_status s = logits ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int q = 0; q < B && !s; q++)
+        s = fitm_kv_create(&kv[q], b, c, n_tg, err);
+    double best = 0.0;
+    for (int r = 0; r < reps && !s; r++) {
+        for (int q = 0; q < B; q++) {
+            fitm_kv_rebase(kv[q], 0, NULL);
+            o[q] = (fitm_forward_opts){.n_logits = 1, .logits = logits + (size_t)q * c->n_vocab};
+        }
+        double t0 = now_s();
+        for (long i = 0; i < n_tg && !s; i++) {
+            for (int q = 0; q < B; q++) /* each sequence its own token stream */
+                seq[q] = (fitm_forward_seq){kv[q], &ids[(i + 7 * q) % n_tg], 1, i, &o[q]};
+            s = fitm_forward_run_batch(fw, seq, B, err);
+        }
+        double tps_r = (double)B * n_tg / (now_s() - t0);
+        best = tps_r > best ? tps_r : best;
+    }
+    for (int q = 0; q < B; q++)
+        fitm_kv_destroy(kv[q]);
+    free(logits);
+    *tps = best;
+    return s;
+}
+
 int main(int argc, char **argv)
 {
     const char *path = NULL, *backend = "cpu";
     int threads = 2, reps = 3;
     long n_pp = 512, n_tg = 128;
     double ref_pp = 0.0, ref_tg = 0.0;
+    int batches[8], n_batches = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc)
             path = argv[++i];
@@ -127,15 +165,26 @@ int main(int argc, char **argv)
             n_tg = atol(argv[++i]);
         else if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-B") && i + 1 < argc && n_batches < 8)
+            batches[n_batches++] = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ref-pp") && i + 1 < argc)
             ref_pp = atof(argv[++i]);
         else if (!strcmp(argv[i], "--ref-tg") && i + 1 < argc)
             ref_tg = atof(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
-                            "[-n 128] [-r 3] [--ref-pp TOK_S] [--ref-tg TOK_S]\n");
+                            "[-n 128] [-r 3] [-B B (up to 8 times)] [--ref-pp TOK_S] "
+                            "[--ref-tg TOK_S]\n");
             return 2;
         }
+    }
+    int max_b = 1;
+    for (int i = 0; i < n_batches; i++) {
+        if (batches[i] < 1 || batches[i] > FITM_FORWARD_MAX_SEQS) {
+            fprintf(stderr, "bench_forward: -B must be in [1, %d]\n", FITM_FORWARD_MAX_SEQS);
+            return 2;
+        }
+        max_b = batches[i] > max_b ? batches[i] : max_b;
     }
     if (!path || threads < 1 || n_pp < 1 || n_tg < 1 || reps < 1) {
         fprintf(stderr, "bench_forward: -m MODEL is required; counts must be positive\n");
@@ -152,7 +201,7 @@ int main(int argc, char **argv)
     double t_load = now_s();
     fitm_status s = fitm_model_open(&m, path, &err);
     const fitm_model_config *c = s ? NULL : fitm_model_config_of(m);
-    fitm_forward_params fp = {n_pp, n_ctx, 1};
+    fitm_forward_params fp = {n_pp > max_b ? n_pp : max_b, n_ctx, max_b};
     if (!s && !strcmp(backend, "cpu"))
         s = fitm_backend_cpu_create(&b, threads, &err);
 #if FITM_HAVE_CUDA
@@ -261,6 +310,16 @@ int main(int argc, char **argv)
         printf(" %11.2fx |\n", tg_tps / ref_tg);
     else
         printf(" %12s |\n", "-");
+    for (int i = 0; i < n_batches; i++) {
+        double tps = 0.0;
+        s = bench_batched_decode(fw, b, c, ids, n_tg, batches[i], reps, &tps, &err);
+        if (s) {
+            fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
+            return 1;
+        }
+        printf("| tg%-5ld x %-2d seqs, 1 call/step | %10.1f | %12s | %9s | %16s | %10.2fx tg |\n",
+               n_tg, batches[i], tps, "-", "-", "-", tps / tg_tps);
+    }
     printf("| sgemm 512x1024x512, 1 thread |          - |            - | %9.1f | %16s | %12s |\n",
            gf1, "-", "-");
     printf(

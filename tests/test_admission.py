@@ -129,6 +129,28 @@ def test_answer_estimate_is_an_upper_bound(pair, opts, seed):
     assert got <= want + 2 * 4096, (body, got, want)
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_plain_generation_estimate(pair, route, seed):
+    """Plain generation (an OpenAI route without documents) is costed from its own rendered
+    prompt: the prompt the run reports, then max_tokens - 1 decode steps."""
+    rng = random.Random(f"{route}{seed}")
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+    body = {"max_tokens": rng.randint(1, 24), "temperature": 0}
+    if route == "/v1/completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "system", "content": "Answer briefly."},
+                            {"role": "user", "content": text}]
+    est, run = pair
+    r = requests.post(run.url(route), json=body, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    got = estimate(est, route, body)
+    assert got == u["prompt_tokens"] + body["max_tokens"] - 1, (body, got, u)
+    assert got >= u["prompt_tokens"] + u["completion_tokens"] - 1, (body, got, u)
+
+
 def test_over_budget_is_refused_before_it_runs(fitmd_bin, models, tmp_path):  # noqa: F811
     """The issue's reproducer: 64 one-sentence documents. Under a budget it is refused at once,
     with the estimate and the limit, and the engine never sees it."""

@@ -100,6 +100,9 @@ typedef struct {
     void (*free)(fitm_backend *b, void *p);          /* NULL is a no-op          */
     void (*upload)(fitm_backend *b, void *dst, const void *src_host, size_t n_bytes);
     void (*download)(fitm_backend *b, void *dst_host, const void *src, size_t n_bytes);
+    /* dst = src, both backend memory, not overlapping (a batched call's K/V rows into each
+     * sequence's cache). */
+    void (*copy)(fitm_backend *b, void *dst, const void *src, size_t n_bytes);
     /* Optional: called once per model before its first forward pass (e.g. upload weights). */
     fitm_status (*prepare)(fitm_backend *b, const fitm_model *m, fitm_err *err);
     /* Optional (backends whose ops can fail, e.g. on a device): waits for the ops so far and

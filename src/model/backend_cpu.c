@@ -876,6 +876,7 @@ static const fitm_backend_ops cpu_ops = {
     .free = cpu_free,
     .upload = cpu_copy,
     .download = cpu_copy,
+    .copy = cpu_copy,
     .prepare = NULL,
     .embed = cpu_embed,
     .matmul = cpu_matmul,

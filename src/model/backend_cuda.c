@@ -238,6 +238,13 @@ static void cuda_download(fitm_backend *b, void *dst_host, const void *src, size
     to_host(cu(b), dst_host, src, n, "download");
 }
 
+static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
+{
+    cuda_backend *c = cu(b);
+    if (n)
+        ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
+}
+
 static void free_buf(grow_buf *g)
 {
     if (g->p)
@@ -558,6 +565,7 @@ static const fitm_backend_ops cuda_ops = {
     .free = cuda_free,
     .upload = cuda_upload,
     .download = cuda_download,
+    .copy = cuda_copy,
     .prepare = cuda_prepare,
     .status = cuda_status,
     .embed = cuda_embed,

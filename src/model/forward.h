@@ -74,6 +74,39 @@ void fitm_forward_destroy(fitm_forward *f);
 
 const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
 
+/* Most sequences one batched call may carry. */
+#define FITM_FORWARD_MAX_SEQS 64
+
+/* One sequence's part of a batched call: tokens (T ids, host) at positions [pos0, pos0 + T)
+ * on top of kv, with opts (NULL: no logits, no capture) as for fitm_forward_run. */
+typedef struct {
+    fitm_kv *kv;
+    const int32_t *tokens;
+    int64_t T, pos0;
+    const fitm_forward_opts *opts;
+} fitm_forward_seq;
+
+/* Runs several sequences in one call: the weight products run once over the rows of all of
+ * them, attention, captures and the intervention run per sequence (each against its own
+ * cache, or its branch over opts->prefix).
+ *
+ * Batching rule (numerics): each sequence's path is resolved from its own opts->path and its
+ * own T exactly as fitm_forward_run would resolve it (AUTO: STEP for one token, BATCH for
+ * more). The call runs every weight product twice at most -- once over the rows of its STEP
+ * sequences, once over the rows of its BATCH sequences -- and both paths compute each row
+ * independently of the other rows. So every sequence's logits, captures and cache rows are
+ * bit-identical to a fitm_forward_run of that sequence alone, whatever else shares the call:
+ * decode steps of many sequences packed together all run on the STEP path, like a lone
+ * decode step, and prefill chunks on the BATCH path, like a lone prefill.
+ *
+ * Limits: 1 <= n_seqs <= FITM_FORWARD_MAX_SEQS; the sum of T is at most max_tokens and the
+ * sum of n_logits at most max_logits; each sequence's positions obey fitm_forward_run's
+ * limits. No two sequences share a kv, and no sequence's prefix is another's kv (a prefix is
+ * read-only; several branches may share one). Bad arguments fail the whole call (the message
+ * names the sequence) and leave every cache unchanged. */
+fitm_status fitm_forward_run_batch(fitm_forward *f, const fitm_forward_seq *seqs, int32_t n_seqs,
+                                   fitm_err *err);
+
 /* Runs tokens (T ids, host) at positions [pos0, pos0 + T). kv must hold [kv.pos_base, pos0)
  * (pos_base <= pos0 <= pos_end: a pos0 below pos_end rewinds) and have room for pos0 + T;
  * afterwards it holds [pos_base, pos0 + T). opts may be NULL (no logits, no capture).

@@ -344,49 +344,28 @@ static fitm_status intervention_layers(const fitm_answer_request *req, answer_st
     return FITM_OK;
 }
 
-/* Step 2, prefill: the answer prompt (the answer template for a model without a chat
- * template, else the chat-wrapped prompt of docs/design.md, Method) with the documents in order, run with
- * the intervention; rows the prompt cache already holds (rows before the intervention are
- * the same with or without it) are not recomputed. */
-static fitm_status prefill(fitm_reranker *r, const fitm_answer_request *req, answer_state *s,
-                           bool (*stop)(const void *), const void *stop_arg,
-                           fitm_answer_result *res, fitm_err *err)
+/* One answer in progress: its working state, its own KV cache and where it stands. Every
+ * buffer is allocated in fitm_answer_begin; steps allocate nothing. */
+struct fitm_answer_seq {
+    fitm_reranker *r;
+    const fitm_answer_request *req;
+    fitm_answer_result *res;
+    bool (*stop)(const void *);
+    const void *stop_arg;
+    fitm_answer_on_delta on_delta;
+    void *delta_arg;
+    answer_state s;
+    fitm_kv *kv;         /* [0, T + max_gen - 1) rows: the prompt, then the generated */
+    int64_t pos;         /* the next position to compute                              */
+    int64_t n_done;      /* tokens generated                                          */
+    bool decoding;       /* the prompt is done; pos holds the last sampled token      */
+    fitm_forward_opts o; /* this step's options                                       */
+    double t0, t_prefill;
+};
+
+size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *q)
 {
-    const int64_t n_ctx = fitm_reranker_n_ctx(r);
-    fitm_rerank_request q = req->base;
-    q.docs = s->docs;
-    fitm_status st = fitm_reranker_prompt(r, &q, fitm_reranker_answer_frame(r), NULL,
-                                          &res->tokens, &s->T, s->spans, err);
-    if (st != FITM_OK)
-        return st;
-    if (s->T > n_ctx)
-        return fitm_err_set(err, FITM_ERR_LIMIT,
-                            "the prompt is %lld tokens, over the context of %lld tokens: send "
-                            "fewer or shorter documents",
-                            (long long)s->T, (long long)n_ctx);
-    /* Every generated token but the last needs a KV row. */
-    s->max_gen = req->max_tokens < n_ctx - s->T + 1 ? req->max_tokens : n_ctx - s->T + 1;
-    int32_t *grown = realloc(res->tokens, (size_t)(s->T + s->max_gen) * sizeof *grown);
-    res->spans = malloc((size_t)s->K * sizeof *res->spans);
-    if (grown)
-        res->tokens = grown;
-    if (!grown || !res->spans)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    res->prompt_tokens = s->T;
-    for (int32_t p = 0; p < s->K; p++)
-        res->spans[s->order[p]] = s->spans[p];
-    if ((st = intervention_layers(req, s, err)) != FITM_OK)
-        return st;
-    s->iv = (fitm_intervention){.spans = s->spans, .n_spans = s->K, .alpha = s->alpha,
-                                .layers = s->use, .from_pos = s->spans[s->K - 1].end};
-    s->intervene = req->calibrate;
-    int64_t start = fitm_reranker_cached(r, res->tokens, s->T);
-    int64_t limit = s->intervene ? s->iv.from_pos : s->T - 1;
-    start = start < limit ? start : limit;
-    st = fitm_reranker_prefill(r, res->tokens, s->T, start, s->intervene ? &s->iv : NULL,
-                               s->sm.logits, stop, stop_arg, err);
-    res->forward_tokens += s->T - start;
-    return st;
+    return q->kv ? fitm_kv_bytes(q->kv) : 0;
 }
 
 /* ---- plain generation (no documents) ------------------------------------------------------ */
@@ -520,13 +499,11 @@ static fitm_status encode_append(const fitm_tokenizer *tok, const char *text, si
     }
 }
 
-/* Plain generation's step 2: the rendered prompt tokenized (a template's markers as control
- * tokens; a transcript, having none, in one piece) and run without an intervention. */
-static fitm_status prefill_plain(fitm_reranker *r, const fitm_answer_request *req,
-                                 answer_state *s, bool (*stop)(const void *),
-                                 const void *stop_arg, fitm_answer_result *res, fitm_err *err)
+/* Plain generation's prompt: the rendered messages tokenized into res->tokens (a template's
+ * markers as control tokens; a transcript, having none, in one piece), s->T set. */
+static fitm_status plain_prompt(const fitm_reranker *r, const fitm_answer_request *req,
+                                answer_state *s, fitm_answer_result *res, fitm_err *err)
 {
-    const int64_t n_ctx = fitm_reranker_n_ctx(r);
     const fitm_tokenizer *tok = fitm_reranker_tokenizer(r);
     piece *ps = pieces_alloc(req);
     if (!ps)
@@ -551,75 +528,231 @@ static fitm_status prefill_plain(fitm_reranker *r, const fitm_answer_request *re
         st = encode_append(tok, ps[i].p, ps[i].n, f, &res->tokens, &T, &cap, err);
     }
     free(ps);
-    if (st != FITM_OK)
-        return st;
     s->T = T;
-    if (T < 1)
-        return fitm_err_set(err, FITM_ERR_INVALID, "the prompt is empty");
-    if (T > n_ctx)
-        return fitm_err_set(err, FITM_ERR_LIMIT,
-                            "the prompt is %lld tokens, over the context of %lld tokens",
-                            (long long)T, (long long)n_ctx);
-    s->max_gen = req->max_tokens < n_ctx - T + 1 ? req->max_tokens : n_ctx - T + 1;
-    int32_t *grown = realloc(res->tokens, (size_t)(T + s->max_gen) * sizeof *grown);
-    if (!grown)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    res->tokens = grown;
-    res->prompt_tokens = T;
-    s->intervene = false;
-    int64_t start = fitm_reranker_cached(r, res->tokens, T);
-    start = start < T - 1 ? start : T - 1;
-    st = fitm_reranker_prefill(r, res->tokens, T, start, NULL, s->sm.logits, stop, stop_arg, err);
-    res->forward_tokens += T - start;
+    if (st == FITM_OK && T < 1)
+        st = fitm_err_set(err, FITM_ERR_INVALID, "the prompt is empty");
     return st;
 }
 
-/* Step 3, decode: sample, hand out text, stop at EOS, a stop string or the length. */
-static fitm_status decode(fitm_reranker *r, const fitm_answer_request *req, answer_state *s,
-                          bool (*stop)(const void *), const void *stop_arg,
-                          fitm_answer_on_delta on_delta, void *delta_arg, double t0,
-                          fitm_answer_result *res, fitm_err *err)
+/* Step 2, prefill setup: the answer prompt (the answer template for a model without a chat
+ * template, else the chat-wrapped prompt of docs/design.md, Method) with the documents in
+ * order -- or, for plain generation (no documents), the rendered messages without an
+ * intervention --, a cache of its own, and the rows the reranker's prompt cache already
+ * holds copied into it (rows before the intervention are the same with or without it); the
+ * remaining rows run in fitm_answer_step, with the intervention. */
+static fitm_status prefill_setup(fitm_answer_seq *q, bool plain, fitm_err *err)
 {
+    fitm_reranker *r = q->r;
+    const fitm_answer_request *req = q->req;
+    answer_state *s = &q->s;
+    fitm_answer_result *res = q->res;
+    const int64_t n_ctx = fitm_reranker_n_ctx(r);
+    fitm_rerank_request rq = req->base;
+    rq.docs = s->docs;
+    fitm_status st = plain ? plain_prompt(r, req, s, res, err)
+                           : fitm_reranker_prompt(r, &rq, fitm_reranker_answer_frame(r), NULL,
+                                                  &res->tokens, &s->T, s->spans, err);
+    if (st != FITM_OK)
+        return st;
+    if (s->T > n_ctx)
+        return fitm_err_set(err, FITM_ERR_LIMIT,
+                            "the prompt is %lld tokens, over the context of %lld tokens%s",
+                            (long long)s->T, (long long)n_ctx,
+                            plain ? "" : ": send fewer or shorter documents");
+    /* Every generated token but the last needs a KV row. */
+    s->max_gen = req->max_tokens < n_ctx - s->T + 1 ? req->max_tokens : n_ctx - s->T + 1;
+    int32_t *grown = realloc(res->tokens, (size_t)(s->T + s->max_gen) * sizeof *grown);
+    res->spans = plain ? NULL : malloc((size_t)s->K * sizeof *res->spans);
+    if (grown)
+        res->tokens = grown;
     /* Room for typical pieces up front, so the token loop rarely grows the text. */
     s->text.cap = (size_t)s->max_gen * 32 + 1;
-    if (!(s->text.v = malloc(s->text.cap)))
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the answer text");
+    s->text.v = malloc(s->text.cap);
+    if (!grown || (!plain && !res->spans) || !s->text.v)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     s->text.v[0] = '\0';
-    const fitm_tokenizer *tok = fitm_reranker_tokenizer(r);
-    fitm_status st = FITM_OK;
-    res->finish = FITM_FINISH_LENGTH;
-    int64_t n_done = 0;
-    while (st == FITM_OK && n_done < s->max_gen) {
-        int32_t next = sample(&s->sm);
-        res->tokens[s->T + n_done++] = next;
-        res->completion_tokens = n_done;
-        if (n_done == 1)
-            res->first_token_ms = now_ms() - t0;
-        if (fitm_tok_is_eog(tok, next)) {
-            res->finish = FITM_FINISH_STOP;
-            break;
-        }
-        char piece[FITM_TOK_MAX_PIECE_BYTES];
-        size_t n_piece = 0;
-        if ((st = fitm_tok_piece(tok, next, 0, piece, sizeof piece, &n_piece, err)) != FITM_OK ||
-            (st = text_append(&s->text, piece, n_piece, err)) != FITM_OK)
-            break;
-        if (cut_at_stop(req, &s->text, n_piece)) {
-            res->finish = FITM_FINISH_STOP;
-            break;
-        }
-        if ((st = flush(req, &s->text, false, on_delta, delta_arg, err)) != FITM_OK ||
-            n_done == s->max_gen)
-            break;
-        if (stop && stop(stop_arg))
-            return stopped(err);
-        int64_t pos = s->T + n_done - 1;
-        st = fitm_reranker_step(r, next, pos, s->intervene ? &s->iv : NULL, s->sm.logits, err);
-        res->forward_tokens += st == FITM_OK;
+    res->prompt_tokens = s->T;
+    s->intervene = false;
+    if (!plain) {
+        for (int32_t p = 0; p < s->K; p++)
+            res->spans[s->order[p]] = s->spans[p];
+        if ((st = intervention_layers(req, s, err)) != FITM_OK)
+            return st;
+        s->iv = (fitm_intervention){.spans = s->spans, .n_spans = s->K, .alpha = s->alpha,
+                                    .layers = s->use, .from_pos = s->spans[s->K - 1].end};
+        s->intervene = req->calibrate;
     }
-    res->n_tokens = s->T + n_done;
+    int64_t start = fitm_reranker_cached(r, res->tokens, s->T);
+    int64_t limit = s->intervene ? s->iv.from_pos : s->T - 1;
+    start = start < limit ? start : limit;
+    if ((st = fitm_reranker_kv_create(r, s->T + s->max_gen - 1, &q->kv, err)) != FITM_OK ||
+        (st = fitm_reranker_copy_rows(r, q->kv, start, err)) != FITM_OK)
+        return st;
+    q->pos = start;
+    res->forward_tokens += s->T - start;
+    return FITM_OK;
+}
+
+fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
+                              bool (*stop)(const void *), const void *stop_arg,
+                              fitm_answer_on_delta on_delta, void *delta_arg,
+                              fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err)
+{
+    memset(res, 0, sizeof *res);
+    *out = NULL;
+    fitm_answer_seq *q = calloc(1, sizeof *q);
+    if (!q)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    *q = (fitm_answer_seq){.r = r, .req = req, .res = res, .stop = stop, .stop_arg = stop_arg,
+                           .on_delta = on_delta, .delta_arg = delta_arg, .t0 = now_ms()};
+    *out = q;
+    /* Plain generation (the OpenAI routes without documents) has nothing to order. */
+    const bool plain = req->base.n_docs == 0;
+    fitm_status st = state_init(r, req, &q->s, res, err);
+    if (st == FITM_OK && !plain)
+        st = order_documents(r, req, &q->s, stop, stop_arg, res, err);
+    res->rank_ms = now_ms() - q->t0;
+    q->t_prefill = now_ms();
     if (st == FITM_OK)
-        st = flush(req, &s->text, true, on_delta, delta_arg, err);
+        st = prefill_setup(q, plain, err);
+    return st;
+}
+
+/* This step's part of sequence q: the next prompt chunk (at most budget tokens, on the batch
+ * path, as fitm_reranker_prefill runs it) or the next decode step. */
+static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part)
+{
+    answer_state *s = &q->s;
+    int64_t T = 1;
+    if (!q->decoding)
+        T = s->T - q->pos < budget ? s->T - q->pos : budget;
+    const bool logits = q->decoding || q->pos + T == s->T;
+    q->o = (fitm_forward_opts){.n_logits = logits ? 1 : 0,
+                               .logits = logits ? s->sm.logits : NULL,
+                               .intervention = s->intervene ? &s->iv : NULL,
+                               .path = q->decoding ? FITM_PATH_AUTO : FITM_PATH_BATCH};
+    *part = (fitm_forward_seq){q->kv, q->res->tokens + q->pos, T, q->pos, &q->o};
+}
+
+/* Step 3, decode, after a call that gave q's logits: sample, hand out text, stop at EOS, a
+ * stop string or the length. *done when the answer is complete (or failed). */
+static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
+{
+    answer_state *s = &q->s;
+    fitm_answer_result *res = q->res;
+    const fitm_answer_request *req = q->req;
+    const fitm_tokenizer *tok = fitm_reranker_tokenizer(q->r);
+    *done = true;
+    if (!q->decoding) {
+        q->decoding = true;
+        res->prefill_ms = now_ms() - q->t_prefill;
+        res->finish = FITM_FINISH_LENGTH;
+    }
+    int32_t next = sample(&s->sm);
+    res->tokens[s->T + q->n_done++] = next;
+    res->completion_tokens = q->n_done;
+    if (q->n_done == 1)
+        res->first_token_ms = now_ms() - q->t0;
+    if (fitm_tok_is_eog(tok, next)) {
+        res->finish = FITM_FINISH_STOP;
+        return FITM_OK;
+    }
+    char piece[FITM_TOK_MAX_PIECE_BYTES];
+    size_t n_piece = 0;
+    fitm_status st;
+    if ((st = fitm_tok_piece(tok, next, 0, piece, sizeof piece, &n_piece, err)) != FITM_OK ||
+        (st = text_append(&s->text, piece, n_piece, err)) != FITM_OK)
+        return st;
+    if (cut_at_stop(req, &s->text, n_piece)) {
+        res->finish = FITM_FINISH_STOP;
+        return FITM_OK;
+    }
+    if ((st = flush(req, &s->text, false, q->on_delta, q->delta_arg, err)) != FITM_OK ||
+        q->n_done == s->max_gen)
+        return st;
+    q->pos = s->T + q->n_done - 1;
+    *done = false;
+    return FITM_OK;
+}
+
+void fitm_answer_step(fitm_reranker *r, fitm_answer_seq *const *seqs, int32_t n,
+                      int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs)
+{
+    fitm_forward_seq parts[FITM_FORWARD_MAX_SEQS];
+    int32_t idx[FITM_FORWARD_MAX_SEQS], n_parts = 0;
+    int64_t room = fitm_reranker_batch_tokens(r), logit_room = fitm_reranker_batch_logits(r);
+    /* Decode steps first (one row each), then prompt chunks in the order given, within the
+     * budget; a sequence left out this step waits for the next. */
+    for (int pass = 0; pass < 2; pass++)
+        for (int32_t i = 0; i < n; i++) {
+            fitm_answer_seq *q = seqs[i];
+            if (pass == 0) {
+                st[i] = FITM_OK;
+                done[i] = false;
+                if (q->stop && q->stop(q->stop_arg)) {
+                    st[i] = stopped(&errs[i]);
+                    done[i] = true;
+                    continue;
+                }
+            }
+            if (done[i] || q->decoding != (pass == 0) || n_parts == FITM_FORWARD_MAX_SEQS ||
+                logit_room < 1)
+                continue;
+            int64_t want = q->decoding ? 1 : (prefill_budget < room ? prefill_budget : room);
+            if (want < 1 || (!q->decoding && pass == 1 && room < 1))
+                continue;
+            step_part(q, want, &parts[n_parts]);
+            room -= parts[n_parts].T;
+            logit_room -= q->o.n_logits;
+            prefill_budget -= q->decoding ? 0 : parts[n_parts].T;
+            idx[n_parts++] = i;
+        }
+    if (n_parts == 0)
+        return;
+    fitm_err err = {{0}};
+    fitm_status bs = fitm_reranker_run_batch(r, parts, n_parts, &err);
+    for (int32_t k = 0; k < n_parts; k++) {
+        const int32_t i = idx[k];
+        fitm_answer_seq *q = seqs[i];
+        if (bs != FITM_OK) {
+            st[i] = bs;
+            errs[i] = err;
+            done[i] = true;
+            continue;
+        }
+        q->res->forward_tokens += q->decoding ? 1 : 0;
+        if (q->o.n_logits == 0) { /* a prompt chunk before the last */
+            q->pos += parts[k].T;
+            continue;
+        }
+        st[i] = after_logits(q, &done[i], &errs[i]);
+        done[i] = done[i] || st[i] != FITM_OK;
+    }
+}
+
+fitm_status fitm_answer_end(fitm_answer_seq *q, fitm_status st, fitm_err *err)
+{
+    if (!q)
+        return st;
+    answer_state *s = &q->s;
+    fitm_answer_result *res = q->res;
+    res->n_tokens = s->T + q->n_done;
+    res->decode_ms = q->decoding ? now_ms() - q->t_prefill - res->prefill_ms : 0.0;
+    if (!q->decoding)
+        res->prefill_ms = now_ms() - q->t_prefill;
+    if (st == FITM_OK)
+        st = flush(q->req, &s->text, true, q->on_delta, q->delta_arg, err);
+    if (st == FITM_OK && !s->text.v)
+        st = text_append(&s->text, "", 0, err);
+    if (st == FITM_OK) {
+        res->answer = s->text.v;
+        res->answer_len = s->text.n;
+        s->text.v = NULL;
+    }
+    res->total_ms = now_ms() - q->t0;
+    state_free(s);
+    fitm_kv_destroy(q->kv);
+    free(q);
     return st;
 }
 
@@ -628,38 +761,28 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
                             fitm_answer_on_delta on_delta, void *delta_arg, fitm_answer_result *res,
                             fitm_err *err)
 {
-    memset(res, 0, sizeof *res);
-    const double t0 = now_ms();
-    answer_state s;
-    fitm_status st = state_init(r, req, &s, res, err);
-    bool plain = req->base.n_docs == 0;
-    if (st == FITM_OK && !plain)
-        st = order_documents(r, req, &s, stop, stop_arg, res, err);
-    res->rank_ms = now_ms() - t0;
-    const double t1 = now_ms();
-    if (st == FITM_OK)
-        st = plain ? prefill_plain(r, req, &s, stop, stop_arg, res, err)
-                   : prefill(r, req, &s, stop, stop_arg, res, err);
-    res->prefill_ms = now_ms() - t1;
-    const double t2 = now_ms();
-    if (st == FITM_OK)
-        st = decode(r, req, &s, stop, stop_arg, on_delta, delta_arg, t0, res, err);
-    res->decode_ms = now_ms() - t2;
-    if (st == FITM_OK && !s.text.v)
-        st = text_append(&s.text, "", 0, err);
-    if (st == FITM_OK) {
-        res->answer = s.text.v;
-        res->answer_len = s.text.n;
-        s.text.v = NULL;
-    }
-    res->total_ms = now_ms() - t0;
-    state_free(&s);
-    return st;
+    fitm_answer_seq *q = NULL;
+    fitm_status st = fitm_answer_begin(r, req, stop, stop_arg, on_delta, delta_arg, res, &q, err);
+    bool done = st != FITM_OK;
+    while (!done)
+        fitm_answer_step(r, &q, 1, fitm_reranker_batch_tokens(r), &st, &done, err);
+    return fitm_answer_end(q, st, err);
 }
 
 fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
                              int64_t *tokens, fitm_err *err)
 {
+    /* Plain generation: its rendered prompt, then one step per generated token but the
+     * last, never past the context. */
+    if (req->base.n_docs == 0) {
+        answer_state s = {0};
+        fitm_answer_result res = {0};
+        fitm_status st = plain_prompt(r, req, &s, &res, err);
+        free(res.tokens);
+        int64_t n_ctx = fitm_reranker_n_ctx(r), gen = s.T + req->max_tokens - 1;
+        *tokens = gen < n_ctx ? gen : n_ctx;
+        return st;
+    }
     const bool reorder = req->reorder >= 0;
     int64_t sum = 0, t = 0;
     fitm_status st = FITM_OK;

@@ -113,14 +113,48 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
 fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request *req, char **out,
                                size_t *len, fitm_err *err);
 
+/* ---- batched generation ------------------------------------------------------------------
+ * An answer as a sequence that advances one batched forward call at a time together with
+ * other answers (continuous batching, server/engine.c): fitm_answer_begin runs what does not
+ * batch (ranking for the order and the calibrated weights, on the reranker's prompt cache)
+ * and gives the answer a KV cache of its own, seeded with the prompt rows the prompt cache
+ * already holds; fitm_answer_step then advances any set of begun answers by one call --
+ * a prompt chunk or a decode step each; fitm_answer_end completes the result and frees the
+ * sequence. Tokens, text and logits are the same as fitm_answer_run's, whatever ran beside
+ * them (fitm_forward_run_batch's batching rule). All on the reranker's thread. */
+typedef struct fitm_answer_seq fitm_answer_seq;
+
+/* Starts req into *res (as fitm_answer_run; the caller frees res). *out is the sequence to
+ * step, also on failure (then pass it straight to fitm_answer_end). */
+fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
+                              bool (*stop)(const void *), const void *stop_arg,
+                              fitm_answer_on_delta on_delta, void *delta_arg,
+                              fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err);
+
+/* One batched forward call over seqs (n <= FITM_FORWARD_MAX_SEQS): every decoding sequence
+ * gets its next token, prompts get chunks of at most prefill_budget tokens in all, in the
+ * order given, within the call's limits (a sequence left out waits for the next step).
+ * For each i: done[i] when seqs[i] has finished, with st[i] (and errs[i] on failure); a
+ * sequence whose stop() is true finishes with FITM_ERR_TIMEOUT, one whose on_delta returned
+ * false with FITM_ERR_CANCELLED. Finished sequences must not be stepped again. */
+void fitm_answer_step(fitm_reranker *r, fitm_answer_seq *const *seqs, int32_t n,
+                      int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs);
+
+/* Completes seq's result after its last step (st: how it ended), frees seq, and returns the
+ * answer's status. NULL seq returns st. */
+fitm_status fitm_answer_end(fitm_answer_seq *seq, fitm_status st, fitm_err *err);
+
+/* The bytes of seq's own KV cache (0 before it has one). */
+size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *seq);
+
 /* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
 uint64_t fitm_answer_rand(uint64_t *state);
 
 /* At most the forward tokens (forward_tokens) fitm_answer_run will compute for req, counted
  * from its tokenized prompts without running the model: the reorder's and the calibration's
  * ranking (fitm_reranker_cost; bounded when the reorder's order is not known yet), the whole
- * answer prompt (less when the cache already holds its start) and max_tokens - 1 decode steps,
- * within the context. Fails as fitm_reranker_cost does. Thread-safety as fitm_reranker_cost. */
+ * answer prompt (plain generation's: its rendered messages; less when the cache already holds
+ * its start) and max_tokens - 1 decode steps, within the context. Fails as fitm_reranker_cost does. Thread-safety as fitm_reranker_cost. */
 fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
                              int64_t *tokens, fitm_err *err);
 

@@ -1091,3 +1091,47 @@ fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank
     *tokens = frame + docs;
     return st;
 }
+
+fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **out,
+                                    fitm_err *err)
+{
+    return fitm_kv_create(out, r->b, fitm_model_config_of(r->m), n_rows, err);
+}
+
+fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, fitm_err *err)
+{
+    if (n < 0 || n > r->kv_n || n > fitm_kv_n_rows(dst) || fitm_kv_pos_base(dst) != 0)
+        return fitm_err_set(err, FITM_ERR_INTERNAL,
+                            "copying %lld prompt rows: the cache holds %lld, the target %lld",
+                            (long long)n, (long long)r->kv_n, (long long)fitm_kv_n_rows(dst));
+    const fitm_model_config *c = fitm_model_config_of(r->m);
+    const size_t bytes = (size_t)n * (size_t)c->n_head_kv * (size_t)c->head_dim * sizeof(float);
+    for (int32_t l = 0; l < c->n_layer; l++) {
+        r->b->ops->copy(r->b, fitm_kv_k(dst, l), fitm_kv_k(r->kv, l), bytes);
+        r->b->ops->copy(r->b, fitm_kv_v(dst, l), fitm_kv_v(r->kv, l), bytes);
+    }
+    fitm_kv_set_end(dst, n);
+    if (r->b->ops->status)
+        return r->b->ops->status(r->b, err);
+    return FITM_OK;
+}
+
+int64_t fitm_reranker_batch_tokens(const fitm_reranker *r)
+{
+    return r->chunk;
+}
+
+int64_t fitm_reranker_batch_logits(const fitm_reranker *r)
+{
+    return r->logit_rows;
+}
+
+fitm_status fitm_reranker_run_batch(fitm_reranker *r, const fitm_forward_seq *seqs,
+                                    int32_t n_seqs, fitm_err *err)
+{
+    for (int32_t i = 0; i < n_seqs; i++)
+        if (seqs[i].kv == r->kv || seqs[i].kv == r->branch)
+            return fitm_err_set(err, FITM_ERR_INTERNAL,
+                                "a batched sequence runs on the reranker's own cache");
+    return forward_failed(fitm_forward_run_batch(r->fwd, seqs, n_seqs, err), err);
+}

@@ -17,6 +17,8 @@
 
 #include "base/status.h"
 #include "compute/ops.h"
+#include "model/forward.h"
+#include "model/kv.h"
 #include "pipeline/score.h"
 
 typedef enum {
@@ -243,6 +245,28 @@ fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t 
                                   const struct fitm_intervention *iv, float *logits,
                                   bool (*stop)(const void *), const void *stop_arg,
                                   fitm_err *err);
+
+/* ---- sequences of their own (batched generation, answer.c) ------------------------------ */
+
+/* A KV cache of n_rows rows for the reranker's model on its backend (the caller destroys it
+ * with fitm_kv_destroy before the reranker). */
+fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **out,
+                                    fitm_err *err);
+
+/* Copies the prompt cache's first n rows (n <= what fitm_reranker_cached reports for the
+ * prompt) into dst, an ordinary cache (base 0) of at least n rows: dst then holds [0, n). */
+fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n,
+                                    fitm_err *err);
+
+/* Most tokens and most logit rows one batched call may carry. */
+int64_t fitm_reranker_batch_tokens(const fitm_reranker *r);
+int64_t fitm_reranker_batch_logits(const fitm_reranker *r);
+
+/* One batched forward call (fitm_forward_run_batch) over sequences with caches of their own;
+ * never the prompt cache or the branch. A rejected argument is reported as
+ * FITM_ERR_INTERNAL (the pipeline checked them). */
+fitm_status fitm_reranker_run_batch(fitm_reranker *r, const fitm_forward_seq *seqs,
+                                    int32_t n_seqs, fitm_err *err);
 
 /* One decode step: token id at position pos (the cache holds [0, pos)), logits (V) out. */
 fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,

@@ -79,6 +79,13 @@ static const opt opts[] = {
      "context length in tokens (prompt + answer); 0 = the model's trained context"},
     {"queue_depth", INT(queue_depth), "64", 1, 100000, NULL,
      "requests waiting for the engine; beyond it 503 with Retry-After"},
+    {"max_running", INT(max_running), "8", 1, 32, NULL,
+     "/answer generations decoding together in one batch; more wait in the queue"},
+    {"batch_kv_mb", INT(batch_kv_mb), "1024", 1, 1048576, NULL,
+     "KV cache memory (MiB) the running /answer generations may hold before new ones wait"},
+    {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
+     "prompt tokens per batched step, over all new /answer prompts: lower keeps running "
+     "streams' token gaps short, higher gives new requests their first token sooner"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,

@@ -40,6 +40,9 @@ typedef struct {
     int64_t max_tokens_per_doc;
     int64_t ctx_size;                      /* 0 = the model's trained context          */
     int64_t queue_depth;
+    int64_t max_running; /* /answer generations in the running batch           */
+    int64_t batch_kv_mb; /* their KV memory before new ones wait in the queue  */
+    int64_t batch_prefill_tokens; /* prompt tokens per batched step             */
     int64_t request_timeout_ms;
     int64_t max_request_forward_tokens; /* admission: one request's estimated cost (422)  */
     int64_t max_queued_forward_tokens;  /* admission: the queued requests' cost (503)     */

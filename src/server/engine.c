@@ -8,6 +8,7 @@
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "server/metrics.h"
 
 struct fitm_engine {
     fitm_engine_hooks hooks;
@@ -17,7 +18,7 @@ struct fitm_engine {
     pthread_cond_t timer;   /* queue changed (timer thread re-evaluates)    */
     fitm_job *head, *tail;  /* FIFO of waiting jobs                          */
     int64_t n_queued, capacity;
-    int64_t running;        /* 0 or 1                                       */
+    int64_t running;        /* jobs started and not finished                 */
     int64_t queued_cost;    /* sum of the queued jobs' cost                  */
     int64_t max_job_cost, max_queued_cost; /* 0: no bound                  */
     int64_t costing;        /* submits inside hooks.cost (unload waits)      */
@@ -28,6 +29,7 @@ struct fitm_engine {
     atomic_bool abort_flag; /* the running job should stop                   */
     pthread_t worker, timer_thread;
     bool worker_started, timer_started;
+    fitm_engine_batch_stats batch; /* under mu */
 };
 
 /* Absolute CLOCK_MONOTONIC time ns from now, for pthread_cond_timedwait. */
@@ -76,11 +78,101 @@ static fitm_status stop_reason(fitm_job *job, fitm_status st)
     return st;
 }
 
+/* Ends a job that ran (or was refused before running) with js: logs, marks the engine broken
+ * on a backend failure, hands the job back. */
+static void end_job(fitm_engine *e, fitm_job *job, fitm_status js)
+{
+    if (js == FITM_ERR_CANCELLED)
+        FITM_LOG(FITM_LOG_INFO, job->req_id, "job cancelled: %s", job->err.msg);
+    if (js == FITM_ERR_BACKEND) {
+        pthread_mutex_lock(&e->mu);
+        e->state = FITM_ENGINE_BROKEN;
+        e->state_err = job->err;
+        pthread_mutex_unlock(&e->mu);
+        FITM_LOG(FITM_LOG_ERROR, job->req_id, "backend failure, now unhealthy: %s",
+                 job->err.msg);
+    }
+    finish(job, js);
+}
+
+/* Starts a job taken off the queue: runs it whole (hooks.run, or hooks.begin when it does not
+ * join), or returns true when it joined the running batch. */
+static bool start_job(fitm_engine *e, fitm_job *job)
+{
+    int64_t now = fitm_clock_ns();
+    job->queue_ms = (double)(now - job->enqueued_ns) / 1e6;
+    fitm_metrics_queue_wait(job->queue_ms / 1e3);
+    job->kv_bytes = 0;
+    fitm_status js;
+    if (now >= job->deadline_ns) {
+        js = fitm_err_set(&job->err, FITM_ERR_TIMEOUT,
+                          "the request's deadline passed while it waited in the queue");
+    } else if (client_gone(job)) {
+        js = fitm_err_set(&job->err, FITM_ERR_CANCELLED, "the client disconnected");
+    } else if (e->hooks.begin) {
+        bool joined = false;
+        js = e->hooks.begin(e->hooks.ctx, job, &joined, &job->err);
+        if (joined && js == FITM_OK)
+            return true;
+        js = stop_reason(job, js);
+    } else {
+        js = stop_reason(job, e->hooks.run(e->hooks.ctx, job, &job->err));
+    }
+    end_job(e, job, js);
+    return false;
+}
+
+/* The running batch (worker-private). */
+typedef struct {
+    fitm_job *jobs[FITM_ENGINE_MAX_RUNNING];
+    int32_t n;
+    int64_t kv_bytes;
+} running_set;
+
+/* Whether a waiting job may start now (mu held). */
+static bool may_start(const fitm_engine *e, const running_set *rs)
+{
+    if (!e->hooks.step)
+        return true; /* one at a time: nothing else runs between jobs */
+    int32_t cap = e->hooks.max_running;
+    cap = cap < 1 ? 1 : cap > FITM_ENGINE_MAX_RUNNING ? FITM_ENGINE_MAX_RUNNING : cap;
+    return rs->n < cap && (rs->n == 0 || rs->kv_bytes < e->hooks.kv_budget);
+}
+
+/* One batched step over the running jobs; ends those that finished. */
+static void step_running(fitm_engine *e, running_set *rs)
+{
+    fitm_status st[FITM_ENGINE_MAX_RUNNING];
+    bool done[FITM_ENGINE_MAX_RUNNING];
+    const int64_t t0 = fitm_clock_ns();
+    e->hooks.step(e->hooks.ctx, rs->jobs, rs->n, st, done);
+    const double ms = (double)(fitm_clock_ns() - t0) / 1e6;
+    pthread_mutex_lock(&e->mu);
+    e->batch.steps++;
+    e->batch.step_jobs += rs->n;
+    e->batch.last_batch = rs->n;
+    e->batch.step_ms_total += ms;
+    e->batch.last_step_ms = ms;
+    pthread_mutex_unlock(&e->mu);
+    int32_t kept = 0;
+    for (int32_t i = 0; i < rs->n; i++) {
+        fitm_job *job = rs->jobs[i];
+        if (!done[i]) {
+            rs->jobs[kept++] = job;
+            continue;
+        }
+        rs->kv_bytes -= job->kv_bytes;
+        end_job(e, job, stop_reason(job, st[i]));
+    }
+    rs->n = kept;
+}
+
 static void *worker_main(void *arg)
 {
     fitm_engine *e = arg;
     fitm_err err = {{0}};
     fitm_status st = e->hooks.load(e->hooks.ctx, &err);
+    running_set rs = {.n = 0};
     pthread_mutex_lock(&e->mu);
     if (st != FITM_OK) {
         e->state = FITM_ENGINE_FAILED;
@@ -90,40 +182,27 @@ static void *worker_main(void *arg)
     }
     pthread_cond_broadcast(&e->idle);
     for (;;) {
-        while (!e->stopping && !e->head)
+        while (!e->stopping && !e->head && rs.n == 0)
             pthread_cond_wait(&e->work, &e->mu);
-        if (e->stopping)
+        /* On shutdown the running jobs still step: each sees the abort flag and ends. */
+        if (e->stopping && rs.n == 0)
             break;
-        fitm_job *job = pop_locked(e);
-        e->running = 1;
+        fitm_job *job = !e->stopping && e->head && may_start(e, &rs) ? pop_locked(e) : NULL;
+        e->running = rs.n + (job != NULL);
         pthread_cond_broadcast(&e->timer);
         pthread_mutex_unlock(&e->mu);
 
-        int64_t now = fitm_clock_ns();
-        job->queue_ms = (double)(now - job->enqueued_ns) / 1e6;
-        fitm_status js;
-        if (now >= job->deadline_ns) {
-            js = fitm_err_set(&job->err, FITM_ERR_TIMEOUT,
-                              "the request's deadline passed while it waited in the queue");
-        } else if (client_gone(job)) {
-            js = fitm_err_set(&job->err, FITM_ERR_CANCELLED, "the client disconnected");
-        } else {
-            js = stop_reason(job, e->hooks.run(e->hooks.ctx, job, &job->err));
+        if (job && start_job(e, job)) {
+            rs.jobs[rs.n++] = job;
+            rs.kv_bytes += job->kv_bytes;
         }
-        if (js == FITM_ERR_CANCELLED)
-            FITM_LOG(FITM_LOG_INFO, job->req_id, "job cancelled: %s", job->err.msg);
-        if (js == FITM_ERR_BACKEND) {
-            pthread_mutex_lock(&e->mu);
-            e->state = FITM_ENGINE_BROKEN;
-            e->state_err = job->err;
-            pthread_mutex_unlock(&e->mu);
-            FITM_LOG(FITM_LOG_ERROR, job->req_id, "backend failure, now unhealthy: %s",
-                     job->err.msg);
-        }
-        finish(job, js);
+        if (rs.n > 0)
+            step_running(e, &rs);
 
         pthread_mutex_lock(&e->mu);
-        e->running = 0;
+        e->running = rs.n;
+        e->batch.running = rs.n;
+        e->batch.kv_bytes = rs.kv_bytes;
         pthread_cond_broadcast(&e->idle);
     }
     while (e->costing) /* a submit still reading the model for its estimate */
@@ -200,6 +279,16 @@ fitm_status fitm_engine_create(fitm_engine **out, const fitm_engine_hooks *hooks
     fitm_engine *e = calloc(1, sizeof *e);
     if (!e)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (!hooks->begin != !hooks->step || (hooks->step && (hooks->max_running < 1 ||
+                                                          hooks->max_running >
+                                                              FITM_ENGINE_MAX_RUNNING ||
+                                                          hooks->kv_budget < 0))) {
+        free(e);
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "engine hooks: begin and step go together, with max_running in "
+                            "[1, %d] and a kv_budget >= 0",
+                            FITM_ENGINE_MAX_RUNNING);
+    }
     e->hooks = *hooks;
     e->capacity = queue_depth;
     e->state = FITM_ENGINE_LOADING;
@@ -393,4 +482,12 @@ bool fitm_engine_drain(fitm_engine *e, int64_t timeout_ms)
     bool done = !e->head && !e->running;
     pthread_mutex_unlock(&e->mu);
     return done;
+}
+
+void fitm_engine_batch_stats_get(const fitm_engine *e, fitm_engine_batch_stats *out)
+{
+    fitm_engine *m = (fitm_engine *)e;
+    pthread_mutex_lock(&m->mu);
+    *out = m->batch;
+    pthread_mutex_unlock(&m->mu);
 }

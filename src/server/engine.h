@@ -1,7 +1,8 @@
 /* engine: the bounded queue between HTTP threads and the ONE worker thread that owns the model.
  *
  * The worker first loads the model (hooks.load, on the worker, so the HTTP server can answer
- * /health with 503 meanwhile), then runs jobs one at a time in arrival order (hooks.run).
+ * /health with 503 meanwhile), then runs jobs in arrival order: one at a time (hooks.run),
+ * or with hooks.begin/step as a running batch that new jobs join between steps.
  * A second, model-free thread fails queued jobs whose deadline passes while they wait.
  *
  * The engine knows nothing of what a job computes: it queues jobs and hands each, with its
@@ -40,6 +41,9 @@ struct fitm_job {
     char req_id[40]; /* for logs */
     /* Set by the engine at submit: the job's estimated cost (hooks.cost; 0 without one). */
     int64_t cost;
+    /* Set by hooks.begin when the job joins the running batch: the memory it holds while it
+     * runs (its KV cache), counted against hooks.kv_budget. */
+    int64_t kv_bytes;
     /* Set by the engine before on_done. */
     fitm_status status;
     fitm_err err;
@@ -64,7 +68,34 @@ typedef struct {
     fitm_status (*cost)(void *ctx, const fitm_job *job, int64_t *tokens, fitm_err *err);
     /* Releases what load made (also after a failed load). */
     void (*unload)(void *ctx);
+    /* Optional, continuous batching (both or neither). begin starts a job in place of run:
+     * *joined true puts it in the running batch, where it advances only through step; false
+     * means it is complete with the returned status, as from run. step advances every running
+     * job by one batched forward call and sets, for each i, done[i] when jobs[i] finished,
+     * with st[i] (and jobs[i]->err). Between two steps the engine starts at most one waiting
+     * job, while fewer than max_running run and (unless none runs) the running ones hold
+     * less than kv_budget bytes; beyond that, requests wait in the queue. */
+    fitm_status (*begin)(void *ctx, fitm_job *job, bool *joined, fitm_err *err);
+    void (*step)(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done);
+    int32_t max_running; /* 1 .. FITM_ENGINE_MAX_RUNNING when step is set */
+    int64_t kv_budget;   /* bytes                                        */
 } fitm_engine_hooks;
+
+/* Most jobs in the running batch. */
+#define FITM_ENGINE_MAX_RUNNING 32
+
+/* What the batching worker has done so far, for /metrics. */
+typedef struct {
+    int64_t steps;          /* batched steps run                                  */
+    int64_t step_jobs;      /* sum over steps of the jobs in the step             */
+    int64_t running;        /* jobs in the running batch now                      */
+    int64_t last_batch;     /* jobs in the last step                              */
+    int64_t kv_bytes;       /* memory the running jobs hold now                   */
+    double step_ms_total;   /* time spent in steps                                */
+    double last_step_ms;
+} fitm_engine_batch_stats;
+
+void fitm_engine_batch_stats_get(const fitm_engine *e, fitm_engine_batch_stats *out);
 
 typedef enum {
     FITM_ENGINE_LOADING = 0,
@@ -110,7 +141,7 @@ fitm_engine_state fitm_engine_get_state(const fitm_engine *e, fitm_err *msg);
 /* The queued jobs' total estimated cost now (forward tokens). */
 int64_t fitm_engine_queued_cost(const fitm_engine *e);
 
-/* Queue depth now, capacity, and jobs running (0 or 1). */
+/* Queue depth now, capacity, and jobs running (started, not yet finished). */
 void fitm_engine_stats(const fitm_engine *e, int64_t *depth, int64_t *capacity,
                        int64_t *inflight);
 

@@ -369,6 +369,47 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
+/* Continuous batching: an /answer joins the running batch once its documents are ordered
+ * (fitm_answer_begin); a /rerank runs whole between two steps. */
+static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
+{
+    daemon_model *dm = ctx;
+    *joined = false;
+    if ((fitm_work_kind)job->kind != FITM_WORK_ANSWER)
+        return model_run(ctx, job, err);
+    fitm_answer_work *w = job->work;
+    fitm_status st = fitm_answer_begin(dm->reranker, w->req, job_stop, job, w->on_delta,
+                                       w->delta_arg, &w->result, &w->seq, err);
+    if (st != FITM_OK) {
+        st = fitm_answer_end(w->seq, st, err);
+        w->seq = NULL;
+        return st;
+    }
+    job->kv_bytes = (int64_t)fitm_answer_seq_kv_bytes(w->seq);
+    *joined = true;
+    return FITM_OK;
+}
+
+static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done)
+{
+    daemon_model *dm = ctx;
+    fitm_answer_seq *seqs[FITM_ENGINE_MAX_RUNNING] = {0};
+    fitm_err errs[FITM_ENGINE_MAX_RUNNING];
+    for (int32_t i = 0; i < n; i++)
+        seqs[i] = ((fitm_answer_work *)jobs[i]->work)->seq;
+    /* The prompt budget bounds how long one step (and so the gap between two tokens of a
+     * running stream) takes while new prompts are prefilled beside the running answers. */
+    fitm_answer_step(dm->reranker, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
+    for (int32_t i = 0; i < n; i++) {
+        if (!done[i])
+            continue;
+        fitm_answer_work *w = jobs[i]->work;
+        jobs[i]->err = errs[i];
+        st[i] = fitm_answer_end(w->seq, st[i], &jobs[i]->err);
+        w->seq = NULL;
+    }
+}
+
 static void model_unload(void *ctx)
 {
     daemon_model *dm = ctx;
@@ -571,7 +612,10 @@ int main(int argc, char **argv)
     dm.cfg = &cfg;
     dm.info = &info;
     fitm_engine_hooks hooks = {.ctx = &dm, .load = model_load, .run = model_run,
-                               .cost = model_cost, .unload = model_unload};
+                               .cost = model_cost, .unload = model_unload,
+                               .begin = model_begin, .step = model_step,
+                               .max_running = (int32_t)cfg.max_running,
+                               .kv_budget = cfg.batch_kv_mb << 20};
     fitm_err err = {{0}};
     fitm_engine *engine = NULL;
     if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {

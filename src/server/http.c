@@ -264,6 +264,15 @@ static enum MHD_Result handle_metrics(request *r)
     fitm_metrics_gauges g = {0};
     fitm_engine_stats(r->h->p.engine, &g.queue_depth, &g.queue_capacity, &g.inflight);
     g.ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
+    fitm_engine_batch_stats bs;
+    fitm_engine_batch_stats_get(r->h->p.engine, &bs);
+    g.batch_running = bs.running;
+    g.batch_size = bs.last_batch;
+    g.batch_kv_bytes = bs.kv_bytes;
+    g.batch_steps = bs.steps;
+    g.batch_step_sequences = bs.step_jobs;
+    g.batch_step_seconds = bs.step_ms_total / 1e3;
+    g.batch_last_step_seconds = bs.last_step_ms / 1e3;
     size_t len = 0;
     char *text = fitm_metrics_render(&g, &len);
     if (!text)

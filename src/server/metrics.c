@@ -35,6 +35,8 @@ static struct {
     int64_t completion_tokens;
     uint64_t ttft_hist[N_BUCKETS], ttft_count;
     double ttft_sum;
+    uint64_t wait_hist[N_BUCKETS], wait_count;
+    double wait_sum;
 } M = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 const char *fitm_route_name(fitm_route r)
@@ -84,6 +86,54 @@ void fitm_metrics_completion(int64_t completion_tokens, double first_token_s)
         M.ttft_sum += first_token_s;
     }
     pthread_mutex_unlock(&M.mu);
+}
+
+void fitm_metrics_queue_wait(double seconds)
+{
+    size_t b = 0;
+    while (b < N_BUCKETS && seconds > buckets[b])
+        b++;
+    pthread_mutex_lock(&M.mu);
+    if (b < N_BUCKETS)
+        M.wait_hist[b]++;
+    M.wait_count++;
+    M.wait_sum += seconds;
+    pthread_mutex_unlock(&M.mu);
+}
+
+/* The batch series: what the engine's running batch did (see metrics.h). */
+static void render_batch(fitm_buf *s, const fitm_metrics_gauges *g)
+{
+    fitm_buf_printf(s, "# HELP fitm_batch_running /answer generations in the running batch.\n"
+                       "# TYPE fitm_batch_running gauge\nfitm_batch_running %lld\n",
+                    (long long)g->batch_running);
+    fitm_buf_printf(s, "# HELP fitm_batch_size Sequences in the last batched forward step.\n"
+                       "# TYPE fitm_batch_size gauge\nfitm_batch_size %lld\n",
+                    (long long)g->batch_size);
+    fitm_buf_printf(s, "# HELP fitm_batch_kv_bytes KV cache bytes the running batch holds.\n"
+                       "# TYPE fitm_batch_kv_bytes gauge\nfitm_batch_kv_bytes %lld\n",
+                    (long long)g->batch_kv_bytes);
+    fitm_buf_printf(s,
+                    "# HELP fitm_batch_tokens_per_second Tokens per second of the last step "
+                    "(one per sequence in it: a decode token or a prompt chunk).\n"
+                    "# TYPE fitm_batch_tokens_per_second gauge\nfitm_batch_tokens_per_second "
+                    "%.3f\n",
+                    g->batch_last_step_seconds > 0
+                        ? (double)g->batch_size / g->batch_last_step_seconds
+                        : 0.0);
+    fitm_buf_printf(s, "# HELP fitm_batch_steps_total Batched forward steps run.\n"
+                       "# TYPE fitm_batch_steps_total counter\nfitm_batch_steps_total %lld\n",
+                    (long long)g->batch_steps);
+    fitm_buf_printf(s,
+                    "# HELP fitm_batch_step_sequences_total Sum over steps of the sequences "
+                    "in the step (divided by fitm_batch_steps_total: the mean batch size).\n"
+                    "# TYPE fitm_batch_step_sequences_total counter\n"
+                    "fitm_batch_step_sequences_total %lld\n",
+                    (long long)g->batch_step_sequences);
+    fitm_buf_printf(s, "# HELP fitm_batch_step_seconds_total Time spent in batched steps.\n"
+                       "# TYPE fitm_batch_step_seconds_total counter\n"
+                       "fitm_batch_step_seconds_total %.6f\n",
+                    g->batch_step_seconds);
 }
 
 char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
@@ -146,7 +196,21 @@ char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
             "fitm_time_to_first_token_seconds_sum %.6f\n"
             "fitm_time_to_first_token_seconds_count %llu\n",
         (unsigned long long)M.ttft_count, M.ttft_sum, (unsigned long long)M.ttft_count);
+    fitm_buf_printf(&s, "# HELP fitm_queue_wait_seconds Time a request waited in the engine's "
+                        "queue before it started.\n# TYPE fitm_queue_wait_seconds histogram\n");
+    cum = 0;
+    for (size_t b = 0; b < N_BUCKETS; b++) {
+        cum += M.wait_hist[b];
+        fitm_buf_printf(&s, "fitm_queue_wait_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
+                        (unsigned long long)cum);
+    }
+    fitm_buf_printf(&s, "fitm_queue_wait_seconds_bucket{le=\"+Inf\"} %llu\n"
+                        "fitm_queue_wait_seconds_sum %.6f\n"
+                        "fitm_queue_wait_seconds_count %llu\n",
+                    (unsigned long long)M.wait_count, M.wait_sum,
+                    (unsigned long long)M.wait_count);
     pthread_mutex_unlock(&M.mu);
+    render_batch(&s, g);
     fitm_buf_printf(&s, "# HELP fitm_queue_depth Requests waiting for the engine.\n"
             "# TYPE fitm_queue_depth gauge\nfitm_queue_depth %lld\n",
         (long long)g->queue_depth);

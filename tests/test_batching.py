@@ -1,0 +1,196 @@
+"""Continuous batching under many concurrent clients: the real fitmd on a generated quantized
+model (Q4_K, where the batched and one-token products differ in rounding, so a row computed on
+the wrong path would show), with /answer generations decoding together in one batch.
+
+Prompts are prefilled 24 tokens per step (batch_prefill_tokens), so new prompts are cut in
+chunks and packed beside running decodes. Every request is first answered alone (the
+reference); then all of them run at once from
+separate clients -- /rerank, plain and streamed /answer (greedy, sampled, calibrated or not),
+plain generation on the OpenAI routes (no documents), and streams whose clients hang up after the first event -- and each response must equal its
+reference exactly: the same completion ids, text, finish reason and document weights, the same
+rerank scores. Afterwards the batch is empty, the engine idle, and /metrics shows steps that
+carried several sequences.
+
+No assertion depends on wall-clock speed."""
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import build_dir
+from test_http import AUTH, Daemon, docs, fitmd_bin  # noqa: F401 (fixture)
+
+RERANK_FRAME = (r"Write a high-quality answer for the given question using only the provided "
+                r"search results (some of which might be irrelevant).\n\nQuestion: {question}"
+                r"\n\n{documents}\nQuestion: {question}\nAnswer:")
+
+
+@pytest.fixture(scope="module")
+def daemon(fitmd_bin, tmp_path_factory):  # noqa: F811
+    d = tmp_path_factory.mktemp("batching")
+    model = d / "q4k.gguf"
+    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
+                    "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
+    dm = Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
+                max_documents=16, max_answer_tokens=200, http_threads=32, queue_depth=64,
+                max_running=4, batch_prefill_tokens=24)
+    yield dm
+    assert dm.terminate() == 0, dm.log_text()
+
+
+def workload():
+    """(route, body) pairs: every kind of request the engine runs."""
+    out = []
+    for i in range(10):
+        b = {"query": f"where is the golf hotel {i}",
+             "documents": docs(3 + i % 3, 6 + i, shift=i) + [{"text": "golf hotel", "title": "G"}],
+             "max_tokens": 24 + 4 * i, "return_tokens": True}
+        if i % 3 == 1:
+            b["calibrate"] = False
+        if i % 4 == 2:
+            b.update(temperature=0.9, top_p=0.9, seed=100 + i)
+        if i % 2 == 1:
+            b["stream"] = True
+        out.append(("/answer", b))
+    for i in range(5):
+        out.append(("/rerank", {"query": f"golf hotel {i}", "documents": docs(4 + i, 7, shift=i),
+                                "return_documents": False}))
+    # plain generation (the OpenAI routes without documents) runs in the same batch
+    for i in range(4):
+        b = {"max_tokens": 16 + 4 * i, "temperature": 0.0}
+        if i % 2:
+            b.update(temperature=0.8, seed=7 + i, stream=True)
+        if i < 2:
+            out.append(("/v1/completions", {**b, "prompt": f"the golf hotel number {i} is"}))
+        else:
+            out.append(("/v1/chat/completions",
+                        {**b, "messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": f"where is golf {i}?"}]}))
+    return out
+
+
+def openai_text(choice):
+    if "text" in choice:
+        return choice["text"]
+    part = choice.get("delta") or choice.get("message") or {}
+    return part.get("content") or ""
+
+
+def run_one(d, route, body):
+    """The comparable part of one response."""
+    r = requests.post(d.url(route), json=body, headers=AUTH, timeout=600,
+                      stream=bool(body.get("stream")))
+    assert r.status_code == 200, r.text
+    if route == "/rerank":
+        return [(x["index"], x["relevance_score"]) for x in r.json()["results"]]
+    if route.startswith("/v1/"):
+        if not body.get("stream"):
+            j = r.json()
+            return (openai_text(j["choices"][0]), j["choices"][0]["finish_reason"],
+                    j["usage"]["completion_tokens"])
+        ev = [ln[6:].decode() for ln in r.iter_lines() if ln.startswith(b"data: ")]
+        assert ev[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in ev[:-1]]
+        choices = [c["choices"][0] for c in chunks if c.get("choices")]
+        finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+        return ("".join(openai_text(c) for c in choices), finish[-1:])
+    if body.get("stream"):
+        ev = [ln[6:].decode() for ln in r.iter_lines() if ln.startswith(b"data: ")]
+        assert ev[-1] == "[DONE]"
+        final = json.loads(ev[-2])
+        text = "".join(json.loads(e)["delta"] for e in ev[:-2])
+        return (text, final["finish_reason"], final["usage"]["completion_tokens"],
+                [doc["weight"] for doc in final["documents"]])
+    j = r.json()
+    return (j["answer"], j["finish_reason"], j["tokens"]["completion"],
+            [doc["weight"] for doc in j["documents"]])
+
+
+def hang_up_after_first_event(d, i):
+    b = json.dumps({"query": f"golf {i}", "documents": docs(3, 9, shift=i), "max_tokens": 200,
+                    "calibrate": False, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=600)
+    s.sendall(b"POST /answer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer test-key-1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: " + str(len(b)).encode() +
+              b"\r\n\r\n" + b)
+    got = b""
+    while b"data: " not in got:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    s.close()
+
+
+def metrics(d):
+    out = {}
+    for line in requests.get(d.url("/metrics"), timeout=30).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
+    work = workload()
+    reference = [run_one(daemon, route, body) for route, body in work]
+    before = metrics(daemon)
+
+    got = [None] * len(work)
+    errors = []
+
+    def client(k):
+        try:
+            got[k] = run_one(daemon, *work[k])
+        except Exception as e:  # reported below with the request that failed
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+    threads += [threading.Thread(target=hang_up_after_first_event, args=(daemon, i))
+                for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    for k, (route, body) in enumerate(work):
+        assert got[k] == reference[k], (route, body)
+
+    # The batch drains: nothing running, nothing queued, and the daemon still serves.
+    deadline = time.time() + 300
+    while True:
+        m = metrics(daemon)
+        if m["fitm_batch_running"] == 0 and m["fitm_inflight_requests"] == 0:
+            break
+        assert time.time() < deadline, m
+        time.sleep(0.2)
+    assert m["fitm_queue_depth"] == 0 and m["fitm_batch_kv_bytes"] == 0
+    steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+    seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
+    assert steps > 0 and seqs > steps  # some steps carried several sequences
+    assert m["fitm_queue_wait_seconds_count"] >= len(work) * 2
+    assert daemon.healthy()
+    assert run_one(daemon, *work[0]) == reference[0]
+
+
+def test_queue_beyond_running_limit(daemon):
+    """More generations than max_running: the rest wait in the queue and are served in turn;
+    every one completes with its full length."""
+    bodies = [{"query": f"q {i}", "documents": docs(3, 5, shift=i), "max_tokens": 12,
+               "calibrate": False, "return_tokens": True} for i in range(10)]
+    ref = [run_one(daemon, "/answer", b) for b in bodies]
+    got = [None] * len(bodies)
+
+    def client(k):
+        got[k] = run_one(daemon, "/answer", bodies[k])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert got == ref

@@ -1,0 +1,301 @@
+/* Batched forward calls (fitm_forward_run_batch) against the same sequences run one call at a
+ * time, on generated models of every architecture and weight type: every sequence's logits,
+ * attention captures (span masses and full rows, before and after the intervention) and KV
+ * rows must be bit-identical (memcmp), whatever else shares the call -- decode steps packed
+ * with other decode steps, prefill chunks, branches over a shared prefix, intervened rows.
+ *
+ * Inputs are fresh random each run (the seed is printed; FITM_TEST_SEED=<n> repeats a run). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/rng.h"
+#include "check.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "model/backend.h"
+#include "model/forward.h"
+#include "model/genmodel.h"
+#include "model/kv.h"
+#include "model/model.h"
+
+enum {
+    MAX_T = 96,   /* tokens per call                 */
+    CTX = 64,     /* positions per sequence          */
+    N_SEQ = 6,    /* sequences per batched call      */
+    N_ROUNDS = 4, /* batched calls per model         */
+};
+
+static uint64_t rng;
+
+static int64_t uniform(int64_t lo, int64_t hi) /* [lo, hi] */
+{
+    return lo + (int64_t)(fitm_rng_next(&rng) % (uint64_t)(hi - lo + 1));
+}
+
+static fitm_model *gen_model(fitm_gen_arch arch, fitm_dtype type, void **buf)
+{
+    fitm_gen_config cfg;
+    fitm_gen_defaults(&cfg, arch);
+    cfg.type = type;
+    cfg.n_layer = arch == FITM_GEN_ARCH_GEMMA3 ? 7 : 2;
+    fitm_gguf_writer *w = NULL;
+    fitm_err err;
+    size_t n = 0;
+    *buf = NULL;
+    if (fitm_gen_build(&cfg, &w, &err) || fitm_gguf_writer_write_memory(w, buf, &n, &err)) {
+        fprintf(stderr, "genmodel: %s\n", err.msg);
+        fitm_gguf_writer_destroy(w);
+        return NULL;
+    }
+    fitm_gguf_writer_destroy(w);
+    fitm_gguf *g = NULL;
+    fitm_model *m = NULL;
+    if (fitm_gguf_open_memory(&g, *buf, n, &err) || fitm_model_from_gguf(&m, g, &err)) {
+        fprintf(stderr, "load: %s\n", err.msg);
+        return NULL;
+    }
+    return m;
+}
+
+/* One sequence twice over: `bat` runs inside batched calls, `solo` alone; both start from
+ * the same history. A branch sequence reads the shared prefix cache below its base. */
+typedef struct {
+    fitm_kv *bat, *solo;
+    const fitm_kv *prefix;
+    int32_t ids[CTX];
+    int64_t pos;        /* positions held so far                         */
+    /* this round's part */
+    int64_t T, n_logits;
+    fitm_capture cap;
+    int64_t cap_rows[2];
+    fitm_span spans[3];
+    float alpha[3];
+    fitm_intervention iv;
+    bool use_cap, use_iv;
+    float *logits[2], *mass[2], *probs[2]; /* [0] batched, [1] solo */
+} seq;
+
+static void fill_part(seq *s, const fitm_model_config *c, bool decode)
+{
+    s->T = decode ? 1 : uniform(2, 12);
+    if (s->pos + s->T > CTX)
+        s->T = CTX - s->pos;
+    for (int64_t t = 0; t < s->T; t++)
+        s->ids[s->pos + t] = (int32_t)uniform(0, c->n_vocab - 1);
+    s->n_logits = uniform(s->T > 1 ? 0 : 1, s->T);
+    s->use_cap = uniform(0, 1);
+    s->use_iv = s->pos >= 4 && uniform(0, 1);
+    /* documents among the first positions; a span reaching past the sequence is fine */
+    int64_t a = uniform(0, 1), b = a + uniform(1, 2), d = b + uniform(0, 1);
+    s->spans[0] = (fitm_span){a, b};
+    s->spans[1] = (fitm_span){d, d + uniform(1, 3)};
+    s->spans[2] = (fitm_span){0, s->pos + s->T};
+    for (int k = 0; k < 3; k++)
+        s->alpha[k] = (float)uniform(1, 8) / 4.0f;
+    s->iv = (fitm_intervention){.spans = s->spans, .n_spans = 2, .alpha = s->alpha,
+                                .from_pos = s->pos + uniform(0, s->T - 1)};
+    int n_rows = s->T > 1 ? 2 : 1;
+    s->cap_rows[0] = s->pos + s->T - 1;
+    s->cap_rows[1] = s->pos;
+    s->cap = (fitm_capture){.rows = s->cap_rows, .n_rows = n_rows, .spans = s->spans,
+                            .n_spans = 3, .probs_stride = CTX,
+                            .after_intervention = uniform(0, 1)};
+}
+
+static fitm_forward_opts opts_of(seq *s, int which, fitm_capture *cap)
+{
+    *cap = s->cap;
+    cap->span_mass = s->mass[which];
+    cap->probs = s->probs[which];
+    return (fitm_forward_opts){
+        .prefix = s->prefix,
+        .n_logits = s->n_logits,
+        .logits = s->logits[which],
+        .capture = s->use_cap ? cap : NULL,
+        .intervention = s->use_iv ? &s->iv : NULL,
+    };
+}
+
+static bool same_rows(const seq *s, const fitm_model_config *c)
+{
+    const int64_t n = (fitm_kv_pos_end(s->bat) - fitm_kv_pos_base(s->bat)) * c->n_head_kv *
+                      c->head_dim;
+    if (fitm_kv_pos_end(s->bat) != fitm_kv_pos_end(s->solo))
+        return false;
+    for (int32_t l = 0; l < c->n_layer; l++)
+        if (memcmp(fitm_kv_k(s->bat, l), fitm_kv_k(s->solo, l), (size_t)n * sizeof(float)) ||
+            memcmp(fitm_kv_v(s->bat, l), fitm_kv_v(s->solo, l), (size_t)n * sizeof(float)))
+            return false;
+    return true;
+}
+
+static void test_model(fitm_gen_arch arch, fitm_dtype type)
+{
+    void *buf;
+    fitm_model *m = gen_model(arch, type, &buf);
+    CHECK(m != NULL, " %s %s", fitm_gen_arch_name(arch), fitm_dtype_info_of(type)->name);
+    if (!m) {
+        free(buf);
+        return;
+    }
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab, L = c->n_layer, H = c->n_head;
+    fitm_err err;
+    fitm_backend *b = NULL;
+    fitm_forward *fw = NULL;
+    fitm_kv *prefix = NULL;
+    seq S[N_SEQ];
+    memset(S, 0, sizeof S);
+    fitm_forward_params fp = {MAX_T, CTX, MAX_T};
+    CHECK(fitm_backend_cpu_create(&b, 2, &err) == FITM_OK);
+    CHECK(fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK, " %s", err.msg);
+    CHECK(fitm_kv_create(&prefix, b, c, CTX, &err) == FITM_OK);
+    bool ok = fw && prefix;
+    for (int i = 0; i < N_SEQ && ok; i++) {
+        ok = !fitm_kv_create(&S[i].bat, b, c, CTX, &err) &&
+             !fitm_kv_create(&S[i].solo, b, c, CTX, &err);
+        for (int w = 0; w < 2 && ok; w++) {
+            S[i].logits[w] = malloc(sizeof(float) * (size_t)(MAX_T * V));
+            S[i].mass[w] = malloc(sizeof(float) * (size_t)(2 * L * H * 3));
+            S[i].probs[w] = malloc(sizeof(float) * (size_t)(2 * L * H * CTX));
+            ok = S[i].logits[w] && S[i].mass[w] && S[i].probs[w];
+        }
+    }
+    CHECK(ok);
+    if (!ok)
+        goto out;
+
+    /* The shared prefix for the branches: 20 random tokens. */
+    int32_t pre_ids[20];
+    for (int t = 0; t < 20; t++)
+        pre_ids[t] = (int32_t)uniform(0, V - 1);
+    CHECK(fitm_forward_run(fw, prefix, pre_ids, 20, 0, NULL, &err) == FITM_OK);
+    /* Histories: sequences 0-3 ordinary (some empty, some long enough to overrun gemma3's
+     * window), 4 and 5 branches over the prefix at different bases. */
+    for (int i = 0; i < N_SEQ; i++) {
+        seq *s = &S[i];
+        int64_t base = 0;
+        if (i >= 4) {
+            base = i == 4 ? 8 : 15;
+            s->prefix = prefix;
+            CHECK(fitm_kv_rebase(s->bat, base, &err) == FITM_OK);
+            CHECK(fitm_kv_rebase(s->solo, base, &err) == FITM_OK);
+            memcpy(s->ids, pre_ids, sizeof(int32_t) * (size_t)base);
+        }
+        s->pos = base;
+        int64_t hist = i == 0 ? 0 : uniform(1, 30);
+        for (int64_t t = 0; t < hist; t++)
+            s->ids[base + t] = (int32_t)uniform(0, V - 1);
+        if (hist > 0) {
+            fitm_forward_opts o = {.prefix = s->prefix};
+            CHECK(fitm_forward_run(fw, s->bat, s->ids + base, hist, base, &o, &err) == FITM_OK);
+            CHECK(fitm_forward_run(fw, s->solo, s->ids + base, hist, base, &o, &err) == FITM_OK);
+        }
+        s->pos = base + hist;
+    }
+
+    for (int round = 0; round < N_ROUNDS; round++) {
+        /* Round 0 and 2: decode steps only (all on the STEP path, packed); others mixed. */
+        fitm_forward_seq in[N_SEQ];
+        fitm_capture caps[N_SEQ][2];
+        fitm_forward_opts opts[N_SEQ][2];
+        int32_t n = 0, idx[N_SEQ];
+        int64_t total = 0;
+        for (int i = 0; i < N_SEQ; i++) {
+            seq *s = &S[i];
+            if (s->pos >= CTX - 1 || uniform(0, 5) == 0)
+                continue; /* sits this call out */
+            fill_part(s, c, round % 2 == 0 || uniform(0, 1));
+            if (total + s->T > MAX_T)
+                continue;
+            total += s->T;
+            opts[i][0] = opts_of(s, 0, &caps[i][0]);
+            opts[i][1] = opts_of(s, 1, &caps[i][1]);
+            in[n] = (fitm_forward_seq){s->bat, s->ids + s->pos, s->T, s->pos, &opts[i][0]};
+            idx[n++] = i;
+        }
+        if (n == 0)
+            continue;
+        CHECK(fitm_forward_run_batch(fw, in, n, &err) == FITM_OK, " %s", err.msg);
+        for (int32_t k = 0; k < n; k++) {
+            seq *s = &S[idx[k]];
+            CHECK(fitm_forward_run(fw, s->solo, s->ids + s->pos, s->T, s->pos, &opts[idx[k]][1],
+                                   &err) == FITM_OK,
+                  " %s", err.msg);
+            const char *what = "";
+            if (memcmp(s->logits[0], s->logits[1], sizeof(float) * (size_t)(s->n_logits * V)))
+                what = "logits";
+            else if (s->use_cap &&
+                     memcmp(s->mass[0], s->mass[1],
+                            sizeof(float) * (size_t)(s->cap.n_rows * L * H * 3)))
+                what = "span masses";
+            else if (s->use_cap &&
+                     memcmp(s->probs[0], s->probs[1],
+                            sizeof(float) * (size_t)(s->cap.n_rows * L * H * CTX)))
+                what = "attention rows";
+            else if (!same_rows(s, c))
+                what = "KV rows";
+            CHECK(!*what, " %s %s round %d seq %d (T %lld at %lld, %d in the call): %s differ",
+                  fitm_gen_arch_name(arch), fitm_dtype_info_of(type)->name, round, idx[k],
+                  (long long)s->T, (long long)s->pos, (int)n, what);
+            s->pos += s->T;
+        }
+    }
+
+    /* Bad calls fail whole and leave every cache as it was. */
+    int64_t end0 = fitm_kv_pos_end(S[0].bat), end1 = fitm_kv_pos_end(S[1].bat);
+    int32_t tok[2] = {1, 2}, bad = (int32_t)V;
+    fitm_forward_seq dup[2] = {{S[0].bat, tok, 1, end0, NULL}, {S[0].bat, tok, 1, end0, NULL}};
+    CHECK(fitm_forward_run_batch(fw, dup, 2, &err) == FITM_ERR_INVALID);
+    fitm_forward_opts over = {.prefix = S[0].bat};
+    fitm_forward_seq reads[2] = {{S[0].bat, tok, 1, end0, NULL}, {S[4].bat, tok, 1, 30, &over}};
+    CHECK(fitm_forward_run_batch(fw, reads, 2, &err) == FITM_ERR_INVALID);
+    fitm_forward_seq badtok[2] = {{S[0].bat, tok, 1, end0, NULL}, {S[1].bat, &bad, 1, end1, NULL}};
+    CHECK(fitm_forward_run_batch(fw, badtok, 2, &err) == FITM_ERR_INVALID);
+    CHECK(strstr(err.msg, "sequence 1") != NULL, " %s", err.msg);
+    int32_t many[MAX_T] = {0};
+    fitm_forward_seq big[2] = {{S[0].bat, many, MAX_T / 2 + 1, 0, NULL},
+                               {S[1].bat, many, MAX_T / 2, 0, NULL}};
+    CHECK(fitm_forward_run_batch(fw, big, 2, &err) == FITM_ERR_LIMIT);
+    CHECK(fitm_forward_run_batch(fw, big, 0, &err) == FITM_ERR_INVALID);
+    CHECK(fitm_kv_pos_end(S[0].bat) == end0 && fitm_kv_pos_end(S[1].bat) == end1);
+out:
+    for (int i = 0; i < N_SEQ; i++) {
+        fitm_kv_destroy(S[i].bat);
+        fitm_kv_destroy(S[i].solo);
+        for (int w = 0; w < 2; w++) {
+            free(S[i].logits[w]);
+            free(S[i].mass[w]);
+            free(S[i].probs[w]);
+        }
+    }
+    fitm_kv_destroy(prefix);
+    fitm_forward_destroy(fw);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    free(buf);
+}
+
+int main(void)
+{
+    const char *env = getenv("FITM_TEST_SEED");
+    uint64_t seed = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL);
+    printf("test_forward_batch: seed %" PRIu64 " (FITM_TEST_SEED repeats it)\n", seed);
+    const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
+                                FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
+                                FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
+    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+        for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+            rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t);
+            test_model((fitm_gen_arch)a, types[t]);
+        }
+    if (failures) {
+        fprintf(stderr, "test_forward_batch: %d of %d checks failed\n", failures, n_checks);
+        return 1;
+    }
+    printf("test_forward_batch: ok (%d checks)\n", n_checks);
+    return 0;
+}
