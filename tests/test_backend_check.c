@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "gen_model.h"
 #include "gguf/gguf_writer.h"
 #include "model/backend_check.h"
 #include "model/genmodel.h"
@@ -137,19 +138,7 @@ static fitm_model *gen_model(fitm_gen_arch arch, fitm_dtype type, void **buf)
     fitm_gen_defaults(&cfg, arch);
     cfg.type = type;
     cfg.seed = 3;
-    fitm_gguf_writer *w = NULL;
-    fitm_err err;
-    size_t n = 0;
-    fitm_gguf *g = NULL;
-    fitm_model *m = NULL;
-    *buf = NULL;
-    if (fitm_gen_build(&cfg, &w, &err) || fitm_gguf_writer_write_memory(w, buf, &n, &err) ||
-        fitm_gguf_open_memory(&g, *buf, n, &err) || fitm_model_from_gguf(&m, g, &err)) {
-        fprintf(stderr, "model: %s\n", err.msg);
-        m = NULL;
-    }
-    fitm_gguf_writer_destroy(w);
-    return m;
+    return gen_model_load(&cfg, buf);
 }
 
 static void test_arch(fitm_backend *cpu, fitm_gen_arch arch, fitm_dtype type)

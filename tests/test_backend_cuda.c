@@ -33,6 +33,7 @@
 #include <cuda_runtime_api.h>
 
 #include "check.h"
+#include "gen_model.h"
 #include "gguf/gguf_writer.h"
 #include "kernels.h"
 #include "model/backend_check.h"
@@ -58,19 +59,7 @@ static fitm_model *gen_model(fitm_gen_arch arch, fitm_dtype type, void **buf)
     cfg.seed = 7 + (uint64_t)type;
     /* gemma3: layers 0-4 local (window 16 < T), layer 5 global */
     cfg.n_layer = arch == FITM_GEN_ARCH_GEMMA3 ? 6 : 2;
-    fitm_gguf_writer *w = NULL;
-    fitm_err err;
-    size_t n = 0;
-    *buf = NULL;
-    fitm_gguf *g = NULL;
-    fitm_model *m = NULL;
-    if (fitm_gen_build(&cfg, &w, &err) || fitm_gguf_writer_write_memory(w, buf, &n, &err) ||
-        fitm_gguf_open_memory(&g, *buf, n, &err) || fitm_model_from_gguf(&m, g, &err)) {
-        fprintf(stderr, "model: %s\n", err.msg);
-        m = NULL;
-    }
-    fitm_gguf_writer_destroy(w);
-    return m;
+    return gen_model_load(&cfg, buf);
 }
 
 typedef struct {

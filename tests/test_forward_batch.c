@@ -13,6 +13,7 @@
 
 #include "base/rng.h"
 #include "check.h"
+#include "gen_model.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
 #include "model/backend.h"
@@ -41,23 +42,7 @@ static fitm_model *gen_model(fitm_gen_arch arch, fitm_dtype type, void **buf)
     fitm_gen_defaults(&cfg, arch);
     cfg.type = type;
     cfg.n_layer = arch == FITM_GEN_ARCH_GEMMA3 ? 7 : 2;
-    fitm_gguf_writer *w = NULL;
-    fitm_err err;
-    size_t n = 0;
-    *buf = NULL;
-    if (fitm_gen_build(&cfg, &w, &err) || fitm_gguf_writer_write_memory(w, buf, &n, &err)) {
-        fprintf(stderr, "genmodel: %s\n", err.msg);
-        fitm_gguf_writer_destroy(w);
-        return NULL;
-    }
-    fitm_gguf_writer_destroy(w);
-    fitm_gguf *g = NULL;
-    fitm_model *m = NULL;
-    if (fitm_gguf_open_memory(&g, *buf, n, &err) || fitm_model_from_gguf(&m, g, &err)) {
-        fprintf(stderr, "load: %s\n", err.msg);
-        return NULL;
-    }
-    return m;
+    return gen_model_load(&cfg, buf);
 }
 
 /* One sequence twice over: `bat` runs inside batched calls, `solo` alone; both start from
