@@ -883,6 +883,38 @@ static fitm_status take_number(const cJSON *it, const char *field, double lo, do
 static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *out,
                                         fitm_err *err);
 
+/* The sampling fields /answer and the OpenAI routes share: stop, temperature (in [0,
+ * temperature_max]; absent keeps out's default), top_p (default 1, > 0) and seed (an exact
+ * integer up to 2^53). */
+static fitm_status parse_sampling(const cJSON *root, double temperature_max,
+                                  fitm_answer_request *out, fitm_err *err)
+{
+    const cJSON *it;
+    fitm_status st;
+    int64_t v;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
+        (st = parse_stop(it, out, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
+        (st = take_number(it, "temperature", 0, temperature_max, &out->temperature, err)) !=
+            FITM_OK)
+        return st;
+    out->top_p = 1.0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
+        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
+            return st;
+        if (out->top_p <= 0)
+            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
+        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
+            return st;
+        out->seed = (uint64_t)v;
+        out->has_seed = true;
+    }
+    return FITM_OK;
+}
+
 static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits *lim,
                                        fitm_answer_request *out, fitm_err *err)
 {
@@ -915,25 +947,8 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
             return st;
         out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
     }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
-        (st = parse_stop(it, out, err)) != FITM_OK)
+    if ((st = parse_sampling(root, 100, out, err)) != FITM_OK)
         return st;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
-        (st = take_number(it, "temperature", 0, 100, &out->temperature, err)) != FITM_OK)
-        return st;
-    out->top_p = 1.0;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
-        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
-            return st;
-        if (out->top_p <= 0)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
-    }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
-        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
-            return st;
-        out->seed = (uint64_t)v;
-        out->has_seed = true;
-    }
     return parse_answer_options(root, out, err);
 }
 
@@ -1305,26 +1320,9 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "n")) && !cJSON_IsNull(it) &&
         (st = take_int(it, "n", 1, 1, &v, err)) != FITM_OK)
         return st;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
-        (st = parse_stop(it, out, err)) != FITM_OK)
-        return st;
     out->temperature = 1.0; /* OpenAI's default: sampling */
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
-        (st = take_number(it, "temperature", 0, 2, &out->temperature, err)) != FITM_OK)
+    if ((st = parse_sampling(root, 2, out, err)) != FITM_OK)
         return st;
-    out->top_p = 1.0;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_p")) && !cJSON_IsNull(it)) {
-        if ((st = take_number(it, "top_p", 0, 1, &out->top_p, err)) != FITM_OK)
-            return st;
-        if (out->top_p <= 0)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
-    }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
-        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
-            return st;
-        out->seed = (uint64_t)v;
-        out->has_seed = true;
-    }
     *include_usage = false;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream_options")) && !cJSON_IsNull(it)) {
         const cJSON *u = cJSON_GetObjectItemCaseSensitive(it, "include_usage");
