@@ -25,18 +25,48 @@ static const double buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                  1,     2.5,  5,     10,   30,  60,  120};
 #define N_BUCKETS (sizeof buckets / sizeof buckets[0])
 
+/* A Prometheus histogram of seconds over `buckets`; callers hold M.mu. */
+typedef struct {
+    uint64_t bucket[N_BUCKETS]; /* non-cumulative; summed at render */
+    uint64_t count;
+    double sum;
+} histogram;
+
+static void observe(histogram *h, double seconds)
+{
+    size_t b = 0;
+    while (b < N_BUCKETS && seconds > buckets[b])
+        b++;
+    if (b < N_BUCKETS)
+        h->bucket[b]++;
+    h->count++;
+    h->sum += seconds;
+}
+
+/* The _bucket, _sum and _count lines of h; label is `key="value"` or "". */
+static void render(fitm_buf *s, const char *name, const char *label, const histogram *h)
+{
+    const char *sep = label[0] ? "," : "";
+    uint64_t cum = 0;
+    for (size_t b = 0; b < N_BUCKETS; b++) {
+        cum += h->bucket[b];
+        fitm_buf_printf(s, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, label, sep, buckets[b],
+                        (unsigned long long)cum);
+    }
+    fitm_buf_printf(s, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, label, sep,
+                    (unsigned long long)h->count);
+    const char *open = label[0] ? "{" : "", *close = label[0] ? "}" : "";
+    fitm_buf_printf(s, "%s_sum%s%s%s %.6f\n%s_count%s%s%s %llu\n", name, open, label, close,
+                    h->sum, name, open, label, close, (unsigned long long)h->count);
+}
+
 static struct {
     pthread_mutex_t mu;
     uint64_t requests[FITM_ROUTE_COUNT][N_CODES + 1];
-    uint64_t hist[FITM_ROUTE_COUNT][N_BUCKETS]; /* non-cumulative; summed at render */
-    uint64_t count[FITM_ROUTE_COUNT];
-    double sum[FITM_ROUTE_COUNT];
+    histogram duration[FITM_ROUTE_COUNT];
     int64_t prompt_tokens, forward_tokens;
     int64_t completion_tokens;
-    uint64_t ttft_hist[N_BUCKETS], ttft_count;
-    double ttft_sum;
-    uint64_t wait_hist[N_BUCKETS], wait_count;
-    double wait_sum;
+    histogram ttft, wait;
 } M = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 const char *fitm_route_name(fitm_route r)
@@ -52,15 +82,9 @@ void fitm_metrics_request(fitm_route r, int http_code, double seconds)
     for (size_t i = 0; i < N_CODES; i++)
         if (codes[i] == http_code)
             ci = i;
-    size_t b = 0;
-    while (b < N_BUCKETS && seconds > buckets[b])
-        b++;
     pthread_mutex_lock(&M.mu);
     M.requests[r][ci]++;
-    if (b < N_BUCKETS)
-        M.hist[r][b]++;
-    M.count[r]++;
-    M.sum[r] += seconds;
+    observe(&M.duration[r], seconds);
     pthread_mutex_unlock(&M.mu);
 }
 
@@ -74,30 +98,17 @@ void fitm_metrics_tokens(int64_t prompt_tokens, int64_t forward_tokens)
 
 void fitm_metrics_completion(int64_t completion_tokens, double first_token_s)
 {
-    size_t b = 0;
-    while (b < N_BUCKETS && first_token_s > buckets[b])
-        b++;
     pthread_mutex_lock(&M.mu);
     M.completion_tokens += completion_tokens;
-    if (first_token_s >= 0) {
-        if (b < N_BUCKETS)
-            M.ttft_hist[b]++;
-        M.ttft_count++;
-        M.ttft_sum += first_token_s;
-    }
+    if (first_token_s >= 0)
+        observe(&M.ttft, first_token_s);
     pthread_mutex_unlock(&M.mu);
 }
 
 void fitm_metrics_queue_wait(double seconds)
 {
-    size_t b = 0;
-    while (b < N_BUCKETS && seconds > buckets[b])
-        b++;
     pthread_mutex_lock(&M.mu);
-    if (b < N_BUCKETS)
-        M.wait_hist[b]++;
-    M.wait_count++;
-    M.wait_sum += seconds;
+    observe(&M.wait, seconds);
     pthread_mutex_unlock(&M.mu);
 }
 
@@ -157,19 +168,9 @@ char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
     fitm_buf_printf(&s, "# HELP fitm_request_duration_seconds Time from a request's arrival to its "
             "response.\n# TYPE fitm_request_duration_seconds histogram\n");
     for (int r = 0; r < FITM_ROUTE_COUNT; r++) {
-        uint64_t cum = 0;
-        for (size_t b = 0; b < N_BUCKETS; b++) {
-            cum += M.hist[r][b];
-            fitm_buf_printf(&s,
-                            "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"%g\"} %llu\n",
-                            route_names[r], buckets[b], (unsigned long long)cum);
-        }
-        fitm_buf_printf(&s, "fitm_request_duration_seconds_bucket{route=\"%s\",le=\"+Inf\"} %llu\n",
-            route_names[r], (unsigned long long)M.count[r]);
-        fitm_buf_printf(&s, "fitm_request_duration_seconds_sum{route=\"%s\"} %.6f\n",
-                        route_names[r], M.sum[r]);
-        fitm_buf_printf(&s, "fitm_request_duration_seconds_count{route=\"%s\"} %llu\n",
-                        route_names[r], (unsigned long long)M.count[r]);
+        char label[64];
+        snprintf(label, sizeof label, "route=\"%s\"", route_names[r]);
+        render(&s, "fitm_request_duration_seconds", label, &M.duration[r]);
     }
     fitm_buf_printf(&s, "# HELP fitm_prompt_tokens_total Prompt tokens of scored requests.\n"
             "# TYPE fitm_prompt_tokens_total counter\nfitm_prompt_tokens_total %lld\n",
@@ -186,29 +187,10 @@ char *fitm_metrics_render(const fitm_metrics_gauges *g, size_t *len)
     fitm_buf_printf(
         &s, "# HELP fitm_time_to_first_token_seconds Time from an /answer request's arrival to "
             "its first generated token.\n# TYPE fitm_time_to_first_token_seconds histogram\n");
-    uint64_t cum = 0;
-    for (size_t b = 0; b < N_BUCKETS; b++) {
-        cum += M.ttft_hist[b];
-        fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
-            (unsigned long long)cum);
-    }
-    fitm_buf_printf(&s, "fitm_time_to_first_token_seconds_bucket{le=\"+Inf\"} %llu\n"
-            "fitm_time_to_first_token_seconds_sum %.6f\n"
-            "fitm_time_to_first_token_seconds_count %llu\n",
-        (unsigned long long)M.ttft_count, M.ttft_sum, (unsigned long long)M.ttft_count);
+    render(&s, "fitm_time_to_first_token_seconds", "", &M.ttft);
     fitm_buf_printf(&s, "# HELP fitm_queue_wait_seconds Time a request waited in the engine's "
                         "queue before it started.\n# TYPE fitm_queue_wait_seconds histogram\n");
-    cum = 0;
-    for (size_t b = 0; b < N_BUCKETS; b++) {
-        cum += M.wait_hist[b];
-        fitm_buf_printf(&s, "fitm_queue_wait_seconds_bucket{le=\"%g\"} %llu\n", buckets[b],
-                        (unsigned long long)cum);
-    }
-    fitm_buf_printf(&s, "fitm_queue_wait_seconds_bucket{le=\"+Inf\"} %llu\n"
-                        "fitm_queue_wait_seconds_sum %.6f\n"
-                        "fitm_queue_wait_seconds_count %llu\n",
-                    (unsigned long long)M.wait_count, M.wait_sum,
-                    (unsigned long long)M.wait_count);
+    render(&s, "fitm_queue_wait_seconds", "", &M.wait);
     pthread_mutex_unlock(&M.mu);
     render_batch(&s, g);
     fitm_buf_printf(&s, "# HELP fitm_queue_depth Requests waiting for the engine.\n"
