@@ -225,11 +225,9 @@ def test_queue_is_bounded_by_cost(fitmd_bin, models, tmp_path):  # noqa: F811
 
         threads = [threading.Thread(target=send) for _ in range(2)]
         threads[0].start()
-        deadline = time.time() + 30
-        while "fitm_inflight_requests 1" not in requests.get(d.url("/metrics")).text:
-            assert time.time() < deadline
-            time.sleep(0.01)
+        d.wait_running(30)
         threads[1].start()  # queued: an empty queue takes it
+        deadline = time.time() + 30
         while "fitm_queue_depth 1" not in requests.get(d.url("/metrics")).text:
             assert time.time() < deadline
             time.sleep(0.01)

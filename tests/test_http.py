@@ -68,6 +68,18 @@ class Daemon:
             self.log.flush()
         return self.log_path.read_text()
 
+    def running(self) -> bool:
+        """Whether a request is in flight (per /metrics)."""
+        return "fitm_inflight_requests 1" in requests.get(self.url("/metrics")).text
+
+    def wait_running(self, timeout=20):
+        """Waits until a request is in flight; fails the test after timeout seconds."""
+        deadline = time.time() + timeout
+        while not self.running():
+            if time.time() > deadline:
+                pytest.fail(f"no request in flight after {timeout} s:\n{self.log_text()[-3000:]}")
+            time.sleep(0.01)
+
     def healthy(self) -> bool:
         r = requests.get(self.url("/health"), timeout=10)
         return r.status_code == 200 and r.json()["status"] == "ok"
@@ -571,10 +583,7 @@ def test_sigterm_drain_timeout_cancels(fitmd_bin, models, tmp_path):
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("r", post(d, slow_body())))
     t.start()
-    deadline = time.time() + 20
-    while time.time() < deadline and "fitm_inflight_requests 1" not in requests.get(
-            d.url("/metrics")).text:
-        time.sleep(0.01)
+    d.wait_running()
     d.proc.send_signal(signal.SIGTERM)
     t.join(120)
     assert d.proc.wait(60) == 0

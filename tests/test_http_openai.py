@@ -223,10 +223,7 @@ def test_drain_keeps_listening(tmp_path):
         "r", requests.post(d.url("/rerank"), json={**slow_body(), "documents": docs(8, 120)},
                            timeout=300)))
     t.start()
-    deadline = time.time() + 20
-    while time.time() < deadline and "fitm_inflight_requests 1" not in requests.get(
-            d.url("/metrics")).text:
-        time.sleep(0.01)
+    d.wait_running()
     d.proc.send_signal(signal.SIGTERM)
     refused = None
     while d.proc.poll() is None:

@@ -56,6 +56,27 @@ def responses(out: bytes):
     return got
 
 
+def trickle(s, data: bytes, pause: float) -> bytes:
+    """Sends data a byte every `pause` seconds until the server answers or closes; what it
+    answered so far (b"" when it never did)."""
+    out = b""
+    for c in data:
+        try:
+            s.sendall(bytes([c]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        time.sleep(pause)
+        s.setblocking(False)
+        try:
+            out += s.recv(65536)
+        except BlockingIOError:
+            pass
+        s.setblocking(True)
+        if out:
+            break
+    return out
+
+
 def post_raw(framing: bytes, body: bytes = b"") -> bytes:
     return b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + framing + b"\r\n" + body
 
@@ -156,21 +177,7 @@ def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa
                 socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
             start = time.time()
             s.sendall(b"GET /health HTTP/1.1\r\n")
-            out = b""
-            for c in b"X-Slow: " + b"a" * 40:
-                try:
-                    s.sendall(bytes([c]))
-                except (BrokenPipeError, ConnectionResetError):
-                    break
-                time.sleep(0.1)
-                s.setblocking(False)
-                try:
-                    out += s.recv(65536)
-                except BlockingIOError:
-                    pass
-                s.setblocking(True)
-                if out:
-                    break
+            out = trickle(s, b"X-Slow: " + b"a" * 40, 0.1)
             assert out, "the trickled head was not cut"
             s.settimeout(10)
             try:
@@ -240,10 +247,6 @@ def wait_for_log(d, pattern, timeout=120):
     pytest.fail(f"no log line matching {pattern!r}:\n{d.log_text()[-3000:]}")
 
 
-def inflight(d) -> bool:
-    return "fitm_inflight_requests 1" in requests.get(d.url("/metrics")).text
-
-
 def abandon(d, path, body, rid, read_first=False):
     """Sends body, waits until the engine runs it (or the stream's headers came), then leaves."""
     data = json.dumps(body).encode()
@@ -254,7 +257,7 @@ def abandon(d, path, body, rid, read_first=False):
         if read_first:
             assert s.recv(100).startswith(b"HTTP/1.1 200")
         deadline = time.time() + 30
-        while not inflight(d) and time.time() < deadline:
+        while not d.running() and time.time() < deadline:
             time.sleep(0.01)
 
 
@@ -312,7 +315,7 @@ def test_shutdown_cancels_with_its_own_reason(fitmd_bin, models, tmp_path):  # n
     t = threading.Thread(target=run)
     t.start()
     deadline = time.time() + 30
-    while not inflight(d) and time.time() < deadline:
+    while not d.running() and time.time() < deadline:
         time.sleep(0.01)
     d.proc.send_signal(signal.SIGTERM)
     t.join(120)
@@ -352,18 +355,7 @@ def test_trickled_body_is_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F8
     try:
         with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
             s.sendall(post_raw(b"Content-Length: %d\r\n" % len(BODY)))
-            out = b""
-            for c in BODY[:-1]:
-                s.sendall(bytes([c]))
-                time.sleep(0.2)
-                s.setblocking(False)
-                try:
-                    out += s.recv(65536)
-                except BlockingIOError:
-                    pass
-                s.setblocking(True)
-                if out:
-                    break
+            out = trickle(s, BODY[:-1], 0.2)
             s.settimeout(10)
             while (b := s.recv(65536)):
                 out += b
