@@ -1,7 +1,7 @@
 /* fitmd: the daemon. Startup: config (flags > FITM_* env > file > defaults) -> engine thread
  * (loads the model, then owns it) -> HTTP. /health says 503 until the model is loaded.
- * SIGTERM/SIGINT: stop accepting, let in-flight requests finish within drain_timeout_ms,
- * exit 0. A model that fails to load exits 1 with the reason. */
+ * SIGTERM/SIGINT: keep listening (/health says draining, new requests get 503), let
+ * in-flight requests finish within drain_timeout_ms, exit 0. A model that fails to load exits 1 with the reason. */
 #include <errno.h>
 #include <curl/curl.h>
 #include <libgen.h>
