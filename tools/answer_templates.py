@@ -94,7 +94,7 @@ def main() -> int:
     a = ap.parse_args()
     g0, g1 = (int(x) for x in a.groups.split("-"))
     items = [it for it in dataset.load(a.split) if it["variant"] == a.variant
-             and it["k"] == a.k and g0 <= int(it["id"].split("-g")[1][:2]) <= g1]
+             and it["k"] == a.k and g0 <= dataset.group(it) <= g1]
     pos = dataset.positions(a.k)
     print(f"{a.split} {a.variant} K={a.k}, groups {a.groups}: accuracy by gold position")
     print(f"{'template':<18}" + "".join(f"{'pos ' + str(p):>9}" for p in pos) + f"{'all':>9}")

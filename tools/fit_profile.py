@@ -351,14 +351,13 @@ def daemon_fit(a) -> int:
     """Fits score_scale / score_bias on fitmd's own rel_scaled for the given options (see the
     module doc) and writes the profile with them."""
     import requests
-    from quality import start_daemon
+    from quality import select, start_daemon
     from scoring_capture import windows
     opts = json.loads(a.daemon)
     missing = [k for k in OPTION_KEYS + ("layers",) if k not in opts]
     if missing:
         sys.exit(f"--daemon: give every option ({', '.join(missing)} missing)")
-    items = [it for it in dataset.load(a.split) if it["variant"] in a.variants
-             and it["k"] in a.k and int(it["id"].split("-g")[1][:2]) < a.groups]
+    items = select(a)
     proc, url = start_daemon(a.model, a.build, ["--profile=none"])
     pairs, cells = [], {}
     try:

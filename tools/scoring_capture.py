@@ -165,10 +165,10 @@ def main() -> int:
     cache.mkdir(parents=True, exist_ok=True)
     items = [it for it in dataset.load(a.split)
              if it["variant"] in a.variants and it["k"] in a.k
-             and g0 <= int(it["id"].split("-g")[1][:2]) <= g1
+             and g0 <= dataset.group(it) <= g1
              and (not a.positions or it["gold_pos"] in a.positions)]
     # Breadth first: every cell gets its first groups before any gets more.
-    items.sort(key=lambda it: (int(it["id"].split("-g")[1][:2]), a.k.index(it["k"]),
+    items.sort(key=lambda it: (dataset.group(it), a.k.index(it["k"]),
                                a.variants.index(it["variant"]), it["gold_pos"]))
     model = load_model(a.model)
     # SIGTERM ends the run through `finally`, so the fitmd it started goes with it.

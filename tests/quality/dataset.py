@@ -266,6 +266,11 @@ def items(split: str, groups: int = GROUPS, seed: int = SEED) -> list:
     return out
 
 
+def group(it: dict) -> int:
+    """The question group an item belongs to (the gNN of its id)."""
+    return int(it["id"].split("-g")[1][:2])
+
+
 def render(split: str) -> str:
     return "".join(json.dumps(it, ensure_ascii=False, sort_keys=True) + "\n"
                    for it in items(split))

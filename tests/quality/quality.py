@@ -180,7 +180,7 @@ def answer(url, headers, item, fields, max_tokens):
 
 def select(a) -> list:
     its = [it for it in dataset.load(a.split) if it["variant"] in a.variants
-           and it["k"] in a.k and int(it["id"].split("-g")[1][:2]) < a.groups]
+           and it["k"] in a.k and dataset.group(it) < a.groups]
     return its
 
 
