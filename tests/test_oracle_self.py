@@ -412,3 +412,33 @@ def test_gemma3_270m_vs_references(gemma, name):
     while len(out) < 4:
         out.append(int(np.argmax(gemma.forward(out[-1:], logits_rows=[cache.n], cache=cache))))
     assert out == ref["generated_ids"][:4]
+
+
+# --- MoICE sidecar (docs/moice.md) -------------------------------------------------------------
+
+
+def test_moice_sidecar_round_trip_and_refusals(tmp_path):
+    from oracle import moice_sidecar as ms
+    model = tmp_path / "m.gguf"
+    gguf_write.tiny_model(model, "gemma3", seed=3)
+    base = ms.base_identity(model)
+    assert base["sha256"] == ms.file_sha256(model) and base["head_count"] == 4
+    bases = {0: [10000.0, 20000.0, 40000.0], 2: [10000.0, 5000.0, 80000.0]}
+    routers = ms.random_routers(base, bases, seed=11)
+    path = tmp_path / "r.gguf"
+    ms.write(path, base, bases, routers, top_k=2, train={"seed": 11, "data": "synthetic"})
+    s = ms.read(path)
+    assert s.base == base and s.top_k == 2 and s.layers == [0, 2]
+    assert s.train == {"seed": 11, "data": "synthetic"}
+    for layer in bases:
+        np.testing.assert_array_equal(s.bases[layer], np.float32(bases[layer]))
+        for got, want in zip(s.routers[layer], routers[layer]):
+            np.testing.assert_array_equal(got, want)
+    bad = dict(routers)
+    bad[0] = (routers[0][0][:, :2], routers[0][1], routers[0][2])
+    with pytest.raises(ValueError, match="gate_a"):
+        ms.write(path, base, bases, bad, top_k=2)
+    with pytest.raises(ValueError, match="top_k"):
+        ms.write(path, base, bases, routers, top_k=4)
+    with pytest.raises(ValueError, match="not a MoICE sidecar"):
+        ms.read(model)
