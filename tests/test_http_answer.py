@@ -81,6 +81,8 @@ def sse_events(resp):
     ({"calibration": {"dummy": ""}}, "'calibration.dummy'"),
     ({"reorder": "sideways"}, "'reorder'"),
     ({"reorder": 1}, "'reorder'"),
+    ({"reorder_placement": "middle"}, "'reorder_placement'"),
+    ({"reorder_placement": True}, "'reorder_placement'"),
     ({"intervention_layers": []}, "'intervention_layers'"),
     ({"stream": "yes"}, "'stream'"),
     ({"model": 7}, "'model'"),
@@ -157,6 +159,23 @@ def test_stream_concatenates_to_answer(daemon):
         assert final["finish_reason"] == pj["finish_reason"]
         assert final["usage"]["completion_tokens"] == pj["usage"]["completion_tokens"]
         assert final["documents"] == pj["documents"]
+
+
+def test_reorder_placement_last_reverses_the_order(daemon):
+    """reorder_placement "last" puts the documents in the reverse of "first"'s order: the most
+    relevant next to the question. Both report where each document went."""
+    got = {}
+    for placement in ("first", "last"):
+        r = answer(daemon, body(max_tokens=4, reorder="attention", reorder_placement=placement))
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["meta"]["reorder_placement"] == placement
+        got[placement] = {d["index"]: d["position"] for d in j["documents"]}
+    K = len(got["first"])
+    assert K > 2 and sorted(got["first"].values()) == list(range(K))
+    assert all(got["last"][i] == K - 1 - p for i, p in got["first"].items())
+    plain = answer(daemon, body(max_tokens=4)).json()
+    assert plain["meta"]["reorder_placement"] == "first"
 
 
 def test_sampling_reproducible_from_seed(daemon):

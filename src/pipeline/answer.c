@@ -289,7 +289,8 @@ static fitm_status state_init(const fitm_reranker *r, const fitm_answer_request 
     return FITM_OK;
 }
 
-/* Step 1, order: the documents reordered by req->reorder (most relevant first), then the
+/* Step 1, order: the documents reordered by req->reorder (most relevant first, or last with
+ * reorder_last, where a model that favours what it read last finds it), then the
  * intervention's weights from the calibrated scores of the reordered documents. */
 static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *req,
                                    answer_state *s, bool (*stop)(const void *),
@@ -301,7 +302,7 @@ static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *
         st = rank(r, req, (fitm_rerank_method)req->reorder, req->base.docs, stop, stop_arg, &rr,
                   err);
         for (int32_t p = 0; st == FITM_OK && p < s->K; p++)
-            s->order[p] = rr.results[p].index;
+            s->order[p] = rr.results[req->reorder_last ? s->K - 1 - p : p].index;
         res->forward_tokens += rr.usage.forward_tokens;
         fitm_rerank_result_free(&rr);
     }

@@ -50,6 +50,7 @@ typedef struct {
     bool has_seed;             /* the request gave it (else the HTTP layer picks one)         */
     bool calibrate;            /* intervene with the calibrated alpha (default true)          */
     int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
+    bool reorder_last;         /* the reorder puts the most relevant last (next to the query) */
     int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
     int32_t n_intervene_layers;
     bool stream;

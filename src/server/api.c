@@ -981,6 +981,13 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
                                 "attention_sort, query_likelihood, relevance, paper");
         out->reorder = m < 0 ? -1 : m;
     }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder_placement")) && !cJSON_IsNull(it)) {
+        bool first = cJSON_IsString(it) && !strcmp(it->valuestring, "first");
+        out->reorder_last = cJSON_IsString(it) && !strcmp(it->valuestring, "last");
+        if (!first && !out->reorder_last)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'reorder_placement' must be \"first\" or \"last\"");
+    }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "intervention_layers")) &&
         !cJSON_IsNull(it)) {
         int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 0;
@@ -1103,6 +1110,8 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
                                  req->reorder < 0 ? "none"
                                                   : fitm_rerank_method_name(
                                                         (fitm_rerank_method)req->reorder)) ||
+        !cJSON_AddStringToObject(meta, "reorder_placement",
+                                 req->reorder_last ? "last" : "first") ||
         !add_uint(meta, "seed", req->seed))
         goto done;
     cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
