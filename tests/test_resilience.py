@@ -81,7 +81,7 @@ def post_raw(framing: bytes, body: bytes = b"") -> bytes:
     return b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + framing + b"\r\n" + body
 
 
-@pytest.mark.parametrize("name,data,status,mentions", [
+FRAMING_CASES = [
     ("CL and TE", post_raw(b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
                            b"0\r\n\r\n" + HIDDEN), 400, "together"),
     ("two CL", post_raw(b"Content-Length: %d\r\nContent-Length: %d\r\n" % (len(BODY), len(BODY)),
@@ -102,7 +102,10 @@ def post_raw(framing: bytes, body: bytes = b"") -> bytes:
      400, "no request body"),
     ("GET chunked", b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
      b"5\r\nhello\r\n0\r\n\r\n" + HIDDEN, 400, "no request body"),
-])
+]
+
+
+@pytest.mark.parametrize("name,data,status,mentions", FRAMING_CASES)
 def test_ambiguous_framing_is_refused_and_closes(daemon, name, data, status, mentions):
     got = responses(exchange(daemon, data))
     assert len(got) == 1, (name, got)  # the hidden request was not answered
@@ -132,7 +135,7 @@ def test_well_framed_requests_still_pipeline(daemon):
 # On main these get HTML bodies, a status line and headers sent twice, or no reply at all; the
 # gate (src/server/gate.c) answers each with the documented JSON error and Connection: close.
 
-@pytest.mark.parametrize("name,data,status,code,mentions", [
+HEAD_CASES = [
     ("CL -1", post_raw(b"Content-Length: -1\r\n", BODY + HIDDEN), 400, "bad_framing",
      "Content-Length"),
     ("CL abc", post_raw(b"Content-Length: abc\r\n", BODY + HIDDEN), 400, "bad_framing",
@@ -153,7 +156,10 @@ def test_well_framed_requests_still_pipeline(daemon):
      "http_version_not_supported", "version"),
     ("HTTP/1.2", b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n" + HIDDEN, 505,
      "http_version_not_supported", "version"),
-])
+]
+
+
+@pytest.mark.parametrize("name,data,status,code,mentions", HEAD_CASES)
 def test_bad_heads_get_one_json_error(daemon, name, data, status, code, mentions):
     got = responses(exchange(daemon, data))
     assert len(got) == 1, (name, got)  # once, and the hidden request was not answered
@@ -164,6 +170,85 @@ def test_bad_heads_get_one_json_error(daemon, name, data, status, code, mentions
     e = json.loads(body)["error"]
     assert e["code"] == code and mentions in e["message"], e
     assert daemon.healthy()
+
+
+GOOD = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+# Every bad head above, each with the error code it must get.
+LATER_CASES = ([(n, d, st, ("not_implemented" if st == 501 else "bad_framing"), m)
+                for n, d, st, m in FRAMING_CASES] + HEAD_CASES)
+
+
+def read_response(s) -> bytes:
+    """One Content-Length framed response from s (the connection stays open)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        b = s.recv(65536)
+        assert b, out
+        out += b
+    head, _, rest = out.partition(b"\r\n\r\n")
+    n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    while len(rest) < n:
+        b = s.recv(65536)
+        assert b, out
+        rest += b
+    assert len(rest) == n, out  # nothing more was sent
+    return out
+
+
+def expect_refusal(got, name, status, code, mentions):
+    st, hdr, body = got
+    assert st == status, (name, body[:300])
+    assert hdr.get("connection", "").lower() == "close", (name, hdr)
+    assert hdr["content-type"].startswith("application/json"), (name, body[:200])
+    e = json.loads(body)["error"]
+    assert e["code"] == code and mentions in e["message"], (name, e)
+
+
+def refused_after_a_good_request(port, data, pipelined):
+    """GOOD then data on one kept-alive connection (after GOOD's answer, or sent with it):
+    every response the server sent until it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        if pipelined:
+            s.sendall(GOOD + data)
+            out = b""
+        else:
+            s.sendall(GOOD)
+            out = read_response(s)
+            s.sendall(data)
+        while (b := s.recv(65536)):
+            out += b
+    return responses(out)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["after its answer", "pipelined"])
+@pytest.mark.parametrize("name,data,status,code,mentions", LATER_CASES)
+def test_bad_head_later_on_a_kept_alive_connection(daemon, name, data, status, code, mentions,
+                                                   pipelined):
+    """Every request on a connection gets the same strict check, not only its first: a bad
+    head sent after a good request on a kept-alive connection (once it was answered, or
+    pipelined behind it) gets the JSON error and Connection: close after the good request's
+    answer, and the hidden request behind it is not served. On a40b401 only the first head
+    passed the gate: libmicrohttpd answered these (HTML, or its status line twice) or served
+    the hidden request."""
+    got = refused_after_a_good_request(daemon.port, data, pipelined)
+    assert len(got) == 2, (name, got)
+    st, hdr, body = got[0]
+    assert st == 200 and json.loads(body)["status"] == "ok", got[0]
+    assert hdr.get("connection", "").lower() != "close", hdr  # kept alive for the next
+    expect_refusal(got[1], name, status, code, mentions)
+    assert daemon.healthy()
+
+
+def test_keep_alive_still_serves_many_requests(daemon):
+    """Well-formed clients keep their connection: 50 requests, POSTs and GETs, on one."""
+    post = post_raw(b"Content-Length: %d\r\n" % len(BODY), BODY)
+    chunk = b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\nX-Trailer: t\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+        for i in range(50):
+            s.sendall([GOOD, post, post_raw(b"Transfer-Encoding: chunked\r\n", chunk)][i % 3])
+            (st, hdr, body), = responses(read_response(s))
+            assert st == 200, body
+            assert hdr.get("connection", "").lower() != "close"
 
 
 def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
