@@ -251,6 +251,53 @@ def test_keep_alive_still_serves_many_requests(daemon):
             assert hdr.get("connection", "").lower() != "close"
 
 
+class RawResponse:
+    """One raw response in the shape test_http.spec_validator checks."""
+
+    def __init__(self, got):
+        self.status_code, hdr, self.content = got
+        self.headers = requests.structures.CaseInsensitiveDict(hdr)
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def test_every_route_s_refusals_are_in_the_spec(daemon):
+    """Each route of openapi/openapi.yaml, sent each head the gate refuses and the wrong
+    method: the status is one the spec lists for that route, with its JSON error body and
+    headers (a40b401's spec had no 413 on GET routes, no 405 on /v1/rerank and /v2/rerank)."""
+    yaml = pytest.importorskip("yaml")
+    from test_http import ROOT, spec_validator
+    check = spec_validator()
+    spec = yaml.safe_load((ROOT / "openapi" / "openapi.yaml").read_text())
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+    seen = set()
+    for path, ops in spec["paths"].items():
+        for method in ops:
+            m = method.upper().encode()
+            line = m + b" " + path.encode()
+            other = b"GET" if method == "post" else b"POST"
+            cases = [
+                line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 18446744073709551617\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n",
+                line + b" HTTP/2.0\r\nHost: x\r\n\r\n",
+                line + b"?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: %s\r\n" % (b"a" * 1000) * 20 + b"\r\n",
+                other + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + auth
+                + b"Content-Type: application/json\r\nContent-Length: 0\r\n\r\n",
+            ]
+            if method == "get":
+                cases.append(line + b" HTTP/1.1\r\nHost: x\r\n" + auth
+                             + b"Content-Length: 5\r\n\r\nhello")
+            for data in cases:
+                got = responses(exchange(daemon, data))
+                assert len(got) == 1, (path, data[:80], got)
+                check(path, method, RawResponse(got[0]))
+                seen.add(got[0][0])
+    assert seen == {400, 405, 413, 414, 431, 501, 505}, seen
+
+
 def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
     """A request head sent a byte at a time, each well within the idle timeout, is cut once
     http_header_timeout_s has passed; a connection that sends nothing is closed then too (on
@@ -500,6 +547,116 @@ def test_probe_port_answers_while_connections_are_exhausted(fitmd_bin, models, t
         for s in held:
             s.close()
         assert d.terminate() == 0
+
+def trickling(port, n, sources):
+    """n connections to port, spread over the loopback addresses `sources`, each having sent
+    the start of a request head and holding it open (a slow-client flood)."""
+    held = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                     source_address=(sources[i % len(sources)], 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: a")
+        held.append(s)
+    return held
+
+
+def get_health(port, timeout=5):
+    return requests.get(f"http://127.0.0.1:{port}/health", timeout=timeout)
+
+
+def test_probe_port_answers_while_the_main_port_trickles(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Every main-port connection held by a client trickling its head: /health on probe_port
+    is answered at once, and the main port itself again once http_header_timeout_s cut the
+    flood with 408s."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, max_connections=8,
+               max_connections_per_client=8, probe_port=probe, http_header_timeout_s=3)
+    held = []
+    try:
+        held = trickling(d.port, 8, ["127.0.0.2", "127.0.0.3"])
+        time.sleep(0.5)
+        with pytest.raises((requests.ConnectionError, requests.Timeout)):  # all taken
+            get_health(d.port, timeout=1)
+        r = get_health(probe)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        for s in held:
+            s.settimeout(10)
+            (code, hdr, body), = responses(s.recv(65536))
+            assert code == 408 and hdr["connection"] == "close"
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                if get_health(d.port, timeout=1).status_code == 200:
+                    break
+            except (requests.ConnectionError, requests.Timeout):
+                time.sleep(0.1)
+        assert get_health(d.port).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
+def test_main_port_answers_while_the_probe_port_trickles(fitmd_bin, models, tmp_path):  # noqa: F811
+    """The probe listener's own budget (64 connections, 16 per address) taken by trickling
+    clients: the main port still answers, and the probe port's flood is cut with 408 after
+    http_header_timeout_s (on a40b401 the probe port had no header deadline: a trickling
+    client kept its connection for as long as it sent a byte per 10 s)."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, probe_port=probe, http_header_timeout_s=2)
+    held = []
+    try:
+        held = trickling(probe, 64, [f"127.0.0.{i}" for i in range(2, 6)])
+        time.sleep(0.5)
+        assert get_health(d.port).status_code == 200
+        start = time.time()
+        for s in held:
+            s.settimeout(10)
+            (code, hdr, body), = responses(s.recv(65536))
+            assert code == 408 and hdr["connection"] == "close"
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert time.time() - start < 6
+        assert get_health(probe).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
+@pytest.mark.parametrize("pipelined", [None, False, True],
+                         ids=["first", "after an answer", "pipelined"])
+@pytest.mark.parametrize("name,data,status,code,mentions", [
+    c for c in LATER_CASES if c[0] in ("CL and TE", "two CL", "TE xchunked", "no Host",
+                                       "GET with a body", "CL abc", "garbage request line",
+                                       "URI too long", "HTTP/2.0")])
+def test_probe_port_refuses_bad_heads(fitmd_bin, models, tmp_path_factory, probe_daemon, name,
+                                      data, status, code, mentions, pipelined):
+    """The probe listener checks every request head as the main port does (on a40b401 it had
+    no gate: libmicrohttpd's HTML, doubled status lines, or the hidden request served)."""
+    port = probe_daemon
+    if pipelined is None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(data)
+            out = b""
+            while (b := s.recv(65536)):
+                out += b
+        got = responses(out)
+        assert len(got) == 1, (name, got)
+        expect_refusal(got[0], name, status, code, mentions)
+        return
+    got = refused_after_a_good_request(port, data, pipelined)
+    assert len(got) == 2 and got[0][0] == 200, (name, got)
+    expect_refusal(got[1], name, status, code, mentions)
+
+
+@pytest.fixture(scope="module")
+def probe_daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("probe"), api_keys=KEY,
+               probe_port=probe)
+    yield probe
+    assert get_health(probe).status_code == 200
+    assert d.terminate() == 0, d.log_text()
 
 # ---- strict JSON ---------------------------------------------------------------------------------
 
