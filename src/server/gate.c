@@ -21,6 +21,8 @@
 #define LINGER_MS 2000
 /* How long accepting pauses when the process is out of descriptors. */
 #define ACCEPT_PAUSE_MS 100
+/* How long a stopping gate keeps relaying the answers the server already wrote. */
+#define FLUSH_MS 1000
 /* A connection's buffers: from the client (room for a whole head past what is still to be
  * passed on) and to it. */
 #define IN_CAP (FITM_FRAME_MAX_HEAD + 1 + 16384)
@@ -486,9 +488,25 @@ static void *gate_main(void *arg)
         free(at);
         return NULL;
     }
-    while (!g->stop) {
+    int64_t flush_until = 0; /* stopping: answers still relayed until then */
+    for (;;) {
         take_done(g);
         int64_t now = fitm_clock_ns(), next = now + 1000000000;
+        if (g->stop) {
+            /* The server answered every request before the stop: what it wrote is relayed
+             * for up to FLUSH_MS, dropping each connection once nothing of it is left. */
+            if (!flush_until)
+                flush_until = now + (int64_t)FLUSH_MS * 1000000;
+            for (int64_t i = g->n - 1; i >= 0; i--) {
+                pump(g, i, now);
+                if (i < g->n && g->conns[i]->out_len == 0 &&
+                    (g->conns[i]->mfd < 0 || g->conns[i]->m_quiet))
+                    drop(g, i);
+            }
+            if (g->n == 0 || now >= flush_until)
+                break;
+            next = now + 10000000;
+        }
         for (int64_t i = g->n - 1; i >= 0; i--) {
             conn *c = g->conns[i];
             if (c->deadline_ns && c->deadline_ns <= now) {
@@ -503,7 +521,8 @@ static void *gate_main(void *arg)
         bool any_dirty = false;
         nfds_t k = 0;
         pf[k++] = (struct pollfd){.fd = g->wake[0], .events = POLLIN};
-        bool listening = g->p.listen_fd >= 0 && g->n < g->p.max_conns && now >= g->accept_after_ns;
+        bool listening =
+            !g->stop && g->p.listen_fd >= 0 && g->n < g->p.max_conns && now >= g->accept_after_ns;
         if (now < g->accept_after_ns && g->accept_after_ns < next)
             next = g->accept_after_ns;
         if (listening)

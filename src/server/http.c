@@ -65,8 +65,8 @@ typedef struct {
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
     size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
-    bool must_close; /* the answer ends the connection (a framing error: what follows the
-                      * headers cannot be trusted to be the next request) */
+    bool must_close; /* the answer ends the connection (a 408 while the body arrives: what
+                      * follows cannot be trusted to be the next request) */
     fitm_job job;
     fitm_rerank_request req;
     fitm_answer_request areq; /* /answer's request */
