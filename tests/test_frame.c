@@ -13,7 +13,7 @@
 
 static fitm_frame_verdict check(const char *s, size_t n, int *status)
 {
-    fitm_frame_error e;
+    fitm_frame_error e = {0};
     fitm_frame_verdict v = fitm_frame_check_head(s, n, &e);
     *status = v == FITM_FRAME_BAD ? e.status : 0;
     if (v == FITM_FRAME_BAD && (!e.msg[0] || strlen(e.msg) >= sizeof e.msg))
@@ -202,7 +202,7 @@ static void test_random(void)
 static void expect_request(const char *s, int want_status, fitm_frame_body body, uint64_t length)
 {
     fitm_frame_request req = {0};
-    fitm_frame_error e;
+    fitm_frame_error e = {0};
     size_t n = strlen(s);
     fitm_frame_verdict v = fitm_frame_check_request(s, n, &req, &e);
     if (want_status) {
@@ -254,7 +254,7 @@ static fitm_frame_verdict scan_in_steps(const char *s, size_t n, size_t step, si
                                         int *status)
 {
     fitm_frame_chunks c = {0};
-    fitm_frame_error e;
+    fitm_frame_error e = {0};
     *used = 0;
     for (size_t at = 0; at < n || n == 0;) {
         size_t k = n - at < step ? n - at : step, u = 0;

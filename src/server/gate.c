@@ -215,7 +215,7 @@ static bool check(fitm_gate *g, conn *c, int64_t now)
     while (c->in_ok < c->in_len) {
         char *p = c->in + c->in_ok;
         size_t n = c->in_len - c->in_ok;
-        fitm_frame_error e;
+        fitm_frame_error e = {0};
         if (c->st == S_BODY) {
             size_t k = n < c->body_left ? n : (size_t)c->body_left;
             c->in_ok += k;
