@@ -74,7 +74,7 @@ struct fitm_gate {
     int64_t n, cap;
     int64_t accept_after_ns; /* accepting paused until then (out of descriptors) */
     pthread_mutex_t mu;      /* guards done */
-    int *done, *done_work;
+    int *done;               /* server ends with a finished request, not yet taken */
     int64_t n_done, done_cap;
 };
 
@@ -433,19 +433,15 @@ static void accept_all(fitm_gate *g)
 static void take_done(fitm_gate *g)
 {
     pthread_mutex_lock(&g->mu);
-    int *work = g->done;
-    int64_t n = g->n_done;
-    g->done = g->done_work;
-    g->done_work = work;
-    g->n_done = 0;
-    pthread_mutex_unlock(&g->mu);
-    for (int64_t k = 0; k < n; k++)
+    for (int64_t k = 0; k < g->n_done; k++)
         for (int64_t i = 0; i < g->n; i++)
-            if (g->conns[i]->mhd_fd == work[k]) {
+            if (g->conns[i]->mhd_fd == g->done[k]) {
                 g->conns[i]->completed++;
                 g->conns[i]->dirty = true;
                 break;
             }
+    g->n_done = 0;
+    pthread_mutex_unlock(&g->mu);
 }
 
 void fitm_gate_done(fitm_gate *g, int fd)
@@ -453,6 +449,16 @@ void fitm_gate_done(fitm_gate *g, int fd)
     if (!g)
         return;
     pthread_mutex_lock(&g->mu);
+    if (g->n_done == g->done_cap) {
+        /* Out of memory, the call is lost: a refusal waiting on it then ends with the
+         * connection, unanswered, when the server closes it. */
+        int64_t cap = 2 * g->done_cap;
+        int *grown = realloc(g->done, (size_t)cap * sizeof *grown);
+        if (grown) {
+            g->done = grown;
+            g->done_cap = cap;
+        }
+    }
     if (g->n_done < g->done_cap)
         g->done[g->n_done++] = fd;
     pthread_mutex_unlock(&g->mu);
@@ -586,16 +592,12 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
     g->p = *p;
     g->cap = p->max_conns;
     g->conns = calloc((size_t)g->cap, sizeof *g->conns);
-    /* Each connection's server end is done with at most once per request it was passed, and
-     * taken every loop; a request is at least a head's first line, so this bounds the calls
-     * between two loops with room to spare. */
-    g->done_cap = 64 * g->cap + 1024;
+    g->done_cap = 256;
     g->done = malloc((size_t)g->done_cap * sizeof *g->done);
-    g->done_work = malloc((size_t)g->done_cap * sizeof *g->done_work);
     pthread_mutex_init(&g->mu, NULL);
     g->wake[0] = g->wake[1] = -1;
     fcntl(p->listen_fd, F_SETFL, fcntl(p->listen_fd, F_GETFL) | O_NONBLOCK);
-    if (!g->conns || !g->done || !g->done_work || pipe2(g->wake, O_NONBLOCK | O_CLOEXEC) != 0 ||
+    if (!g->conns || !g->done || pipe2(g->wake, O_NONBLOCK | O_CLOEXEC) != 0 ||
         pthread_create(&g->thread, NULL, gate_main, g) != 0) {
         g->p.listen_fd = -1; /* the caller's still */
         if (g->wake[0] >= 0) {
@@ -604,7 +606,6 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
         }
         free(g->conns);
         free(g->done);
-        free(g->done_work);
         pthread_mutex_destroy(&g->mu);
         free(g);
         return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start the connection gate");
@@ -635,7 +636,6 @@ void fitm_gate_free(fitm_gate *g)
     close(g->wake[1]);
     free(g->conns);
     free(g->done);
-    free(g->done_work);
     pthread_mutex_destroy(&g->mu);
     free(g);
 }
