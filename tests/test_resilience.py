@@ -252,6 +252,69 @@ def test_keep_alive_still_serves_many_requests(daemon):
             assert hdr.get("connection", "").lower() != "close"
 
 
+def test_random_pipelines_stay_in_step(daemon):
+    """Random kept-alive pipelines of GETs, Content-Length POSTs and chunked POSTs (random
+    chunk sizes, extensions and trailers), sent in random fragments: the gate must find every
+    head where libmicrohttpd does, so each request is answered once, in order, with its own
+    id and its own result."""
+    import random
+    rng = random.Random(0x9a7e)
+    for round_ in range(4):
+        data, want = b"", []
+        for i in range(rng.randint(5, 15)):
+            rid = b"p%d-%d" % (round_, i)
+            kind = rng.choice(["get", "cl", "chunked"])
+            if kind == "get":
+                data += b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + rid + b"\r\n\r\n"
+                want.append((rid, None))
+                continue
+            doc = "".join(rng.choice("abc de\r\n0;:") for _ in range(rng.randint(1, 60)))
+            body = json.dumps({"query": "q", "documents": [doc]}).encode()
+            head = b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + b"X-Request-Id: " + rid + b"\r\n"
+            if kind == "cl":
+                data += head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            else:
+                chunks, at = b"", 0
+                while at < len(body):
+                    n = rng.randint(1, 40)
+                    ext = rng.choice([b"", b";a=b", b';name="v"'])
+                    chunks += b"%x" % len(body[at:at + n]) + ext + b"\r\n" + body[at:at + n] + b"\r\n"
+                    at += n
+                trailer = rng.choice([b"", b"X-Sum: 1\r\n"])
+                data += head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n" + trailer + b"\r\n"
+            want.append((rid, doc))
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as s:
+            at = 0
+            while at < len(data):
+                n = rng.randint(1, 300)
+                s.sendall(data[at:at + n])
+                at += n
+            out = b""
+            while len(responses_so_far := _complete(out)) < len(want):
+                b = s.recv(65536)
+                assert b, (round_, len(responses_so_far), out[-300:])
+                out += b
+        got = responses(out)
+        assert len(got) == len(want)
+        for (rid, doc), (st, hdr, body) in zip(want, got):
+            assert st == 200 and hdr["x-request-id"] == rid.decode(), (rid, st, body[:200])
+            if doc is not None:
+                assert json.loads(body)["results"][0]["index"] == 0
+
+
+def _complete(out: bytes):
+    """The complete responses at the start of out."""
+    got = []
+    while b"\r\n\r\n" in out:
+        head, _, rest = out.partition(b"\r\n\r\n")
+        n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        if len(rest) < n:
+            break
+        got.append(head)
+        out = rest[n:]
+    return got
+
+
 class RawResponse:
     """One raw response in the shape test_http.spec_validator checks."""
 
