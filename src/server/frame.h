@@ -1,7 +1,9 @@
-/* frame: the strict check of an HTTP/1.x request head (request line and header fields) that
- * fitmd's gate runs on the bytes it peeks before libmicrohttpd sees the connection, so the
+/* frame: the strict check of an HTTP/1.x request head (request line and header fields, and
+ * what they say about where the request ends) and of a chunked body's framing, which fitmd's
+ * gate runs on every request of a connection before libmicrohttpd sees a byte of it, so the
  * requests libmicrohttpd 0.9.75 would answer itself (with HTML, twice, or not at all) get the
- * documented JSON error instead (docs/reliability.md). Pure: no sockets, no allocation. */
+ * documented JSON error instead and no request can hide inside another (docs/reliability.md).
+ * Pure: no sockets, no allocation. */
 #ifndef FITM_FRAME_H
 #define FITM_FRAME_H
 

@@ -986,7 +986,8 @@ static bool parse_keys(fitm_http *h, const char *list)
     return true;
 }
 
-/* gate's hand: a connection whose first request head passed the gate's check. */
+/* gate's hand: the server's end of a connection whose first request head passed the gate's
+ * check (gate.h: the gate relays the connection from then on). */
 static void hand_to(struct MHD_Daemon *d, int fd, const struct sockaddr *addr, socklen_t addr_len)
 {
     if (MHD_add_connection(d, fd, addr, addr_len) != MHD_YES) /* it closed fd */
