@@ -13,7 +13,7 @@
 
 static fitm_frame_verdict check(const char *s, size_t n, int *status)
 {
-    fitm_frame_error e;
+    fitm_frame_error e = {0};
     fitm_frame_verdict v = fitm_frame_check_head(s, n, &e);
     *status = v == FITM_FRAME_BAD ? e.status : 0;
     if (v == FITM_FRAME_BAD && (!e.msg[0] || strlen(e.msg) >= sizeof e.msg))
@@ -199,10 +199,147 @@ static void test_random(void)
     free(buf);
 }
 
+static void expect_request(const char *s, int want_status, fitm_frame_body body, uint64_t length)
+{
+    fitm_frame_request req = {0};
+    fitm_frame_error e = {0};
+    size_t n = strlen(s);
+    fitm_frame_verdict v = fitm_frame_check_request(s, n, &req, &e);
+    if (want_status) {
+        CHECK(v == FITM_FRAME_BAD && e.status == want_status, "%.70s: got %d/%d, want BAD/%d", s, v,
+              v == FITM_FRAME_BAD ? e.status : 0, want_status);
+        return;
+    }
+    const char *end = strstr(s, "\r\n\r\n");
+    CHECK(v == FITM_FRAME_OK && req.body == body && req.length == length && end &&
+              req.head_len == (size_t)(end + 4 - s),
+          "%.70s: got %d body %d length %llu head %zu", s, v, req.body,
+          (unsigned long long)req.length, req.head_len);
+}
+
+/* What a head says about where its request ends: the checks a proxy in front of the server
+ * needs to find the next head where the server will. */
+static void test_request(void)
+{
+    const fitm_frame_body NONE = FITM_FRAME_BODY_NONE, LEN = FITM_FRAME_BODY_LENGTH,
+                          CHUNKED = FITM_FRAME_BODY_CHUNKED;
+    expect_request("GET / HTTP/1.1\r\nHost: x\r\n\r\nGET /next", 0, NONE, 0);
+    expect_request("\r\nGET / HTTP/1.0\r\n\r\n", 0, NONE, 0);
+    expect_request("GET / HTTP/1.1\r\nhost: x\r\nContent-Length: 0\r\n\r\n", 0, NONE, 0);
+    expect_request("POST /r HTTP/1.1\r\nHOST: x\r\ncontent-length: 0042\r\n\r\n{", 0, LEN, 42);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n", 0,
+                   CHUNKED, 0);
+    expect_request("POST /r HTTP/1.0\r\n\r\n", 0, NONE, 0);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                   "Transfer-Encoding: chunked\r\n\r\n",
+                   400, NONE, 0);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+                   400, NONE, 0);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: Chunked\r\n\r\n", 501, NONE,
+                   0);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501,
+                   NONE, 0);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                   "Transfer-Encoding: chunked\r\n\r\n",
+                   501, NONE, 0);
+    expect_request("GET / HTTP/1.1\r\n\r\n", 400, NONE, 0);
+    expect_request("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, NONE, 0);
+    expect_request("GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\n", 400, NONE, 0);
+    expect_request("HEAD / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", 400, NONE,
+                   0);
+}
+
+/* Scans s in pieces of `step` bytes; the verdict, and in *used the bytes of s that were body. */
+static fitm_frame_verdict scan_in_steps(const char *s, size_t n, size_t step, size_t *used,
+                                        int *status)
+{
+    fitm_frame_chunks c = {0};
+    fitm_frame_error e = {0};
+    *used = 0;
+    for (size_t at = 0; at < n || n == 0;) {
+        size_t k = n - at < step ? n - at : step, u = 0;
+        fitm_frame_verdict v = fitm_frame_chunks_scan(&c, s + at, k, &u, &e);
+        *used += u;
+        if (v != FITM_FRAME_INCOMPLETE) {
+            *status = v == FITM_FRAME_BAD ? e.status : 0;
+            return v;
+        }
+        at += k;
+        if (!n)
+            break;
+    }
+    *status = 0;
+    return FITM_FRAME_INCOMPLETE;
+}
+
+/* Chunked bodies: random valid ones end exactly at their last CRLF however they are cut into
+ * pieces; each planted defect is BAD; every proper prefix waits. */
+static void test_chunks(void)
+{
+    static const char *bad[] = {
+        "x\r\n",
+        "5\r\nhello0\r\n\r\n",
+        "5\nhello\r\n0\r\n\r\n",
+        "5\r\nhelloXY",
+        "0\r\nNoColon\r\n\r\n",
+        "0\r\n\r\r",
+        "-1\r\n",
+        "\r\n",
+        "0;a\x01\r\n\r\n",
+        "00000000000000001\r\n",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t used;
+        int st;
+        CHECK(scan_in_steps(bad[i], strlen(bad[i]), 3, &used, &st) == FITM_FRAME_BAD && st == 400,
+              "bad chunked body %zu accepted", i);
+    }
+    size_t used;
+    int st;
+    const char *huge = "FFFFFFFFFFFFFFFF\r\n";
+    CHECK(scan_in_steps(huge, strlen(huge), 64, &used, &st) == FITM_FRAME_BAD && st == 413,
+          "a huge chunk size: %d", st);
+    uint64_t rng = 0xc4a4b5ull;
+    char *buf = malloc(1 << 16);
+    if (!buf) {
+        failures++;
+        return;
+    }
+    for (int r = 0; r < 500; r++) {
+        char *p = buf;
+        int chunks = (int)(fitm_rng_next(&rng) % 5);
+        for (int k = 0; k < chunks; k++) {
+            size_t len = 1 + fitm_rng_next(&rng) % 300;
+            p += sprintf(p, fitm_rng_next(&rng) % 2 ? "%zx" : "%zX", len);
+            if (fitm_rng_next(&rng) % 3 == 0)
+                p += sprintf(p, ";name=\"v\"");
+            p += sprintf(p, "\r\n");
+            p += put_from(p, &rng, VCHARS "\r\n", len);
+            p += sprintf(p, "\r\n");
+        }
+        p += sprintf(p, "0\r\n");
+        if (fitm_rng_next(&rng) % 2)
+            p += sprintf(p, "X-Sum: %llu\r\n", (unsigned long long)(fitm_rng_next(&rng) % 1000));
+        p += sprintf(p, "\r\n");
+        size_t n = (size_t)(p - buf);
+        memcpy(p, "GET / HTTP/1.1\r\n", 16); /* what follows is the next request */
+        size_t step = 1 + fitm_rng_next(&rng) % 64;
+        fitm_frame_verdict v = scan_in_steps(buf, n + 16, step, &used, &st);
+        CHECK(v == FITM_FRAME_OK && used == n, "round %d: %d/%d used %zu of %zu", r, v, st, used,
+              n);
+        size_t cut = fitm_rng_next(&rng) % n;
+        CHECK(scan_in_steps(buf, cut, step, &used, &st) == FITM_FRAME_INCOMPLETE && used == cut,
+              "round %d: prefix %zu of %zu not INCOMPLETE", r, cut, n);
+    }
+    free(buf);
+}
+
 int main(void)
 {
     test_fixed();
     test_random();
+    test_request();
+    test_chunks();
     printf("frame: %d checks, %d failures\n", n_checks, failures);
     return failures ? 1 : 0;
 }

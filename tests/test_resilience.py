@@ -81,7 +81,7 @@ def post_raw(framing: bytes, body: bytes = b"") -> bytes:
     return b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + framing + b"\r\n" + body
 
 
-@pytest.mark.parametrize("name,data,status,mentions", [
+FRAMING_CASES = [
     ("CL and TE", post_raw(b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
                            b"0\r\n\r\n" + HIDDEN), 400, "together"),
     ("two CL", post_raw(b"Content-Length: %d\r\nContent-Length: %d\r\n" % (len(BODY), len(BODY)),
@@ -102,7 +102,10 @@ def post_raw(framing: bytes, body: bytes = b"") -> bytes:
      400, "no request body"),
     ("GET chunked", b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
      b"5\r\nhello\r\n0\r\n\r\n" + HIDDEN, 400, "no request body"),
-])
+]
+
+
+@pytest.mark.parametrize("name,data,status,mentions", FRAMING_CASES)
 def test_ambiguous_framing_is_refused_and_closes(daemon, name, data, status, mentions):
     got = responses(exchange(daemon, data))
     assert len(got) == 1, (name, got)  # the hidden request was not answered
@@ -132,7 +135,7 @@ def test_well_framed_requests_still_pipeline(daemon):
 # On main these get HTML bodies, a status line and headers sent twice, or no reply at all; the
 # gate (src/server/gate.c) answers each with the documented JSON error and Connection: close.
 
-@pytest.mark.parametrize("name,data,status,code,mentions", [
+HEAD_CASES = [
     ("CL -1", post_raw(b"Content-Length: -1\r\n", BODY + HIDDEN), 400, "bad_framing",
      "Content-Length"),
     ("CL abc", post_raw(b"Content-Length: abc\r\n", BODY + HIDDEN), 400, "bad_framing",
@@ -153,7 +156,10 @@ def test_well_framed_requests_still_pipeline(daemon):
      "http_version_not_supported", "version"),
     ("HTTP/1.2", b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n" + HIDDEN, 505,
      "http_version_not_supported", "version"),
-])
+]
+
+
+@pytest.mark.parametrize("name,data,status,code,mentions", HEAD_CASES)
 def test_bad_heads_get_one_json_error(daemon, name, data, status, code, mentions):
     got = responses(exchange(daemon, data))
     assert len(got) == 1, (name, got)  # once, and the hidden request was not answered
@@ -164,6 +170,196 @@ def test_bad_heads_get_one_json_error(daemon, name, data, status, code, mentions
     e = json.loads(body)["error"]
     assert e["code"] == code and mentions in e["message"], e
     assert daemon.healthy()
+
+
+GOOD = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+# Every bad head above, each with the error code it must get.
+LATER_CASES = ([(n, d, st, ("not_implemented" if st == 501 else "bad_framing"), m)
+                for n, d, st, m in FRAMING_CASES] + HEAD_CASES)
+
+
+def read_response(s) -> bytes:
+    """One Content-Length framed response from s (the connection stays open)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        b = s.recv(65536)
+        assert b, out
+        out += b
+    head, _, rest = out.partition(b"\r\n\r\n")
+    n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+    while len(rest) < n:
+        b = s.recv(65536)
+        assert b, out
+        rest += b
+    assert len(rest) == n, out  # nothing more was sent
+    return out
+
+
+def expect_refusal(got, name, status, code, mentions):
+    st, hdr, body = got
+    assert st == status, (name, body[:300])
+    assert hdr.get("connection", "").lower() == "close", (name, hdr)
+    assert hdr["content-type"].startswith("application/json"), (name, body[:200])
+    e = json.loads(body)["error"]
+    assert e["code"] == code and mentions in e["message"], (name, e)
+
+
+def refused_after_a_good_request(port, data, pipelined):
+    """GOOD then data on one kept-alive connection (after GOOD's answer, or sent with it):
+    every response the server sent until it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        if pipelined:
+            s.sendall(GOOD + data)
+            out = b""
+        else:
+            s.sendall(GOOD)
+            out = read_response(s)
+            s.sendall(data)
+        while (b := s.recv(65536)):
+            out += b
+    return responses(out)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["after its answer", "pipelined"])
+@pytest.mark.parametrize("name,data,status,code,mentions", LATER_CASES)
+def test_bad_head_later_on_a_kept_alive_connection(daemon, name, data, status, code, mentions,
+                                                   pipelined):
+    """Every request on a connection gets the same strict check, not only its first: a bad
+    head sent after a good request on a kept-alive connection (once it was answered, or
+    pipelined behind it) gets the JSON error and Connection: close after the good request's
+    answer, and the hidden request behind it is not served. On a40b401 only the first head
+    passed the gate: libmicrohttpd answered these (HTML, or its status line twice) or served
+    the hidden request."""
+    got = refused_after_a_good_request(daemon.port, data, pipelined)
+    assert len(got) == 2, (name, got)
+    st, hdr, body = got[0]
+    assert st == 200 and json.loads(body)["status"] == "ok", got[0]
+    assert hdr.get("connection", "").lower() != "close", hdr  # kept alive for the next
+    expect_refusal(got[1], name, status, code, mentions)
+    assert daemon.healthy()
+    assert "GET /nope" not in daemon.log_text()  # the hidden request never reached a route
+
+
+def test_keep_alive_still_serves_many_requests(daemon):
+    """Well-formed clients keep their connection: 50 requests, POSTs and GETs, on one."""
+    post = post_raw(b"Content-Length: %d\r\n" % len(BODY), BODY)
+    chunk = b"%x\r\n" % len(BODY) + BODY + b"\r\n0\r\nX-Trailer: t\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as s:
+        for i in range(50):
+            s.sendall([GOOD, post, post_raw(b"Transfer-Encoding: chunked\r\n", chunk)][i % 3])
+            (st, hdr, body), = responses(read_response(s))
+            assert st == 200, body
+            assert hdr.get("connection", "").lower() != "close"
+
+
+def test_random_pipelines_stay_in_step(daemon):
+    """Random kept-alive pipelines of GETs, Content-Length POSTs and chunked POSTs (random
+    chunk sizes, extensions and trailers), sent in random fragments: the gate must find every
+    head where libmicrohttpd does, so each request is answered once, in order, with its own
+    id and its own result."""
+    import random
+    rng = random.Random(0x9a7e)
+    for round_ in range(4):
+        data, want = b"", []
+        for i in range(rng.randint(5, 15)):
+            rid = b"p%d-%d" % (round_, i)
+            kind = rng.choice(["get", "cl", "chunked"])
+            if kind == "get":
+                data += b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + rid + b"\r\n\r\n"
+                want.append((rid, None))
+                continue
+            doc = "".join(rng.choice("abc de\r\n0;:") for _ in range(rng.randint(1, 60)))
+            body = json.dumps({"query": "q", "documents": [doc]}).encode()
+            head = b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD + b"X-Request-Id: " + rid + b"\r\n"
+            if kind == "cl":
+                data += head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            else:
+                chunks, at = b"", 0
+                while at < len(body):
+                    n = rng.randint(1, 40)
+                    ext = rng.choice([b"", b";a=b", b';name="v"'])
+                    chunks += b"%x" % len(body[at:at + n]) + ext + b"\r\n" + body[at:at + n] + b"\r\n"
+                    at += n
+                trailer = rng.choice([b"", b"X-Sum: 1\r\n"])
+                data += head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n" + trailer + b"\r\n"
+            want.append((rid, doc))
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as s:
+            at = 0
+            while at < len(data):
+                n = rng.randint(1, 300)
+                s.sendall(data[at:at + n])
+                at += n
+            out = b""
+            while len(responses_so_far := _complete(out)) < len(want):
+                b = s.recv(65536)
+                assert b, (round_, len(responses_so_far), out[-300:])
+                out += b
+        got = responses(out)
+        assert len(got) == len(want)
+        for (rid, doc), (st, hdr, body) in zip(want, got):
+            assert st == 200 and hdr["x-request-id"] == rid.decode(), (rid, st, body[:200])
+            if doc is not None:
+                assert json.loads(body)["results"][0]["index"] == 0
+
+
+def _complete(out: bytes):
+    """The complete responses at the start of out."""
+    got = []
+    while b"\r\n\r\n" in out:
+        head, _, rest = out.partition(b"\r\n\r\n")
+        n = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))
+        if len(rest) < n:
+            break
+        got.append(head)
+        out = rest[n:]
+    return got
+
+
+class RawResponse:
+    """One raw response in the shape test_http.spec_validator checks."""
+
+    def __init__(self, got):
+        self.status_code, hdr, self.content = got
+        self.headers = requests.structures.CaseInsensitiveDict(hdr)
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def test_every_route_s_refusals_are_in_the_spec(daemon):
+    """Each route of openapi/openapi.yaml, sent each head the gate refuses and the wrong
+    method: the status is one the spec lists for that route, with its JSON error body and
+    headers (a40b401's spec had no 413 on GET routes, no 405 on /v1/rerank and /v2/rerank)."""
+    yaml = pytest.importorskip("yaml")
+    from test_http import ROOT, spec_validator
+    check = spec_validator()
+    spec = yaml.safe_load((ROOT / "openapi" / "openapi.yaml").read_text())
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+    seen = set()
+    for path, ops in spec["paths"].items():
+        for method in ops:
+            m = method.upper().encode()
+            line = m + b" " + path.encode()
+            other = b"GET" if method == "post" else b"POST"
+            cases = [
+                line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 18446744073709551617\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n",
+                line + b" HTTP/2.0\r\nHost: x\r\n\r\n",
+                line + b"?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                line + b" HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: %s\r\n" % (b"a" * 1000) * 20 + b"\r\n",
+                other + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + auth
+                + b"Content-Type: application/json\r\nContent-Length: 0\r\n\r\n",
+            ]
+            if method == "get":
+                cases.append(line + b" HTTP/1.1\r\nHost: x\r\n" + auth
+                             + b"Content-Length: 5\r\n\r\nhello")
+            for data in cases:
+                got = responses(exchange(daemon, data))
+                assert len(got) == 1, (path, data[:80], got)
+                check(path, method, RawResponse(got[0]))
+                seen.add(got[0][0])
+    assert seen == {400, 405, 413, 414, 431, 501, 505}, seen
 
 
 def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
@@ -415,6 +611,118 @@ def test_probe_port_answers_while_connections_are_exhausted(fitmd_bin, models, t
         for s in held:
             s.close()
         assert d.terminate() == 0
+
+def trickling(port, n, sources):
+    """n connections to port, spread over the loopback addresses `sources`, each having sent
+    the start of a request head and holding it open (a slow-client flood)."""
+    held = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                     source_address=(sources[i % len(sources)], 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nX-Slow: a")
+        held.append(s)
+    return held
+
+
+def get_health(port, timeout=5):
+    return requests.get(f"http://127.0.0.1:{port}/health", timeout=timeout)
+
+
+def test_probe_port_answers_while_the_main_port_trickles(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Every main-port connection held by a client trickling its head: /health on probe_port
+    is answered at once, and the main port itself again once http_header_timeout_s cut the
+    flood with 408s."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, max_connections=8,
+               max_connections_per_client=8, probe_port=probe, http_header_timeout_s=3)
+    held = []
+    try:
+        # The start-up probes' connections are counted until the gate has seen them close.
+        time.sleep(1.0)
+        held = trickling(d.port, 8, ["127.0.0.2", "127.0.0.3"])
+        time.sleep(0.5)
+        with pytest.raises((requests.ConnectionError, requests.Timeout)):  # all taken
+            get_health(d.port, timeout=1)
+        r = get_health(probe)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        for s in held:
+            s.settimeout(10)
+            (code, hdr, body), = responses(s.recv(65536))
+            assert code == 408 and hdr["connection"] == "close"
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                if get_health(d.port, timeout=1).status_code == 200:
+                    break
+            except (requests.ConnectionError, requests.Timeout):
+                time.sleep(0.1)
+        assert get_health(d.port).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
+def test_main_port_answers_while_the_probe_port_trickles(fitmd_bin, models, tmp_path):  # noqa: F811
+    """The probe listener's own budget (64 connections, 16 per address) taken by trickling
+    clients: the main port still answers, and the probe port's flood is cut with 408 after
+    http_header_timeout_s (on a40b401 the probe port had no header deadline: a trickling
+    client kept its connection for as long as it sent a byte per 10 s)."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, probe_port=probe, http_header_timeout_s=2)
+    held = []
+    try:
+        held = trickling(probe, 64, [f"127.0.0.{i}" for i in range(2, 6)])
+        time.sleep(0.5)
+        assert get_health(d.port).status_code == 200
+        start = time.time()
+        for s in held:
+            s.settimeout(10)
+            (code, hdr, body), = responses(s.recv(65536))
+            assert code == 408 and hdr["connection"] == "close"
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert time.time() - start < 6
+        assert get_health(probe).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
+@pytest.mark.parametrize("pipelined", [None, False, True],
+                         ids=["first", "after an answer", "pipelined"])
+@pytest.mark.parametrize("name,data,status,code,mentions", [
+    c for c in LATER_CASES if c[0] in ("CL and TE", "two CL", "TE xchunked", "no Host",
+                                       "GET with a body", "CL abc", "garbage request line",
+                                       "URI too long", "HTTP/2.0")])
+def test_probe_port_refuses_bad_heads(fitmd_bin, models, tmp_path_factory, probe_daemon, name,
+                                      data, status, code, mentions, pipelined):
+    """The probe listener checks every request head as the main port does (on a40b401 it had
+    no gate: libmicrohttpd's HTML, doubled status lines, or the hidden request served)."""
+    port = probe_daemon
+    if pipelined is None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(data)
+            out = b""
+            while (b := s.recv(65536)):
+                out += b
+        got = responses(out)
+        assert len(got) == 1, (name, got)
+        expect_refusal(got[0], name, status, code, mentions)
+        return
+    got = refused_after_a_good_request(port, data, pipelined)
+    assert len(got) == 2 and got[0][0] == 200, (name, got)
+    expect_refusal(got[1], name, status, code, mentions)
+
+
+@pytest.fixture(scope="module")
+def probe_daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("probe"), api_keys=KEY,
+               probe_port=probe)
+    yield probe
+    assert get_health(probe).status_code == 200
+    assert d.terminate() == 0, d.log_text()
 
 # ---- strict JSON ---------------------------------------------------------------------------------
 

@@ -46,8 +46,9 @@ static const opt opts[] = {
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
     {"probe_port", INT(probe_port), "0", 0, 65535, NULL,
-     "second TCP port serving only GET /health and /metrics, with connections of its own (probes "
-     "stay answerable while the main port is saturated); 0 = none"},
+     "second TCP port serving only GET /health and /metrics, with connections of its own (64, 16 "
+     "per address, the same header checks and deadline; probes stay answerable while the main "
+     "port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
      "compute backend, chosen once at start; cuda = GPU 0, which must pass a start-up check "
      "against the CPU on the loaded model (else fitmd exits); auto = cuda when a device is there "
@@ -62,8 +63,9 @@ static const opt opts[] = {
     {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
      "open connections from one client address; more are refused at accept"},
     {"http_header_timeout_s", INT(http_header_timeout_s), "10", 1, 3600, NULL,
-     "seconds a new connection's request line and headers may take to arrive, however "
-     "steadily they trickle (408 and close beyond; a connection that sent nothing is closed)"},
+     "seconds a request line and headers may take to arrive (a connection's first from its "
+     "start, a later one from its first byte), however steadily they trickle (408 and close "
+     "beyond; a new connection that sent nothing is closed)"},
     {"http_receive_timeout_s", INT(http_receive_timeout_s), "60", 1, 3600, NULL,
      "seconds a request's body may take to arrive, however steadily it trickles (408 and "
      "close beyond)"},

@@ -32,7 +32,7 @@ typedef struct {
     int64_t http_idle_timeout_s;           /* close connections idle this long         */
     int64_t max_connections;               /* open connections at once                 */
     int64_t max_connections_per_client;    /* ... from one client address              */
-    int64_t http_header_timeout_s;         /* first request head receive deadline (408) */
+    int64_t http_header_timeout_s;         /* request head receive deadline (408)       */
     int64_t http_receive_timeout_s;        /* whole-body receive deadline (408)        */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     int64_t max_body_bytes;

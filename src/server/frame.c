@@ -140,3 +140,184 @@ fitm_frame_verdict fitm_frame_check_head(const char *buf, size_t n, fitm_frame_e
         p = next;
     }
 }
+
+/* A header value without its surrounding optional whitespace. */
+static void field_value(const char *p, size_t len, size_t name_len, const char **v, size_t *vn)
+{
+    size_t a = name_len + 1, b = len;
+    while (a < b && (p[a] == ' ' || p[a] == '\t'))
+        a++;
+    while (b > a && (p[b - 1] == ' ' || p[b - 1] == '\t'))
+        b--;
+    *v = p + a;
+    *vn = b - a;
+}
+
+fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_frame_request *req,
+                                            fitm_frame_error *e)
+{
+    fitm_frame_verdict v = fitm_frame_check_head(buf, n, e);
+    if (v != FITM_FRAME_OK)
+        return v;
+    /* The head is well formed and complete: walk it again for its framing. */
+    const char *p = buf, *end = buf + n, *next = NULL;
+    size_t len = 0;
+    while (*p == '\n' || (*p == '\r' && p[1] == '\n'))
+        p += *p == '\r' ? 2 : 1;
+    next_line(p, end, &len, &next);
+    size_t mn = strcspn(p, " ");
+    bool post = mn == 4 && !memcmp(p, "POST", 4);
+    bool http11 = !memcmp(p + len - 8, "HTTP/1.1", 8);
+    int n_cl = 0, n_te = 0, n_host = 0;
+    uint64_t cl = 0;
+    bool te_chunked = false;
+    for (p = next;; p = next) {
+        next_line(p, end, &len, &next);
+        if (len == 0)
+            break;
+        size_t m = (size_t)((const char *)memchr(p, ':', len) - p);
+        const char *val;
+        size_t vn;
+        field_value(p, len, m, &val, &vn);
+        if (m == 14 && !strncasecmp(p, "Content-Length", 14)) {
+            n_cl++;
+            cl = 0;
+            for (size_t i = 0; i < vn; i++) /* digits only, at most 2^62 (check_field) */
+                cl = cl * 10 + (uint64_t)(val[i] - '0');
+        } else if (m == 17 && !strncasecmp(p, "Transfer-Encoding", 17)) {
+            n_te++;
+            te_chunked = vn == 7 && !memcmp(val, "chunked", 7);
+        } else if (m == 4 && !strncasecmp(p, "Host", 4)) {
+            n_host++;
+        }
+    }
+    if (n_cl && n_te)
+        return bad(e, 400, "Content-Length and Transfer-Encoding together: send one of them");
+    if (n_cl > 1)
+        return bad(e, 400, "more than one Content-Length header");
+    if (n_te > 1 || (n_te && !te_chunked))
+        return bad(e, 501, "Transfer-Encoding: only 'chunked' (alone, lower case) is supported");
+    if (http11 && n_host != 1)
+        return bad(e, 400,
+                   n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header");
+    if (!post && (n_te || cl))
+        return bad(e, 400, "this method takes no request body");
+    req->head_len = (size_t)(next - buf);
+    req->body = n_te ? FITM_FRAME_BODY_CHUNKED : cl ? FITM_FRAME_BODY_LENGTH : FITM_FRAME_BODY_NONE;
+    req->length = cl;
+    return FITM_FRAME_OK;
+}
+
+/* fitm_frame_chunks.state */
+enum {
+    CH_SIZE = 0, /* hex digits of a chunk size               */
+    CH_EXT,      /* a chunk extension, up to its CR          */
+    CH_SIZE_LF,  /* the LF after a size line's CR            */
+    CH_DATA,     /* chunk data (left bytes)                  */
+    CH_DATA_CR,  /* the CR after chunk data                  */
+    CH_DATA_LF,  /* ... its LF                               */
+    CH_TRAILER,  /* the start of a trailer line or the end   */
+    CH_NAME,     /* a trailer field's name, up to its colon  */
+    CH_FIELD,    /* a trailer field's value, up to its CR    */
+    CH_FIELD_LF, /* the LF after a trailer line's CR         */
+    CH_END_LF,   /* the LF of the final empty line           */
+};
+
+/* Longest chunk size line (with extensions) and trailer line accepted. */
+#define CH_MAX_LINE 4096
+
+fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, size_t n,
+                                          size_t *used, fitm_frame_error *e)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char b = (unsigned char)p[i];
+        switch (c->state) {
+        case CH_SIZE: {
+            int d = b >= '0' && b <= '9'   ? b - '0'
+                    : b >= 'a' && b <= 'f' ? b - 'a' + 10
+                    : b >= 'A' && b <= 'F' ? b - 'A' + 10
+                                           : -1;
+            if (d >= 0) {
+                if (++c->digits > 16)
+                    return bad(e, 400, "a chunk size has over 16 hex digits");
+                c->left = c->left * 16 + (uint64_t)d;
+                if (c->left > (UINT64_C(1) << 60))
+                    return bad(e, 413, "a chunk size is over any body this server accepts");
+            } else if (c->digits && (b == ';' || b == '\r')) {
+                c->state = b == ';' ? CH_EXT : CH_SIZE_LF;
+            } else {
+                return bad(e, 400, "a chunk size line is not hex digits ending in CRLF");
+            }
+            break;
+        }
+        case CH_EXT:
+            if (++c->line > CH_MAX_LINE)
+                return bad(e, 400, "a chunk extension is over %d bytes", CH_MAX_LINE);
+            if (b == '\r')
+                c->state = CH_SIZE_LF;
+            else if ((b < 0x20 && b != '\t') || b == 0x7f)
+                return bad(e, 400, "a chunk extension has a control character");
+            break;
+        case CH_SIZE_LF:
+            if (b != '\n')
+                return bad(e, 400, "a chunk size line does not end in CRLF");
+            c->line = 0;
+            c->digits = 0;
+            c->state = c->left ? CH_DATA : CH_TRAILER;
+            break;
+        case CH_DATA: {
+            size_t k = n - i < c->left ? n - i : (size_t)c->left;
+            c->left -= k;
+            i += k;
+            if (!c->left)
+                c->state = CH_DATA_CR;
+            continue;
+        }
+        case CH_DATA_CR:
+        case CH_DATA_LF:
+            if (b != (c->state == CH_DATA_CR ? '\r' : '\n'))
+                return bad(e, 400, "chunk data is not followed by CRLF");
+            c->state = c->state == CH_DATA_CR ? CH_DATA_LF : CH_SIZE;
+            break;
+        case CH_TRAILER:
+            c->line = 0;
+            if (b == '\r')
+                c->state = CH_END_LF;
+            else if (is_tchar(b))
+                c->state = CH_NAME;
+            else
+                return bad(e, 400, "a trailer line is not a header field");
+            break;
+        case CH_NAME:
+            if (++c->line > CH_MAX_LINE)
+                return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
+            if (b == ':')
+                c->state = CH_FIELD;
+            else if (!is_tchar(b))
+                return bad(e, 400, "a trailer line is not a token name followed by a colon");
+            break;
+        case CH_FIELD:
+            if (++c->line > CH_MAX_LINE)
+                return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
+            if (b == '\r')
+                c->state = CH_FIELD_LF;
+            else if ((b < 0x20 && b != '\t') || b == 0x7f)
+                return bad(e, 400, "a trailer line has a control character");
+            break;
+        case CH_FIELD_LF:
+            if (b != '\n')
+                return bad(e, 400, "a trailer line does not end in CRLF");
+            c->state = CH_TRAILER;
+            break;
+        case CH_END_LF:
+            if (b != '\n')
+                return bad(e, 400, "a chunked body does not end in CRLF");
+            *used = i + 1;
+            return FITM_FRAME_OK;
+        }
+        i++;
+    }
+    *used = n;
+    return FITM_FRAME_INCOMPLETE;
+}

@@ -1,7 +1,9 @@
-/* frame: the strict check of an HTTP/1.x request head (request line and header fields) that
- * fitmd's gate runs on the bytes it peeks before libmicrohttpd sees the connection, so the
+/* frame: the strict check of an HTTP/1.x request head (request line and header fields, and
+ * what they say about where the request ends) and of a chunked body's framing, which fitmd's
+ * gate runs on every request of a connection before libmicrohttpd sees a byte of it, so the
  * requests libmicrohttpd 0.9.75 would answer itself (with HTML, twice, or not at all) get the
- * documented JSON error instead (docs/reliability.md). Pure: no sockets, no allocation. */
+ * documented JSON error instead and no request can hide inside another (docs/reliability.md).
+ * Pure: no sockets, no allocation. */
 #ifndef FITM_FRAME_H
 #define FITM_FRAME_H
 
@@ -32,5 +34,44 @@ typedef struct {
  * has no colon, a name that is not a token or a control character in its value (400), a
  * Content-Length that is not digits (400) or beyond 2^62 (413). */
 fitm_frame_verdict fitm_frame_check_head(const char *buf, size_t n, fitm_frame_error *e);
+
+/* How the body of a request whose head passed is framed. */
+typedef enum {
+    FITM_FRAME_BODY_NONE = 0, /* no body: the next request starts right after the head */
+    FITM_FRAME_BODY_LENGTH,   /* Content-Length bytes                                    */
+    FITM_FRAME_BODY_CHUNKED,  /* Transfer-Encoding: chunked (fitm_frame_chunks_scan)     */
+} fitm_frame_body;
+
+typedef struct {
+    size_t head_len; /* bytes of the head, leading empty lines and the blank line included */
+    fitm_frame_body body;
+    uint64_t length; /* FITM_FRAME_BODY_LENGTH: the Content-Length */
+} fitm_frame_request;
+
+/* fitm_frame_check_head, then what the head says about where the request ends, so every
+ * request on a connection is checked alike and a proxy in front of the HTTP server finds the
+ * next request head exactly where the server will (no request smuggling). BAD, besides
+ * fitm_frame_check_head's cases, for: Content-Length with Transfer-Encoding, more than one
+ * Content-Length (400), a Transfer-Encoding other than one header with exactly `chunked`
+ * (501), an HTTP/1.1 request without exactly one Host (400), a body (Content-Length other than
+ * 0, or chunked) on a method other than POST (400). OK fills *req. */
+fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_frame_request *req,
+                                            fitm_frame_error *e);
+
+/* The state of a chunked body being scanned; zero it before the body's first byte. */
+typedef struct {
+    int state;
+    uint64_t left; /* bytes of chunk data, or of the size digits' value so far */
+    int digits;    /* hex digits of the size line */
+    size_t line;   /* bytes of the current size, extension or trailer line */
+} fitm_frame_chunks;
+
+/* Scans the next n bytes of a chunked body (RFC 9112 7.1: size lines with optional
+ * extensions, data each followed by CRLF, the last chunk, trailer fields, the final CRLF;
+ * lines end in CRLF). *used: the bytes that belong to the body. OK when the body ended (*used
+ * may be less than n: a next request follows), INCOMPLETE when all n bytes were body, BAD
+ * (400; 413 for a chunk size beyond 2^60) for anything else. */
+fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, size_t n,
+                                          size_t *used, fitm_frame_error *e);
 
 #endif

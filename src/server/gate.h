@@ -1,11 +1,18 @@
-/* gate: fitmd's own accept loop in front of libmicrohttpd. It accepts the main port's
- * connections, peeks (MSG_PEEK: nothing is consumed) at each one's first request head until
- * it is complete, within a deadline, checks it strictly (frame.h) and either answers a bad one
- * itself, with the documented JSON error and Connection: close, or hands the untouched socket
- * to the HTTP server (hand). libmicrohttpd 0.9.75 answers these heads itself with HTML, twice,
- * or not at all, and has no deadline for receiving headers (docs/reliability.md).
+/* gate: fitmd's own accept loop and relay in front of libmicrohttpd. It accepts a listener's
+ * connections and stays in each one's path for its whole life: every request head that
+ * arrives, the first or a later one on a kept-alive connection, is read within a deadline and
+ * checked strictly (frame.h) before a byte of it is passed on, and the body is passed on only
+ * as far as the head said it reaches, so the next head is found exactly where the HTTP server
+ * will look for it. A bad head is answered by the gate itself, with the documented JSON error
+ * and Connection: close, once the server has answered the requests before it; nothing after it
+ * is passed on. libmicrohttpd 0.9.75 answers such heads itself with HTML, twice, or not at all,
+ * and has no deadline for receiving headers (docs/reliability.md).
  *
- * One thread; every function but the callbacks is called from one controlling thread. */
+ * The server gets one end of a socket pair per connection (hand) once its first head passed;
+ * the gate copies bytes between the client's socket and the pair, both ways, and passes a
+ * client's end of sending on (shutdown of the pair's write side), so the server sees a client
+ * that left as before. One thread per gate; fitm_gate_done may be called from any thread,
+ * everything else from one controlling thread. */
 #ifndef FITM_GATE_H
 #define FITM_GATE_H
 
@@ -18,20 +25,30 @@
 typedef struct fitm_gate fitm_gate;
 
 typedef struct {
-    int listen_fd;           /* bound and listening; the gate closes it on stop            */
-    int64_t head_timeout_ms; /* a head not complete this long after accept: 408, close    */
-    int64_t max_pending;     /* connections waiting for their head, in all                */
-    int64_t max_per_client;  /* ... from one address                                      */
-    /* Takes over fd (a connection whose head passed) with its peer address; called on the
-     * gate's thread. */
+    int listen_fd;           /* bound and listening; the gate closes it on stop                */
+    int64_t head_timeout_ms; /* a head not complete this long after accept (a first head) or
+                              * after its first byte (a later one): 408, close                */
+    int64_t max_conns;       /* connections held, in all (beyond: closed at accept)            */
+    int64_t max_per_client;  /* ... from one address                                          */
+    /* Takes over fd (the server's end of a connection's socket pair) with the client's
+     * address; called on the gate's thread. */
     void (*hand)(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len);
     void *user;
 } fitm_gate_params;
 
 fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err *err);
 
-/* Stops the thread, closes the listening socket and every connection it still holds, frees.
- * NULL is a no-op. */
+/* The server finished a request (answered it, or gave it up) on the connection whose pair end
+ * it holds as fd; called before the server closes fd. The gate answers a refused head only
+ * after the requests before it are finished, so answers stay in order. */
+void fitm_gate_done(fitm_gate *g, int fd);
+
+/* Stops the thread (no hand-off after this) and closes the listening socket and every
+ * connection it still holds; fitm_gate_done may still be called until fitm_gate_free. NULL is
+ * a no-op. */
 void fitm_gate_stop(fitm_gate *g);
+
+/* Frees a stopped gate (stopping it first if need be). NULL is a no-op. */
+void fitm_gate_free(fitm_gate *g);
 
 #endif

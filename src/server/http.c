@@ -33,7 +33,8 @@ struct fitm_http {
     fitm_http_params p;
     struct MHD_Daemon *d;
     struct MHD_Daemon *probe_d; /* probe_port's listener (health and metrics only); NULL: none */
-    fitm_gate *gate;            /* the main port's accept loop, in front of d (gate.h)      */
+    fitm_gate *gate;            /* the main port's accept loop and relay, in front of d      */
+    fitm_gate *probe_gate;      /* probe_port's, in front of probe_d (gate.h)               */
     fitm_api_limits limits;
     char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
     int n_keys;
@@ -64,8 +65,8 @@ typedef struct {
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
     size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
-    bool must_close; /* the answer ends the connection (a framing error: what follows the
-                      * headers cannot be trusted to be the next request) */
+    bool must_close; /* the answer ends the connection (a 408 while the body arrives: what
+                      * follows cannot be trusted to be the next request) */
     fitm_job job;
     fitm_rerank_request req;
     fitm_answer_request areq; /* /answer's request */
@@ -725,77 +726,6 @@ static enum MHD_Result check_post_headers(request *r)
     return MHD_YES;
 }
 
-/* ---- strict HTTP/1.1 framing ----------------------------------------------------------------- */
-
-/* What the header block says about framing, counted over every header line. */
-typedef struct {
-    int n_cl, n_te, n_host;
-    const char *cl, *te;
-    bool bad_name; /* a field name that is not an RFC 9110 token (e.g. "Content-Length ") */
-} framing;
-
-static bool token_char(char c)
-{
-    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-           (c && strchr("!#$%&'*+-.^_`|~", c));
-}
-
-static enum MHD_Result count_header(void *cls, enum MHD_ValueKind kind, const char *key,
-                                    const char *value)
-{
-    framing *f = cls;
-    (void)kind;
-    bool token = key && *key;
-    for (const char *k = key; token && *k; k++)
-        token = token_char(*k);
-    f->bad_name |= !token;
-    if (!key)
-        return MHD_YES;
-    if (!strcasecmp(key, "Content-Length")) {
-        f->n_cl++;
-        f->cl = value;
-    } else if (!strcasecmp(key, "Transfer-Encoding")) {
-        f->n_te++;
-        f->te = value;
-    } else if (!strcasecmp(key, "Host")) {
-        f->n_host++;
-    }
-    return MHD_YES;
-}
-
-/* Refuses a request whose framing is ambiguous, before any of its body is read: a front proxy
- * and this server could otherwise disagree on where the request ends (request smuggling).
- * The refusal closes the connection, so bytes after the headers are never taken for a request.
- * Returns true (and has answered) when the request was refused. libmicrohttpd itself answers,
- * before this runs, a malformed Content-Length value, an unparsable request line and
- * oversized lines (docs/reliability.md). */
-static bool refuse_framing(request *r, const char *method, const char *version,
-                           enum MHD_Result *out)
-{
-    framing f = {0};
-    MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_header, &f);
-    const char *msg = NULL;
-    fitm_api_cond cond = FITM_API_COND_FRAMING;
-    if (f.bad_name)
-        msg = "a header name is not a token (no spaces or controls before the colon)";
-    else if (f.n_cl && f.n_te)
-        msg = "Content-Length and Transfer-Encoding together: send one of them";
-    else if (f.n_cl > 1)
-        msg = "more than one Content-Length header";
-    else if (f.n_te > 1 || (f.n_te && strcmp(f.te, "chunked") != 0)) {
-        cond = FITM_API_COND_CODING;
-        msg = "Transfer-Encoding: only 'chunked' (alone, lower case) is supported";
-    } else if (!strcmp(version, "HTTP/1.1") && f.n_host != 1)
-        msg = f.n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header";
-    else if (strcmp(method, "POST") != 0 && (f.n_te || (f.n_cl && strcmp(f.cl, "0") != 0)))
-        msg = "this method takes no request body";
-    if (!msg)
-        return false;
-    r->must_close = true;
-    *out = send_error(r, FITM_ERR_INVALID, cond, NULL, msg);
-    return true;
-}
-
 /* First callback of a request: everything decidable from the request line and headers. */
 static enum MHD_Result first_call(request *r, const char *url, const char *method,
                                   const char *version)
@@ -805,9 +735,9 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
         rd = NULL;
     r->rd = rd;
     r->route = rd ? rd->route : FITM_ROUTE_OTHER;
-    enum MHD_Result refused;
-    if (refuse_framing(r, method, version, &refused))
-        return refused;
+    /* The request's framing (Content-Length, Transfer-Encoding, Host, a body on a GET) was
+     * checked by the gate in front (gate.h, frame.h) before a byte of it got here. */
+    (void)version;
     /* Draining: the listener stays open so probes see 503 "draining" (not a refused
      * connection) while the endpoint is taken out of rotation; new inference is refused with
      * Retry-After, for the client to retry elsewhere. */
@@ -982,6 +912,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     request *r = *con_cls;
     if (!r)
         return;
+    /* The gate answers a head it refused only after the requests before it are done. */
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci)
+        fitm_gate_done(r->probe ? h->probe_gate : h->gate, ci->connect_fd);
     double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
     bool closed = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
     if (r->streaming && closed) {
@@ -1051,12 +986,22 @@ static bool parse_keys(fitm_http *h, const char *list)
     return true;
 }
 
-/* gate's hand: a connection whose first request head passed the gate's check. */
-static void hand_to_mhd(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len)
+/* gate's hand: the server's end of a connection whose first request head passed the gate's
+ * check (gate.h: the gate relays the connection from then on). */
+static void hand_to(struct MHD_Daemon *d, int fd, const struct sockaddr *addr, socklen_t addr_len)
 {
-    fitm_http *h = user;
-    if (MHD_add_connection(h->d, fd, addr, addr_len) != MHD_YES) /* it closed fd */
+    if (MHD_add_connection(d, fd, addr, addr_len) != MHD_YES) /* it closed fd */
         FITM_LOG(FITM_LOG_DEBUG, NULL, "connection refused by the HTTP server (limits)");
+}
+
+static void hand_to_main(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len)
+{
+    hand_to(((fitm_http *)user)->d, fd, addr, addr_len);
+}
+
+static void hand_to_probe(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len)
+{
+    hand_to(((fitm_http *)user)->probe_d, fd, addr, addr_len);
 }
 
 /* A listening TCP socket on ai; -1 when the address cannot be had. */
@@ -1073,11 +1018,11 @@ static int listen_socket(const struct addrinfo *ai)
     return fd;
 }
 
-/* Listens on cfg->host:port. The main port's connections come through the gate (gate.h: a
- * strict check of each connection's first request head, with a deadline, before
- * libmicrohttpd sees it). The probe listener serves only /health and /metrics, with a thread
- * and connection budget of its own, so probes are answered while the main port's
- * connections are all taken. NULL when the address cannot be had. */
+/* Listens on cfg->host:port. Every connection comes through a gate (gate.h: a strict check
+ * of each request head, with a deadline, before libmicrohttpd sees it). The probe listener
+ * serves only /health and /metrics, with a gate, thread and connection budget of its own, so
+ * probes are answered while the main port's connections are all taken or trickling. NULL
+ * when the address cannot be had. */
 static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
 {
     const fitm_config *cfg = h->p.cfg;
@@ -1089,42 +1034,43 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
     if (getaddrinfo(cfg->host[0] ? cfg->host : NULL, service, &hints, &ai) != 0)
         return NULL;
     unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
-                     MHD_USE_ERROR_LOG;
+                     MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
     if (ai->ai_family == AF_INET6)
         flags |= MHD_USE_IPv6;
-    int fd = -1;
-    if (!probe) {
-        flags |= MHD_USE_NO_LISTEN_SOCKET;
-        if ((fd = listen_socket(ai)) < 0) {
-            freeaddrinfo(ai);
-            return NULL;
-        }
-    }
-    struct MHD_Daemon *d = MHD_start_daemon(
-        flags, probe ? (uint16_t)port : 0, NULL, NULL, probe ? on_probe_request : on_request, h,
-        MHD_OPTION_SOCK_ADDR, probe ? ai->ai_addr : NULL, MHD_OPTION_THREAD_POOL_SIZE,
-        probe ? 1u : (unsigned)cfg->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
-        probe ? 10u : (unsigned)cfg->http_idle_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-        probe ? 64u : (unsigned)cfg->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-        probe ? 16u : (unsigned)cfg->max_connections_per_client, MHD_OPTION_NOTIFY_COMPLETED,
-        on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_END);
+    int fd = listen_socket(ai);
     freeaddrinfo(ai);
-    if (probe || !d) {
-        if (fd >= 0)
-            close(fd);
-        return d;
+    if (fd < 0)
+        return NULL;
+    unsigned max_conns = probe ? 64u : (unsigned)cfg->max_connections;
+    unsigned per_client = probe ? 16u : (unsigned)cfg->max_connections_per_client;
+    struct MHD_Daemon *d = MHD_start_daemon(
+        flags, 0, NULL, NULL, probe ? on_probe_request : on_request, h,
+        MHD_OPTION_THREAD_POOL_SIZE, probe ? 1u : (unsigned)cfg->http_threads,
+        MHD_OPTION_CONNECTION_TIMEOUT, probe ? 10u : (unsigned)cfg->http_idle_timeout_s,
+        MHD_OPTION_CONNECTION_LIMIT, max_conns, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_client,
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
+        MHD_OPTION_END);
+    if (!d) {
+        close(fd);
+        return NULL;
     }
-    h->d = d; /* hand_to_mhd's, from the gate's first hand-off on */
+    /* hand_to_*'s daemon, from the gate's first hand-off on */
+    if (probe)
+        h->probe_d = d;
+    else
+        h->d = d;
     fitm_err err = {{0}};
     fitm_gate_params gp = {.listen_fd = fd, .head_timeout_ms = cfg->http_header_timeout_s * 1000,
-                           .max_pending = cfg->max_connections,
-                           .max_per_client = cfg->max_connections_per_client,
-                           .hand = hand_to_mhd, .user = h};
-    if (fitm_gate_start(&h->gate, &gp, &err) != FITM_OK) {
+                           .max_conns = max_conns, .max_per_client = per_client,
+                           .hand = probe ? hand_to_probe : hand_to_main, .user = h};
+    if (fitm_gate_start(probe ? &h->probe_gate : &h->gate, &gp, &err) != FITM_OK) {
         FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);
         close(fd);
         MHD_stop_daemon(d);
-        h->d = NULL;
+        if (probe)
+            h->probe_d = NULL;
+        else
+            h->d = NULL;
         return NULL;
     }
     return d;
@@ -1196,11 +1142,16 @@ void fitm_http_stop(fitm_http *h)
 {
     if (!h)
         return;
+    /* The gates first (no hand-off after), then the daemons, whose last on_completed calls
+     * still tell the gates (freed last). */
+    fitm_gate_stop(h->probe_gate);
+    fitm_gate_stop(h->gate);
     if (h->probe_d)
         MHD_stop_daemon(h->probe_d);
-    fitm_gate_stop(h->gate); /* no hand-off to d after this */
     if (h->d)
         MHD_stop_daemon(h->d);
+    fitm_gate_free(h->probe_gate);
+    fitm_gate_free(h->gate);
     pthread_cond_destroy(&h->idle);
     pthread_mutex_destroy(&h->mu);
     free(h);
