@@ -194,3 +194,61 @@ def test_queue_beyond_running_limit(daemon):
     for t in threads:
         t.join(600)
     assert got == ref
+
+
+def rerank_bodies():
+    """/rerank requests over every way the attention methods run their passes (a whole
+    reference pass, branches of the prompt's cache from each document or from the question,
+    windows, per-token sink capture), plus the methods that still run whole between steps."""
+    opts = [{}, {"reference": "dummy", "prefix_reuse": True},
+            {"reference": "dummy", "prefix_reuse": False, "dummy_source": "documents"},
+            {"reference": "null_suffix", "prefix_reuse": True},
+            {"reference": "both", "prefix_reuse": True, "window": 2},
+            {"sink_factor": 2.0, "reference": "dummy"},
+            {"method": "paper"}, {"method": "attention", "rows": "last"},
+            {"method": "query_likelihood"}, {"method": "attention_sort"}]
+    return [{"query": f"where is the golf hotel {i}", "documents": docs(3 + i % 4, 8 + i, shift=i),
+             "return_tokens": i % 2 == 0, **o} for i, o in enumerate(opts)]
+
+
+def test_concurrent_reranks_match_one_at_a_time(daemon):
+    """Concurrent /rerank requests run their passes in the running batch, packed with each
+    other and with answers: every score equals the one of the request run alone, and steps
+    carried several sequences."""
+    bodies = rerank_bodies()
+    answer = {"query": "where is golf", "documents": docs(3, 9), "max_tokens": 40,
+              "calibrate": False, "stream": True}
+
+    def full(body):
+        r = requests.post(daemon.url("/rerank"), json=body, headers=AUTH, timeout=600)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return ([(x["index"], x["relevance_score"], x.get("calibrated_attention"),
+                  x.get("attention"), x.get("dummy_attention")) for x in j["results"]],
+                j.get("tokens"), j.get("usage"))
+
+    ref = [full(b) for b in bodies]
+    ref_answer = run_one(daemon, "/answer", answer)
+    before = metrics(daemon)
+    got = [None] * (len(bodies) + 1)
+    errors = []
+
+    def client(k):
+        try:
+            got[k] = full(bodies[k]) if k < len(bodies) else run_one(daemon, "/answer", answer)
+        except Exception as e:  # reported below with the request that failed
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies) + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    for k, b in enumerate(bodies):
+        assert got[k] == ref[k], b
+    assert got[-1] == ref_answer
+    m = metrics(daemon)
+    steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+    seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
+    assert steps > 0 and seqs > steps
