@@ -24,6 +24,12 @@ run) is printed.
 
   tests/bench_load.py --model MODEL.gguf --soak 600 [--clients 8]
 
+Mixed mode (--mixed): one stream decodes while --clients clients each send one /rerank; prints
+the stream's gaps while the reranks ran against its gaps before (how long a rerank stalls a
+running stream).
+
+  tests/bench_load.py --model MODEL.gguf --mixed --clients 1
+
 Prints figures only; it asserts nothing about speed. Exit status 1 when the soak finds a lost
 or duplicated answer."""
 import argparse
@@ -111,7 +117,8 @@ def stream_fitmd(url, headers, docs, gen_tokens):
         raise RuntimeError(f"/answer stream ended without its final object: {final}")
     gaps = [b - a for a, b in zip(times, times[1:])]
     ttft = (times[0] if times else t1) - t0
-    return ttft, gaps, t1 - t0, final["usage"]["completion_tokens"], final["usage"]["prompt_tokens"]
+    return (ttft, gaps, t1 - t0, final["usage"]["completion_tokens"],
+            final["usage"]["prompt_tokens"], times)
 
 
 def stream_llama(url, headers, docs, gen_tokens):
@@ -139,7 +146,7 @@ def stream_llama(url, headers, docs, gen_tokens):
     gaps = [b - a for a, b in zip(times, times[1:])]
     ttft = (times[0] if times else t1) - t0
     return (ttft, gaps, t1 - t0, tm.get("predicted_n", len(times)),
-            tm.get("prompt_n", final.get("tokens_evaluated", 0)))
+            tm.get("prompt_n", final.get("tokens_evaluated", 0)), times)
 
 
 def rerank_fitmd(url, headers, docs):
@@ -196,7 +203,12 @@ def gen_round(srv, headers, n, a, rnd):
     gaps = [g for r in res for g in r[1]]
     lat = [r[2] for r in res]
     ttft = [r[0] for r in res]
-    return {"tok_s": toks / wall, "req_s": n / wall, "ttft50": pct(ttft, 50),
+    # Decode only: the window in which every stream had its first token and none had ended
+    # (no prefill in it once all prompts are in), its text events per second.
+    lo, hi = max(r[5][0] for r in res if r[5]), min(r[5][-1] for r in res if r[5])
+    events = sum(1 for r in res for t in r[5] if lo <= t <= hi)
+    dec = (events - n) / (hi - lo) if hi > lo and events > n else float("nan")
+    return {"tok_s": toks / wall, "dec_s": dec, "req_s": n / wall, "ttft50": pct(ttft, 50),
             "ttft99": pct(ttft, 99), "gap50": pct(gaps, 50), "gap99": pct(gaps, 99),
             "lat50": pct(lat, 50), "lat99": pct(lat, 99), "tokens": toks / n,
             "prompt": statistics.mean(r[4] for r in res), "rss": rss_mib(srv.proc.pid)}
@@ -218,6 +230,7 @@ def rerank_round(srv, headers, n, a, rnd):
 
 def fmt_gen(name, n, m):
     return (f"{name:<13} {n:>3} {m['prompt']:>6.0f} {m['tokens']:>6.1f} {m['tok_s']:>8.1f} "
+            f"{m['dec_s']:>8.1f} "
             f"{m['req_s']:>6.2f} {m['ttft50'] * 1e3:>8.0f} {m['ttft99'] * 1e3:>8.0f} "
             f"{m['gap50'] * 1e3:>7.1f} {m['gap99'] * 1e3:>7.1f} {m['lat50']:>7.2f} "
             f"{m['lat99']:>7.2f} {m['rss']:>7.1f}")
@@ -243,7 +256,8 @@ def benchmark(a, headers):
         rr = {}
         print(f"model {pathlib.Path(a.model).name}; {a.gen_tokens} tokens after ~"
               f"{a.prompt_tokens} prompt tokens per stream; times in ms unless s\n")
-        print(f"{'server':<13} {'N':>3} {'prompt':>6} {'tokens':>6} {'tok/s':>8} {'req/s':>6} "
+        print(f"{'server':<13} {'N':>3} {'prompt':>6} {'tokens':>6} {'tok/s':>8} {'dec t/s':>8} "
+              f"{'req/s':>6} "
               f"{'TTFT50':>8} {'TTFT99':>8} {'gap50':>7} {'gap99':>7} {'lat50 s':>7} "
               f"{'lat99 s':>7} {'RSS MiB':>7}")
         for n in a.n:
@@ -265,6 +279,7 @@ def benchmark(a, headers):
                 if n == n1:
                     continue
                 print(f"  {s.name}: tok/s N={n} / N={n1} = {g[n]['tok_s'] / g[n1]['tok_s']:.2f}x, "
+                      f"decode-only tok/s {g[n]['dec_s'] / g[n1]['dec_s']:.2f}x, "
                       f"gap p99 N={n} / N={n1} = {g[n]['gap99'] / g[n1]['gap99']:.2f}x")
         for n in a.n:
             if n != n1:
@@ -279,6 +294,46 @@ def benchmark(a, headers):
     finally:
         for s in servers:
             s.stop()
+
+
+# ---- mixed: a stream while reranks run -------------------------------------------------------
+
+def mixed(a):
+    """One streamed /answer decoding; once it streams, --clients clients each send one /rerank
+    of K = --k documents. Prints the reranks' latency and the stream's gaps while they ran,
+    against its gaps before: how much a rerank stalls a running stream."""
+    proc, url = start_daemon(a.model, a.build, [f"--max-running={a.clients + 1}",
+                                                f"--threads={a.threads}"])
+    rnd = random.Random(a.seed)
+    times, first = [], threading.Event()
+
+    def stream():
+        body = {"query": QUESTION, "documents": make_docs(2, 20, rnd), "max_tokens": 2000,
+                "calibrate": False, "stream": True}
+        with requests.post(url + "/answer", json=body, stream=True, timeout=3600) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and b'"delta"' in line:
+                    times.append(time.perf_counter())
+                    first.set()
+
+    try:
+        threading.Thread(target=stream, daemon=True).start()
+        first.wait(600)
+        time.sleep(2)
+        work = [make_docs(a.k, a.rerank_words, rnd) for _ in range(a.clients)]
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(a.clients) as ex:
+            lat = list(ex.map(lambda d: rerank_fitmd(url, {}, d), work))
+        t1 = time.perf_counter()
+        during = [b - x for x, b in zip(times, times[1:]) if x >= t0 and b <= t1]
+        before = [b - x for x, b in zip(times, times[1:]) if b < t0]
+        print(f"{a.clients} /rerank (K = {a.k}) beside one stream: latency p50 {pct(lat, 50):.2f} s, "
+              f"all done after {t1 - t0:.2f} s; the stream emitted {len(during)} events meanwhile, "
+              f"gap p50 {pct(during, 50):.3f} s, max {max(during, default=float('nan')):.3f} s "
+              f"(gap p50 before them {pct(before, 50):.3f} s)")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 # ---- soak ------------------------------------------------------------------------------------
@@ -425,7 +480,11 @@ def main():
     ap.add_argument("--hangup", type=float, default=0.25)
     ap.add_argument("--rss-every", type=float, default=10)
     ap.add_argument("--soak-words", type=int, default=60, help="most words per soak document")
+    ap.add_argument("--mixed", action="store_true",
+                    help="one stream while --clients reranks run (stalls), instead")
     a = ap.parse_args()
+    if a.mixed:
+        sys.exit(mixed(a))
     if a.soak:
         sys.exit(soak(a))
     benchmark(a, {})

@@ -194,3 +194,113 @@ def test_queue_beyond_running_limit(daemon):
     for t in threads:
         t.join(600)
     assert got == ref
+
+
+def rerank_bodies():
+    """/rerank requests over every way the attention methods run their passes (a whole
+    reference pass, branches of the prompt's cache from each document or from the question,
+    windows, per-token sink capture), plus the methods that still run whole between steps."""
+    opts = [{}, {"reference": "dummy", "prefix_reuse": True},
+            {"reference": "dummy", "prefix_reuse": False, "dummy_source": "documents"},
+            {"reference": "null_suffix", "prefix_reuse": True},
+            {"reference": "both", "prefix_reuse": True, "window": 2},
+            {"sink_factor": 2.0, "reference": "dummy"},
+            {"method": "paper"}, {"method": "attention", "rows": "last"},
+            {"method": "query_likelihood"}, {"method": "attention_sort"}]
+    return [{"query": f"where is the golf hotel {i}", "documents": docs(3 + i % 4, 8 + i, shift=i),
+             "return_tokens": i % 2 == 0, **o} for i, o in enumerate(opts)]
+
+
+def test_concurrent_reranks_match_one_at_a_time(daemon):
+    """Concurrent /rerank requests run their passes in the running batch, packed with each
+    other and with answers: every score equals the one of the request run alone, and steps
+    carried several sequences."""
+    bodies = rerank_bodies()
+    answer = {"query": "where is golf", "documents": docs(3, 9), "max_tokens": 40,
+              "calibrate": False, "stream": True}
+
+    def full(body):
+        r = requests.post(daemon.url("/rerank"), json=body, headers=AUTH, timeout=600)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return ([(x["index"], x["relevance_score"], x.get("calibrated_attention"),
+                  x.get("attention"), x.get("dummy_attention")) for x in j["results"]],
+                j.get("tokens"), j.get("usage"))
+
+    ref = [full(b) for b in bodies]
+    ref_answer = run_one(daemon, "/answer", answer)
+    before = metrics(daemon)
+    got = [None] * (len(bodies) + 1)
+    errors = []
+
+    def client(k):
+        try:
+            got[k] = full(bodies[k]) if k < len(bodies) else run_one(daemon, "/answer", answer)
+        except Exception as e:  # reported below with the request that failed
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies) + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    for k, b in enumerate(bodies):
+        assert got[k] == ref[k], b
+    assert got[-1] == ref_answer
+    m = metrics(daemon)
+    steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+    seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
+    assert steps > 0 and seqs > steps
+
+
+def test_deadline_mid_batch_ends_only_that_stream(fitmd_bin, tmp_path):  # noqa: F811
+    """A stream whose deadline passes while it decodes inside the batch ends with the
+    documented deadline error (an error event, then [DONE]); the requests beside it in the
+    same batch -- answers and a /rerank that arrive while it decodes -- are served in full.
+    The stream asks for 12,000 tokens against a 3 s deadline: 12,000 steps whose attention
+    alone (over a growing context) is ~1e11 multiply-adds, many seconds on any CPU; the others
+    need a few steps of the small model each."""
+    model = tmp_path / "mid.gguf"
+    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
+                    "Q8_0", "--ctx", "12288", "--seed", "4",
+                    "-q", "-o", str(model)], check=True)
+    d = Daemon(fitmd_bin, model, tmp_path, api_keys="test-key-1", max_answer_tokens=12000,
+               request_timeout_ms=3000, http_threads=8, max_running=8)
+    try:
+        body = {"query": "where is golf", "documents": docs(2, 6), "max_tokens": 12000,
+                "calibrate": False, "stream": True}
+        short = [("/answer", {"query": f"golf {i}", "documents": docs(2, 4, shift=i),
+                              "max_tokens": 2, "calibrate": i % 2 == 0}) for i in range(2)]
+        short.append(("/rerank", {"query": "golf", "documents": docs(3, 4)}))
+        codes = [None] * len(short)
+
+        def client(k):
+            route, b = short[k]
+            resp = requests.post(d.url(route), json=b, headers=AUTH, timeout=600)
+            codes[k] = resp.status_code if resp.status_code == 200 else (resp.status_code, resp.text[:200])
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(short))]
+        events = []
+        with requests.post(d.url("/answer"), json=body, headers=AUTH, stream=True,
+                           timeout=600) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:  # decoding now: the others join its batch
+                    for t in threads:
+                        t.start()
+                if line[6:] == b"[DONE]":
+                    break
+        for t in threads:
+            t.join(600)
+        deltas = [e for e in events[:-2] if b'"delta"' in e]
+        assert deltas and len(deltas) == len(events) - 2, events[-3:]
+        final = json.loads(events[-2])
+        assert final["error"]["code"] == "deadline_exceeded", final
+        assert codes == [200] * len(short), (codes, len(deltas))
+        assert d.healthy()
+    finally:
+        assert d.terminate() == 0, d.log_text()

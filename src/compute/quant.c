@@ -140,6 +140,28 @@ void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float 
         y[n] = fitm_quant_dot_scalar(t, w, x_q, K);
 }
 
+void fitm_matvec_rows(fitm_dtype t, const void *W, int64_t K, const void *x_q, size_t x_stride,
+                      int64_t M, float *Y, int64_t ldy, int64_t n0, int64_t n1)
+{
+    const size_t rb = fitm_dtype_row_bytes(t, K);
+    assert(rb > 0);
+    const uint8_t *w = (const uint8_t *)W + (size_t)n0 * rb;
+#if FITM_QUANT_X86
+    switch (simd_path()) {
+    case FITM_CPU_AVX512:
+        fitm_quant_matvec_rows_avx512(t, w, rb, K, x_q, x_stride, M, Y + n0, ldy, n1 - n0);
+        return;
+    case FITM_CPU_AVX2:
+        fitm_quant_matvec_rows_avx2(t, w, rb, K, x_q, x_stride, M, Y + n0, ldy, n1 - n0);
+        return;
+    default:
+        break;
+    }
+#endif
+    for (int64_t m = 0; m < M; m++)
+        fitm_matvec(t, W, K, (const uint8_t *)x_q + (size_t)m * x_stride, Y + m * ldy, n0, n1);
+}
+
 /* Rows of W dequantized per sgemm call. Measured (bench_quant, M = 512, one thread): 32 rows
  * reach 0.85x of one plain F32 sgemm, 64 rows 0.93x, 256 rows 0.97-1.0x. Capped so a tile
  * stays near 4 MiB for very wide rows. */

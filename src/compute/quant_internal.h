@@ -109,7 +109,12 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
     void fitm_quant_quant_row_##sfx(fitm_dtype t, const float *src, void *dst, int64_t n);        \
     /* y[r] = dot(row r, x_q) for r in [0, n_rows), rows row_bytes apart starting at w. */        \
     void fitm_quant_matvec_##sfx(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,     \
-                                 const void *x_q, float *y, int64_t n_rows);
+                                 const void *x_q, float *y, int64_t n_rows);                      \
+    /* fitm_quant_matvec_##sfx for M activation rows x_stride bytes apart, row m's outputs at */ \
+    /* y + m * y_stride; every value equal to the one-row call's. */                             \
+    void fitm_quant_matvec_rows_##sfx(fitm_dtype t, const uint8_t *w, size_t row_bytes,         \
+                                      int64_t K, const void *x_q, size_t x_stride, int64_t M,     \
+                                      float *y, int64_t y_stride, int64_t n_rows);
 FITM_QUANT_SIMD_DECL(avx2)
 FITM_QUANT_SIMD_DECL(avx512)
 #else

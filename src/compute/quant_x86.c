@@ -26,6 +26,7 @@
 #define fitm_quant_dequant_row_simd SIMD_CAT(fitm_quant_dequant_row, FITM_SIMD_SUFFIX)
 #define fitm_quant_quant_row_simd SIMD_CAT(fitm_quant_quant_row, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_simd SIMD_CAT(fitm_quant_matvec, FITM_SIMD_SUFFIX)
+#define fitm_quant_matvec_rows_simd SIMD_CAT(fitm_quant_matvec_rows, FITM_SIMD_SUFFIX)
 
 #include <immintrin.h>
 #include <string.h>
@@ -573,6 +574,106 @@ void fitm_quant_matvec_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, in
         }
 #endif
         y[r] = fitm_quant_dot_simd(t, w, x_q, K);
+    }
+}
+
+/* Several activation rows against one weight row (decode steps of several sequences in one
+ * call): each weight block is loaded and unpacked once and multiplied with every row's block,
+ * so the weights stream once per call instead of being re-read (and re-unpacked) per
+ * sequence. Each row's value is computed exactly as dot_block32 computes it alone: the same
+ * integer block sums, the same two FMA chains (even and odd blocks) in the same order, the
+ * same final sum. */
+#define ROWS_MAX 4
+
+/* The unpacked weight bytes of one 32-block (dot_block32's operand) and its scale. */
+KERNEL __m256i block32_weights(fitm_dtype t, const uint8_t *blk, float *d)
+{
+    switch (t) {
+    case FITM_DTYPE_Q4_0: {
+        const fitm_block_q4_0 *b = (const fitm_block_q4_0 *)blk;
+        *d = fp16(b->d);
+        return nibbles32(b->qs);
+    }
+    case FITM_DTYPE_Q5_0: {
+        const fitm_block_q5_0 *b = (const fitm_block_q5_0 *)blk;
+        *d = fp16(b->d);
+        return q5_0_unsigned(b);
+    }
+    default: {
+        const fitm_block_q8_0 *b = (const fitm_block_q8_0 *)blk;
+        *d = fp16(b->d);
+        return loadu256(b->qs);
+    }
+    }
+}
+
+/* block32_dot's integer sum for unpacked weights u and activation bytes xv. */
+KERNEL __m256i block32_apply(fitm_dtype t, __m256i u, __m256i xv, int bias)
+{
+    return t == FITM_DTYPE_Q8_0 ? dot_s8s8(u, xv) : dot_u8s8_acc(neg_bias(xv, bias), u, xv);
+}
+
+KERNEL void dot_block32_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
+                             int M, int64_t nb, float *out, int64_t out_stride)
+{
+    const size_t bb = t == FITM_DTYPE_Q4_0 ? sizeof(fitm_block_q4_0)
+                      : t == FITM_DTYPE_Q5_0 ? sizeof(fitm_block_q5_0)
+                                             : sizeof(fitm_block_q8_0);
+    const int bias = t == FITM_DTYPE_Q4_0 ? 8 : 16;
+    __m256 acc0[ROWS_MAX], acc1[ROWS_MAX];
+    for (int r = 0; r < M; r++)
+        acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const uint8_t *row = w + (size_t)i * bb;
+        float d0, d1;
+        const __m256i u0 = block32_weights(t, row, &d0), u1 = block32_weights(t, row + bb, &d1);
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+            const __m256i p0 = block32_apply(t, u0, loadu256(x[i].qs), bias);
+            const __m256i p1 = block32_apply(t, u1, loadu256(x[i + 1].qs), bias);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * fp16(x[i].d)), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * fp16(x[i + 1].d)), acc1[r]);
+        }
+    }
+    for (; i < nb; i++) {
+        float d0;
+        const __m256i u0 = block32_weights(t, w + (size_t)i * bb, &d0);
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+            const __m256i p0 = block32_apply(t, u0, loadu256(x[i].qs), bias);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * fp16(x[i].d)), acc0[r]);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        out[r * out_stride] = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
+                                 const void *x_q, size_t x_stride, int64_t M, float *y,
+                                 int64_t y_stride, int64_t n_rows)
+{
+    /* The types whose one-row dot is dot_block32 in this build (FITM_DOT512 has its own
+     * Q8_0 and Q5_0 kernels: those rows keep the one-row path). */
+    bool shared = t == FITM_DTYPE_Q4_0;
+#if !FITM_DOT512
+    shared = shared || t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0;
+#endif
+    if (!shared || M < 2) {
+        for (int64_t m = 0; m < M; m++)
+            fitm_quant_matvec_simd(t, w, row_bytes, K, (const uint8_t *)x_q + (size_t)m * x_stride,
+                                   y + m * y_stride, n_rows);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++, w += row_bytes) {
+        const uintptr_t pf = (uintptr_t)w + MATVEC_PREFETCH; /* as fitm_quant_matvec_simd */
+        for (size_t o = 0; o < row_bytes; o += 64)
+            _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
+            const int n = M - m0 < ROWS_MAX ? (int)(M - m0) : ROWS_MAX;
+            dot_block32_rows(t, w, (const uint8_t *)x_q + (size_t)m0 * x_stride, x_stride, n,
+                             K / FITM_QK, y + m0 * y_stride + r, y_stride);
+        }
     }
 }
 

@@ -611,8 +611,7 @@ static void mm_task(void *ctx, int64_t task, int thread)
     int64_t n1 = n0 + pt->rows_per_task < N ? n0 + pt->rows_per_task : N;
     float *y = pt->o->y;
     if (pt->xq) {
-        for (int64_t m = 0; m < j->T; m++)
-            fitm_matvec(w->type, w->data, K, pt->xq + (size_t)m * pt->xq_row, y + m * N, n0, n1);
+        fitm_matvec_rows(w->type, w->data, K, pt->xq, pt->xq_row, j->T, y, N, n0, n1);
     } else {
         for (int64_t t0 = n0; t0 < n1; t0 += FLOAT_TILE)
             mm_float_tile(w, j->x, j->T, y, t0, t0 + FLOAT_TILE < n1 ? t0 + FLOAT_TILE : n1,

@@ -676,36 +676,57 @@ static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
     return FITM_OK;
 }
 
-void fitm_answer_step(fitm_reranker *r, fitm_answer_seq *const *seqs, int32_t n,
+void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
                       int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs)
 {
     fitm_forward_seq parts[FITM_FORWARD_MAX_SEQS];
     int32_t idx[FITM_FORWARD_MAX_SEQS], n_parts = 0;
     int64_t room = fitm_reranker_batch_tokens(r), logit_room = fitm_reranker_batch_logits(r);
-    /* Decode steps first (one row each), then prompt chunks in the order given, within the
-     * budget; a sequence left out this step waits for the next. */
+    /* The prompt budget bounds the gap between two tokens of a running stream; with no
+     * stream decoding there is no gap to bound, and prompts take the whole call. */
+    bool streaming = false;
+    for (int32_t i = 0; i < n; i++)
+        streaming = streaming || (seqs[i].answer && seqs[i].answer->decoding);
+    if (!streaming)
+        prefill_budget = room;
+    /* Decode steps first (one row each), then prompt chunks and rerank passes in the order
+     * given, within the budget; a sequence left out this step waits for the next. */
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < n; i++) {
-            fitm_answer_seq *q = seqs[i];
+            fitm_answer_seq *q = seqs[i].answer;
+            fitm_rerank_seq *rq = seqs[i].rerank;
             if (pass == 0) {
                 st[i] = FITM_OK;
                 done[i] = false;
-                if (q->stop && q->stop(q->stop_arg)) {
+                if (rq && fitm_rerank_seq_stopped(rq)) {
+                    fitm_err e;
+                    fitm_rerank_seq_after(rq, 0, stopped(&e), &e, &done[i]);
+                    st[i] = FITM_OK; /* the rerank's own status comes from fitm_rerank_end */
+                    continue;
+                }
+                if (q && q->stop && q->stop(q->stop_arg)) {
                     st[i] = stopped(&errs[i]);
                     done[i] = true;
                     continue;
                 }
             }
-            if (done[i] || q->decoding != (pass == 0) || n_parts == FITM_FORWARD_MAX_SEQS ||
+            const bool decoding = q && q->decoding;
+            if (done[i] || decoding != (pass == 0) || n_parts == FITM_FORWARD_MAX_SEQS ||
                 logit_room < 1)
                 continue;
-            int64_t want = q->decoding ? 1 : (prefill_budget < room ? prefill_budget : room);
-            if (want < 1 || (!q->decoding && pass == 1 && room < 1))
+            int64_t want = decoding ? 1 : (prefill_budget < room ? prefill_budget : room);
+            if (want < 1)
                 continue;
-            step_part(q, want, &parts[n_parts]);
+            if (rq) {
+                fitm_rerank_seq_part(rq, want, &parts[n_parts]);
+                if (parts[n_parts].T > room || parts[n_parts].opts->n_logits > logit_room)
+                    continue; /* its logit rows do not fit this call */
+            } else {
+                step_part(q, want, &parts[n_parts]);
+            }
             room -= parts[n_parts].T;
-            logit_room -= q->o.n_logits;
-            prefill_budget -= q->decoding ? 0 : parts[n_parts].T;
+            logit_room -= parts[n_parts].opts->n_logits;
+            prefill_budget -= decoding ? 0 : parts[n_parts].T;
             idx[n_parts++] = i;
         }
     if (n_parts == 0)
@@ -714,7 +735,11 @@ void fitm_answer_step(fitm_reranker *r, fitm_answer_seq *const *seqs, int32_t n,
     fitm_status bs = fitm_reranker_run_batch(r, parts, n_parts, &err);
     for (int32_t k = 0; k < n_parts; k++) {
         const int32_t i = idx[k];
-        fitm_answer_seq *q = seqs[i];
+        if (seqs[i].rerank) {
+            fitm_rerank_seq_after(seqs[i].rerank, parts[k].T, bs, &err, &done[i]);
+            continue;
+        }
+        fitm_answer_seq *q = seqs[i].answer;
         if (bs != FITM_OK) {
             st[i] = bs;
             errs[i] = err;
@@ -765,8 +790,9 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
     fitm_answer_seq *q = NULL;
     fitm_status st = fitm_answer_begin(r, req, stop, stop_arg, on_delta, delta_arg, res, &q, err);
     bool done = st != FITM_OK;
+    fitm_batch_seq one = {.answer = q};
     while (!done)
-        fitm_answer_step(r, &q, 1, fitm_reranker_batch_tokens(r), &st, &done, err);
+        fitm_answer_step(r, &one, 1, fitm_reranker_batch_tokens(r), &st, &done, err);
     return fitm_answer_end(q, st, err);
 }
 

@@ -132,13 +132,23 @@ fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
                               fitm_answer_on_delta on_delta, void *delta_arg,
                               fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err);
 
-/* One batched forward call over seqs (n <= FITM_FORWARD_MAX_SEQS): every decoding sequence
- * gets its next token, prompts get chunks of at most prefill_budget tokens in all, in the
- * order given, within the call's limits (a sequence left out waits for the next step).
- * For each i: done[i] when seqs[i] has finished, with st[i] (and errs[i] on failure); a
- * sequence whose stop() is true finishes with FITM_ERR_TIMEOUT, one whose on_delta returned
- * false with FITM_ERR_CANCELLED. Finished sequences must not be stepped again. */
-void fitm_answer_step(fitm_reranker *r, fitm_answer_seq *const *seqs, int32_t n,
+/* One member of the running batch: an answer or a /rerank (fitm_rerank_begin); exactly one
+ * of the two is set. */
+typedef struct {
+    fitm_answer_seq *answer;
+    fitm_rerank_seq *rerank;
+} fitm_batch_seq;
+
+/* One batched forward call over seqs (n <= FITM_FORWARD_MAX_SEQS): every decoding answer
+ * gets its next token; prompts and rerank passes get chunks of at most prefill_budget tokens
+ * in all (the whole call when no answer is decoding: the budget bounds a stream's gap
+ * between two tokens), in the order given, within the call's limits (a sequence left out
+ * waits for the next step). For each i: done[i] when seqs[i] has finished, with st[i] (and
+ * errs[i] on failure) for an answer; a rerank's status and message come from
+ * fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT, an answer
+ * whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must not be
+ * stepped again. */
+void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
                       int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs);
 
 /* Completes seq's result after its last step (st: how it ended), frees seq, and returns the

@@ -1,6 +1,7 @@
 #include "pipeline/rerank_internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -430,10 +431,16 @@ static const fitm_capture *capture_part(const fitm_reranker *r, const fitm_captu
     return part;
 }
 
+static fitm_status seq_pass(struct fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
+                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
+                            int64_t n_logits, fitm_err *err);
+
 fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                         int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
                         fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
 {
+    if (r->seq)
+        return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, err);
     if (kv == r->kv && r->kv_n > pos0)
         r->kv_n = pos0; /* rows from pos0 on are about to change */
     for (int64_t off = 0; off < n; off += r->chunk) {
@@ -464,6 +471,234 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         }
     }
     return FITM_OK;
+}
+
+
+/* ---- a /rerank in the running batch ------------------------------------------------------ */
+
+typedef enum {
+    SEQ_HOST,     /* the helper thread runs the method's host side                  */
+    SEQ_POSTED,   /* it waits for the posted pass                                   */
+    SEQ_FINISHED, /* the method returned: run_st, run_err                            */
+} seq_phase;
+
+struct fitm_rerank_seq {
+    fitm_reranker view; /* the reranker with caches of its own, .seq = this            */
+    const fitm_rerank_request *req;
+    bool (*stop)(const void *);
+    const void *stop_arg;
+    fitm_rerank_result *res;
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    seq_phase phase;        /* under mu: who runs                                       */
+    /* The posted pass (fitm_rr_run's arguments), and how far it got. */
+    fitm_kv *kv;
+    const fitm_kv *prefix;
+    const int32_t *ids;
+    int64_t n, pos0, n_logits, done_rows;
+    const fitm_capture *cap;
+    fitm_status pass_st;    /* what the pass ended with, for the helper thread          */
+    fitm_err pass_err;
+    fitm_capture part_cap;  /* this step's part                                         */
+    fitm_forward_opts part_opts;
+    fitm_status run_st;     /* the method's status, when FINISHED                       */
+    fitm_err run_err;
+};
+
+/* Helper thread, inside fitm_rr_run: posts the pass, waits until the steps have run it. */
+static fitm_status seq_pass(fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
+                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
+                            int64_t n_logits, fitm_err *err)
+{
+    if (n < 1)
+        return FITM_OK;
+    pthread_mutex_lock(&q->mu);
+    q->kv = kv;
+    q->prefix = prefix;
+    q->ids = ids;
+    q->n = n;
+    q->pos0 = pos0;
+    q->cap = cap;
+    q->n_logits = n_logits;
+    q->done_rows = 0;
+    q->phase = SEQ_POSTED;
+    pthread_cond_broadcast(&q->cv);
+    while (q->phase == SEQ_POSTED)
+        pthread_cond_wait(&q->cv, &q->mu);
+    fitm_status st = q->pass_st;
+    if (st != FITM_OK)
+        *err = q->pass_err;
+    pthread_mutex_unlock(&q->mu);
+    return st;
+}
+
+static void *seq_main(void *arg)
+{
+    fitm_rerank_seq *q = arg;
+    fitm_err err = {{0}};
+    fitm_status st = fitm_reranker_run(&q->view, q->req, q->stop, q->stop_arg, q->res, &err);
+    pthread_mutex_lock(&q->mu);
+    q->run_st = st;
+    q->run_err = err;
+    q->phase = SEQ_FINISHED;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return NULL;
+}
+
+/* The caller's side: waits while the helper thread runs its host side (mu held). */
+static void seq_wait_host(fitm_rerank_seq *q)
+{
+    while (q->phase == SEQ_HOST)
+        pthread_cond_wait(&q->cv, &q->mu);
+}
+
+bool fitm_rerank_batches(const fitm_rerank_request *req)
+{
+    return req->method == FITM_RERANK_CALIBRATED || req->method == FITM_RERANK_ATTENTION ||
+           req->method == FITM_RERANK_PAPER;
+}
+
+static void seq_free(fitm_rerank_seq *q)
+{
+    fitm_kv_destroy(q->view.kv);
+    fitm_kv_destroy(q->view.branch);
+    pthread_cond_destroy(&q->cv);
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+}
+
+fitm_status fitm_rerank_begin(fitm_reranker *r, const fitm_rerank_request *req,
+                              bool (*stop)(const void *), const void *stop_arg,
+                              fitm_rerank_result *res, fitm_rerank_seq **out, fitm_err *err)
+{
+    *out = NULL;
+    memset(res, 0, sizeof *res);
+    if (!fitm_rerank_batches(req))
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "method %s does not run as a sequence",
+                            fitm_rerank_method_name(req->method));
+    int64_t rows = 0;
+    fitm_status st = fitm_rr_attention_rows(r, req, &rows, err);
+    if (st != FITM_OK)
+        return st;
+    fitm_rerank_seq *q = calloc(1, sizeof *q);
+    if (!q)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    /* Shares what the reranker holds read-only; never its caches, scratch or logits (the
+     * attention methods read no logits). */
+    q->view = *r;
+    q->view.kv = q->view.branch = NULL;
+    q->view.fwd = NULL;
+    q->view.logits = NULL;
+    q->view.kv_ids = NULL;
+    q->view.kv_n = 0;
+    q->view.seq = q;
+    q->req = req;
+    q->stop = stop;
+    q->stop_arg = stop_arg;
+    q->res = res;
+    q->phase = SEQ_HOST;
+    if (pthread_mutex_init(&q->mu, NULL)) {
+        free(q);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create a lock");
+    }
+    if (pthread_cond_init(&q->cv, NULL)) {
+        pthread_mutex_destroy(&q->mu);
+        free(q);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create a condition");
+    }
+    if ((st = fitm_reranker_kv_create(r, rows > 0 ? rows : 1, &q->view.kv, err)) != FITM_OK ||
+        (st = fitm_reranker_kv_create(r, rows > 0 ? rows : 1, &q->view.branch, err)) !=
+            FITM_OK) {
+        seq_free(q);
+        return st;
+    }
+    if (pthread_create(&q->thread, NULL, seq_main, q)) {
+        seq_free(q);
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start a rerank thread");
+    }
+    q->started = true;
+    pthread_mutex_lock(&q->mu);
+    seq_wait_host(q);
+    bool finished = q->phase == SEQ_FINISHED;
+    pthread_mutex_unlock(&q->mu);
+    if (finished)
+        return fitm_rerank_end(q, err);
+    *out = q;
+    return FITM_OK;
+}
+
+void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *part)
+{
+    const int64_t left = q->n - q->done_rows;
+    int64_t T = left;
+    if (left > budget) /* the logit rows stay in the pass's last call */
+        T = left - q->n_logits >= 1 ? (budget < left - q->n_logits ? budget : left - q->n_logits)
+                                    : left;
+    T = T < 1 ? 1 : T;
+    const bool last = q->done_rows + T == q->n;
+    const int64_t pos = q->pos0 + q->done_rows;
+    q->part_opts = (fitm_forward_opts){
+        .prefix = q->prefix, .capture = capture_part(&q->view, q->cap, pos, T, &q->part_cap),
+        .n_logits = last ? q->n_logits : 0, .logits = NULL, .path = FITM_PATH_BATCH};
+    *part = (fitm_forward_seq){q->kv, q->ids + q->done_rows, T, pos, &q->part_opts};
+}
+
+void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const fitm_err *err,
+                           bool *done)
+{
+    pthread_mutex_lock(&q->mu);
+    *done = q->phase == SEQ_FINISHED;
+    if (q->phase == SEQ_POSTED) {
+        q->done_rows += st == FITM_OK ? T : 0;
+        if (st != FITM_OK || q->done_rows >= q->n) {
+            q->pass_st = st;
+            if (st != FITM_OK)
+                q->pass_err = *err;
+            q->phase = SEQ_HOST;
+            pthread_cond_broadcast(&q->cv);
+            seq_wait_host(q);
+            *done = q->phase == SEQ_FINISHED;
+        }
+    }
+    pthread_mutex_unlock(&q->mu);
+}
+
+bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q)
+{
+    return q->stop && q->stop(q->stop_arg);
+}
+
+fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err)
+{
+    if (q->started) {
+        pthread_mutex_lock(&q->mu);
+        /* A sequence ended early (shutdown) unwinds its helper thread first. */
+        while (q->phase != SEQ_FINISHED) {
+            if (q->phase == SEQ_POSTED) {
+                q->pass_st = fitm_err_set(&q->pass_err, FITM_ERR_TIMEOUT,
+                                          "stopped: the request's deadline passed or the server "
+                                          "is shutting down");
+                q->phase = SEQ_HOST;
+                pthread_cond_broadcast(&q->cv);
+            }
+            seq_wait_host(q);
+        }
+        pthread_mutex_unlock(&q->mu);
+        pthread_join(q->thread, NULL);
+    }
+    fitm_status st = q->run_st;
+    if (st != FITM_OK)
+        *err = q->run_err;
+    seq_free(q);
+    return st;
+}
+
+size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q)
+{
+    return fitm_kv_bytes(q->view.kv) + fitm_kv_bytes(q->view.branch);
 }
 
 /* fitm_rr_run without logits. */

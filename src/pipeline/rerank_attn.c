@@ -610,3 +610,30 @@ fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_req
     free(starts);
     return st;
 }
+
+fitm_status fitm_rr_attention_rows(const fitm_reranker *r, const fitm_rerank_request *req,
+                                   int64_t *rows, fitm_err *err)
+{
+    plan pl = {0};
+    fitm_rerank_result scratch = {0}; /* make_plan's meta, not kept */
+    fitm_score_opts_init(&scratch.meta.opts);
+    fitm_status st = make_plan(r, req, &pl, &scratch.meta, err);
+    int32_t starts[2] = {0, req->n_docs};
+    int64_t frame = 0, docs = 0, most = 0;
+    /* A window's prompt is the frame and some of the documents: within the bound of all. */
+    if (st == FITM_OK &&
+        (st = fitm_rr_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err)) == FITM_OK)
+        most = frame + docs;
+    if (st == FITM_OK && pl.null_pass) {
+        fitm_rr_queries q = null_queries(req, &pl);
+        if ((st = fitm_rr_prompt_bound(r, req, NULL, &q, starts, 1, &frame, &docs, err)) ==
+            FITM_OK)
+            most = frame + docs > most ? frame + docs : most;
+    }
+    *rows = most < r->n_ctx ? most : r->n_ctx;
+    fitm_rerank_result_free(&scratch);
+    fitm_score_opts_free(&pl.o);
+    free(pl.pair);
+    free(pl.own_dummy.v);
+    return st;
+}

@@ -39,6 +39,10 @@ struct fitm_reranker {
     char *answer_text;   /* the answer template, unescaped and cut at {documents} */
     fitm_rerank_frame answer_frame;
     char profile[256];
+    /* A sequence's view of the reranker (fitm_rerank_begin): the same model and options with
+     * caches of its own; fitm_rr_run hands its passes to seq instead of running them. NULL
+     * for the reranker itself. */
+    struct fitm_rerank_seq *seq;
 };
 
 typedef struct {
@@ -104,6 +108,12 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
  * layers or heads the model does not have and for a prompt over the context (exact only). */
 fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_request *req,
                                    bool any_order, int64_t *tokens, fitm_err *err);
+
+/* The most rows any prompt of fitm_rr_run_attention for req can have (its caches' size): the
+ * prompt of all documents in any order with the request's query or (a null reference) the
+ * content-free one, at most n_ctx. */
+fitm_status fitm_rr_attention_rows(const fitm_reranker *r, const fitm_rerank_request *req,
+                                   int64_t *rows, fitm_err *err);
 
 /* Bounds the prompts of frame f (NULL: the default) with the queries q (NULL: the request's)
  * over req's documents split into the G groups starts[0..G] (fitm_score_groups), in any order

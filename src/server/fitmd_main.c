@@ -370,13 +370,24 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
 }
 
 /* Continuous batching: an /answer joins the running batch once its documents are ordered
- * (fitm_answer_begin); a /rerank runs whole between two steps. */
+ * (fitm_answer_begin), a /rerank of an attention method once its caches are made
+ * (fitm_rerank_begin); the other /rerank methods run whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
 {
     daemon_model *dm = ctx;
     *joined = false;
-    if ((fitm_work_kind)job->kind != FITM_WORK_ANSWER)
-        return model_run(ctx, job, err);
+    if ((fitm_work_kind)job->kind == FITM_WORK_RERANK) {
+        fitm_rerank_work *w = job->work;
+        if (!fitm_rerank_batches(w->req))
+            return model_run(ctx, job, err);
+        fitm_status st = fitm_rerank_begin(dm->reranker, w->req, job_stop, job, &w->result,
+                                           &w->seq, err);
+        if (st != FITM_OK || !w->seq)
+            return st;
+        job->kv_bytes = (int64_t)fitm_rerank_seq_kv_bytes(w->seq);
+        *joined = true;
+        return FITM_OK;
+    }
     fitm_answer_work *w = job->work;
     fitm_status st = fitm_answer_begin(dm->reranker, w->req, job_stop, job, w->on_delta,
                                        w->delta_arg, &w->result, &w->seq, err);
@@ -393,16 +404,26 @@ static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err 
 static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done)
 {
     daemon_model *dm = ctx;
-    fitm_answer_seq *seqs[FITM_ENGINE_MAX_RUNNING] = {0};
+    fitm_batch_seq seqs[FITM_ENGINE_MAX_RUNNING] = {0};
     fitm_err errs[FITM_ENGINE_MAX_RUNNING];
-    for (int32_t i = 0; i < n; i++)
-        seqs[i] = ((fitm_answer_work *)jobs[i]->work)->seq;
+    for (int32_t i = 0; i < n; i++) {
+        if ((fitm_work_kind)jobs[i]->kind == FITM_WORK_RERANK)
+            seqs[i].rerank = ((fitm_rerank_work *)jobs[i]->work)->seq;
+        else
+            seqs[i].answer = ((fitm_answer_work *)jobs[i]->work)->seq;
+    }
     /* The prompt budget bounds how long one step (and so the gap between two tokens of a
      * running stream) takes while new prompts are prefilled beside the running answers. */
     fitm_answer_step(dm->reranker, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
     for (int32_t i = 0; i < n; i++) {
         if (!done[i])
             continue;
+        if (seqs[i].rerank) {
+            fitm_rerank_work *w = jobs[i]->work;
+            st[i] = fitm_rerank_end(w->seq, &jobs[i]->err);
+            w->seq = NULL;
+            continue;
+        }
         fitm_answer_work *w = jobs[i]->work;
         jobs[i]->err = errs[i];
         st[i] = fitm_answer_end(w->seq, st[i], &jobs[i]->err);

@@ -18,6 +18,7 @@ typedef enum {
 typedef struct {
     const fitm_rerank_request *req;
     fitm_rerank_result result; /* filled when the job's status is FITM_OK */
+    fitm_rerank_seq *seq;      /* engine thread only: the rerank while it is in the batch */
 } fitm_rerank_work;
 
 typedef struct {
