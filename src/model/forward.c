@@ -29,6 +29,9 @@ struct fitm_forward {
     float *w_mix;       /* (Tm, H, n_mix) mixture weights                                */
     float **tabs;       /* (n_tabs) RoPE tables (max_ctx, n_rot) of one base change      */
     double (*tab_keys)[4]; /* (n_tabs) from_base, from_scale, to_base, to_scale         */
+    int64_t *tab_filled;   /* (n_tabs) rows computed so far                               */
+    double *tab_freq;      /* (n_rot / 2) one table's angle per position                  */
+    float *tab_host;       /* (max_ctx, n_rot) staging rows                               */
     int32_t n_tabs, cap_tabs;
     int32_t *tab_moice;    /* (L, N) table of layer l's expert e; NULL without MoICE      */
     int32_t *tab_ms_poe;   /* (L, H) table of layer l's head h                            */
@@ -84,6 +87,9 @@ static void free_scratch(fitm_forward *f)
         b->ops->free(b, f->tabs[i]);
     free(f->tabs);
     free(f->tab_keys);
+    free(f->tab_filled);
+    free(f->tab_freq);
+    free(f->tab_host);
     free(f->tab_moice);
     free(f->tab_ms_poe);
     free(f->ms_poe_rank);
@@ -410,6 +416,30 @@ static fitm_attn_args attn_args(const pass *p, const seq_part *q, int32_t l)
 
 /* ---- position methods ------------------------------------------------------------------ */
 
+/* Makes rows [0, n) of table id valid (computing the missing ones on the host staging rows). */
+static void table_fill(fitm_forward *f, int32_t id, int64_t n)
+{
+    const int64_t have = f->tab_filled[id];
+    if (n <= have)
+        return;
+    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot, half = n_rot / 2;
+    const double *k = f->tab_keys[id];
+    for (int64_t i = 0; i < half; i++) {
+        const double ex = -2.0 * (double)i / (double)n_rot;
+        f->tab_freq[i] = k[3] * pow(k[2], ex) - k[1] * pow(k[0], ex);
+    }
+    float *host = f->tab_host;
+    for (int64_t pos = have; pos < n; pos++)
+        for (int64_t i = 0; i < half; i++) {
+            const double a = (double)pos * f->tab_freq[i];
+            host[(pos - have) * n_rot + 2 * i] = (float)cos(a);
+            host[(pos - have) * n_rot + 2 * i + 1] = (float)sin(a);
+        }
+    f->b->ops->upload(f->b, f->tabs[id] + have * n_rot, host,
+                      (size_t)((n - have) * n_rot) * sizeof(float));
+    f->tab_filled[id] = n;
+}
+
 /* Whether layer l runs method m as a mixture (the other layers are plain). */
 static bool position_layer(const fitm_forward *f, fitm_position_method m, int32_t l)
 {
@@ -434,7 +464,9 @@ static void position_mix(const pass *p, const seq_part *q, int32_t l, fitm_attn_
     const int32_t E = moice ? fitm_moice_n_experts(f->moice) : (int32_t)H;
     const int64_t k_stride = f->p.max_ctx * KV;
     for (int32_t e = 0; e < E; e++) {
-        const float *tab = f->tabs[moice ? f->tab_moice[l * E + e] : f->tab_ms_poe[l * H + e]];
+        const int32_t id = moice ? f->tab_moice[l * E + e] : f->tab_ms_poe[l * H + e];
+        table_fill(f, id, n_keys);
+        const float *tab = f->tabs[id];
         float *qe = f->q_mix + e * T * HD, *ke = f->k_mix + e * k_stride;
         o->copy(b, qe, f->q + q->row0 * HD, (size_t)(T * HD) * sizeof(float));
         o->rope(b, qe, T, H, D, n_rot, tab + q->pos0 * n_rot, c->rope_neox);
@@ -704,41 +736,28 @@ fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens
 /* ---- position methods: creation ------------------------------------------------------------ */
 
 /* The index of the table turning keys rotated with (from_base, from_scale) into keys rotated
- * with (to_base, to_scale) at every position < max_ctx, made once per distinct change: angle
- * p (to_scale to_base^(-2i/n_rot) - from_scale from_base^(-2i/n_rot)) in double. A zero change
- * gives cos 1, sin 0: the keys come through bit for bit. */
+ * with (to_base, to_scale), one per distinct change: row p holds, for each pair i, the cos and
+ * sin of p (to_scale to_base^(-2i/n_rot) - from_scale from_base^(-2i/n_rot)), in double. A
+ * zero change gives cos 1, sin 0: the keys come through bit for bit. Rows are filled on first
+ * use (table_fill), so memory is touched only up to the longest context served. */
 static int32_t rotation_table(fitm_forward *f, double from_base, double from_scale,
-                              double to_base, double to_scale, float *host, bool *ok)
+                              double to_base, double to_scale, bool *ok)
 {
     for (int32_t i = 0; i < f->n_tabs; i++)
         if (f->tab_keys[i][0] == from_base && f->tab_keys[i][1] == from_scale &&
             f->tab_keys[i][2] == to_base && f->tab_keys[i][3] == to_scale)
             return i;
-    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot, half = n_rot / 2;
-    const int64_t n = f->p.max_ctx;
-    double dfreq[4096];
-    if (half > (int64_t)(sizeof dfreq / sizeof dfreq[0]) || f->n_tabs == f->cap_tabs) {
-        *ok = false;
-        return 0;
-    }
-    for (int64_t i = 0; i < half; i++) {
-        const double ex = -2.0 * (double)i / (double)n_rot;
-        dfreq[i] = to_scale * pow(to_base, ex) - from_scale * pow(from_base, ex);
-    }
-    for (int64_t pos = 0; pos < n; pos++)
-        for (int64_t i = 0; i < half; i++) {
-            const double a = (double)pos * dfreq[i];
-            host[pos * n_rot + 2 * i] = (float)cos(a);
-            host[pos * n_rot + 2 * i + 1] = (float)sin(a);
-        }
-    float *t = f->b->ops->alloc(f->b, (size_t)(n * n_rot) * sizeof(float));
+    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot;
+    float *t = f->n_tabs < f->cap_tabs
+                   ? f->b->ops->alloc(f->b, (size_t)(f->p.max_ctx * n_rot) * sizeof(float))
+                   : NULL;
     if (!t) {
         *ok = false;
         return 0;
     }
-    f->b->ops->upload(f->b, t, host, (size_t)(n * n_rot) * sizeof(float));
     const int32_t id = f->n_tabs++;
     f->tabs[id] = t;
+    f->tab_filled[id] = 0;
     f->tab_keys[id][0] = from_base;
     f->tab_keys[id][1] = from_scale;
     f->tab_keys[id][2] = to_base;
@@ -804,9 +823,12 @@ fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_e
     f->ms_poe_rank = calloc((size_t)(L * H), sizeof *f->ms_poe_rank);
     f->w_host = malloc((size_t)(Tm * H * f->n_mix) * sizeof *f->w_host);
     f->x_host = malloc((size_t)(Tm * H * D) * sizeof *f->x_host);
-    float *host = malloc((size_t)(f->p.max_ctx * c->n_rot) * sizeof *host);
+    f->tab_filled = calloc((size_t)f->cap_tabs, sizeof *f->tab_filled);
+    f->tab_freq = malloc((size_t)(c->n_rot / 2 + 1) * sizeof *f->tab_freq);
+    f->tab_host = malloc((size_t)(f->p.max_ctx * c->n_rot) * sizeof *f->tab_host);
     ok = ok && f->tabs && f->tab_keys && (!N || f->tab_moice) && f->tab_ms_poe &&
-         f->ms_poe_rank && f->w_host && f->x_host && host;
+         f->ms_poe_rank && f->w_host && f->x_host && f->tab_filled && f->tab_freq &&
+         f->tab_host;
     fitm_status s = FITM_OK;
     if (ok) {
         const int32_t n_mix = f->n_mix;
@@ -819,15 +841,13 @@ fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_e
         const double base = ly->rope_base, scale = ly->rope_freq_scale;
         for (int32_t e = 0; mo && e < N && fitm_moice_routed(mo, l); e++)
             f->tab_moice[l * N + e] = rotation_table(f, base, scale,
-                                                     fitm_moice_bases(mo, l)[e], scale, host,
-                                                     &ok);
+                                                     fitm_moice_bases(mo, l)[e], scale, &ok);
         for (int32_t h = 0; h < H && l >= FITM_MS_POE_FIRST_LAYER; h++) {
             const double r = FITM_MS_POE_MIN + (FITM_MS_POE_MAX - FITM_MS_POE_MIN) *
                                                    (double)f->ms_poe_rank[l * H + h] / (double)H;
-            f->tab_ms_poe[l * H + h] = rotation_table(f, base, scale, base, scale / r, host, &ok);
+            f->tab_ms_poe[l * H + h] = rotation_table(f, base, scale, base, scale / r, &ok);
         }
     }
-    free(host);
     if (s == FITM_OK && !ok)
         s = fitm_err_set(err, FITM_ERR_NOMEM,
                          "cannot allocate the position methods' scratch (%d experts, %lld "
