@@ -39,6 +39,9 @@ struct fitm_reranker {
     char *answer_text;   /* the answer template, unescaped and cut at {documents} */
     fitm_rerank_frame answer_frame;
     char profile[256];
+    const struct fitm_moice *moice;     /* NULL: none                                  */
+    fitm_position_method position_default;
+    fitm_position_method position;      /* of the current request's passes (and kv's)  */
 };
 
 typedef struct {
