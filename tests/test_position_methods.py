@@ -230,3 +230,23 @@ def test_moice_without_sidecar_and_buckets_refused(models, model_tool, tmp_path)
     t.run("a", 0, [1, 2, 3], pos="attention_buckets")
     r = t.go(check=False)
     assert r.returncode != 0 and "UNSUPPORTED" in r.stderr.upper()
+
+
+def test_inspect_shows_sidecar(fitm_bin, models, tmp_path):
+    path = models["gemma3"]
+    sc = sidecar(tmp_path / "i.moice", path, [1, 5], (1.0, 2.0, 2.5), top_k=2, seed=1)
+    r = subprocess.run([str(fitm_bin), "inspect", str(sc)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    base = ms.base_identity(path)
+    assert "MoICE sidecar:  valid" in r.stdout
+    assert f"base sha256:  {base['sha256']}" in r.stdout
+    assert f"gemma3, {base['block_count']} layers" in r.stdout
+    assert "experts:      3 per routed layer, top_k 2" in r.stdout
+    assert "routed layers: 2 of" in r.stdout
+    assert "random routers for tests" in r.stdout
+    # a broken sidecar is reported, not shown
+    raw = bytearray(sc.read_bytes())
+    bad = tmp_path / "bad.moice"
+    bad.write_bytes(raw.replace(b"fitm-moice.top_k", b"fitm-moice.top_q"))
+    r = subprocess.run([str(fitm_bin), "inspect", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and "top_k" in r.stderr
