@@ -127,3 +127,25 @@ def test_mismatched_sidecar_stops_fitmd(fitmd_bin, model4, tmp_path):  # noqa: F
     r = subprocess.run([str(fitmd_bin), f"--model={p}", "--position_method=moice",
                         f"--port={free_port()}"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "moice" in r.stdout + r.stderr
+
+
+def test_cuda_backend_refuses_position_methods(tmp_path):
+    """The CUDA backend has no mixed attention yet: a position method is a 422 naming it, and
+    plain requests still answer (build/tests/fitmd_cuda_emu, the emulated device)."""
+    from test_http_cuda_emu import OPTS, start
+    emu = build_dir() / "tests" / "fitmd_cuda_emu"
+    if not emu.exists():
+        pytest.skip(f"{emu} not built")
+    p = tmp_path / "m.gguf"
+    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
+                    "F32", "--seed", "5", "--layers", "3", "--dim", "64", "--heads", "2",
+                    "--head-dim", "32", "--ff", "128", "-q", "-o", str(p)], check=True)
+    d = start(emu, p, tmp_path, backend="cuda", **OPTS)
+    try:
+        body = {"query": QUERY, "documents": docs(2, 3), "method": "attention"}
+        r = post(d, dict(body, position_method="ms_poe"))
+        assert_error(r, 422, mentions="position_method")
+        r = post(d, body)
+        assert r.status_code == 200 and r.json()["meta"]["position_method"] == "none"
+    finally:
+        assert d.terminate() == 0, d.log_text()

@@ -801,6 +801,8 @@ fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_e
     if (f->tabs)
         return fitm_err_set(err, FITM_ERR_INVALID, "position methods are already enabled");
     f->moice = mo;
+    if (!f->backend_mix)
+        return FITM_OK; /* its calls with a method fail UNSUPPORTED: reserve nothing for them */
     const int64_t L = c->n_layer, H = c->n_head, D = c->head_dim, Tm = f->p.max_tokens;
     const int32_t N = mo ? fitm_moice_n_experts(mo) : 0;
     if (mo) {

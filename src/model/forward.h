@@ -111,7 +111,8 @@ const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
  * max_tokens or max_ctx is smaller). moice (borrowed, outliving f; NULL: no MoICE) must have
  * been checked against the model (fitm_moice_check). The KV cache is unchanged: keys stay
  * rotated with the layer's own base, and each expert's keys are turned on from them per call,
- * so prefix reuse and branches work as for plain calls. */
+ * so prefix reuse and branches work as for plain calls. On a backend without
+ * ops->attention_mix it reserves nothing (calls with a method fail FITM_ERR_UNSUPPORTED). */
 fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *moice, fitm_err *err);
 
 /* Ms-PoE's head ranks (L, H), 0 = most position-aware; NULL before fitm_forward_positions. */
