@@ -839,7 +839,7 @@ static void attn_softmax_rows(const fitm_attn_args *a, int64_t i0, int64_t nq, i
 }
 
 /* A (nq, nk) of a mixture for head h: sum over experts of w * softmax(q_e . k_e), each expert
- * in the plain kernels' fixed order, experts with weight 0 on every row of the tile skipped;
+ * in the plain kernels' fixed order, only on the rows whose weight for it is not 0;
  * A starts at exact zeros, so one expert of weight 1 gives its probabilities bit for bit. */
 static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h,
                            int64_t lo, int64_t nk, float *S, float *A)
@@ -848,19 +848,28 @@ static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int6
     const int64_t H = a->n_head, D = a->head_dim, E = mx->n_mix;
     memset(A, 0, (size_t)(nq * nk) * sizeof(float));
     for (int64_t e = 0; e < E; e++) {
-        bool used = false;
-        for (int64_t i = 0; i < nq && !used; i++)
-            used = mx->w[((i0 + i) * H + h) * E + e] != 0.0f;
+        int64_t used = 0;
+        for (int64_t i = 0; i < nq; i++)
+            used += mx->w[((i0 + i) * H + h) * E + e] != 0.0f;
         if (!used)
             continue;
         fitm_attn_args ae = *a;
         const float *k = mx->k + e * mx->k_stride;
+        const int64_t g = h / (H / mx->k_heads);
         ae.q = mx->q + e * a->T * H * D;
         ae.n_head_kv = mx->k_heads;
         ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
         ae.k_own = k + a->own_base * mx->k_heads * D;
-        attn_scores(&ae, i0, nq, h, h / (H / mx->k_heads), lo, nk, S);
-        attn_softmax_rows(a, i0, nq, lo, nk, S);
+        if (used == nq) { /* every row: the blocked kernels */
+            attn_scores(&ae, i0, nq, h, g, lo, nk, S);
+            attn_softmax_rows(a, i0, nq, lo, nk, S);
+        } else { /* only the rows routed here (one-row dots are bit-identical to blocked) */
+            for (int64_t i = 0; i < nq; i++)
+                if (mx->w[((i0 + i) * H + h) * E + e] != 0.0f) {
+                    attn_scores(&ae, i0 + i, 1, h, g, lo, nk, S + i * nk);
+                    attn_softmax_rows(a, i0 + i, 1, lo, nk, S + i * nk);
+                }
+        }
         for (int64_t i = 0; i < nq; i++) {
             const float w = mx->w[((i0 + i) * H + h) * E + e];
             if (w == 0.0f)
