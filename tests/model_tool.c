@@ -1,7 +1,12 @@
 /* model_tool: drives the forward pass from a small script, so pytest can compare logits,
  * captured attention, prefix reuse, branches and the intervention against the numpy oracle.
  *
- *   model_tool -m MODEL -o OUTDIR [-t THREADS] [--batch T] [--ctx N] [--max-logits N] < SCRIPT
+ *   model_tool -m MODEL -o OUTDIR [-t THREADS] [--batch T] [--ctx N] [--max-logits N]
+ *              [--positions] [--moice SIDECAR] < SCRIPT
+ *
+ * --positions creates the forward with the position methods (ms_poe; moice with --moice, whose
+ * sidecar is checked against the model file first); the first JSON line then carries the
+ * Ms-PoE head ranks ("ms_poe_ranks", L x H).
  *
  * Prints one JSON line describing the model, then one per `run`. Script lines:
  *   kv NAME ROWS                 create a KV cache of ROWS rows (empty, at position 0)
@@ -9,7 +14,7 @@
  *   truncate NAME POS            forget NAME's positions >= POS
  *   run NAME POS0 ids=I,J,.. [prefix=BASE] [logits=N] [out=TAG] [rows=P,Q,..]
  *       [spans=S:E,..] [probs] [post] [iv_spans=S:E,..] [iv_alpha=A,..] [iv_from=P]
- *       [iv_layers=L1,L2,..] [path=auto|batch|step]
+ *       [iv_layers=L1,L2,..] [path=auto|batch|step] [pos=none|moice|ms_poe|...]
  * A run with out=TAG writes OUTDIR/TAG.logits (n_logits, V), TAG.mass (rows, L, H, spans) and
  * TAG.probs (rows, L, H, max row + 1), raw little-endian float32. */
 #include <errno.h>
@@ -22,6 +27,7 @@
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
+#include "model/moice.h"
 
 #define MAX_KV 16
 #define MAX_LIST 65536
@@ -86,7 +92,8 @@ static int write_f32(const char *dir, const char *tag, const char *ext, const fl
 
 int main(int argc, char **argv)
 {
-    const char *model_path = NULL, *outdir = ".";
+    const char *model_path = NULL, *outdir = ".", *moice_path = NULL;
+    bool positions = false;
     int threads = 2;
     int64_t batch = 512, ctx = 2048, max_logits = 512;
     for (int i = 1; i < argc; i++) {
@@ -102,6 +109,10 @@ int main(int argc, char **argv)
             ctx = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--max-logits") && i + 1 < argc)
             max_logits = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--moice") && i + 1 < argc)
+            moice_path = argv[++i];
+        else if (!strcmp(argv[i], "--positions"))
+            positions = true;
         else {
             fprintf(stderr, "usage: model_tool -m MODEL -o OUTDIR [-t N] [--batch T] [--ctx N] "
                             "[--max-logits N] < SCRIPT\n");
@@ -118,14 +129,24 @@ int main(int argc, char **argv)
     fitm_model *m = NULL;
     fitm_backend *b = NULL;
     fitm_forward *fw = NULL;
+    fitm_moice *mo = NULL;
     fitm_status s = fitm_model_open(&m, model_path, &err);
     if (!s)
         s = fitm_backend_cpu_create(&b, threads, &err);
+    if (!s && moice_path) {
+        fitm_moice_base id;
+        if (!(s = fitm_moice_load(&mo, moice_path, &err)) &&
+            !(s = fitm_moice_model_identity(m, model_path, &id, &err)))
+            s = fitm_moice_check(mo, &id, &err);
+    }
     fitm_forward_params fp = {batch, ctx, max_logits};
     if (!s)
         s = fitm_forward_create(&fw, m, b, &fp, &err);
+    if (!s && positions)
+        s = fitm_forward_positions(fw, mo, &err);
     if (s) {
         fprintf(stderr, "model_tool: %s: %s\n", fitm_status_name(s), err.msg);
+        fitm_moice_destroy(mo);
         fitm_model_close(m);
         fitm_backend_destroy(b);
         return 1;
@@ -137,7 +158,19 @@ int main(int argc, char **argv)
            c->n_ff, c->n_vocab, c->n_swa);
     for (int32_t l = 0; l < c->n_layer; l++)
         printf("%s%d", l ? "," : "", fitm_model_layer(m, l)->local ? 1 : 0);
-    printf("],\"cpu\":\"%s\"}\n", fitm_cpu_path_name(fitm_cpu_path()));
+    printf("],\"cpu\":\"%s\"", fitm_cpu_path_name(fitm_cpu_path()));
+    if (positions) {
+        const int32_t *rk = fitm_forward_ms_poe_ranks(fw);
+        printf(",\"ms_poe_ranks\":[");
+        for (int32_t l = 0; l < c->n_layer; l++) {
+            printf("%s[", l ? "," : "");
+            for (int32_t h = 0; h < c->n_head; h++)
+                printf("%s%d", h ? "," : "", (int)rk[l * c->n_head + h]);
+            printf("]");
+        }
+        printf("]");
+    }
+    printf("}\n");
     fflush(stdout);
 
     int64_t *ids64 = malloc(MAX_LIST * sizeof *ids64);
@@ -199,6 +232,9 @@ int main(int argc, char **argv)
                 } else if (!strcmp(kvp, "path")) {
                     o.path = !strcmp(v, "batch") ? FITM_PATH_BATCH
                              : !strcmp(v, "step") ? FITM_PATH_STEP : FITM_PATH_AUTO;
+                } else if (!strcmp(kvp, "pos")) {
+                    int pm = fitm_position_method_parse(v);
+                    o.position = pm < 0 ? FITM_POSITION_COUNT : (fitm_position_method)pm;
                 } else if (!strcmp(kvp, "post")) {
                     post = true;
                 } else if (!strcmp(kvp, "iv_spans")) {
@@ -297,6 +333,7 @@ int main(int argc, char **argv)
     free(iv_alpha);
     free(iv_layers);
     fitm_forward_destroy(fw);
+    fitm_moice_destroy(mo);
     fitm_backend_destroy(b);
     fitm_model_close(m);
     return rc;

@@ -7,14 +7,16 @@
 
 #include "cli/cli.h"
 #include "gguf/gguf.h"
+#include "model/moice.h"
 
 #define ARR_PREVIEW 8   /* array elements shown per value */
 #define STR_PREVIEW 160 /* string bytes shown per value in --kv */
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: fitm inspect -m MODEL.gguf [--kv] [--tensors]\n"
-               "  -m, --model PATH  the GGUF file to inspect\n"
+    fprintf(f, "usage: fitm inspect [-m] FILE.gguf [--kv] [--tensors]\n"
+               "  -m, --model PATH  the GGUF file to inspect: a model, or a MoICE router\n"
+               "                    sidecar (docs/moice.md), which is validated in full\n"
                "  --kv              list every metadata key with its type and value\n"
                "  --tensors         list every tensor: name, type, shape, offset, bytes\n");
 }
@@ -219,6 +221,54 @@ static void print_summary(const fitm_gguf *g, const char *path)
            (double)n_data / (1024.0 * 1024.0));
 }
 
+/* A MoICE sidecar, after fitm_moice_load's checks: the base model it was made for, its
+ * experts and routed layers, and how it was trained. 1 when it does not load. */
+static int print_moice(const char *path)
+{
+    fitm_moice *mo = NULL;
+    fitm_err err = {{0}};
+    if (fitm_moice_load(&mo, path, &err) != FITM_OK) {
+        fprintf(stderr, "fitm inspect: %s\n", err.msg);
+        return 1;
+    }
+    const fitm_moice_base *b = fitm_moice_base_of(mo);
+    const int32_t N = fitm_moice_n_experts(mo);
+    printf("MoICE sidecar:  valid\n");
+    printf("  base model:   %s, %u layers, %u heads (%u KV), head dim %u\n", b->architecture,
+           b->block_count, b->head_count, b->head_count_kv, b->key_length);
+    printf("  base sha256:  %s\n", b->sha256);
+    printf("  experts:      %d per routed layer, top_k %d\n", (int)N, (int)fitm_moice_top_k(mo));
+    int32_t n_routed = 0;
+    for (uint32_t l = 0; l < b->block_count; l++)
+        n_routed += fitm_moice_routed(mo, (int32_t)l);
+    printf("  routed layers: %d of %u\n", (int)n_routed, b->block_count);
+    for (uint32_t l = 0; l < b->block_count; l++) {
+        if (!fitm_moice_routed(mo, (int32_t)l))
+            continue;
+        printf("    layer %3u bases:", l);
+        for (int32_t e = 0; e < N; e++)
+            printf(" %g", (double)fitm_moice_bases(mo, (int32_t)l)[e]);
+        printf("\n");
+    }
+    const fitm_gguf *g = fitm_moice_gguf(mo);
+    printf("  training:\n");
+    const char *pre = "fitm-moice.train.";
+    int n_train = 0;
+    for (int64_t i = 0; i < fitm_gguf_n_kv(g); i++) {
+        const fitm_gguf_kv *kv = fitm_gguf_kv_at(g, i);
+        if (strncmp(kv->key, pre, strlen(pre)) != 0)
+            continue;
+        printf("    %-28s = ", kv->key + strlen(pre));
+        print_value(stdout, g, kv, STR_PREVIEW);
+        fputc('\n', stdout);
+        n_train++;
+    }
+    if (!n_train)
+        printf("    (none recorded)\n");
+    fitm_moice_destroy(mo);
+    return 0;
+}
+
 static void print_kvs(const fitm_gguf *g)
 {
     printf("metadata:\n");
@@ -264,6 +314,8 @@ int fitm_cli_inspect(int argc, char **argv)
             path = argv[++i];
         } else if (!strncmp(a, "--model=", 8)) {
             path = a + 8;
+        } else if (a[0] != '-' && !path) {
+            path = a;
         } else {
             fprintf(stderr, "fitm inspect: unexpected argument '%s'\n", a);
             usage(stderr);
@@ -283,10 +335,15 @@ int fitm_cli_inspect(int argc, char **argv)
         return 1;
     }
     print_summary(g, path);
+    fitm_gguf_str arch = {"", 0};
+    int rc = 0;
+    if (fitm_gguf_get_str(g, "general.architecture", &arch, &err) == FITM_OK &&
+        arch.len == 10 && !memcmp(arch.ptr, "fitm-moice", 10))
+        rc = print_moice(path);
     if (kv)
         print_kvs(g);
     if (tensors)
         print_tensors(g);
     fitm_gguf_close(g);
-    return fflush(stdout) == 0 ? 0 : 1;
+    return fflush(stdout) == 0 ? rc : 1;
 }

@@ -64,6 +64,22 @@ typedef struct {
     float *y;                /* (T, N), row stride N      */
 } fitm_mm_out;
 
+/* A mixture of attentions (the position methods of docs/position-methods.md): E probability
+ * maps, each from its own rotated queries and keys, mixed per (row, head) by weights:
+ * A = sum_e w[t, h, e] softmax_j(scale q_e . k_e + mask). A replaces the plain probabilities
+ * everywhere: capture, intervention and the product with V (the V rows are the plain ones). An
+ * expert whose weight is 0 for a row adds nothing to it (a backend may skip it); weights of 1
+ * and 0 reproduce that expert's attention exactly. */
+typedef struct {
+    int32_t n_mix;     /* E >= 1                                                          */
+    const float *q;    /* (E, T, H, D) each expert's queries                             */
+    const float *k;    /* (E, k_stride): expert e's keys of positions [0, pos0 + T) as
+                          (pos0 + T, k_heads, D), position j at row j                     */
+    int64_t k_stride;  /* floats from one expert's keys to the next                      */
+    int32_t k_heads;   /* Hkv (query head h reads key head h / (H / Hkv)) or H (its own) */
+    const float *w;    /* (T, H, E) weights, each row's summing to 1                      */
+} fitm_attn_mix;
+
 /* One layer's attention for T query rows at positions pos0 .. pos0+T-1.
  * Keys are the positions visible from each row (causal; and within `window` when window > 0:
  * key j is visible from query i iff j <= i and i - j < window). Key j's K/V row is in the
@@ -87,6 +103,9 @@ typedef struct {
     int32_t n_layer;
     /* Intervention for this layer (NULL when this layer is not intervened). */
     const fitm_intervention *intervention;
+    /* NULL: q and the cached keys as above. Else the mixture replaces q . k (only for a
+     * backend with ops->attention_mix). */
+    const fitm_attn_mix *mix;
 } fitm_attn_args;
 
 typedef struct {
@@ -133,6 +152,9 @@ typedef struct {
     /* x (n) = cap * tanh(x / cap) */
     void (*softcap)(fitm_backend *b, float *x, int64_t n, float cap);
     void (*attention)(fitm_backend *b, const fitm_attn_args *a);
+    /* Whether attention takes a->mix (the position methods); a backend without it answers
+     * those requests with FITM_ERR_UNSUPPORTED (forward.c). */
+    bool attention_mix;
 } fitm_backend_ops;
 
 struct fitm_backend {

@@ -35,6 +35,7 @@ typedef struct {
     int n_threads;
     int64_t max_tokens, max_keys, max_k;
     float **scores;        /* per thread: (TILE_Q, max_keys)                 */
+    float **mixed;         /* per thread: (TILE_Q, max_keys) a mixture's A   */
     double **mass;         /* per thread: (FITM_FORWARD_MAX_SPANS)           */
     float **mm_scratch;    /* per thread: (FLOAT_TILE + 1, max_k)            */
     float *zero_row;       /* (max_k) zeros: padding rows of the float path  */
@@ -84,10 +85,12 @@ static void free_per_thread(void **v, int n)
 static void release_scratch(cpu_backend *c)
 {
     free_per_thread((void **)c->scores, c->n_threads);
+    free_per_thread((void **)c->mixed, c->n_threads);
     free_per_thread((void **)c->mass, c->n_threads);
     free_per_thread((void **)c->mm_scratch, c->n_threads);
     free(c->zero_row);
     c->scores = NULL;
+    c->mixed = NULL;
     c->mass = NULL;
     c->mm_scratch = NULL;
     c->zero_row = NULL;
@@ -139,11 +142,13 @@ static fitm_status cpu_reserve(fitm_backend *b, int64_t max_tokens, int64_t max_
     c->xq_row_cap = row > row0 ? row : row0;
     c->scores = (float **)alloc_per_thread(c->n_threads,
                                            (size_t)TILE_Q * (size_t)max_keys * sizeof(float));
+    c->mixed = (float **)alloc_per_thread(c->n_threads,
+                                          (size_t)TILE_Q * (size_t)max_keys * sizeof(float));
     c->mass = (double **)alloc_per_thread(c->n_threads, FITM_FORWARD_MAX_SPANS * sizeof(double));
     c->mm_scratch = (float **)alloc_per_thread(
         c->n_threads, (size_t)(FLOAT_TILE + 1) * (size_t)max_k * sizeof(float));
     c->zero_row = cpu_alloc(NULL, (size_t)max_k * sizeof(float));
-    bool ok = c->scores && c->mass && c->mm_scratch && c->zero_row;
+    bool ok = c->scores && c->mixed && c->mass && c->mm_scratch && c->zero_row;
     for (int i = 0; i < MAX_VEC_TYPES && ok; i++) {
         c->xq[i] = cpu_alloc(NULL, c->xq_row_cap * (size_t)max_tokens);
         ok = c->xq[i] != NULL;
@@ -815,6 +820,67 @@ static void attn_pv(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h, 
             }
 }
 
+/* Row i of the tile (position pos0 + i0 + i) becomes softmax over its visible keys [v0, p],
+ * exact zeros elsewhere, for each of the nq rows of S (nq, nk). */
+static void attn_softmax_rows(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t lo,
+                              int64_t nk, float *S)
+{
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t p = a->pos0 + i0 + i;
+        float *row = S + i * nk;
+        int64_t v0 = a->window > 0 && p - a->window + 1 > lo ? p - a->window + 1 : lo;
+        softmax_fast(row + (v0 - lo), p - v0 + 1);
+        for (int64_t k = lo; k < v0; k++)
+            row[k - lo] = 0.0f;
+        for (int64_t k = p + 1; k < lo + nk; k++)
+            row[k - lo] = 0.0f;
+    }
+}
+
+/* A (nq, nk) of a mixture for head h: sum over experts of w * softmax(q_e . k_e), each expert
+ * in the plain kernels' fixed order, only on the rows whose weight for it is not 0;
+ * A starts at exact zeros, so one expert of weight 1 gives its probabilities bit for bit. */
+static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h,
+                           int64_t lo, int64_t nk, float *S, float *A)
+{
+    const fitm_attn_mix *mx = a->mix;
+    const int64_t H = a->n_head, D = a->head_dim, E = mx->n_mix;
+    memset(A, 0, (size_t)(nq * nk) * sizeof(float));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t used = 0;
+        for (int64_t i = 0; i < nq; i++)
+            used += mx->w[((i0 + i) * H + h) * E + e] != 0.0f;
+        if (!used)
+            continue;
+        fitm_attn_args ae = *a;
+        const float *k = mx->k + e * mx->k_stride;
+        const int64_t g = h / (H / mx->k_heads);
+        ae.q = mx->q + e * a->T * H * D;
+        ae.n_head_kv = mx->k_heads;
+        ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
+        ae.k_own = k + a->own_base * mx->k_heads * D;
+        if (used == nq) { /* every row: the blocked kernels */
+            attn_scores(&ae, i0, nq, h, g, lo, nk, S);
+            attn_softmax_rows(a, i0, nq, lo, nk, S);
+        } else { /* only the rows routed here (one-row dots are bit-identical to blocked) */
+            for (int64_t i = 0; i < nq; i++)
+                if (mx->w[((i0 + i) * H + h) * E + e] != 0.0f) {
+                    attn_scores(&ae, i0 + i, 1, h, g, lo, nk, S + i * nk);
+                    attn_softmax_rows(a, i0 + i, 1, lo, nk, S + i * nk);
+                }
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            const float w = mx->w[((i0 + i) * H + h) * E + e];
+            if (w == 0.0f)
+                continue;
+            float *dst = A + i * nk;
+            const float *src = S + i * nk;
+            for (int64_t j = 0; j < nk; j++)
+                dst[j] += w * src[j];
+        }
+    }
+}
+
 static void attn_task(void *ctx, int64_t task, int thread)
 {
     attn_job *j = ctx;
@@ -830,20 +896,19 @@ static void attn_task(void *ctx, int64_t task, int thread)
         lo = p_first - a->window + 1;
     const int64_t nk = p_last + 1 - lo;
     float *S = j->c->scores[thread]; /* (nq, nk) */
-    attn_scores(a, i0, nq, h, g, lo, nk, S);
+    if (a->mix) {
+        attn_mix_probs(a, i0, nq, h, lo, nk, S, j->c->mixed[thread]);
+        S = j->c->mixed[thread];
+    } else {
+        attn_scores(a, i0, nq, h, g, lo, nk, S);
+        attn_softmax_rows(a, i0, nq, lo, nk, S);
+    }
 
     const fitm_capture *cap = a->capture;
     const fitm_intervention *iv = a->intervention;
     for (int64_t i = 0; i < nq; i++) {
         const int64_t p = a->pos0 + i0 + i;
         float *row = S + i * nk;
-        /* visible keys: [v0, p]; everything else in the row becomes an exact 0 */
-        int64_t v0 = a->window > 0 && p - a->window + 1 > lo ? p - a->window + 1 : lo;
-        softmax_fast(row + (v0 - lo), p - v0 + 1);
-        for (int64_t k = lo; k < v0; k++)
-            row[k - lo] = 0.0f;
-        for (int64_t k = p + 1; k < lo + nk; k++)
-            row[k - lo] = 0.0f;
         const int32_t r = cap ? a->cap_index[i0 + i] : -1;
         const bool intervene = iv && p >= iv->from_pos;
         if (r >= 0 && !(intervene && cap->after_intervention))
@@ -885,6 +950,7 @@ static const fitm_backend_ops cpu_ops = {
     .add = cpu_add,
     .softcap = cpu_softcap,
     .attention = cpu_attention,
+    .attention_mix = true,
 };
 
 #define CPU_CAT_(a, b) a##_##b

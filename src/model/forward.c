@@ -1,5 +1,6 @@
 #include "model/forward.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,7 +22,53 @@ struct fitm_forward {
     float *cs_host;     /* (T, n_rot) */
     int32_t *cap_index; /* (T)        */
     int32_t *ids;       /* (T) the call's tokens, in row order */
+    /* position methods (params.positions; docs/position-methods.md) */
+    int32_t n_mix;      /* expert slots: max(H, MoICE N); 0 = no position methods        */
+    float *q_mix;       /* (n_mix, Tm, H, D) each expert's queries                       */
+    float *k_mix;       /* (n_mix, max_ctx, Hkv, D) each expert's keys                   */
+    float *w_mix;       /* (Tm, H, n_mix) mixture weights                                */
+    float **tabs;       /* (n_tabs) RoPE tables (max_ctx, n_rot) of one base change      */
+    double (*tab_keys)[4]; /* (n_tabs) from_base, from_scale, to_base, to_scale         */
+    int64_t *tab_filled;   /* (n_tabs) rows computed so far                               */
+    double *tab_freq;      /* (n_rot / 2) one table's angle per position                  */
+    float *tab_host;       /* (max_ctx, n_rot) staging rows                               */
+    int32_t n_tabs, cap_tabs;
+    int32_t *tab_moice;    /* (L, N) table of layer l's expert e; NULL without MoICE      */
+    int32_t *tab_ms_poe;   /* (L, H) table of layer l's head h                            */
+    int32_t *ms_poe_rank;  /* (L, H)                                                      */
+    float *w_host;         /* (Tm, H, n_mix)                                              */
+    float *x_host;         /* (Tm, H, D) router inputs                                    */
+    float route_scratch[3 * FITM_MOICE_MAX_EXPERTS];
+    const fitm_moice *moice; /* borrowed; NULL: no MoICE                                  */
+    bool backend_mix;    /* b->ops->attention_mix                                       */
+    float *stat_host;      /* non-NULL during the Ms-PoE calibration pass: (T + 1, Hkv|H, D) */
 };
+
+static const char *const position_names[FITM_POSITION_COUNT] = {"none", "moice", "ms_poe",
+                                                                 "attention_buckets"};
+
+const char *fitm_position_method_name(fitm_position_method m)
+{
+    return (unsigned)m < FITM_POSITION_COUNT ? position_names[m] : "unknown";
+}
+
+int fitm_position_method_parse(const char *s)
+{
+    for (int i = 0; s && i < FITM_POSITION_COUNT; i++)
+        if (!strcmp(s, position_names[i]))
+            return i;
+    return -1;
+}
+
+int32_t fitm_forward_ms_poe_calib_id(int64_t i, int32_t n_vocab)
+{
+    return (int32_t)((i * 7919 + 17) % n_vocab);
+}
+
+const int32_t *fitm_forward_ms_poe_ranks(const fitm_forward *f)
+{
+    return f->ms_poe_rank;
+}
 
 static void free_scratch(fitm_forward *f)
 {
@@ -33,7 +80,24 @@ static void free_scratch(fitm_forward *f)
     free(f->cs_host);
     free(f->cap_index);
     free(f->ids);
+    b->ops->free(b, f->q_mix);
+    b->ops->free(b, f->k_mix);
+    b->ops->free(b, f->w_mix);
+    for (int32_t i = 0; i < f->n_tabs; i++)
+        b->ops->free(b, f->tabs[i]);
+    free(f->tabs);
+    free(f->tab_keys);
+    free(f->tab_filled);
+    free(f->tab_freq);
+    free(f->tab_host);
+    free(f->tab_moice);
+    free(f->tab_ms_poe);
+    free(f->ms_poe_rank);
+    free(f->w_host);
+    free(f->x_host);
 }
+
+
 
 void fitm_forward_destroy(fitm_forward *f)
 {
@@ -68,6 +132,7 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     f->m = m;
     f->b = b;
     f->p = *p;
+    f->backend_mix = b->ops->attention_mix;
     const int64_t Tm = p->max_tokens, C = c->n_embd, F = c->n_ff;
     const int64_t HD = (int64_t)c->n_head * c->head_dim;
     bool ok = true;
@@ -218,6 +283,27 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
                             (long long)opts->n_logits, (long long)T, (long long)f->p.max_logits);
     if ((unsigned)opts->path > FITM_PATH_STEP)
         return fitm_err_set(err, FITM_ERR_INVALID, "unknown forward path %d", (int)opts->path);
+    if ((unsigned)opts->position >= FITM_POSITION_COUNT)
+        return fitm_err_set(err, FITM_ERR_INVALID, "unknown position method %d",
+                            (int)opts->position);
+    if (opts->position != FITM_POSITION_NONE) {
+        const char *name = fitm_position_method_name(opts->position);
+        if (opts->position == FITM_POSITION_BUCKETS)
+            return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                                "position_method %s runs one pass per bucket, each with its own "
+                                "KV cache: the forward driver does not run it", name);
+        if (!f->backend_mix)
+            return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                                "position_method %s: the %s backend has no mixed attention", name,
+                                f->b->ops->name);
+        if (f->n_mix == 0)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "position_method %s: position methods are not enabled on this "
+                                "forward", name);
+        if (opts->position == FITM_POSITION_MOICE && !f->moice)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "position_method moice needs a MoICE router sidecar (--moice)");
+    }
     fitm_status s;
     if ((s = check_capture(opts->capture, T, pos0, cap_index, err)) ||
         (s = check_intervention(opts->intervention, err)))
@@ -328,6 +414,128 @@ static fitm_attn_args attn_args(const pass *p, const seq_part *q, int32_t l)
     };
 }
 
+/* ---- position methods ------------------------------------------------------------------ */
+
+/* Makes rows [0, n) of table id valid (computing the missing ones on the host staging rows). */
+static void table_fill(fitm_forward *f, int32_t id, int64_t n)
+{
+    const int64_t have = f->tab_filled[id];
+    if (n <= have)
+        return;
+    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot, half = n_rot / 2;
+    const double *k = f->tab_keys[id];
+    for (int64_t i = 0; i < half; i++) {
+        const double ex = -2.0 * (double)i / (double)n_rot;
+        f->tab_freq[i] = k[3] * pow(k[2], ex) - k[1] * pow(k[0], ex);
+    }
+    float *host = f->tab_host;
+    for (int64_t pos = have; pos < n; pos++)
+        for (int64_t i = 0; i < half; i++) {
+            const double a = (double)pos * f->tab_freq[i];
+            host[(pos - have) * n_rot + 2 * i] = (float)cos(a);
+            host[(pos - have) * n_rot + 2 * i + 1] = (float)sin(a);
+        }
+    f->b->ops->upload(f->b, f->tabs[id] + have * n_rot, host,
+                      (size_t)((n - have) * n_rot) * sizeof(float));
+    f->tab_filled[id] = n;
+}
+
+/* Whether layer l runs method m as a mixture (the other layers are plain). */
+static bool position_layer(const fitm_forward *f, fitm_position_method m, int32_t l)
+{
+    if (m == FITM_POSITION_MOICE)
+        return fitm_moice_routed(f->moice, l);
+    return m == FITM_POSITION_MS_POE && l >= FITM_MS_POE_FIRST_LAYER;
+}
+
+/* The mixture of sequence q in layer l: per expert e, the call's queries and every visible
+ * key (the prefix's below base) copied and turned on by the expert's base change (the cache
+ * holds keys rotated with the layer's own base, and rotations compose); then the weights:
+ * MoICE's routers on expert 0's queries, or Ms-PoE's one expert per head. */
+static void position_mix(const pass *p, const seq_part *q, int32_t l, fitm_attn_mix *mix)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    fitm_backend *b = f->b;
+    const fitm_backend_ops *o = b->ops;
+    const bool moice = q->opts->position == FITM_POSITION_MOICE;
+    const int64_t H = c->n_head, D = c->head_dim, HD = H * D, KV = (int64_t)c->n_head_kv * D;
+    const int64_t T = q->T, n_keys = q->pos0 + T, n_rot = c->n_rot;
+    const int32_t E = moice ? fitm_moice_n_experts(f->moice) : (int32_t)H;
+    const int64_t k_stride = f->p.max_ctx * KV;
+    for (int32_t e = 0; e < E; e++) {
+        const int32_t id = moice ? f->tab_moice[l * E + e] : f->tab_ms_poe[l * H + e];
+        table_fill(f, id, n_keys);
+        const float *tab = f->tabs[id];
+        float *qe = f->q_mix + e * T * HD, *ke = f->k_mix + e * k_stride;
+        o->copy(b, qe, f->q + q->row0 * HD, (size_t)(T * HD) * sizeof(float));
+        o->rope(b, qe, T, H, D, n_rot, tab + q->pos0 * n_rot, c->rope_neox);
+        int64_t own0 = 0;
+        if (q->base > 0) {
+            o->copy(b, ke, fitm_kv_k(q->opts->prefix, l), (size_t)(q->base * KV) * sizeof(float));
+            own0 = q->base;
+        }
+        o->copy(b, ke + own0 * KV, fitm_kv_k(q->kv, l),
+                (size_t)((n_keys - own0) * KV) * sizeof(float));
+        o->rope(b, ke, n_keys, c->n_head_kv, D, n_rot, tab, c->rope_neox);
+    }
+    float *w = f->w_host;
+    if (moice) {
+        o->download(b, f->x_host, f->q_mix, (size_t)(T * HD) * sizeof(float));
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                fitm_moice_route(f->moice, l, (int32_t)h, f->x_host + (t * H + h) * D,
+                                 w + (t * H + h) * E, f->route_scratch);
+    } else {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                for (int32_t e = 0; e < E; e++)
+                    w[(t * H + h) * E + e] = e == h ? 1.0f : 0.0f;
+    }
+    o->upload(b, f->w_mix, w, (size_t)(T * H * E) * sizeof(float));
+    *mix = (fitm_attn_mix){.n_mix = E, .q = f->q_mix, .k = f->k_mix, .k_stride = k_stride,
+                           .k_heads = c->n_head_kv, .w = f->w_mix};
+}
+
+/* The Ms-PoE calibration pass (one sequence from position 0): for each head, the last row's
+ * attention on the queries and keys before RoPE, p = softmax(scale q.k) over the visible keys,
+ * and the fraction of the row's keys with p > 3 mean(p) (the authors' outlier statistic); the
+ * heads are ranked by it, most outliers first, the lower head first on ties. */
+static void ms_poe_stats(const pass *p, int32_t l)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const int64_t T = p->T, H = c->n_head, Hkv = c->n_head_kv, D = c->head_dim;
+    float *qh = f->stat_host, *kh = f->stat_host + H * D; /* last query row; (T, Hkv, D) */
+    f->b->ops->download(f->b, qh, f->q + (T - 1) * H * D, (size_t)(H * D) * sizeof(float));
+    f->b->ops->download(f->b, kh, f->k, (size_t)(T * Hkv * D) * sizeof(float));
+    double frac[4096];
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t g = h / (H / Hkv);
+        double mx = -INFINITY, z = 0.0;
+        double sc[FITM_MS_POE_CALIB_LEN];
+        for (int64_t j = 0; j < T; j++) {
+            double d = 0.0;
+            for (int64_t i = 0; i < D; i++)
+                d += (double)qh[h * D + i] * kh[(j * Hkv + g) * D + i];
+            sc[j] = fitm_model_key_visible(f->m, l, T - 1, j) ? d * c->attn_scale : -INFINITY;
+            mx = sc[j] > mx ? sc[j] : mx;
+        }
+        for (int64_t j = 0; j < T; j++)
+            z += sc[j] == -INFINITY ? 0.0 : exp(sc[j] - mx);
+        int64_t n = 0;
+        for (int64_t j = 0; j < T; j++) /* mean(p) over the row's T keys is 1 / T */
+            n += sc[j] != -INFINITY && exp(sc[j] - mx) / z > 3.0 / (double)T;
+        frac[h] = (double)n / (double)T;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        int32_t rank = 0;
+        for (int64_t o = 0; o < H; o++)
+            rank += frac[o] > frac[h] || (frac[o] == frac[h] && o < h);
+        f->ms_poe_rank[l * H + h] = rank;
+    }
+}
+
 /* x += attention block of layer l; appends each sequence's K/V rows to its cache. */
 static void attention_block(const pass *p, int32_t l)
 {
@@ -350,6 +558,8 @@ static void attention_block(const pass *p, int32_t l)
         o->rmsnorm(b, f->q, f->q, &ly->q_norm, T * H, D, c->norm_eps);
         o->rmsnorm(b, f->k, f->k, &ly->k_norm, T * Hkv, D, c->norm_eps);
     }
+    if (f->stat_host)
+        ms_poe_stats(p, l);
     o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
     o->rope(b, f->k, T, Hkv, D, c->n_rot, cs, c->rope_neox);
     for (int32_t s = 0; s < p->n_seqs; s++) {
@@ -359,6 +569,11 @@ static void attention_block(const pass *p, int32_t l)
         o->copy(b, fitm_kv_k(q->kv, l) + dst, f->k + src, n);
         o->copy(b, fitm_kv_v(q->kv, l) + dst, f->v + src, n);
         fitm_attn_args a = attn_args(p, q, l);
+        fitm_attn_mix mix;
+        if (position_layer(f, q->opts->position, l)) {
+            position_mix(p, q, l, &mix);
+            a.mix = &mix;
+        }
         o->attention(b, &a);
     }
     const fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
@@ -516,4 +731,129 @@ fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens
 {
     const fitm_forward_seq seq = {kv, tokens, T, pos0, opts};
     return fitm_forward_run_batch(f, &seq, 1, err);
+}
+
+/* ---- position methods: creation ------------------------------------------------------------ */
+
+/* The index of the table turning keys rotated with (from_base, from_scale) into keys rotated
+ * with (to_base, to_scale), one per distinct change: row p holds, for each pair i, the cos and
+ * sin of p (to_scale to_base^(-2i/n_rot) - from_scale from_base^(-2i/n_rot)), in double. A
+ * zero change gives cos 1, sin 0: the keys come through bit for bit. Rows are filled on first
+ * use (table_fill), so memory is touched only up to the longest context served. */
+static int32_t rotation_table(fitm_forward *f, double from_base, double from_scale,
+                              double to_base, double to_scale, bool *ok)
+{
+    for (int32_t i = 0; i < f->n_tabs; i++)
+        if (f->tab_keys[i][0] == from_base && f->tab_keys[i][1] == from_scale &&
+            f->tab_keys[i][2] == to_base && f->tab_keys[i][3] == to_scale)
+            return i;
+    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot;
+    float *t = f->n_tabs < f->cap_tabs
+                   ? f->b->ops->alloc(f->b, (size_t)(f->p.max_ctx * n_rot) * sizeof(float))
+                   : NULL;
+    if (!t) {
+        *ok = false;
+        return 0;
+    }
+    const int32_t id = f->n_tabs++;
+    f->tabs[id] = t;
+    f->tab_filled[id] = 0;
+    f->tab_keys[id][0] = from_base;
+    f->tab_keys[id][1] = from_scale;
+    f->tab_keys[id][2] = to_base;
+    f->tab_keys[id][3] = to_scale;
+    return id;
+}
+
+/* Ranks the heads for Ms-PoE with a plain pass over the calibration ids (ms_poe_stats). */
+static fitm_status ms_poe_calibrate(fitm_forward *f, fitm_err *err)
+{
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    int64_t T = FITM_MS_POE_CALIB_LEN;
+    T = T < f->p.max_tokens ? T : f->p.max_tokens;
+    T = T < f->p.max_ctx ? T : f->p.max_ctx;
+    const int64_t H = c->n_head, D = c->head_dim;
+    const int64_t KVH = H > c->n_head_kv ? H : c->n_head_kv;
+    int32_t *ids = malloc((size_t)T * sizeof *ids);
+    float *stat = malloc((size_t)((T + 1) * KVH * D) * sizeof(float));
+    fitm_kv *kv = NULL;
+    fitm_status s = FITM_OK;
+    if (!ids || !stat)
+        s = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the Ms-PoE calibration");
+    if (s == FITM_OK)
+        s = fitm_kv_create(&kv, f->b, c, T, err);
+    if (s == FITM_OK) {
+        for (int64_t i = 0; i < T; i++)
+            ids[i] = fitm_forward_ms_poe_calib_id(i, c->n_vocab);
+        f->stat_host = stat;
+        s = fitm_forward_run(f, kv, ids, T, 0, NULL, err);
+        f->stat_host = NULL;
+    }
+    fitm_kv_destroy(kv);
+    free(ids);
+    free(stat);
+    return s;
+}
+
+fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_err *err)
+{
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    if (f->tabs)
+        return fitm_err_set(err, FITM_ERR_INVALID, "position methods are already enabled");
+    f->moice = mo;
+    if (!f->backend_mix)
+        return FITM_OK; /* its calls with a method fail UNSUPPORTED: reserve nothing for them */
+    const int64_t L = c->n_layer, H = c->n_head, D = c->head_dim, Tm = f->p.max_tokens;
+    const int32_t N = mo ? fitm_moice_n_experts(mo) : 0;
+    if (mo) {
+        const fitm_moice_base *mb = fitm_moice_base_of(mo);
+        if (mb->block_count != (uint32_t)L || mb->head_count != (uint32_t)H ||
+            mb->head_count_kv != (uint32_t)c->n_head_kv || mb->key_length != (uint32_t)D)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "MoICE sidecar shapes do not match the model (fitm_moice_check)");
+    }
+    f->n_mix = (int32_t)(N > H ? N : H);
+    bool ok = true;
+    f->q_mix = alloc_floats(f->b, f->n_mix * Tm * H * D, &ok);
+    f->k_mix = alloc_floats(f->b, f->n_mix * f->p.max_ctx * c->n_head_kv * D, &ok);
+    f->w_mix = alloc_floats(f->b, Tm * H * f->n_mix, &ok);
+    f->cap_tabs = (int32_t)(L * (N + H));
+    f->tabs = calloc((size_t)f->cap_tabs, sizeof *f->tabs);
+    f->tab_keys = calloc((size_t)f->cap_tabs, sizeof *f->tab_keys);
+    f->tab_moice = N ? malloc((size_t)(L * N) * sizeof *f->tab_moice) : NULL;
+    f->tab_ms_poe = malloc((size_t)(L * H) * sizeof *f->tab_ms_poe);
+    f->ms_poe_rank = calloc((size_t)(L * H), sizeof *f->ms_poe_rank);
+    f->w_host = malloc((size_t)(Tm * H * f->n_mix) * sizeof *f->w_host);
+    f->x_host = malloc((size_t)(Tm * H * D) * sizeof *f->x_host);
+    f->tab_filled = calloc((size_t)f->cap_tabs, sizeof *f->tab_filled);
+    f->tab_freq = malloc((size_t)(c->n_rot / 2 + 1) * sizeof *f->tab_freq);
+    f->tab_host = malloc((size_t)(f->p.max_ctx * c->n_rot) * sizeof *f->tab_host);
+    ok = ok && f->tabs && f->tab_keys && (!N || f->tab_moice) && f->tab_ms_poe &&
+         f->ms_poe_rank && f->w_host && f->x_host && f->tab_filled && f->tab_freq &&
+         f->tab_host;
+    fitm_status s = FITM_OK;
+    if (ok) {
+        const int32_t n_mix = f->n_mix;
+        f->n_mix = 0; /* the calibration pass is a plain one */
+        s = ms_poe_calibrate(f, err);
+        f->n_mix = n_mix;
+    }
+    for (int32_t l = 0; l < L && ok && s == FITM_OK; l++) {
+        const fitm_layer *ly = fitm_model_layer(f->m, l);
+        const double base = ly->rope_base, scale = ly->rope_freq_scale;
+        for (int32_t e = 0; mo && e < N && fitm_moice_routed(mo, l); e++)
+            f->tab_moice[l * N + e] = rotation_table(f, base, scale,
+                                                     fitm_moice_bases(mo, l)[e], scale, &ok);
+        for (int32_t h = 0; h < H && l >= FITM_MS_POE_FIRST_LAYER; h++) {
+            const double r = FITM_MS_POE_MIN + (FITM_MS_POE_MAX - FITM_MS_POE_MIN) *
+                                                   (double)f->ms_poe_rank[l * H + h] / (double)H;
+            f->tab_ms_poe[l * H + h] = rotation_table(f, base, scale, base, scale / r, &ok);
+        }
+    }
+    if (s == FITM_OK && !ok)
+        s = fitm_err_set(err, FITM_ERR_NOMEM,
+                         "cannot allocate the position methods' scratch (%d experts, %lld "
+                         "positions)",
+                         (int)f->n_mix, (long long)f->p.max_ctx);
+    return s;
 }

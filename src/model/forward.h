@@ -34,6 +34,33 @@
 #include "model/backend.h"
 #include "model/kv.h"
 #include "model/model.h"
+#include "model/moice.h"
+
+/* Position methods (docs/position-methods.md): how a call's attention uses positions. */
+typedef enum {
+    FITM_POSITION_NONE = 0,  /* the model's own RoPE                                      */
+    FITM_POSITION_MOICE,     /* MoICE: routed mixture of RoPE bases (needs params.moice) */
+    FITM_POSITION_MS_POE,    /* Ms-PoE: per-head position ratios in [1.2, 1.8]           */
+    FITM_POSITION_BUCKETS,   /* Attention Buckets: passes with scaled bases, aggregated at
+                                the output; several caches, so the driver refuses it      */
+    FITM_POSITION_COUNT
+} fitm_position_method;
+
+/* Wire names: "none", "moice", "ms_poe", "attention_buckets"; "unknown" out of range. */
+const char *fitm_position_method_name(fitm_position_method m);
+/* -1 when s is not a wire name. */
+int fitm_position_method_parse(const char *s);
+
+/* Ms-PoE (Zhang et al. 2024): head ratios from MIN to MAX by position-awareness rank, in the
+ * layers from FIRST_LAYER on; ranks from a plain pass over FITM_MS_POE_CALIB_LEN fixed ids
+ * (fitm_forward_ms_poe_calib_id). */
+#define FITM_MS_POE_MIN 1.2
+#define FITM_MS_POE_MAX 1.8
+#define FITM_MS_POE_FIRST_LAYER 2
+#define FITM_MS_POE_CALIB_LEN 64
+
+/* The i-th calibration id for a vocabulary of n_vocab: (7919 i + 17) mod V. */
+int32_t fitm_forward_ms_poe_calib_id(int64_t i, int32_t n_vocab);
 
 /* Below this many tokens, AUTO runs a call on the STEP path: only single-token decode steps,
  * so any two multi-token calls (prefill chunks, reference passes) share numerics. */
@@ -55,6 +82,9 @@ typedef struct {
     const fitm_intervention *intervention; /* NULL: none */
     fitm_forward_path path;                /* numerics class; AUTO unless a caller needs
                                               rows to match a call of another size */
+    fitm_position_method position;         /* NONE unless fitm_forward_positions was called
+                                              (MOICE: with a sidecar); a branch and its
+                                              prefix must use the same                    */
 } fitm_forward_opts;
 
 typedef struct {
@@ -73,6 +103,20 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
 void fitm_forward_destroy(fitm_forward *f);
 
 const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
+
+/* Enables the position methods on f (once, before its first call): allocates their scratch
+ * (per expert slot, max(H, MoICE's N) of them: queries (max_tokens, H, D) and keys
+ * (max_ctx, Hkv, D); a RoPE table (max_ctx, n_rot) per distinct base change) and ranks the
+ * heads for Ms-PoE with one plain pass over FITM_MS_POE_CALIB_LEN fixed ids (fewer when
+ * max_tokens or max_ctx is smaller). moice (borrowed, outliving f; NULL: no MoICE) must have
+ * been checked against the model (fitm_moice_check). The KV cache is unchanged: keys stay
+ * rotated with the layer's own base, and each expert's keys are turned on from them per call,
+ * so prefix reuse and branches work as for plain calls. On a backend without
+ * ops->attention_mix it reserves nothing (calls with a method fail FITM_ERR_UNSUPPORTED). */
+fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *moice, fitm_err *err);
+
+/* Ms-PoE's head ranks (L, H), 0 = most position-aware; NULL before fitm_forward_positions. */
+const int32_t *fitm_forward_ms_poe_ranks(const fitm_forward *f);
 
 /* Most sequences one batched call may carry. */
 #define FITM_FORWARD_MAX_SEQS 64

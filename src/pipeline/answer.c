@@ -361,6 +361,7 @@ struct fitm_answer_seq {
     int64_t n_done;      /* tokens generated                                          */
     bool decoding;       /* the prompt is done; pos holds the last sampled token      */
     fitm_forward_opts o; /* this step's options                                       */
+    fitm_position_method position; /* the request's, resolved at begin                 */
     double t0, t_prefill;
 };
 
@@ -609,7 +610,11 @@ fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
     *out = q;
     /* Plain generation (the OpenAI routes without documents) has nothing to order. */
     const bool plain = req->base.n_docs == 0;
-    fitm_status st = state_init(r, req, &q->s, res, err);
+    fitm_status st = fitm_reranker_use_position(r, req->base.position, err);
+    q->position = fitm_reranker_position(r);
+    res->position_method = (int32_t)q->position;
+    if (st == FITM_OK)
+        st = state_init(r, req, &q->s, res, err);
     if (st == FITM_OK && !plain)
         st = order_documents(r, req, &q->s, stop, stop_arg, res, err);
     res->rank_ms = now_ms() - q->t0;
@@ -631,6 +636,7 @@ static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part
     q->o = (fitm_forward_opts){.n_logits = logits ? 1 : 0,
                                .logits = logits ? s->sm.logits : NULL,
                                .intervention = s->intervene ? &s->iv : NULL,
+                               .position = q->position,
                                .path = q->decoding ? FITM_PATH_AUTO : FITM_PATH_BATCH};
     *part = (fitm_forward_seq){q->kv, q->res->tokens + q->pos, T, q->pos, &q->o};
 }

@@ -82,6 +82,7 @@ typedef struct {
     int32_t n_docs;
     int64_t prompt_tokens, completion_tokens, forward_tokens;
     double rank_ms, prefill_ms, decode_ms, first_token_ms, total_ms;
+    int32_t position_method;     /* the fitm_position_method the passes used              */
     int32_t *tokens; /* (n_tokens) owned: prompt ids then generated ids; always kept */
     int64_t n_tokens;
     fitm_span *spans; /* (n_docs) owned: each document's body in the prompt, request order */

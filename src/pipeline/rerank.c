@@ -284,7 +284,10 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
         st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for logits");
         goto fail;
     }
+    r->moice = p->moice;
+    r->position_default = p->position;
     if ((st = fitm_forward_create(&r->fwd, m, b, &fp, err)) != FITM_OK ||
+        (st = fitm_forward_positions(r->fwd, p->moice, err)) != FITM_OK ||
         (st = fitm_kv_create(&r->kv, b, c, r->n_ctx, err)) != FITM_OK ||
         (st = fitm_kv_create(&r->branch, b, c, r->n_ctx, err)) != FITM_OK ||
         (st = encode_dummy(r, p->dummy_text, err)) != FITM_OK ||
@@ -454,6 +457,7 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         /* Always the batch path: a reference pass's last chunk may be one token, and its rows
          * must be computed exactly as the original pass's were. */
         fitm_forward_opts o = {.prefix = prefix,
+                               .position = r->position,
                                .capture = capture_part(r, cap, pos0 + off, len, &part),
                                .n_logits = last_call ? n_logits : 0,
                                .logits = last_call && n_logits ? r->logits : NULL,
@@ -1096,6 +1100,10 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     memset(res, 0, sizeof *res);
     fitm_score_opts_init(&res->meta.opts);
     res->meta.method = req->method;
+    fitm_status pst = fitm_reranker_use_position(r, req->position, err);
+    if (pst != FITM_OK)
+        return pst;
+    res->meta.position = r->position;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
     case FITM_RERANK_ATTENTION:
@@ -1113,6 +1121,31 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
 }
 
 /* ---- what /answer shares ----------------------------------------------------------------- */
+
+fitm_status fitm_reranker_use_position(fitm_reranker *r, int32_t position, fitm_err *err)
+{
+    const fitm_position_method m =
+        position < 0 ? r->position_default : (fitm_position_method)position;
+    if ((unsigned)m >= FITM_POSITION_COUNT)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'position_method': unknown");
+    if (m == FITM_POSITION_MOICE && !r->moice)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'position_method' = 'moice' needs a MoICE router sidecar: this "
+                            "server runs without one (start fitmd with --moice FILE)");
+    if (m == FITM_POSITION_BUCKETS)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "'position_method' = 'attention_buckets' is not run by fitmd: it "
+                            "needs one KV cache per bucket (docs/position-methods.md)");
+    if (m != r->position)
+        r->kv_n = 0; /* rows computed under another method are not this one's */
+    r->position = m;
+    return FITM_OK;
+}
+
+fitm_position_method fitm_reranker_position(const fitm_reranker *r)
+{
+    return r->position;
+}
 
 const fitm_model *fitm_reranker_model(const fitm_reranker *r) { return r->m; }
 const fitm_tokenizer *fitm_reranker_tokenizer(const fitm_reranker *r) { return r->tok; }
@@ -1169,6 +1202,7 @@ fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t 
         fitm_forward_opts o = {.n_logits = last && logits ? 1 : 0,
                                .logits = last ? logits : NULL,
                                .intervention = iv,
+                               .position = r->position,
                                .path = FITM_PATH_BATCH};
         r->kv_n = off < r->kv_n ? off : r->kv_n;
         fitm_status st = fitm_forward_run(r->fwd, r->kv, ids + off, len, off, &o, err);
@@ -1186,7 +1220,8 @@ fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t 
 fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
                                const struct fitm_intervention *iv, float *logits, fitm_err *err)
 {
-    fitm_forward_opts o = {.n_logits = 1, .logits = logits, .intervention = iv};
+    fitm_forward_opts o = {.n_logits = 1, .logits = logits, .intervention = iv,
+                           .position = r->position};
     r->kv_n = pos < r->kv_n ? pos : r->kv_n; /* generated rows are nobody's prompt */
     return forward_failed(fitm_forward_run(r->fwd, r->kv, &id, 1, pos, &o, err), err);
 }

@@ -65,6 +65,7 @@ typedef struct {
     bool return_tokens;
     bool prefix_reuse;          /* calibrated: reference passes reuse the prompt's cache   */
     bool tei;                   /* asked in TEI's shape (`texts`): answer in TEI's shape */
+    int32_t position;           /* a fitm_position_method, or -1: the server's default   */
 } fitm_rerank_request;
 
 /* Releases what req owns and zeroes it. NULL is a no-op. */
@@ -98,6 +99,7 @@ typedef struct {
     fitm_score_opts opts; /* owned, every option set (layers as given, before resolving) */
     int32_t n_groups;     /* prompts scored (windows)                                   */
     char profile[256];    /* the server's profile ("" when none)                         */
+    fitm_position_method position; /* the position method the passes used               */
 } fitm_rerank_meta;
 
 /* One scored prompt's tokens (return_tokens): its ids, each document's body span, the span of
@@ -151,6 +153,11 @@ typedef struct {
                                     text with one {documents} and, after it, {question};
                                     "\n" for a newline. NULL or "": the built-in one       */
     const char *profile;       /* what meta reports as the profile in use; NULL: none      */
+    /* Position methods (docs/position-methods.md), enabled on the forward at creation:
+     * MoICE's routers (borrowed, checked against the model; NULL: none, so requests for
+     * moice get FITM_ERR_INVALID) and the method of requests that name none. */
+    const struct fitm_moice *moice;
+    fitm_position_method position;
 } fitm_reranker_params;
 
 /* The built-in answer_template: two short worked examples (a name, a place) before the
@@ -167,6 +174,15 @@ extern const char fitm_rerank_answer_template[];
 fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
                                  const fitm_tokenizer *tok, fitm_backend *b,
                                  const fitm_reranker_params *p, fitm_err *err);
+
+/* The position method request req asks for (its own, else the server's default) after the
+ * checks: FITM_ERR_INVALID naming 'position_method' when it is moice and the server has no
+ * sidecar. Makes it the method of the reranker's next passes; cached prompt rows computed
+ * under another method stop being reusable. */
+fitm_status fitm_reranker_use_position(fitm_reranker *r, int32_t position, fitm_err *err);
+
+/* The method fitm_reranker_use_position chose last. */
+fitm_position_method fitm_reranker_position(const fitm_reranker *r);
 
 /* NULL is a no-op. */
 void fitm_reranker_destroy(fitm_reranker *r);

@@ -43,6 +43,9 @@ struct fitm_reranker {
      * caches of its own; fitm_rr_run hands its passes to seq instead of running them. NULL
      * for the reranker itself. */
     struct fitm_rerank_seq *seq;
+    const struct fitm_moice *moice;     /* NULL: none                                  */
+    fitm_position_method position_default;
+    fitm_position_method position;      /* of the current request's passes (and kv's)  */
 };
 
 typedef struct {

@@ -382,6 +382,15 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "prefix_reuse")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "prefix_reuse", &out->prefix_reuse, err)) != FITM_OK)
         return st;
+    out->position = -1; /* the server's position_method */
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "position_method")) && !cJSON_IsNull(it)) {
+        int m = cJSON_IsString(it) ? fitm_position_method_parse(it->valuestring) : -1;
+        if (m < 0)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'position_method' must be one of none, moice, ms_poe, "
+                                "attention_buckets");
+        out->position = m;
+    }
     out->max_tokens_per_doc = lim->max_tokens_per_doc;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc")) && !cJSON_IsNull(it)) {
         if ((st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err)) != FITM_OK)
@@ -774,7 +783,9 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
         !cJSON_AddNumberToObject(usage, "total_tokens", (double)res->usage.total_tokens))
         goto done;
     cJSON *meta = cJSON_AddObjectToObject(root, "meta");
-    if (!meta || !cJSON_AddStringToObject(meta, "method", fitm_rerank_method_name(res->meta.method)))
+    if (!meta || !cJSON_AddStringToObject(meta, "method", fitm_rerank_method_name(res->meta.method)) ||
+        !cJSON_AddStringToObject(meta, "position_method",
+                                 fitm_position_method_name(res->meta.position)))
         goto done;
     cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
     if (!tm || !cJSON_AddNumberToObject(tm, "queue", res->meta.queue_ms) ||
@@ -922,8 +933,8 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
         return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
     /* The fields /answer shares with /rerank, parsed by /rerank's parser from a view of
      * just those (so /answer's own `temperature` is not taken for the calibration's). */
-    static const char *const shared[] = {"query", "documents", "max_tokens_per_doc", "model",
-                                         "return_tokens"};
+    static const char *const shared[] = {"query",        "documents",    "max_tokens_per_doc",
+                                         "model",        "return_tokens", "position_method"};
     cJSON *view = cJSON_CreateObject();
     if (!view)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
@@ -1112,6 +1123,9 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
                                                         (fitm_rerank_method)req->reorder)) ||
         !cJSON_AddStringToObject(meta, "reorder_placement",
                                  req->reorder_last ? "last" : "first") ||
+        !cJSON_AddStringToObject(
+            meta, "position_method",
+            fitm_position_method_name((fitm_position_method)res->position_method)) ||
         !add_uint(meta, "seed", req->seed))
         goto done;
     cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
@@ -1267,6 +1281,7 @@ static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limi
     b->top_n = b->n_docs;
     b->method = FITM_RERANK_CALIBRATED;
     b->prefix_reuse = true;
+    b->position = -1; /* the server's position_method */
     b->max_tokens_per_doc = lim->max_tokens_per_doc;
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
     int64_t v;

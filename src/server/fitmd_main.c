@@ -24,6 +24,7 @@
 #include "base/notify.h"
 #include "model/backend.h"
 #include "model/model.h"
+#include "model/moice.h"
 #include "pipeline/profile.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
@@ -62,7 +63,36 @@ typedef struct {
     fitm_tokenizer *tok;
     fitm_backend *backend;
     fitm_reranker *reranker;
+    fitm_moice *moice; /* NULL: no sidecar */
 } daemon_model;
+
+/* Loads cfg->moice (if set) and checks it against the loaded model: the SHA-256 of the whole
+ * model file is read once here (about a second per GB). */
+static fitm_status load_moice(daemon_model *dm, fitm_err *err)
+{
+    const fitm_config *cfg = dm->cfg;
+    if (!cfg->moice[0]) {
+        if (!strcmp(cfg->position_method, "moice"))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "position_method = moice needs a sidecar (moice = FILE)");
+        return FITM_OK;
+    }
+    const double t0 = fitm_clock_ms();
+    fitm_moice_base id;
+    fitm_status st = fitm_moice_load(&dm->moice, cfg->moice, err);
+    if (st == FITM_OK)
+        st = fitm_moice_model_identity(dm->model, cfg->model, &id, err);
+    if (st == FITM_OK && (st = fitm_moice_check(dm->moice, &id, err)) != FITM_OK)
+        fitm_err_prefix(err, "%s", cfg->moice);
+    if (st != FITM_OK)
+        return st;
+    FITM_LOG(FITM_LOG_INFO, NULL,
+             "MoICE sidecar %s: %d experts, top-%d, checked against the model (SHA-256 %.12s...) "
+             "in %.0f ms",
+             cfg->moice, (int)fitm_moice_n_experts(dm->moice), (int)fitm_moice_top_k(dm->moice),
+             id.sha256, fitm_clock_ms() - t0);
+    return FITM_OK;
+}
 
 /* The loaded model's identity, as a profile states it. */
 static void model_identity(const char *path, const fitm_model *m, fitm_profile_identity *id)
@@ -313,10 +343,17 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         fitm_score_opts_free(&defaults);
         return st;
     }
+    if ((st = load_moice(dm, err)) != FITM_OK) {
+        fitm_score_opts_free(&defaults);
+        return st;
+    }
     fitm_reranker_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
-                               .answer_template = cfg->answer_template, .profile = profile};
+                               .answer_template = cfg->answer_template, .profile = profile,
+                               .moice = dm->moice,
+                               .position = (fitm_position_method)fitm_position_method_parse(
+                                   cfg->position_method)};
     st = fitm_reranker_create(&dm->reranker, dm->model, dm->tok, dm->backend, &rp, err);
     fitm_score_opts_free(&defaults);
     if (st != FITM_OK)
@@ -435,6 +472,8 @@ static void model_unload(void *ctx)
 {
     daemon_model *dm = ctx;
     fitm_reranker_destroy(dm->reranker);
+    fitm_moice_destroy(dm->moice);
+    dm->moice = NULL;
     fitm_backend_destroy(dm->backend);
     fitm_tok_destroy(dm->tok);
     fitm_model_close(dm->model);

@@ -219,7 +219,15 @@ class KVCache:
     def __init__(self, n_layer: int):
         self.k = [None] * n_layer  # (n, Hkv, D)
         self.v = [None] * n_layer  # (n, Hkv, Dv)
+        self.k_raw = [None] * n_layer  # (n, Hkv, D) keys before RoPE (position methods)
         self.n = 0
+
+    def extend_raw(self, il: int, k_raw: np.ndarray) -> np.ndarray:
+        """Appends layer il's new pre-RoPE keys; returns all of the layer's."""
+        if self.k_raw[il] is not None:
+            k_raw = np.concatenate([self.k_raw[il], k_raw])
+        self.k_raw[il] = k_raw
+        return k_raw
 
     def extend(self, il: int, k: np.ndarray, v: np.ndarray):
         """Appends layer il's new rows; returns all keys and values of the layer."""
@@ -309,7 +317,8 @@ class Model:
                 intervene: Optional[InterventionHook] = None,
                 intervene_rows: Optional[Sequence[int]] = None,
                 logits_rows: Optional[Sequence[int]] = None,
-                trace: Optional[dict] = None, cache: Optional[KVCache] = None) -> np.ndarray:
+                trace: Optional[dict] = None, cache: Optional[KVCache] = None,
+                position=None) -> np.ndarray:
         """Logits (len(logits_rows) or T, V) for the T token ids at positions P..P+T-1, where P
         is the number of positions already in `cache` (0 without one). Row arguments are
         positions in that range; the default is every new row.
@@ -324,7 +333,12 @@ class Model:
             (T, C), "l{il}.attn_out" (T, C) after wo (and the post-attention norm), "l{il}.out"
             (T, C) the residual stream after layer il, "result_norm" (T, C).
         cache: a KVCache (Model.new_cache()) to continue and extend; the same cache must only
-            ever see this model."""
+            ever see this model.
+        position: None (plain RoPE) or a position method of oracle.position (MoICE, MsPoE,
+            a bucket's base): position.probs(model, il, q_raw, k_raw, pos, mask) returns the
+            layer's (H, T, S) probabilities from the queries and all keys before RoPE, or None
+            where the layer is plain. Captures and interventions act on what it returns.
+            trace also gets "l{il}.q_raw" (T, H, D) and "l{il}.k_raw" (T, Hkv, D)."""
         hp, dt = self.hp, self.dtype
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T = ids.size
@@ -361,11 +375,15 @@ class Model:
             if hp.qk_norm:
                 q = self._norm(q, f"blk.{il}.attn_q_norm.weight")
                 k = self._norm(k, f"blk.{il}.attn_k_norm.weight")
+            q_raw, k_raw = q, k
+            if trace is not None:
+                trace[f"l{il}.q_raw"], trace[f"l{il}.k_raw"] = q.copy(), k.copy()
             base, scale = hp.rope_for(il)
             q = rope(q, pos, hp.n_rot, base, scale, hp.rope_neox, ff)
             k = rope(k, pos, hp.n_rot, base, scale, hp.rope_neox, ff)
             if cache is not None:
                 k, v = cache.extend(il, k, v)  # (S, Hkv, D), (S, Hkv, Dv)
+                k_raw = cache.extend_raw(il, k_raw)
 
             # query head h = kv * group + g reads KV head kv = h // group
             qg = q.reshape(T, Hkv, group, D)
@@ -376,7 +394,11 @@ class Model:
                 masks[n_swa] = attention_mask(T, n_swa, P)
             mask = masks[n_swa]
             scores = np.where(mask[None], scores, -np.inf)
-            probs = softmax(scores, axis=-1)  # (H, T, S)
+            probs = None
+            if position is not None:
+                probs = position.probs(self, il, q_raw, k_raw, pos, mask)
+            if probs is None:
+                probs = softmax(scores, axis=-1)  # (H, T, S)
             if intervene is not None:
                 for r in rows_i:
                     for hh in range(H):

@@ -1,0 +1,151 @@
+"""position_method on /rerank and /answer through the real fitmd (docs/position-methods.md): each
+method answers on a generated model with a MoICE sidecar of random routers, the response says
+which method ran, the methods change the scores, the server default applies to requests that
+name none, moice without a sidecar is a 400 naming the field, attention_buckets a 422, and a
+sidecar made for another model stops fitmd at start with the field that differs. The numerics
+are checked against the oracle in test_position_methods.py."""
+import subprocess
+
+import pytest
+import requests
+
+from conftest import build_dir
+from oracle import model as om
+from oracle import moice_sidecar as ms
+from test_http import Daemon, assert_error, docs, fitmd_bin, free_port, post  # noqa: F401
+
+QUERY = "where is the golf hotel"
+METHODS = ("none", "moice", "ms_poe")
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    """A 4-layer llama (Ms-PoE leaves the first two layers plain) and a sidecar for it."""
+    d = tmp_path_factory.mktemp("pos")
+    p = d / "m.gguf"
+    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
+                    "F32", "--seed", "3", "--layers", "4", "-q", "-o", str(p)], check=True)
+    m = om.Model.load(p)
+    base = ms.base_identity(p)
+    bases = {l: [m.hp.rope_base * f for f in (1.0, 1.8, 2.5)] for l in (1, 2, 3)}
+    sc = d / "m.moice"
+    ms.write(sc, base, bases, ms.random_routers(base, bases, 7, scale=2.0), 2,
+             train={"seed": 7, "data": "random routers for tests"})
+    return p, sc
+
+
+@pytest.fixture(scope="module")
+def daemon(fitmd_bin, model4, tmp_path_factory):  # noqa: F811
+    d = Daemon(fitmd_bin, model4[0], tmp_path_factory.mktemp("log"), api_keys="test-key-1",
+               moice=model4[1])
+    yield d
+    assert d.terminate() == 0, d.log_text()
+
+
+def rerank_body(**extra):
+    b = {"query": QUERY, "documents": docs(4, 10) + ["the golf hotel is by the lake"],
+         "method": "attention", "layers": [2, 3]}  # Ms-PoE changes layers >= 2
+    b.update(extra)
+    return b
+
+
+def test_rerank_each_method(daemon):
+    scores = {}
+    for m in METHODS:
+        r = post(daemon, rerank_body(position_method=m))
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["meta"]["position_method"] == m
+        scores[m] = sorted((x["index"], x["relevance_score"]) for x in j["results"])
+    assert scores["moice"] != scores["none"]
+    assert scores["ms_poe"] != scores["none"]
+    # the default is the server's (none here), and asking again gives the same scores
+    r = post(daemon, rerank_body())
+    assert r.json()["meta"]["position_method"] == "none"
+    assert sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]) == \
+        scores["none"]
+    r = post(daemon, rerank_body(position_method="moice"))
+    assert sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]) == \
+        scores["moice"]
+
+
+def test_rerank_calibrated_with_moice(daemon):
+    r = post(daemon, rerank_body(method="calibrated", position_method="moice"))
+    assert r.status_code == 200, r.text
+    assert r.json()["meta"]["position_method"] == "moice"
+
+
+def test_answer_each_method(daemon):
+    outs = {}
+    for m in METHODS:
+        r = post(daemon, {"query": QUERY, "documents": docs(3, 8) + ["golf hotel"],
+                          "max_tokens": 6, "position_method": m}, path="/answer")
+        assert r.status_code == 200, r.text
+        assert r.json()["meta"]["position_method"] == m
+        outs[m] = r.json()
+    assert all(o["usage"]["completion_tokens"] >= 1 for o in outs.values())
+
+
+def test_bad_position_methods(daemon):
+    r = post(daemon, rerank_body(position_method="sideways"))
+    assert_error(r, 400, mentions="position_method")
+    r = post(daemon, rerank_body(position_method=3))
+    assert_error(r, 400, mentions="position_method")
+    r = post(daemon, rerank_body(position_method="attention_buckets"))
+    assert_error(r, 422, mentions="position_method")
+    r = post(daemon, {"query": QUERY, "documents": docs(2, 5), "max_tokens": 2,
+                      "position_method": "attention_buckets"}, path="/answer")
+    assert_error(r, 422, mentions="position_method")
+
+
+def test_moice_without_sidecar_is_400_and_default(fitmd_bin, model4, tmp_path):  # noqa: F811
+    d = Daemon(fitmd_bin, model4[0], tmp_path, api_keys="test-key-1", position_method="ms_poe")
+    try:
+        r = post(d, rerank_body(position_method="moice"))
+        assert_error(r, 400, mentions="position_method")
+        r = post(d, {"query": QUERY, "documents": docs(2, 5), "max_tokens": 2,
+                     "position_method": "moice"}, path="/answer")
+        assert_error(r, 400, mentions="position_method")
+        r = post(d, rerank_body())
+        assert r.status_code == 200 and r.json()["meta"]["position_method"] == "ms_poe"
+    finally:
+        assert d.terminate() == 0, d.log_text()
+
+
+def test_mismatched_sidecar_stops_fitmd(fitmd_bin, model4, tmp_path):  # noqa: F811
+    p, _ = model4
+    m = om.Model.load(p)
+    base = ms.base_identity(p)
+    base["sha256"] = "ab" * 32
+    bases = {1: [m.hp.rope_base, m.hp.rope_base * 2]}
+    bad = tmp_path / "bad.moice"
+    ms.write(bad, base, bases, ms.random_routers(base, bases, 1), 1)
+    r = subprocess.run([str(fitmd_bin), f"--model={p}", f"--moice={bad}",
+                        f"--port={free_port()}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "base.sha256" in r.stdout + r.stderr
+    r = subprocess.run([str(fitmd_bin), f"--model={p}", "--position_method=moice",
+                        f"--port={free_port()}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "moice" in r.stdout + r.stderr
+
+
+def test_cuda_backend_refuses_position_methods(tmp_path):
+    """The CUDA backend has no mixed attention yet: a position method is a 422 naming it, and
+    plain requests still answer (build/tests/fitmd_cuda_emu, the emulated device)."""
+    from test_http_cuda_emu import OPTS, start
+    emu = build_dir() / "tests" / "fitmd_cuda_emu"
+    if not emu.exists():
+        pytest.skip(f"{emu} not built")
+    p = tmp_path / "m.gguf"
+    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
+                    "F32", "--seed", "5", "--layers", "3", "--dim", "64", "--heads", "2",
+                    "--head-dim", "32", "--ff", "128", "-q", "-o", str(p)], check=True)
+    d = start(emu, p, tmp_path, backend="cuda", **OPTS)
+    try:
+        body = {"query": QUERY, "documents": docs(2, 3), "method": "attention"}
+        r = post(d, dict(body, position_method="ms_poe"))
+        assert_error(r, 422, mentions="position_method")
+        r = post(d, body)
+        assert r.status_code == 200 and r.json()["meta"]["position_method"] == "none"
+    finally:
+        assert d.terminate() == 0, d.log_text()
