@@ -206,6 +206,7 @@ def rerank_bodies():
             {"reference": "both", "prefix_reuse": True, "window": 2},
             {"sink_factor": 2.0, "reference": "dummy"},
             {"method": "paper"}, {"method": "attention", "rows": "last"},
+            {"position_method": "ms_poe", "reference": "null_suffix"},
             {"method": "query_likelihood"}, {"method": "attention_sort"}]
     return [{"query": f"where is the golf hotel {i}", "documents": docs(3 + i % 4, 8 + i, shift=i),
              "return_tokens": i % 2 == 0, **o} for i, o in enumerate(opts)]

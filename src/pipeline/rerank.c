@@ -646,7 +646,8 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *
     const int64_t pos = q->pos0 + q->done_rows;
     q->part_opts = (fitm_forward_opts){
         .prefix = q->prefix, .capture = capture_part(&q->view, q->cap, pos, T, &q->part_cap),
-        .n_logits = last ? q->n_logits : 0, .logits = NULL, .path = FITM_PATH_BATCH};
+        .n_logits = last ? q->n_logits : 0, .logits = NULL, .position = q->view.position,
+        .path = FITM_PATH_BATCH};
     *part = (fitm_forward_seq){q->kv, q->ids + q->done_rows, T, pos, &q->part_opts};
 }
 
