@@ -557,6 +557,50 @@ static void test_glu(bool geglu, int64_t n, bool in_place)
 
 /* ---- no device needed: argument checks and status helpers ---- */
 
+/* ---- topk: exact, against fitm_ops_topk ---- */
+
+/* rows of n values (row stride ld >= n) with levels distinct values (0: continuous), so that
+ * with few levels most entries tie and the order's "lower index first" decides; the kernel's
+ * list must equal the reference's bit for bit, values and indices. */
+static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels)
+{
+    char what[96];
+    snprintf(what, sizeof what, "topk rows=%lld n=%lld ld=%lld k=%d levels=%d", (long long)rows,
+             (long long)n, (long long)ld, (int)k, levels);
+    float *x = xmalloc((size_t)(rows * ld) * sizeof *x);
+    fill_uniform(x, rows * ld, -20.0f, 20.0f);
+    if (levels > 0)
+        for (int64_t i = 0; i < rows * ld; i++)
+            x[i] = (float)(int)((x[i] + 20.0f) / 40.0f * (float)levels);
+    fitm_top *ref = xmalloc((size_t)(rows * k) * sizeof *ref);
+    for (int64_t r = 0; r < rows; r++)
+        fitm_ops_topk(x + r * ld, n, k, ref + r * k);
+    dbuf dx = dbuf_from(x, (size_t)(rows * ld) * sizeof *x);
+    dbuf dv = dbuf_new((size_t)(rows * k) * sizeof(float));
+    dbuf di = dbuf_new((size_t)(rows * k) * sizeof(int32_t));
+    dbuf ds = dbuf_new(fitm_cuda_topk_scratch(rows, n, k) + 1);
+    bool ok = launched(what, fitm_cuda_topk(dx.p, rows, n, ld, k, ds.p, dv.p, di.p, stream));
+    float *gv = xmalloc(dv.bytes);
+    int32_t *gi = xmalloc(di.bytes);
+    dbuf_get(gv, &dv);
+    dbuf_get(gi, &di);
+    int64_t bad = 0;
+    for (int64_t i = 0; ok && i < rows * k; i++) {
+        if (memcmp(&gv[i], &ref[i].logit, sizeof(float)) == 0 && gi[i] == ref[i].id)
+            continue;
+        if (bad++ < MAX_REPORT)
+            fprintf(stderr, "  %s: [%lld] ref (%.9g, %d) got (%.9g, %d)\n", what, (long long)i,
+                    (double)ref[i].logit, (int)ref[i].id, (double)gv[i], (int)gi[i]);
+    }
+    ok = ok && bad == 0;
+    ok = values_and_guards_ok(ok, &dv, what) && dbuf_guards_ok(&di, what) &&
+         dbuf_guards_ok(&ds, what);
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok, "%s", what);
+    dbuf_free(&dx), dbuf_free(&dv), dbuf_free(&di), dbuf_free(&ds);
+    free(x), free(ref), free(gv), free(gi);
+}
+
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
  * sizes, accepted) before anything is launched. */
 static void test_contracts(void)
@@ -595,6 +639,15 @@ static void test_contracts(void)
     CHECK(fitm_cuda_swiglu(f, NULL, f, 8, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, -1, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, 0, NULL) == 0);
+    float *v = f + 512;
+    int32_t *id = (int32_t *)(f + 768);
+    CHECK(fitm_cuda_topk(f, 1, 8, 8, 0, NULL, v, id, NULL) == inval);  /* k 0 */
+    CHECK(fitm_cuda_topk(f, 1, 8, 8, 9, NULL, v, id, NULL) == inval);  /* k > n */
+    CHECK(fitm_cuda_topk(f, 1, 100, 100, 65, NULL, v, id, NULL) == inval); /* k > 64 */
+    CHECK(fitm_cuda_topk(f, 2, 8, 7, 1, NULL, v, id, NULL) == inval);  /* ld < n */
+    CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
+    CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
+    CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
 
     fitm_err err;
     strcpy(err.msg, "untouched");
@@ -682,6 +735,14 @@ int main(void)
     test_glu(true, 1000, false);
     test_glu(true, (1 << 20) + 3, false);
     test_glu(true, 4097, true);
+
+    test_topk(1, 1, 1, 1, 0);
+    test_topk(4, 300, 301, 1, 2);      /* greedy over many equal maxima */
+    test_topk(3, 1001, 1001, 64, 0);
+    test_topk(2, 777, 800, 33, 6);
+    test_topk(2, 2049, 2049, 64, 3);   /* two chunks, the second of one entry */
+    test_topk(1, 262144, 262144, 64, 0); /* Gemma 3's vocabulary: 64 chunks */
+    test_topk(2, 100003, 100003, 1, 0);
 
     CUDA_OK(cudaStreamDestroy(stream));
     if (failures) {
