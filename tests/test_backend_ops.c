@@ -350,8 +350,10 @@ static void test_topk(fitm_backend *b, int64_t rows, int64_t n, int32_t k, int l
                 got[r * k + j].id != ref[j].id)
                 bad = r * k + j;
     }
-    CHECK(bad < 0, "topk (rows %lld, n %lld, k %d, levels %d): entry %lld is (%g, %d), expected "
-          "(%g, %d)", (long long)rows, (long long)n, (int)k, levels, (long long)bad,
+    CHECK(bad < 0,
+          "topk (rows %lld, n %lld, k %d, levels %d): entry %lld is (%g, %d), expected "
+          "(%g, %d)",
+          (long long)rows, (long long)n, (int)k, levels, (long long)bad,
           bad < 0 ? 0.0 : got[bad].logit, bad < 0 ? 0 : (int)got[bad].id,
           bad < 0 ? 0.0 : ref[bad % k].logit, bad < 0 ? 0 : (int)ref[bad % k].id);
     free(got), free(ref), free(xh);

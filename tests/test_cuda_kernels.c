@@ -640,7 +640,7 @@ static void test_contracts(void)
     CHECK(fitm_cuda_geglu(f, f, f, -1, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, 0, NULL) == 0);
     float *v = f + 512;
-    int32_t *id = (int32_t *)(f + 768);
+    int32_t *id = (int32_t *)(fake + 3072);
     CHECK(fitm_cuda_topk(f, 1, 8, 8, 0, NULL, v, id, NULL) == inval);       /* k 0 */
     CHECK(fitm_cuda_topk(f, 1, 8, 8, 9, NULL, v, id, NULL) == inval);       /* k > n */
     CHECK(fitm_cuda_topk(f, 1, 100, 100, 65, NULL, v, id, NULL) == inval);  /* k > 64 */

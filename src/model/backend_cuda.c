@@ -261,10 +261,9 @@ static void cuda_destroy(fitm_backend *b)
     release_weights(c);
     free(c->w);
     free(c->top_host);
-    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->wf,        &c->xpad,
-                        &c->ypad,     &c->ids,      &c->cap_index, &c->cap_spans,
-                        &c->iv_spans, &c->iv_alpha, &c->cap_mass,  &c->cap_probs,
-                        &c->top,      &c->top_scratch};
+    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
+                        &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
+                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     if (c->blas)
@@ -482,12 +481,12 @@ static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, 
         c->top_host_cap = bytes;
     }
     float *val = c->top.p;
-    int32_t *id = (int32_t *)(val + pairs);
+    int32_t *id = (int32_t *)((char *)c->top.p + pairs * sizeof(float));
     if (!ok(c, fitm_cuda_topk(x, rows, n, n, k, c->top_scratch.p, val, id, c->stream), "topk") ||
         !to_host(c, c->top_host, c->top.p, bytes, "top logits download"))
         return;
     const float *hv = c->top_host;
-    const int32_t *hi = (const int32_t *)(hv + pairs);
+    const int32_t *hi = (const int32_t *)((const char *)c->top_host + pairs * sizeof(float));
     for (size_t i = 0; i < pairs; i++)
         top[i] = (fitm_top){hv[i], hi[i]};
 }

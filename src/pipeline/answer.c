@@ -79,7 +79,7 @@ static int32_t sample(sampler *s)
     const double t = s->req->temperature;
     if (t <= 0)
         return c[0].id;
-    float p[FITM_TOP_MAX]; /* unnormalised probabilities, in candidate order */
+    float p[FITM_TOP_MAX] = {0}; /* unnormalised probabilities, in candidate order */
     double total = 0;
     for (int32_t i = 0; i < s->k; i++) {
         p[i] = (float)exp((double)(c[i].logit - c[0].logit) / t);
