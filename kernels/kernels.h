@@ -21,6 +21,7 @@
 #define FITM_KERNELS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -123,6 +124,20 @@ int fitm_cuda_softcap(float *x, int64_t n, float cap, void *stream);
  * as fitm_ops_rope_apply on every head vector. n_rot even, in [2, D]. */
 int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot, const float *cs,
                          int neox, void *stream);
+
+/* ---- selection (kernels/topk.cu) ---- */
+
+#define FITM_CUDA_TOPK_MAX 64
+
+/* Device scratch (bytes) fitm_cuda_topk needs for these sizes; 0: none. */
+size_t fitm_cuda_topk_scratch(int64_t rows, int64_t n, int32_t k);
+
+/* val, id (rows, k) (device) = the k first entries of each row of x (rows, n; row stride ld)
+ * in fitm_ops_topk's order (larger value first, equal values lower index first): the same
+ * list as the reference, ties included. 1 <= k <= min(n, FITM_CUDA_TOPK_MAX), n < 2^31,
+ * rows <= 65535, no NaN in x; scratch holds fitm_cuda_topk_scratch(rows, n, k) bytes. */
+int fitm_cuda_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int32_t k, void *scratch,
+                   float *val, int32_t *id, void *stream);
 
 /* ---- matrix products (kernels/matvec.cu) ---- */
 

@@ -105,6 +105,11 @@ static void w_softcap(fitm_backend *b, float *x, int64_t n, float cap)
 {
     wr(b)->cpu->ops->softcap(wr(b)->cpu, x, n, cap);
 }
+static void w_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
+                   fitm_top *top)
+{
+    wr(b)->cpu->ops->topk(wr(b)->cpu, x, rows, n, k, top);
+}
 static void w_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     wr(b)->cpu->ops->attention(wr(b)->cpu, a);
@@ -127,7 +132,7 @@ static fitm_backend *make_wrapped(perturb what, float rel)
     w->ops.prepare = NULL, w->ops.status = w_status, w->ops.embed = w_embed;
     w->ops.matmul = w_matmul, w->ops.rmsnorm = w_rmsnorm, w->ops.rope = w_rope;
     w->ops.glu = w_glu, w->ops.add = w_add, w->ops.softcap = w_softcap;
-    w->ops.attention = w_attention;
+    w->ops.topk = w_topk, w->ops.attention = w_attention;
     w->base.ops = &w->ops;
     return &w->base;
 }

@@ -313,6 +313,53 @@ static void test_elementwise(fitm_backend *b, int64_t n)
     b->ops->free(b, g), b->ops->free(b, u), b->ops->free(b, y);
 }
 
+/* ---- topk ------------------------------------------------------------------------------- */
+
+static int cmp_top_ref(const void *a, const void *b)
+{
+    const fitm_top *x = a, *y = b;
+    if (x->logit != y->logit)
+        return x->logit > y->logit ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* rows of n values, each row's k first entries against a full sort of the row (an independent
+ * reference). levels > 0 draws every value from that many distinct ones, so most entries tie
+ * (greedy's first maximum must be the lowest id among equal maxima); levels 0: continuous,
+ * with negative values and -inf entries mixed in. Exact: values and ids must be equal. */
+static void test_topk(fitm_backend *b, int64_t rows, int64_t n, int32_t k, int levels)
+{
+    float *xh = rand_vec(rows * n, -30, 30);
+    for (int64_t i = 0; i < rows * n; i++) {
+        if (levels > 0)
+            xh[i] = (float)(int)(urand() * levels) - 2.0f;
+        else if (urand() < 0.01)
+            xh[i] = -INFINITY;
+    }
+    float *x = to_dev(b, xh, rows * n);
+    fitm_top *got = malloc((size_t)(rows * k) * sizeof *got);
+    fitm_top *ref = malloc((size_t)n * sizeof *ref);
+    b->ops->topk(b, x, rows, n, k, got);
+    int64_t bad = -1;
+    for (int64_t r = 0; r < rows && bad < 0; r++) {
+        for (int64_t i = 0; i < n; i++)
+            ref[i] = (fitm_top){xh[r * n + i], (int32_t)i};
+        qsort(ref, (size_t)n, sizeof *ref, cmp_top_ref);
+        for (int32_t j = 0; j < k && bad < 0; j++)
+            if (memcmp(&got[r * k + j].logit, &ref[j].logit, sizeof(float)) ||
+                got[r * k + j].id != ref[j].id)
+                bad = r * k + j;
+    }
+    CHECK(bad < 0,
+          "topk (rows %lld, n %lld, k %d, levels %d): entry %lld is (%g, %d), expected "
+          "(%g, %d)",
+          (long long)rows, (long long)n, (int)k, levels, (long long)bad,
+          bad < 0 ? 0.0 : got[bad].logit, bad < 0 ? 0 : (int)got[bad].id,
+          bad < 0 ? 0.0 : ref[bad % k].logit, bad < 0 ? 0 : (int)ref[bad % k].id);
+    free(got), free(ref), free(xh);
+    b->ops->free(b, x);
+}
+
 /* ---- attention ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -478,8 +525,12 @@ static void test_attention(fitm_backend *b, const attn_case *c)
     b->ops->free(b, ko), b->ops->free(b, vo);
 }
 
-int main(void)
+/* No argument: every slot. "attention": only the attention cases 1, 4 and 6 (GQA; capture
+ * with prefix rows; capture, intervention and prefix rows), for the ThreadSanitizer build of
+ * tests/meson.build, where each CUDA thread is an OS thread. */
+int main(int argc, char **argv)
 {
+    const bool attention_only = argc > 1 && strcmp(argv[1], "attention") == 0;
     /* tests/meson.build runs this once per SIMD path (FITM_CPU); one the CPU lacks skips */
     const char *forced = getenv("FITM_CPU");
     int want = forced ? fitm_cpu_parse_path(forced) : -1;
@@ -496,7 +547,7 @@ int main(void)
     static const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                        FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
                                        FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+    for (size_t i = 0; i < sizeof types / sizeof types[0] && !attention_only; i++) {
         fitm_dtype t = types[i];
         int64_t blk = fitm_dtype_info_of(t)->block_elems;
         int64_t K = blk == 1 ? 37 : blk * 3; /* odd: 37 floats, 3 blocks */
@@ -504,11 +555,22 @@ int main(void)
         test_matmul(b, t, 1, K, 7, 5);
         test_matmul(b, t, 13, K, 33, 3);
     }
+    if (attention_only)
+        goto attention;
     test_rmsnorm(b, 7, 45, false);
     test_rmsnorm(b, 1, 640, true);
     test_rope(b, 5, 3, 16, 16, false);
     test_rope(b, 3, 2, 24, 16, true);
     test_elementwise(b, 1001);
+    /* one-block rows, rows split over chunks (> 2048 on the device), k 1 (greedy) to 64 */
+    test_topk(b, 1, 1, 1, 0);
+    test_topk(b, 3, 77, 1, 3);
+    test_topk(b, 2, 77, 64, 0);
+    test_topk(b, 2, 999, 17, 5);
+    test_topk(b, 1, 5003, 64, 4);
+    test_topk(b, 3, 4099, 64, 0);
+    test_topk(b, 2, 70001, 1, 2);
+attention:;
     static const attn_case cases[] = {
         {.T = 9, .pos0 = 0, .own_base = 0, .window = 0, .H = 4, .Hkv = 2, .D = 16},
         {.T = 1, .pos0 = 20, .own_base = 0, .window = 0, .H = 3, .Hkv = 1, .D = 8},
@@ -552,7 +614,8 @@ int main(void)
          .after = true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        test_attention(b, &cases[i]);
+        if (!attention_only || i == 0 || i == 3 || i == 5)
+            test_attention(b, &cases[i]);
     fitm_backend_destroy(b);
     printf("%d checks, %d failed (cpu path %s)\n", n_checks, failures,
            fitm_cpu_path_name(fitm_cpu_path()));

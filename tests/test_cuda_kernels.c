@@ -557,6 +557,50 @@ static void test_glu(bool geglu, int64_t n, bool in_place)
 
 /* ---- no device needed: argument checks and status helpers ---- */
 
+/* ---- topk: exact, against fitm_ops_topk ---- */
+
+/* rows of n values (row stride ld >= n) with levels distinct values (0: continuous), so that
+ * with few levels most entries tie and the order's "lower index first" decides; the kernel's
+ * list must equal the reference's bit for bit, values and indices. */
+static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels)
+{
+    char what[96];
+    snprintf(what, sizeof what, "topk rows=%lld n=%lld ld=%lld k=%d levels=%d", (long long)rows,
+             (long long)n, (long long)ld, (int)k, levels);
+    float *x = xmalloc((size_t)(rows * ld) * sizeof *x);
+    fill_uniform(x, rows * ld, -20.0f, 20.0f);
+    if (levels > 0)
+        for (int64_t i = 0; i < rows * ld; i++)
+            x[i] = (float)(int)((x[i] + 20.0f) / 40.0f * (float)levels);
+    fitm_top *ref = xmalloc((size_t)(rows * k) * sizeof *ref);
+    for (int64_t r = 0; r < rows; r++)
+        fitm_ops_topk(x + r * ld, n, k, ref + r * k);
+    dbuf dx = dbuf_from(x, (size_t)(rows * ld) * sizeof *x);
+    dbuf dv = dbuf_new((size_t)(rows * k) * sizeof(float));
+    dbuf di = dbuf_new((size_t)(rows * k) * sizeof(int32_t));
+    dbuf ds = dbuf_new(fitm_cuda_topk_scratch(rows, n, k) + 1);
+    bool ok = launched(what, fitm_cuda_topk(dx.p, rows, n, ld, k, ds.p, dv.p, di.p, stream));
+    float *gv = xmalloc(dv.bytes);
+    int32_t *gi = xmalloc(di.bytes);
+    dbuf_get(gv, &dv);
+    dbuf_get(gi, &di);
+    int64_t bad = 0;
+    for (int64_t i = 0; ok && i < rows * k; i++) {
+        if (memcmp(&gv[i], &ref[i].logit, sizeof(float)) == 0 && gi[i] == ref[i].id)
+            continue;
+        if (bad++ < MAX_REPORT)
+            fprintf(stderr, "  %s: [%lld] ref (%.9g, %d) got (%.9g, %d)\n", what, (long long)i,
+                    (double)ref[i].logit, (int)ref[i].id, (double)gv[i], (int)gi[i]);
+    }
+    ok = ok && bad == 0;
+    ok = values_and_guards_ok(ok, &dv, what) && dbuf_guards_ok(&di, what) &&
+         dbuf_guards_ok(&ds, what);
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok, "%s", what);
+    dbuf_free(&dx), dbuf_free(&dv), dbuf_free(&di), dbuf_free(&ds);
+    free(x), free(ref), free(gv), free(gi);
+}
+
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
  * sizes, accepted) before anything is launched. */
 static void test_contracts(void)
@@ -595,6 +639,15 @@ static void test_contracts(void)
     CHECK(fitm_cuda_swiglu(f, NULL, f, 8, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, -1, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, 0, NULL) == 0);
+    float *v = f + 512;
+    int32_t *id = (int32_t *)(fake + 3072);
+    CHECK(fitm_cuda_topk(f, 1, 8, 8, 0, NULL, v, id, NULL) == inval);       /* k 0 */
+    CHECK(fitm_cuda_topk(f, 1, 8, 8, 9, NULL, v, id, NULL) == inval);       /* k > n */
+    CHECK(fitm_cuda_topk(f, 1, 100, 100, 65, NULL, v, id, NULL) == inval);  /* k > 64 */
+    CHECK(fitm_cuda_topk(f, 2, 8, 7, 1, NULL, v, id, NULL) == inval);       /* ld < n */
+    CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
+    CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
+    CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
 
     fitm_err err;
     strcpy(err.msg, "untouched");
@@ -610,8 +663,28 @@ static void test_contracts(void)
     CHECK(!fitm_cuda_error_is_sticky(0));
 }
 
-int main(void)
+/* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
+ * softmax, rope, glu, topk (the ThreadSanitizer and mutant builds of tests/meson.build run a
+ * few), or every group without an argument. With "small" in the list, the groups run only
+ * their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
+ * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
+static const char *groups;
+
+static bool want(const char *group)
 {
+    if (!groups)
+        return true;
+    const size_t n = strlen(group);
+    for (const char *p = groups; (p = strstr(p, group)) != NULL; p += n)
+        if ((p == groups || p[-1] == ',') && (p[n] == ',' || p[n] == '\0'))
+            return true;
+    return false;
+}
+
+int main(int argc, char **argv)
+{
+    groups = argc > 1 ? argv[1] : NULL;
+    const bool small = groups && want("small");
     test_contracts();
     if (failures) {
         fprintf(stderr, "test_cuda_kernels: %d contract check(s) failed\n", failures);
@@ -623,7 +696,7 @@ int main(void)
     }
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-    for (int i = 0; i < N_WEIGHT_TYPES; i++) {
+    for (int i = 0; i < N_WEIGHT_TYPES && want("dequant"); i++) {
         fitm_dtype t = weight_types[i];
         int64_t be = block_elems(t);
         test_dequant(t, 256 * 37, false);
@@ -636,12 +709,16 @@ int main(void)
         }
     }
 
-    for (int i = 0; i < N_WEIGHT_TYPES; i++) {
+    for (int i = 0; i < N_WEIGHT_TYPES && want("matvec"); i++) {
         fitm_dtype t = weight_types[i];
         int64_t be = block_elems(t);
         bool quant = be > 1;
+        if (small && t != FITM_DTYPE_F32 && t != FITM_DTYPE_Q8_0 && t != FITM_DTYPE_Q4_K)
+            continue;
         test_matvec(t, 1, be > 1 ? be : 8, false);
         test_matvec(t, 37, 768, false);
+        if (small)
+            continue;
         test_matvec(t, 130, 4096, false); /* N not a multiple of the rows per block */
         test_matvec(t, 4, 16384, false);  /* an FFN down projection's K */
         if (quant) {
@@ -653,35 +730,60 @@ int main(void)
         }
     }
 
-    test_rmsnorm(1, 4096, 0.0f, 1e-5f, false);
-    test_rmsnorm(3, 1000, 0.0f, 1e-6f, false);
-    test_rmsnorm(17, 64, 1.0f, 1e-6f, false);
-    test_rmsnorm(5, 5120, 0.0f, 1e-6f, true);
-    test_rmsnorm(2, 33, 0.0f, 1e-5f, true);
+    if (want("rmsnorm")) {
+        test_rmsnorm(3, 1000, 0.0f, 1e-6f, false);
+        test_rmsnorm(17, 64, 1.0f, 1e-6f, false);
+        test_rmsnorm(2, 33, 0.0f, 1e-5f, true);
+        if (!small) {
+            test_rmsnorm(1, 4096, 0.0f, 1e-5f, false);
+            test_rmsnorm(5, 5120, 0.0f, 1e-6f, true);
+        }
+    }
 
-    test_softmax(1, 1, 1, false);
-    test_softmax(3, 7, 9, false);
-    test_softmax(5, 33, 40, true);
-    test_softmax(4, 1000, 1000, true);
-    test_softmax(2, 4097, 4100, false);
-    test_softmax(2, 50000, 50000, true);
+    if (want("softmax")) {
+        test_softmax(1, 1, 1, false);
+        test_softmax(3, 7, 9, false);
+        test_softmax(5, 33, 40, true);
+        test_softmax(4, 1000, 1000, true);
+        test_softmax(2, 4097, 4100, false);
+        if (!small)
+            test_softmax(2, 50000, 50000, true);
+    }
 
-    test_rope(5, 4, 64, 4 * 64, 64, 10000.0f, 1.0f, 0, true, 0);
-    test_rope(5, 4, 64, 4 * 64 + 8, 64, 10000.0f, 1.0f, 1, true, 0);
-    test_rope(7, 3, 128, 3 * 128 + 4, 64, 1000000.0f, 1.0f, 0, false, 37); /* partial rotation */
-    test_rope(7, 3, 128, 3 * 128, 32, 1000000.0f, 1.0f, 1, false, 100000);
-    test_rope(1, 2, 256, 2 * 256, 256, 10000.0f, 0.125f, 1, true, 5); /* Gemma 3: D 256, scaled */
-    test_rope(64, 8, 128, 8 * 128, 128, 500000.0f, 1.0f, 1, false, 0);
-    test_rope(9, 2, 64, 2 * 64 + 16, 64, 10000.0f, 0.25f, 0, true, 3);
+    if (want("rope")) {
+        test_rope(5, 4, 64, 4 * 64, 64, 10000.0f, 1.0f, 0, true, 0);
+        test_rope(5, 4, 64, 4 * 64 + 8, 64, 10000.0f, 1.0f, 1, true, 0);
+        test_rope(7, 3, 128, 3 * 128 + 4, 64, 1000000.0f, 1.0f, 0, false,
+                  37); /* partial rotation */
+        test_rope(7, 3, 128, 3 * 128, 32, 1000000.0f, 1.0f, 1, false, 100000);
+        test_rope(1, 2, 256, 2 * 256, 256, 10000.0f, 0.125f, 1, true,
+                  5); /* Gemma 3: D 256, scaled */
+        test_rope(64, 8, 128, 8 * 128, 128, 500000.0f, 1.0f, 1, false, 0);
+        test_rope(9, 2, 64, 2 * 64 + 16, 64, 10000.0f, 0.25f, 0, true, 3);
+    }
 
-    test_glu(false, 1, false);
-    test_glu(false, 1000, false);
-    test_glu(false, (1 << 20) + 3, false);
-    test_glu(false, 4097, true);
-    test_glu(true, 1, false);
-    test_glu(true, 1000, false);
-    test_glu(true, (1 << 20) + 3, false);
-    test_glu(true, 4097, true);
+    if (want("glu")) {
+        test_glu(false, 1, false);
+        test_glu(false, 1000, false);
+        test_glu(false, (1 << 20) + 3, false);
+        test_glu(false, 4097, true);
+        test_glu(true, 1, false);
+        test_glu(true, 1000, false);
+        test_glu(true, (1 << 20) + 3, false);
+        test_glu(true, 4097, true);
+    }
+
+    if (want("topk")) {
+        test_topk(1, 1, 1, 1, 0);
+        test_topk(4, 300, 301, 1, 2); /* greedy over many equal maxima */
+        test_topk(3, 1001, 1001, 64, 0);
+        test_topk(2, 777, 800, 33, 6);
+        test_topk(2, 2049, 2049, 64, 3); /* two chunks, the second of one entry */
+        if (!small) {
+            test_topk(1, 262144, 262144, 64, 0); /* Gemma 3's vocabulary: 64 chunks */
+            test_topk(2, 100003, 100003, 1, 0);
+        }
+    }
 
     CUDA_OK(cudaStreamDestroy(stream));
     if (failures) {

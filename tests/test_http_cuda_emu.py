@@ -3,7 +3,8 @@ against tests/cuda_emu, whose "GPU" runs the real kernels/*.cu on the CPU), agai
 fitmd on the same `fitm mkmodel` models:
 
 - /rerank gives the same ranking, its attention masses within 2e-4 (the bound
-  tests/test_backend_cuda.c derives for span masses), and /answer the same greedy answer;
+  tests/test_backend_cuda.c derives for span masses), and /answer the same greedy answer and
+  the same sampled answers for a given seed (temperature, top_p; also /v1/completions);
 - backend selection: auto takes the device when it exists and passes the start-up check,
   else the CPU with one log line saying why; backend=cuda without a device, or failing the
   check, is a start-up error; a fitmd built without CUDA refuses backend=cuda;
@@ -134,6 +135,22 @@ def test_same_results_as_cpu(emu_bin, fitmd_bin, models, tmp_path, name):
             assert ag.json()["answer"] == ac.json()["answer"]
             assert ag.json()["usage"] == ac.json()["usage"]
             assert ac.json()["usage"]["completion_tokens"] > 0
+            # sampled answers: the device selects the 64 candidates, the host draws from them
+            # (src/pipeline/answer.c); the same seed must draw the same tokens on both
+            greedy, sampled = ac.json()["answer"], []
+            for temp, top_p, seed in ((1.5, 1.0, 3), (0.9, 0.8, 11), (2.0, 0.95, 7)):
+                body = dict(answer_body(), temperature=temp, top_p=top_p, seed=seed)
+                ac, ag = post(cpu, body, path="/answer"), post(gpu, body, path="/answer")
+                assert ac.status_code == 200 and ag.status_code == 200, (ac.text, ag.text)
+                assert ag.json()["answer"] == ac.json()["answer"], (temp, top_p, seed)
+                assert ag.json()["usage"] == ac.json()["usage"]
+                sampled.append(ac.json()["answer"])
+            assert any(a != greedy for a in sampled), (greedy, sampled)  # it did sample
+            body = {"prompt": "once upon a time", "max_tokens": 6, "seed": 5, "temperature": 1.2}
+            oc = post(cpu, body, path="/v1/completions")
+            og = post(gpu, body, path="/v1/completions")
+            assert oc.status_code == 200 and og.status_code == 200, (oc.text, og.text)
+            assert og.json()["choices"][0]["text"] == oc.json()["choices"][0]["text"]
     finally:
         assert cpu.terminate() == 0, cpu.log_text()
         assert gpu.terminate(timeout=120) == 0, gpu.log_text()

@@ -1,6 +1,7 @@
 #include "compute/ops.h"
 
 #include <math.h>
+#include <stdbool.h>
 
 void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
                       int64_t C, float eps)
@@ -137,5 +138,27 @@ void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span 
         float f = (float)((double)alpha[k] * (double)(spans[k].end - spans[k].start) * C / mass[k]);
         for (int64_t i = lo; i < hi; i++)
             p[i] *= f;
+    }
+}
+
+/* Whether (v, i) comes before t in fitm_ops_topk's order. */
+static bool top_before(float v, int32_t i, const fitm_top *t)
+{
+    return v > t->logit || (v == t->logit && i < t->id);
+}
+
+void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top)
+{
+    /* Insertion into a sorted list of k: each entry is compared with the list's last first,
+     * so a row costs about n comparisons once the list is full (k is at most 64). */
+    int32_t have = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        if (have == k && !top_before(v, (int32_t)i, &top[k - 1]))
+            continue;
+        int32_t j = have < k ? have++ : k - 1;
+        for (; j > 0 && top_before(v, (int32_t)i, &top[j - 1]); j--)
+            top[j] = top[j - 1];
+        top[j] = (fitm_top){v, (int32_t)i};
     }
 }

@@ -61,4 +61,20 @@ void fitm_ops_span_mass(float *mass, const float *p, int64_t key0, int64_t n_key
 void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span *spans,
                         const float *alpha, int32_t n_spans, double *mass);
 
+/* One entry of a row's top list: a value (a logit) and its index in the row (a token id). */
+typedef struct {
+    float logit;
+    int32_t id;
+} fitm_top;
+
+/* Most entries a top list holds: what the sampler keeps (src/pipeline/answer.c) and what the
+ * device kernel selects in one pass (kernels/topk.cu). */
+#define FITM_TOP_MAX 64
+
+/* top (k) = the k first entries of x (n) in the order "larger value first, equal values lower
+ * index first". That order is total, so the list is unique and every backend that selects it
+ * returns the same one; top[0] is the first maximum (greedy decoding's token).
+ * 1 <= k <= min(n, FITM_TOP_MAX), n < 2^31; x holds no NaN. */
+void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
+
 #endif

@@ -151,6 +151,11 @@ typedef struct {
     void (*add)(fitm_backend *b, float *y, const float *x, int64_t n);
     /* x (n) = cap * tanh(x / cap) */
     void (*softcap)(fitm_backend *b, float *x, int64_t n, float cap);
+    /* top (rows, k) host = fitm_ops_topk of each row of x (rows, n), 1 <= k <= FITM_TOP_MAX,
+     * k <= n: a sampler's candidates, so decoding copies k entries of a row to the host
+     * instead of n (Gemma 3: 64 of 262144). */
+    void (*topk)(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
+                 fitm_top *top);
     void (*attention)(fitm_backend *b, const fitm_attn_args *a);
     /* Whether attention takes a->mix (the position methods); a backend without it answers
      * those requests with FITM_ERR_UNSUPPORTED (forward.c). */

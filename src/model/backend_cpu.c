@@ -316,6 +316,14 @@ static void cpu_softcap(fitm_backend *b, float *x, int64_t n, float cap)
         x[i] = cap * tanhf(x[i] / cap);
 }
 
+static void cpu_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
+                     fitm_top *top)
+{
+    (void)b;
+    for (int64_t r = 0; r < rows; r++)
+        fitm_ops_topk(x + r * n, n, k, top + r * k);
+}
+
 /* ---- fixed-order dot products ------------------------------------------------------------ */
 
 /* Vector width: 16 floats in the avx512 object (full-width FMA units on current x86 cores), 8
@@ -949,6 +957,7 @@ static const fitm_backend_ops cpu_ops = {
     .glu = cpu_glu,
     .add = cpu_add,
     .softcap = cpu_softcap,
+    .topk = cpu_topk,
     .attention = cpu_attention,
     .attention_mix = true,
 };

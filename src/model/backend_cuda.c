@@ -48,7 +48,9 @@ typedef struct {
     dev_weight *w;    /* sorted by host */
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
-        cap_probs;
+        cap_probs, top, top_scratch;
+    void *top_host; /* the top entries' values then indices, unpacked into the caller's array */
+    size_t top_host_cap;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -258,9 +260,10 @@ static void cuda_destroy(fitm_backend *b)
     cuda_backend *c = cu(b);
     release_weights(c);
     free(c->w);
-    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1], &c->wf,        &c->xpad,
-                        &c->ypad,     &c->ids,      &c->cap_index, &c->cap_spans,
-                        &c->iv_spans, &c->iv_alpha, &c->cap_mass,  &c->cap_probs};
+    free(c->top_host);
+    grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
+                        &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
+                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     if (c->blas)
@@ -458,6 +461,36 @@ static void cuda_softcap(fitm_backend *b, float *x, int64_t n, float cap)
         ok(c, fitm_cuda_softcap(x, n, cap, c->stream), "softcap");
 }
 
+/* The selection on the device and one copy of rows * k (value, index) pairs: 512 bytes per
+ * row for the sampler's 64 candidates, where the whole row is 1 MiB for Gemma 3. */
+static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
+                      fitm_top *top)
+{
+    cuda_backend *c = cu(b);
+    const size_t pairs = (size_t)(rows * k), bytes = pairs * (sizeof(float) + sizeof(int32_t));
+    if (c->rc || rows == 0 || !grow(c, &c->top, bytes) ||
+        !grow(c, &c->top_scratch, fitm_cuda_topk_scratch(rows, n, k) + 1))
+        return;
+    if (c->top_host_cap < bytes) {
+        void *h = realloc(c->top_host, bytes);
+        if (!h) {
+            ok(c, (int)cudaErrorMemoryAllocation, "host buffer for the top logits");
+            return;
+        }
+        c->top_host = h;
+        c->top_host_cap = bytes;
+    }
+    float *val = c->top.p;
+    int32_t *id = (int32_t *)((char *)c->top.p + pairs * sizeof(float));
+    if (!ok(c, fitm_cuda_topk(x, rows, n, n, k, c->top_scratch.p, val, id, c->stream), "topk") ||
+        !to_host(c, c->top_host, c->top.p, bytes, "top logits download"))
+        return;
+    const float *hv = c->top_host;
+    const int32_t *hi = (const int32_t *)((const char *)c->top_host + pairs * sizeof(float));
+    for (size_t i = 0; i < pairs; i++)
+        top[i] = (fitm_top){hv[i], hi[i]};
+}
+
 /* Uploads n host items into a growing device buffer; its device address, or NULL. */
 static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
 {
@@ -575,6 +608,7 @@ static const fitm_backend_ops cuda_ops = {
     .glu = cuda_glu,
     .add = cuda_add,
     .softcap = cuda_softcap,
+    .topk = cuda_topk,
     .attention = cuda_attention,
 };
 

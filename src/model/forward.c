@@ -278,9 +278,14 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
             return fitm_err_set(err, FITM_ERR_INVALID, "token id %d at %lld is not in [0, %d)",
                                 (int)tokens[t], (long long)t, (int)c->n_vocab);
     if (opts->n_logits < 0 || opts->n_logits > T || opts->n_logits > f->p.max_logits ||
-        (opts->n_logits > 0 && !opts->logits))
+        (opts->n_logits > 0 && !opts->logits && opts->top_k <= 0))
         return fitm_err_set(err, FITM_ERR_INVALID, "%lld logit rows asked for (T %lld, limit %lld)",
                             (long long)opts->n_logits, (long long)T, (long long)f->p.max_logits);
+    if (opts->top_k < 0 || opts->top_k > FITM_TOP_MAX || opts->top_k > c->n_vocab ||
+        (opts->top_k > 0 && opts->n_logits > 0 && !opts->top))
+        return fitm_err_set(err, FITM_ERR_INVALID, "top %d of the logits asked for (limit %d)",
+                            (int)opts->top_k,
+                            (int)(c->n_vocab < FITM_TOP_MAX ? c->n_vocab : FITM_TOP_MAX));
     if ((unsigned)opts->path > FITM_PATH_STEP)
         return fitm_err_set(err, FITM_ERR_INVALID, "unknown forward path %d", (int)opts->path);
     if ((unsigned)opts->position >= FITM_POSITION_COUNT)
@@ -604,7 +609,8 @@ static void ffn_block(const pass *p, int32_t l)
     o->add(b, f->x, f->tmp, T * C);
 }
 
-/* Each sequence's last n_logits rows' logits into its opts->logits: the rows are gathered
+/* Each sequence's last n_logits rows' logits into its opts->logits and/or their top entries
+ * into opts->top (selected by the backend, so only those leave it): the rows are gathered
  * (normed) into one block so the output head's weights are read once (always the STEP
  * products, so a row's logits do not depend on the rows beside it). */
 static void output_head(const pass *p)
@@ -628,9 +634,11 @@ static void output_head(const pass *p)
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t nl = q->opts->n_logits;
-        if (nl > 0)
+        if (nl > 0 && q->opts->logits)
             o->download(b, q->opts->logits, f->logits + q->lrow0 * V,
                         (size_t)(nl * V) * sizeof(float));
+        if (nl > 0 && q->opts->top_k > 0)
+            o->topk(b, f->logits + q->lrow0 * V, nl, V, q->opts->top_k, q->opts->top);
     }
 }
 

@@ -77,7 +77,12 @@ typedef struct {
      * (pos_base > 0). NULL when kv starts at 0. */
     const fitm_kv *prefix;
     int64_t n_logits;        /* logits for the last n_logits rows of this call, in [0, T]  */
-    float *logits;           /* (n_logits, V) host; may be NULL when n_logits is 0         */
+    float *logits;           /* (n_logits, V) host; may be NULL when n_logits is 0 or top_k
+                                is set                                                     */
+    int32_t top_k;           /* > 0: each of those rows' top_k largest logits into top, in
+                                fitm_ops_topk's order (at most FITM_TOP_MAX, at most V);
+                                only top_k entries per row leave the backend, not V        */
+    fitm_top *top;           /* (n_logits, top_k) host, when top_k > 0                     */
     const fitm_capture *capture;           /* NULL: none */
     const fitm_intervention *intervention; /* NULL: none */
     fitm_forward_path path;                /* numerics class; AUTO unless a caller needs

@@ -55,73 +55,52 @@ static double now_ms(void)
     return fitm_clock_ms();
 }
 
-/* One vocabulary entry's probability, for the top_p sort. */
-typedef struct {
-    float p;
-    int32_t id;
-} prob_id;
-
 /* The decoding state of one request: everything allocated once before the token loop. */
 typedef struct {
     const fitm_answer_request *req;
-    int32_t V;
-    float *logits;   /* (V) */
-    prob_id *sorted; /* (V) scratch for top_p; NULL when greedy or top_p = 1 */
+    int32_t k;                /* candidates the forward pass selects: 1 when greedy, else
+                                 min(FITM_TOP_MAX, V)                                      */
+    fitm_top top[FITM_TOP_MAX]; /* the step's candidates, most likely first               */
     uint64_t rng;
 } sampler;
 
-static int cmp_prob_desc(const void *a, const void *b)
-{
-    const prob_id *x = a, *y = b;
-    if (x->p != y->p)
-        return x->p > y->p ? -1 : 1;
-    return x->id - y->id;
-}
-
-/* Greedy: the first maximum (as `fitm generate`). Else softmax(logits / temperature) cut to
- * the smallest set of most likely tokens whose mass reaches top_p, drawn from the PRNG. */
+/* Draws the next token from the forward pass's candidates: the k most likely tokens in the
+ * total order of fitm_ops_topk (logit descending, ties by lower id), selected by the backend
+ * so that a device backend copies k (logit, id) pairs per step, not the whole row.
+ * Greedy: the first candidate, the row's first maximum (as `fitm generate`). Else
+ * softmax(logits / temperature) over the candidates, cut to the smallest prefix of them whose
+ * mass reaches top_p of theirs, drawn from the PRNG. The rule: tokens outside the 64 most
+ * likely are never drawn (a top-k of 64 before top_p, as llama.cpp's default top-k of 40);
+ * everything here is computed from the candidates alone, in their order, so every backend
+ * that selects the same list draws the same token from the same seed. */
 static int32_t sample(sampler *s)
 {
-    const float *l = s->logits;
-    int32_t best = 0;
-    for (int32_t i = 1; i < s->V; i++)
-        if (l[i] > l[best])
-            best = i;
-    double t = s->req->temperature;
+    const fitm_top *c = s->top;
+    const double t = s->req->temperature;
     if (t <= 0)
-        return best;
-    /* Probabilities (unnormalised) in place of the logits: the row is not needed again. */
-    float *p = s->logits;
-    float mx = p[best];
+        return c[0].id;
+    float p[FITM_TOP_MAX] = {0}; /* unnormalised probabilities, in candidate order */
     double total = 0;
-    for (int32_t i = 0; i < s->V; i++) {
-        p[i] = (float)exp((double)(p[i] - mx) / t);
+    for (int32_t i = 0; i < s->k; i++) {
+        p[i] = (float)exp((double)(c[i].logit - c[0].logit) / t);
         total += p[i];
     }
-    double u = (double)(fitm_answer_rand(&s->rng) >> 11) * 0x1.0p-53;
-    if (!s->sorted) {
-        double acc = 0, target = u * total;
-        for (int32_t i = 0; i < s->V; i++) {
-            acc += p[i];
-            if (acc > target)
-                return i;
-        }
-        return best;
+    const double u = (double)(fitm_answer_rand(&s->rng) >> 11) * 0x1.0p-53;
+    int32_t n = s->k;
+    double keep = total;
+    if (s->req->top_p < 1.0) {
+        keep = 0;
+        n = 0;
+        while (n < s->k && keep < s->req->top_p * total)
+            keep += p[n++];
     }
-    for (int32_t i = 0; i < s->V; i++)
-        s->sorted[i] = (prob_id){p[i], i};
-    qsort(s->sorted, (size_t)s->V, sizeof *s->sorted, cmp_prob_desc);
-    double keep = 0;
-    int32_t n = 0;
-    while (n < s->V && keep < s->req->top_p * total)
-        keep += s->sorted[n++].p;
     double acc = 0, target = u * keep;
     for (int32_t i = 0; i < n; i++) {
-        acc += s->sorted[i].p;
+        acc += p[i];
         if (acc > target)
-            return s->sorted[i].id;
+            return c[i].id;
     }
-    return s->sorted[n > 0 ? n - 1 : 0].id;
+    return c[n > 0 ? n - 1 : 0].id;
 }
 
 /* The text buffer, what was handed to on_delta, and the stop-string logic. */
@@ -255,8 +234,6 @@ static void state_free(answer_state *s)
     free(s->spans);
     free(s->alpha);
     free(s->use);
-    free(s->sm.logits);
-    free(s->sm.sorted);
     free(s->text.v);
 }
 
@@ -265,21 +242,18 @@ static fitm_status state_init(const fitm_reranker *r, const fitm_answer_request 
 {
     const fitm_model_config *c = fitm_model_config_of(fitm_reranker_model(r));
     const int32_t K = req->base.n_docs;
-    bool sorted = req->temperature > 0 && req->top_p < 1.0;
+    const int32_t k = c->n_vocab < FITM_TOP_MAX ? c->n_vocab : FITM_TOP_MAX;
     *s = (answer_state){.K = K, .L = c->n_layer,
-                        .sm = {.req = req, .V = c->n_vocab, .rng = req->seed}};
+                        .sm = {.req = req, .k = req->temperature > 0 ? k : 1, .rng = req->seed}};
     const size_t k1 = K > 0 ? (size_t)K : 1; /* plain generation has no documents */
     s->order = malloc(k1 * sizeof *s->order);
     s->docs = malloc(k1 * sizeof *s->docs);
     s->spans = calloc(k1, sizeof *s->spans);
     s->alpha = malloc(k1 * sizeof *s->alpha);
     s->use = calloc((size_t)s->L, 1);
-    s->sm.logits = malloc((size_t)s->sm.V * sizeof *s->sm.logits);
-    s->sm.sorted = sorted ? malloc((size_t)s->sm.V * sizeof *s->sm.sorted) : NULL;
     res->docs = calloc(k1, sizeof *res->docs);
     res->n_docs = K;
-    if (!s->order || !s->docs || !s->spans || !s->alpha || !s->use || !s->sm.logits ||
-        !res->docs || (sorted && !s->sm.sorted))
+    if (!s->order || !s->docs || !s->spans || !s->alpha || !s->use || !res->docs)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     for (int32_t k = 0; k < K; k++) {
         s->order[k] = k;
@@ -634,7 +608,8 @@ static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part
         T = s->T - q->pos < budget ? s->T - q->pos : budget;
     const bool logits = q->decoding || q->pos + T == s->T;
     q->o = (fitm_forward_opts){.n_logits = logits ? 1 : 0,
-                               .logits = logits ? s->sm.logits : NULL,
+                               .top_k = s->sm.k,
+                               .top = s->sm.top,
                                .intervention = s->intervene ? &s->iv : NULL,
                                .position = q->position,
                                .path = q->decoding ? FITM_PATH_AUTO : FITM_PATH_BATCH};

@@ -57,9 +57,11 @@ static const opt opts[] = {
      "per address, the same header checks and deadline; probes stay answerable while the main "
      "port is saturated); 0 = none"},
     {"backend", ENUM(backend), "auto", 0, 0, "auto|cpu|cuda",
-     "compute backend, chosen once at start; cuda = GPU 0, which must pass a start-up check "
-     "against the CPU on the loaded model (else fitmd exits); auto = cuda when a device is there "
-     "and passes, else the CPU with one log line saying why"},
+     "compute backend, chosen once at start; cuda = GPU 0 (a fitmd built with nvcc), holding "
+     "the whole model, KV cache and sampling's top-64 selection on the device, which must pass a "
+     "start-up check against the CPU on the loaded model (else fitmd exits); auto = cuda when a "
+     "device is there and passes, else the CPU with one log line saying why "
+     "(docs/cuda-backend.md)"},
     {"threads", INT(threads), "0", 0, 1024, NULL,
      "CPU compute threads; 0 = the CPUs this process may use (affinity mask, cgroup CPU quota)"},
     {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},

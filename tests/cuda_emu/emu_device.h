@@ -9,7 +9,12 @@
  * a deadlock: the launch is abandoned and reported as cudaErrorLaunchFailure.
  *
  * __shared__ variables are function-local statics: one copy, used by one block at a time
- * (launches from several host threads are serialised). */
+ * (launches from several host threads are serialised).
+ *
+ * Built with FITM_CUDA_EMU_THREADS, every CUDA thread is instead an OS thread (emu_runtime.cpp)
+ * and the barriers and shuffles are synchronisation ThreadSanitizer understands: in a
+ * -fsanitize=thread build, two threads touching the same memory with no barrier between them
+ * are reported, whether or not the run happened to compute the right numbers. */
 #ifndef FITM_CUDA_EMU_DEVICE_H
 #define FITM_CUDA_EMU_DEVICE_H
 
@@ -225,19 +230,35 @@ static inline __nv_bfloat16 __float2bfloat16(float f)
     return __float2bfloat16_rn(f);
 }
 
-/* ---- atomics (blocks run one at a time and fibers switch only at barriers and shuffles, so
- * plain read-modify-write is atomic here) ---- */
+/* ---- atomics (blocks run one at a time; fibers switch only at barriers and shuffles, so
+ * there a plain read-modify-write is atomic; OS threads take the engine's lock) ---- */
+
+#ifdef FITM_CUDA_EMU_THREADS
+void fitm_emu_atomic_lock(void);
+void fitm_emu_atomic_unlock(void);
+#else
+static inline void fitm_emu_atomic_lock(void)
+{
+}
+static inline void fitm_emu_atomic_unlock(void)
+{
+}
+#endif
 
 template <typename T> static inline T atomicAdd(T *p, T v)
 {
+    fitm_emu_atomic_lock();
     const T old = *p;
     *p = old + v;
+    fitm_emu_atomic_unlock();
     return old;
 }
 template <typename T> static inline T atomicMax(T *p, T v)
 {
+    fitm_emu_atomic_lock();
     const T old = *p;
     *p = old > v ? old : v;
+    fitm_emu_atomic_unlock();
     return old;
 }
 

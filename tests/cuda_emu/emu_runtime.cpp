@@ -1,10 +1,17 @@
-/* cuda_emu runtime: memory, streams, events, errors, and the fiber scheduler behind launches
- * (contract in cuda_runtime_api.h and emu_device.h).
+/* cuda_emu runtime: memory, streams, events, errors, and the engine behind launches
+ * (contract in cuda_runtime_api.h and emu_device.h). Two engines, chosen when this file is
+ * compiled:
  *
- * Fibers are started once with makecontext and live across blocks and launches (each runs
- * the launch's entry, reports done, and waits for the next block); switches between a fiber
- * and the scheduler are _setjmp/_longjmp, which unlike swapcontext make no system call. The
- * fortified longjmp would take a jump to another stack for stack smashing, hence the #undef. */
+ * - fibers (the default): fibers are started once with makecontext and live across blocks and
+ *   launches (each runs the launch's entry, reports done, and waits for the next block);
+ *   switches between a fiber and the scheduler are _setjmp/_longjmp, which unlike swapcontext
+ *   make no system call. The fortified longjmp would take a jump to another stack for stack
+ *   smashing, hence the #undef.
+ * - threads (FITM_CUDA_EMU_THREADS): every CUDA thread of a block is an OS thread of a pool,
+ *   __syncthreads a barrier and a shuffle a per-warp rendezvous, all under one mutex, so a
+ *   ThreadSanitizer build sees exactly the happens-before edges CUDA promises and reports
+ *   the accesses to shared or global memory that no barrier orders (tests/meson.build builds
+ *   the kernel tests this way with -fsanitize=thread). */
 #ifdef _FORTIFY_SOURCE
 #undef _FORTIFY_SOURCE
 #endif
@@ -28,8 +35,39 @@ thread_local dim3 fitm_emu_block_dim, fitm_emu_grid_dim;
 namespace
 {
 
-const size_t FIBER_STACK = 64 * 1024;
+pthread_mutex_t launch_lock = PTHREAD_MUTEX_INITIALIZER; /* __shared__ statics: one block */
+pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
+cudaError_t last_error = cudaSuccess;
+cudaError_t injected_malloc = cudaSuccess, injected_launch = cudaSuccess;
+
+cudaError_t set_error(cudaError_t e)
+{
+    pthread_mutex_lock(&state_lock);
+    if (e != cudaSuccess)
+        last_error = e;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+cudaError_t take_injected(cudaError_t *slot)
+{
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t e = *slot;
+    *slot = cudaSuccess;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
 const int MAX_THREADS = 1024;
+
+} // namespace
+
+#ifndef FITM_CUDA_EMU_THREADS
+
+namespace
+{
+
+const size_t FIBER_STACK = 64 * 1024;
 
 enum fiber_state { RUNNABLE, WAIT_SYNC, WAIT_SHFL, DONE };
 
@@ -63,28 +101,6 @@ struct block_runner {
 };
 
 thread_local block_runner *runner;
-pthread_mutex_t launch_lock = PTHREAD_MUTEX_INITIALIZER; /* __shared__ statics: one block */
-pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
-cudaError_t last_error = cudaSuccess;
-cudaError_t injected_malloc = cudaSuccess, injected_launch = cudaSuccess;
-
-cudaError_t set_error(cudaError_t e)
-{
-    pthread_mutex_lock(&state_lock);
-    if (e != cudaSuccess)
-        last_error = e;
-    pthread_mutex_unlock(&state_lock);
-    return e;
-}
-
-cudaError_t take_injected(cudaError_t *slot)
-{
-    pthread_mutex_lock(&state_lock);
-    const cudaError_t e = *slot;
-    *slot = cudaSuccess;
-    pthread_mutex_unlock(&state_lock);
-    return e;
-}
 
 fiber *current(void)
 {
@@ -193,6 +209,30 @@ bool run_block(block_runner *r)
     return true;
 }
 
+/* Runs every block of a launch, one after another; false on a deadlock (*at: the block). */
+bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), void *ctx,
+              uint3 *at)
+{
+    if (!runner)
+        runner = new block_runner();
+    block_runner *r = runner;
+    r->n = (int)(block.x * block.y * block.z);
+    r->dyn_shared.assign(dyn_shared, (char)0xA5);
+    r->entry = entry;
+    r->entry_ctx = ctx;
+    fitm_emu_block_dim = block;
+    fitm_emu_grid_dim = grid;
+    bool ok = true;
+    for (unsigned z = 0; z < grid.z && ok; z++)
+        for (unsigned y = 0; y < grid.y && ok; y++)
+            for (unsigned x = 0; x < grid.x && ok; x++) {
+                fitm_emu_block_idx = *at = {x, y, z};
+                ok = run_block(r);
+            }
+    fitm_emu_cur = nullptr;
+    return ok;
+}
+
 } // namespace
 
 void fitm_emu_syncthreads(void)
@@ -241,6 +281,230 @@ void *fitm_emu_dynamic_shared(void)
     return runner->dyn_shared.data();
 }
 
+#else /* FITM_CUDA_EMU_THREADS: one OS thread per CUDA thread */
+
+namespace
+{
+
+/* A wait that ends in no progress for this long is a barrier or shuffle that some thread
+ * never reaches: the fiber engine reports those as launch failures; here the process aborts. */
+const int STALL_SECONDS = 300;
+
+/* ThreadSanitizer orders two accesses when a thread releases a lock that the other thread
+ * acquires later. So each kind of CUDA synchronisation has its own lock, taken only by the
+ * threads CUDA synchronises there: a block's barrier (bar_mu: every thread of the block), a
+ * warp's shuffle (its warp's mu: the lanes of that warp), atomics (atomic_mu). One lock for
+ * everything would order, by the accident of who took it first, accesses that CUDA leaves
+ * unordered, and hide the races this engine exists to show. pool.mu only starts and ends
+ * blocks, outside the kernel's code. */
+struct warp_sync {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    unsigned gen;         /* completed shuffles */
+    unsigned arrived;     /* lanes deposited in the current one */
+    uint64_t slot[2][32]; /* values by shuffle parity: a lane two shuffles ahead is impossible */
+};
+
+struct thread_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a block started or a thread finished */
+    int n_workers;
+    unsigned long block_gen; /* blocks started */
+    int n, done;             /* the block's threads, those finished */
+    unsigned long start_gen[MAX_THREADS]; /* block_gen when each worker was created */
+    uint3 block_idx;
+    dim3 block_dim, grid_dim;
+    std::vector<char> dyn_shared;
+    void (*entry)(void *);
+    void *ctx;
+    pthread_mutex_t bar_mu;
+    pthread_cond_t bar_cv;
+    int live; /* threads of the block not finished (bar_mu) */
+    unsigned sync_gen, sync_arrived;
+    warp_sync warps[MAX_THREADS / 32];
+    pthread_mutex_t atomic_mu;
+};
+
+thread_pool pool;
+pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+thread_local fitm_emu_thread worker_self;
+thread_local int worker_index;
+thread_local void *worker_dyn_shared;
+thread_local int worker_block_n;
+
+void pool_init(void)
+{
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pthread_mutex_init(&pool.bar_mu, NULL);
+    pthread_cond_init(&pool.bar_cv, NULL);
+    pthread_mutex_init(&pool.atomic_mu, NULL);
+    for (int w = 0; w < MAX_THREADS / 32; w++) {
+        pthread_mutex_init(&pool.warps[w].mu, NULL);
+        pthread_cond_init(&pool.warps[w].cv, NULL);
+    }
+}
+
+/* Waits on cv with mu held; aborts after STALL_SECONDS without a wake-up. */
+void wait_on(pthread_cond_t *cv, pthread_mutex_t *mu)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += STALL_SECONDS;
+    if (pthread_cond_timedwait(cv, mu, &t) != 0) {
+        fprintf(stderr, "cuda_emu (threads): no progress for %d s: a barrier or shuffle not "
+                        "reached by every thread of a block\n", STALL_SECONDS);
+        abort();
+    }
+}
+
+/* A barrier every live thread has reached (or exited before) completes. bar_mu held. */
+void sync_maybe_complete(void)
+{
+    if (pool.sync_arrived > 0 && pool.sync_arrived == (unsigned)pool.live) {
+        pool.sync_gen++;
+        pool.sync_arrived = 0;
+        pthread_cond_broadcast(&pool.bar_cv);
+    }
+}
+
+void *worker_main(void *arg)
+{
+    const int i = (int)(intptr_t)arg;
+    worker_index = i;
+    pthread_mutex_lock(&pool.mu);
+    unsigned long seen = pool.start_gen[i]; /* it runs every block started after that */
+    for (;;) {
+        while (pool.block_gen == seen || i >= pool.n)
+            pthread_cond_wait(&pool.cv, &pool.mu);
+        seen = pool.block_gen;
+        const unsigned bx = pool.block_dim.x, by = pool.block_dim.y;
+        worker_self.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
+        fitm_emu_cur = &worker_self;
+        fitm_emu_block_idx = pool.block_idx;
+        fitm_emu_block_dim = pool.block_dim;
+        fitm_emu_grid_dim = pool.grid_dim;
+        worker_dyn_shared = pool.dyn_shared.data();
+        worker_block_n = pool.n;
+        void (*entry)(void *) = pool.entry;
+        void *ctx = pool.ctx;
+        pthread_mutex_unlock(&pool.mu);
+        entry(ctx);
+        pthread_mutex_lock(&pool.bar_mu);
+        pool.live--;
+        sync_maybe_complete(); /* exited threads count as arrived */
+        pthread_mutex_unlock(&pool.bar_mu);
+        pthread_mutex_lock(&pool.mu);
+        pool.done++;
+        pthread_cond_broadcast(&pool.cv);
+    }
+    return NULL;
+}
+
+bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), void *ctx,
+              uint3 *at)
+{
+    pthread_once(&pool_once, pool_init);
+    const int n = (int)(block.x * block.y * block.z);
+    pthread_mutex_lock(&pool.mu);
+    pool.dyn_shared.assign(dyn_shared, (char)0xA5);
+    pool.entry = entry;
+    pool.ctx = ctx;
+    pool.block_dim = block;
+    pool.grid_dim = grid;
+    while (pool.n_workers < n) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&a, 1 << 20);
+        pool.start_gen[pool.n_workers] = pool.block_gen;
+        if (pthread_create(&t, &a, worker_main, (void *)(intptr_t)pool.n_workers) != 0) {
+            fprintf(stderr, "cuda_emu (threads): cannot start thread %d\n", pool.n_workers);
+            abort();
+        }
+        pthread_attr_destroy(&a);
+        pool.n_workers++;
+    }
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                pool.block_idx = *at = {x, y, z};
+                pool.n = n;
+                pool.done = 0;
+                pthread_mutex_lock(&pool.bar_mu);
+                pool.live = n;
+                pool.sync_gen = pool.sync_arrived = 0;
+                pthread_mutex_unlock(&pool.bar_mu);
+                for (int w = 0; w < (n + 31) / 32; w++) {
+                    pthread_mutex_lock(&pool.warps[w].mu);
+                    pool.warps[w].gen = pool.warps[w].arrived = 0;
+                    pthread_mutex_unlock(&pool.warps[w].mu);
+                }
+                pool.block_gen++;
+                pthread_cond_broadcast(&pool.cv);
+                while (pool.done < n)
+                    wait_on(&pool.cv, &pool.mu);
+            }
+    pool.n = 0;
+    pthread_mutex_unlock(&pool.mu);
+    return true;
+}
+
+} // namespace
+
+void fitm_emu_syncthreads(void)
+{
+    pthread_mutex_lock(&pool.bar_mu);
+    const unsigned gen = pool.sync_gen;
+    pool.sync_arrived++;
+    sync_maybe_complete();
+    while (pool.sync_gen == gen)
+        wait_on(&pool.bar_cv, &pool.bar_mu);
+    pthread_mutex_unlock(&pool.bar_mu);
+}
+
+uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
+{
+    const int i = worker_index;
+    warp_sync *w = &pool.warps[i / 32];
+    if (src >= 0 && (!(mask >> src & 1u) || i / 32 * 32 + src >= worker_block_n)) {
+        fprintf(stderr, "cuda_emu: shuffle from lane %d outside mask %08x\n", src, mask);
+        abort();
+    }
+    pthread_mutex_lock(&w->mu);
+    const unsigned gen = w->gen, par = gen & 1u;
+    w->slot[par][i % 32] = bits;
+    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
+        w->gen++;
+        w->arrived = 0;
+        pthread_cond_broadcast(&w->cv);
+    } else {
+        while (w->gen == gen)
+            wait_on(&w->cv, &w->mu);
+    }
+    const uint64_t r = src < 0 ? bits : w->slot[par][src];
+    pthread_mutex_unlock(&w->mu);
+    return r;
+}
+
+void *fitm_emu_dynamic_shared(void)
+{
+    return worker_dyn_shared;
+}
+
+void fitm_emu_atomic_lock(void)
+{
+    pthread_mutex_lock(&pool.atomic_mu);
+}
+
+void fitm_emu_atomic_unlock(void)
+{
+    pthread_mutex_unlock(&pool.atomic_mu);
+}
+
+#endif
+
 /* For tests of a whole process (fitmd_cuda_emu): while the file named by
  * FITM_CUDA_EMU_FAIL_LAUNCH_IF exists, the next launch fails with cudaErrorLaunchFailure (which
  * loses the context on a real device) and removes it, so a test can fail one launch of a running
@@ -277,29 +541,14 @@ void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (
         return;
     }
     pthread_mutex_lock(&launch_lock);
-    if (!runner)
-        runner = new block_runner();
-    block_runner *r = runner;
-    r->n = (int)n;
-    r->dyn_shared.assign(dyn_shared, (char)0xA5);
-    r->entry = entry;
-    r->entry_ctx = ctx;
-    fitm_emu_block_dim = block;
-    fitm_emu_grid_dim = grid;
-    bool ok = true;
-    for (unsigned z = 0; z < grid.z && ok; z++)
-        for (unsigned y = 0; y < grid.y && ok; y++)
-            for (unsigned x = 0; x < grid.x && ok; x++) {
-                fitm_emu_block_idx = {x, y, z};
-                ok = run_block(r);
-            }
-    fitm_emu_cur = nullptr;
+    uint3 at = {0, 0, 0};
+    const bool ok = run_grid(grid, block, dyn_shared, entry, ctx, &at);
     pthread_mutex_unlock(&launch_lock);
     if (!ok) {
         fprintf(stderr,
                 "cuda_emu: deadlock in block (%u,%u,%u): a barrier or shuffle not "
                 "reached by every thread\n",
-                fitm_emu_block_idx.x, fitm_emu_block_idx.y, fitm_emu_block_idx.z);
+                at.x, at.y, at.z);
         set_error(cudaErrorLaunchFailure);
     }
 }
