@@ -259,49 +259,56 @@ def test_deadline_mid_batch_ends_only_that_stream(fitmd_bin, tmp_path):  # noqa:
     """A stream whose deadline passes while it decodes inside the batch ends with the
     documented deadline error (an error event, then [DONE]); the requests beside it in the
     same batch -- answers and a /rerank that arrive while it decodes -- are served in full.
-    The stream asks for 12,000 tokens against a 3 s deadline: 12,000 steps whose attention
-    alone (over a growing context) is ~1e11 multiply-adds, many seconds on any CPU; the others
-    need a few steps of the small model each."""
+    The stream asks for 12,000 tokens (ignore_eos: a random model's early end-of-generation
+    token must not end it) against a 3 s deadline: 12,000 steps whose attention alone (over a
+    growing context) is ~1e11 multiply-adds, many seconds on any CPU; the others need a few
+    steps of the small model each."""
     model = tmp_path / "mid.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
-                    "Q8_0", "--ctx", "12288", "--seed", "4",
-                    "-q", "-o", str(model)], check=True)
+                    "Q8_0", "--ctx", "12288", "--seed", "4", "-q", "-o", str(model)], check=True)
     d = Daemon(fitmd_bin, model, tmp_path, api_keys="test-key-1", max_answer_tokens=12000,
                request_timeout_ms=3000, http_threads=8, max_running=8)
     try:
-        body = {"query": "where is golf", "documents": docs(2, 6), "max_tokens": 12000,
-                "calibrate": False, "stream": True}
-        short = [("/answer", {"query": f"golf {i}", "documents": docs(2, 4, shift=i),
-                              "max_tokens": 2, "calibrate": i % 2 == 0}) for i in range(2)]
-        short.append(("/rerank", {"query": "golf", "documents": docs(3, 4)}))
-        codes = [None] * len(short)
-
-        def client(k):
-            route, b = short[k]
-            resp = requests.post(d.url(route), json=b, headers=AUTH, timeout=600)
-            codes[k] = resp.status_code if resp.status_code == 200 else (resp.status_code, resp.text[:200])
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(short))]
-        events = []
-        with requests.post(d.url("/answer"), json=body, headers=AUTH, stream=True,
-                           timeout=600) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith(b"data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 1:  # decoding now: the others join its batch
-                    for t in threads:
-                        t.start()
-                if line[6:] == b"[DONE]":
-                    break
-        for t in threads:
-            t.join(600)
-        deltas = [e for e in events[:-2] if b'"delta"' in e]
-        assert deltas and len(deltas) == len(events) - 2, events[-3:]
-        final = json.loads(events[-2])
-        assert final["error"]["code"] == "deadline_exceeded", final
-        assert codes == [200] * len(short), (codes, len(deltas))
+        final, n_deltas, codes = deadline_attempt(d)
+        assert final.get("error", {}).get("code") == "deadline_exceeded", (final, n_deltas)
+        assert codes == [200, 200, 200], (codes, n_deltas)
         assert d.healthy()
     finally:
         assert d.terminate() == 0, d.log_text()
+
+
+def deadline_attempt(d):
+    """One long stream with two short answers and a /rerank joining its batch once it decodes:
+    (the stream's final event, its number of deltas, the others' status codes)."""
+    body = {"query": "where is golf", "documents": docs(2, 6),
+            "max_tokens": 12000, "calibrate": False, "stream": True, "ignore_eos": True}
+    short = [("/answer", {"query": f"golf {i}", "documents": docs(2, 4, shift=i),
+                          "max_tokens": 2, "calibrate": i % 2 == 0}) for i in range(2)]
+    short.append(("/rerank", {"query": "golf", "documents": docs(3, 4)}))
+    codes = [None] * len(short)
+
+    def client(k):
+        route, b = short[k]
+        resp = requests.post(d.url(route), json=b, headers=AUTH, timeout=600)
+        codes[k] = resp.status_code if resp.status_code == 200 else (resp.status_code,
+                                                                     resp.text[:200])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(short))]
+    events = []
+    with requests.post(d.url("/answer"), json=body, headers=AUTH, stream=True,
+                       timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 1:  # decoding now: the others join its batch
+                for t in threads:
+                    t.start()
+            if line[6:] == b"[DONE]":
+                break
+    for t in threads:
+        t.join(600)
+    deltas = [e for e in events[:-2] if b'"delta"' in e]
+    assert deltas and len(deltas) == len(events) - 2, events[-3:]
+    return json.loads(events[-2]), len(deltas), codes

@@ -178,6 +178,27 @@ def test_reorder_placement_last_reverses_the_order(daemon):
     assert plain["meta"]["reorder_placement"] == "first"
 
 
+def test_ignore_eos_generates_past_the_end(daemon):
+    """ignore_eos: the answer goes on past an end-of-generation token to max_tokens, and up to
+    that token it is the answer that stopped there. Random models stop early often; the test
+    looks for a question on which this one does."""
+    for i in range(24):
+        b = body(query=f"{QUERY} {i}", calibrate=False, return_tokens=True, max_tokens=400)
+        j = answer(daemon, b).json()
+        n = j["usage"]["completion_tokens"]
+        if j["finish_reason"] == "stop" and n < 380:
+            break
+    else:
+        pytest.fail("no question ended with an end-of-generation token")
+    k = answer(daemon, dict(b, ignore_eos=True, max_tokens=n + 20)).json()
+    assert k["finish_reason"] == "length" and k["usage"]["completion_tokens"] == n + 20
+    # the stopped answer's ids end with the EOS token; the continued one holds it there too
+    assert k["tokens"]["completion"][:n] == j["tokens"]["completion"][:n]
+    assert k["meta"]["seed"] is not None
+    r = answer(daemon, body(ignore_eos="yes"))
+    assert_error(r, 400, mentions="'ignore_eos'")
+
+
 def test_sampling_reproducible_from_seed(daemon):
     b = body(temperature=1.5, top_p=0.95, max_tokens=24, calibrate=False, return_tokens=True)
     a1 = answer(daemon, dict(b, seed=7)).json()

@@ -635,7 +635,7 @@ static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
     res->completion_tokens = q->n_done;
     if (q->n_done == 1)
         res->first_token_ms = now_ms() - q->t0;
-    if (fitm_tok_is_eog(tok, next)) {
+    if (!req->ignore_eos && fitm_tok_is_eog(tok, next)) {
         res->finish = FITM_FINISH_STOP;
         return FITM_OK;
     }

@@ -51,6 +51,7 @@ typedef struct {
     bool calibrate;            /* intervene with the calibrated alpha (default true)          */
     int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
     bool reorder_last;         /* the reorder puts the most relevant last (next to the query) */
+    bool ignore_eos;           /* generate past end-of-generation tokens (load tests)         */
     int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
     int32_t n_intervene_layers;
     bool stream;

@@ -975,6 +975,9 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "calibrate", &out->calibrate, err)) != FITM_OK)
         return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "ignore_eos")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "ignore_eos", &out->ignore_eos, err)) != FITM_OK)
+        return st;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsObject(it))
             return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
@@ -1362,7 +1365,8 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
         return parse_openai_documents(root, lim, chat, out, err);
     /* Without documents the answer's options have no effect, but a malformed one is refused
      * as it would be with documents: a field means one thing whatever else is sent. They are
-     * parsed into a scratch request (stream included) and only `stream` is kept. */
+     * parsed into a scratch request (stream included) and only `stream` and `ignore_eos`
+     * are kept. */
     fitm_answer_request scratch = {0};
     fitm_score_opts_init(&scratch.base.opt);
     it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
@@ -1373,6 +1377,7 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     if (st == FITM_OK)
         st = parse_answer_options(root, &scratch, err);
     out->stream = scratch.stream;
+    out->ignore_eos = scratch.ignore_eos;
     fitm_answer_request_free(&scratch);
     return st;
 }
