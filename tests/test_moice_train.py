@@ -144,3 +144,37 @@ def test_ledger_names_are_not_in_the_quality_sets():
     assert len(names) > 100 and not names & words
     ctx, qs = mt.generate_ledger(random.Random(1), 30, 10)
     assert not set(re.findall(r"[A-Z][a-z]+", ctx + qs)) & (words - {"The", "In", "It"})
+
+
+def test_mdqa_summaries(tmp_path):
+    """tests/quality/mdqa.py's accuracy, gap, token rates and report from recorded counts
+    (the live run needs a fitmd with position_method; docs/moice-results.md)."""
+    sys.path.insert(0, str(ROOT / "tests" / "quality"))
+    import mdqa
+    res = {}
+    for method, accs in (("none", (9, 4, 7)), ("moice", (8, 8, 6))):
+        res[method] = {}
+        for cal in (False, True):
+            for p, ok in zip((1, 5, 10), accs):
+                c = mdqa.Cell()
+                c.n, c.ok = 10, ok
+                c.prompt, c.completion = 10 * 1000, 10 * 5
+                c.prefill_ms = 10 * (500.0 if method == "none" else 1000.0)
+                c.decode_ms = 10 * 40.0
+                res[method][(cal, "plain", 10, p)] = c
+    cells = [res["none"][(False, "plain", 10, p)] for p in (1, 5, 10)]
+    assert mdqa.gap(cells) == pytest.approx(0.5)
+    pre, dec = mdqa.rates(cells)
+    assert pre == pytest.approx(2000.0) and dec == pytest.approx(100.0)
+    js = tmp_path / "r.json"
+    js.write_text(json.dumps({"meta": {"date": "d", "cmd": "c", "machine": "m", "split": "test",
+                                       "model": "M", "max_tokens": 16},
+                              "results": mdqa.dump(res),
+                              "peak_rss_mib": {"none": 500.0, "moice": 530.0}}))
+    md, png = tmp_path / "r.md", tmp_path / "r.png"
+    assert mdqa.main(["--merge", str(js), "--k", "10", "--markdown", str(md),
+                      "--plot", str(png)]) == 0
+    text = md.read_text()
+    assert "| `moice` | no | 10 | 0.80 (" in text and "| 0.20 | 1000 (0.50×) | 100 (1.00×) | " \
+        "530 (+30) |" in text
+    assert png.stat().st_size > 1000

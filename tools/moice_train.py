@@ -94,18 +94,20 @@ def tokenize(fitm: str, model_path: str, text: str, bos: bool) -> List[int]:
 
 def text_batch(fitm: str, model_path: str, seed: int, count: int, seq_len: int,
                loss_len: int) -> List[Tuple[np.ndarray, int]]:
-    """count sequences of exactly seq_len ids: a ledger context trimmed to fit, then loss_len
-    question-section ids; returns (ids, first loss position)."""
-    rng = random.Random(seed)
+    """count sequences of at most seq_len ids: a whole ledger (as many entries as fit), then the
+    first loss_len ids of its questions, which ask only about entries the context holds;
+    returns (ids, first loss position)."""
     out = []
-    while len(out) < count:
-        ctx, qs = generate_ledger(rng, n_entries=seq_len // 12, n_questions=40)
-        c = tokenize(fitm, model_path, ctx, bos=True)
-        q = tokenize(fitm, model_path, qs, bos=False)
-        if len(q) < loss_len or len(c) < seq_len - loss_len:
-            continue
-        ids = np.asarray(c[: seq_len - loss_len] + q[:loss_len], dtype=np.int64)
-        out.append((ids, seq_len - loss_len))
+    for i in range(count):
+        n = max(2, (seq_len - loss_len) // 16)
+        while True:
+            ctx, qs = generate_ledger(random.Random(seed * 100003 + i), n, n)
+            c = tokenize(fitm, model_path, ctx, bos=True)
+            if len(c) <= seq_len - loss_len or n == 2:
+                break
+            n -= 1
+        q = tokenize(fitm, model_path, qs, bos=False)[:loss_len]
+        out.append((np.asarray(c + q, dtype=np.int64)[:seq_len], len(c)))
     return out
 
 
