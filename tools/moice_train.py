@@ -148,7 +148,7 @@ class Frozen:
         hp = self.hp
         if hp.n_head % hp.n_head_kv:
             raise ValueError("heads must be a multiple of KV heads")
-        self.W = {name: self.m.w(name).astype(self.dtype) for name in self.m.g.tensors
+        self.W = {name: self.m.w(name).astype(self.dtype, copy=False) for name in self.m.g.tensors
                   if name != "token_embd.weight" or self.m.out_name == name}
         self.head_w = self.W[self.m.out_name]  # (V, C)
         self._rope = {}
