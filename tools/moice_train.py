@@ -99,7 +99,7 @@ def text_batch(fitm: str, model_path: str, seed: int, count: int, seq_len: int,
     returns (ids, first loss position)."""
     out = []
     for i in range(count):
-        n = max(2, (seq_len - loss_len) // 16)
+        n = max(2, (seq_len - loss_len) // 18)  # about 17 ids per entry: one tokenization
         while True:
             ctx, qs = generate_ledger(random.Random(seed * 100003 + i), n, n)
             c = tokenize(fitm, model_path, ctx, bos=True)
