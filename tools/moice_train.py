@@ -408,7 +408,8 @@ def train(fz: Frozen, bases: dict, top_k: int, train_batch, held_out, steps: int
         for _ in range(accum):
             ids, lf = train_batch[at % len(train_batch)]
             at += 1
-            val, gi = grad_fn(vec, ids, lf)
+            with np.errstate(over="ignore"):  # tanh' = 1/cosh^2: cosh overflows to inf, 0 is right
+                val, gi = grad_fn(vec, ids, lf)
             g += gi / accum
             losses.append(float(val))
         rate = lr * min(1.0, step / warm)
@@ -420,7 +421,7 @@ def train(fz: Frozen, bases: dict, top_k: int, train_batch, held_out, steps: int
         row = {"step": step, "lr": rate, "train_loss": float(np.mean(losses)),
                "held_lm": float("nan"), "held_balance": float("nan")}
         rows.append(row)
-        if held_out and (step == steps or step % max(1, steps // 5) == 0):
+        if held_out and step in (steps // 2, steps):
             row["held_lm"], row["held_balance"] = evaluate(fz, unflatten(vec, keys), bases,
                                                            top_k, held_out)
         if log:
@@ -534,10 +535,6 @@ def main(argv=None) -> int:
     kinds = layer_kinds(hp, a.layers)
     own = {"local": hp.rope_base_swa, "global": hp.rope_base}
     grid = {k: [own[k] * f for f in GRID_FACTORS] for k in kinds}
-    scores = base_search(fz, search, kinds, grid)
-    print(json.dumps({"base_search": scores}), flush=True)
-    if a.search_only:
-        return 0
     given = {}
     for spec in a.bases:
         kind, _, vals = spec.partition("=")
@@ -546,6 +543,12 @@ def main(argv=None) -> int:
         given[kind] = [float(x) for x in vals.split(",")]
         if len(given[kind]) != a.experts:
             ap.error(f"--bases {spec}: {len(given[kind])} bases, --experts is {a.experts}")
+    # kinds whose set is given skip the search (the same set gives the same sidecar)
+    scores = base_search(fz, search, {k: v for k, v in kinds.items()
+                                      if k not in given or a.search_only}, grid)
+    print(json.dumps({"base_search": scores}), flush=True)
+    if a.search_only:
+        return 0
     bases = {}
     for kind, layers in kinds.items():
         chosen = given.get(kind) or pick_bases(own[kind], scores[kind], a.experts)
