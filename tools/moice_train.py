@@ -219,8 +219,8 @@ def softmax(x, axis=-1):
 
 @primitive
 def lm_loss(x, W, targets):
-    """Mean cross-entropy of logits x @ W.T (x (n, C), W (V, C)) at targets (n,), computed in
-    row chunks of W so that no (n, V) array in float64 is kept for the backward pass."""
+    """Mean cross-entropy of logits x @ W.T (x (n, C), W (V, C)) at targets (n,). A primitive
+    so that autograd keeps no (n, V) logits between the passes: the backward recomputes them."""
     z = x @ W.T
     zmax = z.max(axis=1, keepdims=True)
     lse = np.log(np.exp(z - zmax).sum(axis=1)) + zmax[:, 0]
