@@ -343,19 +343,21 @@ def plot(path: str, results: dict, a, split: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     variant = "plain" if "plain" in a.variants else a.variants[0]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, cells in results.items():
-        for k in a.k:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = plt.get_cmap("tab10" if len(results) <= 10 else "tab20").colors
+    for m, (label, cells) in enumerate(results.items()):
+        for j, k in enumerate(a.k):  # one colour per mode, one line style per K
             pts = [(p, cells[(variant, k, p)]) for p in dataset.positions(k)
                    if (variant, k, p) in cells and cells[(variant, k, p)].n]
             if pts:
                 ax.plot([p for p, _ in pts], [c.ok / c.n for _, c in pts], marker="o",
+                        color=colors[m % len(colors)], linestyle=("-", "--", ":")[j % 3],
                         label=f"{label}, K={k}")
     ax.set_xlabel("position of the gold document")
     ax.set_ylabel("answer accuracy")
     ax.set_ylim(0, 1)
     ax.set_title(f"/answer accuracy by gold position ({variant} set, {split} split)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
