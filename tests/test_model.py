@@ -103,8 +103,12 @@ class Tool:
                 parts.append(f"{k}={v}")
         self.lines.append(" ".join(parts))
 
+    def extra_args(self):
+        return []
+
     def go(self, threads=2, check=True):
-        r = subprocess.run([self.exe, "-m", self.model, "-o", str(self.out), "-t", str(threads)],
+        r = subprocess.run([self.exe, "-m", self.model, "-o", str(self.out), "-t", str(threads),
+                            *self.extra_args()],
                            input="\n".join(self.lines) + "\n", capture_output=True, text=True)
         if check and r.returncode != 0:
             raise AssertionError(f"model_tool failed ({r.returncode}): {r.stderr}")

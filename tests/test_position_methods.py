@@ -27,20 +27,8 @@ class PosTool(Tool):
         super().__init__(exe, model, outdir)
         self.moice = moice
 
-    def go(self, threads=2, check=True):
-        args = [self.exe, "-m", self.model, "-o", str(self.out), "-t", str(threads),
-                "--positions"]
-        if self.moice:
-            args += ["--moice", str(self.moice)]
-        r = subprocess.run(args, input="\n".join(self.lines) + "\n", capture_output=True,
-                           text=True)
-        if check and r.returncode != 0:
-            raise AssertionError(f"model_tool failed ({r.returncode}): {r.stderr}")
-        import json
-        out = [json.loads(x) for x in r.stdout.splitlines()]
-        self.info = out[0] if out else None
-        self.lines = []
-        return r
+    def extra_args(self):
+        return ["--positions"] + (["--moice", str(self.moice)] if self.moice else [])
 
 
 @pytest.fixture(scope="module")
