@@ -384,12 +384,18 @@ def test_dockerignore_keeps_what_the_build_needs():
     pats = [p.strip().rstrip("/") for p in (ROOT / ".dockerignore").read_text().splitlines()
             if p.strip() and not p.startswith("#")]
 
-    def ignored(path):
-        return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path.split("/")[0], p)
-                   for p in pats)
+    def ignored(path):  # as Docker reads it: the last pattern that matches decides, ! keeps
+        out = False
+        for p in pats:
+            keep = p.startswith("!")
+            p = p.lstrip("!")
+            if fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path.split("/")[0], p):
+                out = not keep
+        return out
 
     for p in (".git", "build", "build-asan", "x.gguf"):
         assert ignored(p), p
+    assert not ignored("models/moice-x.gguf")  # the committed MoICE sidecar goes in
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
     assert tracked

@@ -535,8 +535,10 @@ static void ms_poe_stats(const pass *p, int32_t l)
     }
     for (int64_t h = 0; h < H; h++) {
         int32_t rank = 0;
-        for (int64_t o = 0; o < H; o++)
-            rank += frac[o] > frac[h] || (frac[o] == frac[h] && o < h);
+        for (int64_t o = 0; o < H; o++) {
+            const double mine = frac[h], other = frac[o];
+            rank += other > mine || (other == mine && o < h);
+        }
         f->ms_poe_rank[l * H + h] = rank;
     }
 }
