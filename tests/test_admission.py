@@ -215,8 +215,10 @@ def test_queue_is_bounded_by_cost(fitmd_bin, models, tmp_path):  # noqa: F811
         small_cost = estimate(probe, "/rerank", small)
     finally:
         assert probe.terminate() == 0
+    # max_running 1: the second job stays queued while the first runs (with more room it
+    # would join the running batch and leave the queue empty again).
     d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, queue_depth=50,
-               max_queued_forward_tokens=slow_cost + small_cost - 1,
+               max_queued_forward_tokens=slow_cost + small_cost - 1, max_running=1,
                request_timeout_ms=600000)  # the queued job waits out the first on a busy CPU
     got = []
     try:
