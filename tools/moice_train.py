@@ -583,6 +583,7 @@ def main(argv=None) -> int:
                   "balance_coef": float(BALANCE_COEF), "warmup_ratio": float(WARMUP_RATIO),
                   "held_lm_initial": float(held_lm0), "held_lm_final": float(rows[-1]["held_lm"]),
                   "train_loss_final": float(rows[-1]["train_loss"])}
+    pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # models/ is not in git
     moice_sidecar.write(a.out, moice_sidecar.base_identity(a.model), bases, routers, a.top_k,
                         train_meta)
     print(json.dumps({"wrote": str(a.out), "log": str(log_path),
