@@ -583,6 +583,19 @@ static void *gate_main(void *arg)
     return NULL;
 }
 
+/* What a gate holds besides its thread and connections: the wake pipe, the lists, the lock. */
+static void gate_release(fitm_gate *g)
+{
+    if (g->wake[0] >= 0) {
+        close(g->wake[0]);
+        close(g->wake[1]);
+    }
+    free(g->conns);
+    free(g->done);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
 fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err *err)
 {
     *out = NULL;
@@ -600,14 +613,7 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
     if (!g->conns || !g->done || pipe2(g->wake, O_NONBLOCK | O_CLOEXEC) != 0 ||
         pthread_create(&g->thread, NULL, gate_main, g) != 0) {
         g->p.listen_fd = -1; /* the caller's still */
-        if (g->wake[0] >= 0) {
-            close(g->wake[0]);
-            close(g->wake[1]);
-        }
-        free(g->conns);
-        free(g->done);
-        pthread_mutex_destroy(&g->mu);
-        free(g);
+        gate_release(g);
         return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start the connection gate");
     }
     *out = g;
@@ -632,10 +638,5 @@ void fitm_gate_free(fitm_gate *g)
     if (!g)
         return;
     fitm_gate_stop(g);
-    close(g->wake[0]);
-    close(g->wake[1]);
-    free(g->conns);
-    free(g->done);
-    pthread_mutex_destroy(&g->mu);
-    free(g);
+    gate_release(g);
 }
