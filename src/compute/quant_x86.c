@@ -613,14 +613,20 @@ KERNEL __m256i block32_apply(fitm_dtype t, __m256i u, __m256i xv, int bias)
     return t == FITM_DTYPE_Q8_0 ? dot_s8s8(u, xv) : dot_u8s8_acc(neg_bias(xv, bias), u, xv);
 }
 
+/* M rows (a compile-time constant after inlining, so the 2M accumulators stay in registers)
+ * against one weight row. xs holds each row's activation block scales as floats, xs[r * nb +
+ * i] = fp16(x_r[i].d): the conversion is exact, so d * xs[...] is the product dot_block32
+ * forms. For Q8_0 |w| is taken once per block and shared by the rows (dot_s8s8's operands). */
 KERNEL void dot_block32_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
-                             int M, int64_t nb, float *out, int64_t out_stride)
+                             const int M, int64_t nb, const float *xs, float *out,
+                             int64_t out_stride)
 {
     const size_t bb = t == FITM_DTYPE_Q4_0 ? sizeof(fitm_block_q4_0)
                       : t == FITM_DTYPE_Q5_0 ? sizeof(fitm_block_q5_0)
                                              : sizeof(fitm_block_q8_0);
     const int bias = t == FITM_DTYPE_Q4_0 ? 8 : 16;
     __m256 acc0[ROWS_MAX], acc1[ROWS_MAX];
+#pragma GCC unroll 4
     for (int r = 0; r < M; r++)
         acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t i = 0;
@@ -628,42 +634,100 @@ KERNEL void dot_block32_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, 
         const uint8_t *row = w + (size_t)i * bb;
         float d0, d1;
         const __m256i u0 = block32_weights(t, row, &d0), u1 = block32_weights(t, row + bb, &d1);
+        const __m256i a0 = _mm256_sign_epi8(u0, u0), a1 = _mm256_sign_epi8(u1, u1);
+#pragma GCC unroll 4
         for (int r = 0; r < M; r++) {
             const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
-            const __m256i p0 = block32_apply(t, u0, loadu256(x[i].qs), bias);
-            const __m256i p1 = block32_apply(t, u1, loadu256(x[i + 1].qs), bias);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * fp16(x[i].d)), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * fp16(x[i + 1].d)), acc1[r]);
+            const __m256i x0 = loadu256(x[i].qs), x1 = loadu256(x[i + 1].qs);
+            __m256i p0, p1;
+            if (t == FITM_DTYPE_Q8_0) {
+                p0 = dot_u8s8(a0, _mm256_sign_epi8(x0, u0));
+                p1 = dot_u8s8(a1, _mm256_sign_epi8(x1, u1));
+            } else {
+                p0 = block32_apply(t, u0, x0, bias);
+                p1 = block32_apply(t, u1, x1, bias);
+            }
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * xs[r * nb + i]), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * xs[r * nb + i + 1]), acc1[r]);
         }
     }
     for (; i < nb; i++) {
         float d0;
         const __m256i u0 = block32_weights(t, w + (size_t)i * bb, &d0);
+#pragma GCC unroll 4
         for (int r = 0; r < M; r++) {
             const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
             const __m256i p0 = block32_apply(t, u0, loadu256(x[i].qs), bias);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * fp16(x[i].d)), acc0[r]);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * xs[r * nb + i]), acc0[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < M; r++)
         out[r * out_stride] = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
 }
+
+/* dot_block32_rows for one type and row count: each instance has t and M constant. */
+#define DEF_ROWS(name, T, M)                                                                       \
+    static void name(const uint8_t *w, const uint8_t *xq, size_t x_stride, int64_t nb,            \
+                     const float *xs, float *out, int64_t out_stride)                             \
+    {                                                                                              \
+        dot_block32_rows(T, w, xq, x_stride, M, nb, xs, out, out_stride);                          \
+    }
+#define DEF_ROWS_TYPE(T, tag)                                                                      \
+    DEF_ROWS(rows_##tag##_1, T, 1)                                                                 \
+    DEF_ROWS(rows_##tag##_2, T, 2)                                                                 \
+    DEF_ROWS(rows_##tag##_3, T, 3)                                                                 \
+    DEF_ROWS(rows_##tag##_4, T, 4)
+DEF_ROWS_TYPE(FITM_DTYPE_Q8_0, q8_0)
+DEF_ROWS_TYPE(FITM_DTYPE_Q5_0, q5_0)
+DEF_ROWS_TYPE(FITM_DTYPE_Q4_0, q4_0)
+
+typedef void (*rows_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const float *, float *,
+                        int64_t);
+
+#define ROWS_XS_MAX 2048 /* activation block scales held on the stack (M * K / 32) */
 
 void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
                                  const void *x_q, size_t x_stride, int64_t M, float *y,
                                  int64_t y_stride, int64_t n_rows)
 {
     /* The types whose one-row dot is dot_block32 in this build (FITM_DOT512 has its own
-     * Q8_0 and Q5_0 kernels: those rows keep the one-row path). */
-    bool shared = t == FITM_DTYPE_Q4_0;
+     * Q8_0 and Q5_0 kernels: those rows keep the one-row dot, weight row by weight row). */
+    static const rows_fn q8_0[4] = {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4};
+    static const rows_fn q5_0[4] = {rows_q5_0_1, rows_q5_0_2, rows_q5_0_3, rows_q5_0_4};
+    static const rows_fn q4_0[4] = {rows_q4_0_1, rows_q4_0_2, rows_q4_0_3, rows_q4_0_4};
+    const rows_fn *fn = t == FITM_DTYPE_Q4_0 ? q4_0 : NULL;
 #if !FITM_DOT512
-    shared = shared || t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0;
+    fn = t == FITM_DTYPE_Q8_0 ? q8_0 : t == FITM_DTYPE_Q5_0 ? q5_0 : fn;
+#else
+    (void)q8_0;
+    (void)q5_0;
 #endif
-    if (!shared || M < 2) {
+    const int64_t nb = K / FITM_QK;
+    if (M < 2 || (fn && M * nb > ROWS_XS_MAX)) {
         for (int64_t m = 0; m < M; m++)
             fitm_quant_matvec_simd(t, w, row_bytes, K, (const uint8_t *)x_q + (size_t)m * x_stride,
                                    y + m * y_stride, n_rows);
         return;
+    }
+    if (!fn) {
+        /* Other types: each weight row against every activation row while it is in L1, so
+         * the weights stream from memory once (the one-row dot, so the same values). */
+        for (int64_t r = 0; r < n_rows; r++, w += row_bytes) {
+            const uintptr_t pf = (uintptr_t)w + MATVEC_PREFETCH;
+            for (size_t o = 0; o < row_bytes; o += 64)
+                _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
+            for (int64_t m = 0; m < M; m++)
+                y[m * y_stride + r] =
+                    fitm_quant_dot_simd(t, w, (const uint8_t *)x_q + (size_t)m * x_stride, K);
+        }
+        return;
+    }
+    float xs[ROWS_XS_MAX];
+    for (int64_t m = 0; m < M; m++) {
+        const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)((const uint8_t *)x_q + (size_t)m * x_stride);
+        for (int64_t i = 0; i < nb; i++)
+            xs[m * nb + i] = fp16(x[i].d);
     }
     for (int64_t r = 0; r < n_rows; r++, w += row_bytes) {
         const uintptr_t pf = (uintptr_t)w + MATVEC_PREFETCH; /* as fitm_quant_matvec_simd */
@@ -671,8 +735,8 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
             _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
             const int n = M - m0 < ROWS_MAX ? (int)(M - m0) : ROWS_MAX;
-            dot_block32_rows(t, w, (const uint8_t *)x_q + (size_t)m0 * x_stride, x_stride, n,
-                             K / FITM_QK, y + m0 * y_stride + r, y_stride);
+            fn[n - 1](w, (const uint8_t *)x_q + (size_t)m0 * x_stride, x_stride, nb, xs + m0 * nb,
+                      y + m0 * y_stride + r, y_stride);
         }
     }
 }
