@@ -3,8 +3,10 @@
 llama.cpp's llama-server (parallel slots, continuous batching) on the same GGUF, same run.
 
 For each N in --n: N clients at once each stream one generation of --gen-tokens tokens after a
-prompt of about --prompt-tokens tokens (fitmd: /answer with calibrate false, greedy; llama-server:
-/completion of the same prompt text, greedy). Every request of every round has documents of
+prompt of about --prompt-tokens tokens, greedy, past end-of-generation (ignore_eos) so every
+stream has the same length (fitmd: /v1/completions with the very prompt text llama-server's
+/completion gets, so both prefill the same tokens; --route answer: /answer with calibrate false,
+whose answer template adds its own tokens). Every request of every round has documents of
 its own, so no server reuses an earlier prompt. Then N clients at once each send --rerank-reps
 /rerank requests of K = --k documents (fitmd only: llama-server has no /rerank for a causal
 model). Printed per row: aggregate completion tokens/s (all tokens / wall time of the round),
@@ -94,7 +96,7 @@ def rss_mib(pid):
 def stream_fitmd(url, headers, docs, gen_tokens):
     """(ttft s, [gap s], latency s, completion tokens, prompt tokens) of one streamed /answer."""
     body = {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens, "calibrate": False,
-            "stream": True}
+            "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     times, final = [], None
     with requests.post(url + "/answer", json=body, headers=headers, stream=True,
@@ -121,9 +123,38 @@ def stream_fitmd(url, headers, docs, gen_tokens):
             final["usage"]["prompt_tokens"], times)
 
 
+def stream_fitmd_completion(url, headers, docs, gen_tokens):
+    """As stream_fitmd, through /v1/completions with the exact text llama-server gets (the
+    prompt as it is: no answer template, so both servers prefill the same tokens)."""
+    body = {"prompt": prompt_text(QUESTION, docs), "max_tokens": gen_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times, usage = [], None
+    with requests.post(url + "/v1/completions", json=body, headers=headers, stream=True,
+                       timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions -> {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            if line[6:] == b"[DONE]":
+                break
+            ev = json.loads(line[6:])
+            if any(c.get("text") for c in ev.get("choices", [])):
+                times.append(time.perf_counter())
+            if ev.get("usage"):
+                usage = ev["usage"]
+    t1 = time.perf_counter()
+    if not usage:
+        raise RuntimeError("/v1/completions stream ended without its usage chunk")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    ttft = (times[0] if times else t1) - t0
+    return (ttft, gaps, t1 - t0, usage["completion_tokens"], usage["prompt_tokens"], times)
+
+
 def stream_llama(url, headers, docs, gen_tokens):
     body = {"prompt": prompt_text(QUESTION, docs), "n_predict": gen_tokens, "stream": True,
-            "temperature": 0, "cache_prompt": False}
+            "temperature": 0, "cache_prompt": False, "ignore_eos": True}
     t0 = time.perf_counter()
     times, final = [], None
     with requests.post(url + "/completion", json=body, headers=headers, stream=True,
@@ -240,7 +271,9 @@ def benchmark(a, headers):
     servers = []
     proc, url = start_daemon(a.model, a.build, [f"--max-running={max(a.n)}",
                                                 f"--threads={a.threads}"])
-    servers.append(Server("fitmd", proc, url, stream_fitmd, rerank_fitmd))
+    servers.append(Server("fitmd", proc, url,
+                          stream_fitmd if a.route == "answer" else stream_fitmd_completion,
+                          rerank_fitmd))
     try:
         if a.llama_server:
             servers.append(start_llama(a.llama_server, a.model, max(a.n),
@@ -466,6 +499,9 @@ def main():
     ap.add_argument("--build", default=os.environ.get("FITM_BUILD_DIR", str(ROOT / "build")))
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--route", choices=["completions", "answer"], default="completions",
+                    help="fitmd's generations: /v1/completions with llama-server's exact prompt "
+                         "text (default: the same prefill work), or /answer (its template)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)

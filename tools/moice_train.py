@@ -14,7 +14,7 @@ LM loss is taken on the question section (the tokens that need the long context)
 material (LEDGER_SYLLABLES) shares no syllable with tests/quality/dataset.py; test_moice_train
 checks that no training name occurs in the quality sets.
 
-    nice -n 15 python3 tools/moice_train.py --model MODEL.gguf --out config/moice-gemma3-270m.gguf
+    nice -n 15 python3 tools/moice_train.py --model MODEL.gguf --out models/moice-gemma-3-270m-q4_k_m.gguf
     python3 tools/moice_train.py --model M.gguf --out S.gguf --search-only   # expert-set search
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ each daemon's peak memory (VmHWM) is that method's. Every request names its posi
 
 Use --split dev to choose anything (a sidecar, an option), --split test to report.
 
-    tests/quality/mdqa.py --model M.gguf --moice config/moice-gemma3-270m.gguf \\
+    tests/quality/mdqa.py --model M.gguf --moice models/moice-gemma-3-270m-q4_k_m.gguf \\
         [--split test] [--groups 20] [--k 10 20] [--variants plain] \\
         [--methods none ms_poe attention_buckets moice] \\
         [--json mdqa.json] [--markdown docs/moice-results.md] [--plot docs/moice-results.png]
