@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/mem.h"
 #include "base/pool.h"
 #include "compute/quant.h"
 #include "model/backend.h"
@@ -50,20 +51,18 @@ static cpu_backend *cpu(fitm_backend *b)
 
 /* ---- memory ------------------------------------------------------------------------------ */
 
+/* Page-backed for large buffers (base/mem.h): a KV cache sized for the whole context is
+ * resident only for the rows it held, and a freed one leaves the process at once. */
 static void *cpu_alloc(fitm_backend *b, size_t n)
 {
     (void)b;
-    size_t sz = (n + ALIGN - 1) / ALIGN * ALIGN;
-    void *p = aligned_alloc(ALIGN, sz ? sz : ALIGN);
-    if (p)
-        memset(p, 0, sz);
-    return p;
+    return fitm_mem_alloc_zeroed((n + ALIGN - 1) / ALIGN * ALIGN, ALIGN);
 }
 
 static void cpu_free(fitm_backend *b, void *p)
 {
     (void)b;
-    free(p);
+    fitm_mem_free(p);
 }
 
 static void cpu_copy(fitm_backend *b, void *dst, const void *src, size_t n)
@@ -78,7 +77,7 @@ static void free_per_thread(void **v, int n)
     if (!v)
         return;
     for (int i = 0; i < n; i++)
-        free(v[i]);
+        cpu_free(NULL, v[i]);
     free(v);
 }
 
@@ -88,14 +87,14 @@ static void release_scratch(cpu_backend *c)
     free_per_thread((void **)c->mixed, c->n_threads);
     free_per_thread((void **)c->mass, c->n_threads);
     free_per_thread((void **)c->mm_scratch, c->n_threads);
-    free(c->zero_row);
+    cpu_free(NULL, c->zero_row);
     c->scores = NULL;
     c->mixed = NULL;
     c->mass = NULL;
     c->mm_scratch = NULL;
     c->zero_row = NULL;
     for (int i = 0; i < MAX_VEC_TYPES; i++) {
-        free(c->xq[i]);
+        cpu_free(NULL, c->xq[i]);
         c->xq[i] = NULL;
     }
 }
