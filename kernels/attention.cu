@@ -10,7 +10,10 @@
  *           from them the Eq. 5 factor of every span (in dynamic shared memory);
  *   pass 3 (captured rows): the captured spans' masses, one thread per span;
  *   pass 4: out = sum_j p_j v_j over the tiles in key order, each thread owning head dims.
- * Every sum has one fixed order (no atomics), so a row's result does not depend on T. */
+ * Every sum has one fixed order (no atomics), so a row's result does not depend on T.
+ * A mixture (the position methods, mix_n > 0): pass 1 runs once per expert the row weighs
+ * (its own queries and keys), and p_j = sum_e w_e softmax_e(j) in expert order replaces the
+ * plain probability in every later pass, as the CPU backend's attn_mix_probs. */
 #include "common.cuh"
 #include "kernels.h"
 
@@ -41,6 +44,29 @@ __device__ __forceinline__ float fitm_att_score(const fitm_cuda_attn &a, const f
     return s * a.scale;
 }
 
+/* Expert e's score of key j: its own query row and keys (position j at row j). */
+__device__ __forceinline__ float fitm_att_score_mix(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                    int e, int64_t j)
+{
+    const int64_t D = a.head_dim;
+    const float *q = a.mix_q + (((int64_t)e * a.T + r.i) * a.n_head + r.h) * D;
+    const int ge = r.h / (a.n_head / a.mix_k_heads);
+    const float *k = a.mix_k + e * a.mix_k_stride + (j * a.mix_k_heads + ge) * D;
+    float s = 0.0f;
+    for (int d = 0; d < D; d++)
+        s = fmaf(q[d], k[d], s);
+    return s * a.scale;
+}
+
+/* A row's softmax: the plain one (q, mx, inv_l), or a mixture's per-expert maxima and inverse
+ * denominators (shared) with the row's weights (global). */
+struct fitm_att_soft {
+    const float *q;
+    float mx, inv_l;
+    int n_mix; /* 0: plain */
+    const float *w, *mmx, *minv;
+};
+
 /* Index of the intervention span holding key j, or -1 (spans sorted and disjoint). */
 __device__ __forceinline__ int fitm_att_span_of(const fitm_cuda_attn &a, int64_t j)
 {
@@ -57,12 +83,21 @@ __device__ __forceinline__ int fitm_att_span_of(const fitm_cuda_attn &a, int64_t
     return -1;
 }
 
-/* Probability of key j (visible) in this row: before the intervention, or after it when
+/* Probability of key j (visible) in row r: before the intervention, or after it when
  * factor (the Eq. 5 factors by span, NULL: none) is given. */
-__device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const float *q, int64_t j,
-                                               int g, float mx, float inv_l, const float *factor)
+__device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                               const fitm_att_soft &s, int64_t j,
+                                               const float *factor)
 {
-    float pj = expf(fitm_att_score(a, q, j, g) - mx) * inv_l;
+    float pj;
+    if (s.n_mix == 0) {
+        pj = expf(fitm_att_score(a, s.q, j, r.g) - s.mx) * s.inv_l;
+    } else {
+        pj = 0.0f;
+        for (int e = 0; e < s.n_mix; e++)
+            if (s.w[e] != 0.0f)
+                pj += s.w[e] * (expf(fitm_att_score_mix(a, r, e, j) - s.mmx[e]) * s.minv[e]);
+    }
     if (factor) {
         const int k = fitm_att_span_of(a, j);
         if (k >= 0)
@@ -87,15 +122,37 @@ __device__ double fitm_att_sum_d(double v, double *shm)
 }
 
 /* Sum of the probabilities over keys [lo, hi) clipped to the visible [v0, p], in key order. */
-__device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r, const float *q,
-                                int64_t lo, int64_t hi, float mx, float inv_l, const float *factor)
+__device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                const fitm_att_soft &s, int64_t lo, int64_t hi,
+                                const float *factor)
 {
     lo = lo > r.v0 ? lo : r.v0;
     hi = hi < r.p + 1 ? hi : r.p + 1;
     double m = 0.0;
     for (int64_t j = lo; j < hi; j++)
-        m += (double)fitm_att_prob(a, q, j, r.g, mx, inv_l, factor);
+        m += (double)fitm_att_prob(a, r, s, j, factor);
     return m;
+}
+
+/* The row's softmax maximum and inverse denominator over its visible keys, online over
+ * tiles: of the plain scores (e < 0) or of expert e's. */
+__device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, const float *q,
+                               int e, float *red, float *mx_out, float *inv_l_out)
+{
+    float mx = -INFINITY, l = 0.0f;
+    for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
+        const int64_t j = j0 + threadIdx.x;
+        const float s = j > r.p  ? -INFINITY
+                        : e < 0 ? fitm_att_score(a, q, j, r.g)
+                                 : fitm_att_score_mix(a, r, e, j);
+        const float tmx = fitm_block_reduce(s, red, true);
+        const float m_new = fmaxf(mx, tmx);
+        const float ex = j <= r.p ? expf(s - m_new) : 0.0f;
+        l = l * expf(mx - m_new) + fitm_block_reduce(ex, red, false);
+        mx = m_new;
+    }
+    *mx_out = mx;
+    *inv_l_out = 1.0f / l;
 }
 
 __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cuda_attn a)
@@ -104,6 +161,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
     __shared__ float tile[FITM_ATT_THREADS];
     __shared__ float red[32];
     __shared__ double redd[32];
+    __shared__ float mmx[FITM_CUDA_ATTN_MAX_MIX], minv[FITM_CUDA_ATTN_MAX_MIX];
     FITM_DYNAMIC_SHARED(float, factor); /* (iv_n_spans) */
     const int tid = threadIdx.x, D = a.head_dim;
     fitm_att_row r;
@@ -117,18 +175,23 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
         q[d] = qg[d];
     __syncthreads();
 
-    /* pass 1: max and denominator, online over tiles */
-    float mx = -INFINITY, l = 0.0f;
-    for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
-        const int64_t j = j0 + tid;
-        const float s = j <= r.p ? fitm_att_score(a, q, j, r.g) : -INFINITY;
-        const float tmx = fitm_block_reduce(s, red, true);
-        const float m_new = fmaxf(mx, tmx);
-        const float e = j <= r.p ? expf(s - m_new) : 0.0f;
-        l = l * expf(mx - m_new) + fitm_block_reduce(e, red, false);
-        mx = m_new;
+    /* pass 1: max and denominator, online over tiles (per weighed expert for a mixture) */
+    fitm_att_soft sm = {q, 0.0f, 0.0f, a.mix_n, NULL, mmx, minv};
+    if (a.mix_n == 0) {
+        fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l);
+    } else {
+        sm.w = a.mix_w + (r.i * a.n_head + r.h) * a.mix_n;
+        for (int e = 0; e < a.mix_n; e++) {
+            float m = 0.0f, il = 0.0f;
+            if (sm.w[e] != 0.0f)
+                fitm_att_stats(a, r, q, e, red, &m, &il);
+            if (tid == 0) {
+                mmx[e] = m;
+                minv[e] = il;
+            }
+        }
+        __syncthreads();
     }
-    const float inv_l = 1.0f / l;
 
     /* pass 2: Eq. 5 factors of the intervention spans */
     const bool intervene = a.iv_n_spans > 0 && r.p >= a.iv_from_pos;
@@ -136,7 +199,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
         double S = 0.0, Z = 0.0;
         for (int k = tid; k < a.iv_n_spans; k += FITM_ATT_THREADS) {
             const double m =
-                fitm_att_mass(a, r, q, a.iv_spans[2 * k], a.iv_spans[2 * k + 1], mx, inv_l, NULL);
+                fitm_att_mass(a, r, sm, a.iv_spans[2 * k], a.iv_spans[2 * k + 1], NULL);
             factor[k] = (float)m; /* the mass, for now */
             if (m > FITM_ATT_MIN_MASS) {
                 S += m;
@@ -163,8 +226,8 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
     if (cr >= 0 && a.cap_mass) {
         float *dst = a.cap_mass + ((int64_t)cr * a.n_head + r.h) * a.cap_n_spans;
         for (int k = tid; k < a.cap_n_spans; k += FITM_ATT_THREADS)
-            dst[k] = (float)fitm_att_mass(a, r, q, a.cap_spans[2 * k], a.cap_spans[2 * k + 1], mx,
-                                          inv_l, cap_fac);
+            dst[k] = (float)fitm_att_mass(a, r, sm, a.cap_spans[2 * k], a.cap_spans[2 * k + 1],
+                                          cap_fac);
     }
 
     /* pass 4: the output, and the captured probabilities */
@@ -179,10 +242,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
     for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
         const int64_t j = j0 + tid;
         if (j <= r.p) {
-            const float pj = fitm_att_prob(a, q, j, r.g, mx, inv_l, fac);
+            const float pj = fitm_att_prob(a, r, sm, j, fac);
             tile[tid] = pj;
             if (cp)
-                cp[j] = cap_fac || !fac ? pj : fitm_att_prob(a, q, j, r.g, mx, inv_l, NULL);
+                cp[j] = cap_fac || !fac ? pj : fitm_att_prob(a, r, sm, j, NULL);
         }
         __syncthreads();
         const int64_t n = r.p + 1 - j0 < FITM_ATT_THREADS ? r.p + 1 - j0 : FITM_ATT_THREADS;
@@ -204,7 +267,10 @@ extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
         a->head_dim < 1 || a->head_dim > FITM_ATT_MAX_D || a->T > INT32_MAX || a->n_head > 65535 ||
         a->iv_n_spans < 0 || a->iv_n_spans > FITM_CUDA_ATTN_MAX_SPANS || a->cap_n_spans < 0 ||
         !a->q || !a->out || !a->k_own || !a->v_own ||
-        (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans))
+        (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans) ||
+        a->mix_n < 0 || a->mix_n > FITM_CUDA_ATTN_MAX_MIX ||
+        (a->mix_n > 0 && (!a->mix_q || !a->mix_k || !a->mix_w || a->mix_k_heads < 1 ||
+                          a->n_head % a->mix_k_heads != 0)))
         return (int)cudaErrorInvalidValue;
     if (a->T == 0)
         return 0;

@@ -172,7 +172,16 @@ typedef struct {
     const float *iv_alpha;
     int32_t iv_n_spans;
     int64_t iv_from_pos;
+    /* A mixture of mix_n attentions (fitm_attn_mix of model/backend.h; 0: plain): expert e's
+     * queries at mix_q + e * T * H * D as (T, H, D), its keys of positions [0, pos0 + T) at
+     * mix_k + e * mix_k_stride as (pos0 + T, mix_k_heads, D), the weights mix_w (T, H,
+     * mix_n). The mixed probabilities replace the plain ones everywhere. */
+    int32_t mix_n, mix_k_heads;
+    const float *mix_q, *mix_k, *mix_w;
+    int64_t mix_k_stride;
 } fitm_cuda_attn;
+
+#define FITM_CUDA_ATTN_MAX_MIX 64
 
 int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream);
 

@@ -1,6 +1,7 @@
 /* test_backend_cuda: the whole CUDA backend against the CPU backend on generated models
  * (llama, qwen2, gemma3 x the nine weight types), through the one forward driver: logits,
- * captured span masses and the logits of intervened passes; and on the CUDA backend alone,
+ * captured span masses and the logits of intervened passes, plain and with Ms-PoE (an
+ * attention mixture: the position methods' path); and on the CUDA backend alone,
  * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count)
  * bit-identical to a full pass, and STEP-class steps (the warp-per-output kernel) within the
  * logit tolerance of it.
@@ -76,7 +77,7 @@ static bool runner_open(runner *r, fitm_backend *b, const fitm_model *m)
     r->b = b;
     const fitm_model_config *c = fitm_model_config_of(m);
     if (fitm_forward_create(&r->f, m, b, &fp, &err) || fitm_kv_create(&r->kv, b, c, T, &err) ||
-        fitm_kv_create(&r->kv2, b, c, T, &err)) {
+        fitm_kv_create(&r->kv2, b, c, T, &err) || fitm_forward_positions(r->f, NULL, &err)) {
         fprintf(stderr, "%s: %s\n", b->ops->name, err.msg);
         return false;
     }
@@ -90,9 +91,10 @@ static void runner_close(runner *r)
     fitm_forward_destroy(r->f);
 }
 
-/* One pass over ids with logits of every row; capture and intervention as given. */
-static bool run(runner *r, const int32_t *ids, float *logits, const fitm_capture *cap,
-                const fitm_intervention *iv)
+/* One pass over ids with logits of every row; capture, intervention and position method as
+ * given. */
+static bool run_pos(runner *r, const int32_t *ids, float *logits, const fitm_capture *cap,
+                    const fitm_intervention *iv, fitm_position_method pos)
 {
     fitm_err err;
     fitm_kv_truncate(r->kv, 0);
@@ -100,10 +102,17 @@ static bool run(runner *r, const int32_t *ids, float *logits, const fitm_capture
                            .logits = logits,
                            .capture = cap,
                            .intervention = iv,
-                           .path = FITM_PATH_BATCH};
+                           .path = FITM_PATH_BATCH,
+                           .position = pos};
     fitm_status s = fitm_forward_run(r->f, r->kv, ids, T, 0, &o, &err);
     CHECK(s == FITM_OK, "%s forward: %s", r->b->ops->name, err.msg);
     return s == FITM_OK;
+}
+
+static bool run(runner *r, const int32_t *ids, float *logits, const fitm_capture *cap,
+                const fitm_intervention *iv)
+{
+    return run_pos(r, ids, logits, cap, iv, FITM_POSITION_NONE);
 }
 
 /* Worst |got - want| over each row, relative to the row's largest |want|. */
@@ -219,7 +228,30 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
         CHECK(logit_err(lg + 2 * V, lg_iv + 2 * V, NL - 2, V) > 1e-3,
               "%s: the intervention changed nothing", what);
     }
-    free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg);
+    /* Ms-PoE, the attention mixture of the position methods with one expert per head (after
+     * the checks above, which read the plain pass's cache): the same head ranks on both
+     * backends (from their own calibration passes), captured masses and intervened logits
+     * within the tolerances, and different from the plain pass */
+    double e_ms = INFINITY, e_ms_mass = INFINITY, ms_change = 0;
+    float *lg_ms = malloc(sizeof(float) * T * V), *lc_ms = malloc(sizeof(float) * T * V);
+    const int32_t *rk_c = fitm_forward_ms_poe_ranks(rc.f), *rk_g = fitm_forward_ms_poe_ranks(rg.f);
+    CHECK(rk_c && rk_g && memcmp(rk_c, rk_g, sizeof(int32_t) * (size_t)(L * H)) == 0,
+          "Ms-PoE head ranks differ between the backends");
+    if (run_pos(&rc, ids, lc_ms, &cc, &iv, FITM_POSITION_MS_POE) &&
+        run_pos(&rg, ids, lg_ms, &cg, &iv, FITM_POSITION_MS_POE)) {
+        e_ms = logit_err(lg_ms, lc_ms, NL, V);
+        e_ms_mass = abs_err(mg, mc, nm);
+        ms_change = logit_err(lc_ms, lc, NL, V);
+    }
+    printf("%-16s ms_poe logits %.2e  span mass %.2e  (change from plain %.2e)\n", what, e_ms,
+           e_ms_mass, ms_change);
+    CHECK(e_ms <= rtol, "%s: Ms-PoE logits off by %.3g", what, e_ms);
+    CHECK(e_ms_mass <= MASS_ATOL, "%s: Ms-PoE span mass off by %.3g", what, e_ms_mass);
+    /* (the 2-layer models have no layer from FITM_MS_POE_FIRST_LAYER on: Ms-PoE is their plain
+     * pass, so only gemma3's six layers show the mixture) */
+    CHECK(L <= FITM_MS_POE_FIRST_LAYER || ms_change > 1e-3, "%s: Ms-PoE changed nothing (%.3g)",
+          what, ms_change);
+    free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg), free(lg_ms), free(lc_ms);
     runner_close(&rc);
     runner_close(&rg);
     /* fitmd's start-up self-test passes on this model (its bounds, backend_check.c, are looser

@@ -366,15 +366,23 @@ typedef struct {
     int64_t T, pos0, own_base, window;
     int32_t H, Hkv, D;
     bool capture, intervene, after;
+    int32_t mix;    /* > 0: a mixture of this many experts (the position methods)          */
+    int32_t mix_kh; /* the experts' key heads: Hkv or H                                     */
 } attn_case;
 
-/* The reference row of query i, head h: probabilities over keys [0, pos] (masked keys 0),
- * intervened when asked, in p (pos + 1 values). */
-static void ref_probs(const attn_case *c, const float *q, const float *kp, const float *ko,
-                      int64_t i, int32_t h, const fitm_intervention *iv, bool do_iv, double *p)
+/* A mixture's host arrays (fitm_attn_mix's layout). */
+typedef struct {
+    int32_t E, kh;
+    const float *q, *k, *w;
+    int64_t k_stride;
+} mix_host;
+
+/* softmax over keys [0, pos] of query q (D) against key rows kp (below own_base) / ko, head
+ * g of `heads`; masked keys 0. */
+static void ref_softmax(const attn_case *c, const float *q, const float *kp, const float *ko,
+                        int64_t own_base, int32_t heads, int32_t g, int64_t pos, double *p)
 {
-    const int64_t pos = c->pos0 + i, D = c->D, HkvD = (int64_t)c->Hkv * D;
-    const int32_t g = h / (c->H / c->Hkv);
+    const int64_t D = c->D, HD = (int64_t)heads * D;
     double mx = -INFINITY;
     for (int64_t j = 0; j <= pos; j++) {
         bool vis = c->window <= 0 || pos - j < c->window;
@@ -382,10 +390,10 @@ static void ref_probs(const attn_case *c, const float *q, const float *kp, const
             p[j] = -INFINITY;
             continue;
         }
-        const float *k = (j < c->own_base ? kp + j * HkvD : ko + (j - c->own_base) * HkvD) + g * D;
+        const float *k = (j < own_base ? kp + j * HD : ko + (j - own_base) * HD) + g * D;
         double s = 0;
         for (int64_t d = 0; d < D; d++)
-            s += (double)q[(i * c->H + h) * D + d] * k[d];
+            s += (double)q[d] * k[d];
         p[j] = s / sqrt((double)D);
         mx = fmax(mx, p[j]);
     }
@@ -394,6 +402,34 @@ static void ref_probs(const attn_case *c, const float *q, const float *kp, const
         z += p[j] = isinf(p[j]) ? 0 : exp(p[j] - mx);
     for (int64_t j = 0; j <= pos; j++)
         p[j] /= z;
+}
+
+/* The reference row of query i, head h: probabilities over keys [0, pos] (masked keys 0) --
+ * for a mixture, sum_e w_e softmax_e -- intervened when asked, in p (pos + 1 values). */
+static void ref_probs(const attn_case *c, const float *q, const float *kp, const float *ko,
+                      const mix_host *mx, int64_t i, int32_t h, const fitm_intervention *iv,
+                      bool do_iv, double *p)
+{
+    const int64_t pos = c->pos0 + i, D = c->D;
+    if (!mx) {
+        ref_softmax(c, q + (i * c->H + h) * D, kp, ko, c->own_base, c->Hkv, h / (c->H / c->Hkv),
+                    pos, p);
+    } else {
+        double *pe = malloc((size_t)(pos + 1) * sizeof *pe);
+        for (int64_t j = 0; j <= pos; j++)
+            p[j] = 0;
+        for (int32_t e = 0; e < mx->E; e++) {
+            const double w = mx->w[(i * c->H + h) * mx->E + e];
+            if (w == 0)
+                continue;
+            const float *ke = mx->k + e * mx->k_stride;
+            ref_softmax(c, mx->q + ((e * c->T + i) * c->H + h) * D, ke, ke, 0, mx->kh,
+                        h / (c->H / mx->kh), pos, pe);
+            for (int64_t j = 0; j <= pos; j++)
+                p[j] += w * pe[j];
+        }
+        free(pe);
+    }
     if (!do_iv)
         return;
     float *pf = malloc((size_t)(pos + 1) * sizeof *pf);
@@ -420,6 +456,35 @@ static void test_attention(fitm_backend *b, const attn_case *c)
     float *kp = to_dev(b, kph, c->own_base * HkvD + 1),
           *vp = to_dev(b, vph, c->own_base * HkvD + 1);
     float *ko = to_dev(b, koh, own_rows * HkvD), *vo = to_dev(b, voh, own_rows * HkvD);
+    /* A mixture: each expert's queries and keys (positions [0, n_keys), a padded stride),
+     * weights per (row, head) summing to 1 over a random subset of experts (one-hot rows too,
+     * and every expert skipped by some rows). */
+    const int32_t E = c->mix;
+    const int64_t k_stride = n_keys * c->mix_kh * D + 5;
+    float *mqh = NULL, *mkh = NULL, *mwh = NULL, *mq = NULL, *mk = NULL, *mw = NULL;
+    fitm_attn_mix mix = {0};
+    mix_host mxh = {0};
+    if (E > 0) {
+        mqh = rand_vec(E * T * HD, -1.5f, 1.5f);
+        mkh = rand_vec(E * k_stride, -1.5f, 1.5f);
+        mwh = rand_vec(T * c->H * E, 0.05f, 1.0f);
+        for (int64_t r = 0; r < T * c->H; r++) {
+            float *w = mwh + r * E, sum = 0;
+            const int32_t one = (int32_t)(urand() * E);
+            for (int32_t e = 0; e < E; e++) {
+                if (r % 3 == 0 ? e != one : urand() < 1.0 / 3 && e != one)
+                    w[e] = 0;
+                sum += w[e];
+            }
+            for (int32_t e = 0; e < E; e++)
+                w[e] /= sum;
+        }
+        mq = to_dev(b, mqh, E * T * HD), mk = to_dev(b, mkh, E * k_stride);
+        mw = to_dev(b, mwh, T * c->H * E);
+        mix = (fitm_attn_mix){.n_mix = E, .q = mq, .k = mk, .k_stride = k_stride,
+                              .k_heads = c->mix_kh, .w = mw};
+        mxh = (mix_host){E, c->mix_kh, mqh, mkh, mwh, k_stride};
+    }
 
     /* Spans: two documents inside the keys, sorted and disjoint. */
     fitm_span spans[2] = {{1, 1 + n_keys / 3}, {n_keys / 3 + 2, n_keys / 3 + 2 + n_keys / 4 + 1}};
@@ -461,7 +526,8 @@ static void test_attention(fitm_backend *b, const attn_case *c)
                         .capture = c->capture ? &cap : NULL,
                         .cap_index = c->capture ? cap_index : NULL,
                         .n_layer = L,
-                        .intervention = c->intervene ? &iv : NULL};
+                        .intervention = c->intervene ? &iv : NULL,
+                        .mix = E > 0 ? &mix : NULL};
     fitm_err err = {{0}};
     CHECK(b->ops->reserve(b, T, n_keys, D, &err) == FITM_OK, "reserve: %s", err.msg);
     b->ops->attention(b, &a);
@@ -476,7 +542,7 @@ static void test_attention(fitm_backend *b, const attn_case *c)
         bool do_iv = c->intervene && pos >= iv.from_pos;
         for (int32_t h = 0; h < c->H; h++) {
             const int32_t g = h / (c->H / c->Hkv);
-            ref_probs(c, qh, kph, koh, i, h, &iv, do_iv, p);
+            ref_probs(c, qh, kph, koh, E > 0 ? &mxh : NULL, i, h, &iv, do_iv, p);
             for (int64_t j = 0; j <= pos; j++) {
                 const float *v =
                     (j < c->own_base ? vph + j * HkvD : voh + (j - c->own_base) * HkvD) + g * D;
@@ -488,7 +554,7 @@ static void test_attention(fitm_backend *b, const attn_case *c)
             /* the captured row: after the intervention when asked, else before it */
             const double *cp = p;
             if (do_iv && !c->after) {
-                ref_probs(c, qh, kph, koh, i, h, &iv, false, pre);
+                ref_probs(c, qh, kph, koh, E > 0 ? &mxh : NULL, i, h, &iv, false, pre);
                 cp = pre;
             }
             int64_t slot = ((int64_t)cap_index[i] * L + layer) * c->H + h;
@@ -501,10 +567,10 @@ static void test_attention(fitm_backend *b, const attn_case *c)
     }
     char what[160];
     snprintf(what, sizeof what,
-             "attention T %lld pos0 %lld own_base %lld window %lld H %d Hkv %d D %d%s%s%s",
+             "attention T %lld pos0 %lld own_base %lld window %lld H %d Hkv %d D %d%s%s%s mix %d",
              (long long)T, (long long)c->pos0, (long long)c->own_base, (long long)c->window,
              (int)c->H, (int)c->Hkv, (int)c->D, c->capture ? " capture" : "",
-             c->intervene ? " intervene" : "", c->after ? " (after)" : "");
+             c->intervene ? " intervene" : "", c->after ? " (after)" : "", (int)E);
     check_close(what, got, want, T * HD, NULL, 2e-5);
     if (c->capture) {
         const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
@@ -523,6 +589,10 @@ static void test_attention(fitm_backend *b, const attn_case *c)
     free(qh), free(kph), free(vph), free(koh), free(voh);
     b->ops->free(b, q), b->ops->free(b, out), b->ops->free(b, kp), b->ops->free(b, vp);
     b->ops->free(b, ko), b->ops->free(b, vo);
+    if (E > 0) {
+        free(mqh), free(mkh), free(mwh);
+        b->ops->free(b, mq), b->ops->free(b, mk), b->ops->free(b, mw);
+    }
 }
 
 /* No argument: every slot. "attention": only the attention cases 1, 4 and 6 (GQA; capture
@@ -612,9 +682,17 @@ attention:;
          .capture = true,
          .intervene = true,
          .after = true},
+        /* mixtures (the position methods): MoICE-like (experts share the KV heads) and
+         * Ms-PoE-like (one expert per head, keys per query head) */
+        {.T = 13, .pos0 = 6, .own_base = 6, .window = 0, .H = 4, .Hkv = 1, .D = 16,
+         .capture = true, .intervene = true, .mix = 3, .mix_kh = 1},
+        {.T = 9, .pos0 = 30, .own_base = 0, .window = 12, .H = 2, .Hkv = 2, .D = 8,
+         .capture = true, .intervene = true, .after = true, .mix = 2, .mix_kh = 2},
+        {.T = 1, .pos0 = 40, .own_base = 40, .window = 0, .H = 4, .Hkv = 2, .D = 32,
+         .capture = true, .mix = 4, .mix_kh = 4},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (!attention_only || i == 0 || i == 3 || i == 5)
+        if (!attention_only || i == 0 || i == 3 || i == 5 || i == 7)
             test_attention(b, &cases[i]);
     fitm_backend_destroy(b);
     printf("%d checks, %d failed (cpu path %s)\n", n_checks, failures,

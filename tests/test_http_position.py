@@ -129,23 +129,32 @@ def test_mismatched_sidecar_stops_fitmd(fitmd_bin, model4, tmp_path):  # noqa: F
     assert r.returncode != 0 and "moice" in r.stdout + r.stderr
 
 
-def test_cuda_backend_refuses_position_methods(tmp_path):
-    """The CUDA backend has no mixed attention yet: a position method is a 422 naming it, and
-    plain requests still answer (build/tests/fitmd_cuda_emu, the emulated device)."""
+def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noqa: F811
+    """The CUDA backend's attention takes the mixture too (build/tests/fitmd_cuda_emu, the
+    emulated device): /rerank with moice and ms_poe gives the CPU daemon's scores within float
+    rounding, and scores that differ from none's."""
     from test_http_cuda_emu import OPTS, start
     emu = build_dir() / "tests" / "fitmd_cuda_emu"
     if not emu.exists():
         pytest.skip(f"{emu} not built")
-    p = tmp_path / "m.gguf"
-    subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
-                    "F32", "--seed", "5", "--layers", "3", "--dim", "64", "--heads", "2",
-                    "--head-dim", "32", "--ff", "128", "-q", "-o", str(p)], check=True)
-    d = start(emu, p, tmp_path, backend="cuda", **OPTS)
+    p, sc = model4
+    g = start(emu, p, tmp_path, backend="cuda", moice=sc, **OPTS)
+    c = Daemon(fitmd_bin, p, tmp_path, api_keys="test-key-1", moice=sc)
     try:
-        body = {"query": QUERY, "documents": docs(2, 3), "method": "attention"}
-        r = post(d, dict(body, position_method="ms_poe"))
-        assert_error(r, 422, mentions="position_method")
-        r = post(d, body)
-        assert r.status_code == 200 and r.json()["meta"]["position_method"] == "none"
+        got = {}
+        for m in METHODS:
+            per = []
+            for d in (c, g):
+                r = post(d, rerank_body(position_method=m))
+                assert r.status_code == 200, r.text
+                assert r.json()["meta"]["position_method"] == m
+                per.append(sorted((x["index"], x["relevance_score"]) for x in r.json()["results"]))
+            (ic, sc_c), (ig, sc_g) = zip(*per[0]), zip(*per[1])
+            assert ic == ig
+            assert max(abs(a - b) for a, b in zip(sc_c, sc_g)) < 1e-3, (m, per)
+            got[m] = sc_g
+        assert max(abs(a - b) for a, b in zip(got["ms_poe"], got["none"])) > 1e-3
+        assert max(abs(a - b) for a, b in zip(got["moice"], got["none"])) > 1e-3
     finally:
-        assert d.terminate() == 0, d.log_text()
+        assert g.terminate() == 0, g.log_text()
+        assert c.terminate() == 0, c.log_text()

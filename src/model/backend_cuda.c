@@ -541,6 +541,14 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
         .k_own = a->k_own,
         .v_own = a->v_own,
     };
+    if (a->mix) { /* every array is device memory (forward.c allocates them on the backend) */
+        k.mix_n = a->mix->n_mix;
+        k.mix_k_heads = a->mix->k_heads;
+        k.mix_q = a->mix->q;
+        k.mix_k = a->mix->k;
+        k.mix_w = a->mix->w;
+        k.mix_k_stride = a->mix->k_stride;
+    }
     const fitm_capture *cap = a->capture;
     if (cap && cap->n_rows > 0) {
         k.cap_index = stage(c, &c->cap_index, a->cap_index, (size_t)a->T * sizeof(int32_t));
@@ -610,6 +618,7 @@ static const fitm_backend_ops cuda_ops = {
     .softcap = cuda_softcap,
     .topk = cuda_topk,
     .attention = cuda_attention,
+    .attention_mix = true,
 };
 
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err)
