@@ -149,6 +149,19 @@ def test_moice_without_sidecar_is_400_and_default(fitmd_bin, model4, tmp_path): 
         assert d.terminate() == 0, d.log_text()
 
 
+def test_buckets_as_the_server_default(fitmd_bin, model4, tmp_path):  # noqa: F811
+    d = Daemon(fitmd_bin, model4[0], tmp_path, api_keys="test-key-1",
+               position_method="attention_buckets")
+    try:
+        r = post(d, rerank_body())
+        assert r.status_code == 200, r.text
+        assert r.json()["meta"]["position_method"] == "attention_buckets"
+        r = post(d, rerank_body(position_method="none"))
+        assert r.json()["meta"]["position_method"] == "none"
+    finally:
+        assert d.terminate() == 0, d.log_text()
+
+
 def test_mismatched_sidecar_stops_fitmd(fitmd_bin, model4, tmp_path):  # noqa: F811
     p, _ = model4
     m = om.Model.load(p)
