@@ -292,9 +292,7 @@ static fitm_status check_output(const fitm_forward *f, int64_t T, const fitm_for
 
 /* A bucket pass (expanded by run_buckets from a BUCKETS sequence) on a backend and forward
  * that run them. */
-static fitm_status check_buckets(const fitm_forward *f, const fitm_kv *kv,
-                                 const fitm_forward_opts *opts, const seq_role *role,
-                                 fitm_err *err)
+static fitm_status check_buckets(const fitm_forward *f, const seq_role *role, fitm_err *err)
 {
     if (!f->b->ops->capture_add)
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
@@ -306,8 +304,6 @@ static fitm_status check_buckets(const fitm_forward *f, const fitm_kv *kv,
                             "enabled on this forward");
     if (role->n_pass == 0)
         return fitm_err_set(err, FITM_ERR_INTERNAL, "a bucket sequence was not expanded");
-    (void)kv;
-    (void)opts;
     return FITM_OK;
 }
 
@@ -355,7 +351,7 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
     if (opts->position != FITM_POSITION_NONE) {
         const char *name = fitm_position_method_name(opts->position);
         if (opts->position == FITM_POSITION_BUCKETS) {
-            if ((s = check_buckets(f, kv, opts, role, err)) != FITM_OK)
+            if ((s = check_buckets(f, role, err)) != FITM_OK)
                 return s;
         } else if (!f->backend_mix) {
             return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
@@ -773,7 +769,6 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
     return FITM_OK;
 }
 
-/* Runs the call planned in p. */
 /* Attention Buckets' output, one pass's logit rows at a time: p = softmax(x) (in double),
  * a = max p = 1 / sum_v exp(x_v - max x); the sequence's accumulator rows get a p (pass 0
  * stores, the others add) and their sums a. With a single pass the rows get log p itself,
@@ -811,6 +806,7 @@ static void bucket_add(const pass *p, const seq_part *q)
     }
 }
 
+/* Runs the call planned in p (bucket passes add their logit rows to the accumulators). */
 static fitm_status run_pass(fitm_forward *f, const pass *p, fitm_err *err)
 {
     fitm_status s;
@@ -966,8 +962,6 @@ static fitm_status run_buckets(fitm_forward *f, const fitm_forward_seq *seqs, in
     }
     return FITM_OK;
 }
-
-
 
 fitm_status fitm_forward_run_batch(fitm_forward *f, const fitm_forward_seq *seqs, int32_t n_seqs,
                                    fitm_err *err)
