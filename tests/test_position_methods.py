@@ -351,6 +351,34 @@ def test_buckets_prefix_reuse_branches_and_groups(models, model_tool, tmp_path, 
         assert ms_.tobytes() == out["full", 512][1].tobytes(), key
 
 
+def test_bucket_passes_grow_keeping_their_rows(models, model_tool, tmp_path):
+    """Passes made smaller than the cache and grown after a run keep the rows they held (the
+    reranker grows its own cache's passes to each request's prompt)."""
+    path = models["gemma3"]
+    T = 40
+    ids = random_ids(om.Model.load(path).hp.n_vocab, T, seed=5)
+    t = PosTool(model_tool, path, tmp_path)
+    t.kv("full", T)
+    t.passes("full", 7)
+    t.run("full", 0, ids, logits=1, out="full", rows=[T - 1], spans=[(0, 12)],
+          pos="attention_buckets")
+    t.kv("g", T)
+    t.passes("g", 7, 12)
+    t.run("g", 0, ids[:12], pos="attention_buckets")
+    t.passes("g", 7, T)
+    t.run("g", 12, ids[12:], logits=1, out="g", rows=[T - 1], spans=[(0, 12)],
+          pos="attention_buckets")
+    t.go()
+    assert t.logits("g").tobytes() == t.logits("full").tobytes()
+    assert t.mass("g", 1, 1).tobytes() == t.mass("full", 1, 1).tobytes()
+    # a pass too short for the call is refused, not overrun
+    t.kv("s", T)
+    t.passes("s", 7, 8)
+    t.run("s", 0, ids[:12], pos="attention_buckets")
+    r = t.go(check=False)
+    assert r.returncode != 0 and "exceed" in r.stderr
+
+
 def test_buckets_refused_without_passes_in_prefix(models, model_tool, tmp_path):
     path = models["llama"]
     t = PosTool(model_tool, path, tmp_path)
