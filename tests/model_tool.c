@@ -12,6 +12,8 @@
  *   kv NAME ROWS                 create a KV cache of ROWS rows (empty, at position 0)
  *   rebase NAME POS              empty NAME and make it a branch starting at POS
  *   truncate NAME POS            forget NAME's positions >= POS
+ *   passes NAME N [ROWS]         give NAME N passes (attention_buckets runs N buckets) of at
+ *                                least ROWS rows (default: NAME's)
  *   run NAME POS0 ids=I,J,.. [prefix=BASE] [logits=N] [out=TAG] [rows=P,Q,..]
  *       [spans=S:E,..] [probs] [post] [iv_spans=S:E,..] [iv_alpha=A,..] [iv_from=P]
  *       [iv_layers=L1,L2,..] [path=auto|batch|step] [pos=none|moice|ms_poe|...]
@@ -199,6 +201,9 @@ int main(int argc, char **argv)
                 n_kvs++;
         } else if (!strcmp(cmd, "rebase") && kv && num) {
             s = fitm_kv_rebase(kv, atoll(num), &err);
+        } else if (!strcmp(cmd, "passes") && kv && num) {
+            const char *rows_arg = strtok_r(NULL, " \t\r\n", &save);
+            s = fitm_kv_passes(kv, atoi(num), rows_arg ? atoll(rows_arg) : 0, &err);
         } else if (!strcmp(cmd, "truncate") && kv && num) {
             fitm_kv_truncate(kv, atoll(num));
         } else if (!strcmp(cmd, "run") && kv && num) {

@@ -1,9 +1,11 @@
 """position_method on /rerank and /answer through the real fitmd (docs/position-methods.md): each
 method answers on a generated model with a MoICE sidecar of random routers, the response says
 which method ran, the methods change the scores, the server default applies to requests that
-name none, moice without a sidecar is a 400 naming the field, attention_buckets a 422, and a
-sidecar made for another model stops fitmd at start with the field that differs. The numerics
-are checked against the oracle in test_position_methods.py."""
+name none, moice without a sidecar is a 400 naming the field, attention_buckets runs every
+rerank method and /answer (streamed too) and is a 422 on the CUDA backend, and a sidecar made
+for another model stops fitmd at start with the field that differs. The numerics are checked
+against the oracle in test_position_methods.py."""
+import json
 import subprocess
 
 import pytest
@@ -15,7 +17,7 @@ from oracle import moice_sidecar as ms
 from test_http import Daemon, assert_error, docs, fitmd_bin, free_port, post  # noqa: F401
 
 QUERY = "where is the golf hotel"
-METHODS = ("none", "moice", "ms_poe")
+METHODS = ("none", "moice", "ms_poe", "attention_buckets")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,7 @@ def test_rerank_each_method(daemon):
         scores[m] = sorted((x["index"], x["relevance_score"]) for x in j["results"])
     assert scores["moice"] != scores["none"]
     assert scores["ms_poe"] != scores["none"]
+    assert scores["attention_buckets"] != scores["none"]
     # the default is the server's (none here), and asking again gives the same scores
     r = post(daemon, rerank_body())
     assert r.json()["meta"]["position_method"] == "none"
@@ -73,6 +76,45 @@ def test_rerank_calibrated_with_moice(daemon):
     r = post(daemon, rerank_body(method="calibrated", position_method="moice"))
     assert r.status_code == 200, r.text
     assert r.json()["meta"]["position_method"] == "moice"
+
+
+def _scores(r):
+    assert r.status_code == 200, r.text
+    return sorted((x["index"], x["relevance_score"]) for x in r.json()["results"])
+
+
+@pytest.mark.parametrize("method", ("calibrated", "paper", "query_likelihood",
+                                    "attention_sort"))
+def test_buckets_every_rerank_method(daemon, method):
+    """Calibrated (with its reference passes), paper, query_likelihood (on the aggregated
+    log p^) and attention_sort all run with buckets, and the buckets change their scores."""
+    body = rerank_body(method=method)
+    if method == "paper":
+        body.pop("layers")
+    got = post(daemon, dict(body, position_method="attention_buckets"))
+    assert got.json()["meta"]["position_method"] == "attention_buckets"
+    assert _scores(got) != _scores(post(daemon, dict(body, position_method="none")))
+    # the same request again gives the same scores (the bucket caches hold no stale rows)
+    assert _scores(post(daemon, dict(body, position_method="attention_buckets"))) == \
+        _scores(got)
+
+
+def test_buckets_answer_streams_and_changes_the_answer(daemon):
+    b = {"query": QUERY, "documents": docs(3, 8) + ["golf hotel"], "max_tokens": 8,
+         "position_method": "attention_buckets", "ignore_eos": True}
+    plain = post(daemon, b, path="/answer")
+    assert plain.status_code == 200, plain.text
+    pj = plain.json()
+    assert pj["meta"]["position_method"] == "attention_buckets"
+    assert pj["usage"]["completion_tokens"] == 8
+    with post(daemon, dict(b, stream=True), path="/answer", stream=True) as r:
+        assert r.status_code == 200
+        ev = [ln[6:].decode() for ln in r.iter_lines() if ln.startswith(b"data: ")]
+    assert ev[-1] == "[DONE]"
+    assert "".join(json.loads(e)["delta"] for e in ev[:-2]) == pj["answer"]
+    # the calibrated weights of the documents come from the rerank under the same method
+    none = post(daemon, dict(b, position_method="none"), path="/answer").json()
+    assert [d["weight"] for d in none["documents"]] != [d["weight"] for d in pj["documents"]]
 
 
 def test_answer_each_method(daemon):
@@ -91,11 +133,6 @@ def test_bad_position_methods(daemon):
     assert_error(r, 400, mentions="position_method")
     r = post(daemon, rerank_body(position_method=3))
     assert_error(r, 400, mentions="position_method")
-    r = post(daemon, rerank_body(position_method="attention_buckets"))
-    assert_error(r, 422, mentions="position_method")
-    r = post(daemon, {"query": QUERY, "documents": docs(2, 5), "max_tokens": 2,
-                      "position_method": "attention_buckets"}, path="/answer")
-    assert_error(r, 422, mentions="position_method")
 
 
 def test_moice_without_sidecar_is_400_and_default(fitmd_bin, model4, tmp_path):  # noqa: F811
@@ -108,6 +145,19 @@ def test_moice_without_sidecar_is_400_and_default(fitmd_bin, model4, tmp_path): 
         assert_error(r, 400, mentions="position_method")
         r = post(d, rerank_body())
         assert r.status_code == 200 and r.json()["meta"]["position_method"] == "ms_poe"
+    finally:
+        assert d.terminate() == 0, d.log_text()
+
+
+def test_buckets_as_the_server_default(fitmd_bin, model4, tmp_path):  # noqa: F811
+    d = Daemon(fitmd_bin, model4[0], tmp_path, api_keys="test-key-1",
+               position_method="attention_buckets")
+    try:
+        r = post(d, rerank_body())
+        assert r.status_code == 200, r.text
+        assert r.json()["meta"]["position_method"] == "attention_buckets"
+        r = post(d, rerank_body(position_method="none"))
+        assert r.json()["meta"]["position_method"] == "none"
     finally:
         assert d.terminate() == 0, d.log_text()
 
@@ -142,7 +192,7 @@ def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noq
     c = Daemon(fitmd_bin, p, tmp_path, api_keys="test-key-1", moice=sc)
     try:
         got = {}
-        for m in METHODS:
+        for m in ("none", "moice", "ms_poe"):
             per = []
             for d in (c, g):
                 r = post(d, rerank_body(position_method=m))
@@ -155,6 +205,9 @@ def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noq
             got[m] = sc_g
         assert max(abs(a - b) for a, b in zip(got["ms_poe"], got["none"])) > 1e-3
         assert max(abs(a - b) for a, b in zip(got["moice"], got["none"])) > 1e-3
+        # Attention Buckets needs capture_add, which the CUDA backend does not have
+        r = post(g, rerank_body(position_method="attention_buckets"))
+        assert_error(r, 422, mentions="position_method")
     finally:
         assert g.terminate() == 0, g.log_text()
         assert c.terminate() == 0, c.log_text()

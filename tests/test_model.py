@@ -85,6 +85,9 @@ class Tool:
     def rebase(self, name, pos):
         self.lines.append(f"rebase {name} {pos}")
 
+    def passes(self, name, n, rows=0):
+        self.lines.append(f"passes {name} {n} {rows}")
+
     def truncate(self, name, pos):
         self.lines.append(f"truncate {name} {pos}")
 

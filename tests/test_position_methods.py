@@ -2,7 +2,8 @@
 (tests/oracle/position.py) on generated models of each architecture: MoICE with random routers
 (docs/moice.md), Ms-PoE with the C's head ranks checked against the oracle's, captures and the
 intervention on the mixed attention, prefix reuse and branches, the identity sidecar, and a
-mismatched sidecar refused."""
+mismatched sidecar refused; Attention Buckets (one cache pass per bucket, aggregated at the
+output) against the oracle's buckets_forward."""
 import subprocess
 
 import numpy as np
@@ -23,12 +24,14 @@ MASS_TOL = 2e-5   # absolute, span masses and probabilities (or 4x the plain mod
 class PosTool(Tool):
     """model_tool with the position methods enabled (and a sidecar when given)."""
 
-    def __init__(self, exe, model, outdir, moice=None):
+    def __init__(self, exe, model, outdir, moice=None, extra=()):
         super().__init__(exe, model, outdir)
         self.moice = moice
+        self.extra = list(extra)
 
     def extra_args(self):
-        return ["--positions"] + (["--moice", str(self.moice)] if self.moice else [])
+        return ["--positions"] + (["--moice", str(self.moice)] if self.moice else []) + \
+            self.extra
 
 
 @pytest.fixture(scope="module")
@@ -229,17 +232,164 @@ def test_sidecar_refused_when_mismatched(models, model_tool, tmp_path):
     assert r.returncode == 1 and "base.block_count" in r.stderr
 
 
-def test_moice_without_sidecar_and_buckets_refused(models, model_tool, tmp_path):
+def test_moice_without_sidecar_refused(models, model_tool, tmp_path):
     path = models["llama"]
     t = PosTool(model_tool, path, tmp_path)
     t.kv("a", 8)
     t.run("a", 0, [1, 2, 3], pos="moice")
     r = t.go(check=False)
     assert r.returncode != 0 and "sidecar" in r.stderr
-    t.kv("a", 8)
-    t.run("a", 0, [1, 2, 3], pos="attention_buckets")
+
+
+# ---- Attention Buckets ----------------------------------------------------------------------
+
+
+def _stack(attn):
+    return np.stack(attn).transpose(2, 0, 1, 3)  # (rows, L, H, S)
+
+
+@pytest.mark.parametrize("arch", SOURCES, ids=_id)
+def test_buckets_vs_oracle(models, model_tool, tmp_path, arch):
+    """All 7 buckets: logits = log p^ (alpha-weighted mean of the passes' distributions), the
+    captured probabilities and span masses = the passes' mean, and the Eq. 5 intervention
+    inside each pass."""
+    path = models[arch]
+    m = om.Model.load(path)
+    L, V = m.hp.n_layer, m.hp.n_vocab
+    T = 40
+    ids = random_ids(V, T, seed=21)
+    rows, spans = [30, 39], [(2, 10), (10, 25), (25, 33)]
+    alpha = [0.5, 0.2, 0.3]
+    iv = dict(iv_spans=spans, iv_alpha=alpha, iv_from=33, iv_layers=list(range(L)))
+    t = PosTool(model_tool, path, tmp_path)
+    for name in ("b", "biv"):
+        t.kv(name, T)
+        t.passes(name, len(po.BUCKET_FACTORS))
+    t.run("b", 0, ids, logits=T, out="b", rows=rows, spans=spans, probs=True,
+          pos="attention_buckets")
+    t.run("biv", 0, ids, logits=T, out="biv", rows=rows, probs=True, post=True,
+          pos="attention_buckets", **iv)
+    t.kv("n", T)
+    t.run("n", 0, ids, logits=T, out="n", rows=rows, probs=True)
+    t.go()
+
+    m.forward(ids, capture_rows=rows)
+    tol = max(MASS_TOL, 4 * np.max(np.abs(t.probs("n", len(rows), T) - _stack(m.attn))))
+    want, want_a = po.buckets_forward(m, ids, capture_rows=rows)
+    want_p = _stack(want_a)
+    assert rel_l2(t.logits("b"), want) <= LOGIT_TOL
+    # the aggregate is a distribution, and not the plain model's
+    assert np.allclose(np.exp(t.logits("b").astype(np.float64)).sum(-1), 1.0, atol=1e-5)
+    assert rel_l2(t.logits("b"), np.log(om.softmax(t.logits("n").astype(np.float64)))) \
+        > 10 * LOGIT_TOL
+    assert np.max(np.abs(t.probs("b", len(rows), T) - want_p)) <= tol
+    want_m = np.stack([[[[want_p[r, l, h, s:e].sum() for s, e in spans]
+                         for h in range(m.hp.n_head)] for l in range(L)]
+                       for r in range(len(rows))])
+    assert np.max(np.abs(t.mass("b", len(rows), len(spans)) - want_m)) <= tol
+
+    hook = calib.make_hook(spans, np.array(alpha), list(range(L)), first_row=33)
+    want_iv, want_iva = po.buckets_forward(m, ids, capture_rows=rows, intervene=hook)
+    assert rel_l2(t.logits("biv"), want_iv) <= LOGIT_TOL
+    assert np.max(np.abs(t.probs("biv", len(rows), T) - _stack(want_iva))) <= tol
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_bucket_is_plain(models, model_tool, tmp_path, arch):
+    """A bucket set of one factor 1: the plain model's attention bit for bit (prefill and
+    decode), and its distribution as the logits (log-softmax of the plain logits)."""
+    path = models[arch]
+    V = om.Model.load(path).hp.n_vocab
+    T = 36
+    ids = random_ids(V, T, seed=2)
+    rows = [30]
+    t = PosTool(model_tool, path, tmp_path)
+    for name, pos in (("b", "attention_buckets"), ("n", "none")):
+        t.kv(name, T)
+        if pos != "none":
+            t.passes(name, 1)
+        t.run(name, 0, ids[:-1], logits=T - 1, out=name, rows=rows, spans=[(0, 9)], probs=True,
+              pos=pos)
+        t.run(name, T - 1, ids[-1:], logits=1, out="d" + name, rows=[T - 1], probs=True,
+              pos=pos)
+    t.go()
+    assert t.probs("b", 1, 31).tobytes() == t.probs("n", 1, 31).tobytes()
+    assert t.mass("b", 1, 1).tobytes() == t.mass("n", 1, 1).tobytes()
+    assert t.probs("db", 1, T).tobytes() == t.probs("dn", 1, T).tobytes()
+    for b, n in (("b", "n"), ("db", "dn")):
+        plain = t.logits(n).astype(np.float64)
+        want = plain - plain.max(-1, keepdims=True)
+        want -= np.log(np.exp(want).sum(-1, keepdims=True))
+        assert np.max(np.abs(t.logits(b) - want)) <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_buckets_prefix_reuse_branches_and_groups(models, model_tool, tmp_path, arch):
+    """Per pass, a split pass and a branch over a prefix give the full pass's rows; a forward
+    whose call limit splits the 7 passes into several groups gives the same bits."""
+    path = models[arch]
+    m = om.Model.load(path)
+    T, s = 40, 23
+    ids = random_ids(m.hp.n_vocab, T, seed=12)
+    out = {}
+    for batch in (512, 40):
+        t = PosTool(model_tool, path, tmp_path, extra=["--batch", str(batch)])
+        for name in ("full", "split", "br"):
+            t.kv(name, T)
+            t.passes(name, 7)
+        kw = dict(logits=T - s, rows=[T - 1], spans=[(0, 10)], pos="attention_buckets")
+        t.run("full", 0, ids, out=f"full{batch}", **kw)
+        t.run("split", 0, ids[:s], pos="attention_buckets")
+        t.run("split", s, ids[s:], out=f"split{batch}", **kw)
+        t.rebase("br", s)
+        t.run("br", s, ids[s:], prefix="split", out=f"br{batch}", **kw)
+        t.go()
+        for x in ("full", "split", "br"):
+            out[x, batch] = (t.logits(f"{x}{batch}").tobytes(), t.mass(f"{x}{batch}", 1, 1))
+    for key, (lg, ms_) in out.items():
+        assert lg == out["full", 512][0], key
+        assert ms_.tobytes() == out["full", 512][1].tobytes(), key
+
+
+def test_bucket_passes_grow_keeping_their_rows(models, model_tool, tmp_path):
+    """Passes made smaller than the cache and grown after a run keep the rows they held (the
+    reranker grows its own cache's passes to each request's prompt)."""
+    path = models["gemma3"]
+    T = 40
+    ids = random_ids(om.Model.load(path).hp.n_vocab, T, seed=5)
+    t = PosTool(model_tool, path, tmp_path)
+    t.kv("full", T)
+    t.passes("full", 7)
+    t.run("full", 0, ids, logits=1, out="full", rows=[T - 1], spans=[(0, 12)],
+          pos="attention_buckets")
+    t.kv("g", T)
+    t.passes("g", 7, 12)
+    t.run("g", 0, ids[:12], pos="attention_buckets")
+    t.passes("g", 7, T)
+    t.run("g", 12, ids[12:], logits=1, out="g", rows=[T - 1], spans=[(0, 12)],
+          pos="attention_buckets")
+    t.go()
+    assert t.logits("g").tobytes() == t.logits("full").tobytes()
+    assert t.mass("g", 1, 1).tobytes() == t.mass("full", 1, 1).tobytes()
+    # a pass too short for the call is refused, not overrun
+    t.kv("s", T)
+    t.passes("s", 7, 8)
+    t.run("s", 0, ids[:12], pos="attention_buckets")
     r = t.go(check=False)
-    assert r.returncode != 0 and "UNSUPPORTED" in r.stderr.upper()
+    assert r.returncode != 0 and "exceed" in r.stderr
+
+
+def test_buckets_refused_without_passes_in_prefix(models, model_tool, tmp_path):
+    path = models["llama"]
+    t = PosTool(model_tool, path, tmp_path)
+    t.kv("p", 8)
+    t.run("p", 0, [1, 2, 3])
+    t.kv("br", 8)
+    t.passes("br", 3)
+    t.rebase("br", 3)
+    t.run("br", 3, [4, 5], prefix="p", pos="attention_buckets")
+    r = t.go(check=False)
+    assert r.returncode != 0 and "prefix cache holds 1 passes" in r.stderr
 
 
 def test_inspect_shows_sidecar(fitm_bin, models, tmp_path):
@@ -262,7 +412,7 @@ def test_inspect_shows_sidecar(fitm_bin, models, tmp_path):
     assert r.returncode == 1 and "top_k" in r.stderr
 
 
-# ---- the oracle's own checks (Attention Buckets has no C counterpart) ------------------------
+# ---- the oracle's own checks -----------------------------------------------------------------
 
 
 def test_oracle_buckets_and_identities(models):

@@ -44,6 +44,9 @@ struct fitm_capture {
     int64_t probs_stride;    /* >= every row + 1 when probs is set                         */
     bool after_intervention; /* capture the probabilities that multiply V (true) or those
                                 before the intervention (false); the same when none        */
+    bool add;                /* add into span_mass and probs instead of storing (several
+                                passes summed: Attention Buckets); only on a backend with
+                                ops->capture_add                                           */
 };
 
 /* The intervention (docs/design.md, Method), applied in the chosen layers to every head of
@@ -160,6 +163,10 @@ typedef struct {
     /* Whether attention takes a->mix (the position methods); a backend without it answers
      * those requests with FITM_ERR_UNSUPPORTED (forward.c). */
     bool attention_mix;
+    /* Whether attention honors capture->add (Attention Buckets sums its passes' captures in
+     * the caller's arrays); a backend without it answers attention_buckets with
+     * FITM_ERR_UNSUPPORTED (forward.c). */
+    bool capture_add;
 } fitm_backend_ops;
 
 struct fitm_backend {

@@ -727,6 +727,27 @@ static inline const float *kv_row(const fitm_attn_args *a, const float *pre, con
     return r + g * a->head_dim;
 }
 
+/* capture->add: adds row p's keys [lo, lo + n) to slot's span masses and probabilities (the
+ * keys outside the row hold 0, and adding 0 leaves the sum as it is). The masses are summed
+ * as fitm_ops_span_mass sums them, so one pass added onto zeros stores exactly its masses. */
+static void capture_row_add(const fitm_capture *cap, int64_t slot, int64_t pos, const float *p,
+                            int64_t lo, int64_t n)
+{
+    (void)pos;
+    if (cap->span_mass && cap->n_spans > 0) {
+        float mass[FITM_FORWARD_MAX_SPANS];
+        fitm_ops_span_mass(mass, p, lo, n, cap->spans, cap->n_spans);
+        float *dst = cap->span_mass + slot * cap->n_spans;
+        for (int32_t k = 0; k < cap->n_spans; k++)
+            dst[k] += mass[k];
+    }
+    if (cap->probs) {
+        float *dst = cap->probs + slot * cap->probs_stride + lo;
+        for (int64_t j = 0; j < n; j++)
+            dst[j] += p[j];
+    }
+}
+
 /* Stores row p's probabilities (keys [lo, lo + nk) of the tile, zero after the row itself)
  * for capture slot r: keys [0, pos] of it, zeros up to probs_stride (>= pos + 1). */
 static void capture_row(const fitm_attn_args *a, int64_t h, int32_t r, int64_t pos,
@@ -735,6 +756,10 @@ static void capture_row(const fitm_attn_args *a, int64_t h, int32_t r, int64_t p
     const fitm_capture *cap = a->capture;
     const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * a->n_head + h;
     const int64_t n = pos + 1 - lo; /* keys [lo, pos] */
+    if (cap->add) {
+        capture_row_add(cap, slot, pos, p, lo, n < nk ? n : nk);
+        return;
+    }
     if (cap->span_mass && cap->n_spans > 0)
         fitm_ops_span_mass(cap->span_mass + slot * cap->n_spans, p, lo, n < nk ? n : nk,
                            cap->spans, cap->n_spans);
@@ -959,6 +984,7 @@ static const fitm_backend_ops cpu_ops = {
     .topk = cpu_topk,
     .attention = cpu_attention,
     .attention_mix = true,
+    .capture_add = true,
 };
 
 #define CPU_CAT_(a, b) a##_##b

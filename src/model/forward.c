@@ -4,6 +4,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A sequence's role in a call: the RoPE base factor of its pass (1: the model's own bases)
+ * and, for a bucket pass, the first accumulator row its logits go to (-1: none). */
+typedef struct {
+    float factor;
+    int32_t n_pass;   /* the passes of its bucket sequence (0: not a bucket pass)        */
+    int32_t pass;
+    int64_t acc0;
+} seq_role;
+
+static const seq_role plain_role = {1.0f, 0, 0, -1};
+
 struct fitm_forward {
     const fitm_model *m;
     fitm_backend *b;
@@ -42,6 +53,15 @@ struct fitm_forward {
     const fitm_moice *moice; /* borrowed; NULL: no MoICE                                  */
     bool backend_mix;    /* b->ops->attention_mix                                       */
     float *stat_host;      /* non-NULL during the Ms-PoE calibration pass: (T + 1, Hkv|H, D) */
+    /* Attention Buckets (run_buckets): a call's passes, their options and captures, and the
+     * output accumulators; bk_acc is NULL on a backend without ops->capture_add. */
+    fitm_forward_seq bk_seq[FITM_FORWARD_MAX_SEQS * FITM_BUCKETS];
+    fitm_forward_opts bk_opts[FITM_FORWARD_MAX_SEQS * FITM_BUCKETS];
+    fitm_capture bk_cap[FITM_FORWARD_MAX_SEQS * FITM_BUCKETS];
+    seq_role bk_role[FITM_FORWARD_MAX_SEQS * FITM_BUCKETS];
+    double *bk_acc;        /* (max_logits, V) sum_b a_b p_b, or log p_0 with one pass      */
+    double *bk_sum;        /* (max_logits) sum_b a_b                                       */
+    float *bk_row;         /* (V) one pass's logits row, host                              */
 };
 
 static const char *const position_names[FITM_POSITION_COUNT] = {"none", "moice", "ms_poe",
@@ -58,6 +78,12 @@ int fitm_position_method_parse(const char *s)
         if (!strcmp(s, position_names[i]))
             return i;
     return -1;
+}
+
+double fitm_forward_bucket_factor(int32_t b)
+{
+    static const double factors[FITM_BUCKETS] = {1.0, 1.75, 1.8, 1.9, 2.0, 2.25, 2.5};
+    return b >= 0 && b < FITM_BUCKETS ? factors[b] : 0.0;
 }
 
 int32_t fitm_forward_ms_poe_calib_id(int64_t i, int32_t n_vocab)
@@ -95,6 +121,9 @@ static void free_scratch(fitm_forward *f)
     free(f->ms_poe_rank);
     free(f->w_host);
     free(f->x_host);
+    free(f->bk_acc);
+    free(f->bk_sum);
+    free(f->bk_row);
 }
 
 
@@ -244,10 +273,44 @@ static fitm_status check_intervention(const fitm_intervention *iv, fitm_err *err
 
 /* ---- the pass ---------------------------------------------------------------------------- */
 
+/* Where a call's logits go: n_logits rows into logits and/or their top_k entries into top. */
+static fitm_status check_output(const fitm_forward *f, int64_t T, const fitm_forward_opts *opts,
+                                fitm_err *err)
+{
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    if (opts->n_logits < 0 || opts->n_logits > T || opts->n_logits > f->p.max_logits ||
+        (opts->n_logits > 0 && !opts->logits && opts->top_k <= 0))
+        return fitm_err_set(err, FITM_ERR_INVALID, "%lld logit rows asked for (T %lld, limit %lld)",
+                            (long long)opts->n_logits, (long long)T, (long long)f->p.max_logits);
+    if (opts->top_k < 0 || opts->top_k > FITM_TOP_MAX || opts->top_k > c->n_vocab ||
+        (opts->top_k > 0 && opts->n_logits > 0 && !opts->top))
+        return fitm_err_set(err, FITM_ERR_INVALID, "top %d of the logits asked for (limit %d)",
+                            (int)opts->top_k,
+                            (int)(c->n_vocab < FITM_TOP_MAX ? c->n_vocab : FITM_TOP_MAX));
+    return FITM_OK;
+}
+
+/* A bucket pass (expanded by run_buckets from a BUCKETS sequence) on a backend and forward
+ * that run them. */
+static fitm_status check_buckets(const fitm_forward *f, const seq_role *role, fitm_err *err)
+{
+    if (!f->b->ops->capture_add)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "position_method attention_buckets: the %s backend cannot sum the "
+                            "passes' captures (ops->capture_add)", f->b->ops->name);
+    if (!f->bk_acc)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "position_method attention_buckets: position methods are not "
+                            "enabled on this forward");
+    if (role->n_pass == 0)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "a bucket sequence was not expanded");
+    return FITM_OK;
+}
+
 /* Everything a call's arguments must satisfy, checked before the cache is touched. */
 static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int32_t *tokens,
                              int64_t T, int64_t pos0, const fitm_forward_opts *opts,
-                             int32_t *cap_index, fitm_err *err)
+                             const seq_role *role, int32_t *cap_index, fitm_err *err)
 {
     const fitm_model_config *c = fitm_model_config_of(f->m);
     if (!fitm_kv_fits(kv, c) || (opts->prefix && !fitm_kv_fits(opts->prefix, c)))
@@ -277,15 +340,9 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
             return fitm_err_set(err, FITM_ERR_INVALID, "token id %d at %lld is not in [0, %d)",
                                 (int)tokens[t], (long long)t, (int)c->n_vocab);
-    if (opts->n_logits < 0 || opts->n_logits > T || opts->n_logits > f->p.max_logits ||
-        (opts->n_logits > 0 && !opts->logits && opts->top_k <= 0))
-        return fitm_err_set(err, FITM_ERR_INVALID, "%lld logit rows asked for (T %lld, limit %lld)",
-                            (long long)opts->n_logits, (long long)T, (long long)f->p.max_logits);
-    if (opts->top_k < 0 || opts->top_k > FITM_TOP_MAX || opts->top_k > c->n_vocab ||
-        (opts->top_k > 0 && opts->n_logits > 0 && !opts->top))
-        return fitm_err_set(err, FITM_ERR_INVALID, "top %d of the logits asked for (limit %d)",
-                            (int)opts->top_k,
-                            (int)(c->n_vocab < FITM_TOP_MAX ? c->n_vocab : FITM_TOP_MAX));
+    fitm_status s;
+    if (role->n_pass == 0 && (s = check_output(f, T, opts, err)) != FITM_OK)
+        return s;
     if ((unsigned)opts->path > FITM_PATH_STEP)
         return fitm_err_set(err, FITM_ERR_INVALID, "unknown forward path %d", (int)opts->path);
     if ((unsigned)opts->position >= FITM_POSITION_COUNT)
@@ -293,23 +350,22 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
                             (int)opts->position);
     if (opts->position != FITM_POSITION_NONE) {
         const char *name = fitm_position_method_name(opts->position);
-        if (opts->position == FITM_POSITION_BUCKETS)
-            return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
-                                "position_method %s runs one pass per bucket, each with its own "
-                                "KV cache: the forward driver does not run it", name);
-        if (!f->backend_mix)
+        if (opts->position == FITM_POSITION_BUCKETS) {
+            if ((s = check_buckets(f, role, err)) != FITM_OK)
+                return s;
+        } else if (!f->backend_mix) {
             return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
                                 "position_method %s: the %s backend has no mixed attention", name,
                                 f->b->ops->name);
-        if (f->n_mix == 0)
+        } else if (f->n_mix == 0) {
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "position_method %s: position methods are not enabled on this "
                                 "forward", name);
+        }
         if (opts->position == FITM_POSITION_MOICE && !f->moice)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "position_method moice needs a MoICE router sidecar (--moice)");
     }
-    fitm_status s;
     if ((s = check_capture(opts->capture, T, pos0, cap_index, err)) ||
         (s = check_intervention(opts->intervention, err)))
         return s;
@@ -325,6 +381,7 @@ typedef struct {
     int64_t row0;   /* its first row in the call                                      */
     int64_t lrow0;  /* its first logit row in the call                                */
     bool batched;   /* its numerics path                                              */
+    seq_role role;
 } seq_part;
 
 /* One call's state, shared by the layer steps. Rows are laid out STEP sequences first, then
@@ -341,8 +398,9 @@ static void rope_tables(fitm_forward *f, const pass *p, float base, float scale,
     const int64_t n_rot = fitm_model_config_of(f->m)->n_rot;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
+        const float b = base * q->role.factor; /* factor 1: the base itself, bit for bit */
         for (int64_t t = 0; t < q->T; t++)
-            fitm_ops_rope_table(f->cs_host + (q->row0 + t) * n_rot, n_rot, q->pos0 + t, base,
+            fitm_ops_rope_table(f->cs_host + (q->row0 + t) * n_rot, n_rot, q->pos0 + t, b,
                                 scale);
     }
     f->b->ops->upload(f->b, dst, f->cs_host, (size_t)(p->T * n_rot) * sizeof(float));
@@ -646,8 +704,8 @@ static void output_head(const pass *p)
 
 /* Checks every sequence and lays out the call's rows (STEP sequences first), its tokens and
  * its capture index. Touches no cache. */
-static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs, int32_t n_seqs,
-                             pass *p, fitm_err *err)
+static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
+                             const seq_role *roles, int32_t n_seqs, pass *p, fitm_err *err)
 {
     static const fitm_forward_opts no_opts;
     if (n_seqs < 1 || n_seqs > FITM_FORWARD_MAX_SEQS || !seqs)
@@ -685,6 +743,7 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs, int3
             .lrow0 = p->n_logits,
             .batched = opts->path == FITM_PATH_BATCH ||
                        (opts->path == FITM_PATH_AUTO && in->T >= FITM_FORWARD_BATCH_MIN),
+            .role = roles ? roles[s] : plain_role,
         };
         p->T += in->T;
         p->n_logits += opts->n_logits;
@@ -696,7 +755,7 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs, int3
         seq_part *q = &p->seq[s];
         q->row0 = next[q->batched];
         next[q->batched] += q->T;
-        fitm_status st = check_run(f, q->kv, seqs[s].tokens, q->T, q->pos0, q->opts,
+        fitm_status st = check_run(f, q->kv, seqs[s].tokens, q->T, q->pos0, q->opts, &q->role,
                                    f->cap_index + q->row0, err);
         if (st != FITM_OK) {
             if (n_seqs > 1) {
@@ -710,30 +769,209 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs, int3
     return FITM_OK;
 }
 
+/* Attention Buckets' output, one pass's logit rows at a time: p = softmax(x) (in double),
+ * a = max p = 1 / sum_v exp(x_v - max x); the sequence's accumulator rows get a p (pass 0
+ * stores, the others add) and their sums a. With a single pass the rows get log p itself,
+ * so one bucket of factor 1 is exactly the plain model's distribution. */
+static void bucket_add(const pass *p, const seq_part *q)
+{
+    fitm_forward *f = p->f;
+    const int64_t V = fitm_model_config_of(f->m)->n_vocab;
+    for (int64_t i = 0; i < q->opts->n_logits; i++) {
+        f->b->ops->download(f->b, f->bk_row, f->logits + (q->lrow0 + i) * V,
+                            (size_t)V * sizeof(float));
+        const float *x = f->bk_row;
+        double mx = -INFINITY, z = 0.0;
+        for (int64_t v = 0; v < V; v++)
+            mx = x[v] > mx ? x[v] : mx;
+        for (int64_t v = 0; v < V; v++)
+            z += exp((double)x[v] - mx);
+        double *acc = f->bk_acc + (q->role.acc0 + i) * V;
+        if (q->role.n_pass == 1) {
+            const double lz = mx + log(z);
+            for (int64_t v = 0; v < V; v++)
+                acc[v] = (double)x[v] - lz;
+            continue;
+        }
+        const double a = 1.0 / z, az = a / z; /* a p_v = exp(x_v - mx) / z^2 */
+        if (q->role.pass == 0) {
+            f->bk_sum[q->role.acc0 + i] = a;
+            for (int64_t v = 0; v < V; v++)
+                acc[v] = az * exp((double)x[v] - mx);
+        } else {
+            f->bk_sum[q->role.acc0 + i] += a;
+            for (int64_t v = 0; v < V; v++)
+                acc[v] += az * exp((double)x[v] - mx);
+        }
+    }
+}
+
+/* Runs the call planned in p (bucket passes add their logit rows to the accumulators). */
+static fitm_status run_pass(fitm_forward *f, const pass *p, fitm_err *err)
+{
+    fitm_status s;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    pass_rope_tables(p);
+    f->b->ops->embed(f->b, fitm_model_tok_embd(f->m), f->ids, p->T, c->embd_scale, f->x);
+    for (int32_t l = 0; l < c->n_layer; l++) {
+        attention_block(p, l);
+        ffn_block(p, l);
+    }
+    for (int32_t i = 0; i < p->n_seqs; i++)
+        fitm_kv_set_end(p->seq[i].kv, p->seq[i].pos0 + p->seq[i].T);
+    if (p->n_logits > 0)
+        output_head(p);
+    if (f->b->ops->status && (s = f->b->ops->status(f->b, err)) != FITM_OK) {
+        for (int32_t i = 0; i < p->n_seqs; i++) /* the rows this call wrote cannot be trusted */
+            fitm_kv_set_end(p->seq[i].kv, p->seq[i].pos0);
+        return s;
+    }
+    for (int32_t i = 0; i < p->n_seqs; i++)
+        if (p->seq[i].role.n_pass > 0 && p->seq[i].opts->n_logits > 0)
+            bucket_add(p, &p->seq[i]);
+    return FITM_OK;
+}
+
+/* A bucket sequence's output after all its passes ran: logits log p^ (p^ = sum a_b p_b /
+ * sum a_b) into opts->logits and/or their top entries into opts->top; its captures divided
+ * by the number of passes (the mean of the passes' probabilities and masses). */
+static void bucket_finish(fitm_forward *f, const fitm_forward_seq *in, const seq_role *role)
+{
+    const fitm_forward_opts *o = in->opts;
+    const int64_t V = fitm_model_config_of(f->m)->n_vocab;
+    for (int64_t i = 0; i < o->n_logits; i++) {
+        const double *acc = f->bk_acc + (role->acc0 + i) * V;
+        const double sum = f->bk_sum[role->acc0 + i];
+        float *row = o->logits ? o->logits + i * V : f->bk_row;
+        for (int64_t v = 0; v < V; v++)
+            row[v] = (float)(role->n_pass == 1 ? acc[v] : log(acc[v] / sum));
+        if (o->top_k > 0)
+            fitm_ops_topk(row, V, o->top_k, o->top + i * o->top_k);
+    }
+    const fitm_capture *cap = o->capture;
+    if (!cap || role->n_pass < 2)
+        return;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const int64_t slots = (int64_t)cap->n_rows * c->n_layer * c->n_head;
+    const float P = (float)role->n_pass;
+    if (cap->span_mass)
+        for (int64_t i = 0; i < slots * cap->n_spans; i++)
+            cap->span_mass[i] /= P;
+    if (cap->probs)
+        for (int64_t i = 0; i < slots * cap->probs_stride; i++)
+            cap->probs[i] /= P;
+}
+
+/* A call with BUCKETS sequences: each expands to one sequence per pass of its cache (pass b
+ * on pass b of kv and of its prefix, bases times factor b; pass 0 stores the captures, the
+ * others add to them); the expanded list runs in groups that fit the limits, in order (so
+ * pass 0 of every layer comes first). Every group is checked before any runs. Then each
+ * bucket sequence's rows become log p^ (bucket_finish) and its captures the passes' mean. */
+static fitm_status run_buckets(fitm_forward *f, const fitm_forward_seq *seqs, int32_t n_seqs,
+                               fitm_err *err)
+{
+    if (n_seqs < 1 || n_seqs > FITM_FORWARD_MAX_SEQS)
+        return fitm_err_set(err, FITM_ERR_INVALID, "%d sequences in one call, limit %d",
+                            (int)n_seqs, FITM_FORWARD_MAX_SEQS);
+    int32_t n = 0;
+    int64_t acc = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const fitm_forward_seq *in = &seqs[s];
+        const fitm_forward_opts *o = in->opts;
+        if (!o || o->position != FITM_POSITION_BUCKETS) {
+            f->bk_seq[n] = *in;
+            f->bk_role[n++] = plain_role;
+            continue;
+        }
+        if (!in->kv)
+            return fitm_err_set(err, FITM_ERR_INVALID, "sequence %d has no KV cache", (int)s);
+        const int32_t P = fitm_kv_n_passes(in->kv);
+        if (P > FITM_BUCKETS)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "sequence %d: its cache holds %d passes, attention_buckets has %d",
+                                (int)s, (int)P, FITM_BUCKETS);
+        if (o->prefix && fitm_kv_n_passes(o->prefix) < P)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "sequence %d: its prefix cache holds %d passes, its cache %d",
+                                (int)s, (int)fitm_kv_n_passes(o->prefix), (int)P);
+        fitm_status st = check_output(f, in->T, o, err);
+        if (st != FITM_OK)
+            return st;
+        if (o->n_logits > 0 && f->bk_acc && o->n_logits > f->p.max_logits - acc)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "%lld logit rows in one call (sequence %d), limit %lld",
+                                (long long)(acc + o->n_logits), (int)s,
+                                (long long)f->p.max_logits);
+        for (int32_t b = 0; b < P; b++, n++) {
+            f->bk_opts[n] = *o;
+            f->bk_opts[n].logits = NULL;
+            f->bk_opts[n].top_k = 0;
+            f->bk_opts[n].top = NULL;
+            if (o->prefix)
+                f->bk_opts[n].prefix = fitm_kv_pass(o->prefix, b);
+            if (o->capture) {
+                f->bk_cap[n] = *o->capture;
+                f->bk_cap[n].add = b > 0;
+                f->bk_opts[n].capture = &f->bk_cap[n];
+            }
+            f->bk_seq[n] = (fitm_forward_seq){fitm_kv_pass(in->kv, b), in->tokens, in->T,
+                                              in->pos0, &f->bk_opts[n]};
+            f->bk_role[n] = (seq_role){(float)fitm_forward_bucket_factor(b), P, b, acc};
+        }
+        acc += o->n_logits;
+    }
+    /* groups [g0, g1) that fit the call's limits; every group checked before any runs */
+    int32_t starts[FITM_FORWARD_MAX_SEQS * FITM_BUCKETS + 1], n_groups = 0;
+    for (int32_t i = 0; i < n;) {
+        int64_t rows = 0, logits = 0;
+        int32_t j = i;
+        for (; j < n && j - i < FITM_FORWARD_MAX_SEQS; j++) {
+            const int64_t nl = f->bk_seq[j].opts ? f->bk_seq[j].opts->n_logits : 0;
+            if (j > i && (rows + f->bk_seq[j].T > f->p.max_tokens ||
+                          logits + nl > f->p.max_logits))
+                break;
+            rows += f->bk_seq[j].T;
+            logits += nl;
+        }
+        starts[n_groups++] = i;
+        i = j;
+    }
+    starts[n_groups] = n;
+    pass p;
+    fitm_status st = FITM_OK;
+    for (int32_t g = 0; g < n_groups && st == FITM_OK; g++)
+        st = plan_pass(f, f->bk_seq + starts[g], f->bk_role + starts[g],
+                       starts[g + 1] - starts[g], &p, err);
+    bool ran = false;
+    for (int32_t g = 0; g < n_groups && st == FITM_OK; g++)
+        if ((st = plan_pass(f, f->bk_seq + starts[g], f->bk_role + starts[g],
+                            starts[g + 1] - starts[g], &p, err)) == FITM_OK) {
+            ran = true;
+            st = run_pass(f, &p, err);
+        }
+    if (st != FITM_OK) {
+        for (int32_t i = 0; ran && i < n; i++) /* a group failed on the backend: undo them all */
+            fitm_kv_set_end(f->bk_seq[i].kv, f->bk_seq[i].pos0);
+        return st;
+    }
+    for (int32_t s = 0, i = 0; s < n_seqs; s++) {
+        const int32_t P = f->bk_role[i].n_pass;
+        if (P > 0)
+            bucket_finish(f, &seqs[s], &f->bk_role[i]);
+        i += P > 0 ? P : 1;
+    }
+    return FITM_OK;
+}
+
 fitm_status fitm_forward_run_batch(fitm_forward *f, const fitm_forward_seq *seqs, int32_t n_seqs,
                                    fitm_err *err)
 {
+    for (int32_t i = 0; seqs && i < n_seqs && i < FITM_FORWARD_MAX_SEQS; i++)
+        if (seqs[i].opts && seqs[i].opts->position == FITM_POSITION_BUCKETS)
+            return run_buckets(f, seqs, n_seqs, err);
     pass p;
-    fitm_status s = plan_pass(f, seqs, n_seqs, &p, err);
-    if (s != FITM_OK)
-        return s;
-    const fitm_model_config *c = fitm_model_config_of(f->m);
-    pass_rope_tables(&p);
-    f->b->ops->embed(f->b, fitm_model_tok_embd(f->m), f->ids, p.T, c->embd_scale, f->x);
-    for (int32_t l = 0; l < c->n_layer; l++) {
-        attention_block(&p, l);
-        ffn_block(&p, l);
-    }
-    for (int32_t i = 0; i < n_seqs; i++)
-        fitm_kv_set_end(p.seq[i].kv, p.seq[i].pos0 + p.seq[i].T);
-    if (p.n_logits > 0)
-        output_head(&p);
-    if (f->b->ops->status && (s = f->b->ops->status(f->b, err)) != FITM_OK) {
-        for (int32_t i = 0; i < n_seqs; i++) /* the rows this call wrote cannot be trusted */
-            fitm_kv_set_end(p.seq[i].kv, p.seq[i].pos0);
-        return s;
-    }
-    return FITM_OK;
+    fitm_status s = plan_pass(f, seqs, NULL, n_seqs, &p, err);
+    return s == FITM_OK ? run_pass(f, &p, err) : s;
 }
 
 fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens, int64_t T,
@@ -811,6 +1049,15 @@ fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_e
     if (f->tabs)
         return fitm_err_set(err, FITM_ERR_INVALID, "position methods are already enabled");
     f->moice = mo;
+    if (f->b->ops->capture_add) {
+        const int64_t V = c->n_vocab, rows = f->p.max_logits > 0 ? f->p.max_logits : 1;
+        f->bk_acc = calloc((size_t)(rows * V), sizeof *f->bk_acc);
+        f->bk_sum = calloc((size_t)rows, sizeof *f->bk_sum);
+        f->bk_row = malloc((size_t)V * sizeof *f->bk_row);
+        if (!f->bk_acc || !f->bk_sum || !f->bk_row)
+            return fitm_err_set(err, FITM_ERR_NOMEM,
+                                "cannot allocate the Attention Buckets output scratch");
+    }
     if (!f->backend_mix)
         return FITM_OK; /* its calls with a method fail UNSUPPORTED: reserve nothing for them */
     const int64_t L = c->n_layer, H = c->n_head, D = c->head_dim, Tm = f->p.max_tokens;

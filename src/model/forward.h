@@ -41,8 +41,8 @@ typedef enum {
     FITM_POSITION_NONE = 0,  /* the model's own RoPE                                      */
     FITM_POSITION_MOICE,     /* MoICE: routed mixture of RoPE bases (needs params.moice) */
     FITM_POSITION_MS_POE,    /* Ms-PoE: per-head position ratios in [1.2, 1.8]           */
-    FITM_POSITION_BUCKETS,   /* Attention Buckets: passes with scaled bases, aggregated at
-                                the output; several caches, so the driver refuses it      */
+    FITM_POSITION_BUCKETS,   /* Attention Buckets: one pass per bucket with scaled bases,
+                                each in its own cache pass, aggregated at the output      */
     FITM_POSITION_COUNT
 } fitm_position_method;
 
@@ -58,6 +58,13 @@ int fitm_position_method_parse(const char *s);
 #define FITM_MS_POE_MAX 1.8
 #define FITM_MS_POE_FIRST_LAYER 2
 #define FITM_MS_POE_CALIB_LEN 64
+
+/* Attention Buckets (Chen et al. 2023): pass b rotates every layer with the layer's own base
+ * times fitm_forward_bucket_factor(b): {1, 1.75, 1.8, 1.9, 2, 2.25, 2.5}, the MoICE paper's
+ * Llama-2 bucket set over Llama-2's base. A sequence runs as many passes as its cache holds
+ * (fitm_kv_passes; the pipeline gives it FITM_BUCKETS): the first factors of the set. */
+#define FITM_BUCKETS 7
+double fitm_forward_bucket_factor(int32_t b);
 
 /* The i-th calibration id for a vocabulary of n_vocab: (7919 i + 17) mod V. */
 int32_t fitm_forward_ms_poe_calib_id(int64_t i, int32_t n_vocab);
@@ -89,7 +96,12 @@ typedef struct {
                                               rows to match a call of another size */
     fitm_position_method position;         /* NONE unless fitm_forward_positions was called
                                               (MOICE: with a sidecar); a branch and its
-                                              prefix must use the same                    */
+                                              prefix must use the same. BUCKETS: one pass
+                                              per pass of kv (and of prefix), each with its
+                                              factor; the logits are log p^ with
+                                              p^ = sum_b a_b p_b / sum_b a_b, p_b the pass's
+                                              softmax, a_b = max p_b (one pass: log p_0);
+                                              the captures are the passes' mean            */
 } fitm_forward_opts;
 
 typedef struct {
@@ -117,7 +129,9 @@ const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
  * been checked against the model (fitm_moice_check). The KV cache is unchanged: keys stay
  * rotated with the layer's own base, and each expert's keys are turned on from them per call,
  * so prefix reuse and branches work as for plain calls. On a backend without
- * ops->attention_mix it reserves nothing (calls with a method fail FITM_ERR_UNSUPPORTED). */
+ * ops->attention_mix it reserves nothing (calls with a method fail FITM_ERR_UNSUPPORTED).
+ * On a backend with ops->capture_add it also reserves the buckets' output scratch: a host
+ * row of V floats and (max_logits, V) doubles (touched only as far as rows are used). */
 fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *moice, fitm_err *err);
 
 /* Ms-PoE's head ranks (L, H), 0 = most position-aware; NULL before fitm_forward_positions. */
@@ -136,7 +150,8 @@ typedef struct {
 } fitm_forward_seq;
 
 /* Runs several sequences in one call: the weight products run once over the rows of all of
- * them, attention, captures and the intervention run per sequence (each against its own
+ * them (a BUCKETS sequence counts one sequence per pass: when the passes do not fit the
+ * limits below, the call runs them in several groups, in order), attention, captures and the intervention run per sequence (each against its own
  * cache, or its branch over opts->prefix).
  *
  * Batching rule (numerics): each sequence's path is resolved from its own opts->path and its

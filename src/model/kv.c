@@ -10,6 +10,8 @@ struct fitm_kv {
     size_t row_floats;   /* Hkv * D */
     size_t n_bytes;
     float *mem;          /* L blocks of K (n_rows, Hkv, D) then V (n_rows, Hkv, D) */
+    int32_t n_passes;    /* 1 + the passes below (only in pass 0)                   */
+    struct fitm_kv *pass[FITM_KV_MAX_PASSES]; /* [1, n_passes): the other passes    */
 };
 
 fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_config *c,
@@ -36,6 +38,7 @@ fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_conf
     kv->n_rows = n_rows;
     kv->row_floats = row_floats;
     kv->n_bytes = (size_t)total;
+    kv->n_passes = 1;
     kv->mem = b->ops->alloc(b, kv->n_bytes);
     if (!kv->mem) {
         free(kv);
@@ -50,6 +53,8 @@ void fitm_kv_destroy(fitm_kv *kv)
 {
     if (!kv)
         return;
+    for (int32_t p = 1; p < kv->n_passes; p++)
+        fitm_kv_destroy(kv->pass[p]);
     kv->b->ops->free(kv->b, kv->mem);
     free(kv);
 }
@@ -59,8 +64,11 @@ fitm_status fitm_kv_rebase(fitm_kv *kv, int64_t pos_base, fitm_err *err)
     if (pos_base < 0)
         return fitm_err_set(err, FITM_ERR_INVALID, "KV cache base position %lld is negative",
                             (long long)pos_base);
-    kv->pos_base = pos_base;
-    kv->pos_end = pos_base;
+    for (int32_t p = 0; p < kv->n_passes; p++) {
+        fitm_kv *x = fitm_kv_pass(kv, p);
+        x->pos_base = pos_base;
+        x->pos_end = pos_base;
+    }
     return FITM_OK;
 }
 
@@ -68,8 +76,9 @@ void fitm_kv_truncate(fitm_kv *kv, int64_t pos_end)
 {
     if (pos_end < kv->pos_base)
         pos_end = kv->pos_base;
-    if (pos_end < kv->pos_end)
-        kv->pos_end = pos_end;
+    for (int32_t p = 0; p < kv->n_passes; p++)
+        if (pos_end < fitm_kv_pass(kv, p)->pos_end)
+            fitm_kv_pass(kv, p)->pos_end = pos_end;
 }
 
 int64_t fitm_kv_n_rows(const fitm_kv *kv)
@@ -89,7 +98,10 @@ int64_t fitm_kv_pos_end(const fitm_kv *kv)
 
 size_t fitm_kv_bytes(const fitm_kv *kv)
 {
-    return kv->n_bytes;
+    size_t n = kv->n_bytes;
+    for (int32_t p = 1; p < kv->n_passes; p++)
+        n += kv->pass[p]->n_bytes;
+    return n;
 }
 
 float *fitm_kv_k(const fitm_kv *kv, int32_t l)
@@ -111,4 +123,81 @@ int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c)
 void fitm_kv_set_end(fitm_kv *kv, int64_t pos_end)
 {
     kv->pos_end = pos_end;
+}
+
+int32_t fitm_kv_n_passes(const fitm_kv *kv)
+{
+    return kv->n_passes;
+}
+
+fitm_kv *fitm_kv_pass(const fitm_kv *kv, int32_t p)
+{
+    return p == 0 ? (fitm_kv *)kv : kv->pass[p];
+}
+
+/* Copies positions [0, n) of one pass's rows from src to dst (base 0 both). */
+static void copy_rows(fitm_kv *dst, const fitm_kv *src, int64_t n)
+{
+    const size_t bytes = (size_t)n * src->row_floats * sizeof(float);
+    for (int32_t l = 0; l < src->n_layer; l++) {
+        src->b->ops->copy(src->b, fitm_kv_k(dst, l), fitm_kv_k(src, l), bytes);
+        src->b->ops->copy(src->b, fitm_kv_v(dst, l), fitm_kv_v(src, l), bytes);
+    }
+}
+
+fitm_status fitm_kv_passes(fitm_kv *kv, int32_t n_passes, int64_t n_rows, fitm_err *err)
+{
+    if (n_passes < 1 || n_passes > FITM_KV_MAX_PASSES)
+        return fitm_err_set(err, FITM_ERR_INVALID, "%d KV cache passes, limit %d",
+                            (int)n_passes, FITM_KV_MAX_PASSES);
+    n_rows = n_rows < 1 || n_rows > kv->n_rows ? kv->n_rows : n_rows;
+    for (int32_t p = 1; p < n_passes; p++) {
+        fitm_kv *old = p < kv->n_passes ? kv->pass[p] : NULL;
+        if (old && old->n_rows >= n_rows)
+            continue;
+        const fitm_model_config c = {.n_layer = kv->n_layer, .n_head_kv = kv->n_head_kv,
+                                     .head_dim = kv->head_dim};
+        fitm_kv *x = NULL;
+        fitm_status s = fitm_kv_create(&x, kv->b, &c, n_rows, err);
+        if (s != FITM_OK)
+            return s;
+        x->pos_base = kv->pos_base;
+        x->pos_end = kv->pos_base;
+        if (old) {
+            /* the rows it held (a branch's rows start at its base: row r is pos_base + r) */
+            copy_rows(x, old, old->pos_end - old->pos_base);
+            x->pos_end = old->pos_end;
+            fitm_kv_destroy(old);
+        }
+        kv->pass[p] = x;
+        if (p >= kv->n_passes)
+            kv->n_passes = p + 1;
+    }
+    for (int32_t p = n_passes; p < kv->n_passes; p++) {
+        fitm_kv_destroy(kv->pass[p]);
+        kv->pass[p] = NULL;
+    }
+    kv->n_passes = n_passes;
+    return FITM_OK;
+}
+
+fitm_status fitm_kv_copy(fitm_kv *dst, const fitm_kv *src, int64_t n, fitm_err *err)
+{
+    if (n < 0 || dst->pos_base != 0 || src->pos_base != 0 || dst->n_passes < src->n_passes ||
+        dst->n_layer != src->n_layer || dst->row_floats != src->row_floats)
+        return fitm_err_set(err, FITM_ERR_INVALID, "KV copy of %lld rows between unlike caches",
+                            (long long)n);
+    for (int32_t p = 0; p < src->n_passes; p++) {
+        fitm_kv *d = fitm_kv_pass(dst, p), *s = fitm_kv_pass(src, p);
+        if (n > s->pos_end || n > d->n_rows)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "KV copy of %lld rows: pass %d holds %lld, the target %lld",
+                                (long long)n, (int)p, (long long)s->pos_end,
+                                (long long)d->n_rows);
+    }
+    for (int32_t p = 0; p < src->n_passes; p++) {
+        copy_rows(fitm_kv_pass(dst, p), fitm_kv_pass(src, p), n);
+        fitm_kv_pass(dst, p)->pos_end = n;
+    }
+    return FITM_OK;
 }

@@ -48,7 +48,28 @@ float *fitm_kv_v(const fitm_kv *kv, int32_t l);
 /* Whether the cache was made for c's shape (layers, KV heads, head size). */
 int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c);
 
-/* Marks positions [pos_base, pos_end) as held; for the forward pass, which has written them. */
+/* Marks positions [pos_base, pos_end) as held; for the forward pass, which has written them.
+ * This pass only (the forward pass sets each pass it writes). */
 void fitm_kv_set_end(fitm_kv *kv, int64_t pos_end);
+
+/* Passes (Attention Buckets, docs/position-methods.md): each pass rotates with bases of its
+ * own, so its rows differ and it needs a cache of its own. Pass 0 is kv itself; passes 1..
+ * are caches that follow kv's positions (rebase and truncate apply to every pass).
+ * fitm_kv_bytes counts them all. */
+#define FITM_KV_MAX_PASSES 8
+
+/* Makes kv hold n_passes passes in [1, FITM_KV_MAX_PASSES] (passes beyond are freed), each
+ * with at least min(n_rows, kv's rows) rows (n_rows < 1: kv's rows). A pass with fewer rows
+ * is replaced by a larger one holding the same rows. On failure kv keeps the passes it had. */
+fitm_status fitm_kv_passes(fitm_kv *kv, int32_t n_passes, int64_t n_rows, fitm_err *err);
+
+int32_t fitm_kv_n_passes(const fitm_kv *kv);
+
+/* Pass p (0: kv itself), p < fitm_kv_n_passes(kv). */
+fitm_kv *fitm_kv_pass(const fitm_kv *kv, int32_t p);
+
+/* Copies positions [0, n) of every pass of src into dst's passes (dst: base 0, at least as
+ * many passes, each with room for n rows) and marks dst holding [0, n). */
+fitm_status fitm_kv_copy(fitm_kv *dst, const fitm_kv *src, int64_t n, fitm_err *err);
 
 #endif

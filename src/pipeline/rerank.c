@@ -446,6 +446,10 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, err);
     if (kv == r->kv && r->kv_n > pos0)
         r->kv_n = pos0; /* rows from pos0 on are about to change */
+    fitm_status pst;
+    if (r->position == FITM_POSITION_BUCKETS &&
+        (pst = fitm_kv_passes(kv, FITM_BUCKETS, pos0 + n - fitm_kv_pos_base(kv), err)) != FITM_OK)
+        return pst;
     for (int64_t off = 0; off < n; off += r->chunk) {
         if (stop && stop(stop_arg))
             return fitm_err_set(err, FITM_ERR_TIMEOUT,
@@ -613,8 +617,12 @@ fitm_status fitm_rerank_begin(fitm_reranker *r, const fitm_rerank_request *req,
         free(q);
         return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create a condition");
     }
-    if ((st = fitm_reranker_kv_create(r, rows > 0 ? rows : 1, &q->view.kv, err)) != FITM_OK ||
-        (st = fitm_reranker_kv_create(r, rows > 0 ? rows : 1, &q->view.branch, err)) !=
+    /* the caches hold a pass per bucket when the request runs attention_buckets */
+    q->view.position = req->position < 0 ? r->position_default
+                                          : (fitm_position_method)req->position;
+    if ((st = fitm_reranker_kv_create(&q->view, rows > 0 ? rows : 1, &q->view.kv, err)) !=
+            FITM_OK ||
+        (st = fitm_reranker_kv_create(&q->view, rows > 0 ? rows : 1, &q->view.branch, err)) !=
             FITM_OK) {
         seq_free(q);
         return st;
@@ -1133,14 +1141,21 @@ fitm_status fitm_reranker_use_position(fitm_reranker *r, int32_t position, fitm_
         return fitm_err_set(err, FITM_ERR_INVALID,
                             "'position_method' = 'moice' needs a MoICE router sidecar: this "
                             "server runs without one (start fitmd with --moice FILE)");
-    if (m == FITM_POSITION_BUCKETS)
+    if (m == FITM_POSITION_BUCKETS && !r->b->ops->capture_add)
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
-                            "'position_method' = 'attention_buckets' is not run by fitmd: it "
-                            "needs one KV cache per bucket (docs/position-methods.md)");
+                            "'position_method' = 'attention_buckets' does not run on the %s "
+                            "backend: it cannot sum the passes' captures "
+                            "(docs/position-methods.md)", r->b->ops->name);
     if (m != r->position)
         r->kv_n = 0; /* rows computed under another method are not this one's */
     r->position = m;
-    return FITM_OK;
+    /* The reranker's own caches hold the bucket passes only while buckets run (rr_passes
+     * grows them to what a run needs). */
+    fitm_status st = FITM_OK;
+    if (m != FITM_POSITION_BUCKETS && r->kv && fitm_kv_n_passes(r->kv) > 1 &&
+        (st = fitm_kv_passes(r->kv, 1, 0, err)) == FITM_OK)
+        st = fitm_kv_passes(r->branch, 1, 0, err);
+    return st;
 }
 
 fitm_position_method fitm_reranker_position(const fitm_reranker *r)
@@ -1366,7 +1381,13 @@ fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank
 fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **out,
                                     fitm_err *err)
 {
-    return fitm_kv_create(out, r->b, fitm_model_config_of(r->m), n_rows, err);
+    fitm_status st = fitm_kv_create(out, r->b, fitm_model_config_of(r->m), n_rows, err);
+    if (st == FITM_OK && r->position == FITM_POSITION_BUCKETS &&
+        (st = fitm_kv_passes(*out, FITM_BUCKETS, 0, err)) != FITM_OK) {
+        fitm_kv_destroy(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, fitm_err *err)
@@ -1375,13 +1396,11 @@ fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, f
         return fitm_err_set(err, FITM_ERR_INTERNAL,
                             "copying %lld prompt rows: the cache holds %lld, the target %lld",
                             (long long)n, (long long)r->kv_n, (long long)fitm_kv_n_rows(dst));
-    const fitm_model_config *c = fitm_model_config_of(r->m);
-    const size_t bytes = (size_t)n * (size_t)c->n_head_kv * (size_t)c->head_dim * sizeof(float);
-    for (int32_t l = 0; l < c->n_layer; l++) {
-        r->b->ops->copy(r->b, fitm_kv_k(dst, l), fitm_kv_k(r->kv, l), bytes);
-        r->b->ops->copy(r->b, fitm_kv_v(dst, l), fitm_kv_v(r->kv, l), bytes);
+    fitm_status st = fitm_kv_copy(dst, r->kv, n, err); /* every pass (attention_buckets) */
+    if (st != FITM_OK) {
+        fitm_err_prefix(err, "copying prompt rows");
+        return FITM_ERR_INTERNAL;
     }
-    fitm_kv_set_end(dst, n);
     if (r->b->ops->status)
         return r->b->ops->status(r->b, err);
     return FITM_OK;

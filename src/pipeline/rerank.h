@@ -177,8 +177,11 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
 
 /* The position method request req asks for (its own, else the server's default) after the
  * checks: FITM_ERR_INVALID naming 'position_method' when it is moice and the server has no
- * sidecar. Makes it the method of the reranker's next passes; cached prompt rows computed
- * under another method stop being reusable. */
+ * sidecar, FITM_ERR_UNSUPPORTED when it is attention_buckets on a backend without
+ * ops->capture_add. Makes it the method of the reranker's next passes; cached prompt rows
+ * computed under another method stop being reusable. Under attention_buckets the caches hold
+ * a pass per bucket (fitm_reranker_kv_create, and the reranker's own caches as runs need);
+ * under another method the reranker's own caches drop their extra passes. */
 fitm_status fitm_reranker_use_position(fitm_reranker *r, int32_t position, fitm_err *err);
 
 /* The method fitm_reranker_use_position chose last. */
@@ -310,8 +313,9 @@ fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t 
 
 /* ---- sequences of their own (batched generation, answer.c) ------------------------------ */
 
-/* A KV cache of n_rows rows for the reranker's model on its backend (the caller destroys it
- * with fitm_kv_destroy before the reranker). */
+/* A KV cache of n_rows rows for the reranker's model on its backend, with FITM_BUCKETS passes
+ * of n_rows rows each when the reranker's method is attention_buckets (the caller destroys
+ * it with fitm_kv_destroy before the reranker). */
 fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **out,
                                     fitm_err *err);
 

@@ -47,9 +47,11 @@ static const opt opts[] = {
      "MoICE router sidecar (GGUF, docs/moice.md) for position_method moice; checked against the "
      "model at start (architecture, shapes, SHA-256 of the whole model file) and refused when "
      "it was made for another; empty = none (requests for moice get 400)"},
-    {"position_method", ENUM(position_method), "none", 0, 0, "none|moice|ms_poe",
+    {"position_method", ENUM(position_method), "none", 0, 0,
+     "none|moice|ms_poe|attention_buckets",
      "position method of /rerank and /answer requests that name none (docs/"
-     "position-methods.md); moice needs the moice sidecar"},
+     "position-methods.md); moice needs the moice sidecar; attention_buckets holds 7 KV "
+     "caches per sequence"},
     {"host", STR(host), "127.0.0.1", 0, 0, NULL, "address to listen on (0.0.0.0 in containers)"},
     {"port", INT(port), "8080", 1, 65535, NULL, "TCP port"},
     {"probe_port", INT(probe_port), "0", 0, 65535, NULL,

@@ -50,7 +50,7 @@ typedef struct {
     int64_t max_answer_tokens;
     char chat_template[32];                /* auto | raw | chatml | gemma | llama2 | llama3 */
     char moice[FITM_CONFIG_STR_BYTES];     /* MoICE sidecar path; "" = none              */
-    char position_method[16];              /* none | moice | ms_poe                     */
+    char position_method[24];              /* none | moice | ms_poe | attention_buckets */
     char dummy_text[FITM_CONFIG_STR_BYTES];
     double calib_temperature;              /* method paper's t                          */
     char profile[FITM_CONFIG_STR_BYTES];   /* scoring profile; "" = <model>.profile if any */
