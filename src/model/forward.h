@@ -151,8 +151,9 @@ typedef struct {
 
 /* Runs several sequences in one call: the weight products run once over the rows of all of
  * them (a BUCKETS sequence counts one sequence per pass: when the passes do not fit the
- * limits below, the call runs them in several groups, in order), attention, captures and the intervention run per sequence (each against its own
- * cache, or its branch over opts->prefix).
+ * limits below, the call runs them in several groups, in order), attention, captures and the
+ * intervention run per sequence (each against its own cache, or its branch over
+ * opts->prefix).
  *
  * Batching rule (numerics): each sequence's path is resolved from its own opts->path and its
  * own T exactly as fitm_forward_run would resolve it (AUTO: STEP for one token, BATCH for
