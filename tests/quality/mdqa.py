@@ -195,7 +195,7 @@ def plot(path: str, res: dict, variants: list, ks: list) -> None:
         ax.set_ylabel("answer accuracy")
         ax.set_ylim(0, 1)
         ax.set_xticks(pos)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, handlelength=4)  # long enough to show the dashes
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
