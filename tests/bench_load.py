@@ -93,34 +93,39 @@ def rss_mib(pid):
 
 # ---- one streamed generation per server kind -------------------------------------------------
 
-def stream_fitmd(url, headers, docs, gen_tokens):
-    """(ttft s, [gap s], latency s, completion tokens, prompt tokens) of one streamed /answer."""
-    body = {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens, "calibrate": False,
-            "stream": True, "ignore_eos": True}
+def read_stream(url, path, body, headers, is_text, is_final):
+    """One streamed generation: (ttft s, [gap s], latency s, times of its text events, the
+    final event) -- the event is_final accepts, after which the stream is not read further."""
     t0 = time.perf_counter()
     times, final = [], None
-    with requests.post(url + "/answer", json=body, headers=headers, stream=True,
-                       timeout=3600) as r:
+    with requests.post(url + path, json=body, headers=headers, stream=True, timeout=3600) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"/answer -> {r.status_code}: {r.text[:300]}")
+            raise RuntimeError(f"{path} -> {r.status_code}: {r.text[:300]}")
         for line in r.iter_lines():
-            if not line.startswith(b"data: "):
+            if not line.startswith(b"data: ") or line[6:] == b"[DONE]":
                 continue
-            data = line[6:]
-            if data == b"[DONE]":
-                break
-            ev = json.loads(data)
-            if "delta" in ev:
+            ev = json.loads(line[6:])
+            if is_text(ev):
                 times.append(time.perf_counter())
-            else:
+            if is_final(ev):
                 final = ev
+                break
     t1 = time.perf_counter()
-    if not final or "usage" not in final:
-        raise RuntimeError(f"/answer stream ended without its final object: {final}")
+    if not final:
+        raise RuntimeError(f"{path}: the stream ended without its final event")
     gaps = [b - a for a, b in zip(times, times[1:])]
-    ttft = (times[0] if times else t1) - t0
-    return (ttft, gaps, t1 - t0, final["usage"]["completion_tokens"],
-            final["usage"]["prompt_tokens"], times)
+    return (times[0] if times else t1) - t0, gaps, t1 - t0, times, final
+
+
+def stream_fitmd(url, headers, docs, gen_tokens):
+    """(ttft s, [gap s], latency s, completion tokens, prompt tokens, event times) of one
+    streamed /answer."""
+    body = {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens, "calibrate": False,
+            "stream": True, "ignore_eos": True}
+    ttft, gaps, lat, times, final = read_stream(url, "/answer", body, headers,
+                                                lambda ev: "delta" in ev, lambda ev: "usage" in ev)
+    u = final["usage"]
+    return ttft, gaps, lat, u["completion_tokens"], u["prompt_tokens"], times
 
 
 def stream_fitmd_completion(url, headers, docs, gen_tokens):
@@ -128,55 +133,21 @@ def stream_fitmd_completion(url, headers, docs, gen_tokens):
     prompt as it is: no answer template, so both servers prefill the same tokens)."""
     body = {"prompt": prompt_text(QUESTION, docs), "max_tokens": gen_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times, usage = [], None
-    with requests.post(url + "/v1/completions", json=body, headers=headers, stream=True,
-                       timeout=3600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/v1/completions -> {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: "):
-                continue
-            if line[6:] == b"[DONE]":
-                break
-            ev = json.loads(line[6:])
-            if any(c.get("text") for c in ev.get("choices", [])):
-                times.append(time.perf_counter())
-            if ev.get("usage"):
-                usage = ev["usage"]
-    t1 = time.perf_counter()
-    if not usage:
-        raise RuntimeError("/v1/completions stream ended without its usage chunk")
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    ttft = (times[0] if times else t1) - t0
-    return (ttft, gaps, t1 - t0, usage["completion_tokens"], usage["prompt_tokens"], times)
+    ttft, gaps, lat, times, final = read_stream(
+        url, "/v1/completions", body, headers,
+        lambda ev: any(c.get("text") for c in ev.get("choices", [])), lambda ev: ev.get("usage"))
+    u = final["usage"]
+    return ttft, gaps, lat, u["completion_tokens"], u["prompt_tokens"], times
 
 
 def stream_llama(url, headers, docs, gen_tokens):
     body = {"prompt": prompt_text(QUESTION, docs), "n_predict": gen_tokens, "stream": True,
             "temperature": 0, "cache_prompt": False, "ignore_eos": True}
-    t0 = time.perf_counter()
-    times, final = [], None
-    with requests.post(url + "/completion", json=body, headers=headers, stream=True,
-                       timeout=3600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/completion -> {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data: "):
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("content"):
-                times.append(time.perf_counter())
-            if ev.get("stop"):
-                final = ev
-                break
-    t1 = time.perf_counter()
-    if not final:
-        raise RuntimeError("/completion stream ended without its final event")
+    ttft, gaps, lat, times, final = read_stream(url, "/completion", body, headers,
+                                                lambda ev: ev.get("content"),
+                                                lambda ev: ev.get("stop"))
     tm = final.get("timings", {})
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    ttft = (times[0] if times else t1) - t0
-    return (ttft, gaps, t1 - t0, tm.get("predicted_n", len(times)),
+    return (ttft, gaps, lat, tm.get("predicted_n", len(times)),
             tm.get("prompt_n", final.get("tokens_evaluated", 0)), times)
 
 
