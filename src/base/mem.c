@@ -57,7 +57,7 @@ void fitm_mem_free(void *p)
     } else if (h.magic == MAGIC_HEAP) {
         header_of(p)->magic = 0; /* a second free aborts below instead of corrupting the heap */
         free(h.base);
-    }
-    else
+    } else {
         abort(); /* not a fitm_mem buffer, or one freed twice: memory is corrupt */
+    }
 }
