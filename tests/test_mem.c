@@ -1,31 +1,35 @@
 /* Unit test for base/mem.c: buffers on both sides of FITM_MEM_MAP_MIN are aligned, zero and
- * writable end to end; a mapped buffer costs resident memory only for the pages written, and
- * freeing it returns them (the reason the module exists: a KV cache sized for the whole
+ * writable end to end; a mapped buffer is resident only in the pages written (mincore), and
+ * freeing it unmaps them (the reason the module exists: a KV cache sized for the whole
  * context used to be resident in full from its creation); bad alignments are refused. */
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "base/mem.h"
 #include "base/rng.h"
 #include "check.h"
 
-/* The process's resident anonymous memory in KiB (Linux), -1 when unknown. */
-static long rss_anon_kib(void)
+/* Resident pages of [p, p + n) (mincore on the pages the range touches); -1 when a page of
+ * it is not mapped. */
+static long resident_pages(const void *p, size_t n)
 {
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f)
-        return -1;
-    char line[256];
-    long v = -1;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "RssAnon: %ld", &v) == 1)
-            break;
-    fclose(f);
-    return v;
+    const uintptr_t lo = (uintptr_t)p & ~(uintptr_t)4095;
+    const uintptr_t hi = ((uintptr_t)p + n + 4095) & ~(uintptr_t)4095;
+    const size_t pages = (hi - lo) / 4096;
+    unsigned char *vec = malloc(pages);
+    long r = -1;
+    if (vec && mincore((void *)lo, hi - lo, vec) == 0) {
+        r = 0;
+        for (size_t i = 0; i < pages; i++)
+            r += vec[i] & 1;
+    }
+    free(vec);
+    return r;
 }
 
 static void one(size_t n, size_t align, uint64_t *rng)
@@ -65,24 +69,22 @@ int main(void)
     CHECK(fitm_mem_alloc_zeroed(SIZE_MAX - 10, 64) == NULL, "a size that cannot exist");
     fitm_mem_free(NULL);
 
-    /* 256 MiB that are not written cost no resident memory; writing 16 MiB of them costs
-     * about that; freeing gives it back. */
+    /* 256 MiB that are not written are not resident; writing 16 MiB of them makes exactly
+     * those pages resident; freeing unmaps them. */
     const size_t big = (size_t)256 << 20, used = (size_t)16 << 20;
-    const long r0 = rss_anon_kib();
     unsigned char *p = fitm_mem_alloc_zeroed(big, 64);
     CHECK(p != NULL);
-    if (p && r0 >= 0) {
-        const long r1 = rss_anon_kib();
-        CHECK(r1 - r0 < 4096, "untouched 256 MiB raised RssAnon by %ld KiB", r1 - r0);
+    if (p) {
+        const long r1 = resident_pages(p, big);
+        CHECK(r1 >= 0 && r1 <= 1, "untouched 256 MiB: %ld pages resident", r1);
         memset(p + big / 2, 7, used);
-        const long r2 = rss_anon_kib();
-        CHECK(r2 - r1 >= 15 * 1024 && r2 - r1 < 20 * 1024, "16 MiB written: +%ld KiB", r2 - r1);
+        const long r2 = resident_pages(p, big);
+        const uintptr_t w0 = (uintptr_t)(p + big / 2), w1 = w0 + used;
+        const long spanned = (long)((w1 + 4095) / 4096 - w0 / 4096);
+        CHECK(r2 - r1 == spanned, "16 MiB written over %ld pages: %ld more resident", spanned,
+              r2 - r1);
         fitm_mem_free(p);
-        const long r3 = rss_anon_kib();
-        CHECK(r2 - r3 >= 15 * 1024, "freeing returned %ld KiB", r2 - r3);
-    } else if (p) {
-        fitm_mem_free(p);
-        printf("test_mem: no /proc/self/status; resident-size checks skipped\n");
+        CHECK(resident_pages(p, big) == -1, "the freed buffer is still mapped");
     }
     printf("test_mem: %s (%d checks)\n", failures ? "FAILED" : "ok", n_checks);
     return failures ? 1 : 0;
