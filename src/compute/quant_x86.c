@@ -678,8 +678,11 @@ KERNEL void dot_block32_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, 
     DEF_ROWS(rows_##tag##_2, T, 2)                                                                 \
     DEF_ROWS(rows_##tag##_3, T, 3)                                                                 \
     DEF_ROWS(rows_##tag##_4, T, 4)
+/* (FITM_DOT512 builds have their own one-row Q8_0 and Q5_0 dots: those types keep them) */
+#if !FITM_DOT512
 DEF_ROWS_TYPE(FITM_DTYPE_Q8_0, q8_0)
 DEF_ROWS_TYPE(FITM_DTYPE_Q5_0, q5_0)
+#endif
 DEF_ROWS_TYPE(FITM_DTYPE_Q4_0, q4_0)
 
 typedef void (*rows_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const float *, float *,
@@ -693,15 +696,12 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
 {
     /* The types whose one-row dot is dot_block32 in this build (FITM_DOT512 has its own
      * Q8_0 and Q5_0 kernels: those rows keep the one-row dot, weight row by weight row). */
-    static const rows_fn q8_0[4] = {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4};
-    static const rows_fn q5_0[4] = {rows_q5_0_1, rows_q5_0_2, rows_q5_0_3, rows_q5_0_4};
     static const rows_fn q4_0[4] = {rows_q4_0_1, rows_q4_0_2, rows_q4_0_3, rows_q4_0_4};
     const rows_fn *fn = t == FITM_DTYPE_Q4_0 ? q4_0 : NULL;
 #if !FITM_DOT512
+    static const rows_fn q8_0[4] = {rows_q8_0_1, rows_q8_0_2, rows_q8_0_3, rows_q8_0_4};
+    static const rows_fn q5_0[4] = {rows_q5_0_1, rows_q5_0_2, rows_q5_0_3, rows_q5_0_4};
     fn = t == FITM_DTYPE_Q8_0 ? q8_0 : t == FITM_DTYPE_Q5_0 ? q5_0 : fn;
-#else
-    (void)q8_0;
-    (void)q5_0;
 #endif
     const int64_t nb = K / FITM_QK;
     if (M < 2 || (fn && M * nb > ROWS_XS_MAX)) {
