@@ -62,6 +62,7 @@ struct fitm_forward {
     double *bk_acc;        /* (max_logits, V) sum_b a_b p_b, or log p_0 with one pass      */
     double *bk_sum;        /* (max_logits) sum_b a_b                                       */
     float *bk_row;         /* (V) one pass's logits row, host                              */
+    double *bk_exp;        /* (V) exp(x - max x) of that row                               */
 };
 
 static const char *const position_names[FITM_POSITION_COUNT] = {"none", "moice", "ms_poe",
@@ -124,6 +125,7 @@ static void free_scratch(fitm_forward *f)
     free(f->bk_acc);
     free(f->bk_sum);
     free(f->bk_row);
+    free(f->bk_exp);
 }
 
 
@@ -781,11 +783,11 @@ static void bucket_add(const pass *p, const seq_part *q)
         f->b->ops->download(f->b, f->bk_row, f->logits + (q->lrow0 + i) * V,
                             (size_t)V * sizeof(float));
         const float *x = f->bk_row;
-        double mx = -INFINITY, z = 0.0;
+        double *e = f->bk_exp, mx = -INFINITY, z = 0.0;
         for (int64_t v = 0; v < V; v++)
             mx = x[v] > mx ? x[v] : mx;
         for (int64_t v = 0; v < V; v++)
-            z += exp((double)x[v] - mx);
+            z += e[v] = exp((double)x[v] - mx);
         double *acc = f->bk_acc + (q->role.acc0 + i) * V;
         if (q->role.n_pass == 1) {
             const double lz = mx + log(z);
@@ -797,11 +799,11 @@ static void bucket_add(const pass *p, const seq_part *q)
         if (q->role.pass == 0) {
             f->bk_sum[q->role.acc0 + i] = a;
             for (int64_t v = 0; v < V; v++)
-                acc[v] = az * exp((double)x[v] - mx);
+                acc[v] = az * e[v];
         } else {
             f->bk_sum[q->role.acc0 + i] += a;
             for (int64_t v = 0; v < V; v++)
-                acc[v] += az * exp((double)x[v] - mx);
+                acc[v] += az * e[v];
         }
     }
 }
@@ -1054,7 +1056,8 @@ fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *mo, fitm_e
         f->bk_acc = calloc((size_t)(rows * V), sizeof *f->bk_acc);
         f->bk_sum = calloc((size_t)rows, sizeof *f->bk_sum);
         f->bk_row = malloc((size_t)V * sizeof *f->bk_row);
-        if (!f->bk_acc || !f->bk_sum || !f->bk_row)
+        f->bk_exp = malloc((size_t)V * sizeof *f->bk_exp);
+        if (!f->bk_acc || !f->bk_sum || !f->bk_row || !f->bk_exp)
             return fitm_err_set(err, FITM_ERR_NOMEM,
                                 "cannot allocate the Attention Buckets output scratch");
     }

@@ -131,7 +131,8 @@ const fitm_forward_params *fitm_forward_params_of(const fitm_forward *f);
  * so prefix reuse and branches work as for plain calls. On a backend without
  * ops->attention_mix it reserves nothing (calls with a method fail FITM_ERR_UNSUPPORTED).
  * On a backend with ops->capture_add it also reserves the buckets' output scratch: a host
- * row of V floats and (max_logits, V) doubles (touched only as far as rows are used). */
+ * row of V floats, one of V doubles and (max_logits, V) doubles (touched only as far as rows
+ * are used). */
 fitm_status fitm_forward_positions(fitm_forward *f, const fitm_moice *moice, fitm_err *err);
 
 /* Ms-PoE's head ranks (L, H), 0 = most position-aware; NULL before fitm_forward_positions. */
