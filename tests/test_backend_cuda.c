@@ -1,7 +1,8 @@
 /* test_backend_cuda: the whole CUDA backend against the CPU backend on generated models
  * (llama, qwen2, gemma3 x the nine weight types), through the one forward driver: logits,
- * captured span masses and the logits of intervened passes, plain and with Ms-PoE (an
- * attention mixture: the position methods' path); and on the CUDA backend alone,
+ * captured span masses and the logits of intervened passes, plain, with Ms-PoE (an
+ * attention mixture: the position methods' path) and with Attention Buckets (passes whose
+ * captures are summed: ops->capture_add); and on the CUDA backend alone,
  * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count)
  * bit-identical to a full pass, and STEP-class steps (the warp-per-output kernel) within the
  * logit tolerance of it.
@@ -251,6 +252,46 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
      * pass, so only gemma3's six layers show the mixture) */
     CHECK(L <= FITM_MS_POE_FIRST_LAYER || ms_change > 1e-3, "%s: Ms-PoE changed nothing (%.3g)",
           what, ms_change);
+    /* Attention Buckets: FITM_BUCKETS passes, each with a cache of its own, their captures
+     * summed in the caller's arrays (ops->capture_add: on CUDA the device rows are added on the
+     * host) and divided by the passes; the output log p^ of the passes' weighted mixture.
+     * Masses and full probability rows within the tolerances of one pass; different from the
+     * plain pass */
+    double e_bk = INFINITY, e_bk_mass = INFINITY, e_bk_probs = INFINITY, bk_change = 0;
+    const int64_t np = 2 * L * H * T;
+    float *pc = calloc((size_t)np, sizeof(float)), *pg = calloc((size_t)np, sizeof(float));
+    fitm_capture bc = cc, bg = cg;
+    bc.probs = pc, bc.probs_stride = T;
+    bg.probs = pg, bg.probs_stride = T;
+    bool passes = fitm_kv_passes(rc.kv, FITM_BUCKETS, 0, &err) == FITM_OK &&
+                  fitm_kv_passes(rg.kv, FITM_BUCKETS, 0, &err) == FITM_OK;
+    CHECK(passes, "bucket caches: %s", err.msg);
+    if (passes && run_pos(&rc, ids, lc_ms, &bc, &iv, FITM_POSITION_BUCKETS) &&
+        run_pos(&rg, ids, lg_ms, &bg, &iv, FITM_POSITION_BUCKETS)) {
+        e_bk = logit_err(lg_ms, lc_ms, NL, V);
+        e_bk_mass = abs_err(mg, mc, nm);
+        e_bk_probs = abs_err(pg, pc, np);
+        /* buckets give log p^: set against the plain pass's log-softmax (lc becomes it) */
+        for (int64_t r = 0; r < NL; r++) {
+            float *x = lc + r * V;
+            double mx = -INFINITY, z = 0;
+            for (int64_t v = 0; v < V; v++)
+                mx = fmax(mx, x[v]);
+            for (int64_t v = 0; v < V; v++)
+                z += exp(x[v] - mx);
+            for (int64_t v = 0; v < V; v++)
+                x[v] = (float)(x[v] - mx - log(z));
+        }
+        bk_change = logit_err(lc_ms, lc, NL, V);
+    }
+    printf("%-16s buckets logits %.2e  span mass %.2e  probs %.2e  (change from plain %.2e)\n",
+           what, e_bk, e_bk_mass, e_bk_probs, bk_change);
+    CHECK(e_bk <= rtol, "%s: Attention Buckets logits off by %.3g", what, e_bk);
+    CHECK(e_bk_mass <= MASS_ATOL, "%s: Attention Buckets span mass off by %.3g", what, e_bk_mass);
+    CHECK(e_bk_probs <= MASS_ATOL, "%s: Attention Buckets probabilities off by %.3g", what,
+          e_bk_probs);
+    CHECK(bk_change > 1e-3, "%s: Attention Buckets changed nothing (%.3g)", what, bk_change);
+    free(pc), free(pg);
     free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg), free(lg_ms), free(lc_ms);
     runner_close(&rc);
     runner_close(&rg);

@@ -180,9 +180,10 @@ def test_mismatched_sidecar_stops_fitmd(fitmd_bin, model4, tmp_path):  # noqa: F
 
 
 def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noqa: F811
-    """The CUDA backend's attention takes the mixture too (build/tests/fitmd_cuda_emu, the
-    emulated device): /rerank with moice and ms_poe gives the CPU daemon's scores within float
-    rounding, and scores that differ from none's."""
+    """The CUDA backend runs every position method (build/tests/fitmd_cuda_emu, the emulated
+    device): its attention takes the mixture (moice, ms_poe) and sums the passes' captures
+    (attention_buckets); /rerank gives the CPU daemon's scores within float rounding, and
+    scores that differ from none's."""
     from test_http_cuda_emu import OPTS, start
     emu = build_dir() / "tests" / "fitmd_cuda_emu"
     if not emu.exists():
@@ -192,7 +193,7 @@ def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noq
     c = Daemon(fitmd_bin, p, tmp_path, api_keys="test-key-1", moice=sc)
     try:
         got = {}
-        for m in ("none", "moice", "ms_poe"):
+        for m in ("none", "moice", "ms_poe", "attention_buckets"):
             per = []
             for d in (c, g):
                 r = post(d, rerank_body(position_method=m))
@@ -205,9 +206,7 @@ def test_cuda_backend_runs_position_methods(fitmd_bin, model4, tmp_path):  # noq
             got[m] = sc_g
         assert max(abs(a - b) for a, b in zip(got["ms_poe"], got["none"])) > 1e-3
         assert max(abs(a - b) for a, b in zip(got["moice"], got["none"])) > 1e-3
-        # Attention Buckets needs capture_add, which the CUDA backend does not have
-        r = post(g, rerank_body(position_method="attention_buckets"))
-        assert_error(r, 422, mentions="position_method")
+        assert max(abs(a - b) for a, b in zip(got["attention_buckets"], got["none"])) > 1e-3
     finally:
         assert g.terminate() == 0, g.log_text()
         assert c.terminate() == 0, c.log_text()

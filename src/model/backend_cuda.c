@@ -49,8 +49,9 @@ typedef struct {
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
         cap_probs, top, top_scratch;
-    void *top_host; /* the top entries' values then indices, unpacked into the caller's array */
-    size_t top_host_cap;
+    void *host;     /* host scratch: the top entries' values then indices, unpacked into the
+                       caller's array; capture rows added into the caller's (capture->add) */
+    size_t host_cap;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -260,7 +261,7 @@ static void cuda_destroy(fitm_backend *b)
     cuda_backend *c = cu(b);
     release_weights(c);
     free(c->w);
-    free(c->top_host);
+    free(c->host);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
                         &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch};
@@ -461,6 +462,19 @@ static void cuda_softcap(fitm_backend *b, float *x, int64_t n, float cap)
         ok(c, fitm_cuda_softcap(x, n, cap, c->stream), "softcap");
 }
 
+/* Makes the host scratch at least bytes long. */
+static bool grow_host(cuda_backend *c, size_t bytes, const char *what)
+{
+    if (c->host_cap >= bytes)
+        return true;
+    void *h = realloc(c->host, bytes);
+    if (!h)
+        return ok(c, (int)cudaErrorMemoryAllocation, what);
+    c->host = h;
+    c->host_cap = bytes;
+    return true;
+}
+
 /* The selection on the device and one copy of rows * k (value, index) pairs: 512 bytes per
  * row for the sampler's 64 candidates, where the whole row is 1 MiB for Gemma 3. */
 static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
@@ -471,22 +485,15 @@ static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, 
     if (c->rc || rows == 0 || !grow(c, &c->top, bytes) ||
         !grow(c, &c->top_scratch, fitm_cuda_topk_scratch(rows, n, k) + 1))
         return;
-    if (c->top_host_cap < bytes) {
-        void *h = realloc(c->top_host, bytes);
-        if (!h) {
-            ok(c, (int)cudaErrorMemoryAllocation, "host buffer for the top logits");
-            return;
-        }
-        c->top_host = h;
-        c->top_host_cap = bytes;
-    }
+    if (!grow_host(c, bytes, "host buffer for the top logits"))
+        return;
     float *val = c->top.p;
     int32_t *id = (int32_t *)((char *)c->top.p + pairs * sizeof(float));
     if (!ok(c, fitm_cuda_topk(x, rows, n, n, k, c->top_scratch.p, val, id, c->stream), "topk") ||
-        !to_host(c, c->top_host, c->top.p, bytes, "top logits download"))
+        !to_host(c, c->host, c->top.p, bytes, "top logits download"))
         return;
-    const float *hv = c->top_host;
-    const int32_t *hi = (const int32_t *)((const char *)c->top_host + pairs * sizeof(float));
+    const float *hv = c->host;
+    const int32_t *hi = (const int32_t *)((const char *)c->host + pairs * sizeof(float));
     for (size_t i = 0; i < pairs; i++)
         top[i] = (fitm_top){hv[i], hi[i]};
 }
@@ -499,7 +506,26 @@ static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
     return g->p;
 }
 
-/* Copies the captured rows of this call from the device buffers to the caller's arrays. */
+/* Copies n floats of a captured row from the device to dst, or adds them to it (capture->add:
+ * the passes of Attention Buckets summed in the caller's arrays; the keys a row does not see
+ * are 0 on the device, so adding every entry adds what the CPU backend adds). */
+static void capture_to_host(cuda_backend *c, float *dst, const float *src, int64_t n, bool add)
+{
+    const size_t bytes = (size_t)n * sizeof(float);
+    if (!add) {
+        to_host(c, dst, src, bytes, "capture download");
+        return;
+    }
+    if (!grow_host(c, bytes, "host buffer for the capture") ||
+        !to_host(c, c->host, src, bytes, "capture download"))
+        return;
+    const float *h = c->host;
+    for (int64_t i = 0; i < n; i++)
+        dst[i] += h[i];
+}
+
+/* Copies (or adds) the captured rows of this call from the device buffers to the caller's
+ * arrays. */
 static void download_capture(cuda_backend *c, const fitm_attn_args *a)
 {
     const fitm_capture *cap = a->capture;
@@ -510,13 +536,13 @@ static void download_capture(cuda_backend *c, const fitm_attn_args *a)
             continue;
         const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * H;
         if (cap->span_mass && cap->n_spans > 0)
-            to_host(c, cap->span_mass + slot * cap->n_spans,
-                    (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans,
-                    (size_t)(H * cap->n_spans) * sizeof(float), "capture download");
+            capture_to_host(c, cap->span_mass + slot * cap->n_spans,
+                            (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans,
+                            H * cap->n_spans, cap->add);
         if (cap->probs)
-            to_host(c, cap->probs + slot * cap->probs_stride,
-                    (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
-                    (size_t)(H * cap->probs_stride) * sizeof(float), "capture download");
+            capture_to_host(c, cap->probs + slot * cap->probs_stride,
+                            (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
+                            H * cap->probs_stride, cap->add);
     }
 }
 
@@ -619,6 +645,7 @@ static const fitm_backend_ops cuda_ops = {
     .topk = cuda_topk,
     .attention = cuda_attention,
     .attention_mix = true,
+    .capture_add = true,
 };
 
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err)
