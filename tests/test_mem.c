@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/mem.h"
 #include "base/rng.h"
@@ -18,9 +19,9 @@
  * it is not mapped. */
 static long resident_pages(const void *p, size_t n)
 {
-    const uintptr_t lo = (uintptr_t)p & ~(uintptr_t)4095;
-    const uintptr_t hi = ((uintptr_t)p + n + 4095) & ~(uintptr_t)4095;
-    const size_t pages = (hi - lo) / 4096;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = (uintptr_t)p / pg * pg, hi = ((uintptr_t)p + n + pg - 1) / pg * pg;
+    const size_t pages = (hi - lo) / pg;
     unsigned char *vec = malloc(pages);
     long r = -1;
     if (vec && mincore((void *)lo, hi - lo, vec) == 0) {
@@ -80,7 +81,8 @@ int main(void)
         memset(p + big / 2, 7, used);
         const long r2 = resident_pages(p, big);
         const uintptr_t w0 = (uintptr_t)(p + big / 2), w1 = w0 + used;
-        const long spanned = (long)((w1 + 4095) / 4096 - w0 / 4096);
+        const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+        const long spanned = (long)((w1 + pg - 1) / pg - w0 / pg);
         CHECK(r2 - r1 == spanned, "16 MiB written over %ld pages: %ld more resident", spanned,
               r2 - r1);
         fitm_mem_free(p);
