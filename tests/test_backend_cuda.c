@@ -234,15 +234,16 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
      * backends (from their own calibration passes), captured masses and intervened logits
      * within the tolerances, and different from the plain pass */
     double e_ms = INFINITY, e_ms_mass = INFINITY, ms_change = 0;
-    float *lg_ms = malloc(sizeof(float) * T * V), *lc_ms = malloc(sizeof(float) * T * V);
+    /* logits of a position method's pass (Ms-PoE here, Attention Buckets below) */
+    float *lg_pos = malloc(sizeof(float) * T * V), *lc_pos = malloc(sizeof(float) * T * V);
     const int32_t *rk_c = fitm_forward_ms_poe_ranks(rc.f), *rk_g = fitm_forward_ms_poe_ranks(rg.f);
     CHECK(rk_c && rk_g && memcmp(rk_c, rk_g, sizeof(int32_t) * (size_t)(L * H)) == 0,
           "Ms-PoE head ranks differ between the backends");
-    if (run_pos(&rc, ids, lc_ms, &cc, &iv, FITM_POSITION_MS_POE) &&
-        run_pos(&rg, ids, lg_ms, &cg, &iv, FITM_POSITION_MS_POE)) {
-        e_ms = logit_err(lg_ms, lc_ms, NL, V);
+    if (run_pos(&rc, ids, lc_pos, &cc, &iv, FITM_POSITION_MS_POE) &&
+        run_pos(&rg, ids, lg_pos, &cg, &iv, FITM_POSITION_MS_POE)) {
+        e_ms = logit_err(lg_pos, lc_pos, NL, V);
         e_ms_mass = abs_err(mg, mc, nm);
-        ms_change = logit_err(lc_ms, lc, NL, V);
+        ms_change = logit_err(lc_pos, lc, NL, V);
     }
     printf("%-16s ms_poe logits %.2e  span mass %.2e  (change from plain %.2e)\n", what, e_ms,
            e_ms_mass, ms_change);
@@ -266,9 +267,9 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
     bool passes = fitm_kv_passes(rc.kv, FITM_BUCKETS, 0, &err) == FITM_OK &&
                   fitm_kv_passes(rg.kv, FITM_BUCKETS, 0, &err) == FITM_OK;
     CHECK(passes, "bucket caches: %s", err.msg);
-    if (passes && run_pos(&rc, ids, lc_ms, &bc, &iv, FITM_POSITION_BUCKETS) &&
-        run_pos(&rg, ids, lg_ms, &bg, &iv, FITM_POSITION_BUCKETS)) {
-        e_bk = logit_err(lg_ms, lc_ms, NL, V);
+    if (passes && run_pos(&rc, ids, lc_pos, &bc, &iv, FITM_POSITION_BUCKETS) &&
+        run_pos(&rg, ids, lg_pos, &bg, &iv, FITM_POSITION_BUCKETS)) {
+        e_bk = logit_err(lg_pos, lc_pos, NL, V);
         e_bk_mass = abs_err(mg, mc, nm);
         e_bk_probs = abs_err(pg, pc, np);
         /* buckets give log p^: set against the plain pass's log-softmax (lc becomes it) */
@@ -282,7 +283,7 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
             for (int64_t v = 0; v < V; v++)
                 x[v] = (float)(x[v] - mx - log(z));
         }
-        bk_change = logit_err(lc_ms, lc, NL, V);
+        bk_change = logit_err(lc_pos, lc, NL, V);
     }
     printf("%-16s buckets logits %.2e  span mass %.2e  probs %.2e  (change from plain %.2e)\n",
            what, e_bk, e_bk_mass, e_bk_probs, bk_change);
@@ -292,7 +293,7 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
           e_bk_probs);
     CHECK(bk_change > 1e-3, "%s: Attention Buckets changed nothing (%.3g)", what, bk_change);
     free(pc), free(pg);
-    free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg), free(lg_ms), free(lc_ms);
+    free(lc), free(lg), free(lg2), free(lg_iv), free(mc), free(mg), free(lg_pos), free(lc_pos);
     runner_close(&rc);
     runner_close(&rg);
     /* fitmd's start-up self-test passes on this model (its bounds, backend_check.c, are looser
