@@ -80,11 +80,23 @@ VARIANTS = [
 ]
 
 
+def shared_head(a: list, b: list) -> int:
+    """The leading ids prompt b has in common with prompt a, short of b's last document's
+    end (every scored row lies after it): a window group continues the cache the group before
+    it left from there."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def expected_forward(groups, reference: str, reuse: bool = True) -> int:
     total = 0
+    prev = []
     for g in groups:
         T, spans = len(g["prompt"]), g["spans"]
-        total += T
+        total += T - (min(shared_head(prev, g["prompt"]), spans[-1][1]) if reuse else 0)
+        prev = g["prompt"]
         if reference in ("dummy", "both"):
             total += sum(T - (s if reuse else 0) for s, _ in spans)
         if reference in ("null_query", "both"):

@@ -72,8 +72,20 @@ def test_windows_score_each_group(daemon):
     groups = j["tokens"]["groups"]
     assert j["meta"]["groups"] == 2 and [g["first_document"] for g in groups] == [0, 3]
     assert sorted(x["position"] for x in j["results"]) == [0, 0, 1, 1, 2, 2]
+    # The second group continues the first one's cache over their common head (the template,
+    # the instruction and the question before the documents).
+    a, b = groups[0]["prompt"], groups[1]["prompt"]
+    head = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+    assert 0 < head <= groups[1]["spans"][0][0]
     assert j["usage"]["forward_tokens"] == sum(len(g["prompt"]) + len(g["null_prompt"])
-                                               for g in groups)
+                                               for g in groups) - head
+    # ... and scores exactly as recomputing it would.
+    k = post(daemon, {**BODY, "window": 4, "prefix_reuse": False}).json()
+    assert k["usage"]["forward_tokens"] == j["usage"]["forward_tokens"] + head
+    assert [x["index"] for x in k["results"]] == [x["index"] for x in j["results"]]
+    for x, y in zip(j["results"], k["results"]):
+        for f in ("attention", "dummy_attention", "relevance_score"):
+            assert math.isclose(x[f], y[f], rel_tol=1e-6, abs_tol=1e-12), (f, x, y)
 
 
 @pytest.mark.parametrize("bad,mentions", [

@@ -89,6 +89,24 @@ def test_positions_are_paired(splits):
         assert len(others) == 1
 
 
+def test_extra_positions_move_only_the_gold(splits):
+    class A:
+        split, variants, k, groups, positions = "dev", ["hard"], [10], 2, [3, 5, 8, 12]
+    its = quality.select(A)
+    extra = [it for it in its if it["gold_pos"] not in dataset.positions(10)]
+    assert sorted({it["gold_pos"] for it in extra}) == [3, 8]  # 5 is the middle; 12 > K
+    firsts = {it["id"].rsplit("-p", 1)[0]: it for it in its if it["gold_pos"] == 1}
+    assert len(extra) == 2 * len(firsts) == 4
+    for it in extra:
+        src = firsts[it["id"].rsplit("-p", 1)[0]]
+        p = it["gold_pos"]
+        assert it["documents"][p - 1] == src["documents"][0] and it["gold_index"] == p - 1
+        assert it["documents"][:p - 1] + it["documents"][p:] == src["documents"][1:]
+        assert it["query"] == src["query"] and it["answer"] == src["answer"]
+    res = {"m": {("hard", 10, p): quality.Cell() for p in (1, 3, 5, 8, 10)}}
+    assert quality.cell_positions(res, "hard", 10) == [1, 3, 5, 8, 10]
+
+
 def test_bm25_matches_the_formula():
     docs = [{"title": "a", "text": "b b c"}, {"title": "x", "text": "y"},
             {"title": "c", "text": "c b"}]

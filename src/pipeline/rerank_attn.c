@@ -228,7 +228,13 @@ static fitm_status attend(fitm_reranker *r, const plan *pl, fitm_kv *kv, const f
     fitm_capture cap = {.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : cs,
                         .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : buf,
                         .probs = pl->sink ? buf : NULL, .probs_stride = T};
-    fitm_status st = fitm_kv_rebase(kv, prefix ? from : 0, err);
+    /* A branch starts at from over prefix; a pass on its own cache from > 0 keeps the rows
+     * [0, from) the cache holds (the caller checked they are this prompt's). */
+    fitm_status st = FITM_OK;
+    if (prefix || from == 0)
+        st = fitm_kv_rebase(kv, prefix ? from : 0, err);
+    else
+        fitm_kv_truncate(kv, from);
     if (st == FITM_OK)
         st = fitm_rr_run(r, kv, prefix, ids + from, T - from, from, &cap, 0, stop, stop_arg, err);
     for (int32_t j = 0; st == FITM_OK && j < n; j++)
@@ -384,6 +390,7 @@ typedef struct {
     int32_t *position;                /* (K) place in its group's prompt */
     int64_t forward, T_max;
     double tok_ms;
+    fitm_rr_ids held;                 /* the ids whose rows r->kv holds (the last group's) */
 } scores;
 
 /* A, A_ref, rel and rel_scaled of the group's documents first .. first + n - 1. */
@@ -425,6 +432,18 @@ static void keep_tokens(prompt *p, int32_t first, int32_t n, fitm_rerank_tokens 
     p->spans = NULL;
 }
 
+/* How many leading ids of p (n documents) the cache holding `held` can keep: their common
+ * prefix, short of the last document's end (every captured row lies after it, so the pass
+ * computes them all). */
+static int64_t shared_head(const fitm_rr_ids *held, const prompt *p, int32_t n)
+{
+    const int64_t lim = p->spans[n - 1].end;
+    int64_t c = 0;
+    while (c < lim && c < held->n && held->v[c] == p->ids.v[c])
+        c++;
+    return c;
+}
+
 /* One group (the documents first .. first + n - 1): prompt, pass, reference, calibrate. */
 static fitm_status score_group(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
                                int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
@@ -448,10 +467,18 @@ static fitm_status score_group(fitm_reranker *r, const fitm_rerank_request *req,
         if (!(a = calloc((size_t)off[n] * 2 + 1, sizeof *a)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     }
+    /* The groups' prompts share their head (the template, the instruction and the question
+     * before the documents): a later group continues the cache from there. */
+    int64_t from = st == FITM_OK && req->prefix_reuse ? shared_head(&sc->held, &p, n) : 0;
     if (st == FITM_OK)
-        st = attend(r, pl, r->kv, NULL, p.ids.v, p.ids.n, 0, p.rows, p.n_rows, p.spans, n, off,
-                    a, stop, stop_arg, err);
-    sc->forward += p.ids.n;
+        st = attend(r, pl, r->kv, NULL, p.ids.v, p.ids.n, from, p.rows, p.n_rows, p.spans, n,
+                    off, a, stop, stop_arg, err);
+    sc->held.n = 0;
+    if (st == FITM_OK && (st = fitm_rr_reserve(&sc->held, p.ids.n, err)) == FITM_OK) {
+        memcpy(sc->held.v, p.ids.v, (size_t)p.ids.n * sizeof *p.ids.v);
+        sc->held.n = p.ids.n;
+    }
+    sc->forward += p.ids.n - from;
     sc->T_max = p.ids.n > sc->T_max ? p.ids.n : sc->T_max;
     bool has_ref = pl->o.reference != FITM_REF_NONE;
     if (st == FITM_OK && has_ref)
@@ -538,6 +565,7 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
     free(starts);
     free(buf);
     free(sc.position);
+    free(sc.held.v);
     return st;
 }
 
@@ -545,8 +573,8 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
 
 /* One group's passes, as score_group, dummy_passes and null_pass run them. */
 static fitm_status group_cost(const fitm_reranker *r, const fitm_rerank_request *req,
-                              const plan *pl, int32_t first, int32_t n, int64_t *sum,
-                              fitm_err *err)
+                              const plan *pl, int32_t first, int32_t n, fitm_rr_ids *held,
+                              int64_t *sum, fitm_err *err)
 {
     prompt p = {0}, np = {0};
     int32_t *order = malloc((size_t)n * sizeof *order);
@@ -555,7 +583,12 @@ static fitm_status group_cost(const fitm_reranker *r, const fitm_rerank_request 
         order[j] = first + j;
     if (st == FITM_OK && (st = make_prompt(r, req, pl, order, n, NULL, &p, err)) == FITM_OK) {
         const int64_t T = p.ids.n;
-        *sum += T;
+        *sum += T - (req->prefix_reuse ? shared_head(held, &p, n) : 0);
+        held->n = 0;
+        if ((st = fitm_rr_reserve(held, T, err)) == FITM_OK) {
+            memcpy(held->v, p.ids.v, (size_t)T * sizeof *p.ids.v);
+            held->n = T;
+        }
         for (int32_t j = 0; pl->dummy_passes && j < n; j++)
             *sum += T - (req->prefix_reuse ? p.spans[j].start : 0);
     }
@@ -584,8 +617,11 @@ fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_req
     int64_t sum = 0;
     int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
     if (st == FITM_OK && !any_order) {
+        fitm_rr_ids held = {0};
         for (int32_t g = 0; st == FITM_OK && g < G; g++)
-            st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &sum, err);
+            st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum,
+                            err);
+        free(held.v);
     } else if (st == FITM_OK) {
         /* Every group's prompt is at most frame + its documents' part; the parts add up to at
          * most docs; a dummy pass is at most its group's prompt. */

@@ -266,6 +266,17 @@ def items(split: str, groups: int = GROUPS, seed: int = SEED) -> list:
     return out
 
 
+def moved(it: dict, pos: int) -> dict:
+    """The item with its gold document moved to position pos (1-based), the other documents
+    keeping their order: positions beyond first / middle / last, paired on the same question
+    (quality.py --positions)."""
+    docs = list(it["documents"])
+    gold = docs.pop(it["gold_index"])
+    docs.insert(pos - 1, gold)
+    return {**it, "id": it["id"].rsplit("-p", 1)[0] + f"-p{pos}", "gold_pos": pos,
+            "documents": docs, "gold_index": pos - 1}
+
+
 def group(it: dict) -> int:
     """The question group an item belongs to (the gNN of its id)."""
     return int(it["id"].split("-g")[1][:2])
