@@ -182,7 +182,7 @@ def select(a) -> list:
     its = [it for it in dataset.load(a.split) if it["variant"] in a.variants
            and it["k"] in a.k and dataset.group(it) < a.groups]
     extra = [dataset.moved(it, p) for it in its if it["gold_pos"] == 1
-             for p in sorted(set(a.positions or ())) if p <= it["k"]
+             for p in sorted(set(getattr(a, "positions", None) or ())) if p <= it["k"]
              and p not in dataset.positions(it["k"])]
     return its + extra
 
