@@ -305,7 +305,8 @@ def oracle_greedy(model, ids, n, hook=None, stop_ids=()):
 
 
 @pytest.mark.parametrize("extra", [{}, {"intervention_layers": [0, -1]},
-                                   {"reorder": "attention"}])
+                                   {"reorder": "attention"},
+                                   {"reorder": "calibrated", "calibration": {"window": 1}}])
 def test_intervention_matches_oracle(oracle_served, extra):
     """The daemon's greedy ids are the oracle's with calib.make_hook (the intervention on every
     row from the end of the last document, in the chosen layers), and calibrate:false gives the
@@ -317,9 +318,9 @@ def test_intervention_matches_oracle(oracle_served, extra):
     ids do not move (the daemon returns no logits to compare; the oracle's logits show, below,
     that the hook changes every step's logits)."""
     daemon, model = oracle_served
-    calibration = {"reference": "null_suffix"}
+    calibration = {"reference": "null_suffix", **extra.get("calibration", {})}
     b = {"query": QUERY, "documents": docs(4, 7) + [{"text": "golf hotel", "title": "Golf"}],
-         "max_tokens": 16, "return_tokens": True, "calibration": calibration, **extra}
+         "max_tokens": 16, "return_tokens": True, **extra, "calibration": calibration}
     r = requests.post(daemon.url("/answer"), json=b, timeout=300)
     assert r.status_code == 200, r.text
     j = r.json()
@@ -337,16 +338,32 @@ def test_intervention_matches_oracle(oracle_served, extra):
     assert want == tok["completion"]
     T, end = len(tok["prompt"]), max(e for _, e in spans)
 
-    def rerank_cost(documents, method):
-        body = {"query": QUERY, "documents": documents, "method": method, **calibration}
+    def rerank(documents, method):
+        body = {"query": QUERY, "documents": documents, "method": method, **calibration,
+                "return_tokens": True}
         rr = requests.post(daemon.url("/rerank"), json=body, timeout=300)
         assert rr.status_code == 200, rr.text
-        return rr.json()["usage"]["forward_tokens"]
+        return rr.json()
 
     ordered = [b["documents"][k] for k in pos]
-    scoring = rerank_cost(ordered, "calibrated")
-    if "reorder" in extra:  # one attention pass over the documents in request order first
-        scoring += rerank_cost(b["documents"], extra["reorder"])
+    if calibration.get("window") == 1 and extra.get("reorder") == "calibrated":
+        # every document scored alone: the reorder's scores are the reordered prompt's, and
+        # no second scoring runs
+        first = rerank(b["documents"], "calibrated")
+        scoring = first["usage"]["forward_tokens"]
+        w = {x["index"]: x["weight"] for x in first["results"]}
+        assert [j["documents"][k]["weight"] for k in range(len(w))] == \
+            pytest.approx([w[k] for k in range(len(w))], rel=1e-6)
+        assert pos == [x["index"] for x in first["results"]]  # most relevant first
+        # the cache holds the last document's prompt: the answer reuses their common head
+        last = first["tokens"]["groups"][-1]["prompt"]
+        head = next(i for i, (x, y) in enumerate(zip(last, tok["prompt"])) if x != y)
+        end = head
+    else:
+        scoring = rerank(ordered, "calibrated")["usage"]["forward_tokens"]
+    if "reorder" in extra and extra["reorder"] != "calibrated":
+        # one attention pass over the documents in request order first
+        scoring += rerank(b["documents"], extra["reorder"])["usage"]["forward_tokens"]
     assert j["usage"]["forward_tokens"] == scoring + (T - end) + (n - 1), j["usage"]
 
     # calibrate:false is the oracle without the hook, on the same prompt ids (before any

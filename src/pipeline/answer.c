@@ -272,19 +272,31 @@ static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *
 {
     fitm_rerank_result rr = {0};
     fitm_status st = FITM_OK;
+    /* Scores of documents that each had a prompt of their own (windows of 1) do not depend on
+     * the order: the reorder's calibrated scores are the reordered prompt's. */
+    bool scored = false;
     if (req->reorder >= 0) {
         st = rank(r, req, (fitm_rerank_method)req->reorder, req->base.docs, stop, stop_arg, &rr,
                   err);
         for (int32_t p = 0; st == FITM_OK && p < s->K; p++)
             s->order[p] = rr.results[req->reorder_last ? s->K - 1 - p : p].index;
         res->forward_tokens += rr.usage.forward_tokens;
+        scored = st == FITM_OK && req->calibrate && req->reorder == FITM_RERANK_CALIBRATED &&
+                 rr.meta.n_groups == s->K;
+        for (int32_t i = 0; scored && i < s->K; i++) {
+            const fitm_rerank_doc_result *d = &rr.results[i];
+            res->docs[d->index].weight = d->weight;
+            res->docs[d->index].calibrated_attention = d->calibrated_attention;
+        }
         fitm_rerank_result_free(&rr);
     }
     for (int32_t p = 0; st == FITM_OK && p < s->K; p++) {
         s->docs[p] = req->base.docs[s->order[p]];
         res->docs[s->order[p]].position = p;
+        if (scored)
+            s->alpha[p] = (float)res->docs[s->order[p]].weight;
     }
-    if (st == FITM_OK && req->calibrate) {
+    if (st == FITM_OK && req->calibrate && !scored) {
         st = rank(r, req, FITM_RERANK_CALIBRATED, s->docs, stop, stop_arg, &rr, err);
         for (int32_t i = 0; st == FITM_OK && i < s->K; i++) {
             int32_t p = rr.results[i].index; /* the reordered request's index = position */
