@@ -183,11 +183,12 @@ def test_table_rows_and_rejected_methods():
 
 def test_runs_merge_into_one_report(tmp_path):
     """Two runs' JSON files (different methods, different n) render as one report that names
-    both runs; a method present in both is refused."""
-    def run_file(name, label, n, r1):
+    both runs; a method with the same cell in both is refused, one with other cells (another K)
+    is one row."""
+    def run_file(name, label, n, r1, k=10):
         c = quality.Cell()
         c.n, c.r1, c.r3, c.fwd, c.prompt, c.wall = n, r1, n, 100 * n, 50 * n, 1.0
-        res = {label: {("plain", 10, p): c for p in dataset.positions(10)}}
+        res = {label: {("plain", k, p): c for p in dataset.positions(k)}}
         meta = {"cmd": f"python3 tests/quality/quality.py --method {label}", "split": "test",
                 "groups": n, "model": "m", "machine": "cpu", "daemon_args": [],
                 "max_tokens": 16, "date": "d"}
@@ -195,7 +196,7 @@ def test_runs_merge_into_one_report(tmp_path):
         path.write_text(json.dumps({"meta": meta, "specs": {"rerank": [[label, {}]],
                                                              "answer": []},
                                     "rerank": quality.dump(res), "answer": {}}))
-        assert quality.undump(quality.dump(res))[label][("plain", 10, 5)].r1 == r1
+        assert quality.undump(quality.dump(res))[label][("plain", k, dataset.positions(k)[1])].r1 == r1
         return str(path)
 
     a, b = run_file("a.json", "one", 4, 1), run_file("b.json", "two", 8, 8)
@@ -210,3 +211,11 @@ def test_runs_merge_into_one_report(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a, a,
                         "--markdown", str(md)], capture_output=True, text=True)
     assert r.returncode != 0 and "in two runs" in r.stderr
+    c = run_file("c.json", "one", 6, 6, k=20)
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a, c,
+                        "--variants", "plain", "--k", "10", "20", "--markdown", str(md)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert text.count("- `one`:") == 1
+    assert "| `one` | 4 | 0.25 (" in text and "| `one` | 6 | 1.00 (" in text

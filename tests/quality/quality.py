@@ -398,10 +398,11 @@ def merge(a) -> int:
         for src, dst, specs, key in ((d["rerank"], res, rspecs, "rerank"),
                                      (d["answer"], ans, aspecs, "answer")):
             for label, cells in undump(src).items():
-                if label in dst:
-                    sys.exit(f"--merge: method {label!r} is in two runs")
-                dst[label] = cells
-            specs += [tuple(x) for x in d["specs"][key]]
+                if set(cells) & set(dst.get(label, {})):
+                    sys.exit(f"--merge: method {label!r} has the same cell in two runs")
+                dst.setdefault(label, {}).update(cells)
+            specs += [tuple(x) for x in d["specs"][key]
+                      if tuple(x) not in specs]
     if len({r["split"] for r in runs}) != 1:
         sys.exit("--merge: the runs are of different splits")
     if a.markdown and res:
