@@ -105,6 +105,12 @@ def test_extra_positions_move_only_the_gold(splits):
         assert it["query"] == src["query"] and it["answer"] == src["answer"]
     res = {"m": {("hard", 10, p): quality.Cell() for p in (1, 3, 5, 8, 10)}}
     assert quality.cell_positions(res, "hard", 10) == [1, 3, 5, 8, 10]
+    # a run without the extra positions keeps its row, with its cells where they are
+    old = quality.Cell()
+    old.n, old.r1, old.r3, old.fwd, old.prompt = 2, 1, 2, 400, 400
+    res["old"] = {("hard", 10, p): old for p in dataset.positions(10)}
+    row = quality.table(res, "hard", 10, False).splitlines()[-1].split(" | ")
+    assert row[0] == "| `old`" and row[3] == row[5] == "–" and row[2].startswith("0.50 (")
 
 
 def test_bm25_matches_the_formula():

@@ -249,9 +249,9 @@ def one_pass_tokens(results: dict, keys: list) -> float:
     the largest mean any method of the table reports for these cells."""
     best = 0.0
     for cells in results.values():
-        cs = [cells.get(key) for key in keys]
-        n = sum(c.n for c in cs if c)
-        if n and all(c and not c.error for c in cs):
+        cs = [c for c in (cells.get(key) for key in keys) if c]
+        n = sum(c.n for c in cs)
+        if n and not any(c.error for c in cs):
             best = max(best, sum(c.prompt for c in cs) / n)
     return best
 
@@ -264,16 +264,17 @@ def table(results: dict, variant: str, k: int, answer_mode: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     one_pass = one_pass_tokens(results, [(variant, k, p) for p in pos])
     for label, cells in results.items():
-        cs = [cells.get((variant, k, p)) for p in pos]
-        if any(c is None for c in cs):
+        at = [cells.get((variant, k, p)) for p in pos]  # None: a position this run left out
+        cs = [c for c in at if c]
+        if not cs:
             continue
         row = [f"`{label}`", str(min(c.n for c in cs))]
         err = next((c.error for c in cs if c.error), None)
         if err:
             row += [f"not run: {err[:80]}"] + [""] * (len(head) - 3)
         else:
-            for c in cs:
-                row.append(fmt_p(c.ok, c.n) if answer_mode
+            for c in at:
+                row.append("–" if c is None else fmt_p(c.ok, c.n) if answer_mode
                            else f"{fmt_p(c.r1, c.n)} / {fmt_p(c.r3, c.n)}")
             row += list(cost(cs, one_pass))
         lines.append("| " + " | ".join(row) + " |")
