@@ -336,7 +336,9 @@ def test_intervention_matches_oracle(oracle_served, extra):
     n = len(tok["completion"])
     want, rows = oracle_greedy(model, tok["prompt"], n, hook, eos)
     assert want == tok["completion"]
-    T, end = len(tok["prompt"]), max(e for _, e in spans)
+    # the answer prompt's rows the cache already holds: the scoring left the whole prompt up
+    # to the end of the documents there
+    T, cached = len(tok["prompt"]), max(e for _, e in spans)
 
     def rerank(documents, method):
         body = {"query": QUERY, "documents": documents, "method": method, **calibration,
@@ -355,16 +357,15 @@ def test_intervention_matches_oracle(oracle_served, extra):
         assert [j["documents"][k]["weight"] for k in range(len(w))] == \
             pytest.approx([w[k] for k in range(len(w))], rel=1e-6)
         assert pos == [x["index"] for x in first["results"]]  # most relevant first
-        # the cache holds the last document's prompt: the answer reuses their common head
+        # the cache holds the last document's own prompt: only their common head is reused
         last = first["tokens"]["groups"][-1]["prompt"]
-        head = next(i for i, (x, y) in enumerate(zip(last, tok["prompt"])) if x != y)
-        end = head
+        cached = next(i for i, (x, y) in enumerate(zip(last, tok["prompt"])) if x != y)
     else:
         scoring = rerank(ordered, "calibrated")["usage"]["forward_tokens"]
     if "reorder" in extra and extra["reorder"] != "calibrated":
         # one attention pass over the documents in request order first
         scoring += rerank(b["documents"], extra["reorder"])["usage"]["forward_tokens"]
-    assert j["usage"]["forward_tokens"] == scoring + (T - end) + (n - 1), j["usage"]
+    assert j["usage"]["forward_tokens"] == scoring + (T - cached) + (n - 1), j["usage"]
 
     # calibrate:false is the oracle without the hook, on the same prompt ids (before any
     # reorder: that needs the calibrated scores), and the hook moves every step's logits far

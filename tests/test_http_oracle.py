@@ -81,9 +81,9 @@ VARIANTS = [
 
 
 def shared_head(a: list, b: list) -> int:
-    """The leading ids prompt b has in common with prompt a, short of b's last document's
-    end (every scored row lies after it): a window group continues the cache the group before
-    it left from there."""
+    """The number of leading ids prompts a and b have in common. A window group continues
+    the cache the group before it left from there, short of its last document's end (every
+    scored row lies after it; the caller caps it)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1

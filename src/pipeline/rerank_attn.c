@@ -432,16 +432,25 @@ static void keep_tokens(prompt *p, int32_t first, int32_t n, fitm_rerank_tokens 
     p->spans = NULL;
 }
 
-/* How many leading ids of p (n documents) the cache holding `held` can keep: their common
- * prefix, short of the last document's end (every captured row lies after it, so the pass
- * computes them all). */
-static int64_t shared_head(const fitm_rr_ids *held, const prompt *p, int32_t n)
+/* Where the pass over p (n documents) starts: after the leading ids it shares with `held`, the
+ * ids whose rows the cache holds (0 without prefix_reuse), short of the last document's end
+ * (every captured row lies after it, so the pass computes them all). `held` becomes p's ids:
+ * the cache holds them once the pass has run, and a failed pass ends the request. */
+static fitm_status continue_from(bool reuse, fitm_rr_ids *held, const prompt *p, int32_t n,
+                                 int64_t *from, fitm_err *err)
 {
-    const int64_t lim = p->spans[n - 1].end;
+    const int64_t lim = reuse ? p->spans[n - 1].end : 0;
     int64_t c = 0;
     while (c < lim && c < held->n && held->v[c] == p->ids.v[c])
         c++;
-    return c;
+    *from = c;
+    held->n = 0;
+    fitm_status st = fitm_rr_reserve(held, p->ids.n, err);
+    if (st == FITM_OK) {
+        memcpy(held->v, p->ids.v, (size_t)p->ids.n * sizeof *p->ids.v);
+        held->n = p->ids.n;
+    }
+    return st;
 }
 
 /* One group (the documents first .. first + n - 1): prompt, pass, reference, calibrate. */
@@ -469,15 +478,12 @@ static fitm_status score_group(fitm_reranker *r, const fitm_rerank_request *req,
     }
     /* The groups' prompts share their head (the template, the instruction and the question
      * before the documents): a later group continues the cache from there. */
-    int64_t from = st == FITM_OK && req->prefix_reuse ? shared_head(&sc->held, &p, n) : 0;
+    int64_t from = 0;
+    if (st == FITM_OK)
+        st = continue_from(req->prefix_reuse, &sc->held, &p, n, &from, err);
     if (st == FITM_OK)
         st = attend(r, pl, r->kv, NULL, p.ids.v, p.ids.n, from, p.rows, p.n_rows, p.spans, n,
                     off, a, stop, stop_arg, err);
-    sc->held.n = 0;
-    if (st == FITM_OK && (st = fitm_rr_reserve(&sc->held, p.ids.n, err)) == FITM_OK) {
-        memcpy(sc->held.v, p.ids.v, (size_t)p.ids.n * sizeof *p.ids.v);
-        sc->held.n = p.ids.n;
-    }
     sc->forward += p.ids.n - from;
     sc->T_max = p.ids.n > sc->T_max ? p.ids.n : sc->T_max;
     bool has_ref = pl->o.reference != FITM_REF_NONE;
@@ -583,12 +589,9 @@ static fitm_status group_cost(const fitm_reranker *r, const fitm_rerank_request 
         order[j] = first + j;
     if (st == FITM_OK && (st = make_prompt(r, req, pl, order, n, NULL, &p, err)) == FITM_OK) {
         const int64_t T = p.ids.n;
-        *sum += T - (req->prefix_reuse ? shared_head(held, &p, n) : 0);
-        held->n = 0;
-        if ((st = fitm_rr_reserve(held, T, err)) == FITM_OK) {
-            memcpy(held->v, p.ids.v, (size_t)T * sizeof *p.ids.v);
-            held->n = T;
-        }
+        int64_t from = 0;
+        st = continue_from(req->prefix_reuse, held, &p, n, &from, err);
+        *sum += T - from;
         for (int32_t j = 0; pl->dummy_passes && j < n; j++)
             *sum += T - (req->prefix_reuse ? p.spans[j].start : 0);
     }
