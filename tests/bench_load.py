@@ -5,8 +5,8 @@ llama.cpp's llama-server (parallel slots, continuous batching) on the same GGUF,
 For each N in --n: N clients at once each stream one generation of --gen-tokens tokens after a
 prompt of about --prompt-tokens tokens, greedy, past end-of-generation (ignore_eos) so every
 stream has the same length (fitmd: /v1/completions with the very prompt text llama-server's
-/completion gets, so both prefill the same tokens; --route answer: /answer with calibrate false,
-whose answer template adds its own tokens). Every request of every round has documents of
+/completion gets, so both prefill the same tokens; --route answer: /answer with calibrate false
+and reorder none, whose answer template adds its own tokens). Every request of every round has documents of
 its own, so no server reuses an earlier prompt. Then N clients at once each send --rerank-reps
 /rerank requests of K = --k documents (fitmd only: llama-server has no /rerank for a causal
 model). Printed per row: aggregate completion tokens/s (all tokens / wall time of the round),
@@ -121,7 +121,7 @@ def stream_fitmd(url, headers, docs, gen_tokens):
     """(ttft s, [gap s], latency s, completion tokens, prompt tokens, event times) of one
     streamed /answer."""
     body = {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens, "calibrate": False,
-            "stream": True, "ignore_eos": True}
+            "reorder": "none", "stream": True, "ignore_eos": True}
     ttft, gaps, lat, times, final = read_stream(url, "/answer", body, headers,
                                                 lambda ev: "delta" in ev, lambda ev: "usage" in ev)
     u = final["usage"]
@@ -313,7 +313,7 @@ def mixed(a):
 
     def stream():
         body = {"query": QUESTION, "documents": make_docs(2, 20, rnd), "max_tokens": 2000,
-                "calibrate": False, "stream": True}
+                "calibrate": False, "reorder": "none", "stream": True}
         with requests.post(url + "/answer", json=body, stream=True, timeout=3600) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data: ") and b'"delta"' in line:

@@ -129,6 +129,19 @@ def test_answer_estimate_is_an_upper_bound(pair, opts, seed):
     assert got <= want + 2 * 4096, (body, got, want)
 
 
+def test_answer_estimate_counts_a_shared_scoring_once(pair):
+    """A calibrated reorder of documents each scored alone (windows of 1) hands the
+    intervention its weights, so one scoring runs; the estimate counts one too: the same as
+    without the intervention, which adds no forward tokens."""
+    rng = random.Random(11)
+    body = {"query": "golf club rules", "documents": rand_docs(rng, 6), "max_tokens": 8,
+            "temperature": 0, "reorder": "calibrated", "calibration": {"window": 1}}
+    est, run = pair
+    plain = dict(body, calibrate=False)
+    assert estimate(est, "/answer", body) == estimate(est, "/answer", plain)
+    assert actual(run, "/answer", body) <= estimate(est, "/answer", body)
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_plain_generation_estimate(pair, route, seed):

@@ -210,6 +210,7 @@ static void test_answer(void)
                       "\"max_tokens\":1000,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
                       "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,\"window\":2,"
                       "\"layers\":[0,-1],\"dummy\":\"d\"},\"reorder\":\"query_likelihood\","
+                      "\"reorder_placement\":\"last\",\"calibrate\":false,"
                       "\"intervention_layers\":[-1],\"stream\":true,\"method\":\"bogus\"}";
     CHECK(fitm_api_parse_answer(all, strlen(all), &LIM, &req, &err) == FITM_OK);
     CHECK(req.base.n_docs == 2 && req.n_stop == 2 && !strcmp(req.stop[1], "zz"));
@@ -217,7 +218,8 @@ static void test_answer(void)
     CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
     CHECK(req.base.opt.temperature == 0.001 && req.base.opt.n_layers == 2 && req.base.dummy);
     CHECK(req.base.opt.window == 2 && req.base.opt.rows == -1);
-    CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate && req.stream);
+    CHECK(req.reorder == FITM_RERANK_QUERY_LIKELIHOOD && req.calibrate == 0 && req.stream);
+    CHECK(req.reorder_last == 1);
     CHECK(req.n_intervene_layers == 1 && req.intervene_layers[0] == -1);
     CHECK(req.base.method == FITM_RERANK_CALIBRATED); /* /rerank's fields are not /answer's */
     fitm_answer_request_free(&req);
@@ -225,8 +227,10 @@ static void test_answer(void)
 
     const char *min = "{\"query\":\"q\",\"documents\":[\"a\"],\"stop\":\"x\",\"reorder\":\"none\"}";
     CHECK(fitm_api_parse_answer(min, strlen(min), &LIM, &req, &err) == FITM_OK);
-    CHECK(req.temperature == 0 && req.top_p == 1 && !req.has_seed && req.calibrate);
+    CHECK(req.temperature == 0 && req.top_p == 1 && !req.has_seed);
     CHECK(req.reorder == -1 && req.n_stop == 1 && !req.stream && req.max_tokens >= 1);
+    /* Left out: the server's defaults, filled in by the pipeline. */
+    CHECK(req.calibrate == FITM_ANSWER_UNSET && req.reorder_last == FITM_ANSWER_UNSET);
     CHECK(isnan(req.base.opt.temperature)); /* the server's default */
     char text[] = "a\xff"
                   "b";

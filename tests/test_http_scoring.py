@@ -126,13 +126,15 @@ def write_profile(path, keys: dict):
 
 
 PROFILE_OPTS = {"rows": "suffix", "layers": "-1", "window": 3, "reference": "null_suffix",
-                "fitted_on": "a test set, dev split", "fitted_metrics": "none"}
+                "fitted_on": "a test set, dev split", "fitted_metrics": "none",
+                "answer_reorder": "calibrated", "answer_calibrate": "false"}
 
 
 def test_profile_from_flag_and_beside_model(fitmd_bin, models, tmp_path):  # noqa: F811
     prof = tmp_path / "p.profile"
     write_profile(prof, {**identity(models["small"]), **PROFILE_OPTS})
-    d = Daemon(fitmd_bin, models["small"], tmp_path, profile=prof, aggregate="mean")
+    d = Daemon(fitmd_bin, models["small"], tmp_path, profile=prof, aggregate="mean",
+               answer_reorder_placement="last")
     try:
         j = post(d, BODY).json()
         m = j["meta"]
@@ -142,6 +144,14 @@ def test_profile_from_flag_and_beside_model(fitmd_bin, models, tmp_path):  # noq
         assert m["aggregate"] == "mean"  # the config's wins over the profile
         assert post(d, {**BODY, "rows": "last"}).json()["meta"]["rows"] == "last"
         assert post(d, {**BODY, "method": "paper"}).json()["meta"]["rows"] == "last"
+        # /answer's defaults: the profile's under the config's, under the request's.
+        ask = {**BODY, "max_tokens": 1}
+        m = post(d, ask, "/answer").json()["meta"]
+        assert (m["reorder"], m["calibrate"], m["reorder_placement"]) == \
+            ("calibrated", False, "last")
+        m = post(d, {**ask, "reorder": "none", "calibrate": True,
+                     "reorder_placement": "first"}, "/answer").json()["meta"]
+        assert (m["reorder"], m["calibrate"], m["reorder_placement"]) == ("none", True, "first")
     finally:
         assert d.terminate() == 0
     # <model>.profile beside the model, found without a flag
@@ -168,6 +178,7 @@ def run_fitmd(fitmd_bin, *args):  # noqa: F811
     ({"model_architecture": "qwen2"}, "model_architecture"),
     ({"colour": "blue"}, "colour = blue"),
     ({"rows": "diagonal"}, "diagonal"),
+    ({"answer_reorder": "bm25"}, "answer_reorder = 'bm25'"),
 ])
 def test_profile_refused(fitmd_bin, models, tmp_path, edit, mentions):  # noqa: F811
     prof = tmp_path / "bad.profile"
@@ -181,12 +192,17 @@ def test_config_scoring_defaults(fitmd_bin, models, tmp_path):  # noqa: F811
     assert rc == 2 and "rows" in out and "diagonal" in out
     rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--answer_template=no marks")
     assert rc != 0 and "answer_template" in out
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--answer_calibrate=maybe")
+    assert rc != 0 and "answer_calibrate = 'maybe'" in out and "true, false" in out, out
     d = Daemon(fitmd_bin, models["small"], tmp_path, reference="dummy", temperature="0.5",
                heads="0:1,1:0")
     try:
         m = post(d, BODY).json()["meta"]
         assert (m["reference"], m["temperature"], m["heads"]) == ("dummy", 0.5, [[0, 1], [1, 0]])
         assert m["score_scale"] == 2.0  # derived from the temperature without a profile
+        m = post(d, {**BODY, "max_tokens": 1}, "/answer").json()["meta"]
+        assert (m["reorder"], m["calibrate"], m["reorder_placement"]) == \
+            ("none", True, "first")  # the built-in /answer defaults
     finally:
         assert d.terminate() == 0
 
@@ -251,5 +267,10 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         a = post(d, {"query": README_QUERY, "documents": README_DOCS, "max_tokens": 32,
                      "stop": ["\n"]}, "/answer").json()
         assert "Miltrek" in a["answer"], a
+        # The profile's /answer recipe (docs/scoring-profile.md): the documents in calibrated
+        # order, the most relevant last, no intervention.
+        assert (a["meta"]["reorder"], a["meta"]["reorder_placement"], a["meta"]["calibrate"]) \
+            == ("calibrated", "last", False)
+        assert a["documents"][2]["position"] == 2
     finally:
         assert d.terminate() == 0

@@ -1,7 +1,8 @@
 /* Unit test for score.c and profile.c: option text parsing and overlay, the window groups,
  * the reduce step (skip_first, sinks, sum/mean), softmax and sigmoid; the profile parser
  * (identity keys required, bad lines and unknown keys rejected quoting the line, repeated
- * keys) and the identity check naming the differing key. */
+ * keys) and the identity check naming the differing key; /answer's defaults (text form, overlay,
+ * their profile keys). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,7 +37,9 @@ static const char GOOD[] = "# fitted by tools/fit_profile.py\n"
                            "reference = null_query\n"
                            "window = 5\n"
                            "temperature = 0.1\n"
-                           "score_scale = 12.5\n";
+                           "score_scale = 12.5\n"
+                           "answer_reorder = query_likelihood\n"
+                           "answer_calibrate = false\n";
 
 static void test_options(void)
 {
@@ -138,6 +141,8 @@ static void test_profile(void)
     CHECK(p.opts.rows == FITM_ROWS_QUESTION && p.opts.n_layers == 3 && p.opts.layers[1] == 6);
     CHECK(p.opts.n_heads == 2 && p.opts.window == 5 && p.opts.temperature == 0.1);
     CHECK(p.opts.score_scale == 12.5 && isnan(p.opts.score_bias) && p.opts.aggregate == -1);
+    CHECK(p.answer.reorder == FITM_RERANK_QUERY_LIKELIHOOD && p.answer.calibrate == 0 &&
+          p.answer.reorder_last == FITM_ANSWER_UNSET);
 
     fitm_profile_identity id = p.id;
     CHECK(fitm_profile_check(&p, &id, &err) == FITM_OK);
@@ -155,17 +160,23 @@ static void test_profile(void)
 
     /* Bad lines: the error names the file and line and quotes it. */
     CHECK(parse_edit(NULL, "colour = blue", &p, &err) == FITM_ERR_FORMAT &&
-          strstr(err.msg, "t.profile:19") && strstr(err.msg, "'colour = blue'") &&
+          strstr(err.msg, "t.profile:21") && strstr(err.msg, "'colour = blue'") &&
           strstr(err.msg, "unknown key"));
     fitm_profile_free(&p);
     CHECK(parse_edit(NULL, "just words", &p, &err) == FITM_ERR_FORMAT &&
           strstr(err.msg, "'just words'") && strstr(err.msg, "key = value"));
     fitm_profile_free(&p);
     CHECK(parse_edit(NULL, "form = diagonal", &p, &err) == FITM_ERR_FORMAT &&
-          strstr(err.msg, "t.profile:19") && strstr(err.msg, "'diagonal'"));
+          strstr(err.msg, "t.profile:21") && strstr(err.msg, "'diagonal'"));
     fitm_profile_free(&p);
     CHECK(parse_edit(NULL, "window = 3", &p, &err) == FITM_ERR_FORMAT &&
           strstr(err.msg, "given twice"));
+    fitm_profile_free(&p);
+    CHECK(parse_edit(NULL, "answer_calibrate = true", &p, &err) == FITM_ERR_FORMAT &&
+          strstr(err.msg, "given twice"));
+    fitm_profile_free(&p);
+    CHECK(parse_edit(NULL, "answer_reorder_placement = middle", &p, &err) == FITM_ERR_FORMAT &&
+          strstr(err.msg, "t.profile:21") && strstr(err.msg, "first, last"));
     fitm_profile_free(&p);
     CHECK(parse_edit("model_vocab = 262144\n", "", &p, &err) == FITM_ERR_FORMAT &&
           strstr(err.msg, "'model_vocab' is missing"));
@@ -184,9 +195,47 @@ static void test_profile(void)
     fitm_profile_free(NULL);
 }
 
+/* /answer's defaults: their text form (names, choices, the empty text unsets) and overlay. */
+static void test_answer_defaults(void)
+{
+    fitm_answer_defaults d, top;
+    fitm_err err = {{0}};
+    fitm_answer_defaults_init(&d);
+    CHECK(d.calibrate == FITM_ANSWER_UNSET && d.reorder == FITM_ANSWER_UNSET &&
+          d.reorder_last == FITM_ANSWER_UNSET);
+    CHECK(fitm_answer_defaults_is_key("answer_reorder") && !fitm_answer_defaults_is_key("reorder"));
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder", "calibrated", &err) == FITM_OK &&
+          d.reorder == FITM_RERANK_CALIBRATED);
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder", "none", &err) == FITM_OK &&
+          d.reorder == -1);
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder", "paper", &err) == FITM_OK &&
+          d.reorder == FITM_RERANK_PAPER);
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder", "bm25", &err) == FITM_ERR_INVALID &&
+          strstr(err.msg, "answer_reorder = 'bm25'") && strstr(err.msg, "query_likelihood"));
+    CHECK(d.reorder == FITM_RERANK_PAPER); /* a bad value changes nothing */
+    CHECK(fitm_answer_defaults_set(&d, "answer_calibrate", "false", &err) == FITM_OK &&
+          d.calibrate == 0);
+    CHECK(fitm_answer_defaults_set(&d, "answer_calibrate", "yes", &err) == FITM_ERR_INVALID &&
+          strstr(err.msg, "true, false"));
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder_placement", "last", &err) == FITM_OK &&
+          d.reorder_last == 1);
+    CHECK(fitm_answer_defaults_set(&d, "answer_stream", "true", &err) == FITM_ERR_NOT_FOUND);
+
+    fitm_answer_defaults_init(&top);
+    CHECK(fitm_answer_defaults_set(&top, "answer_calibrate", "true", &err) == FITM_OK);
+    fitm_answer_defaults_overlay(&d, &top); /* only what top sets */
+    CHECK(d.calibrate == 1 && d.reorder == FITM_RERANK_PAPER && d.reorder_last == 1);
+    CHECK(fitm_answer_defaults_set(&d, "answer_reorder_placement", "", &err) == FITM_OK &&
+          d.reorder_last == FITM_ANSWER_UNSET);
+    CHECK(!strcmp(fitm_rerank_method_name(FITM_RERANK_QUERY_LIKELIHOOD), "query_likelihood") &&
+          fitm_rerank_method_parse("attention_sort") == FITM_RERANK_ATTENTION_SORT &&
+          fitm_rerank_method_parse("bogus") == -1);
+}
+
 int main(void)
 {
     test_options();
+    test_answer_defaults();
     test_math();
     test_profile();
     if (failures)

@@ -295,8 +295,28 @@ def fmt_value(v) -> str:
     return str(v)
 
 
+ANSWER_KEYS = ("calibrate", "reorder", "reorder_placement")
+
+
+def answer_lines(answer: dict) -> list:
+    """A profile's /answer defaults (answer_<key> = value) from --answer's JSON, whose keys are
+    the /answer request fields of the same names."""
+    if not answer:
+        return []
+    bad = set(answer) - set(ANSWER_KEYS)
+    if bad:
+        sys.exit(f"--answer: unknown field(s) {sorted(bad)}; known: {list(ANSWER_KEYS)}")
+    lines = ["", "# /answer defaults for requests that leave them out (the request fields of "
+                 "the same names, chosen with tests/quality/quality.py --answer on the dev split)"]
+    for k in ANSWER_KEYS:
+        if k in answer:
+            v = answer[k]
+            lines.append(f"answer_{k} = {str(v).lower() if isinstance(v, bool) else v}")
+    return lines
+
+
 def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads: list,
-                  scale: float, bias: float):
+                  scale: float, bias: float, answer: dict = None):
     n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]
@@ -313,6 +333,7 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
               f"score_scale = {scale:.6g}", f"score_bias = {bias:.6g}"]
     if "temperature" in opts:  # weight = softmax(rel_scaled / temperature), for /answer
         lines.append(f"temperature = {fmt_value(float(opts['temperature']))}")
+    lines += answer_lines(answer)
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -391,7 +412,8 @@ def daemon_fit(a) -> int:
     print(f"{len(items)} items: score_scale {scale:.6g}, score_bias {bias:.6g}")
     print(cells_md(metrics))
     if a.out:
-        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias)
+        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias,
+                      json.loads(a.answer) if a.answer else None)
         print(f"wrote {a.out}")
     return 0
 
@@ -432,6 +454,9 @@ def main() -> int:
     ap.add_argument("--build", default=str(ROOT / "build"), help="with --daemon: fitmd's build")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--out", help="profile file to write")
+    ap.add_argument("--answer", metavar="JSON",
+                    help="/answer defaults to write into the profile, as /answer request "
+                         "fields: calibrate, reorder, reorder_placement")
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)
@@ -513,7 +538,8 @@ def main() -> int:
                              f"({', '.join(sorted({f'{v} K{k}' for v, k, _, _ in caps}))}); "
                              f"numpy oracle float32; {cmd}",
                 "fitted_metrics": f"{a.split}: " + cells_md(ev["cells"])}
-        write_profile(pathlib.Path(a.out), identity(a.model), prov, best, heads, scale, bias)
+        write_profile(pathlib.Path(a.out), identity(a.model), prov, best, heads, scale, bias,
+                      json.loads(a.answer) if a.answer else None)
         print(f"wrote {a.out}")
     return 0
 

@@ -10,7 +10,7 @@ model_vocab = 262144
 model_file_bytes = 253113024
 
 # provenance
-fitted_on = "tests/quality/data/dev.jsonl, 72 items (groups 0-5); scores from fitmd; tools/fit_profile.py --model MODEL --daemon '{"rows":"question","aggregate":"sum","skip_first":0,"sink_factor":0,"reference":"null_suffix","form":"difference","window":1,"layers":[3,4,5,6,7,8,9,10,11],"temperature":0.05}' --groups 6 --out config/profiles/gemma3-270m-q4km.profile"
+fitted_on = "tests/quality/data/dev.jsonl, 72 items (groups 0-5); scores from fitmd; tools/fit_profile.py --model MODEL --daemon '{"rows":"question","aggregate":"sum","skip_first":0,"sink_factor":0,"reference":"null_suffix","form":"difference","window":1,"layers":[3,4,5,6,7,8,9,10,11],"temperature":0.05}' --groups 6 --answer '{"calibrate":false,"reorder":"calibrated","reorder_placement":"last"}' --out config/profiles/gemma3-270m-q4km.profile"
 fitted_metrics = "dev: hard K10 p1: n=6 R@1 1.00 R@3 1.00; hard K10 p5: n=6 R@1 1.00 R@3 1.00; hard K10 p10: n=6 R@1 1.00 R@3 1.00; hard K20 p1: n=6 R@1 1.00 R@3 1.00; hard K20 p10: n=6 R@1 1.00 R@3 1.00; hard K20 p20: n=6 R@1 1.00 R@3 1.00; plain K10 p1: n=6 R@1 1.00 R@3 1.00; plain K10 p5: n=6 R@1 1.00 R@3 1.00; plain K10 p10: n=6 R@1 1.00 R@3 1.00; plain K20 p1: n=6 R@1 1.00 R@3 1.00; plain K20 p10: n=6 R@1 1.00 R@3 1.00; plain K20 p20: n=6 R@1 1.00 R@3 1.00"
 
 # scoring options (the /rerank request fields of the same names)
@@ -27,3 +27,8 @@ layers = 3,4,5,6,7,8,9,10,11
 score_scale = 217.728
 score_bias = -16.8394
 temperature = 0.05
+
+# /answer defaults for requests that leave them out (the request fields of the same names, chosen with tests/quality/quality.py --answer on the dev split)
+answer_calibrate = false
+answer_reorder = calibrated
+answer_reorder_placement = last

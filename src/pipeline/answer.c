@@ -281,8 +281,9 @@ static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *
         for (int32_t p = 0; st == FITM_OK && p < s->K; p++)
             s->order[p] = rr.results[req->reorder_last ? s->K - 1 - p : p].index;
         res->forward_tokens += rr.usage.forward_tokens;
+        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
         scored = st == FITM_OK && req->calibrate && req->reorder == FITM_RERANK_CALIBRATED &&
-                 rr.meta.n_groups == s->K;
+                 fitm_reranker_scores_alone(r, &q);
         for (int32_t i = 0; scored && i < s->K; i++) {
             const fitm_rerank_doc_result *d = &rr.results[i];
             res->docs[d->index].weight = d->weight;
@@ -335,7 +336,8 @@ static fitm_status intervention_layers(const fitm_answer_request *req, answer_st
  * buffer is allocated in fitm_answer_begin; steps allocate nothing. */
 struct fitm_answer_seq {
     fitm_reranker *r;
-    const fitm_answer_request *req;
+    const fitm_answer_request *req; /* &resolved                                        */
+    fitm_answer_request resolved;   /* the request's fields (borrowed), defaults filled  */
     fitm_answer_result *res;
     bool (*stop)(const void *);
     const void *stop_arg;
@@ -350,6 +352,21 @@ struct fitm_answer_seq {
     fitm_position_method position; /* the request's, resolved at begin                 */
     double t0, t_prefill;
 };
+
+/* req with the server's defaults (fitm_reranker_answer_defaults) where it left an option
+ * unset: a shallow copy, borrowing what req owns. */
+static fitm_answer_request with_defaults(const fitm_reranker *r, const fitm_answer_request *req)
+{
+    const fitm_answer_defaults *d = fitm_reranker_answer_defaults(r);
+    fitm_answer_request q = *req;
+    if (q.calibrate == FITM_ANSWER_UNSET)
+        q.calibrate = d->calibrate;
+    if (q.reorder == FITM_ANSWER_UNSET)
+        q.reorder = d->reorder;
+    if (q.reorder_last == FITM_ANSWER_UNSET)
+        q.reorder_last = d->reorder_last;
+    return q;
+}
 
 size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *q)
 {
@@ -591,8 +608,13 @@ fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
     fitm_answer_seq *q = calloc(1, sizeof *q);
     if (!q)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    *q = (fitm_answer_seq){.r = r, .req = req, .res = res, .stop = stop, .stop_arg = stop_arg,
-                           .on_delta = on_delta, .delta_arg = delta_arg, .t0 = now_ms()};
+    *q = (fitm_answer_seq){.r = r, .resolved = with_defaults(r, req), .res = res, .stop = stop,
+                           .stop_arg = stop_arg, .on_delta = on_delta, .delta_arg = delta_arg,
+                           .t0 = now_ms()};
+    req = q->req = &q->resolved;
+    res->calibrate = req->calibrate;
+    res->reorder = req->reorder;
+    res->reorder_last = req->reorder_last;
     *out = q;
     /* Plain generation (the OpenAI routes without documents) has nothing to order. */
     const bool plain = req->base.n_docs == 0;
@@ -789,9 +811,10 @@ fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
     return fitm_answer_end(q, st, err);
 }
 
-fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
+fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *request,
                              int64_t *tokens, fitm_err *err)
 {
+    const fitm_answer_request resolved = with_defaults(r, request), *req = &resolved;
     /* Plain generation: its rendered prompt, then one step per generated token but the
      * last, never past the context. */
     if (req->base.n_docs == 0) {
@@ -812,9 +835,11 @@ fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *
         st = fitm_reranker_cost(r, &q, false, &t, err);
         sum += t;
     }
-    if (st == FITM_OK && req->calibrate) {
-        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
-        st = fitm_reranker_cost(r, &q, reorder, &t, err);
+    /* The intervention's own scoring, unless it takes the reorder's (order_documents). */
+    fitm_rerank_request cal = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
+    if (st == FITM_OK && req->calibrate &&
+        !(req->reorder == FITM_RERANK_CALIBRATED && fitm_reranker_scores_alone(r, &cal))) {
+        st = fitm_reranker_cost(r, &cal, reorder, &t, err);
         sum += t;
     }
     /* Prefill at most the whole answer prompt (rows the cache holds are skipped), then one

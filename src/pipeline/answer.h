@@ -48,9 +48,10 @@ typedef struct {
     double top_p;              /* (0, 1]                                                      */
     uint64_t seed;             /* the sampler's seed                                          */
     bool has_seed;             /* the request gave it (else the HTTP layer picks one)         */
-    bool calibrate;            /* intervene with the calibrated alpha (default true)          */
+    /* FITM_ANSWER_UNSET in the next three: the server's default (fitm_answer_defaults). */
+    int32_t calibrate;         /* 1: intervene with the calibrated alpha; 0: not              */
     int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
-    bool reorder_last;         /* the reorder puts the most relevant last (next to the query) */
+    int32_t reorder_last;      /* 1: the reorder puts the most relevant last (by the query)   */
     bool ignore_eos;           /* generate past end-of-generation tokens (load tests)         */
     int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
     int32_t n_intervene_layers;
@@ -84,6 +85,7 @@ typedef struct {
     int64_t prompt_tokens, completion_tokens, forward_tokens;
     double rank_ms, prefill_ms, decode_ms, first_token_ms, total_ms;
     int32_t position_method;     /* the fitm_position_method the passes used              */
+    int32_t calibrate, reorder, reorder_last; /* the request's options as run (defaults in) */
     int32_t *tokens; /* (n_tokens) owned: prompt ids then generated ids; always kept */
     int64_t n_tokens;
     fitm_span *spans; /* (n_docs) owned: each document's body in the prompt, request order */

@@ -14,6 +14,7 @@ void fitm_profile_free(fitm_profile *p)
     fitm_score_opts_free(&p->opts);
     memset(p, 0, sizeof *p);
     fitm_score_opts_init(&p->opts);
+    fitm_answer_defaults_init(&p->answer);
 }
 
 /* The identity and provenance keys: where their value goes. */
@@ -100,14 +101,16 @@ static fitm_status parse_line(fitm_profile *p, char *s, const char *at, uint8_t 
             return fitm_err_set(err, FITM_ERR_FORMAT, "%s: '%.100s' is given twice", at, key);
         return set_id_key(p, &id_keys[i], value, at, err);
     }
-    if (!fitm_score_is_key(key))
+    bool answer = fitm_answer_defaults_is_key(key);
+    if (!answer && !fitm_score_is_key(key))
         return fitm_err_set(err, FITM_ERR_FORMAT, "%s: '%.100s = %.100s': unknown key", at, key,
                             value);
     for (int i = 0; i < *n_seen_opts; i++)
         if (!strcmp(seen_opts[i], key))
             return fitm_err_set(err, FITM_ERR_FORMAT, "%s: '%.100s' is given twice", at, key);
     snprintf(seen_opts[(*n_seen_opts)++], 32, "%s", key);
-    fitm_status st = fitm_score_opts_set(&p->opts, key, value, err);
+    fitm_status st = answer ? fitm_answer_defaults_set(&p->answer, key, value, err)
+                            : fitm_score_opts_set(&p->opts, key, value, err);
     if (st != FITM_OK) {
         fitm_err_prefix(err, "%s", at);
         return FITM_ERR_FORMAT;
@@ -120,6 +123,7 @@ fitm_status fitm_profile_parse(fitm_profile *p, const char *text, size_t len, co
 {
     memset(p, 0, sizeof *p);
     fitm_score_opts_init(&p->opts);
+    fitm_answer_defaults_init(&p->answer);
     uint8_t seen[N_ID_KEYS] = {0};
     char seen_opts[32][32];
     int n_seen_opts = 0;
@@ -153,6 +157,7 @@ fitm_status fitm_profile_load(fitm_profile *p, const char *path, fitm_err *err)
 {
     memset(p, 0, sizeof *p);
     fitm_score_opts_init(&p->opts);
+    fitm_answer_defaults_init(&p->answer);
     FILE *f = fopen(path, "rb");
     if (!f)
         return fitm_err_set(err, FITM_ERR_IO, "profile %.200s: %s", path, strerror(errno));

@@ -3,7 +3,8 @@
  * line, `#` comments, values optionally in double quotes. Keys: the identity of the model it
  * was fitted on (profile_version = 1, model_architecture, model_name, model_layers,
  * model_embd, model_heads, model_vocab, model_file_bytes), provenance (fitted_on,
- * fitted_metrics) and any scoring option of score.h with the same name and syntax. */
+ * fitted_metrics), any scoring option of score.h with the same name and syntax, and
+ * /answer's defaults (answer_calibrate, answer_reorder, answer_reorder_placement; rerank.h). */
 #ifndef FITM_PROFILE_H
 #define FITM_PROFILE_H
 
@@ -27,6 +28,7 @@ typedef struct {
     char fitted_on[FITM_PROFILE_TEXT_BYTES];
     char fitted_metrics[FITM_PROFILE_TEXT_BYTES];
     fitm_score_opts opts; /* the options the profile sets; the others unset */
+    fitm_answer_defaults answer; /* likewise                                 */
 } fitm_profile;
 
 /* Parses a profile's text (len bytes; where names it in messages, e.g. the path) into *p,

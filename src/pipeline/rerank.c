@@ -13,30 +13,6 @@
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
 
-static const char *method_names[FITM_RERANK_METHOD_COUNT] = {
-    [FITM_RERANK_CALIBRATED] = "calibrated",
-    [FITM_RERANK_ATTENTION] = "attention",
-    [FITM_RERANK_ATTENTION_SORT] = "attention_sort",
-    [FITM_RERANK_QUERY_LIKELIHOOD] = "query_likelihood",
-    [FITM_RERANK_RELEVANCE] = "relevance",
-    [FITM_RERANK_PAPER] = "paper",
-};
-
-const char *fitm_rerank_method_name(fitm_rerank_method m)
-{
-    if ((unsigned)m >= FITM_RERANK_METHOD_COUNT)
-        return "unknown";
-    return method_names[m];
-}
-
-int fitm_rerank_method_parse(const char *s)
-{
-    for (int i = 0; i < FITM_RERANK_METHOD_COUNT; i++)
-        if (!strcmp(s, method_names[i]))
-            return i;
-    return -1;
-}
-
 void fitm_rerank_request_free(fitm_rerank_request *req)
 {
     if (!req)
@@ -190,6 +166,11 @@ void fitm_reranker_destroy(fitm_reranker *r)
     free(r);
 }
 
+const fitm_answer_defaults *fitm_reranker_answer_defaults(const fitm_reranker *r)
+{
+    return &r->answer;
+}
+
 const char *fitm_reranker_template(const fitm_reranker *r)
 {
     return r->tmpl->name;
@@ -249,6 +230,9 @@ static fitm_status resolve_defaults(fitm_reranker *r, const fitm_reranker_params
         !isnan(p->defaults->temperature))
         r->defaults.score_scale = 1.0 / r->defaults.temperature; /* still orders like weight */
     r->paper_temperature = p->paper_temperature > 0 ? p->paper_temperature : 5e-5;
+    r->answer = (fitm_answer_defaults){.calibrate = 1, .reorder = -1, .reorder_last = 0};
+    if (p->answer)
+        fitm_answer_defaults_overlay(&r->answer, p->answer);
     return st;
 }
 

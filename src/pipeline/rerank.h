@@ -21,23 +21,6 @@
 #include "model/kv.h"
 #include "pipeline/score.h"
 
-typedef enum {
-    FITM_RERANK_CALIBRATED = 0, /* attention scored with the scoring options (default)     */
-    FITM_RERANK_ATTENTION,      /* the same options with no reference: uncalibrated A      */
-    FITM_RERANK_ATTENTION_SORT, /* Peysakhovich & Lerer: attention mass, sort, repeat      */
-    FITM_RERANK_QUERY_LIKELIHOOD, /* LongLLMLingua r_k                                     */
-    FITM_RERANK_RELEVANCE,      /* yes/no prompting                                        */
-    FITM_RERANK_PAPER,          /* the paper's recipe: last row, K dummy passes, mean,
-                                   difference, alpha = softmax(rel / t)                    */
-    FITM_RERANK_METHOD_COUNT
-} fitm_rerank_method;
-
-/* The method's wire name ("calibrated", ...); "unknown" out of range. */
-const char *fitm_rerank_method_name(fitm_rerank_method m);
-
-/* Parses a wire name; -1 when unknown. */
-int fitm_rerank_method_parse(const char *s);
-
 /* Longest `layers` list a request may carry. */
 #define FITM_RERANK_MAX_LAYERS FITM_SCORE_MAX_LIST
 
@@ -153,6 +136,8 @@ typedef struct {
                                     text with one {documents} and, after it, {question};
                                     "\n" for a newline. NULL or "": the built-in one       */
     const char *profile;       /* what meta reports as the profile in use; NULL: none      */
+    const fitm_answer_defaults *answer; /* /answer's defaults (profile and config); unset
+                                           ones take the built-in; may be NULL            */
     /* Position methods (docs/position-methods.md), enabled on the forward at creation:
      * MoICE's routers (borrowed, checked against the model; NULL: none, so requests for
      * moice get FITM_ERR_INVALID) and the method of requests that name none. */
@@ -190,6 +175,9 @@ fitm_position_method fitm_reranker_position(const fitm_reranker *r);
 /* NULL is a no-op. */
 void fitm_reranker_destroy(fitm_reranker *r);
 
+/* /answer's defaults after create, every one set. */
+const fitm_answer_defaults *fitm_reranker_answer_defaults(const fitm_reranker *r);
+
 /* The chat template in use after create ("raw", "gemma", ...). */
 const char *fitm_reranker_template(const fitm_reranker *r);
 
@@ -202,6 +190,11 @@ const char *fitm_reranker_template(const fitm_reranker *r);
 fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_err *err);
+
+/* Whether req's calibrated scores are each document's alone (method calibrated with windows
+ * of 1, by the request or the server's default, or one document): then they do not depend on
+ * the documents' order, and /answer's intervention may take a calibrated reorder's weights. */
+bool fitm_reranker_scores_alone(const fitm_reranker *r, const fitm_rerank_request *req);
 
 /* The forward tokens (usage.forward_tokens) fitm_reranker_run will compute for req, counted
  * from its tokenized prompts without running the model: exact for every method with the

@@ -106,6 +106,12 @@ static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_me
     return st;
 }
 
+bool fitm_reranker_scores_alone(const fitm_reranker *r, const fitm_rerank_request *req)
+{
+    int32_t W = req->opt.window >= 0 ? req->opt.window : r->defaults.window;
+    return req->method == FITM_RERANK_CALIBRATED && (req->n_docs == 1 || W == 1);
+}
+
 static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *req, plan *pl,
                              fitm_rerank_meta *meta, fitm_err *err)
 {

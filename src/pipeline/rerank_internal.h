@@ -33,6 +33,7 @@ struct fitm_reranker {
     int64_t logit_rows; /* min(LOGIT_ROWS, chunk)                                  */
     float *logits;   /* (logit_rows, V) host, for query_likelihood and relevance */
     fitm_score_opts defaults; /* every option set: built-in < params->defaults        */
+    fitm_answer_defaults answer; /* every one set: built-in < params->answer           */
     double paper_temperature;
     int32_t *kv_ids; /* (n_ctx) the ids whose rows kv holds: [0, kv_n)            */
     int64_t kv_n;

@@ -83,6 +83,86 @@ const char *fitm_score_enum_choices(const char *option)
     return k && k->kind == KEY_ENUM ? k->choices : "";
 }
 
+static const char *method_names[FITM_RERANK_METHOD_COUNT] = {
+    [FITM_RERANK_CALIBRATED] = "calibrated",
+    [FITM_RERANK_ATTENTION] = "attention",
+    [FITM_RERANK_ATTENTION_SORT] = "attention_sort",
+    [FITM_RERANK_QUERY_LIKELIHOOD] = "query_likelihood",
+    [FITM_RERANK_RELEVANCE] = "relevance",
+    [FITM_RERANK_PAPER] = "paper",
+};
+
+const char *fitm_rerank_method_name(fitm_rerank_method m)
+{
+    if ((unsigned)m >= FITM_RERANK_METHOD_COUNT)
+        return "unknown";
+    return method_names[m];
+}
+
+int fitm_rerank_method_parse(const char *s)
+{
+    for (int i = 0; i < FITM_RERANK_METHOD_COUNT; i++)
+        if (!strcmp(s, method_names[i]))
+            return i;
+    return -1;
+}
+
+void fitm_answer_defaults_init(fitm_answer_defaults *d)
+{
+    *d = (fitm_answer_defaults){FITM_ANSWER_UNSET, FITM_ANSWER_UNSET, FITM_ANSWER_UNSET};
+}
+
+bool fitm_answer_defaults_is_key(const char *name)
+{
+    return !strcmp(name, "answer_calibrate") || !strcmp(name, "answer_reorder") ||
+           !strcmp(name, "answer_reorder_placement");
+}
+
+fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, const char *text,
+                                     fitm_err *err)
+{
+    int32_t *field = !strcmp(name, "answer_calibrate")           ? &d->calibrate
+                     : !strcmp(name, "answer_reorder")           ? &d->reorder
+                     : !strcmp(name, "answer_reorder_placement") ? &d->reorder_last
+                                                                 : NULL;
+    if (!field)
+        return fitm_err_set(err, FITM_ERR_NOT_FOUND, "'%.100s' is not an /answer default", name);
+    if (!*text) {
+        *field = FITM_ANSWER_UNSET;
+        return FITM_OK;
+    }
+    const int BAD = -3;
+    int v;
+    const char *choices;
+    if (field == &d->calibrate) {
+        v = !strcmp(text, "true") ? 1 : !strcmp(text, "false") ? 0 : BAD;
+        choices = "true, false";
+    } else if (field == &d->reorder) {
+        int m = fitm_rerank_method_parse(text);
+        v = !strcmp(text, "none") ? -1 : m >= 0 ? m : BAD;
+        choices = "none, calibrated, attention, attention_sort, query_likelihood, relevance, "
+                  "paper";
+    } else {
+        v = !strcmp(text, "last") ? 1 : !strcmp(text, "first") ? 0 : BAD;
+        choices = "first, last";
+    }
+    if (v == BAD)
+        return fitm_err_set(err, FITM_ERR_INVALID, "%s = '%.100s': must be one of %s", name, text,
+                            choices);
+    *field = v;
+    return FITM_OK;
+}
+
+void fitm_answer_defaults_overlay(fitm_answer_defaults *dst, const fitm_answer_defaults *src)
+{
+    if (src->calibrate != FITM_ANSWER_UNSET)
+        dst->calibrate = src->calibrate;
+    if (src->reorder != FITM_ANSWER_UNSET)
+        dst->reorder = src->reorder;
+    if (src->reorder_last != FITM_ANSWER_UNSET)
+        dst->reorder_last = src->reorder_last;
+}
+
 bool fitm_score_is_key(const char *name)
 {
     return find_key(name) != NULL;

@@ -1,7 +1,9 @@
 /* score: the scoring options of calibrated attention (one struct, shared by requests, the
  * config defaults and the model's profile, all spelling each option the same way), their
  * text form, and the pure math that turns document attention into scores: the calibration
- * form, the window groups, the weights (alpha) and relevance_score. No model, no I/O.
+ * form, the window groups, the weights (alpha) and relevance_score. Also the methods' wire
+ * names and /answer's server defaults, which the config and the profile carry too. No model,
+ * no I/O.
  *
  * An option is "unset" (-1 for enums and counts, NAN for reals, NULL for lists) until a layer
  * sets it; fitm_score_opts_overlay stacks layers (built-in < profile < config < request).
@@ -91,6 +93,51 @@ int32_t fitm_score_enum_parse(const char *option, const char *value);
 
 /* The '|'-separated choices of an enum option ("" for other names). */
 const char *fitm_score_enum_choices(const char *option);
+
+/* ---- the methods and /answer's defaults ------------------------------------------------ */
+
+typedef enum {
+    FITM_RERANK_CALIBRATED = 0, /* attention scored with the scoring options (default)     */
+    FITM_RERANK_ATTENTION,      /* the same options with no reference: uncalibrated A      */
+    FITM_RERANK_ATTENTION_SORT, /* Peysakhovich & Lerer: attention mass, sort, repeat      */
+    FITM_RERANK_QUERY_LIKELIHOOD, /* LongLLMLingua r_k                                     */
+    FITM_RERANK_RELEVANCE,      /* yes/no prompting                                        */
+    FITM_RERANK_PAPER,          /* the paper's recipe: last row, K dummy passes, mean,
+                                   difference, alpha = softmax(rel / t)                    */
+    FITM_RERANK_METHOD_COUNT
+} fitm_rerank_method;
+
+/* The method's wire name ("calibrated", ...); "unknown" out of range. */
+const char *fitm_rerank_method_name(fitm_rerank_method m);
+
+/* Parses a wire name; -1 when unknown. */
+int fitm_rerank_method_parse(const char *s);
+
+/* /answer's server defaults for the options a request leaves out (answer.h's calibrate,
+ * reorder, reorder_placement): the profile's under the config's, FITM_ANSWER_UNSET where
+ * neither says; the reranker fills what is still unset with the built-in ones (calibrate,
+ * no reorder, first). */
+#define FITM_ANSWER_UNSET (-2)
+typedef struct {
+    int32_t calibrate;    /* 1 | 0                                           */
+    int32_t reorder;      /* -1: none; else a fitm_rerank_method             */
+    int32_t reorder_last; /* 1: the most relevant last; 0: first             */
+} fitm_answer_defaults;
+
+/* Every default unset. */
+void fitm_answer_defaults_init(fitm_answer_defaults *d);
+
+/* Whether name is one of their config and profile keys: answer_calibrate (true | false),
+ * answer_reorder (none | a /rerank method), answer_reorder_placement (first | last). */
+bool fitm_answer_defaults_is_key(const char *name);
+
+/* Sets key `name` from its text; the empty text unsets it. FITM_ERR_INVALID names the key,
+ * the value and the choices; FITM_ERR_NOT_FOUND for another name. */
+fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, const char *text,
+                                     fitm_err *err);
+
+/* Copies every default set in src over dst. */
+void fitm_answer_defaults_overlay(fitm_answer_defaults *dst, const fitm_answer_defaults *src);
 
 /* ---- the math ---------------------------------------------------------------------------- */
 

@@ -971,10 +971,15 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
     fitm_status st;
     const cJSON *it;
     int64_t v;
-    out->calibrate = true;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it) &&
-        (st = take_bool(it, "calibrate", &out->calibrate, err)) != FITM_OK)
-        return st;
+    /* calibrate, reorder and reorder_placement left out: the server's defaults (the model's
+     * profile, the config), filled in by the pipeline. */
+    out->calibrate = out->reorder = out->reorder_last = FITM_ANSWER_UNSET;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it)) {
+        bool b = false;
+        if ((st = take_bool(it, "calibrate", &b, err)) != FITM_OK)
+            return st;
+        out->calibrate = b;
+    }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "ignore_eos")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "ignore_eos", &out->ignore_eos, err)) != FITM_OK)
         return st;
@@ -984,7 +989,6 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
         if ((st = parse_calibration(it, "calibration.", &out->base, err)) != FITM_OK)
             return st;
     }
-    out->reorder = -1;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder")) && !cJSON_IsNull(it)) {
         int m = cJSON_IsString(it) ? fitm_rerank_method_parse(it->valuestring) : -1;
         if (cJSON_IsString(it) && !strcmp(it->valuestring, "none"))
@@ -998,7 +1002,7 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder_placement")) && !cJSON_IsNull(it)) {
         bool first = cJSON_IsString(it) && !strcmp(it->valuestring, "first");
         out->reorder_last = cJSON_IsString(it) && !strcmp(it->valuestring, "last");
-        if (!first && !out->reorder_last)
+        if (!first && out->reorder_last != 1)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'reorder_placement' must be \"first\" or \"last\"");
     }
@@ -1119,13 +1123,13 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
         !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->forward_tokens))
         goto done;
     cJSON *meta = cJSON_AddObjectToObject(root, "meta");
-    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", req->calibrate) ||
+    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", res->calibrate == 1) ||
         !cJSON_AddStringToObject(meta, "reorder",
-                                 req->reorder < 0 ? "none"
+                                 res->reorder < 0 ? "none"
                                                   : fitm_rerank_method_name(
-                                                        (fitm_rerank_method)req->reorder)) ||
+                                                        (fitm_rerank_method)res->reorder)) ||
         !cJSON_AddStringToObject(meta, "reorder_placement",
-                                 req->reorder_last ? "last" : "first") ||
+                                 res->reorder_last == 1 ? "last" : "first") ||
         !cJSON_AddStringToObject(
             meta, "position_method",
             fitm_position_method_name((fitm_position_method)res->position_method)) ||

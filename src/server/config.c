@@ -157,6 +157,15 @@ static const opt opts[] = {
      "empty = the profile's, else 1 / temperature"},
     {"score_bias", STR(score_bias), "", 0, 0, NULL,
      "scoring default: see score_scale; empty = the profile's, else 0"},
+    {"answer_calibrate", STR(answer_calibrate), "", 0, 0, NULL,
+     "/answer default: true|false, intervene with the calibrated weights; empty = the "
+     "profile's, else true"},
+    {"answer_reorder", STR(answer_reorder), "", 0, 0, NULL,
+     "/answer default: none or a /rerank method to order the documents by; empty = the "
+     "profile's, else none"},
+    {"answer_reorder_placement", STR(answer_reorder_placement), "", 0, 0, NULL,
+     "/answer default: first|last, where the reorder puts the most relevant document; empty = "
+     "the profile's, else first"},
     {"answer_template", STR(answer_template), "", 0, 0, NULL,
      "/answer's prompt for models without a chat template: text with {documents} once and "
      "{question} after it, \\n for newlines; empty = the built-in template (two "
@@ -287,6 +296,18 @@ fitm_status fitm_config_score_opts(const fitm_config *cfg, fitm_score_opts *o, f
         if (st != FITM_OK)
             return FITM_ERR_INVALID;
     }
+    return FITM_OK;
+}
+
+fitm_status fitm_config_answer_defaults(const fitm_config *cfg, fitm_answer_defaults *d,
+                                        fitm_err *err)
+{
+    fitm_answer_defaults_init(d);
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (fitm_answer_defaults_is_key(opts[i].name) &&
+            fitm_answer_defaults_set(d, opts[i].name, (const char *)cfg + opts[i].offset, err) !=
+                FITM_OK)
+            return FITM_ERR_INVALID;
     return FITM_OK;
 }
 

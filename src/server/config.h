@@ -59,6 +59,9 @@ typedef struct {
     char rows[16], layers[FITM_CONFIG_STR_BYTES], heads[FITM_CONFIG_STR_BYTES];
     char aggregate[16], skip_first[16], reference[16], dummy_source[16], form[16];
     char sink_factor[32], window[16], temperature[32], score_scale[32], score_bias[32];
+    /* /answer's defaults (rerank.h's fitm_answer_defaults keys); "" = the profile's, else
+     * the built-in default. */
+    char answer_calibrate[8], answer_reorder[24], answer_reorder_placement[8];
     char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in template */
     char log_level[16];                    /* debug | info | warn | error              */
 } fitm_config;
@@ -67,6 +70,11 @@ typedef struct {
  * Errors name the option. */
 fitm_status fitm_config_score_opts(const fitm_config *cfg, fitm_score_opts *o,
                                    fitm_err *err);
+
+/* /answer's defaults set in cfg (the non-empty ones) into d (the others unset). Errors name
+ * the option. */
+fitm_status fitm_config_answer_defaults(const fitm_config *cfg, fitm_answer_defaults *d,
+                                        fitm_err *err);
 
 /* Fills cfg with the defaults. */
 void fitm_config_defaults(fitm_config *cfg);

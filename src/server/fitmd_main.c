@@ -130,11 +130,13 @@ static void profile_path(const fitm_config *cfg, char *out, size_t n)
         out[0] = '\0';
 }
 
-/* The server's scoring defaults into out: the profile's options (checked against the model)
- * under the config's non-empty ones; desc says which profile (for meta). */
+/* The server's scoring and /answer defaults into out and answer: the profile's (checked
+ * against the model) under the config's non-empty ones; desc says which profile (for meta). */
 static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
-                                    fitm_score_opts *out, char *desc, size_t n, fitm_err *err)
+                                    fitm_score_opts *out, fitm_answer_defaults *answer,
+                                    char *desc, size_t n, fitm_err *err)
 {
+    fitm_answer_defaults_init(answer);
     char path[FITM_CONFIG_STR_BYTES + 16];
     profile_path(cfg, path, sizeof path);
     desc[0] = '\0';
@@ -148,6 +150,7 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
             fitm_err_prefix(err, "profile %s does not fit model %s", path, cfg->model);
         if (st == FITM_OK)
             st = fitm_score_opts_overlay(out, &p.opts, err);
+        fitm_answer_defaults_overlay(answer, &p.answer);
         snprintf(desc, n, "%s", path);
         fitm_profile_free(&p);
     } else if (strcmp(cfg->profile, "none")) {
@@ -158,6 +161,7 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
                                "built-in gemma3-270m-q4km.profile", &quiet) == FITM_OK &&
             fitm_profile_check(&p, &id, &quiet) == FITM_OK) {
             st = fitm_score_opts_overlay(out, &p.opts, err);
+            fitm_answer_defaults_overlay(answer, &p.answer);
             snprintf(desc, n, "built-in gemma3-270m-q4km.profile");
         }
         fitm_profile_free(&p);
@@ -167,6 +171,9 @@ static fitm_status scoring_defaults(const fitm_config *cfg, const fitm_model *m,
     if (st == FITM_OK && (st = fitm_config_score_opts(cfg, &conf, err)) == FITM_OK)
         st = fitm_score_opts_overlay(out, &conf, err);
     fitm_score_opts_free(&conf);
+    fitm_answer_defaults mine;
+    if (st == FITM_OK && (st = fitm_config_answer_defaults(cfg, &mine, err)) == FITM_OK)
+        fitm_answer_defaults_overlay(answer, &mine);
     return st;
 }
 
@@ -338,7 +345,9 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     fitm_score_opts defaults;
     fitm_score_opts_init(&defaults);
     char profile[256];
-    if ((st = scoring_defaults(cfg, dm->model, &defaults, profile, sizeof profile, err)) !=
+    fitm_answer_defaults answer;
+    if ((st = scoring_defaults(cfg, dm->model, &defaults, &answer, profile, sizeof profile,
+                               err)) !=
         FITM_OK) {
         fitm_score_opts_free(&defaults);
         return st;
@@ -351,6 +360,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
                                .answer_template = cfg->answer_template, .profile = profile,
+                               .answer = &answer,
                                .moice = dm->moice,
                                .position = (fitm_position_method)fitm_position_method_parse(
                                    cfg->position_method)};

@@ -2,7 +2,7 @@
 """MDQA-style evaluation of the position methods (docs/moice-results.md): /answer accuracy by
 gold-document position (1, (K + 1) // 2, K of tests/quality/dataset.py) for K = 10 and 20, for
 each `position_method` (none, ms_poe, attention_buckets, moice), each without and with
-calibration (`calibrate: false` / the default recalibrated mode), the worst-to-best gap over
+calibration (`calibrate: false` / `true`, with `reorder: none`), the worst-to-best gap over
 the gold positions, and the cost of each method against `none`: prefill and decode tokens/s
 (from meta.timings_ms) and the daemon's peak resident memory.
 
@@ -48,7 +48,8 @@ class Cell:
 
 
 def mode_fields(method: str, calibrate: bool) -> dict:
-    return {"position_method": method, **({} if calibrate else {"calibrate": False})}
+    # Both named: the server's own /answer defaults (the model's profile) may reorder.
+    return {"position_method": method, "calibrate": calibrate, "reorder": "none"}
 
 
 def ask(url: str, item: dict, fields: dict, max_tokens: int):

@@ -11,8 +11,9 @@ Methods: `bm25` (computed here), a server method name (`calibrated`, `attention`
 unchanged, e.g.
     --method paper calibrated query_likelihood bm25 \\
     --method 'icr={"method": "calibrated", "rows": "question", "reference": "null_query"}'
-Answer modes are LABEL=JSON bodies for /answer (default: vanilla = {"calibrate": false},
-calibrated = {}). A method or mode the server rejects (an option it does not know yet, say)
+Answer modes are LABEL=JSON bodies for /answer (default: vanilla = {"calibrate": false,
+"reorder": "none"}, plain generation; calibrated = the same with calibrate true; default = {},
+the server's own defaults, which the model's profile may set). A method or mode the server rejects (an option it does not know yet, say)
 is reported as such in its row and the run goes on.
 
     tests/quality/quality.py --model M.gguf [--split test] [--groups 50] [--k 10 20]
@@ -43,7 +44,8 @@ import dataset  # noqa: E402
 
 ROOT = HERE.parent.parent
 
-DEFAULT_MODES = ['vanilla={"calibrate": false}', "calibrated={}"]
+DEFAULT_MODES = ['vanilla={"calibrate": false, "reorder": "none"}',
+                 'calibrated={"calibrate": true, "reorder": "none"}', "default={}"]
 
 
 def start_daemon(model: str, build: str, extra: list) -> tuple:
