@@ -99,7 +99,9 @@ void fitm_answer_result_free(fitm_answer_result *res);
  * nothing sendable yet. Returns false to cancel (the client went away). */
 typedef bool (*fitm_answer_on_delta)(void *arg, const char *text, size_t len);
 
-/* Answers req into *res (the caller frees it, also after a failure). stop(stop_arg) is
+/* Answers req into *res (the caller frees it, also after a failure), with the server's
+ * defaults where req leaves calibrate, reorder or reorder_last unset (res says what ran).
+ * stop(stop_arg) is
  * polled between forward calls (FITM_ERR_TIMEOUT when it returns true); on_delta may be NULL.
  * Errors: as fitm_reranker_run, plus FITM_ERR_CANCELLED when on_delta returned false.
  * Not thread-safe: runs on the reranker's thread. */
@@ -130,7 +132,8 @@ fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request
 typedef struct fitm_answer_seq fitm_answer_seq;
 
 /* Starts req into *res (as fitm_answer_run; the caller frees res). *out is the sequence to
- * step, also on failure (then pass it straight to fitm_answer_end). */
+ * step, also on failure (then pass it straight to fitm_answer_end); it holds req with the
+ * defaults filled in, borrowing what req owns until fitm_answer_end. */
 fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_answer_on_delta on_delta, void *delta_arg,
@@ -165,11 +168,14 @@ size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *seq);
 /* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
 uint64_t fitm_answer_rand(uint64_t *state);
 
-/* At most the forward tokens (forward_tokens) fitm_answer_run will compute for req, counted
- * from its tokenized prompts without running the model: the reorder's and the calibration's
- * ranking (fitm_reranker_cost; bounded when the reorder's order is not known yet), the whole
- * answer prompt (plain generation's: its rendered messages; less when the cache already holds
- * its start) and max_tokens - 1 decode steps, within the context. Fails as fitm_reranker_cost does. Thread-safety as fitm_reranker_cost. */
+/* At most the forward tokens (forward_tokens) fitm_answer_run will compute for req (the
+ * server's defaults filled in), counted from its tokenized prompts without running the model:
+ * the reorder's and the calibration's ranking (fitm_reranker_cost; bounded when the reorder's
+ * order is not known yet; one ranking when the calibration takes a calibrated reorder's
+ * scores, fitm_reranker_scores_alone), the whole answer prompt (plain generation's: its
+ * rendered messages; less when the cache already holds its start) and max_tokens - 1 decode
+ * steps, within the context. Fails as fitm_reranker_cost does. Thread-safety as
+ * fitm_reranker_cost. */
 fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
                              int64_t *tokens, fitm_err *err);
 
