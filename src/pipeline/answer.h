@@ -101,8 +101,8 @@ typedef bool (*fitm_answer_on_delta)(void *arg, const char *text, size_t len);
 
 /* Answers req into *res (the caller frees it, also after a failure), with the server's
  * defaults where req leaves calibrate, reorder or reorder_last unset (res says what ran).
- * stop(stop_arg) is
- * polled between forward calls (FITM_ERR_TIMEOUT when it returns true); on_delta may be NULL.
+ * stop(stop_arg) is polled between forward calls (FITM_ERR_TIMEOUT when it returns true);
+ * on_delta may be NULL.
  * Errors: as fitm_reranker_run, plus FITM_ERR_CANCELLED when on_delta returned false.
  * Not thread-safe: runs on the reranker's thread. */
 fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
