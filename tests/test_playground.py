@@ -46,16 +46,19 @@ def browser():
     return webdriver.Chrome(service=Service(driver), options=opts)
 
 
-def run_page(b, base, key, query, docs, max_tokens, timeout=120):
-    """Fills the form, runs it and waits until the page says done (or shows an error)."""
+def run_page(b, base, key, query, docs, max_tokens, timeout=120, mode=None):
+    """Fills the form (mode: the answer mode's index, else the page's default), runs it and
+    waits until the page says done (or shows an error)."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.webdriver.support.ui import Select, WebDriverWait
     b.get(base + "/")
     for field, value in (("key", key), ("query", query), ("documents", "\n".join(docs)),
                          ("max_tokens", str(max_tokens))):
         el = b.find_element(By.ID, field)
         el.clear()
         el.send_keys(value)
+    if mode is not None:
+        Select(b.find_element(By.ID, "mode")).select_by_index(mode)
     b.find_element(By.ID, "run").click()
     st = b.find_element(By.ID, "status")
     WebDriverWait(b, timeout).until(
@@ -69,7 +72,8 @@ def reference(base, query, docs, max_tokens, key):
                       timeout=300)
     assert r.status_code == 200, r.text
     a = requests.post(base + "/answer", json={"query": query, "documents": docs,
-                      "max_tokens": max_tokens, "calibrate": True}, headers=h, timeout=300)
+                      "max_tokens": max_tokens, "stop": ["\n"]}, headers=h,
+                      timeout=300)  # the page's defaults: the server's mode, one line
     assert a.status_code == 200, a.text
     return r.json()["results"], a.json()
 
@@ -137,11 +141,12 @@ def test_playground_draws_what_the_api_returns(daemon, tmp_path):
             [x["index"] for x in results]
         assert ranked[0].text.startswith(DOCS[results[0]["index"]])
 
-        # The positional-bias curve: one point per position, at the reference attention.
+        # The positional-bias curve: one point per document in the order sent, at its
+        # reference attention.
         points = b.find_elements(By.CSS_SELECTOR, "#bias circle.point")
-        got = [(int(p.get_attribute("data-position")), float(p.get_attribute("data-value")))
+        got = [(int(p.get_attribute("data-index")), float(p.get_attribute("data-value")))
                for p in points]
-        assert got == sorted((x["position"], x["dummy_attention"]) for x in results)
+        assert got == sorted((x["index"], x["dummy_attention"]) for x in results)
         ys = [float(p.get_attribute("cy")) for p in points]
         vs = [v for _, v in got]
         for i in range(len(vs)):  # higher attention is drawn higher up (smaller y)
@@ -158,10 +163,17 @@ def test_playground_draws_what_the_api_returns(daemon, tmp_path):
         assert got_w == {d["index"]: d["weight"] for d in answer["documents"]}
         meta = b.find_element(By.ID, "answer-meta").text
         assert answer["finish_reason"] in meta
+        assert f"reorder {answer['meta']['reorder']}" in meta, meta
         assert f"{answer['usage']['completion_tokens']} tokens" in meta
 
         shot = tmp_path / "playground.png"
         assert b.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        # The other answer modes send their fields: plain generation, say.
+        st = run_page(b, daemon.base, KEY, QUERY, DOCS, MAX_TOKENS, mode=3)
+        assert st.text == "done", st.text
+        meta = b.find_element(By.ID, "answer-meta").text
+        assert "reorder none" in meta and "calibrate false" in meta, meta
 
         # A wrong key: the page shows the server's 401, and draws no answer.
         st = run_page(b, daemon.base, "wrong", QUERY, DOCS, MAX_TOKENS)
