@@ -69,6 +69,7 @@ RERANK_CASES = [
     ("calibrated", {"reference": "both", "prefix_reuse": True, "window": 3}),
     ("calibrated", {"reference": "null_suffix", "prefix_reuse": True}),
     ("calibrated", {"reference": "null_suffix", "prefix_reuse": False, "window": 2}),
+    ("calibrated", {"reference": "null_suffix", "head_query": "null", "window": 1}),
     ("calibrated", {"reference": "dummy", "dummy_source": "documents", "rows": "question"}),
     ("attention", {"window": 4}),
     ("paper", {"prefix_reuse": True}),

@@ -61,7 +61,8 @@ def builtin(L: int) -> dict:
     first, n = math.floor(L * 5 / 18), max(1, math.floor(L * 3 / 18 + 0.5))
     return {"rows": "question", "layers": [min(first + i, L - 1) for i in range(n)],
             "heads": None, "aggregate": "sum", "skip_first": 0, "reference": "null_query",
-            "dummy_source": "fixed", "form": "difference", "sink_factor": 0.0, "window": 0,
+            "dummy_source": "fixed", "form": "difference", "head_query": "query",
+            "sink_factor": 0.0, "window": 0,
             "temperature": 0.05, "score_scale": 20.0, "score_bias": 0.0}
 
 
@@ -76,6 +77,8 @@ VARIANTS = [
                     "score_bias": -0.5}),
     ("calibrated", {"sink_factor": 1.5, "skip_first": 2, "aggregate": "mean"}),
     ("calibrated", {"heads": [[0, 1], [-1, 0]], "reference": "none"}),
+    ("calibrated", {"head_query": "null", "window": 1}),
+    ("calibrated", {"head_query": "null", "reference": "null_suffix", "window": 2}),
     ("attention", {"rows": "last"}),
 ]
 
@@ -127,6 +130,11 @@ def check_structure(j, o, K, model):
             # same in both prompts, and (null_suffix) so is everything before them
             nq0, nq1 = g["null_question"]
             assert n[nq1:] == ids[q1:]
+            # Before the documents: the query, or (head_query null) "N/A" as in the whole
+            # null_query prompt
+            if o["reference"] in ("null_query", "both"):
+                same = n[:g["null_spans"][0][0]] == ids[:g["spans"][0][0]]
+                assert same == (o["head_query"] == "null")
             if o["reference"] == "null_suffix":
                 end = g["spans"][-1][1]
                 assert n[:end] == ids[:end]
@@ -162,8 +170,8 @@ def test_options_match_oracle(served, variant):
     if method == "attention":
         o["reference"] = "none"
     meta = j["meta"]
-    for key in ("rows", "aggregate", "skip_first", "reference", "form", "window", "temperature",
-                "score_scale", "score_bias", "sink_factor"):
+    for key in ("rows", "aggregate", "skip_first", "reference", "form", "head_query", "window",
+                "temperature", "score_scale", "score_bias", "sink_factor"):
         assert meta[key] == o[key], (key, meta[key], o[key])
     want_layers = sorted({h[0] % L for h in o["heads"]} if o["heads"] else
                          {l % L for l in o["layers"]})

@@ -59,6 +59,10 @@ static void test_options(void)
           strstr(err.msg, "layer:head"));
     CHECK(fitm_score_opts_set(&o, "heads", "5:-1", &err) == FITM_ERR_INVALID);
     CHECK(fitm_score_opts_set(&o, "window", "-2", &err) == FITM_ERR_INVALID);
+    CHECK(fitm_score_opts_set(&o, "head_query", "null", &err) == FITM_OK &&
+          o.head_query == FITM_HEAD_NULL);
+    CHECK(fitm_score_opts_set(&o, "head_query", "none", &err) == FITM_ERR_INVALID &&
+          strstr(err.msg, "query|null"));
     CHECK(fitm_score_opts_set(&o, "sink_factor", "2.5", &err) == FITM_OK && o.sink_factor == 2.5);
     CHECK(fitm_score_opts_set(&o, "temperature", "0", &err) == FITM_ERR_INVALID);
     CHECK(fitm_score_opts_set(&o, "bogus", "1", &err) == FITM_ERR_NOT_FOUND);

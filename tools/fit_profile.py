@@ -326,6 +326,8 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     lines += ["", "# scoring options (the /rerank request fields of the same names)"]
     for k in OPTION_KEYS:
         lines.append(f"{k} = {fmt_value(opts[k])}")
+    if "head_query" in opts:  # not a choice of the oracle path: the query there
+        lines.append(f"head_query = {fmt_value(opts['head_query'])}")
     lines.append("layers = " + ",".join(str(l) for l in sorted({h[0] for h in heads})))
     if len(heads) != len({h[0] for h in heads}) * n_head:
         lines.append("heads = " + ",".join(f"{l}:{h}" for l, h in heads))

@@ -61,6 +61,7 @@ static fitm_status paper_opts(const fitm_reranker *r, const fitm_rerank_request 
     o->reference = FITM_REF_DUMMY;
     o->dummy_source = FITM_DUMMY_FIXED;
     o->form = FITM_FORM_DIFFERENCE;
+    o->head_query = FITM_HEAD_QUERY;
     o->sink_factor = 0;
     o->window = 0;
     o->temperature = isnan(req->opt.temperature) ? r->paper_temperature : req->opt.temperature;
@@ -151,8 +152,9 @@ static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *
 
 /* ---- score: prompts and passes ---------------------------------------------------------- */
 
-/* The prompt of the n documents order[0..n) with the queries q (NULL: the request's), and
- * the rows the plan captures in it. */
+/* The prompt of the n documents order[0..n) with the queries q (NULL: the request's; the one
+ * before the documents is "N/A" whatever q says under head_query null), and the rows the plan
+ * captures in it. */
 static fitm_status make_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
                                const plan *pl, const int32_t *order, int32_t n,
                                const fitm_rr_queries *q, prompt *p, fitm_err *err)
@@ -160,7 +162,14 @@ static fitm_status make_prompt(const fitm_reranker *r, const fitm_rerank_request
     p->spans = calloc((size_t)n, sizeof *p->spans);
     if (!p->spans)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    fitm_status st = fitm_rr_build_prompt(r, req, NULL, order, n, q, &p->ids, p->spans,
+    fitm_rr_queries own = q ? *q
+                            : (fitm_rr_queries){req->query, req->query, req->query_len,
+                                                req->query_len};
+    if (pl->o.head_query == FITM_HEAD_NULL) {
+        own.head = NULL_QUERY;
+        own.head_len = sizeof NULL_QUERY - 1;
+    }
+    fitm_status st = fitm_rr_build_prompt(r, req, NULL, order, n, &own, &p->ids, p->spans,
                                           &p->question, err);
     if (st != FITM_OK)
         return st;

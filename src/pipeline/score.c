@@ -13,6 +13,7 @@ static const char *const reference_names[] = {"none", "dummy", "null_query", "nu
                                               "both", NULL};
 static const char *const dummy_source_names[] = {"fixed", "documents", NULL};
 static const char *const form_names[] = {"difference", "log_ratio", NULL};
+static const char *const head_query_names[] = {"query", "null", NULL};
 
 typedef enum { KEY_ENUM, KEY_INT, KEY_REAL, KEY_LAYERS, KEY_HEADS } key_kind;
 
@@ -36,6 +37,7 @@ static const key_def keys[] = {
      "none|dummy|null_query|null_suffix|both", 0, 0},
     {"dummy_source", KEY_ENUM, OFF(dummy_source), dummy_source_names, "fixed|documents", 0, 0},
     {"form", KEY_ENUM, OFF(form), form_names, "difference|log_ratio", 0, 0},
+    {"head_query", KEY_ENUM, OFF(head_query), head_query_names, "query|null", 0, 0},
     {"sink_factor", KEY_REAL, OFF(sink_factor), NULL, NULL, 0, 1e6},
     {"window", KEY_INT, OFF(window), NULL, NULL, 0, 4096},
     {"temperature", KEY_REAL, OFF(temperature), NULL, NULL, 1e-12, 1e6},
@@ -65,6 +67,7 @@ const char *fitm_score_aggregate_name(int32_t v) { return name_of(aggregate_name
 const char *fitm_score_reference_name(int32_t v) { return name_of(reference_names, v); }
 const char *fitm_score_dummy_source_name(int32_t v) { return name_of(dummy_source_names, v); }
 const char *fitm_score_form_name(int32_t v) { return name_of(form_names, v); }
+const char *fitm_score_head_query_name(int32_t v) { return name_of(head_query_names, v); }
 
 int32_t fitm_score_enum_parse(const char *option, const char *value)
 {
@@ -171,7 +174,8 @@ bool fitm_score_is_key(const char *name)
 void fitm_score_opts_init(fitm_score_opts *o)
 {
     *o = (fitm_score_opts){.rows = -1, .aggregate = -1, .skip_first = -1, .reference = -1,
-                           .dummy_source = -1, .form = -1, .sink_factor = NAN, .window = -1,
+                           .dummy_source = -1, .form = -1, .head_query = -1,
+                           .sink_factor = NAN, .window = -1,
                            .temperature = NAN, .score_scale = NAN, .score_bias = NAN};
 }
 
@@ -214,7 +218,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
     if (!isnan(src->f))                                                                           \
         dst->f = src->f;
     OVER_INT(rows) OVER_INT(aggregate) OVER_INT(skip_first) OVER_INT(reference)
-    OVER_INT(dummy_source) OVER_INT(form) OVER_INT(window)
+    OVER_INT(dummy_source) OVER_INT(form) OVER_INT(head_query) OVER_INT(window)
     OVER_REAL(sink_factor) OVER_REAL(temperature) OVER_REAL(score_scale) OVER_REAL(score_bias)
 #undef OVER_INT
 #undef OVER_REAL
@@ -239,6 +243,7 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     o->reference = FITM_REF_NULL_QUERY;
     o->dummy_source = FITM_DUMMY_FIXED;
     o->form = FITM_FORM_DIFFERENCE;
+    o->head_query = FITM_HEAD_QUERY;
     o->sink_factor = 0;
     o->window = 0;
     o->temperature = 0.05;

@@ -29,6 +29,9 @@ typedef enum {
 } fitm_score_reference;
 typedef enum { FITM_DUMMY_FIXED = 0, FITM_DUMMY_DOCUMENTS } fitm_score_dummy_source;
 typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
+/* The question before the documents in the scored prompts: the request's query (the paper's
+ * prompt) or "N/A", so that the trailing question's rows find it only in the documents. */
+typedef enum { FITM_HEAD_QUERY = 0, FITM_HEAD_NULL } fitm_score_head_query;
 
 /* Longest `layers` or `heads` list. */
 #define FITM_SCORE_MAX_LIST 512
@@ -46,6 +49,7 @@ typedef struct {
     int32_t reference;    /* fitm_score_reference                                          */
     int32_t dummy_source; /* fitm_score_dummy_source                                       */
     int32_t form;         /* fitm_score_form                                               */
+    int32_t head_query;   /* fitm_score_head_query                                         */
     double sink_factor;   /* 0 = off; f > 0: tokens over f x the span's mean reference
                              attention are left out                                         */
     int32_t window;       /* 0 = off; W > 0: groups of about W documents                   */
@@ -67,7 +71,8 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
 /* The built-in defaults for a model of L layers into *o (overwritten, not freed; every option
  * set): rows question, the
  * layers at 28-44% of the depth (5, 6, 7 of 18), sum, skip_first 0, null_query, fixed
- * dummy, difference, no sinks, no windows, temperature 0.05, and score_scale = 1 /
+ * dummy, difference, the query as the head's question, no sinks, no windows, temperature
+ * 0.05, and score_scale = 1 /
  * temperature, score_bias 0 (so relevance_score orders exactly like weight). */
 fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err);
 
@@ -86,6 +91,7 @@ const char *fitm_score_aggregate_name(int32_t v);
 const char *fitm_score_reference_name(int32_t v);
 const char *fitm_score_dummy_source_name(int32_t v);
 const char *fitm_score_form_name(int32_t v);
+const char *fitm_score_head_query_name(int32_t v);
 
 /* Parses an enum option's value by option name ("rows", "aggregate", "reference",
  * "dummy_source", "form"); -1 when the name or the value is unknown. */

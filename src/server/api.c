@@ -258,9 +258,10 @@ static fitm_status option_text(const cJSON *it, const char *pre, const char *nam
 static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_score_opts *o,
                                        fitm_err *err)
 {
-    static const char *const names[] = {"rows",        "heads",  "aggregate",  "skip_first",
-                                        "reference",   "dummy_source", "form", "sink_factor",
-                                        "window",      "score_scale",  "score_bias"};
+    static const char *const names[] = {"rows",         "heads",      "aggregate",
+                                        "skip_first",   "reference",  "dummy_source",
+                                        "form",         "head_query", "sink_factor",
+                                        "window",       "score_scale", "score_bias"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
         if (!it || cJSON_IsNull(it))
@@ -719,6 +720,8 @@ static bool add_options(cJSON *meta, const fitm_score_opts *o, int32_t n_groups)
         !cJSON_AddStringToObject(meta, "dummy_source",
                                  fitm_score_dummy_source_name(o->dummy_source)) ||
         !cJSON_AddStringToObject(meta, "form", fitm_score_form_name(o->form)) ||
+        !cJSON_AddStringToObject(meta, "head_query",
+                                 fitm_score_head_query_name(o->head_query)) ||
         !cJSON_AddNumberToObject(meta, "sink_factor", o->sink_factor) ||
         !cJSON_AddNumberToObject(meta, "window", o->window) ||
         !cJSON_AddNumberToObject(meta, "groups", n_groups) ||

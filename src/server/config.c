@@ -145,6 +145,9 @@ static const opt opts[] = {
     {"form", STR(form), "", 0, 0, NULL,
      "scoring default: difference|log_ratio calibration; empty = the profile's, else "
      "difference"},
+    {"head_query", STR(head_query), "", 0, 0, NULL,
+     "scoring default: query|null, the question before the documents (null: \"N/A\", so the "
+     "trailing question finds it only in the documents); empty = the profile's, else query"},
     {"sink_factor", STR(sink_factor), "", 0, 0, NULL,
      "scoring default: leave out tokens over f x the mean reference attention (0 = off); "
      "empty = the profile's, else 0"},

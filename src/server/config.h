@@ -58,6 +58,7 @@ typedef struct {
      * profile's, else the built-in default. */
     char rows[16], layers[FITM_CONFIG_STR_BYTES], heads[FITM_CONFIG_STR_BYTES];
     char aggregate[16], skip_first[16], reference[16], dummy_source[16], form[16];
+    char head_query[16];
     char sink_factor[32], window[16], temperature[32], score_scale[32], score_bias[32];
     /* /answer's defaults (rerank.h's fitm_answer_defaults keys); "" = the profile's, else
      * the built-in default. */
