@@ -4,7 +4,7 @@
  * was fitted on (profile_version = 1, model_architecture, model_name, model_layers,
  * model_embd, model_heads, model_vocab, model_file_bytes), provenance (fitted_on,
  * fitted_metrics), any scoring option of score.h with the same name and syntax, and
- * /answer's defaults (answer_calibrate, answer_reorder, answer_reorder_placement; rerank.h). */
+ * /answer's defaults (answer_calibrate, answer_reorder, answer_reorder_placement; score.h). */
 #ifndef FITM_PROFILE_H
 #define FITM_PROFILE_H
 
