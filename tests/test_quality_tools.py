@@ -170,6 +170,37 @@ def test_windows_auc_and_logistic_fit():
     assert abs(scale - 3.0) < 0.2 and abs(bias + 1.0) < 0.1
 
 
+def test_shipped_profile_is_what_the_writer_writes(tmp_path):
+    """The shipped profile is tools/fit_profile.py's output for the fitted numbers it records
+    and the --daemon and --answer arguments of the command in its fitted_on; a bad --answer
+    stops the tool before any fitting."""
+    import re
+    import fit_profile
+    shipped = ROOT / "config" / "profiles" / "gemma3-270m-q4km.profile"
+    kv = {}
+    for line in shipped.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            k, v = (x.strip() for x in line.split("=", 1))
+            kv[k] = v[1:-1] if v.startswith('"') and v.endswith('"') else v
+    texts = ("model_architecture", "model_name")
+    ident = {k: kv[k] if k in texts else int(kv[k]) for k in
+             ("profile_version", "model_architecture", "model_name", "model_layers",
+              "model_embd", "model_heads", "model_vocab", "model_file_bytes")}
+    opts = json.loads(re.search(r"--daemon '(\{.*?\})'", kv["fitted_on"]).group(1))
+    answer = fit_profile.parse_answer(re.search(r"--answer '(\{.*?\})'",
+                                                kv["fitted_on"]).group(1))
+    heads = [(l, h) for l in opts["layers"] for h in range(ident["model_heads"])]
+    out = tmp_path / "p.profile"
+    fit_profile.write_profile(out, ident, {k: kv[k] for k in ("fitted_on", "fitted_metrics")},
+                              opts, heads, float(kv["score_scale"]), float(kv["score_bias"]),
+                              answer)
+    assert out.read_text() == shipped.read_text()
+    assert (kv["answer_reorder"], kv["answer_reorder_placement"], kv["answer_calibrate"]) == \
+        ("calibrated", "last", "false")
+    with pytest.raises(SystemExit, match="unknown field"):
+        fit_profile.parse_answer('{"reorder": "calibrated", "stream": true}')
+
+
 def test_table_rows_and_rejected_methods():
     ok, bad = quality.Cell(), quality.Cell()
     ok.n, ok.r1, ok.r3, ok.fwd, ok.prompt, ok.wall = 4, 1, 3, 800, 400, 2.0

@@ -298,14 +298,20 @@ def fmt_value(v) -> str:
 ANSWER_KEYS = ("calibrate", "reorder", "reorder_placement")
 
 
-def answer_lines(answer: dict) -> list:
-    """A profile's /answer defaults (answer_<key> = value) from --answer's JSON, whose keys are
-    the /answer request fields of the same names."""
-    if not answer:
-        return []
-    bad = set(answer) - set(ANSWER_KEYS)
+def parse_answer(text: str) -> dict:
+    """--answer's JSON (the /answer request fields of ANSWER_KEYS), checked before any fitting
+    runs; {} when not given."""
+    answer = json.loads(text) if text else {}
+    bad = set(answer) - set(ANSWER_KEYS) if isinstance(answer, dict) else {"(not an object)"}
     if bad:
         sys.exit(f"--answer: unknown field(s) {sorted(bad)}; known: {list(ANSWER_KEYS)}")
+    return answer
+
+
+def answer_lines(answer: dict) -> list:
+    """A profile's /answer defaults (answer_<key> = value), from parse_answer's dict."""
+    if not answer:
+        return []
     lines = ["", "# /answer defaults for requests that leave them out (the request fields of "
                  "the same names, chosen with tests/quality/quality.py --answer on the dev split)"]
     for k in ANSWER_KEYS:
@@ -414,8 +420,7 @@ def daemon_fit(a) -> int:
     print(f"{len(items)} items: score_scale {scale:.6g}, score_bias {bias:.6g}")
     print(cells_md(metrics))
     if a.out:
-        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias,
-                      json.loads(a.answer) if a.answer else None)
+        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias, a.answer)
         print(f"wrote {a.out}")
     return 0
 
@@ -474,6 +479,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, nargs="+",
                     help="use every head of these layers instead of selecting heads by AUC")
     a = ap.parse_args()
+    a.answer = parse_answer(a.answer)
     if a.daemon:
         return daemon_fit(a)
     if not a.cache:
@@ -541,7 +547,7 @@ def main() -> int:
                              f"numpy oracle float32; {cmd}",
                 "fitted_metrics": f"{a.split}: " + cells_md(ev["cells"])}
         write_profile(pathlib.Path(a.out), identity(a.model), prov, best, heads, scale, bias,
-                      json.loads(a.answer) if a.answer else None)
+                      a.answer)
         print(f"wrote {a.out}")
     return 0
 
