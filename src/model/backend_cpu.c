@@ -527,10 +527,11 @@ static bool is_float_type(fitm_dtype t)
  * in the batch never change its value. */
 #if VW == 16
 #define MR 6 /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast of 32 registers */
-#else
-#define MR 4
-#endif
 #define NB 4
+#else
+#define MR 6 /* 6 x 2 accumulators + 2 weight vectors + 1 broadcast of 16 registers */
+#define NB 2
+#endif
 
 static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float *Y, int64_t n0,
                           int64_t n1, float *scratch, const float *zero_row)
