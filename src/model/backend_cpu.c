@@ -28,6 +28,7 @@
 #define PAR_MIN_ELEMS 32768    /* element-wise ops smaller than this run inline       */
 #define MAX_VEC_TYPES 3        /* distinct activation types in one matmul call        */
 #define FLOAT_TILE 64          /* rows of a float weight converted to F32 at a time   */
+#define PACK_ROWS 8            /* rows converted together, then stored K-major       */
 #define MATVEC_TASK_BYTES 262144 /* least weight bytes per task of a one-row product */
 
 typedef struct {
@@ -145,7 +146,7 @@ static fitm_status cpu_reserve(fitm_backend *b, int64_t max_tokens, int64_t max_
                                           (size_t)TILE_Q * (size_t)max_keys * sizeof(float));
     c->mass = (double **)alloc_per_thread(c->n_threads, FITM_FORWARD_MAX_SPANS * sizeof(double));
     c->mm_scratch = (float **)alloc_per_thread(
-        c->n_threads, (size_t)(FLOAT_TILE + 1) * (size_t)max_k * sizeof(float));
+        c->n_threads, (size_t)(FLOAT_TILE + PACK_ROWS) * (size_t)max_k * sizeof(float));
     c->zero_row = cpu_alloc(NULL, (size_t)max_k * sizeof(float));
     bool ok = c->scores && c->mixed && c->mass && c->mm_scratch && c->zero_row;
     for (int i = 0; i < MAX_VEC_TYPES && ok; i++) {
@@ -537,21 +538,27 @@ static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float
                           int64_t n1, float *scratch, const float *zero_row)
 {
     const int64_t K = w->n_cols, N = w->n_rows, nr = n1 - n0;
-    float *Wp = scratch;                  /* (K, FLOAT_TILE) */
-    float *row = scratch + K * FLOAT_TILE; /* (K) one converted row */
-    for (int64_t r = 0; r < FLOAT_TILE; r++) {
-        const float *src;
-        if (r >= nr) {
-            src = zero_row;
-        } else if (w->type == FITM_DTYPE_F32) {
-            src = (const float *)w->data + (n0 + r) * K;
-        } else {
-            fitm_dequant_row(w->type, (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
-                             row, K);
-            src = row;
+    float *Wp = scratch;                   /* (K, FLOAT_TILE) */
+    float *rows = scratch + K * FLOAT_TILE; /* (PACK_ROWS, K) converted rows */
+    for (int64_t r0 = 0; r0 < FLOAT_TILE; r0 += PACK_ROWS) {
+        /* PACK_ROWS rows converted, then written column by column: each k stores PACK_ROWS
+         * adjacent floats of Wp instead of one float per cache line of the tile */
+        const float *src[PACK_ROWS];
+        for (int i = 0; i < PACK_ROWS; i++) {
+            const int64_t r = r0 + i;
+            if (r >= nr) {
+                src[i] = zero_row;
+            } else if (w->type == FITM_DTYPE_F32) {
+                src[i] = (const float *)w->data + (n0 + r) * K;
+            } else {
+                fitm_dequant_row(w->type, (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
+                                 rows + i * K, K);
+                src[i] = rows + i * K;
+            }
         }
         for (int64_t k = 0; k < K; k++)
-            Wp[k * FLOAT_TILE + r] = src[k];
+            for (int i = 0; i < PACK_ROWS; i++)
+                Wp[k * FLOAT_TILE + r0 + i] = src[i][k];
     }
     for (int64_t c0 = 0; c0 < nr; c0 += NB * VW) {
         for (int64_t m0 = 0; m0 < T; m0 += MR) {
@@ -716,7 +723,26 @@ typedef struct {
     cpu_backend *c;
     const fitm_attn_args *a;
     int64_t n_tiles;
+    int64_t heads_per_task; /* > 1: one tile of all T rows, that many heads of one group */
 } attn_job;
+
+/* One query row of a task: its query vector, its score (then probability) row over the
+ * task's keys, and its output vector. A task's rows may come from several heads of one KV
+ * group, which then share every K and V row read. */
+typedef struct {
+    const float *q;
+    float *s;
+    float *o;
+} attn_row;
+
+/* The rows of head h for queries [i0, i0 + nq): queries from q, scores S (nq, nk). */
+static void head_rows(const fitm_attn_args *a, const float *q, int64_t h, int64_t i0, int64_t nq,
+                      float *S, int64_t nk, attn_row *rows)
+{
+    const int64_t D = a->head_dim, HD = (int64_t)a->n_head * D;
+    for (int64_t i = 0; i < nq; i++)
+        rows[i] = (attn_row){q + (i0 + i) * HD + h * D, S + i * nk, a->out + (i0 + i) * HD + h * D};
+}
 
 /* The K (or V) row of key position j: in the prefix arrays below own_base, else in the own;
  * at head group g. */
@@ -772,15 +798,16 @@ static void capture_row(const fitm_attn_args *a, int64_t h, int32_t r, int64_t p
     }
 }
 
-/* S (nq, nk) = scale * Q_tile . K[lo, lo + nk)^T for head h (group g). */
-static void attn_scores(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h, int64_t g,
-                        int64_t lo, int64_t nk, float *S)
+#define KERNEL_INLINE static inline __attribute__((always_inline))
+
+/* rows[r].s[j] = scale * rows[r].q . K[lo + j] for the n rows (all of group g), j < nk. */
+static void attn_scores(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g,
+                        int64_t lo, int64_t nk)
 {
-    const int64_t D = a->head_dim, HD = (int64_t)a->n_head * D;
-    const float *Q = a->q + i0 * HD + h * D;
+    const int64_t D = a->head_dim;
     int64_t i = 0;
-    for (; i + 4 <= nq; i += 4) {
-        const float *q[4] = {Q + i * HD, Q + (i + 1) * HD, Q + (i + 2) * HD, Q + (i + 3) * HD};
+    for (; i + 4 <= n; i += 4) {
+        const float *q[4] = {rows[i].q, rows[i + 1].q, rows[i + 2].q, rows[i + 3].q};
         int64_t j = 0;
         for (; j + 4 <= nk; j += 4) {
             const float *k[4];
@@ -790,66 +817,78 @@ static void attn_scores(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t
             dot_4x4(q, k, D, o);
             for (int r = 0; r < 4; r++)
                 for (int t = 0; t < 4; t++)
-                    S[(i + r) * nk + j + t] = o[r][t] * a->scale;
+                    rows[i + r].s[j + t] = o[r][t] * a->scale;
         }
         for (; j < nk; j++) {
             const float *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
             for (int r = 0; r < 4; r++)
-                S[(i + r) * nk + j] = dot_fixed(q[r], k, D) * a->scale;
+                rows[i + r].s[j] = dot_fixed(q[r], k, D) * a->scale;
         }
     }
-    for (; i < nq; i++) {
-        const float *q = Q + i * HD;
-        for (int64_t j = 0; j < nk; j++)
-            S[i * nk + j] = dot_fixed(q, kv_row(a, a->k_pre, a->k_own, lo + j, g), D) * a->scale;
-    }
+    if (i < n) /* the last 1-3 rows key by key: each K row is read once for all of them */
+        for (int64_t j = 0; j < nk; j++) {
+            const float *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            for (int64_t r = i; r < n; r++)
+                rows[r].s[j] = dot_fixed(rows[r].q, k, D) * a->scale;
+        }
 }
 
-/* O_tile (nq, D) = P (nq, nk) . V[lo, lo + nk) for head h (group g). */
-static void attn_pv(const fitm_attn_args *a, int64_t i0, int64_t nq, int64_t h, int64_t g,
-                    int64_t lo, int64_t nk, const float *P)
+/* rows[0..nr).o[d, d + nv VW) = sum over j < nk, in order, of rows[r].s[j] * V[lo + j][d..];
+ * nr and nv are constants after inlining, so the accumulators stay in registers. */
+KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const int nr, int64_t g,
+                            int64_t lo, int64_t nk, int64_t d, const int nv)
 {
-    const int64_t D = a->head_dim, HD = (int64_t)a->n_head * D;
-    float *O = a->out + i0 * HD + h * D;
-    const int64_t D8 = D / VW * VW;
-    int64_t i = 0;
-    for (; i + 4 <= nq; i += 4) {
-        for (int64_t d = 0; d < D8; d += 4 * VW) { /* 4 queries x up to 4 vectors */
-            const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
-            vf acc[4][4] = {{{0}}};
-            for (int64_t j = 0; j < nk; j++) {
-                const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
-                for (int c = 0; c < nv; c++) {
-                    vf vv = ldv(v + VW * c);
-                    for (int r = 0; r < 4; r++)
-                        acc[r][c] = fmav(splatv(P[(i + r) * nk + j]), vv, acc[r][c]);
-                }
-            }
-            for (int r = 0; r < 4; r++)
-                for (int c = 0; c < nv; c++)
-                    stv(O + (i + r) * HD + d + VW * c, acc[r][c]);
+    vf acc[4][4] = {{{0}}};
+    for (int64_t j = 0; j < nk; j++) {
+        const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
+        for (int c = 0; c < nv; c++) {
+            const vf vv = ldv(v + VW * c);
+            for (int r = 0; r < nr; r++)
+                acc[r][c] = fmav(splatv(rows[r].s[j]), vv, acc[r][c]);
         }
     }
-    for (; i < nq; i++) {
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nv; c++)
+            stv(rows[r].o + d + VW * c, acc[r][c]);
+}
+
+/* rows[r].o = rows[r].s . V[lo, lo + nk) for the n rows (all of group g): up to 4 rows at a
+ * time share each V row read. */
+static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g, int64_t lo,
+                    int64_t nk)
+{
+    const int64_t D = a->head_dim;
+    const int64_t D8 = D / VW * VW;
+    for (int64_t i = 0; i < n; i += 4) {
+        const attn_row *r4 = rows + i;
         for (int64_t d = 0; d < D8; d += 4 * VW) {
-            const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
-            vf acc[4] = {{0}};
-            for (int64_t j = 0; j < nk; j++) {
-                const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
-                for (int c = 0; c < nv; c++)
-                    acc[c] = fmav(splatv(P[i * nk + j]), ldv(v + VW * c), acc[c]);
+            if (D8 - d < 4 * VW) { /* fewer than 4 vectors left: rarely taken, not specialized */
+                const int nv = (int)((D8 - d) / VW);
+                for (int64_t r = i; r < n && r < i + 4; r++)
+                    for (int c = 0; c < nv; c++) {
+                        vf acc = splatv(0.0f);
+                        for (int64_t j = 0; j < nk; j++)
+                            acc = fmav(splatv(rows[r].s[j]),
+                                       ldv(kv_row(a, a->v_pre, a->v_own, lo + j, g) + d + VW * c), acc);
+                        stv(rows[r].o + d + VW * c, acc);
+                    }
+                continue;
             }
-            for (int c = 0; c < nv; c++)
-                stv(O + i * HD + d + VW * c, acc[c]);
+            switch (n - i < 4 ? n - i : 4) {
+            case 1: pv_block(a, r4, 1, g, lo, nk, d, 4); break;
+            case 2: pv_block(a, r4, 2, g, lo, nk, d, 4); break;
+            case 3: pv_block(a, r4, 3, g, lo, nk, d, 4); break;
+            default: pv_block(a, r4, 4, g, lo, nk, d, 4); break;
+            }
         }
     }
     if (D8 < D) /* scalar tail of the head dim, same order */
-        for (int64_t r = 0; r < nq; r++)
+        for (int64_t r = 0; r < n; r++)
             for (int64_t d = D8; d < D; d++) {
                 float acc = 0.0f;
                 for (int64_t j = 0; j < nk; j++)
-                    acc += P[r * nk + j] * kv_row(a, a->v_pre, a->v_own, lo + j, g)[d];
-                O[r * HD + d] = acc;
+                    acc += rows[r].s[j] * kv_row(a, a->v_pre, a->v_own, lo + j, g)[d];
+                rows[r].o[d] = acc;
             }
 }
 
@@ -892,13 +931,16 @@ static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int6
         ae.n_head_kv = mx->k_heads;
         ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
         ae.k_own = k + a->own_base * mx->k_heads * D;
+        attn_row rows[TILE_Q];
         if (used == nq) { /* every row: the blocked kernels */
-            attn_scores(&ae, i0, nq, h, g, lo, nk, S);
+            head_rows(&ae, ae.q, h, i0, nq, S, nk, rows);
+            attn_scores(&ae, rows, nq, g, lo, nk);
             attn_softmax_rows(a, i0, nq, lo, nk, S);
         } else { /* only the rows routed here (one-row dots are bit-identical to blocked) */
             for (int64_t i = 0; i < nq; i++)
                 if (mx->w[((i0 + i) * H + h) * E + e] != 0.0f) {
-                    attn_scores(&ae, i0 + i, 1, h, g, lo, nk, S + i * nk);
+                    head_rows(&ae, ae.q, h, i0 + i, 1, S + i * nk, nk, rows);
+                    attn_scores(&ae, rows, 1, g, lo, nk);
                     attn_softmax_rows(a, i0 + i, 1, lo, nk, S + i * nk);
                 }
         }
@@ -919,48 +961,81 @@ static void attn_task(void *ctx, int64_t task, int thread)
     attn_job *j = ctx;
     const fitm_attn_args *a = j->a;
     const int64_t H = a->n_head;
-    const int64_t h = task / j->n_tiles, tile = task % j->n_tiles;
-    const int64_t g = h / (H / a->n_head_kv);
-    const int64_t i0 = tile * TILE_Q, i1 = i0 + TILE_Q < a->T ? i0 + TILE_Q : a->T;
+    int64_t h0, h1, i0, i1;
+    if (j->heads_per_task > 1) {
+        h0 = task * j->heads_per_task, h1 = h0 + j->heads_per_task, i0 = 0, i1 = a->T;
+    } else {
+        const int64_t tile = task % j->n_tiles;
+        h0 = task / j->n_tiles, h1 = h0 + 1, i0 = tile * TILE_Q;
+        i1 = i0 + TILE_Q < a->T ? i0 + TILE_Q : a->T;
+    }
+    const int64_t g = h0 / (H / a->n_head_kv); /* the same for every head of the task */
     const int64_t nq = i1 - i0;
     const int64_t p_first = a->pos0 + i0, p_last = a->pos0 + i1 - 1;
     int64_t lo = 0;
     if (a->window > 0 && p_first - a->window + 1 > 0)
         lo = p_first - a->window + 1;
     const int64_t nk = p_last + 1 - lo;
-    float *S = j->c->scores[thread]; /* (nq, nk) */
-    if (a->mix) {
-        attn_mix_probs(a, i0, nq, h, lo, nk, S, j->c->mixed[thread]);
-        S = j->c->mixed[thread];
+    float *S = j->c->scores[thread]; /* (heads of the task x nq, nk), head by head */
+    attn_row rows[TILE_Q] = {{0}};
+    const int64_t n = (h1 - h0) * nq;
+    for (int64_t h = h0; h < h1; h++)
+        head_rows(a, a->q, h, i0, nq, S + (h - h0) * nq * nk, nk, rows + (h - h0) * nq);
+    if (a->mix) { /* (one head per task) */
+        float *A = j->c->mixed[thread];
+        attn_mix_probs(a, i0, nq, h0, lo, nk, S, A);
+        for (int64_t i = 0; i < nq; i++)
+            rows[i].s = A + i * nk;
+        S = A;
     } else {
-        attn_scores(a, i0, nq, h, g, lo, nk, S);
-        attn_softmax_rows(a, i0, nq, lo, nk, S);
+        attn_scores(a, rows, n, g, lo, nk);
+        for (int64_t h = h0; h < h1; h++)
+            attn_softmax_rows(a, i0, nq, lo, nk, S + (h - h0) * nq * nk);
     }
 
     const fitm_capture *cap = a->capture;
     const fitm_intervention *iv = a->intervention;
-    for (int64_t i = 0; i < nq; i++) {
-        const int64_t p = a->pos0 + i0 + i;
-        float *row = S + i * nk;
-        const int32_t r = cap ? a->cap_index[i0 + i] : -1;
-        const bool intervene = iv && p >= iv->from_pos;
-        if (r >= 0 && !(intervene && cap->after_intervention))
-            capture_row(a, h, r, p, row, lo, nk);
-        if (intervene) {
-            fitm_ops_intervene(row, lo, nk, iv->spans, iv->alpha, iv->n_spans,
-                               j->c->mass[thread]);
-            if (r >= 0 && cap->after_intervention)
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t p = a->pos0 + i0 + i;
+            float *row = S + ((h - h0) * nq + i) * nk;
+            const int32_t r = cap ? a->cap_index[i0 + i] : -1;
+            const bool intervene = iv && p >= iv->from_pos;
+            if (r >= 0 && !(intervene && cap->after_intervention))
                 capture_row(a, h, r, p, row, lo, nk);
+            if (intervene) {
+                fitm_ops_intervene(row, lo, nk, iv->spans, iv->alpha, iv->n_spans,
+                                   j->c->mass[thread]);
+                if (r >= 0 && cap->after_intervention)
+                    capture_row(a, h, r, p, row, lo, nk);
+            }
         }
-    }
-    attn_pv(a, i0, nq, h, g, lo, nk, S);
+    attn_pv(a, rows, n, g, lo, nk);
+}
+
+/* Heads per task for a call of T rows: 1 (a task per head and tile of TILE_Q rows), or, for
+ * calls of a few rows (decode steps), several heads of one KV group in one task so that each
+ * K and V row is read once for all of them. The heads of a group are split in halves while
+ * there are fewer tasks than threads; each task's scores must fit its TILE_Q rows. */
+static int64_t heads_per_task(const cpu_backend *c, const fitm_attn_args *a)
+{
+    const int64_t H = a->n_head, group = H / a->n_head_kv;
+    if (a->mix || group < 2 || a->T > TILE_Q)
+        return 1;
+    int64_t per = group;
+    while (per % 2 == 0 && H / per < c->n_threads)
+        per /= 2;
+    while (per > 1 && per * a->T > TILE_Q)
+        per = per % 2 == 0 ? per / 2 : 1;
+    return per;
 }
 
 static void cpu_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cpu_backend *c = cpu(b);
-    attn_job j = {c, a, (a->T + TILE_Q - 1) / TILE_Q};
-    fitm_pool_run(c->pool, a->n_head * j.n_tiles, attn_task, &j);
+    attn_job j = {c, a, (a->T + TILE_Q - 1) / TILE_Q, heads_per_task(c, a)};
+    const int64_t n_tasks = j.heads_per_task > 1 ? a->n_head / j.heads_per_task : a->n_head * j.n_tiles;
+    fitm_pool_run(c->pool, n_tasks, attn_task, &j);
 }
 
 /* ---- creation ---------------------------------------------------------------------------- */
