@@ -589,7 +589,8 @@ static void test_attention(fitm_backend *b, const attn_case *c)
          * The same rows again, one call each (as decode steps run them; several heads of a
          * group then share a task), bit for bit, captures included. */
         const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
-        float *probs0 = malloc((size_t)np * sizeof(float)), *mass0 = malloc((size_t)nm * sizeof(float));
+        float *probs0 = malloc((size_t)np * sizeof(float));
+        float *mass0 = malloc((size_t)nm * sizeof(float));
         memcpy(probs0, probs, (size_t)np * sizeof(float));
         memcpy(mass0, span_mass, (size_t)nm * sizeof(float));
         memset(probs, 0, (size_t)np * sizeof(float));
@@ -625,8 +626,8 @@ static void test_attention(fitm_backend *b, const attn_case *c)
 }
 
 /* No argument: every slot. "attention": only the attention cases 0, 4, 6 and 8 (GQA; capture
- * with prefix rows; capture, intervention and prefix rows; a mixture), for the ThreadSanitizer build of
- * tests/meson.build, where each CUDA thread is an OS thread. */
+ * with prefix rows; capture, intervention and prefix rows; a mixture), for the ThreadSanitizer
+ * build of tests/meson.build, where each CUDA thread is an OS thread. */
 int main(int argc, char **argv)
 {
     const bool attention_only = argc > 1 && strcmp(argv[1], "attention") == 0;

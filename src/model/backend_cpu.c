@@ -39,7 +39,7 @@ typedef struct {
     float **scores;        /* per thread: (TILE_Q, max_keys)                 */
     float **mixed;         /* per thread: (TILE_Q, max_keys) a mixture's A   */
     double **mass;         /* per thread: (FITM_FORWARD_MAX_SPANS)           */
-    float **mm_scratch;    /* per thread: (FLOAT_TILE + 1, max_k)            */
+    float **mm_scratch;    /* per thread: (FLOAT_TILE + PACK_ROWS, max_k)    */
     float *zero_row;       /* (max_k) zeros: padding rows of the float path  */
     uint8_t *xq[MAX_VEC_TYPES]; /* quantized activations, (max_tokens, row)  */
     size_t xq_row_cap;     /* bytes of one quantized row the buffers allow   */
@@ -551,7 +551,8 @@ static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float
             } else if (w->type == FITM_DTYPE_F32) {
                 src[i] = (const float *)w->data + (n0 + r) * K;
             } else {
-                fitm_dequant_row(w->type, (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
+                fitm_dequant_row(w->type,
+                                 (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
                                  rows + i * K, K);
                 src[i] = rows + i * K;
             }
@@ -867,9 +868,10 @@ static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, in
                 for (int64_t r = i; r < n && r < i + 4; r++)
                     for (int c = 0; c < nv; c++) {
                         vf acc = splatv(0.0f);
-                        for (int64_t j = 0; j < nk; j++)
-                            acc = fmav(splatv(rows[r].s[j]),
-                                       ldv(kv_row(a, a->v_pre, a->v_own, lo + j, g) + d + VW * c), acc);
+                        for (int64_t j = 0; j < nk; j++) {
+                            const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
+                            acc = fmav(splatv(rows[r].s[j]), ldv(v + VW * c), acc);
+                        }
                         stv(rows[r].o + d + VW * c, acc);
                     }
                 continue;
@@ -1034,7 +1036,8 @@ static void cpu_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cpu_backend *c = cpu(b);
     attn_job j = {c, a, (a->T + TILE_Q - 1) / TILE_Q, heads_per_task(c, a)};
-    const int64_t n_tasks = j.heads_per_task > 1 ? a->n_head / j.heads_per_task : a->n_head * j.n_tiles;
+    const int64_t n_tasks =
+        j.heads_per_task > 1 ? a->n_head / j.heads_per_task : a->n_head * j.n_tiles;
     fitm_pool_run(c->pool, n_tasks, attn_task, &j);
 }
 
