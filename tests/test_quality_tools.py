@@ -256,3 +256,27 @@ def test_runs_merge_into_one_report(tmp_path):
     text = md.read_text()
     assert text.count("- `one`:") == 1
     assert "| `one` | 4 | 0.25 (" in text and "| `one` | 6 | 1.00 (" in text
+
+
+def test_verbose_names_the_documents_above_a_missed_gold(capsys, monkeypatch):
+    """--verbose prints, for each /rerank that does not rank the gold document first, the
+    titles ranked above it in order (a stand-in server that ranks the documents in reverse)."""
+    import argparse
+    monkeypatch.setattr(quality, "rank", lambda url, headers, it, label, fields: (
+        list(range(len(it["documents"])))[::-1], 0, 0, 0.0))
+    a = argparse.Namespace(split="test", variants=["hard"], k=[10], groups=4, positions=None,
+                           verbose=True)
+    res = quality.run(a, None, None, [("rev", {})], False)
+    out = capsys.readouterr().out
+    misses = 0
+    for it in quality.select(a):
+        K, g = len(it["documents"]), it["gold_index"]
+        line = [ln for ln in out.splitlines() if f"[rev {it['id']}]" in ln]
+        if g == K - 1:
+            assert not line
+            continue
+        misses += 1
+        titles = [it["documents"][i]["title"] for i in range(K - 1, g, -1)]
+        assert len(line) == 1 and line[0].endswith(f"ranked {K - g}, after {titles}")
+    assert misses > 0
+    assert sum(c.n - c.r1 for c in res["rev"].values()) == misses

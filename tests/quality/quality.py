@@ -225,6 +225,12 @@ def run(a, url, headers, specs, answer_mode: bool) -> dict:
                 order, c_fwd, c_prompt, dt = res
                 c.r1 += order[0] == it["gold_index"]
                 c.r3 += it["gold_index"] in order[:3]
+                if a.verbose and order[0] != it["gold_index"]:
+                    rank_of = order.index(it["gold_index"])
+                    above = [it["documents"][i]["title"] for i in order[:rank_of]]
+                    print(f"  [{label} {it['id']}] {it['query']!r}: gold "
+                          f"{it['documents'][it['gold_index']]['title']!r} ranked {rank_of + 1}, "
+                          f"after {above}", flush=True)
             c.fwd += c_fwd
             c.prompt += c_prompt
             c.wall += dt
@@ -449,7 +455,9 @@ def main() -> int:
                          "--json files of earlier runs instead of running")
     ap.add_argument("--plot", help="with --answer: draw accuracy by gold position to this PNG "
                                    "(needs matplotlib)")
-    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each /answer reply, and each /rerank that does not rank the gold "
+                         "document first (the titles ranked above it)")
     a = ap.parse_args()
     if a.merge:
         return merge(a)
