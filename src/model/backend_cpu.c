@@ -835,7 +835,8 @@ static void attn_scores(const fitm_attn_args *a, const attn_row *rows, int64_t n
 }
 
 /* rows[0..nr).o[d, d + nv VW) = sum over j < nk, in order, of rows[r].s[j] * V[lo + j][d..];
- * nr and nv are constants after inlining, so the accumulators stay in registers. */
+ * nr (and nv, but for a head dim's last few vectors) are constants after inlining, so the
+ * accumulators stay in registers. */
 KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const int nr, int64_t g,
                             int64_t lo, int64_t nk, int64_t d, const int nv)
 {
@@ -853,6 +854,18 @@ KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const
             stv(rows[r].o + d + VW * c, acc[r][c]);
 }
 
+/* pv_block for nr = 1..4 rows (each count its own constant copy). */
+KERNEL_INLINE void pv_rows(const fitm_attn_args *a, const attn_row *rows, int64_t nr, int64_t g,
+                           int64_t lo, int64_t nk, int64_t d, const int nv)
+{
+    switch (nr) {
+    case 1: pv_block(a, rows, 1, g, lo, nk, d, nv); break;
+    case 2: pv_block(a, rows, 2, g, lo, nk, d, nv); break;
+    case 3: pv_block(a, rows, 3, g, lo, nk, d, nv); break;
+    default: pv_block(a, rows, 4, g, lo, nk, d, nv); break;
+    }
+}
+
 /* rows[r].o = rows[r].s . V[lo, lo + nk) for the n rows (all of group g): up to 4 rows at a
  * time share each V row read. */
 static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g, int64_t lo,
@@ -861,27 +874,13 @@ static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, in
     const int64_t D = a->head_dim;
     const int64_t D8 = D / VW * VW;
     for (int64_t i = 0; i < n; i += 4) {
-        const attn_row *r4 = rows + i;
+        const int64_t nr = n - i < 4 ? n - i : 4;
         for (int64_t d = 0; d < D8; d += 4 * VW) {
-            if (D8 - d < 4 * VW) { /* fewer than 4 vectors left: rarely taken, not specialized */
-                const int nv = (int)((D8 - d) / VW);
-                for (int64_t r = i; r < n && r < i + 4; r++)
-                    for (int c = 0; c < nv; c++) {
-                        vf acc = splatv(0.0f);
-                        for (int64_t j = 0; j < nk; j++) {
-                            const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
-                            acc = fmav(splatv(rows[r].s[j]), ldv(v + VW * c), acc);
-                        }
-                        stv(rows[r].o + d + VW * c, acc);
-                    }
-                continue;
-            }
-            switch (n - i < 4 ? n - i : 4) {
-            case 1: pv_block(a, r4, 1, g, lo, nk, d, 4); break;
-            case 2: pv_block(a, r4, 2, g, lo, nk, d, 4); break;
-            case 3: pv_block(a, r4, 3, g, lo, nk, d, 4); break;
-            default: pv_block(a, r4, 4, g, lo, nk, d, 4); break;
-            }
+            const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
+            if (nv == 4) /* every block of a head dim that is a multiple of 4 VW */
+                pv_rows(a, rows + i, nr, g, lo, nk, d, 4);
+            else
+                pv_rows(a, rows + i, nr, g, lo, nk, d, nv);
         }
     }
     if (D8 < D) /* scalar tail of the head dim, same order */
