@@ -177,11 +177,7 @@ def test_shipped_profile_is_what_the_writer_writes(tmp_path):
     import re
     import fit_profile
     shipped = ROOT / "config" / "profiles" / "gemma3-270m-q4km.profile"
-    kv = {}
-    for line in shipped.read_text().splitlines():
-        if "=" in line and not line.startswith("#"):
-            k, v = (x.strip() for x in line.split("=", 1))
-            kv[k] = v[1:-1] if v.startswith('"') and v.endswith('"') else v
+    kv = fit_profile.profile_keys(shipped)
     texts = ("model_architecture", "model_name")
     ident = {k: kv[k] if k in texts else int(kv[k]) for k in
              ("profile_version", "model_architecture", "model_name", "model_layers",

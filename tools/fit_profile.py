@@ -346,14 +346,21 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def read_profile(path: str) -> tuple:
-    """(options, heads) from a profile file (the option keys this tool writes)."""
+def profile_keys(path) -> dict:
+    """A profile's `key = value` lines as strings, quotes removed; as fitmd reads it, a line
+    whose first character is `#` is a comment (a `#` inside a value is part of it)."""
     kv = {}
     for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "=" in line:
+        line = line.strip()
+        if "=" in line and not line.startswith("#"):
             k, v = (x.strip() for x in line.split("=", 1))
-            kv[k] = v.strip('"')
+            kv[k] = v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
+    return kv
+
+
+def read_profile(path: str) -> tuple:
+    """(options, heads) from a profile file (the option keys this tool writes)."""
+    kv = profile_keys(path)
     opts = {k: kv[k] for k in ("rows", "aggregate", "reference", "form")}
     opts.update({k: float(kv[k]) if k == "sink_factor" else int(kv[k])
                  for k in ("skip_first", "sink_factor", "window")})
