@@ -7,7 +7,8 @@
  *    runs this once per path) against the scalar ones (dequantization bit-exact, dots within
  *    float rounding) on random blocks and odd lengths;
  *  - matvec == per-row dot and writes only its rows; matmul (dequantized tiles + BLAS)
- *    against matvec on the same activation values;
+ *    against matvec on the same activation values; matvec_rows (several activation rows)
+ *    == per-row dot bit for bit, for every row count and writing only its rows;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
  * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
 #include <float.h>
@@ -463,6 +464,52 @@ static void test_matvec_matmul(void)
     }
 }
 
+/* fitm_matvec_rows == fitm_quant_dot per (weight row, activation row), bit for bit, and
+ * writes only its rows: a row's value may not depend on how many rows share the call. Row
+ * counts 1..11 cross the multi-row kernels' block sizes (4 rows on AVX2, chunks of up to 8 on
+ * AVX-512); the lengths cover an odd last block, a last lone pair, chunks cut short by wide
+ * rows (K = 8192) and rows too wide for the multi-row kernels (K = 16384). */
+static void test_matvec_rows(void)
+{
+    const int64_t N = 37, n0 = 2, n1 = 35, M_MAX = 11, ldy = N + 3;
+    const int64_t lens[] = {32, 96, 160, 256, 640, 768, 2080, 2304, 8192, 16384};
+    for (int ti = 0; ti < N_WEIGHT_TYPES; ti++) {
+        fitm_dtype t = weight_types[ti], vt = fitm_quant_vec_dtype(t);
+        const int64_t be = fitm_dtype_info_of((int)t)->block_elems;
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            const int64_t K = lens[li];
+            if (K % be)
+                continue;
+            size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 3;
+            uint8_t *W = malloc(N * rb), *xq = malloc(M_MAX * xqb);
+            float *x = malloc(K * sizeof(float)), *Y = malloc(M_MAX * ldy * sizeof(float));
+            for (int64_t n = 0; n < N; n++)
+                random_row(t, W + n * rb, K);
+            for (int64_t m = 0; m < M_MAX; m++) { /* rows xqb apart: a stride, not packed */
+                random_floats(x, K, 1.0f + (float)m);
+                fitm_quant_row(vt, x, xq + m * xqb, K);
+            }
+            for (int64_t M = 1; M <= M_MAX; M++) {
+                for (int64_t i = 0; i < M_MAX * ldy; i++)
+                    Y[i] = GUARD;
+                fitm_matvec_rows(t, W, K, xq, xqb, M, Y, ldy, n0, n1);
+                int bad = 0;
+                for (int64_t m = 0; m < M_MAX; m++)
+                    for (int64_t n = 0; n < ldy; n++) {
+                        const float got = Y[m * ldy + n];
+                        const bool in = m < M && n >= n0 && n < n1;
+                        const float want = in ? fitm_quant_dot(t, W + n * rb, xq + m * xqb, K) : GUARD;
+                        if (fbits(got) != fbits(want) && bad++ < 3)
+                            CHECK(false, "%s K=%ld M=%ld: Y[%ld, %ld] = %.9g, %s %.9g", tname(t),
+                                  (long)K, (long)M, (long)m, (long)n, got,
+                                  in ? "one-row dot" : "untouched", want);
+                    }
+            }
+            free(W), free(xq), free(x), free(Y);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------
  * Degenerate input to the quantizers */
 
@@ -524,6 +571,7 @@ int main(void)
     test_conversions();
     test_paths();
     test_matvec_matmul();
+    test_matvec_rows();
     test_degenerate();
     if (failures) {
         fprintf(stderr, "test_quant: %d failures\n", failures);

@@ -685,6 +685,313 @@ DEF_ROWS_TYPE(FITM_DTYPE_Q5_0, q5_0)
 #endif
 DEF_ROWS_TYPE(FITM_DTYPE_Q4_0, q4_0)
 
+/* Several activation rows against one K-quant weight row: each row's value is computed as
+ * dot_q45_k or dot_q6_k computes it alone (the same exact integer block sums, the same scale
+ * products, the same accumulation order per row, the same final sums), with each super-block's
+ * values and scales unpacked once for all rows instead of once per row. */
+#define ROWSK_MAX 4
+
+KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
+                           const int M, int64_t nb, float *out, int64_t out_stride)
+{
+    const int is5 = t == FITM_DTYPE_Q5_K;
+    const size_t bb = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[ROWSK_MAX], accm[ROWSK_MAX];
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *blk = w + (size_t)i * bb;
+        const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk; /* same header */
+        const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
+        uint8_t sc[8], m[8];
+        k_scales_mins(b4->scales, sc, m);
+        uint64_t sc8;
+        memcpy(&sc8, sc, 8);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+        __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
+        __m256i isum[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i q = loadu256(qs + 32 * g);
+            __m256i lo = _mm256_and_si256(q, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            if (is5) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                h = _mm256_srli_epi16(h, 2);
+            }
+            const __m256i slo = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g));
+            const __m256i shi = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < M; r++) {
+                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(lo, loadu256(x[i].qs + 64 * g), slo));
+                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32), shi));
+            }
+        }
+        const float d = fp16(b4->d), dmin = fp16(b4->dmin);
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[i].d),
+                                      _mm256_cvtepi32_ps(k_min_sums(loadu256(x[i].bsums), m)), accm[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        out[r * out_stride] = hsum_ps(acc[r]) - hsum_ps(accm[r]);
+}
+
+KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_stride,
+                          const int M, int64_t nb, float *out, int64_t out_stride)
+{
+    __m256 acc[ROWSK_MAX];
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const fitm_block_q6_k *b = &w[i];
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)b->scales);
+        const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
+        const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
+        __m256i isum[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = _mm256_setzero_si256();
+        for (int hh = 0; hh < 2; hh++) {
+            __m256i q[4];
+            q6_k_half(b->ql + 64 * hh, b->qh + 32 * hh, q);
+            for (int k = 0; k < 4; k++) {
+                const __m256i s = _mm256_shuffle_epi8(sc_eo, bcast16_mask(4 * hh + k));
+#pragma GCC unroll 4
+                for (int r = 0; r < M; r++) {
+                    const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+                    isum[r] = _mm256_add_epi32(
+                        isum[r], dot_u8s8_scaled(q[k], loadu256(x[i].qs + 128 * hh + 32 * k), s));
+                }
+            }
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const float d = fp16(b->d);
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(loadu256(x[i].bsums), sc16), 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        out[r * out_stride] = hsum_ps(acc[r]);
+}
+
+typedef void (*rowsk_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, float *, int64_t);
+
+#define DEF_ROWSK(M)                                                                               \
+    static void rowsk_q4_k_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride, int64_t nb,   \
+                               float *out, int64_t out_stride)                                    \
+    {                                                                                              \
+        dot_q45_k_rows(FITM_DTYPE_Q4_K, w, xq, x_stride, M, nb, out, out_stride);                  \
+    }                                                                                              \
+    static void rowsk_q5_k_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride, int64_t nb,   \
+                               float *out, int64_t out_stride)                                    \
+    {                                                                                              \
+        dot_q45_k_rows(FITM_DTYPE_Q5_K, w, xq, x_stride, M, nb, out, out_stride);                  \
+    }                                                                                              \
+    static void rowsk_q6_k_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride, int64_t nb,   \
+                               float *out, int64_t out_stride)                                    \
+    {                                                                                              \
+        dot_q6_k_rows((const fitm_block_q6_k *)w, xq, x_stride, M, nb, out, out_stride);           \
+    }
+DEF_ROWSK(1)
+DEF_ROWSK(2)
+DEF_ROWSK(3)
+DEF_ROWSK(4)
+
+#if FITM_DOT512
+/* Several activation rows against one Q8_0 or Q5_0 weight row on 512-bit vectors (the types
+ * whose one-row dot is dot_q8_0_512 / dot_q5_0_512 in this build). Each row's value is
+ * computed exactly as that one-row dot computes it alone: the same block pairs into the same
+ * two accumulators, the same integer sums, the same scale products, the same tail and final
+ * sum. What the rows share is the weight pair, loaded and unpacked once for all of them (|w|
+ * and w's sign mask for Q8_0; the 5-bit values for Q5_0). For each chunk of rows the caller
+ * forms, per row r and full pair p of blocks 2p and 2p + 1:
+ *   xsp[r * np + p]  the row's block scales as a pair vector [xs(2p) x 8, xs(2p+1) x 8]
+ *                    (fp16 -> fp32 is exact, and a vector multiply by w's pair scales rounds
+ *                    each lane as the one-row dot's scalar product does)
+ *   nbs[r * np + p]  Q5_0 only: the dot's starting value -16 * (sums of 4 x bytes) */
+#define ROWS512_MAX 8     /* rows per kernel call: 2 x 8 accumulators of 32 registers */
+#define ROWS512_PAIRS 256 /* pair vectors of a chunk of rows held on the stack (16 KiB each) */
+
+KERNEL __m512 pair_scales(float a, float b)
+{
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+KERNEL __m512i q5_0_bias_start(__m512i xv)
+{
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));
+}
+
+KERNEL void dot_q8_0_512_rows(const fitm_block_q8_0 *w, const uint8_t *xq, size_t x_stride,
+                              const int M, int64_t nb, const __m512 *xsp, float *out,
+                              int64_t out_stride)
+{
+    const int64_t np = nb / 2;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc0[ROWS512_MAX], acc1[ROWS512_MAX];
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++)
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 <= nb; i += 4) {
+        const __m512i w0 = load_q8_0_pair(w + i), w1 = load_q8_0_pair(w + i + 2);
+        const __mmask64 n0 = _mm512_movepi8_mask(w0), n1 = _mm512_movepi8_mask(w1);
+        const __m512i a0 = _mm512_abs_epi8(w0), a1 = _mm512_abs_epi8(w1);
+        const __m512 ws0 = pair_scales(fp16(w[i].d), fp16(w[i + 1].d));
+        const __m512 ws1 = pair_scales(fp16(w[i + 2].d), fp16(w[i + 3].d));
+#pragma GCC unroll 8
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+            const __m512i x0 = load_q8_0_pair(x + i), x1 = load_q8_0_pair(x + i + 2);
+            const __m512i p0 = _mm512_dpbusd_epi32(zero, a0, _mm512_mask_sub_epi8(x0, n0, zero, x0));
+            const __m512i p1 = _mm512_dpbusd_epi32(zero, a1, _mm512_mask_sub_epi8(x1, n1, zero, x1));
+            acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0),
+                                      _mm512_mul_ps(ws0, xsp[r * np + i / 2]), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
+                                      _mm512_mul_ps(ws1, xsp[r * np + i / 2 + 1]), acc1[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) {
+        const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+        for (int64_t j = i; j < nb; j += 2) { /* dot_q8_0_512's tail, as it runs it */
+            const int two = j + 1 < nb;
+            const __m512i wv = two ? load_q8_0_pair(w + j) : _mm512_zextsi256_si512(loadu256(w[j].qs));
+            const __m512i xv = two ? load_q8_0_pair(x + j) : _mm512_zextsi256_si512(loadu256(x[j].qs));
+            const float s0 = fp16(w[j].d) * fp16(x[j].d);
+            const float s1 = two ? fp16(w[j + 1].d) * fp16(x[j + 1].d) : 0.0f;
+            acc0[r] = q8_0_pair(acc0[r], wv, xv, s0, s1);
+        }
+        out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+    }
+}
+
+KERNEL void dot_q5_0_512_rows(const fitm_block_q5_0 *w, const uint8_t *xq, size_t x_stride,
+                              const int M, int64_t nb, const __m512 *xsp, const __m512i *nbs,
+                              float *out, int64_t out_stride)
+{
+    const int64_t np = nb / 2;
+    __m512 acc0[ROWS512_MAX], acc1[ROWS512_MAX];
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++)
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) { /* pairs alternate between the accumulators, as alone */
+        const __m512i u = q5_0_pair_unsigned(w + i);
+        const __m512 ws = pair_scales(fp16(w[i].d), fp16(w[i + 1].d));
+        const int even = i % 4 == 0;
+#pragma GCC unroll 8
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+            const __m512i p = _mm512_dpbusd_epi32(nbs[r * np + i / 2], u, load_q8_0_pair(x + i));
+            const __m512 sc = _mm512_mul_ps(ws, xsp[r * np + i / 2]);
+            if (even)
+                acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0[r]);
+            else
+                acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < M; r++) {
+        const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
+        float tail = 0.0f;
+        if (i < nb) { /* dot_q5_0_512's odd last block, as it runs it */
+            const __m256i x0 = loadu256(x[i].qs);
+            uint16_t d0;
+            const __m256i p0 =
+                block32_dot(FITM_DTYPE_Q5_0, (const uint8_t *)(w + i), x0, neg_bias(x0, 16), &d0);
+            tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[i].d))));
+        }
+        out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + tail;
+    }
+}
+
+typedef void (*rows512_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const __m512 *,
+                           const __m512i *, float *, int64_t);
+
+#define DEF_ROWS512(M)                                                                             \
+    static void rows512_q8_0_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride,           \
+                                 int64_t nb, const __m512 *xsp, const __m512i *nbs, float *out,   \
+                                 int64_t out_stride)                                              \
+    {                                                                                              \
+        (void)nbs;                                                                                 \
+        dot_q8_0_512_rows((const fitm_block_q8_0 *)w, xq, x_stride, M, nb, xsp, out, out_stride);  \
+    }                                                                                              \
+    static void rows512_q5_0_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride,           \
+                                 int64_t nb, const __m512 *xsp, const __m512i *nbs, float *out,   \
+                                 int64_t out_stride)                                              \
+    {                                                                                              \
+        dot_q5_0_512_rows((const fitm_block_q5_0 *)w, xq, x_stride, M, nb, xsp, nbs, out,         \
+                          out_stride);                                                             \
+    }
+DEF_ROWS512(1)
+DEF_ROWS512(2)
+DEF_ROWS512(3)
+DEF_ROWS512(4)
+DEF_ROWS512(5)
+DEF_ROWS512(6)
+DEF_ROWS512(7)
+DEF_ROWS512(8)
+
+/* M >= 2 rows of Q8_0 or Q5_0 (np = K / 64 <= ROWS512_PAIRS / 2): chunks of up to
+ * ROWS512_MAX rows whose pair vectors fit the stack, each chunk over all the task's weight
+ * rows (a task's weights are a few KiB, so a second chunk reads them from cache). */
+static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
+                           const uint8_t *xq, size_t x_stride, int64_t M, float *y,
+                           int64_t y_stride, int64_t n_rows)
+{
+    static const rows512_fn q8_0[ROWS512_MAX] = {rows512_q8_0_1, rows512_q8_0_2, rows512_q8_0_3,
+                                                 rows512_q8_0_4, rows512_q8_0_5, rows512_q8_0_6,
+                                                 rows512_q8_0_7, rows512_q8_0_8};
+    static const rows512_fn q5_0[ROWS512_MAX] = {rows512_q5_0_1, rows512_q5_0_2, rows512_q5_0_3,
+                                                 rows512_q5_0_4, rows512_q5_0_5, rows512_q5_0_6,
+                                                 rows512_q5_0_7, rows512_q5_0_8};
+    const rows512_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
+    const int64_t nb = K / FITM_QK, np = nb / 2;
+    const int64_t fit = np ? ROWS512_PAIRS / np : ROWS512_MAX;
+    const int64_t chunk = fit < ROWS512_MAX ? fit : ROWS512_MAX;
+    __m512 xsp[ROWS512_PAIRS];
+    __m512i nbs[ROWS512_PAIRS];
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int n = (int)(M - m0 < chunk ? M - m0 : chunk);
+        const uint8_t *xc = xq + (size_t)m0 * x_stride;
+        for (int r = 0; r < n; r++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xc + (size_t)r * x_stride);
+            for (int64_t p = 0; p < np; p++) {
+                xsp[r * np + p] = pair_scales(fp16(x[2 * p].d), fp16(x[2 * p + 1].d));
+                if (t == FITM_DTYPE_Q5_0)
+                    nbs[r * np + p] = q5_0_bias_start(load_q8_0_pair(x + 2 * p));
+            }
+        }
+        const uint8_t *wr = w;
+        for (int64_t r = 0; r < n_rows; r++, wr += row_bytes) {
+            const uintptr_t pf = (uintptr_t)wr + MATVEC_PREFETCH; /* as fitm_quant_matvec_simd */
+            for (size_t o = 0; m0 == 0 && o < row_bytes; o += 64)
+                _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
+            fn[n - 1](wr, xc, x_stride, nb, xsp, nbs, y + m0 * y_stride + r, y_stride);
+        }
+    }
+}
+#endif
+
 typedef void (*rows_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const float *, float *,
                         int64_t);
 
@@ -695,7 +1002,7 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
                                  int64_t y_stride, int64_t n_rows)
 {
     /* The types whose one-row dot is dot_block32 in this build (FITM_DOT512 has its own
-     * Q8_0 and Q5_0 kernels: those rows keep the one-row dot, weight row by weight row). */
+     * Q8_0 and Q5_0 kernels, and matvec_rows512 their rows). */
     static const rows_fn q4_0[4] = {rows_q4_0_1, rows_q4_0_2, rows_q4_0_3, rows_q4_0_4};
     const rows_fn *fn = t == FITM_DTYPE_Q4_0 ? q4_0 : NULL;
 #if !FITM_DOT512
@@ -704,6 +1011,12 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
     fn = t == FITM_DTYPE_Q8_0 ? q8_0 : t == FITM_DTYPE_Q5_0 ? q5_0 : fn;
 #endif
     const int64_t nb = K / FITM_QK;
+#if FITM_DOT512
+    if (M >= 2 && (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && nb / 2 <= ROWS512_PAIRS / 2) {
+        matvec_rows512(t, w, row_bytes, K, x_q, x_stride, M, y, y_stride, n_rows);
+        return;
+    }
+#endif
     if (M < 2 || (fn && M * nb > ROWS_XS_MAX)) {
         for (int64_t m = 0; m < M; m++)
             fitm_quant_matvec_simd(t, w, row_bytes, K, (const uint8_t *)x_q + (size_t)m * x_stride,
@@ -712,12 +1025,25 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
     }
     if (!fn) {
         /* Other types: each weight row against every activation row while it is in L1, so
-         * the weights stream from memory once (the one-row dot, so the same values). */
+         * the weights stream from memory once; the K-quants through their multi-row kernels
+         * (ROWSK_MAX rows at a time), the rest through the one-row dot (the same values). */
+        static const rowsk_fn q4_k[ROWSK_MAX] = {rowsk_q4_k_1, rowsk_q4_k_2, rowsk_q4_k_3, rowsk_q4_k_4};
+        static const rowsk_fn q5_k[ROWSK_MAX] = {rowsk_q5_k_1, rowsk_q5_k_2, rowsk_q5_k_3, rowsk_q5_k_4};
+        static const rowsk_fn q6_k[ROWSK_MAX] = {rowsk_q6_k_1, rowsk_q6_k_2, rowsk_q6_k_3, rowsk_q6_k_4};
+        const rowsk_fn *kf = t == FITM_DTYPE_Q4_K   ? q4_k
+                             : t == FITM_DTYPE_Q5_K ? q5_k
+                             : t == FITM_DTYPE_Q6_K ? q6_k
+                                                    : NULL;
         for (int64_t r = 0; r < n_rows; r++, w += row_bytes) {
             const uintptr_t pf = (uintptr_t)w + MATVEC_PREFETCH;
             for (size_t o = 0; o < row_bytes; o += 64)
                 _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
-            for (int64_t m = 0; m < M; m++)
+            for (int64_t m0 = 0; kf && m0 < M; m0 += ROWSK_MAX) {
+                const int n = M - m0 < ROWSK_MAX ? (int)(M - m0) : ROWSK_MAX;
+                kf[n - 1](w, (const uint8_t *)x_q + (size_t)m0 * x_stride, x_stride, K / FITM_QK_K,
+                          y + m0 * y_stride + r, y_stride);
+            }
+            for (int64_t m = 0; !kf && m < M; m++)
                 y[m * y_stride + r] =
                     fitm_quant_dot_simd(t, w, (const uint8_t *)x_q + (size_t)m * x_stride, K);
         }
