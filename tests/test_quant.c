@@ -467,12 +467,12 @@ static void test_matvec_matmul(void)
 /* fitm_matvec_rows == fitm_quant_dot per (weight row, activation row), bit for bit, and
  * writes only its rows: a row's value may not depend on how many rows share the call. Row
  * counts 1..11 cross the multi-row kernels' block sizes (4 rows on AVX2, chunks of up to 8 on
- * AVX-512); the lengths cover an odd last block, a last lone pair, chunks cut short by wide
- * rows (K = 8192) and rows too wide for the multi-row kernels (K = 16384). */
+ * AVX-512); the lengths cover an odd last block, a last lone pair, chunks of rows cut short
+ * by wide rows (K = 2080, 4160) and rows too wide for the 512-bit multi-row kernels (8192). */
 static void test_matvec_rows(void)
 {
     const int64_t N = 37, n0 = 2, n1 = 35, M_MAX = 11, ldy = N + 3;
-    const int64_t lens[] = {32, 96, 160, 256, 640, 768, 2080, 2304, 8192, 16384};
+    const int64_t lens[] = {32, 96, 160, 256, 640, 768, 2080, 2304, 4160, 8192};
     for (int ti = 0; ti < N_WEIGHT_TYPES; ti++) {
         fitm_dtype t = weight_types[ti], vt = fitm_quant_vec_dtype(t);
         const int64_t be = fitm_dtype_info_of((int)t)->block_elems;

@@ -817,130 +817,109 @@ DEF_ROWSK(4)
 #if FITM_DOT512
 /* Several activation rows against one Q8_0 or Q5_0 weight row on 512-bit vectors (the types
  * whose one-row dot is dot_q8_0_512 / dot_q5_0_512 in this build). Each row's value is
- * computed exactly as that one-row dot computes it alone: the same block pairs into the same
- * two accumulators, the same integer sums, the same scale products, the same tail and final
- * sum. What the rows share is the weight pair, loaded and unpacked once for all of them (|w|
- * and w's sign mask for Q8_0; the 5-bit values for Q5_0). For each chunk of rows the caller
- * forms, per row r and full pair p of blocks 2p and 2p + 1:
- *   xsp[r * np + p]  the row's block scales as a pair vector [xs(2p) x 8, xs(2p+1) x 8]
- *                    (fp16 -> fp32 is exact, and a vector multiply by w's pair scales rounds
- *                    each lane as the one-row dot's scalar product does)
- *   nbs[r * np + p]  Q5_0 only: the dot's starting value -16 * (sums of 4 x bytes) */
-#define ROWS512_MAX 8     /* rows per kernel call: 2 x 8 accumulators of 32 registers */
-#define ROWS512_PAIRS 256 /* pair vectors of a chunk of rows held on the stack (16 KiB each) */
+ * computed as that one-row dot computes it alone: the same integer sum per pair of blocks,
+ * the same scale products, the same two accumulators (pair p into accumulator p % 2), the
+ * same tail and final sum. What the rows share is the weight pair, loaded and unpacked once
+ * for all of them as unsigned bytes: Q5_0's 5-bit values, or Q8_0's w + 128 (w ^ 0x80), whose
+ * dot with x is the signed dot plus 128 * (sums of 4 x bytes), an exact integer identity the
+ * bias start below takes off again. For each chunk of rows the caller forms, once per call,
+ * an entry per row r and full pair p of blocks 2p and 2p + 1 (entry r * np + p):
+ *   x      the row's 64 activation bytes of the pair, contiguous
+ *   bias   the integer sum's start, -bias * (sums of 4 x bytes): 128 for Q8_0, 16 for Q5_0
+ *   scale  the row's block scales [xs(2p) x 8, xs(2p+1) x 8] (fp16 -> fp32 is exact, and a
+ *          vector multiply by w's pair scales rounds each lane as the scalar product does) */
+#define ROWS512_MAX 8       /* rows per kernel call: 2 x 8 accumulators of 32 registers */
+#define ROWS512_ENTRIES 160 /* entries of a chunk of rows held on the stack (30 KiB) */
+
+typedef struct {
+    __m512i x, bias;
+    __m512 scale;
+} rows512_entry;
 
 KERNEL __m512 pair_scales(float a, float b)
 {
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
-KERNEL __m512i q5_0_bias_start(__m512i xv)
+/* The unsigned weight bytes of full pair p and the pair's weight scales. */
+KERNEL __m512i pair512_weights(fitm_dtype t, const uint8_t *w, int64_t p, __m512 *ws)
 {
-    return _mm512_sub_epi32(_mm512_setzero_si512(),
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));
+    if (t == FITM_DTYPE_Q8_0) {
+        const fitm_block_q8_0 *b = (const fitm_block_q8_0 *)w + 2 * p;
+        *ws = pair_scales(fp16(b[0].d), fp16(b[1].d));
+        return _mm512_xor_si512(load_q8_0_pair(b), _mm512_set1_epi8((char)0x80));
+    }
+    const fitm_block_q5_0 *b = (const fitm_block_q5_0 *)w + 2 * p;
+    *ws = pair_scales(fp16(b[0].d), fp16(b[1].d));
+    return q5_0_pair_unsigned(b);
 }
 
-KERNEL void dot_q8_0_512_rows(const fitm_block_q8_0 *w, const uint8_t *xq, size_t x_stride,
-                              const int M, int64_t nb, const __m512 *xsp, float *out,
+KERNEL __m512 pair512_step(__m512 acc, __m512i u, __m512 ws, const rows512_entry *e)
+{
+    const __m512i p = _mm512_dpbusd_epi32(e->bias, u, e->x);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ws, e->scale), acc);
+}
+
+KERNEL void dot_pairs512_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
+                              const int M, int64_t nb, const rows512_entry *ent, float *out,
                               int64_t out_stride)
 {
     const int64_t np = nb / 2;
-    const __m512i zero = _mm512_setzero_si512();
     __m512 acc0[ROWS512_MAX], acc1[ROWS512_MAX];
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
         acc0[r] = acc1[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 4 <= nb; i += 4) {
-        const __m512i w0 = load_q8_0_pair(w + i), w1 = load_q8_0_pair(w + i + 2);
-        const __mmask64 n0 = _mm512_movepi8_mask(w0), n1 = _mm512_movepi8_mask(w1);
-        const __m512i a0 = _mm512_abs_epi8(w0), a1 = _mm512_abs_epi8(w1);
-        const __m512 ws0 = pair_scales(fp16(w[i].d), fp16(w[i + 1].d));
-        const __m512 ws1 = pair_scales(fp16(w[i + 2].d), fp16(w[i + 3].d));
+    int64_t p = 0;
+    for (; p + 2 <= np; p += 2) {
+        __m512 ws0, ws1;
+        const __m512i u0 = pair512_weights(t, w, p, &ws0), u1 = pair512_weights(t, w, p + 1, &ws1);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++) {
-            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
-            const __m512i x0 = load_q8_0_pair(x + i), x1 = load_q8_0_pair(x + i + 2);
-            const __m512i p0 = _mm512_dpbusd_epi32(zero, a0, _mm512_mask_sub_epi8(x0, n0, zero, x0));
-            const __m512i p1 = _mm512_dpbusd_epi32(zero, a1, _mm512_mask_sub_epi8(x1, n1, zero, x1));
-            acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0),
-                                      _mm512_mul_ps(ws0, xsp[r * np + i / 2]), acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
-                                      _mm512_mul_ps(ws1, xsp[r * np + i / 2 + 1]), acc1[r]);
+            acc0[r] = pair512_step(acc0[r], u0, ws0, &ent[r * np + p]);
+            acc1[r] = pair512_step(acc1[r], u1, ws1, &ent[r * np + p + 1]);
         }
     }
+    if (p < np) {
+        __m512 ws0;
+        const __m512i u0 = pair512_weights(t, w, p, &ws0);
 #pragma GCC unroll 8
-    for (int r = 0; r < M; r++) {
-        const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
-        for (int64_t j = i; j < nb; j += 2) { /* dot_q8_0_512's tail, as it runs it */
-            const int two = j + 1 < nb;
-            const __m512i wv = two ? load_q8_0_pair(w + j) : _mm512_zextsi256_si512(loadu256(w[j].qs));
-            const __m512i xv = two ? load_q8_0_pair(x + j) : _mm512_zextsi256_si512(loadu256(x[j].qs));
-            const float s0 = fp16(w[j].d) * fp16(x[j].d);
-            const float s1 = two ? fp16(w[j + 1].d) * fp16(x[j + 1].d) : 0.0f;
-            acc0[r] = q8_0_pair(acc0[r], wv, xv, s0, s1);
-        }
-        out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+        for (int r = 0; r < M; r++)
+            acc0[r] = pair512_step(acc0[r], u0, ws0, &ent[r * np + p]);
     }
-}
-
-KERNEL void dot_q5_0_512_rows(const fitm_block_q5_0 *w, const uint8_t *xq, size_t x_stride,
-                              const int M, int64_t nb, const __m512 *xsp, const __m512i *nbs,
-                              float *out, int64_t out_stride)
-{
-    const int64_t np = nb / 2;
-    __m512 acc0[ROWS512_MAX], acc1[ROWS512_MAX];
-#pragma GCC unroll 8
-    for (int r = 0; r < M; r++)
-        acc0[r] = acc1[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) { /* pairs alternate between the accumulators, as alone */
-        const __m512i u = q5_0_pair_unsigned(w + i);
-        const __m512 ws = pair_scales(fp16(w[i].d), fp16(w[i + 1].d));
-        const int even = i % 4 == 0;
-#pragma GCC unroll 8
-        for (int r = 0; r < M; r++) {
-            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
-            const __m512i p = _mm512_dpbusd_epi32(nbs[r * np + i / 2], u, load_q8_0_pair(x + i));
-            const __m512 sc = _mm512_mul_ps(ws, xsp[r * np + i / 2]);
-            if (even)
-                acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0[r]);
-            else
-                acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1[r]);
-        }
-    }
+    const int64_t j = 2 * np; /* an odd last block, as the one-row dot runs it */
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++) {
         const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
         float tail = 0.0f;
-        if (i < nb) { /* dot_q5_0_512's odd last block, as it runs it */
-            const __m256i x0 = loadu256(x[i].qs);
+        if (j < nb && t == FITM_DTYPE_Q8_0) { /* a pair with a zero partner, into acc0 */
+            const fitm_block_q8_0 *b = (const fitm_block_q8_0 *)w + j;
+            acc0[r] = q8_0_pair(acc0[r], _mm512_zextsi256_si512(loadu256(b->qs)),
+                                _mm512_zextsi256_si512(loadu256(x[j].qs)),
+                                fp16(b->d) * fp16(x[j].d), 0.0f);
+        } else if (j < nb) { /* Q5_0: the 256-bit block dot, added after the sum */
+            const __m256i x0 = loadu256(x[j].qs);
             uint16_t d0;
-            const __m256i p0 =
-                block32_dot(FITM_DTYPE_Q5_0, (const uint8_t *)(w + i), x0, neg_bias(x0, 16), &d0);
-            tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[i].d))));
+            const __m256i p0 = block32_dot(FITM_DTYPE_Q5_0, w + j * sizeof(fitm_block_q5_0), x0,
+                                           neg_bias(x0, 16), &d0);
+            tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[j].d))));
         }
         out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + tail;
     }
 }
 
-typedef void (*rows512_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const __m512 *,
-                           const __m512i *, float *, int64_t);
+typedef void (*rows512_fn)(const uint8_t *, const uint8_t *, size_t, int64_t,
+                           const rows512_entry *, float *, int64_t);
 
 #define DEF_ROWS512(M)                                                                             \
     static void rows512_q8_0_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride,           \
-                                 int64_t nb, const __m512 *xsp, const __m512i *nbs, float *out,   \
-                                 int64_t out_stride)                                              \
+                                 int64_t nb, const rows512_entry *e, float *out, int64_t stride)  \
     {                                                                                              \
-        (void)nbs;                                                                                 \
-        dot_q8_0_512_rows((const fitm_block_q8_0 *)w, xq, x_stride, M, nb, xsp, out, out_stride);  \
+        dot_pairs512_rows(FITM_DTYPE_Q8_0, w, xq, x_stride, M, nb, e, out, stride);                \
     }                                                                                              \
     static void rows512_q5_0_##M(const uint8_t *w, const uint8_t *xq, size_t x_stride,           \
-                                 int64_t nb, const __m512 *xsp, const __m512i *nbs, float *out,   \
-                                 int64_t out_stride)                                              \
+                                 int64_t nb, const rows512_entry *e, float *out, int64_t stride)  \
     {                                                                                              \
-        dot_q5_0_512_rows((const fitm_block_q5_0 *)w, xq, x_stride, M, nb, xsp, nbs, out,         \
-                          out_stride);                                                             \
+        dot_pairs512_rows(FITM_DTYPE_Q5_0, w, xq, x_stride, M, nb, e, out, stride);                \
     }
 DEF_ROWS512(1)
 DEF_ROWS512(2)
@@ -951,9 +930,9 @@ DEF_ROWS512(6)
 DEF_ROWS512(7)
 DEF_ROWS512(8)
 
-/* M >= 2 rows of Q8_0 or Q5_0 (np = K / 64 <= ROWS512_PAIRS / 2): chunks of up to
- * ROWS512_MAX rows whose pair vectors fit the stack, each chunk over all the task's weight
- * rows (a task's weights are a few KiB, so a second chunk reads them from cache). */
+/* M >= 2 rows of Q8_0 or Q5_0 with np = K / 64 <= ROWS512_ENTRIES / 2: chunks of up to
+ * ROWS512_MAX rows whose entries fit the stack, each chunk over all the task's weight rows
+ * (a task's weights are a few KiB, so a second chunk reads them from cache). */
 static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
                            const uint8_t *xq, size_t x_stride, int64_t M, float *y,
                            int64_t y_stride, int64_t n_rows)
@@ -966,19 +945,21 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
                                                  rows512_q5_0_7, rows512_q5_0_8};
     const rows512_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
     const int64_t nb = K / FITM_QK, np = nb / 2;
-    const int64_t fit = np ? ROWS512_PAIRS / np : ROWS512_MAX;
+    const int64_t fit = np ? ROWS512_ENTRIES / np : ROWS512_MAX;
     const int64_t chunk = fit < ROWS512_MAX ? fit : ROWS512_MAX;
-    __m512 xsp[ROWS512_PAIRS];
-    __m512i nbs[ROWS512_PAIRS];
+    const __m512i bias = _mm512_set1_epi8((char)(t == FITM_DTYPE_Q8_0 ? 128 : 16));
+    rows512_entry ent[ROWS512_ENTRIES];
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int n = (int)(M - m0 < chunk ? M - m0 : chunk);
         const uint8_t *xc = xq + (size_t)m0 * x_stride;
         for (int r = 0; r < n; r++) {
             const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xc + (size_t)r * x_stride);
             for (int64_t p = 0; p < np; p++) {
-                xsp[r * np + p] = pair_scales(fp16(x[2 * p].d), fp16(x[2 * p + 1].d));
-                if (t == FITM_DTYPE_Q5_0)
-                    nbs[r * np + p] = q5_0_bias_start(load_q8_0_pair(x + 2 * p));
+                rows512_entry *e = &ent[r * np + p];
+                e->x = load_q8_0_pair(x + 2 * p);
+                e->bias = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                           _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, e->x));
+                e->scale = pair_scales(fp16(x[2 * p].d), fp16(x[2 * p + 1].d));
             }
         }
         const uint8_t *wr = w;
@@ -986,7 +967,7 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
             const uintptr_t pf = (uintptr_t)wr + MATVEC_PREFETCH; /* as fitm_quant_matvec_simd */
             for (size_t o = 0; m0 == 0 && o < row_bytes; o += 64)
                 _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
-            fn[n - 1](wr, xc, x_stride, nb, xsp, nbs, y + m0 * y_stride + r, y_stride);
+            fn[n - 1](wr, xc, x_stride, nb, ent, y + m0 * y_stride + r, y_stride);
         }
     }
 }
@@ -1012,7 +993,7 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
 #endif
     const int64_t nb = K / FITM_QK;
 #if FITM_DOT512
-    if (M >= 2 && (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && nb / 2 <= ROWS512_PAIRS / 2) {
+    if (M >= 2 && (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && nb / 2 <= ROWS512_ENTRIES / 2) {
         matvec_rows512(t, w, row_bytes, K, x_q, x_stride, M, y, y_stride, n_rows);
         return;
     }
