@@ -162,6 +162,21 @@ void fitm_matvec_rows(fitm_dtype t, const void *W, int64_t K, const void *x_q, s
         fitm_matvec(t, W, K, (const uint8_t *)x_q + (size_t)m * x_stride, Y + m * ldy, n0, n1);
 }
 
+int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K)
+{
+#if FITM_QUANT_X86
+    switch (simd_path()) {
+    case FITM_CPU_AVX512:
+        return fitm_quant_matvec_rows_once_avx512(t, K);
+    case FITM_CPU_AVX2:
+        return fitm_quant_matvec_rows_once_avx2(t, K);
+    default:
+        break;
+    }
+#endif
+    return 1; /* the portable path: one matvec per row */
+}
+
 /* Rows of W dequantized per sgemm call. Measured (bench_quant, M = 512, one thread): 32 rows
  * reach 0.85x of one plain F32 sgemm, 64 rows 0.93x, 256 rows 0.97-1.0x. Capped so a tile
  * stays near 4 MiB for very wide rows. */

@@ -65,6 +65,12 @@ void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float 
 void fitm_matvec_rows(fitm_dtype t, const void *W, int64_t K, const void *x_q, size_t x_stride,
                       int64_t M, float *Y, int64_t ldy, int64_t n0, int64_t n1);
 
+/* The most activation rows fitm_matvec_rows multiplies with one read of each weight row of
+ * type t and length K on this CPU's path (at least 1; more rows read the weights again).
+ * Callers size their tasks by it: weights read once may stream in long runs, weights read
+ * again should come in runs that stay in cache. */
+int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K);
+
 /* Scratch floats fitm_matmul needs (dequantized weight tile); one scratch per thread. */
 size_t fitm_matmul_scratch_floats(int64_t K);
 

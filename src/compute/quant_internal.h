@@ -114,7 +114,9 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
     /* y + m * y_stride; every value equal to the one-row call's. */                             \
     void fitm_quant_matvec_rows_##sfx(fitm_dtype t, const uint8_t *w, size_t row_bytes,         \
                                       int64_t K, const void *x_q, size_t x_stride, int64_t M,     \
-                                      float *y, int64_t y_stride, int64_t n_rows);
+                                      float *y, int64_t y_stride, int64_t n_rows);                \
+    /* fitm_matvec_rows_once for this path */                                                    \
+    int64_t fitm_quant_matvec_rows_once_##sfx(fitm_dtype t, int64_t K);
 FITM_QUANT_SIMD_DECL(avx2)
 FITM_QUANT_SIMD_DECL(avx512)
 #else

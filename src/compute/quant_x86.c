@@ -27,6 +27,7 @@
 #define fitm_quant_quant_row_simd SIMD_CAT(fitm_quant_quant_row, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_simd SIMD_CAT(fitm_quant_matvec, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_rows_simd SIMD_CAT(fitm_quant_matvec_rows, FITM_SIMD_SUFFIX)
+#define fitm_quant_matvec_rows_once_simd SIMD_CAT(fitm_quant_matvec_rows_once, FITM_SIMD_SUFFIX)
 
 #include <immintrin.h>
 #include <string.h>
@@ -829,7 +830,7 @@ DEF_ROWSK(4)
  *   scale  the row's block scales [xs(2p) x 8, xs(2p+1) x 8] (fp16 -> fp32 is exact, and a
  *          vector multiply by w's pair scales rounds each lane as the scalar product does) */
 #define ROWS512_MAX 8       /* rows per kernel call: 2 x 8 accumulators of 32 registers */
-#define ROWS512_ENTRIES 160 /* entries of a chunk of rows held on the stack (30 KiB) */
+#define ROWS512_ENTRIES 160 /* entries held on the stack (30 KiB): 16 rows of K = 640 */
 
 typedef struct {
     __m512i x, bias;
@@ -930,9 +931,15 @@ DEF_ROWS512(6)
 DEF_ROWS512(7)
 DEF_ROWS512(8)
 
-/* M >= 2 rows of Q8_0 or Q5_0 with np = K / 64 <= ROWS512_ENTRIES / 2: chunks of up to
- * ROWS512_MAX rows whose entries fit the stack, each chunk over all the task's weight rows
- * (a task's weights are a few KiB, so a second chunk reads them from cache). */
+/* M >= 2 rows of Q8_0 or Q5_0 with np = K / 64 <= ROWS512_ENTRIES / 2. When the entries of
+ * all M rows fit the stack, each weight row is read once and applied to the rows ROWS512_MAX
+ * at a time; otherwise chunks of rows whose entries fit run one after another over all the
+ * task's weight rows (matvec_rows512_once says which). */
+static int64_t matvec_rows512_once(int64_t np)
+{
+    return np ? ROWS512_ENTRIES / np : ROWS512_ENTRIES;
+}
+
 static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
                            const uint8_t *xq, size_t x_stride, int64_t M, float *y,
                            int64_t y_stride, int64_t n_rows)
@@ -944,15 +951,14 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
                                                  rows512_q5_0_4, rows512_q5_0_5, rows512_q5_0_6,
                                                  rows512_q5_0_7, rows512_q5_0_8};
     const rows512_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
-    const int64_t nb = K / FITM_QK, np = nb / 2;
-    const int64_t fit = np ? ROWS512_ENTRIES / np : ROWS512_MAX;
-    const int64_t chunk = fit < ROWS512_MAX ? fit : ROWS512_MAX;
+    const int64_t nb = K / FITM_QK, np = nb / 2, once = matvec_rows512_once(np);
+    const int64_t pass = M <= once ? M : once; /* rows whose entries are formed at a time */
     const __m512i bias = _mm512_set1_epi8((char)(t == FITM_DTYPE_Q8_0 ? 128 : 16));
     rows512_entry ent[ROWS512_ENTRIES];
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int n = (int)(M - m0 < chunk ? M - m0 : chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t n = M - m0 < pass ? M - m0 : pass;
         const uint8_t *xc = xq + (size_t)m0 * x_stride;
-        for (int r = 0; r < n; r++) {
+        for (int64_t r = 0; r < n; r++) {
             const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xc + (size_t)r * x_stride);
             for (int64_t p = 0; p < np; p++) {
                 rows512_entry *e = &ent[r * np + p];
@@ -967,7 +973,11 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
             const uintptr_t pf = (uintptr_t)wr + MATVEC_PREFETCH; /* as fitm_quant_matvec_simd */
             for (size_t o = 0; m0 == 0 && o < row_bytes; o += 64)
                 _mm_prefetch((const char *)(pf + o), _MM_HINT_T0);
-            fn[n - 1](wr, xc, x_stride, nb, ent, y + m0 * y_stride + r, y_stride);
+            for (int64_t c0 = 0; c0 < n; c0 += ROWS512_MAX) {
+                const int k = (int)(n - c0 < ROWS512_MAX ? n - c0 : ROWS512_MAX);
+                fn[k - 1](wr, xc + (size_t)c0 * x_stride, x_stride, nb, ent + c0 * np,
+                          y + (m0 + c0) * y_stride + r, y_stride);
+            }
         }
     }
 }
@@ -977,6 +987,21 @@ typedef void (*rows_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, const
                         int64_t);
 
 #define ROWS_XS_MAX 2048 /* activation block scales held on the stack (M * K / 32) */
+
+int64_t fitm_quant_matvec_rows_once_simd(fitm_dtype t, int64_t K)
+{
+    const int64_t nb = K / FITM_QK;
+#if FITM_DOT512
+    if (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0)
+        return nb / 2 <= ROWS512_ENTRIES / 2 ? matvec_rows512_once(nb / 2) : INT64_MAX;
+    const bool block32 = t == FITM_DTYPE_Q4_0;
+#else
+    const bool block32 = t == FITM_DTYPE_Q4_0 || t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0;
+#endif
+    /* the block-32 rows kernels while the rows' scales fit (beyond: one matvec per row); the
+     * other types walk the weight rows once for any number of rows */
+    return block32 ? (nb && ROWS_XS_MAX / nb > 1 ? ROWS_XS_MAX / nb : 1) : INT64_MAX;
+}
 
 void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
                                  const void *x_q, size_t x_stride, int64_t M, float *y,

@@ -683,14 +683,16 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
                 par_rows(c, T, K * 4, quant_rows, &q);
             }
             pt->xq = c->xq[v];
-            /* Keep a task's weight rows in L1/L2 while all T activation rows pass over them;
-             * for one row, enough tasks per thread that a thread the OS delays does not hold
-             * up the others for long, but at least MATVEC_TASK_BYTES of weights per task:
-             * shorter streams from DRAM run well below the memory bandwidth (Gemma 3 270M
-             * decode, 2 threads: 16 KiB-ish tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB
-             * 172). */
+            /* When the T rows need more than one read of the weights, keep a task's weight
+             * rows in L1/L2 while all T rows pass over them. When one read serves them all
+             * (one row, or the few of a decode step: fitm_matvec_rows_once), enough tasks per
+             * thread that a thread the OS delays does not hold up the others for long, but
+             * at least MATVEC_TASK_BYTES of weights per task: shorter streams from DRAM run
+             * well below the memory bandwidth (Gemma 3 270M decode, 2 threads: 16 KiB-ish
+             * tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB 172; 8 sequences on AVX-512,
+             * 16 KiB tasks 194-277 tok/s, these 327-333). */
             int64_t rpt = (int64_t)(16384 / w->row_bytes);
-            if (T == 1) {
+            if (T <= fitm_matvec_rows_once(w->type, K)) {
                 rpt = N / (16 * c->n_threads);
                 const int64_t min_rows = (int64_t)(MATVEC_TASK_BYTES / w->row_bytes);
                 rpt = rpt < min_rows ? min_rows : rpt;
