@@ -412,13 +412,27 @@ static inline vf expv(vf x)
 
 static inline float hsumv(vf v)
 {
-    /* pairwise, in a fixed tree */
+    /* pairwise, in a fixed tree: t[i] + t[i + w] for w = VW/2, ..., 1. The x86 objects add
+     * the same pairs as vector halves (lanes [0, w) + lanes [w, 2w)), which are the same
+     * sums in registers instead of a chain of scalar adds through memory. */
+#if VW == 16 || defined(__FMA__)
+#if VW == 16
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm512_extractf32x8_ps((__m512)v, 1));
+#else
+    const __m256 h = (__m256)v;
+#endif
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));  /* lanes 0, 1: t0 + t2, t1 + t3 */
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));   /* lane 0: (t0 + t2) + (t1 + t3) */
+    return _mm_cvtss_f32(q);
+#else
     float t[VW];
     memcpy(t, &v, sizeof t);
     for (int w = VW / 2; w > 0; w /= 2)
         for (int i = 0; i < w; i++)
             t[i] = t[i] + t[i + w];
     return t[0];
+#endif
 }
 
 /* The activations with expv: gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3)
