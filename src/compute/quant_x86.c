@@ -416,47 +416,71 @@ static inline __m256i k_min_sums(__m256i bsums, const uint8_t m[8])
 }
 
 /* Q4_K / Q5_K: q unsigned (<= 31) times q8 (|q8| <= 128): pairs <= 2*31*128. The mins
- * are accumulated as vectors too, so a super-block needs no horizontal sum. */
-KERNEL float dot_q45_k(fitm_dtype t, const uint8_t *w, const fitm_block_q8_k *x, int64_t nb)
+ * are accumulated as vectors too, so a super-block needs no horizontal sum.
+ *
+ * The K-quant dots take M activation rows (M a compile-time constant after inlining) against
+ * one weight row: each super-block's values and scales are unpacked once for all the rows,
+ * and each row is summed as it would be alone (exact integer block sums, its own FMA chains
+ * in block order), so the one-row dot is the M = 1 instance and a row's value does not depend
+ * on M. xq: the rows' Q8_K blocks, x_stride bytes apart; out[r * out_stride]. */
+#define ROWSK_MAX 4
+
+KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
+                           const int M, int64_t nb, float *out, int64_t out_stride)
 {
     const int is5 = t == FITM_DTYPE_Q5_K;
     const size_t bb = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), accm = acc;
+    __m256 acc[ROWSK_MAX], accm[ROWSK_MAX];
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        {
-            const uint8_t *blk = w + (size_t)i * bb;
-            const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk; /* same header */
-            const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
-            uint8_t sc[8], m[8];
-            k_scales_mins(b4->scales, sc, m);
-            uint64_t sc8;
-            memcpy(&sc8, sc, 8);
-            /* the 8 scales as int16, in both 128-bit lanes */
-            const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
-            __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
-            __m256i isum = _mm256_setzero_si256();
-            for (int g = 0; g < 4; g++) {
-                __m256i q = loadu256(qs + 32 * g);
-                __m256i lo = _mm256_and_si256(q, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-                if (is5) { /* bit 2g / 2g+1 of byte l: the 5th bits of this group */
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                    hi = _mm256_or_si256(
-                        hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-                    h = _mm256_srli_epi16(h, 2);
-                }
-                isum = _mm256_add_epi32(isum, dot_u8s8_scaled(lo, loadu256(x[i].qs + 64 * g),
-                                                              _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g))));
-                isum = _mm256_add_epi32(isum, dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32),
-                                                              _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g + 1))));
+        const uint8_t *blk = w + (size_t)i * bb;
+        const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk; /* same header */
+        const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
+        uint8_t sc[8], m[8];
+        k_scales_mins(b4->scales, sc, m);
+        uint64_t sc8;
+        memcpy(&sc8, sc, 8);
+        /* the 8 scales as int16, in both 128-bit lanes */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+        __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
+        __m256i isum[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i q = loadu256(qs + 32 * g);
+            __m256i lo = _mm256_and_si256(q, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+            if (is5) { /* bit 2g / 2g+1 of byte l: the 5th bits of this group */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                h = _mm256_srli_epi16(h, 2);
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b4->d) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
-            accm = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b4->dmin) * x[i].d),
-                                   _mm256_cvtepi32_ps(k_min_sums(loadu256(x[i].bsums), m)), accm);
+            const __m256i slo = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g));
+            const __m256i shi = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < M; r++) {
+                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(lo, loadu256(x[i].qs + 64 * g), slo));
+                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32), shi));
+            }
+        }
+        const float d = fp16(b4->d), dmin = fp16(b4->dmin);
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[i].d),
+                                      _mm256_cvtepi32_ps(k_min_sums(loadu256(x[i].bsums), m)), accm[r]);
         }
     }
-    return hsum_ps(acc) - hsum_ps(accm);
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        out[r * out_stride] = hsum_ps(acc[r]) - hsum_ps(accm[r]);
 }
 
 /* The four 32-byte groups of 6-bit values (0..63, unsigned) of one Q6_K half. */
@@ -476,34 +500,63 @@ static inline void q6_k_half(const uint8_t *ql, const uint8_t *qh, __m256i q[4])
 
 /* Q6_K: sum sc * (q6 - 32) * q8 = sum sc * q6 * q8 - 32 * sum_g sc[g] * bsums[g] (a
  * scale covers exactly one 16-element bsums group). q6 <= 63: pairs <= 2*63*128. */
-static float dot_q6_k(const fitm_block_q6_k *w, const fitm_block_q8_k *x, int64_t nb)
+KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_stride,
+                          const int M, int64_t nb, float *out, int64_t out_stride)
 {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[ROWSK_MAX];
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        {
-            const fitm_block_q6_k *b = &w[i];
-            const int8_t *sc = b->scales;
-            /* scales as int16: even-numbered ones in the low lane, odd-numbered in the high
-             * lane, so group s = 2j (first 16 bytes: scale 2j, next 16: 2j+1) is one shuffle */
-            const __m128i sc8 = _mm_loadu_si128((const __m128i *)sc);
-            const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
-            const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
-            __m256i isum = _mm256_setzero_si256();
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                q6_k_half(b->ql + 64 * h, b->qh + 32 * h, q);
-                for (int k = 0; k < 4; k++) {
-                    const int j = 4 * h + k; /* scales 2j (first 16 bytes) and 2j+1 */
-                    isum = _mm256_add_epi32(isum, dot_u8s8_scaled(q[k], loadu256(x[i].qs + 128 * h + 32 * k),
-                                                                  _mm256_shuffle_epi8(sc_eo, bcast16_mask(j))));
+        const fitm_block_q6_k *b = &w[i];
+        /* scales as int16: even-numbered ones in the low lane, odd-numbered in the high
+         * lane, so group s = 2j (first 16 bytes: scale 2j, next 16: 2j+1) is one shuffle */
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)b->scales);
+        const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
+        const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
+        __m256i isum[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = _mm256_setzero_si256();
+        for (int hh = 0; hh < 2; hh++) {
+            __m256i q[4];
+            q6_k_half(b->ql + 64 * hh, b->qh + 32 * hh, q);
+            for (int k = 0; k < 4; k++) {
+                const __m256i s = _mm256_shuffle_epi8(sc_eo, bcast16_mask(4 * hh + k));
+#pragma GCC unroll 4
+                for (int r = 0; r < M; r++) {
+                    const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+                    isum[r] = _mm256_add_epi32(
+                        isum[r], dot_u8s8_scaled(q[k], loadu256(x[i].qs + 128 * hh + 32 * k), s));
                 }
             }
-            __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(loadu256(x[i].bsums), sc16), 5));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(b->d) * x[i].d), _mm256_cvtepi32_ps(isum), acc);
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const float d = fp16(b->d);
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(loadu256(x[i].bsums), sc16), 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
-    return hsum_ps(acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < M; r++)
+        out[r * out_stride] = hsum_ps(acc[r]);
+}
+
+KERNEL float dot_q45_k(fitm_dtype t, const uint8_t *w, const fitm_block_q8_k *x, int64_t nb)
+{
+    float out;
+    dot_q45_k_rows(t, w, (const uint8_t *)x, 0, 1, nb, &out, 0);
+    return out;
+}
+
+static float dot_q6_k(const fitm_block_q6_k *w, const fitm_block_q8_k *x, int64_t nb)
+{
+    float out;
+    dot_q6_k_rows(w, (const uint8_t *)x, 0, 1, nb, &out, 0);
+    return out;
 }
 
 float fitm_quant_dot_simd(fitm_dtype t, const void *w_row, const void *x_q, int64_t n)
@@ -685,112 +738,6 @@ DEF_ROWS_TYPE(FITM_DTYPE_Q8_0, q8_0)
 DEF_ROWS_TYPE(FITM_DTYPE_Q5_0, q5_0)
 #endif
 DEF_ROWS_TYPE(FITM_DTYPE_Q4_0, q4_0)
-
-/* Several activation rows against one K-quant weight row: each row's value is computed as
- * dot_q45_k or dot_q6_k computes it alone (the same exact integer block sums, the same scale
- * products, the same accumulation order per row, the same final sums), with each super-block's
- * values and scales unpacked once for all rows instead of once per row. */
-#define ROWSK_MAX 4
-
-KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
-                           const int M, int64_t nb, float *out, int64_t out_stride)
-{
-    const int is5 = t == FITM_DTYPE_Q5_K;
-    const size_t bb = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc[ROWSK_MAX], accm[ROWSK_MAX];
-#pragma GCC unroll 4
-    for (int r = 0; r < M; r++)
-        acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *blk = w + (size_t)i * bb;
-        const fitm_block_q4_k *b4 = (const fitm_block_q4_k *)blk; /* same header */
-        const uint8_t *qs = is5 ? ((const fitm_block_q5_k *)blk)->qs : b4->qs;
-        uint8_t sc[8], m[8];
-        k_scales_mins(b4->scales, sc, m);
-        uint64_t sc8;
-        memcpy(&sc8, sc, 8);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
-        __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
-        __m256i isum[ROWSK_MAX];
-#pragma GCC unroll 4
-        for (int r = 0; r < M; r++)
-            isum[r] = _mm256_setzero_si256();
-        for (int g = 0; g < 4; g++) {
-            __m256i q = loadu256(qs + 32 * g);
-            __m256i lo = _mm256_and_si256(q, low4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-            if (is5) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                hi = _mm256_or_si256(
-                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-                h = _mm256_srli_epi16(h, 2);
-            }
-            const __m256i slo = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g));
-            const __m256i shi = _mm256_shuffle_epi8(sc16, bcast16_mask(2 * g + 1));
-#pragma GCC unroll 4
-            for (int r = 0; r < M; r++) {
-                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
-                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(lo, loadu256(x[i].qs + 64 * g), slo));
-                isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32), shi));
-            }
-        }
-        const float d = fp16(b4->d), dmin = fp16(b4->dmin);
-#pragma GCC unroll 4
-        for (int r = 0; r < M; r++) {
-            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            accm[r] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * x[i].d),
-                                      _mm256_cvtepi32_ps(k_min_sums(loadu256(x[i].bsums), m)), accm[r]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < M; r++)
-        out[r * out_stride] = hsum_ps(acc[r]) - hsum_ps(accm[r]);
-}
-
-KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_stride,
-                          const int M, int64_t nb, float *out, int64_t out_stride)
-{
-    __m256 acc[ROWSK_MAX];
-#pragma GCC unroll 4
-    for (int r = 0; r < M; r++)
-        acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const fitm_block_q6_k *b = &w[i];
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)b->scales);
-        const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
-        const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
-        __m256i isum[ROWSK_MAX];
-#pragma GCC unroll 4
-        for (int r = 0; r < M; r++)
-            isum[r] = _mm256_setzero_si256();
-        for (int hh = 0; hh < 2; hh++) {
-            __m256i q[4];
-            q6_k_half(b->ql + 64 * hh, b->qh + 32 * hh, q);
-            for (int k = 0; k < 4; k++) {
-                const __m256i s = _mm256_shuffle_epi8(sc_eo, bcast16_mask(4 * hh + k));
-#pragma GCC unroll 4
-                for (int r = 0; r < M; r++) {
-                    const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
-                    isum[r] = _mm256_add_epi32(
-                        isum[r], dot_u8s8_scaled(q[k], loadu256(x[i].qs + 128 * hh + 32 * k), s));
-                }
-            }
-        }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const float d = fp16(b->d);
-#pragma GCC unroll 4
-        for (int r = 0; r < M; r++) {
-            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
-            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(loadu256(x[i].bsums), sc16), 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[i].d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < M; r++)
-        out[r * out_stride] = hsum_ps(acc[r]);
-}
 
 typedef void (*rowsk_fn)(const uint8_t *, const uint8_t *, size_t, int64_t, float *, int64_t);
 
