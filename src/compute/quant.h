@@ -61,7 +61,8 @@ void fitm_matvec(fitm_dtype t, const void *W, int64_t K, const void *x_q, float 
 
 /* fitm_matvec for M activation rows: Y[m * ldy + n] = W[n,:] . x_m for m in [0, M), n in
  * [n0, n1), where x_m = x_q + m * x_stride bytes. Every value equal to fitm_matvec's for that
- * row alone; the weights are read once for all M rows (decode steps of several sequences). */
+ * row alone; the weights are read once for up to fitm_matvec_rows_once(t, K) rows (decode
+ * steps of several sequences); more rows read them again. */
 void fitm_matvec_rows(fitm_dtype t, const void *W, int64_t K, const void *x_q, size_t x_stride,
                       int64_t M, float *Y, int64_t ldy, int64_t n0, int64_t n1);
 

@@ -704,7 +704,7 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
              * at least MATVEC_TASK_BYTES of weights per task: shorter streams from DRAM run
              * well below the memory bandwidth (Gemma 3 270M decode, 2 threads: 16 KiB-ish
              * tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB 172; 8 sequences on AVX-512,
-             * 16 KiB tasks 194-277 tok/s, these 327-333). */
+             * 16 KiB tasks 194-277 tok/s, these 294-333). */
             int64_t rpt = (int64_t)(16384 / w->row_bytes);
             if (T <= fitm_matvec_rows_once(w->type, K)) {
                 rpt = N / (16 * c->n_threads);
