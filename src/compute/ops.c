@@ -149,10 +149,17 @@ static bool top_before(float v, int32_t i, const fitm_top *t)
 
 void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top)
 {
+    int32_t have = 0;
+    fitm_ops_topk_add(x, 0, n, k, top, &have);
+}
+
+void fitm_ops_topk_add(const float *x, int64_t i0, int64_t i1, int32_t k, fitm_top *top,
+                       int32_t *have_io)
+{
     /* Insertion into a sorted list of k: each entry is compared with the list's last first,
      * so a row costs about n comparisons once the list is full (k is at most 64). */
-    int32_t have = 0;
-    for (int64_t i = 0; i < n; i++) {
+    int32_t have = *have_io;
+    for (int64_t i = i0; i < i1; i++) {
         const float v = x[i];
         if (have == k && !top_before(v, (int32_t)i, &top[k - 1]))
             continue;
@@ -161,4 +168,5 @@ void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top)
             top[j] = top[j - 1];
         top[j] = (fitm_top){v, (int32_t)i};
     }
+    *have_io = have;
 }

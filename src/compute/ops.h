@@ -77,4 +77,11 @@ typedef struct {
  * 1 <= k <= min(n, FITM_TOP_MAX), n < 2^31; x holds no NaN. */
 void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
 
+/* fitm_ops_topk in parts: adds x[i0, i1) to the list top of *have entries (0 to start with)
+ * built from x[0, i0), updating *have (at most k). Once *have == k, x[i] enters only if it is
+ * greater than top[k - 1].logit (an equal value has a lower index already in the list), so a
+ * caller may skip a part whose values are all not greater, as if it had been added. */
+void fitm_ops_topk_add(const float *x, int64_t i0, int64_t i1, int32_t k, fitm_top *top,
+                       int32_t *have);
+
 #endif
