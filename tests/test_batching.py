@@ -261,11 +261,15 @@ def test_deadline_mid_batch_ends_only_that_stream(fitmd_bin, tmp_path):  # noqa:
     same batch -- answers and a /rerank that arrive while it decodes -- are served in full.
     The stream asks for 12,000 tokens (ignore_eos: a random model's early end-of-generation
     token must not end it) against a 3 s deadline: 12,000 steps whose attention alone (over a
-    growing context) is ~1e11 multiply-adds, many seconds on any CPU; the others need a few
-    steps of the small model each."""
+    growing context, 16 layers) is ~6e11 multiply-adds. Measured on the 2-core AVX-512 VM of
+    2026-11-25: with the 2 layers this test used to have, the whole stream (7487 deltas) ended
+    inside 3 s once decode attention got faster; with 16, 1910 deltas had come at the deadline,
+    so the stream needs about 4x the deadline. The others need a few steps of the small model
+    each."""
     model = tmp_path / "mid.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
-                    "Q8_0", "--ctx", "12288", "--seed", "4", "-q", "-o", str(model)], check=True)
+                    "Q8_0", "--layers", "16", "--ctx", "12288", "--seed", "4", "-q", "-o",
+                    str(model)], check=True)
     d = Daemon(fitmd_bin, model, tmp_path, api_keys="test-key-1", max_answer_tokens=12000,
                request_timeout_ms=3000, http_threads=8, max_running=8)
     try:

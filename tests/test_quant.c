@@ -480,12 +480,12 @@ static void test_matvec_rows(void)
             const int64_t K = lens[li];
             if (K % be)
                 continue;
-            size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 3;
+            size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 4;
             uint8_t *W = malloc(N * rb), *xq = malloc(M_MAX * xqb);
             float *x = malloc(K * sizeof(float)), *Y = malloc(M_MAX * ldy * sizeof(float));
             for (int64_t n = 0; n < N; n++)
                 random_row(t, W + n * rb, K);
-            for (int64_t m = 0; m < M_MAX; m++) { /* rows xqb apart: a stride, not packed */
+            for (int64_t m = 0; m < M_MAX; m++) { /* rows xqb apart: a stride (blocks kept aligned) */
                 random_floats(x, K, 1.0f + (float)m);
                 fitm_quant_row(vt, x, xq + m * xqb, K);
             }
