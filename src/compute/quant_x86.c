@@ -15,6 +15,7 @@
  * float operations (mul then sub, never fused), so their output is bit-identical. */
 #include "compute/quant.h"
 #include "compute/quant_internal.h"
+#include "compute/simd_x86.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || !defined(FITM_SIMD_SUFFIX)
 #error "quant_x86.c is built once per SIMD path, with its -march and FITM_SIMD_SUFFIX"
@@ -53,14 +54,6 @@ static inline float bf16(uint16_t h)
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-
-static inline float hsum_ps(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static inline __m256i loadu256(const void *p)
@@ -154,7 +147,7 @@ static float dot_f32(const float *w, const float *x, int64_t n)
     }
     for (; i + 8 <= n; i += 8)
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-    float acc = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float acc = fitm_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; i < n; i++)
         acc += w[i] * x[i];
     return acc;
@@ -184,7 +177,7 @@ static inline __m256 load_bf16x8(const uint16_t *p)
         }                                                                                     \
         for (; i + 8 <= n; i += 8)                                                            \
             a0 = _mm256_fmadd_ps(load(w + i), _mm256_loadu_ps(x + i), a0);                    \
-        float acc = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));     \
+        float acc = fitm_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));     \
         for (; i < n; i++)                                                                    \
             acc += conv(w[i]) * x[i];                                                         \
         return acc;                                                                           \
@@ -282,7 +275,7 @@ KERNEL float dot_block32(fitm_dtype t, const uint8_t *w, const fitm_block_q8_0 *
         __m256i p0 = block32_dot(t, w + (size_t)i * bb, x0, nb0, &d0);
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[i].d)), acc0);
     }
-    return hsum_ps(_mm256_add_ps(acc0, acc1));
+    return fitm_hsum8(_mm256_add_ps(acc0, acc1));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                      \
@@ -326,6 +319,23 @@ KERNEL __m512i q5_0_pair_unsigned(const fitm_block_q5_0 *b)
     return _mm512_mask_add_epi8(v, (__mmask64)h0 | (__mmask64)h1 << 32, v, _mm512_set1_epi8(0x10));
 }
 
+/* -b * (sums of 4 bytes of xv), b the bytes of bias: the start that turns vpdpbusd's dot of
+ * unsigned values u with xv into the dot of u - b. */
+KERNEL __m512i bias_start512(__m512i bias, __m512i xv)
+{
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, xv));
+}
+
+/* dot_q5_0_512's odd last block: the 256-bit kernel's arithmetic for it (xsv: x's scale). */
+KERNEL float q5_0_last_block(const fitm_block_q5_0 *w, const fitm_block_q8_0 *x, float xsv)
+{
+    const __m256i x0 = loadu256(x->qs);
+    uint16_t d0;
+    const __m256i p0 = block32_dot(FITM_DTYPE_Q5_0, (const uint8_t *)w, x0, neg_bias(x0, 16), &d0);
+    return fitm_hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * xsv)));
+}
+
 KERNEL float dot_q5_0_512(const fitm_block_q5_0 *w, const fitm_block_q8_0 *x, const float *xs,
                           int64_t nb)
 {
@@ -333,9 +343,7 @@ KERNEL float dot_q5_0_512(const fitm_block_q5_0 *w, const fitm_block_q8_0 *x, co
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
         const __m512i xv = load_q8_0_pair(x + i);
-        const __m512i nbias =
-            _mm512_sub_epi32(_mm512_setzero_si512(),
-                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));
+        const __m512i nbias = bias_start512(_mm512_set1_epi8(16), xv);
         const __m512i p = _mm512_dpbusd_epi32(nbias, q5_0_pair_unsigned(w + i), xv);
         const float s0 = fp16(w[i].d) * (xs ? xs[i] : fp16(x[i].d));
         const float s1 = fp16(w[i + 1].d) * (xs ? xs[i + 1] : fp16(x[i + 1].d));
@@ -345,16 +353,24 @@ KERNEL float dot_q5_0_512(const fitm_block_q5_0 *w, const fitm_block_q8_0 *x, co
         else
             acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1);
     }
-    float tail = 0.0f;
-    if (i < nb) { /* an odd last block: the 256-bit kernel's arithmetic for it */
-        const __m256i x0 = loadu256(x[i].qs);
-        uint16_t d0;
-        const __m256i p0 =
-            block32_dot(FITM_DTYPE_Q5_0, (const uint8_t *)(w + i), x0, neg_bias(x0, 16), &d0);
-        tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0),
-                                     _mm256_set1_ps(fp16(d0) * (xs ? xs[i] : fp16(x[i].d)))));
-    }
+    const float tail = i < nb ? q5_0_last_block(w + i, x + i, xs ? xs[i] : fp16(x[i].d)) : 0.0f;
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+}
+
+/* dot_q8_0_512's end from block i: a last pair, or a last block with a zero partner, into
+ * acc. */
+KERNEL __m512 q8_0_tail(__m512 acc, const fitm_block_q8_0 *w, const fitm_block_q8_0 *x,
+                        const float *xs, int64_t i, int64_t nb)
+{
+    for (; i < nb; i += 2) {
+        const int two = i + 1 < nb;
+        const __m512i wv = two ? load_q8_0_pair(w + i) : _mm512_zextsi256_si512(loadu256(w[i].qs));
+        const __m512i xv = two ? load_q8_0_pair(x + i) : _mm512_zextsi256_si512(loadu256(x[i].qs));
+        const float s0 = fp16(w[i].d) * (xs ? xs[i] : fp16(x[i].d));
+        const float s1 = two ? fp16(w[i + 1].d) * (xs ? xs[i + 1] : fp16(x[i + 1].d)) : 0.0f;
+        acc = q8_0_pair(acc, wv, xv, s0, s1);
+    }
+    return acc;
 }
 
 KERNEL float dot_q8_0_512(const fitm_block_q8_0 *w, const fitm_block_q8_0 *x, const float *xs,
@@ -370,14 +386,7 @@ KERNEL float dot_q8_0_512(const fitm_block_q8_0 *w, const fitm_block_q8_0 *x, co
         acc1 = q8_0_pair(acc1, load_q8_0_pair(w + i + 2), load_q8_0_pair(x + i + 2),
                          fp16(w[i + 2].d) * x2, fp16(w[i + 3].d) * x3);
     }
-    for (; i < nb; i += 2) { /* a last pair, or a last block with a zero partner */
-        const int two = i + 1 < nb;
-        const __m512i wv = two ? load_q8_0_pair(w + i) : _mm512_zextsi256_si512(loadu256(w[i].qs));
-        const __m512i xv = two ? load_q8_0_pair(x + i) : _mm512_zextsi256_si512(loadu256(x[i].qs));
-        const float s0 = fp16(w[i].d) * (xs ? xs[i] : fp16(x[i].d));
-        const float s1 = two ? fp16(w[i + 1].d) * (xs ? xs[i + 1] : fp16(x[i + 1].d)) : 0.0f;
-        acc0 = q8_0_pair(acc0, wv, xv, s0, s1);
-    }
+    acc0 = q8_0_tail(acc0, w, x, xs, i, nb);
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 #else
@@ -480,7 +489,7 @@ KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, si
     }
 #pragma GCC unroll 4
     for (int r = 0; r < M; r++)
-        out[r * out_stride] = hsum_ps(acc[r]) - hsum_ps(accm[r]);
+        out[r * out_stride] = fitm_hsum8(acc[r]) - fitm_hsum8(accm[r]);
 }
 
 /* The four 32-byte groups of 6-bit values (0..63, unsigned) of one Q6_K half. */
@@ -542,7 +551,7 @@ KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_
     }
 #pragma GCC unroll 4
     for (int r = 0; r < M; r++)
-        out[r * out_stride] = hsum_ps(acc[r]);
+        out[r * out_stride] = fitm_hsum8(acc[r]);
 }
 
 KERNEL float dot_q45_k(fitm_dtype t, const uint8_t *w, const fitm_block_q8_k *x, int64_t nb)
@@ -717,7 +726,7 @@ KERNEL void dot_block32_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, 
     }
 #pragma GCC unroll 4
     for (int r = 0; r < M; r++)
-        out[r * out_stride] = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
+        out[r * out_stride] = fitm_hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 /* dot_block32_rows for one type and row count: each instance has t and M constant. */
@@ -839,18 +848,10 @@ KERNEL void dot_pairs512_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq,
     for (int r = 0; r < M; r++) {
         const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xq + (size_t)r * x_stride);
         float tail = 0.0f;
-        if (j < nb && t == FITM_DTYPE_Q8_0) { /* a pair with a zero partner, into acc0 */
-            const fitm_block_q8_0 *b = (const fitm_block_q8_0 *)w + j;
-            acc0[r] = q8_0_pair(acc0[r], _mm512_zextsi256_si512(loadu256(b->qs)),
-                                _mm512_zextsi256_si512(loadu256(x[j].qs)),
-                                fp16(b->d) * fp16(x[j].d), 0.0f);
-        } else if (j < nb) { /* Q5_0: the 256-bit block dot, added after the sum */
-            const __m256i x0 = loadu256(x[j].qs);
-            uint16_t d0;
-            const __m256i p0 = block32_dot(FITM_DTYPE_Q5_0, w + j * sizeof(fitm_block_q5_0), x0,
-                                           neg_bias(x0, 16), &d0);
-            tail = hsum_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(d0) * fp16(x[j].d))));
-        }
+        if (t == FITM_DTYPE_Q8_0)
+            acc0[r] = q8_0_tail(acc0[r], (const fitm_block_q8_0 *)w, x, NULL, j, nb);
+        else if (j < nb)
+            tail = q5_0_last_block((const fitm_block_q5_0 *)w + j, x + j, fp16(x[j].d));
         out[r * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + tail;
     }
 }
@@ -887,6 +888,12 @@ static int64_t matvec_rows512_once(int64_t np)
     return np ? ROWS512_ENTRIES / np : ROWS512_ENTRIES;
 }
 
+/* Whether matvec_rows512 takes rows of type t with nb blocks (at least 2 rows' entries fit). */
+static bool rows512_takes(fitm_dtype t, int64_t nb)
+{
+    return (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && nb / 2 <= ROWS512_ENTRIES / 2;
+}
+
 static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
                            const uint8_t *xq, size_t x_stride, int64_t M, float *y,
                            int64_t y_stride, int64_t n_rows)
@@ -910,8 +917,7 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
             for (int64_t p = 0; p < np; p++) {
                 rows512_entry *e = &ent[r * np + p];
                 e->x = load_q8_0_pair(x + 2 * p);
-                e->bias = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                           _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, e->x));
+                e->bias = bias_start512(bias, e->x);
                 e->scale = pair_scales(fp16(x[2 * p].d), fp16(x[2 * p + 1].d));
             }
         }
@@ -939,15 +945,17 @@ int64_t fitm_quant_matvec_rows_once_simd(fitm_dtype t, int64_t K)
 {
     const int64_t nb = K / FITM_QK;
 #if FITM_DOT512
-    if (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0)
-        return nb / 2 <= ROWS512_ENTRIES / 2 ? matvec_rows512_once(nb / 2) : INT64_MAX;
+    if (rows512_takes(t, nb))
+        return matvec_rows512_once(nb / 2);
+    if (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) /* rows too wide: the one-row dots */
+        return INT64_MAX;
     const bool block32 = t == FITM_DTYPE_Q4_0;
 #else
     const bool block32 = t == FITM_DTYPE_Q4_0 || t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0;
 #endif
     /* the block-32 rows kernels while the rows' scales fit (beyond: one matvec per row); the
      * other types walk the weight rows once for any number of rows */
-    return block32 ? (nb && ROWS_XS_MAX / nb > 1 ? ROWS_XS_MAX / nb : 1) : INT64_MAX;
+    return block32 ? (ROWS_XS_MAX / nb > 1 ? ROWS_XS_MAX / nb : 1) : INT64_MAX;
 }
 
 void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_bytes, int64_t K,
@@ -965,7 +973,7 @@ void fitm_quant_matvec_rows_simd(fitm_dtype t, const uint8_t *w, size_t row_byte
 #endif
     const int64_t nb = K / FITM_QK;
 #if FITM_DOT512
-    if (M >= 2 && (t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && nb / 2 <= ROWS512_ENTRIES / 2) {
+    if (M >= 2 && rows512_takes(t, nb)) {
         matvec_rows512(t, w, row_bytes, K, x_q, x_stride, M, y, y_stride, n_rows);
         return;
     }

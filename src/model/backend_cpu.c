@@ -13,6 +13,8 @@
 #include <assert.h>
 #if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "compute/simd_x86.h"
 #endif
 #include <math.h>
 #include <stdlib.h>
@@ -453,16 +455,10 @@ static inline float hsumv(vf v)
     /* pairwise, in a fixed tree: t[i] + t[i + w] for w = VW/2, ..., 1. The x86 objects add
      * the same pairs as vector halves (lanes [0, w) + lanes [w, 2w)), which are the same
      * sums in registers instead of a chain of scalar adds through memory. */
-#if VW == 16 || defined(__FMA__)
 #if VW == 16
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm512_extractf32x8_ps((__m512)v, 1));
-#else
-    const __m256 h = (__m256)v;
-#endif
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));  /* lanes 0, 1: t0 + t2, t1 + t3 */
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));   /* lane 0: (t0 + t2) + (t1 + t3) */
-    return _mm_cvtss_f32(q);
+    return fitm_hsum8(_mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm512_extractf32x8_ps((__m512)v, 1)));
+#elif defined(__FMA__)
+    return fitm_hsum8((__m256)v);
 #else
     float t[VW];
     memcpy(t, &v, sizeof t);
