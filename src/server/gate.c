@@ -610,13 +610,16 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
     pthread_mutex_init(&g->mu, NULL);
     g->wake[0] = g->wake[1] = -1;
     fcntl(p->listen_fd, F_SETFL, fcntl(p->listen_fd, F_GETFL) | O_NONBLOCK);
+    /* *out is set before the thread starts: the connections it hands over may complete, and
+     * read *out (fitm_gate_done), before pthread_create returns here */
+    *out = g;
     if (!g->conns || !g->done || pipe2(g->wake, O_NONBLOCK | O_CLOEXEC) != 0 ||
         pthread_create(&g->thread, NULL, gate_main, g) != 0) {
+        *out = NULL;
         g->p.listen_fd = -1; /* the caller's still */
         gate_release(g);
         return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start the connection gate");
     }
-    *out = g;
     return FITM_OK;
 }
 

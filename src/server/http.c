@@ -59,6 +59,7 @@ typedef struct {
     fitm_route route;
     const route_def *rd; /* NULL: no such route */
     bool probe;          /* arrived on probe_port: only /health and /metrics exist there */
+    fitm_gate *gate;     /* the gate it came through (its listener's own, read once)   */
     char method[8];
     char path[128];
     req_state state;
@@ -870,6 +871,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
             return MHD_NO;
         *con_cls = r;
         r->probe = false;
+        r->gate = r->h->gate;
         return first_call(r, url, method, version);
     }
     if (r->state == ST_ANSWERED) {
@@ -902,6 +904,7 @@ static enum MHD_Result on_probe_request(void *cls, struct MHD_Connection *conn, 
         return MHD_NO;
     *con_cls = r;
     r->probe = true;
+    r->gate = r->h->probe_gate;
     return first_call(r, url, method, version);
 }
 
@@ -916,7 +919,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci)
-        fitm_gate_done(r->probe ? h->probe_gate : h->gate, ci->connect_fd);
+        fitm_gate_done(r->gate, ci->connect_fd);
     double s = (double)(fitm_clock_ns() - r->t0_ns) / 1e9;
     bool closed = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
     if (r->streaming && closed) {
@@ -1021,9 +1024,10 @@ static int listen_socket(const struct addrinfo *ai)
 /* Listens on cfg->host:port. Every connection comes through a gate (gate.h: a strict check
  * of each request head, with a deadline, before libmicrohttpd sees it). The probe listener
  * serves only /health and /metrics, with a gate, thread and connection budget of its own, so
- * probes are answered while the main port's connections are all taken or trickling. NULL
- * when the address cannot be had. */
-static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
+ * probes are answered while the main port's connections are all taken or trickling. Sets
+ * h->d (h->probe_d) and h->gate (h->probe_gate) before the gate's thread starts, which reads
+ * them, and writes neither afterwards; false when the address cannot be had. */
+static bool listen_on(fitm_http *h, int64_t port, bool probe)
 {
     const fitm_config *cfg = h->p.cfg;
     char service[16];
@@ -1032,7 +1036,7 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
     struct addrinfo *ai = NULL;
     if (getaddrinfo(cfg->host[0] ? cfg->host : NULL, service, &hints, &ai) != 0)
-        return NULL;
+        return false;
     unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
                      MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
     if (ai->ai_family == AF_INET6)
@@ -1040,7 +1044,7 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
     int fd = listen_socket(ai);
     freeaddrinfo(ai);
     if (fd < 0)
-        return NULL;
+        return false;
     unsigned max_conns = probe ? 64u : (unsigned)cfg->max_connections;
     unsigned per_client = probe ? 16u : (unsigned)cfg->max_connections_per_client;
     struct MHD_Daemon *d = MHD_start_daemon(
@@ -1052,7 +1056,7 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
         MHD_OPTION_END);
     if (!d) {
         close(fd);
-        return NULL;
+        return false;
     }
     /* hand_to_*'s daemon, from the gate's first hand-off on */
     if (probe)
@@ -1071,9 +1075,9 @@ static struct MHD_Daemon *listen_on(fitm_http *h, int64_t port, bool probe)
             h->probe_d = NULL;
         else
             h->d = NULL;
-        return NULL;
+        return false;
     }
-    return d;
+    return true;
 }
 
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err)
@@ -1100,10 +1104,9 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
         return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
     }
 
-    h->d = listen_on(h, cfg->port, false);
-    if (h->d && cfg->probe_port)
-        h->probe_d = listen_on(h, cfg->probe_port, true);
-    if (!h->d || (cfg->probe_port && !h->probe_d)) {
+    bool up = listen_on(h, cfg->port, false) && (!cfg->probe_port ||
+                                                  listen_on(h, cfg->probe_port, true));
+    if (!up) {
         long long port = h->d ? cfg->probe_port : cfg->port;
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_IO,
