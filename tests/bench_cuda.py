@@ -2,6 +2,7 @@
 """The CUDA backend's speed against the device's own limits, for a machine with a GPU:
 
   prefill (pp) and decode (tg) tokens/s    tests/bench_forward -b cuda (a CUDA build)
+  decode of 2, 4, 8 sequences per step     the same, -B: continuous batching's decode steps
   /rerank latency                          fitmd --backend=cuda, K documents, sequential
 
 Each figure is printed with its ratio to a roofline limit of the device, queried from the CUDA
@@ -74,13 +75,17 @@ def device_limits():
 def forward_bench(build, model, pp, tg, reps):
     exe = pathlib.Path(build) / "tests" / "bench_forward"
     out = subprocess.run([str(exe), "-m", model, "-b", "cuda", "-p", str(pp), "-n", str(tg),
-                          "-r", str(reps)], capture_output=True, text=True, check=True).stdout
-    row = {}
+                          "-r", str(reps), "-B", "2", "-B", "4", "-B", "8"],
+                         capture_output=True, text=True, check=True).stdout
+    row, batched = {}, {}
     for line in out.splitlines():
         m = re.match(r"\| (pp|tg)\d+\s.*?\|\s*([\d.]+) \|\s*([\d.]+) \|\s*([\d.-]+) \|", line)
         if m:
             row[m[1]] = (float(m[2]), float(m[3]), float(m[4]) if m[4] != "-" else None)
-    return row, out
+        m = re.match(r"\| tg\d+\s+x\s*(\d+)\s+seqs.*?\|\s*([\d.]+) \|", line)
+        if m:
+            batched[int(m[1])] = float(m[2])
+    return row, batched, out
 
 
 def rerank_bench(build, model, k, repeat):
@@ -129,7 +134,7 @@ def main():
           f"{lim['bandwidth'] / 1e9:.0f} GB/s, {lim['fp32'] / 1e12:.1f} TFLOP/s FP32 "
           f"(from the device's clocks and widths)")
     weight_bytes = os.path.getsize(a.model)
-    row, raw = forward_bench(a.build, a.model, a.pp, a.tg, a.reps)
+    row, batched, raw = forward_bench(a.build, a.model, a.pp, a.tg, a.reps)
     print(raw.splitlines()[0])
     pp_tps, _, pp_gflops = row["pp"]
     tg_tps = row["tg"][0]
@@ -138,6 +143,9 @@ def main():
     print(f"decode  tg{a.tg}: {tg_tps:9.1f} tok/s  {weight_bytes * tg_tps / 1e9:9.1f} GB/s "
           f"= {weight_bytes * tg_tps / lim['bandwidth']:.3f} of memory bandwidth "
           f"(roofline {lim['bandwidth'] / weight_bytes:.0f} tok/s)")
+    for n, tps in sorted(batched.items()):  # one read of the weights serves n tokens
+        print(f"decode  tg{a.tg} x {n} seqs: {tps:9.1f} tok/s = {tps / tg_tps:.2f}x one sequence "
+              f"(weights read once per step: at most {n}x)")
     for name, (t, u) in rerank_bench(a.build, a.model, a.k, a.repeat).items():
         at_pp = u["forward_tokens"] / pp_tps
         print(f"/rerank K={a.k} {name:<20} {t * 1e3:8.1f} ms  {u['forward_tokens']:6d} forward "

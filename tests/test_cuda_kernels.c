@@ -371,6 +371,61 @@ static void test_matvec(fitm_dtype t, int64_t N, int64_t K, bool raw)
     free(tol);
 }
 
+/* A decode step of several sequences: fitm_cuda_matmul_rows over T rows at once gives every
+ * row bit for bit what that row gives alone (the STEP class's promise: a row's result does
+ * not depend on the rows beside it), for T across the kernel's groups of rows. The values
+ * themselves are test_matvec's. One row summed in another order, or read from a neighbour's
+ * x, differs in the last bits of most outputs. */
+static void test_matmul_rows(fitm_dtype t, int64_t N, int64_t K, int64_t T)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[96];
+    snprintf(what, sizeof what, "matmul_rows %s N=%lld K=%lld T=%lld", tn, (long long)N,
+             (long long)K, (long long)T);
+    uint8_t *W = make_weights(t, N * K, false);
+    float *x = xmalloc((size_t)(T * K) * sizeof(float));
+    float *all = xmalloc((size_t)(T * N) * sizeof(float));
+    float *one = xmalloc((size_t)N * sizeof(float));
+    fill_uniform(x, T * K, -1.0f, 1.0f);
+    for (int64_t r = 0; r < T; r++) /* rows of different scale */
+        for (int64_t k = 0; k < K; k++)
+            x[r * K + k] *= 0.25f + 0.5f * (float)(r % 7);
+    dbuf dW = dbuf_from(W, (size_t)N * fitm_dtype_row_bytes(t, K));
+    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    dbuf dy = dbuf_new((size_t)(T * N) * sizeof(float));
+    bool ok = launched(what, fitm_cuda_matmul_rows(t, dW.p, N, K, dx.p, T, dy.p, stream));
+    if (ok) {
+        dbuf_get(all, &dy);
+        ok = dbuf_guards_ok(&dy, what);
+    }
+    for (int64_t r = 0; ok && r < T; r++) {
+        dbuf d1x = dbuf_from(x + r * K, (size_t)K * sizeof(float));
+        dbuf d1y = dbuf_new((size_t)N * sizeof(float));
+        ok = launched(what, fitm_cuda_matmul_rows(t, dW.p, N, K, d1x.p, 1, d1y.p, stream));
+        if (ok) {
+            dbuf_get(one, &d1y);
+            int64_t n_diff = 0;
+            for (int64_t n = 0; n < N; n++)
+                n_diff += memcmp(&one[n], &all[r * N + n], sizeof(float)) != 0;
+            if (n_diff) {
+                fprintf(stderr, "  %s: row %lld alone differs from the batch in %lld of %lld\n",
+                        what, (long long)r, (long long)n_diff, (long long)N);
+                ok = false;
+            }
+        }
+        dbuf_free(&d1x);
+        dbuf_free(&d1y);
+    }
+    CHECK(ok);
+    dbuf_free(&dW);
+    dbuf_free(&dx);
+    dbuf_free(&dy);
+    free(W);
+    free(x);
+    free(all);
+    free(one);
+}
+
 /* ---- rmsnorm ---- */
 
 /* Float tree sum vs the reference's double sum, then an IEEE sqrt and divide: well under
@@ -717,16 +772,20 @@ int main(int argc, char **argv)
             continue;
         test_matvec(t, 1, be > 1 ? be : 8, false);
         test_matvec(t, 37, 768, false);
+        test_matmul_rows(t, 9, 256, 19); /* three groups of rows, the last partial */
         if (small)
             continue;
         test_matvec(t, 130, 4096, false); /* N not a multiple of the rows per block */
         test_matvec(t, 4, 16384, false);  /* an FFN down projection's K */
+        test_matmul_rows(t, 37, 768, 3);
+        test_matmul_rows(t, 21, 512, 8);
         if (quant) {
             test_matvec(t, 37, 768, true);
             test_matvec(t, 9, 2560, true);
         } else {
             test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
             test_matvec(t, 3, 7, false);
+            test_matmul_rows(t, 13, 1001, 10);
         }
     }
 
