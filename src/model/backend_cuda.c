@@ -52,6 +52,8 @@ typedef struct {
     void *host;     /* host scratch: the top entries' values then indices, unpacked into the
                        caller's array; capture rows added into the caller's (capture->add) */
     size_t host_cap;
+    uint8_t *pin; /* pinned staging of the small host arrays an op hands the device (stage) */
+    size_t pin_cap, pin_used;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -90,6 +92,16 @@ static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const 
            ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), what);
 }
 
+/* Waits for the stream's work. Every staged copy is then done, so the whole pinned staging
+ * area is free again (stage). */
+static bool sync_stream(cuda_backend *c, const char *what)
+{
+    if (!ok(c, (int)cudaStreamSynchronize(c->stream), what))
+        return false;
+    c->pin_used = 0;
+    return true;
+}
+
 /* Host copy of n bytes; synchronous (the stream's work before it is done). */
 static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
 {
@@ -97,7 +109,44 @@ static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const
         return c->rc == 0;
     if (!ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
         return false;
-    return ok(c, (int)cudaStreamSynchronize(c->stream), what);
+    return sync_stream(c, what);
+}
+
+#define PIN_MIN_BYTES (256u << 10)
+
+/* Copies bytes of a host array the caller owns (token ids, spans, Eq. 5 weights) to the device
+ * buffer g without waiting for the stream: the bytes go to the next free part of the pinned
+ * staging area, and the device copies them from there when the stream reaches the copy. The
+ * caller may reuse its array at once; the area's part stays as written until the next
+ * sync_stream, after which every staged copy is done. A decode step of B sequences thus
+ * waits for the device once (its top-k download), not after every layer's attention. g's
+ * device bytes are reused in stream order: a later stage writes them after the kernels
+ * before it have read them. NULL on an error (recorded). */
+static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
+{
+    if (!grow(c, g, bytes ? bytes : 1))
+        return NULL;
+    if (bytes == 0)
+        return g->p;
+    const size_t need = (bytes + 63) & ~(size_t)63;
+    if (c->pin_used + need > c->pin_cap) {
+        if (!sync_stream(c, "staging")) /* the area is all free after it */
+            return NULL;
+        if (need > c->pin_cap) {
+            if (c->pin)
+                cudaFreeHost(c->pin);
+            c->pin = NULL;
+            c->pin_cap = 0;
+            const size_t cap = need > PIN_MIN_BYTES ? need : PIN_MIN_BYTES;
+            if (!ok(c, (int)cudaMallocHost((void **)&c->pin, cap), "pinned staging allocation"))
+                return NULL;
+            c->pin_cap = cap;
+        }
+    }
+    uint8_t *src = c->pin + c->pin_used;
+    memcpy(src, host, bytes);
+    c->pin_used += need;
+    return to_dev(c, g->p, src, bytes, "staging copy") ? g->p : NULL;
 }
 
 /* ---- weights ------------------------------------------------------------------------------ */
@@ -233,7 +282,7 @@ static void cuda_upload(fitm_backend *b, void *dst, const void *src_host, size_t
 {
     cuda_backend *c = cu(b);
     if (to_dev(c, dst, src_host, n, "upload"))
-        ok(c, (int)cudaStreamSynchronize(c->stream), "upload"); /* src_host may go away */
+        sync_stream(c, "upload"); /* src_host may go away */
 }
 
 static void cuda_download(fitm_backend *b, void *dst_host, const void *src, size_t n)
@@ -262,6 +311,8 @@ static void cuda_destroy(fitm_backend *b)
     release_weights(c);
     free(c->w);
     free(c->host);
+    if (c->pin)
+        cudaFreeHost(c->pin);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
                         &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch};
@@ -294,16 +345,12 @@ static void cuda_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids
 {
     cuda_backend *c = cu(b);
     const void *W = weight_dev(c, w, 0);
-    if (!W || !grow(c, &c->ids, (size_t)T * sizeof(int32_t)) ||
-        !to_dev(c, c->ids.p, ids, (size_t)T * sizeof(int32_t), "embed ids"))
-        return;
-    ok(c,
-       fitm_cuda_embed(w->type, W, (int64_t)w->row_bytes, w->n_cols, c->ids.p, T, scale, x,
-                       c->stream),
-       "embed");
-    /* ids go to the device asynchronously: keep the host array's contents out of reach of
-     * the caller's next write until the copy is done */
-    ok(c, (int)cudaStreamSynchronize(c->stream), "embed");
+    const int32_t *ids_dev = W ? stage(c, &c->ids, ids, (size_t)T * sizeof(int32_t)) : NULL;
+    if (ids_dev)
+        ok(c,
+           fitm_cuda_embed(w->type, W, (int64_t)w->row_bytes, w->n_cols, ids_dev, T, scale, x,
+                           c->stream),
+           "embed");
 }
 
 #define MM_ROWS_PER_LAUNCH 65535
@@ -498,14 +545,6 @@ static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, 
         top[i] = (fitm_top){hv[i], hi[i]};
 }
 
-/* Uploads n host items into a growing device buffer; its device address, or NULL. */
-static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
-{
-    if (!grow(c, g, bytes ? bytes : 1) || !to_dev(c, g->p, host, bytes, "attention arguments"))
-        return NULL;
-    return g->p;
-}
-
 /* Copies n floats of a captured row from the device to dst, or adds them to it (capture->add:
  * the passes of Attention Buckets summed in the caller's arrays; the keys a row does not see
  * are 0 on the device, so adding every entry adds what the CPU backend adds). */
@@ -602,17 +641,15 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
     }
     if (c->rc || !ok(c, fitm_cuda_attention(&k, c->stream), "attention"))
         return;
-    if (k.cap_index)
+    if (k.cap_index) /* the staged arguments live in the pinned area: no wait otherwise */
         download_capture(c, a);
-    else /* the staged arguments must outlive the kernel: the host arrays are the caller's */
-        ok(c, (int)cudaStreamSynchronize(c->stream), "attention");
 }
 
 static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
 {
     cuda_backend *c = cu(b);
     if (c->rc == 0) /* errors inside kernels surface here */
-        ok(c, (int)cudaStreamSynchronize(c->stream), "a kernel");
+        sync_stream(c, "a kernel");
     if (c->rc == 0)
         return FITM_OK;
     char what[160];

@@ -49,6 +49,43 @@ cudaError_t set_error(cudaError_t e)
     return e;
 }
 
+/* Pinned host memory (cudaMallocHost) and the copies from it that have not run yet. A device
+ * runs a cudaMemcpyAsync from pinned memory when its stream reaches the copy, so a host write
+ * to the source before then changes what arrives. The emulator runs such copies as late as
+ * it can: just before the next operation that touches device memory (a launch, cuBLAS,
+ * another copy, a memset) or waits for the device (a synchronization, a free). Code that
+ * rewrites a staged source too early thus sends the later bytes, as a device could. */
+struct pinned_block {
+    const char *p;
+    size_t n;
+};
+struct pending_copy {
+    void *dst;
+    const void *src;
+    size_t n;
+};
+pthread_mutex_t copy_lock = PTHREAD_MUTEX_INITIALIZER;
+std::vector<pinned_block> pinned;
+std::vector<pending_copy> pending;
+
+bool in_pinned(const void *src, size_t n)
+{
+    const char *q = (const char *)src;
+    for (const pinned_block &b : pinned)
+        if (q >= b.p && q + n <= b.p + b.n)
+            return true;
+    return false;
+}
+
+void run_pending_copies(void)
+{
+    pthread_mutex_lock(&copy_lock);
+    for (const pending_copy &c : pending)
+        memmove(c.dst, c.src, c.n);
+    pending.clear();
+    pthread_mutex_unlock(&copy_lock);
+}
+
 cudaError_t take_injected(cudaError_t *slot)
 {
     pthread_mutex_lock(&state_lock);
@@ -522,6 +559,7 @@ cudaError_t fitm_emu_set_error(cudaError_t e)
 
 cudaError_t fitm_emu_take_launch_failure(void)
 {
+    run_pending_copies(); /* every launch and cuBLAS call starts here */
     const cudaError_t inj = take_injected(&injected_launch);
     return inj == cudaSuccess && launch_fails_by_file() ? cudaErrorLaunchFailure : inj;
 }
@@ -606,6 +644,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
 
 cudaError_t cudaDeviceSynchronize(void)
 {
+    run_pending_copies();
     return cudaPeekAtLastError();
 }
 
@@ -690,17 +729,32 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
 
 cudaError_t cudaFree(void *p)
 {
+    run_pending_copies();
     free(p);
     return cudaSuccess;
 }
 
 cudaError_t cudaMallocHost(void **p, size_t bytes)
 {
-    return cudaMalloc(p, bytes);
+    const cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaSuccess) {
+        pthread_mutex_lock(&copy_lock);
+        pinned.push_back({(const char *)*p, bytes});
+        pthread_mutex_unlock(&copy_lock);
+    }
+    return e;
 }
 
 cudaError_t cudaFreeHost(void *p)
 {
+    run_pending_copies();
+    pthread_mutex_lock(&copy_lock);
+    for (size_t i = 0; i < pinned.size(); i++)
+        if (pinned[i].p == (const char *)p) {
+            pinned.erase(pinned.begin() + (long)i);
+            break;
+        }
+    pthread_mutex_unlock(&copy_lock);
     free(p);
     return cudaSuccess;
 }
@@ -713,6 +767,7 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
 {
+    run_pending_copies();
     if (bytes && (!dst || !src))
         return set_error(cudaErrorInvalidValue);
     if (bytes)
@@ -723,11 +778,21 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t)
 {
+    if (bytes && dst && src && kind == cudaMemcpyHostToDevice) {
+        pthread_mutex_lock(&copy_lock);
+        const bool later = in_pinned(src, bytes);
+        if (later)
+            pending.push_back({dst, src, bytes});
+        pthread_mutex_unlock(&copy_lock);
+        if (later)
+            return cudaSuccess;
+    }
     return cudaMemcpy(dst, src, bytes, kind);
 }
 
 cudaError_t cudaMemset(void *dst, int value, size_t bytes)
 {
+    run_pending_copies();
     if (bytes && !dst)
         return set_error(cudaErrorInvalidValue);
     if (bytes)
@@ -766,6 +831,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t)
 {
+    run_pending_copies();
     return cudaPeekAtLastError();
 }
 
@@ -791,6 +857,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t)
 
 cudaError_t cudaEventSynchronize(cudaEvent_t)
 {
+    run_pending_copies();
     return cudaPeekAtLastError();
 }
 
