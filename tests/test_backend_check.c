@@ -132,7 +132,7 @@ static fitm_backend *make_wrapped(perturb what, float rel)
     w->ops.prepare = NULL, w->ops.status = w_status, w->ops.embed = w_embed;
     w->ops.matmul = w_matmul, w->ops.rmsnorm = w_rmsnorm, w->ops.rope = w_rope;
     w->ops.glu = w_glu, w->ops.add = w_add, w->ops.softcap = w_softcap;
-    w->ops.topk = w_topk, w->ops.attention = w_attention;
+    w->ops.topk = w_topk, w->ops.attention = w_attention, w->ops.attention_many = NULL;
     w->base.ops = &w->ops;
     return &w->base;
 }

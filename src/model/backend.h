@@ -160,6 +160,11 @@ typedef struct {
     void (*topk)(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
                  fitm_top *top);
     void (*attention)(fitm_backend *b, const fitm_attn_args *a);
+    /* The n calls attention(b, &a[i]) of one layer of a step of several sequences, with the
+     * same results, as one job (optional: NULL, and the driver makes the n calls). Their
+     * outputs, captures and caches are disjoint. The CPU backend spreads the sequences over
+     * its threads, so each reads its K and V rows once, with one wait for the pool. */
+    void (*attention_many)(fitm_backend *b, const fitm_attn_args *a, int n);
     /* Whether attention takes a->mix (the position methods); a backend without it answers
      * those requests with FITM_ERR_UNSUPPORTED (forward.c). */
     bool attention_mix;

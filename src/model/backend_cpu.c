@@ -1080,13 +1080,58 @@ static int64_t heads_per_task(const cpu_backend *c, const fitm_attn_args *a)
     return per;
 }
 
+static int64_t attn_tasks(const attn_job *j)
+{
+    return j->heads_per_task > 1 ? j->a->n_head / j->heads_per_task : j->a->n_head * j->n_tiles;
+}
+
 static void cpu_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cpu_backend *c = cpu(b);
     attn_job j = {c, a, (a->T + TILE_Q - 1) / TILE_Q, heads_per_task(c, a)};
-    const int64_t n_tasks =
-        j.heads_per_task > 1 ? a->n_head / j.heads_per_task : a->n_head * j.n_tiles;
-    fitm_pool_run(c->pool, n_tasks, attn_task, &j);
+    fitm_pool_run(c->pool, attn_tasks(&j), attn_task, &j);
+}
+
+#define ATTN_MANY_MAX 64
+
+/* The calls of one attention_many job: call s's tasks are [first[s], first[s + 1]). */
+typedef struct {
+    attn_job job[ATTN_MANY_MAX];
+    int64_t first[ATTN_MANY_MAX + 1];
+} attn_many_job;
+
+static void attn_many_task(void *ctx, int64_t task, int thread)
+{
+    const attn_many_job *m = ctx;
+    int s = 0;
+    while (task >= m->first[s + 1])
+        s++;
+    attn_task((void *)&m->job[s], task - m->first[s], thread);
+}
+
+/* Several sequences' attention as one pool job. With at least as many calls as threads the
+ * threads have enough tasks without splitting a KV group's heads, so a decode row's task
+ * takes every head of its group and reads each K and V row once (cpu_attention splits them
+ * to keep both threads busy, and both read the rows). A row's result is the same however its
+ * heads are grouped: each head's dots and sums are formed alike in every grouping. */
+static void cpu_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
+{
+    cpu_backend *c = cpu(b);
+    for (int s0 = 0; s0 < n; s0 += ATTN_MANY_MAX) {
+        const int k = n - s0 < ATTN_MANY_MAX ? n - s0 : ATTN_MANY_MAX;
+        attn_many_job m;
+        m.first[0] = 0;
+        for (int s = 0; s < k; s++) {
+            const fitm_attn_args *as = &a[s0 + s];
+            const int64_t group = as->n_head / as->n_head_kv;
+            int64_t per = heads_per_task(c, as);
+            if (k >= c->n_threads && per > 1 && group * as->T <= TILE_Q)
+                per = group;
+            m.job[s] = (attn_job){c, as, (as->T + TILE_Q - 1) / TILE_Q, per};
+            m.first[s + 1] = m.first[s] + attn_tasks(&m.job[s]);
+        }
+        fitm_pool_run(c->pool, m.first[k], attn_many_task, &m);
+    }
 }
 
 /* ---- creation ---------------------------------------------------------------------------- */
@@ -1110,6 +1155,7 @@ static const fitm_backend_ops cpu_ops = {
     .softcap = cpu_softcap,
     .topk = cpu_topk,
     .attention = cpu_attention,
+    .attention_many = cpu_attention_many,
     .attention_mix = true,
     .capture_add = true,
 };

@@ -629,20 +629,25 @@ static void attention_block(const pass *p, int32_t l)
         ms_poe_stats(p, l);
     o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
     o->rope(b, f->k, T, Hkv, D, c->n_rot, cs, c->rope_neox);
+    fitm_attn_args a[FITM_FORWARD_MAX_SEQS];
+    fitm_attn_mix mix[FITM_FORWARD_MAX_SEQS];
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t dst = (q->pos0 - q->base) * Hkv * D, src = q->row0 * Hkv * D;
         const size_t n = (size_t)(q->T * Hkv * D) * sizeof(float);
         o->copy(b, fitm_kv_k(q->kv, l) + dst, f->k + src, n);
         o->copy(b, fitm_kv_v(q->kv, l) + dst, f->v + src, n);
-        fitm_attn_args a = attn_args(p, q, l);
-        fitm_attn_mix mix;
+        a[s] = attn_args(p, q, l);
         if (position_layer(f, q->opts->position, l)) {
-            position_mix(p, q, l, &mix);
-            a.mix = &mix;
+            position_mix(p, q, l, &mix[s]);
+            a[s].mix = &mix[s];
         }
-        o->attention(b, &a);
     }
+    if (o->attention_many && p->n_seqs > 1)
+        o->attention_many(b, a, p->n_seqs);
+    else
+        for (int32_t s = 0; s < p->n_seqs; s++)
+            o->attention(b, &a[s]);
     const fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
     matmul_paths(p, f->att, H * D, &wo, 1);
     if (c->post_norms)
