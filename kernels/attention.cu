@@ -155,7 +155,8 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
     *inv_l_out = 1.0f / l;
 }
 
-__global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cuda_attn a)
+/* Row blockIdx.x, head blockIdx.y of the call a. */
+__device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a)
 {
     __shared__ float q[FITM_ATT_MAX_D];
     __shared__ float tile[FITM_ATT_THREADS];
@@ -261,16 +262,37 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cud
         o[d] = acc[c];
 }
 
+__global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cuda_attn a)
+{
+    fitm_attention_row(a);
+}
+
+/* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. */
+__global__ void __launch_bounds__(FITM_ATT_THREADS)
+    fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args)
+{
+    const fitm_cuda_attn &a = args[blockIdx.z]; /* read where used: a copy would spill */
+    if ((int64_t)blockIdx.x >= a.T)
+        return; /* uniform per block, before any barrier */
+    fitm_attention_row(a);
+}
+
+/* Arguments a launch refuses (cudaErrorInvalidValue). */
+static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
+{
+    return !a || a->T < 0 || a->n_head < 1 || a->n_head_kv < 1 || a->n_head % a->n_head_kv != 0 ||
+           a->head_dim < 1 || a->head_dim > FITM_ATT_MAX_D || a->T > INT32_MAX ||
+           a->n_head > 65535 || a->iv_n_spans < 0 || a->iv_n_spans > FITM_CUDA_ATTN_MAX_SPANS ||
+           a->cap_n_spans < 0 || !a->q || !a->out || !a->k_own || !a->v_own ||
+           (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans) ||
+           a->mix_n < 0 || a->mix_n > FITM_CUDA_ATTN_MAX_MIX ||
+           (a->mix_n > 0 && (!a->mix_q || !a->mix_k || !a->mix_w || a->mix_k_heads < 1 ||
+                             a->n_head % a->mix_k_heads != 0));
+}
+
 extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
 {
-    if (!a || a->T < 0 || a->n_head < 1 || a->n_head_kv < 1 || a->n_head % a->n_head_kv != 0 ||
-        a->head_dim < 1 || a->head_dim > FITM_ATT_MAX_D || a->T > INT32_MAX || a->n_head > 65535 ||
-        a->iv_n_spans < 0 || a->iv_n_spans > FITM_CUDA_ATTN_MAX_SPANS || a->cap_n_spans < 0 ||
-        !a->q || !a->out || !a->k_own || !a->v_own ||
-        (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans) ||
-        a->mix_n < 0 || a->mix_n > FITM_CUDA_ATTN_MAX_MIX ||
-        (a->mix_n > 0 && (!a->mix_q || !a->mix_k || !a->mix_w || a->mix_k_heads < 1 ||
-                          a->n_head % a->mix_k_heads != 0)))
+    if (fitm_attn_args_bad(a))
         return (int)cudaErrorInvalidValue;
     if (a->T == 0)
         return 0;
@@ -278,5 +300,27 @@ extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
     FITM_LAUNCH(dim3((unsigned)a->T, (unsigned)a->n_head), FITM_ATT_THREADS, shm,
                 fitm_stream(stream), fitm_attention_rows)
     (*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev,
+                                        int n, void *stream)
+{
+    if (n < 1 || n > 65535 || !a_dev)
+        return (int)cudaErrorInvalidValue;
+    int64_t max_T = 0;
+    int32_t max_spans = 0;
+    for (int s = 0; s < n; s++) {
+        if (fitm_attn_args_bad(&a[s]) || a[s].n_head != a[0].n_head)
+            return (int)cudaErrorInvalidValue;
+        max_T = a[s].T > max_T ? a[s].T : max_T;
+        max_spans = a[s].iv_n_spans > max_spans ? a[s].iv_n_spans : max_spans;
+    }
+    if (max_T == 0)
+        return 0;
+    const size_t shm = (size_t)max_spans * sizeof(float);
+    FITM_LAUNCH(dim3((unsigned)max_T, (unsigned)a[0].n_head, (unsigned)n), FITM_ATT_THREADS, shm,
+                fitm_stream(stream), fitm_attention_rows_many)
+    (a_dev);
     return (int)cudaGetLastError();
 }

@@ -185,6 +185,13 @@ typedef struct {
 
 int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream);
 
+/* The n calls a[0..n) (host copies, checked as fitm_cuda_attention checks one) as one launch,
+ * each block reading its call from a_dev (the same n structs in device memory): the
+ * sequences of a decode step side by side instead of one launch after another. Every call
+ * has the same n_head; a row's result is the one fitm_cuda_attention gives. n <= 65535. */
+int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev, int n,
+                             void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -584,6 +584,67 @@ static void test_attention(fitm_backend *b, const attn_case *c)
         check_close(w2, span_mass, want_mass, nm, NULL, 2e-5);
         free(wp);
     }
+    if (b->ops->attention_many && T > 1 && E == 0) {
+        /* A decode step of T sequences, one row each, as one attention_many: every row (and
+         * capture) bit for bit as in the one call above. The CPU backend spreads the calls
+         * over its threads with other head groupings; the CUDA backend launches the calls
+         * without a capture together, each block reading its call's arguments. */
+        const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
+        float *probs0 = malloc((size_t)np * sizeof(float));
+        float *mass0 = malloc((size_t)nm * sizeof(float));
+        memcpy(probs0, probs, (size_t)np * sizeof(float));
+        memcpy(mass0, span_mass, (size_t)nm * sizeof(float));
+        memset(probs, 0, (size_t)np * sizeof(float));
+        memset(span_mass, 0, (size_t)nm * sizeof(float));
+        float *out2 = to_dev(b, NULL, T * HD);
+        fitm_attn_args *many = malloc((size_t)T * sizeof *many);
+        /* Without a capture, each call gets Eq. 5 weights of its own, as the sequences of a
+         * calibrated decode step do; the reference is then the calls one by one. */
+        const bool vary = c->intervene && !c->capture;
+        fitm_intervention *ivs = malloc((size_t)T * sizeof *ivs);
+        float *alphas = malloc((size_t)(2 * T) * sizeof *alphas);
+        for (int64_t i = 0; i < T; i++) {
+            many[i] = a;
+            many[i].T = 1, many[i].pos0 = c->pos0 + i, many[i].q = q + i * HD;
+            many[i].out = out2 + i * HD;
+            many[i].cap_index = a.cap_index ? a.cap_index + i : NULL;
+            alphas[2 * i] = 0.9f - 0.07f * (float)(i % 9);
+            alphas[2 * i + 1] = 1.0f - alphas[2 * i];
+            ivs[i] = iv;
+            ivs[i].alpha = alphas + 2 * i;
+            if (vary)
+                many[i].intervention = &ivs[i];
+        }
+        b->ops->attention_many(b, many, (int)T);
+        float *got2 = to_host(b, out2, T * HD);
+        char w4[256];
+        if (vary) {
+            float *out3 = to_dev(b, NULL, T * HD);
+            for (int64_t i = 0; i < T; i++) {
+                fitm_attn_args a3 = many[i];
+                a3.out = out3 + i * HD;
+                b->ops->attention(b, &a3);
+            }
+            float *got3 = to_host(b, out3, T * HD);
+            snprintf(w4, sizeof w4, "%s: attention_many, weights per call, equals the calls",
+                     what);
+            CHECK(memcmp(got2, got3, (size_t)(T * HD) * sizeof(float)) == 0, "%s", w4);
+            free(got3);
+            b->ops->free(b, out3);
+        } else {
+            snprintf(w4, sizeof w4, "%s: attention_many of one-row calls equals one call", what);
+            CHECK(memcmp(got2, got, (size_t)(T * HD) * sizeof(float)) == 0, "%s", w4);
+        }
+        if (c->capture)
+            CHECK(memcmp(probs0, probs, (size_t)np * sizeof(float)) == 0 &&
+                      memcmp(mass0, span_mass, (size_t)nm * sizeof(float)) == 0,
+                  "%s: captures", w4);
+        memcpy(probs, probs0, (size_t)np * sizeof(float));
+        memcpy(span_mass, mass0, (size_t)nm * sizeof(float));
+        free(got2), free(many), free(ivs), free(alphas);
+        b->ops->free(b, out2);
+        free(probs0), free(mass0);
+    }
     if (strcmp(b->ops->name, "cpu") == 0 && T > 1 && E == 0) {
         /* The CPU backend's promise: a row's values do not depend on the call it came in.
          * The same rows again, one call each (as decode steps run them; several heads of a
@@ -723,6 +784,12 @@ attention:;
          .capture = true, .intervene = true, .after = true, .mix = 2, .mix_kh = 2},
         {.T = 1, .pos0 = 40, .own_base = 40, .window = 0, .H = 4, .Hkv = 2, .D = 32,
          .capture = true, .mix = 4, .mix_kh = 4},
+        /* an intervention without a capture (a calibrated decode step's rows: the CUDA
+         * backend's attention_many launches them together), prefix rows, GQA, a window */
+        {.T = 12, .pos0 = 7, .own_base = 5, .window = 0, .H = 4, .Hkv = 2, .D = 24,
+         .intervene = true},
+        {.T = 6, .pos0 = 19, .own_base = 19, .window = 9, .H = 2, .Hkv = 1, .D = 40,
+         .intervene = true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (!attention_only || i == 0 || i == 4 || i == 6 || i == 8)

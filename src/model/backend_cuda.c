@@ -48,7 +48,7 @@ typedef struct {
     dev_weight *w;    /* sorted by host */
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
-        cap_probs, top, top_scratch;
+        cap_probs, top, top_scratch, many;
     void *host;     /* host scratch: the top entries' values then indices, unpacked into the
                        caller's array; capture rows added into the caller's (capture->add) */
     size_t host_cap;
@@ -115,23 +115,21 @@ static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const
 #define PIN_MIN_BYTES (256u << 10)
 
 /* Copies bytes of a host array the caller owns (token ids, spans, Eq. 5 weights) to the device
- * buffer g without waiting for the stream: the bytes go to the next free part of the pinned
+ * address dev without waiting for the stream: the bytes go to the next free part of the pinned
  * staging area, and the device copies them from there when the stream reaches the copy. The
  * caller may reuse its array at once; the area's part stays as written until the next
  * sync_stream, after which every staged copy is done. A decode step of B sequences thus
- * waits for the device once (its top-k download), not after every layer's attention. g's
+ * waits for the device once (its top-k download), not after every layer's attention. The
  * device bytes are reused in stream order: a later stage writes them after the kernels
- * before it have read them. NULL on an error (recorded). */
-static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
+ * before it have read them. False on an error (recorded). */
+static bool stage_at(cuda_backend *c, void *dev, const void *host, size_t bytes)
 {
-    if (!grow(c, g, bytes ? bytes : 1))
-        return NULL;
     if (bytes == 0)
-        return g->p;
+        return c->rc == 0;
     const size_t need = (bytes + 63) & ~(size_t)63;
     if (c->pin_used + need > c->pin_cap) {
         if (!sync_stream(c, "staging")) /* the area is all free after it */
-            return NULL;
+            return false;
         if (need > c->pin_cap) {
             if (c->pin)
                 cudaFreeHost(c->pin);
@@ -139,14 +137,20 @@ static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
             c->pin_cap = 0;
             const size_t cap = need > PIN_MIN_BYTES ? need : PIN_MIN_BYTES;
             if (!ok(c, (int)cudaMallocHost((void **)&c->pin, cap), "pinned staging allocation"))
-                return NULL;
+                return false;
             c->pin_cap = cap;
         }
     }
     uint8_t *src = c->pin + c->pin_used;
     memcpy(src, host, bytes);
     c->pin_used += need;
-    return to_dev(c, g->p, src, bytes, "staging copy") ? g->p : NULL;
+    return to_dev(c, dev, src, bytes, "staging copy");
+}
+
+/* stage_at the start of the growing buffer g: its device address, or NULL. */
+static void *stage(cuda_backend *c, grow_buf *g, const void *host, size_t bytes)
+{
+    return grow(c, g, bytes ? bytes : 1) && stage_at(c, g->p, host, bytes) ? g->p : NULL;
 }
 
 /* ---- weights ------------------------------------------------------------------------------ */
@@ -315,7 +319,7 @@ static void cuda_destroy(fitm_backend *b)
         cudaFreeHost(c->pin);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
-                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch};
+                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     if (c->blas)
@@ -585,11 +589,10 @@ static void download_capture(cuda_backend *c, const fitm_attn_args *a)
     }
 }
 
-static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
+/* The kernel's arguments for a, but for the capture and the intervention, whose host arrays
+ * the caller stages. */
+static fitm_cuda_attn attn_kernel_args(const fitm_attn_args *a)
 {
-    cuda_backend *c = cu(b);
-    if (c->rc)
-        return;
     fitm_cuda_attn k = {
         .T = a->T,
         .pos0 = a->pos0,
@@ -614,6 +617,15 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
         k.mix_w = a->mix->w;
         k.mix_k_stride = a->mix->k_stride;
     }
+    return k;
+}
+
+static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
+{
+    cuda_backend *c = cu(b);
+    if (c->rc)
+        return;
+    fitm_cuda_attn k = attn_kernel_args(a);
     const fitm_capture *cap = a->capture;
     if (cap && cap->n_rows > 0) {
         k.cap_index = stage(c, &c->cap_index, a->cap_index, (size_t)a->T * sizeof(int32_t));
@@ -643,6 +655,64 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
         return;
     if (k.cap_index) /* the staged arguments live in the pinned area: no wait otherwise */
         download_capture(c, a);
+}
+
+#define ATTN_MANY_MAX 64
+
+static size_t align64(size_t n)
+{
+    return (n + 63) & ~(size_t)63;
+}
+
+/* A step's sequences as one launch (fitm_cuda_attention_many), their intervention arrays and
+ * the kernel arguments staged side by side in one device buffer. Calls with a capture or a
+ * mixture (prefill and /rerank passes, the position methods) go one by one, as does a group
+ * with different head counts. */
+static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
+{
+    cuda_backend *c = cu(b);
+    bool together = n <= ATTN_MANY_MAX;
+    for (int s = 0; s < n && together; s++)
+        together = !a[s].mix && !(a[s].capture && a[s].capture->n_rows > 0) &&
+                   a[s].n_head == a[0].n_head;
+    if (!together) {
+        for (int s = 0; s < n; s++)
+            cuda_attention(b, &a[s]);
+        return;
+    }
+    if (c->rc)
+        return;
+    fitm_cuda_attn k[ATTN_MANY_MAX];
+    size_t at[ATTN_MANY_MAX], total = 0;
+    for (int s = 0; s < n; s++) {
+        k[s] = attn_kernel_args(&a[s]);
+        at[s] = total;
+        const fitm_intervention *iv = a[s].intervention;
+        if (iv && iv->n_spans > 0)
+            total += align64((size_t)iv->n_spans * 16) + align64((size_t)iv->n_spans * 4);
+    }
+    const size_t args_at = total;
+    total += (size_t)n * sizeof(fitm_cuda_attn);
+    if (!grow(c, &c->many, total))
+        return;
+    uint8_t *dev = c->many.p;
+    for (int s = 0; s < n; s++) {
+        const fitm_intervention *iv = a[s].intervention;
+        if (!iv || iv->n_spans <= 0)
+            continue;
+        const size_t spans = (size_t)iv->n_spans * 16;
+        k[s].iv_spans = (const int64_t *)(dev + at[s]);
+        k[s].iv_alpha = (const float *)(dev + at[s] + align64(spans));
+        k[s].iv_n_spans = iv->n_spans;
+        k[s].iv_from_pos = iv->from_pos;
+        if (!stage_at(c, dev + at[s], iv->spans, spans) ||
+            !stage_at(c, dev + at[s] + align64(spans), iv->alpha,
+                      (size_t)iv->n_spans * sizeof(float)))
+            return;
+    }
+    const fitm_cuda_attn *k_dev = (const fitm_cuda_attn *)(dev + args_at);
+    if (stage_at(c, dev + args_at, k, (size_t)n * sizeof(fitm_cuda_attn)))
+        ok(c, fitm_cuda_attention_many(k, k_dev, n, c->stream), "attention");
 }
 
 static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
@@ -681,6 +751,7 @@ static const fitm_backend_ops cuda_ops = {
     .softcap = cuda_softcap,
     .topk = cuda_topk,
     .attention = cuda_attention,
+    .attention_many = cuda_attention_many,
     .attention_mix = true,
     .capture_add = true,
 };
