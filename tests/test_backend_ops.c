@@ -443,6 +443,47 @@ static void ref_probs(const attn_case *c, const float *q, const float *kp, const
     free(mass);
 }
 
+/* A call's captures, set aside while a check recomputes them from zeros in the same arrays:
+ * cap_same compares the two, cap_put_back restores the first. */
+typedef struct {
+    float *probs, *mass, *probs0, *mass0;
+    size_t np, nm; /* bytes */
+} cap_aside;
+
+static cap_aside cap_set_aside(float *probs, int64_t np, float *mass, int64_t nm)
+{
+    cap_aside s = {probs, mass, malloc((size_t)np * sizeof(float)),
+                   malloc((size_t)nm * sizeof(float)), (size_t)np * sizeof(float),
+                   (size_t)nm * sizeof(float)};
+    memcpy(s.probs0, probs, s.np);
+    memcpy(s.mass0, mass, s.nm);
+    memset(probs, 0, s.np);
+    memset(mass, 0, s.nm);
+    return s;
+}
+
+static bool cap_same(const cap_aside *s)
+{
+    return memcmp(s->probs0, s->probs, s->np) == 0 && memcmp(s->mass0, s->mass, s->nm) == 0;
+}
+
+static void cap_put_back(cap_aside *s)
+{
+    memcpy(s->probs, s->probs0, s->np);
+    memcpy(s->mass, s->mass0, s->nm);
+    free(s->probs0), free(s->mass0);
+}
+
+/* Row i of the call a as a call of its own (a decode step's row), its output at out + i rows. */
+static fitm_attn_args row_call(const fitm_attn_args *a, int64_t i, float *out)
+{
+    const int64_t HD = (int64_t)a->n_head * a->head_dim;
+    fitm_attn_args r = *a;
+    r.T = 1, r.pos0 = a->pos0 + i, r.q = a->q + i * HD, r.out = out + i * HD;
+    r.cap_index = a->cap_index ? a->cap_index + i : NULL;
+    return r;
+}
+
 static void test_attention(fitm_backend *b, const attn_case *c)
 {
     const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
@@ -584,30 +625,22 @@ static void test_attention(fitm_backend *b, const attn_case *c)
         check_close(w2, span_mass, want_mass, nm, NULL, 2e-5);
         free(wp);
     }
+    const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
     if (b->ops->attention_many && T > 1 && E == 0) {
         /* A decode step of T sequences, one row each, as one attention_many: every row (and
          * capture) bit for bit as in the one call above. The CPU backend spreads the calls
          * over its threads with other head groupings; the CUDA backend launches the calls
-         * without a capture together, each block reading its call's arguments. */
-        const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
-        float *probs0 = malloc((size_t)np * sizeof(float));
-        float *mass0 = malloc((size_t)nm * sizeof(float));
-        memcpy(probs0, probs, (size_t)np * sizeof(float));
-        memcpy(mass0, span_mass, (size_t)nm * sizeof(float));
-        memset(probs, 0, (size_t)np * sizeof(float));
-        memset(span_mass, 0, (size_t)nm * sizeof(float));
+         * without a capture together, each block reading its call's arguments. Without a
+         * capture, each call gets Eq. 5 weights of its own, as the sequences of a calibrated
+         * decode step do, and the reference is then the calls one by one. */
+        cap_aside aside = cap_set_aside(probs, np, span_mass, nm);
+        const bool vary = c->intervene && !c->capture;
         float *out2 = to_dev(b, NULL, T * HD);
         fitm_attn_args *many = malloc((size_t)T * sizeof *many);
-        /* Without a capture, each call gets Eq. 5 weights of its own, as the sequences of a
-         * calibrated decode step do; the reference is then the calls one by one. */
-        const bool vary = c->intervene && !c->capture;
         fitm_intervention *ivs = malloc((size_t)T * sizeof *ivs);
         float *alphas = malloc((size_t)(2 * T) * sizeof *alphas);
         for (int64_t i = 0; i < T; i++) {
-            many[i] = a;
-            many[i].T = 1, many[i].pos0 = c->pos0 + i, many[i].q = q + i * HD;
-            many[i].out = out2 + i * HD;
-            many[i].cap_index = a.cap_index ? a.cap_index + i : NULL;
+            many[i] = row_call(&a, i, out2);
             alphas[2 * i] = 0.9f - 0.07f * (float)(i % 9);
             alphas[2 * i + 1] = 1.0f - alphas[2 * i];
             ivs[i] = iv;
@@ -636,31 +669,19 @@ static void test_attention(fitm_backend *b, const attn_case *c)
             CHECK(memcmp(got2, got, (size_t)(T * HD) * sizeof(float)) == 0, "%s", w4);
         }
         if (c->capture)
-            CHECK(memcmp(probs0, probs, (size_t)np * sizeof(float)) == 0 &&
-                      memcmp(mass0, span_mass, (size_t)nm * sizeof(float)) == 0,
-                  "%s: captures", w4);
-        memcpy(probs, probs0, (size_t)np * sizeof(float));
-        memcpy(span_mass, mass0, (size_t)nm * sizeof(float));
+            CHECK(cap_same(&aside), "%s: captures", w4);
+        cap_put_back(&aside);
         free(got2), free(many), free(ivs), free(alphas);
         b->ops->free(b, out2);
-        free(probs0), free(mass0);
     }
     if (strcmp(b->ops->name, "cpu") == 0 && T > 1 && E == 0) {
         /* The CPU backend's promise: a row's values do not depend on the call it came in.
          * The same rows again, one call each (as decode steps run them; several heads of a
          * group then share a task), bit for bit, captures included. */
-        const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
-        float *probs0 = malloc((size_t)np * sizeof(float));
-        float *mass0 = malloc((size_t)nm * sizeof(float));
-        memcpy(probs0, probs, (size_t)np * sizeof(float));
-        memcpy(mass0, span_mass, (size_t)nm * sizeof(float));
-        memset(probs, 0, (size_t)np * sizeof(float));
-        memset(span_mass, 0, (size_t)nm * sizeof(float));
+        cap_aside aside = cap_set_aside(probs, np, span_mass, nm);
         float *out1 = to_dev(b, NULL, T * HD);
         for (int64_t i = 0; i < T; i++) {
-            fitm_attn_args a1 = a;
-            a1.T = 1, a1.pos0 = c->pos0 + i, a1.q = q + i * HD, a1.out = out1 + i * HD;
-            a1.cap_index = a.cap_index ? a.cap_index + i : NULL;
+            const fitm_attn_args a1 = row_call(&a, i, out1);
             b->ops->attention(b, &a1);
         }
         float *got1 = to_host(b, out1, T * HD);
@@ -668,12 +689,10 @@ static void test_attention(fitm_backend *b, const attn_case *c)
         snprintf(w3, sizeof w3, "%s: one call per row equals one call", what);
         CHECK(memcmp(got1, got, (size_t)(T * HD) * sizeof(float)) == 0, "%s", w3);
         if (c->capture)
-            CHECK(memcmp(probs0, probs, (size_t)np * sizeof(float)) == 0 &&
-                      memcmp(mass0, span_mass, (size_t)nm * sizeof(float)) == 0,
-                  "%s: captures", w3);
+            CHECK(cap_same(&aside), "%s: captures", w3);
+        cap_put_back(&aside);
         free(got1);
         b->ops->free(b, out1);
-        free(probs0), free(mass0);
     }
     free(got), free(want), free(p), free(pre), free(want_probs), free(want_mass);
     free(span_mass), free(probs), free(cap_index);
