@@ -2,7 +2,8 @@
  * time, on generated models of every architecture and weight type: every sequence's logits,
  * attention captures (span masses and full rows, before and after the intervention) and KV
  * rows must be bit-identical (memcmp), whatever else shares the call -- decode steps packed
- * with other decode steps, prefill chunks, branches over a shared prefix, intervened rows.
+ * with other decode steps, prefill chunks, branches over a shared prefix, intervened rows,
+ * sequences with Ms-PoE's per-head positions beside sequences without.
  *
  * Inputs are fresh random each run (the seed is printed; FITM_TEST_SEED=<n> repeats a run). */
 #include <inttypes.h>
@@ -60,6 +61,7 @@ typedef struct {
     float alpha[3];
     fitm_intervention iv;
     bool use_cap, use_iv;
+    fitm_position_method position; /* Ms-PoE now and then; branches never (their prefix has none) */
     float *logits[2], *mass[2], *probs[2]; /* [0] batched, [1] solo */
 } seq;
 
@@ -73,6 +75,7 @@ static void fill_part(seq *s, const fitm_model_config *c, bool decode)
     s->n_logits = uniform(s->T > 1 ? 0 : 1, s->T);
     s->use_cap = uniform(0, 1);
     s->use_iv = s->pos >= 4 && uniform(0, 1);
+    s->position = !s->prefix && uniform(0, 2) == 0 ? FITM_POSITION_MS_POE : FITM_POSITION_NONE;
     /* documents among the first positions; a span reaching past the sequence is fine */
     int64_t a = uniform(0, 1), b = a + uniform(1, 2), d = b + uniform(0, 1);
     s->spans[0] = (fitm_span){a, b};
@@ -101,6 +104,7 @@ static fitm_forward_opts opts_of(seq *s, int which, fitm_capture *cap)
         .logits = s->logits[which],
         .capture = s->use_cap ? cap : NULL,
         .intervention = s->use_iv ? &s->iv : NULL,
+        .position = s->position,
     };
 }
 
@@ -137,6 +141,7 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type)
     fitm_forward_params fp = {MAX_T, CTX, MAX_T};
     CHECK(fitm_backend_cpu_create(&b, 2, &err) == FITM_OK);
     CHECK(fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK, " %s", err.msg);
+    CHECK(!fw || fitm_forward_positions(fw, NULL, &err) == FITM_OK, " %s", err.msg);
     CHECK(fitm_kv_create(&prefix, b, c, CTX, &err) == FITM_OK);
     bool ok = fw && prefix;
     for (int i = 0; i < N_SEQ && ok; i++) {
