@@ -664,6 +664,12 @@ static size_t align64(size_t n)
     return (n + 63) & ~(size_t)63;
 }
 
+/* The device address off bytes into buffer g. */
+static void *buf_at(const grow_buf *g, size_t off)
+{
+    return (char *)g->p + off;
+}
+
 /* A step's sequences as one launch (fitm_cuda_attention_many), their intervention arrays and
  * the kernel arguments staged side by side in one device buffer. Calls with a capture or a
  * mixture (prefill and /rerank passes, the position methods) go one by one, as does a group
@@ -695,23 +701,23 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
     total += (size_t)n * sizeof(fitm_cuda_attn);
     if (!grow(c, &c->many, total))
         return;
-    uint8_t *dev = c->many.p;
     for (int s = 0; s < n; s++) {
         const fitm_intervention *iv = a[s].intervention;
         if (!iv || iv->n_spans <= 0)
             continue;
         const size_t spans = (size_t)iv->n_spans * 16;
-        k[s].iv_spans = (const int64_t *)(dev + at[s]);
-        k[s].iv_alpha = (const float *)(dev + at[s] + align64(spans));
+        int64_t *iv_spans = buf_at(&c->many, at[s]);
+        float *iv_alpha = buf_at(&c->many, at[s] + align64(spans));
+        k[s].iv_spans = iv_spans;
+        k[s].iv_alpha = iv_alpha;
         k[s].iv_n_spans = iv->n_spans;
         k[s].iv_from_pos = iv->from_pos;
-        if (!stage_at(c, dev + at[s], iv->spans, spans) ||
-            !stage_at(c, dev + at[s] + align64(spans), iv->alpha,
-                      (size_t)iv->n_spans * sizeof(float)))
+        if (!stage_at(c, iv_spans, iv->spans, spans) ||
+            !stage_at(c, iv_alpha, iv->alpha, (size_t)iv->n_spans * sizeof(float)))
             return;
     }
-    const fitm_cuda_attn *k_dev = (const fitm_cuda_attn *)(dev + args_at);
-    if (stage_at(c, dev + args_at, k, (size_t)n * sizeof(fitm_cuda_attn)))
+    fitm_cuda_attn *k_dev = buf_at(&c->many, args_at);
+    if (stage_at(c, k_dev, k, (size_t)n * sizeof(fitm_cuda_attn)))
         ok(c, fitm_cuda_attention_many(k, k_dev, n, c->stream), "attention");
 }
 
