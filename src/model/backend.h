@@ -161,9 +161,10 @@ typedef struct {
                  fitm_top *top);
     void (*attention)(fitm_backend *b, const fitm_attn_args *a);
     /* The n calls attention(b, &a[i]) of one layer of a step of several sequences, with the
-     * same results, as one job (optional: NULL, and the driver makes the n calls). Their
-     * outputs, captures and caches are disjoint. The CPU backend spreads the sequences over
-     * its threads, so each reads its K and V rows once, with one wait for the pool. */
+     * same results, as one job (optional: NULL, and the driver makes the n calls). No two
+     * calls write the same memory: their outputs, captures and caches are disjoint, and none
+     * has a mixture (built in shared scratch) or a capture that adds (capture->add). The CPU
+     * backend runs the calls on its threads at once, each reading its K and V rows once. */
     void (*attention_many)(fitm_backend *b, const fitm_attn_args *a, int n);
     /* Whether attention takes a->mix (the position methods); a backend without it answers
      * those requests with FITM_ERR_UNSUPPORTED (forward.c). */

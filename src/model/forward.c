@@ -630,7 +630,7 @@ static void attention_block(const pass *p, int32_t l)
     o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
     o->rope(b, f->k, T, Hkv, D, c->n_rot, cs, c->rope_neox);
     fitm_attn_args a[FITM_FORWARD_MAX_SEQS];
-    int32_t n_mixed = 0;
+    int32_t n_alone = 0;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t dst = (q->pos0 - q->base) * Hkv * D, src = q->row0 * Hkv * D;
@@ -638,11 +638,13 @@ static void attention_block(const pass *p, int32_t l)
         o->copy(b, fitm_kv_k(q->kv, l) + dst, f->k + src, n);
         o->copy(b, fitm_kv_v(q->kv, l) + dst, f->v + src, n);
         a[s] = attn_args(p, q, l);
-        n_mixed += position_layer(f, q->opts->position, l);
+        n_alone += position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
     }
-    /* A mixture's queries, keys and weights are built in the driver's one set of scratch
-     * arrays (position_mix), so such a step runs its sequences one at a time. */
-    if (o->attention_many && p->n_seqs > 1 && n_mixed == 0) {
+    /* One job for all sequences needs calls that share no memory they write or build: a
+     * mixture's queries, keys and weights are built in the driver's one set of scratch arrays
+     * (position_mix), and Attention Buckets' passes add their captures into the same arrays
+     * (capture->add), so a step with either runs its sequences one at a time. */
+    if (o->attention_many && p->n_seqs > 1 && n_alone == 0) {
         o->attention_many(b, a, p->n_seqs);
     } else {
         for (int32_t s = 0; s < p->n_seqs; s++) {
