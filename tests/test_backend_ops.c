@@ -613,8 +613,8 @@ static void test_attention(fitm_backend *b, const attn_case *c)
              (int)c->H, (int)c->Hkv, (int)c->D, c->capture ? " capture" : "",
              c->intervene ? " intervene" : "", c->after ? " (after)" : "", (int)E);
     check_close(what, got, want, T * HD, NULL, 2e-5);
+    const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
     if (c->capture) {
-        const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
         double *wp = malloc((size_t)np * sizeof *wp);
         for (int64_t i = 0; i < np; i++)
             wp[i] = want_probs[i];
@@ -625,7 +625,6 @@ static void test_attention(fitm_backend *b, const attn_case *c)
         check_close(w2, span_mass, want_mass, nm, NULL, 2e-5);
         free(wp);
     }
-    const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
     if (b->ops->attention_many && T > 1 && E == 0) {
         /* A decode step of T sequences, one row each, as one attention_many: every row (and
          * capture) bit for bit as in the one call above. The CPU backend spreads the calls

@@ -114,6 +114,11 @@ static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const
 
 #define PIN_MIN_BYTES (256u << 10)
 
+static size_t align64(size_t n)
+{
+    return (n + 63) & ~(size_t)63;
+}
+
 /* Copies bytes of a host array the caller owns (token ids, spans, Eq. 5 weights) to the device
  * address dev without waiting for the stream: the bytes go to the next free part of the pinned
  * staging area, and the device copies them from there when the stream reaches the copy. The
@@ -126,7 +131,7 @@ static bool stage_at(cuda_backend *c, void *dev, const void *host, size_t bytes)
 {
     if (bytes == 0)
         return c->rc == 0;
-    const size_t need = (bytes + 63) & ~(size_t)63;
+    const size_t need = align64(bytes);
     if (c->pin_used + need > c->pin_cap) {
         if (!sync_stream(c, "staging")) /* the area is all free after it */
             return false;
@@ -659,11 +664,6 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 
 #define ATTN_MANY_MAX 64
 
-static size_t align64(size_t n)
-{
-    return (n + 63) & ~(size_t)63;
-}
-
 /* The device address off bytes into buffer g. */
 static void *buf_at(const grow_buf *g, size_t off)
 {
@@ -671,16 +671,15 @@ static void *buf_at(const grow_buf *g, size_t off)
 }
 
 /* A step's sequences as one launch (fitm_cuda_attention_many), their intervention arrays and
- * the kernel arguments staged side by side in one device buffer. Calls with a capture or a
- * mixture (prefill and /rerank passes, the position methods) go one by one, as does a group
- * with different head counts. */
+ * the kernel arguments staged side by side in one device buffer. Calls with a capture
+ * (prefill and /rerank passes: their rows are downloaded per call) go one by one, as do more
+ * calls than one launch stages or calls of different head counts. */
 static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
 {
     cuda_backend *c = cu(b);
     bool together = n <= ATTN_MANY_MAX;
     for (int s = 0; s < n && together; s++)
-        together = !a[s].mix && !(a[s].capture && a[s].capture->n_rows > 0) &&
-                   a[s].n_head == a[0].n_head;
+        together = !(a[s].capture && a[s].capture->n_rows > 0) && a[s].n_head == a[0].n_head;
     if (!together) {
         for (int s = 0; s < n; s++)
             cuda_attention(b, &a[s]);

@@ -38,14 +38,6 @@ __attribute__((target("fma"))) float dot_fma(const float *a, int64_t sa, const f
     return acc;
 }
 
-float dot_libm(const float *a, int64_t sa, const float *b, int64_t sb, int k)
-{
-    float acc = 0.0f;
-    for (int i = 0; i < k; i++)
-        acc = fmaf(a[i * sa], b[i * sb], acc);
-    return acc;
-}
-
 /* Rows r..r+7 of op(A) (a: row r's first element) times a column b: 8 dot_fma chains side by
  * side, each still summed over i in order, so the same values as 8 dot_fma calls. */
 template <bool TA>
@@ -84,15 +76,15 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
         float *dst = C + (int64_t)r + (int64_t)c * ldc;
         *dst = b == 0.0f ? a * acc : fmaf(b, *dst, a * acc);
     };
-    /* F32 operands: op(A)[r, i] and op(B)[i, c] as strided vectors, with the FMA instruction
-     * where the CPU has it (8 rows at a time); otherwise element by element */
-    const bool f32 = at == CUDA_R_32F && bt == CUDA_R_32F;
+    /* F32 operands on a CPU with the FMA instruction: op(A)[r, i] and op(B)[i, c] as strided
+     * vectors, 8 rows at a time; otherwise element by element through libm's fmaf */
     static const bool hw_fma = __builtin_cpu_supports("fma");
+    const bool fast = hw_fma && at == CUDA_R_32F && bt == CUDA_R_32F;
     const int64_t sa = tA ? 1 : lda, sb = tB ? ldb : 1;
     for (int c = 0; c < n; c++) {
-        const float *pb = f32 ? (const float *)B + (tB ? c : (int64_t)c * ldb) : nullptr;
+        const float *pb = fast ? (const float *)B + (tB ? c : (int64_t)c * ldb) : nullptr;
         int r = 0;
-        for (; f32 && hw_fma && r + 8 <= m; r += 8) {
+        for (; fast && r + 8 <= m; r += 8) {
             float acc8[8];
             const float *pa = (const float *)A + (tA ? (int64_t)r * lda : r);
             if (tA)
@@ -104,9 +96,8 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
         }
         for (; r < m; r++) {
             float acc = 0.0f;
-            if (f32) {
-                const float *pa = (const float *)A + (tA ? (int64_t)r * lda : r);
-                acc = hw_fma ? dot_fma(pa, sa, pb, sb, k) : dot_libm(pa, sa, pb, sb, k);
+            if (fast) {
+                acc = dot_fma((const float *)A + (tA ? (int64_t)r * lda : r), sa, pb, sb, k);
             } else {
                 for (int i = 0; i < k; i++)
                     acc = fmaf(elem(A, at, lda, tA, r, i), elem(B, bt, ldb, tB, i, c), acc);
