@@ -9,6 +9,8 @@
  *  - matvec == per-row dot and writes only its rows; matmul (dequantized tiles + BLAS)
  *    against matvec on the same activation values; matvec_rows (several activation rows)
  *    == per-row dot bit for bit, for every row count and writing only its rows;
+ *  - packed Q8_0 / Q5_0 weights: rows read back equal the stored ones, the product equals
+ *    the scalar reference bit for bit for every row count, the reference the dot's value;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
  * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
 #include <float.h>
@@ -511,6 +513,82 @@ static void test_matvec_rows(void)
 }
 
 /* ---------------------------------------------------------------------------------------
+ * Packed weights: the layout holds the stored values (rows read back bit for bit); the
+ * product on this path equals the scalar reference bit for bit for every row count and
+ * writes only its groups; and the reference is the stored weights' dot within rounding. */
+
+static void test_packed(void)
+{
+    const int64_t N = 48, M_MAX = 11, ldy = N + 3, n0 = 16, n1 = 48;
+    const int64_t lens[] = {32, 64, 96, 640, 2080};
+    const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0};
+    const bool packs = fitm_cpu_path() == FITM_CPU_AVX512;
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 40, 64) == 0, "40 rows are not whole groups");
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q4_K, 48, 256) == 0, "Q4_K has no packed layout");
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 48, 32 * (FITM_PACK_MAX_BLOCKS + 1)) == 0, "K too long");
+    for (int ti = 0; ti < 2; ti++) {
+        const fitm_dtype t = types[ti];
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            const int64_t K = lens[li];
+            const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(FITM_DTYPE_Q8_0, K) + 4;
+            CHECK(fitm_pack_bytes(t, N, K) == (packs ? N * rb : 0), "%s K=%ld: pack bytes %zu",
+                  tname(t), (long)K, fitm_pack_bytes(t, N, K));
+            uint8_t *W = malloc(N * rb), *P = malloc(N * rb), *xq = malloc(M_MAX * xqb);
+            float *x = malloc(K * sizeof(float)), *a = malloc(K * sizeof(float)),
+                  *b = malloc(K * sizeof(float)), *Y = malloc(M_MAX * ldy * sizeof(float)),
+                  *R = malloc(M_MAX * N * sizeof(float));
+            for (int64_t n = 0; n < N; n++)
+                random_row(t, W + n * rb, K);
+            fitm_pack(t, W, N, K, P);
+            int bad = 0;
+            for (int64_t n = 0; n < N; n++) {
+                fitm_dequant_row(t, W + n * rb, x, K);
+                fitm_packed_row(t, P, K, n, a);
+                fitm_quant_packed_row_scalar(t, P, K, n, b);
+                if ((memcmp(a, x, K * sizeof(float)) || memcmp(b, x, K * sizeof(float))) && bad++ < 3)
+                    CHECK(false, "%s K=%ld: packed row %ld differs from the stored one", tname(t),
+                          (long)K, (long)n);
+            }
+            for (int64_t m = 0; m < M_MAX; m++) {
+                random_floats(x, K, 1.0f + (float)m);
+                fitm_quant_row(FITM_DTYPE_Q8_0, x, xq + m * xqb, K);
+            }
+            fitm_quant_matvec_packed_scalar(t, P, K, xq, xqb, M_MAX, R, N, N / FITM_PACK_ROWS);
+            for (int64_t m = 0; m < M_MAX; m++)
+                for (int64_t n = 0; n < N; n++) {
+                    fitm_dequant_row(t, W + n * rb, a, K);
+                    fitm_dequant_row(FITM_DTYPE_Q8_0, xq + m * xqb, b, K);
+                    double ref = 0, mag = 0;
+                    for (int64_t i = 0; i < K; i++) {
+                        ref += (double)a[i] * b[i];
+                        mag += fabs((double)a[i] * b[i]);
+                    }
+                    /* exact block sums, one rounded scale product and one rounded fma per block */
+                    const double tol = (2.0 * K / 32 + 2) * 0x1p-24 * mag;
+                    if (fabs(R[m * N + n] - ref) > tol && bad++ < 3)
+                        CHECK(false, "%s K=%ld: packed reference (%ld, %ld) = %.9g, dot %.9g (tol %g)",
+                              tname(t), (long)K, (long)m, (long)n, R[m * N + n], ref, tol);
+                }
+            for (int64_t M = 1; M <= M_MAX; M++) {
+                for (int64_t i = 0; i < M_MAX * ldy; i++)
+                    Y[i] = GUARD;
+                fitm_matvec_rows_packed(t, P, K, xq, xqb, M, Y, ldy, n0, n1);
+                for (int64_t m = 0; m < M_MAX; m++)
+                    for (int64_t n = 0; n < ldy; n++) {
+                        const bool in = m < M && n >= n0 && n < n1;
+                        const float got = Y[m * ldy + n], want = in ? R[m * N + n] : GUARD;
+                        if (fbits(got) != fbits(want) && bad++ < 3)
+                            CHECK(false, "%s K=%ld M=%ld: packed Y[%ld, %ld] = %.9g, %s %.9g",
+                                  tname(t), (long)K, (long)M, (long)m, (long)n, got,
+                                  in ? "reference" : "untouched", want);
+                    }
+            }
+            free(W), free(P), free(xq), free(x), free(a), free(b), free(Y), free(R);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------
  * Degenerate input to the quantizers */
 
 static void test_degenerate(void)
@@ -572,6 +650,7 @@ int main(void)
     test_paths();
     test_matvec_matmul();
     test_matvec_rows();
+    test_packed();
     test_degenerate();
     if (failures) {
         fprintf(stderr, "test_quant: %d failures\n", failures);

@@ -177,6 +177,51 @@ int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K)
     return 1; /* the portable path: one matvec per row */
 }
 
+/* ---------------------------------------------------------------------------------------
+ * Packed weights: only the AVX-512 path packs (its kernel is what the layout is for); the
+ * portable functions pack, read and multiply on any path (the tests' reference). */
+
+size_t fitm_pack_bytes(fitm_dtype t, int64_t N, int64_t K)
+{
+    if ((t != FITM_DTYPE_Q8_0 && t != FITM_DTYPE_Q5_0) || N <= 0 || N % FITM_PACK_ROWS ||
+        K <= 0 || K % FITM_QK || K / FITM_QK > FITM_PACK_MAX_BLOCKS ||
+        simd_path() != FITM_CPU_AVX512)
+        return 0;
+    return (size_t)N * fitm_dtype_row_bytes(t, K);
+}
+
+void fitm_pack(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
+{
+    fitm_quant_pack_scalar(t, W, N, K, P);
+}
+
+void fitm_packed_row(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
+{
+#if FITM_QUANT_X86
+    if (simd_path() == FITM_CPU_AVX512) {
+        fitm_quant_packed_row_avx512(t, P, K, n, dst);
+        return;
+    }
+#endif
+    fitm_quant_packed_row_scalar(t, P, K, n, dst);
+}
+
+void fitm_matvec_rows_packed(fitm_dtype t, const void *P, int64_t K, const void *x_q,
+                             size_t x_stride, int64_t M, float *Y, int64_t ldy, int64_t n0,
+                             int64_t n1)
+{
+    assert(n0 % FITM_PACK_ROWS == 0 && n1 % FITM_PACK_ROWS == 0 && n0 <= n1);
+    const uint8_t *p = (const uint8_t *)P + (size_t)n0 * fitm_dtype_row_bytes(t, K);
+    const int64_t groups = (n1 - n0) / FITM_PACK_ROWS;
+#if FITM_QUANT_X86
+    if (simd_path() == FITM_CPU_AVX512) {
+        fitm_quant_matvec_packed_avx512(t, p, K, x_q, x_stride, M, Y + n0, ldy, groups);
+        return;
+    }
+#endif
+    fitm_quant_matvec_packed_scalar(t, p, K, x_q, x_stride, M, Y + n0, ldy, groups);
+}
+
 /* Rows of W dequantized per sgemm call. Measured (bench_quant, M = 512, one thread): 32 rows
  * reach 0.85x of one plain F32 sgemm, 64 rows 0.93x, 256 rows 0.97-1.0x. Capped so a tile
  * stays near 4 MiB for very wide rows. */

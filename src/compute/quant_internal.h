@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "base/dtype.h"
+#include "compute/quant.h" /* FITM_PACK_ROWS */
 
 #define FITM_QK 32   /* elements of a Q4_0/Q5_0/Q8_0 block */
 #define FITM_QK_K 256 /* elements of a K-quant super-block   */
@@ -78,6 +79,34 @@ _Static_assert(sizeof(fitm_block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(fitm_block_q6_k) == 210, "Q6_K block");
 _Static_assert(sizeof(fitm_block_q8_k) == 292, "Q8_K block");
 
+/* Packed weights (quant.h's fitm_pack): Q8_0 and Q5_0 rows in groups of FITM_PACK_ROWS = 16,
+ * one chunk per group and block. Group g's chunks are contiguous, block b at (g * nb + b) *
+ * chunk bytes; a chunk holds the same bytes as the 16 rows' stored blocks (34 or 22 each):
+ *   Q8_0x16  { fp16 d[16]; u8 q[8][64]; }
+ *   Q5_0x16  { fp16 d[16]; u8 nib[4][64]; u64 hi[8]; }
+ * d[r] is row r's block scale. Both hold, for k = 0..7, a vector V_k of 64 unsigned bytes:
+ * byte 4r + i of V_k is row r's element 4k + i as an unsigned value u, x = d * (u - off).
+ *   Q8_0: V_k = q[k], u = stored int8 + 128 (off 128).
+ *   Q5_0: u is the 5-bit value (off 16); its low nibble is in nib[k / 2], low half of the
+ *         byte for even k, high half for odd k, and its fifth bit is bit 4r + i of hi[k].
+ * So one 32-bit lane of a 512-bit vector is one row: a dot product of V_k with x's dword k
+ * repeated sixteen times gives the 16 rows' partial sums side by side. */
+#define FITM_PACK_MAX_BLOCKS 4096 /* K / 32 at most: the product prepares a row's blocks at once */
+
+typedef struct {
+    uint16_t d[FITM_PACK_ROWS];
+    uint8_t q[8][64];
+} fitm_chunk_q8_0x16;
+
+typedef struct {
+    uint16_t d[FITM_PACK_ROWS];
+    uint8_t nib[4][64];
+    uint64_t hi[8];
+} fitm_chunk_q5_0x16;
+
+_Static_assert(sizeof(fitm_chunk_q8_0x16) == 16 * sizeof(fitm_block_q8_0), "Q8_0x16 chunk");
+_Static_assert(sizeof(fitm_chunk_q5_0x16) == 16 * sizeof(fitm_block_q5_0), "Q5_0x16 chunk");
+
 /* Scale and min (each 0..63) of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
 static inline void fitm_quant_k_scale_min(const uint8_t *s12, int j, uint8_t *sc, uint8_t *m)
 {
@@ -94,6 +123,15 @@ static inline void fitm_quant_k_scale_min(const uint8_t *s12, int j, uint8_t *sc
 void fitm_quant_dequant_row_scalar(fitm_dtype t, const void *src, float *dst, int64_t n);
 void fitm_quant_quant_row_scalar(fitm_dtype t, const float *src, void *dst, int64_t n);
 float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, int64_t n);
+
+/* Packed weights: the portable packer, row reader and product (the reference of the packed
+ * product's values), and the AVX-512 product (quant_x86.c, the path that packs). n_groups
+ * groups from P (the first of them group 0 of y); y + m * y_stride holds row m's outputs. */
+void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
+void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
+void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
+                                     size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                                     int64_t n_groups);
 
 /* Vectorised paths (quant_x86.c), x86-64 only, compiled once per SIMD path of base/cpu.h
  * (src/compute/meson.build: -march=x86-64-v3 with FITM_SIMD_SUFFIX=avx2, x86-64-v4 + VNNI with
@@ -119,6 +157,10 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
     int64_t fitm_quant_matvec_rows_once_##sfx(fitm_dtype t, int64_t K);
 FITM_QUANT_SIMD_DECL(avx2)
 FITM_QUANT_SIMD_DECL(avx512)
+void fitm_quant_packed_row_avx512(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
+void fitm_quant_matvec_packed_avx512(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
+                                     size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                                     int64_t n_groups);
 #else
 #define FITM_QUANT_X86 0
 #endif

@@ -683,3 +683,115 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
         return 0.0f;
     }
 }
+
+/* ---------------------------------------------------------------------------------------
+ * Packed weights (layouts: quant_internal.h) */
+
+static size_t chunk_bytes(fitm_dtype t)
+{
+    return t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+}
+
+/* Row r's block scale and unsigned value of element 4k + i in a chunk. */
+static uint16_t chunk_d(const void *c, int r)
+{
+    return ((const uint16_t *)c)[r]; /* d[16] leads both chunk types */
+}
+
+static int chunk_u(fitm_dtype t, const void *c, int r, int k, int i)
+{
+    const int byte = 4 * r + i;
+    if (t == FITM_DTYPE_Q8_0)
+        return ((const fitm_chunk_q8_0x16 *)c)->q[k][byte];
+    const fitm_chunk_q5_0x16 *q = c;
+    const int nib = (q->nib[k / 2][byte] >> (k % 2 ? 4 : 0)) & 0xF;
+    return nib | (int)(((q->hi[k] >> byte) & 1u) << 4);
+}
+
+void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
+{
+    assert((t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && N % FITM_PACK_ROWS == 0 &&
+           K % FITM_QK == 0);
+    const int64_t nb = K / FITM_QK;
+    const size_t rb = fitm_dtype_row_bytes(t, K), bb = rb / (size_t)nb, cb = chunk_bytes(t);
+    uint8_t *out = P;
+    for (int64_t g = 0; g < N / FITM_PACK_ROWS; g++) {
+        for (int64_t b = 0; b < nb; b++, out += cb) {
+            memset(out, 0, cb);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                const uint8_t *blk = (const uint8_t *)W + (size_t)(g * FITM_PACK_ROWS + r) * rb +
+                                     (size_t)b * bb;
+                uint16_t d;
+                memcpy(&d, blk, 2); /* d leads both block types */
+                ((uint16_t *)out)[r] = d;
+                /* four elements (one dword of the stored values) at a time: elements 4k..4k+3
+                 * go to bytes 4r..4r+3 of V_k */
+                if (t == FITM_DTYPE_Q8_0) {
+                    fitm_chunk_q8_0x16 *q = (fitm_chunk_q8_0x16 *)out;
+                    for (int k = 0; k < 8; k++) {
+                        uint32_t v;
+                        memcpy(&v, ((const fitm_block_q8_0 *)blk)->qs + 4 * k, 4);
+                        v ^= 0x80808080u; /* + 128 in each byte */
+                        memcpy(q->q[k] + 4 * r, &v, 4);
+                    }
+                } else {
+                    const fitm_block_q5_0 *w = (const fitm_block_q5_0 *)blk;
+                    fitm_chunk_q5_0x16 *q = (fitm_chunk_q5_0x16 *)out;
+                    uint32_t qh, lo[8];
+                    memcpy(&qh, w->qh, 4);
+                    for (int k = 0; k < 4; k++) { /* elements 0-15 low nibbles, 16-31 high */
+                        uint32_t v;
+                        memcpy(&v, w->qs + 4 * k, 4);
+                        lo[k] = v & 0x0F0F0F0Fu;
+                        lo[k + 4] = (v >> 4) & 0x0F0F0F0Fu;
+                    }
+                    for (int k = 0; k < 8; k += 2) {
+                        const uint32_t v = lo[k] | lo[k + 1] << 4;
+                        memcpy(q->nib[k / 2] + 4 * r, &v, 4);
+                    }
+                    for (int k = 0; k < 8; k++)
+                        q->hi[k] |= (uint64_t)((qh >> (4 * k)) & 0xFu) << (4 * r);
+                }
+            }
+        }
+    }
+}
+
+void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
+{
+    const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
+    const int r = (int)(n % FITM_PACK_ROWS), off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
+    const size_t cb = chunk_bytes(t);
+    const uint8_t *c = (const uint8_t *)P + (size_t)(g * nb) * cb;
+    for (int64_t b = 0; b < nb; b++, c += cb, dst += FITM_QK) {
+        const float d = FP16(chunk_d(c, r));
+        for (int j = 0; j < FITM_QK; j++) /* as the stored row's dequantizer: (float)q * d */
+            dst[j] = (float)(chunk_u(t, c, r, j / 4, j % 4) - off) * d;
+    }
+}
+
+void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
+                                     size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                                     int64_t n_groups)
+{
+    const int64_t nb = K / FITM_QK;
+    const int off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
+    const size_t cb = chunk_bytes(t);
+    for (int64_t g = 0; g < n_groups; g++) {
+        for (int64_t m = 0; m < M; m++) {
+            const fitm_block_q8_0 *x =
+                (const fitm_block_q8_0 *)((const uint8_t *)x_q + (size_t)m * x_stride);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                const uint8_t *c = P + (size_t)(g * nb) * cb;
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++, c += cb) {
+                    int32_t isum = 0; /* exact: |isum| <= 32 * 128 * 127 */
+                    for (int j = 0; j < FITM_QK; j++)
+                        isum += (chunk_u(t, c, r, j / 4, j % 4) - off) * x[b].qs[j];
+                    acc = fmaf((float)isum, FP16(chunk_d(c, r)) * FP16(x[b].d), acc);
+                }
+                y[m * y_stride + g * FITM_PACK_ROWS + r] = acc;
+            }
+        }
+    }
+}

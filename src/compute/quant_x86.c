@@ -29,6 +29,8 @@
 #define fitm_quant_matvec_simd SIMD_CAT(fitm_quant_matvec, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_rows_simd SIMD_CAT(fitm_quant_matvec_rows, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_rows_once_simd SIMD_CAT(fitm_quant_matvec_rows_once, FITM_SIMD_SUFFIX)
+#define fitm_quant_matvec_packed_simd SIMD_CAT(fitm_quant_matvec_packed, FITM_SIMD_SUFFIX)
+#define fitm_quant_packed_row_simd SIMD_CAT(fitm_quant_packed_row, FITM_SIMD_SUFFIX)
 
 #include <immintrin.h>
 #include <string.h>
@@ -930,6 +932,179 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
                 const int k = (int)(n - c0 < ROWS512_MAX ? n - c0 : ROWS512_MAX);
                 fn[k - 1](wr, xc + (size_t)c0 * x_stride, x_stride, nb, ent + c0 * np,
                           y + (m0 + c0) * y_stride + r, y_stride);
+            }
+        }
+    }
+}
+
+/* Packed Q8_0 and Q5_0 weights (quant_internal.h): a chunk's eight 64-byte vectors hold 16
+ * weight rows side by side, four bytes each, so for one activation row the block's integer
+ * sums of all 16 rows are eight vpdpbusd with the row's dwords broadcast, starting from the
+ * row's -off * (sum of its 32 bytes) (the unsigned values' offset, an exact identity); then
+ * one fma per block per row into a vector whose lane r is output row r. No lane is ever
+ * summed with another, so each output is the chain fitm_quant_matvec_packed_scalar computes,
+ * and the weights a chunk decodes once serve up to PACKED_MAX activation rows. */
+#define PACKED_MAX 8       /* activation rows per kernel call: 8 accumulators, 8 weight vectors */
+#define PACKED_XS_MAX FITM_PACK_MAX_BLOCKS /* (row, block) entries prepared per pass (32 KiB) */
+
+typedef struct {
+    int32_t bias; /* -off * (sum of the block's 32 activation bytes) */
+    float d;      /* the block's activation scale                    */
+} packed_x;
+
+/* The 16 rows' scales and unsigned value vectors V_0..V_7 of one chunk. */
+KERNEL void packed_chunk(fitm_dtype t, const uint8_t *c, __m512 *dw, __m512i v[8])
+{
+    *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));
+    if (t == FITM_DTYPE_Q8_0) {
+        const fitm_chunk_q8_0x16 *q = (const fitm_chunk_q8_0x16 *)c;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            v[k] = _mm512_loadu_si512(q->q[k]);
+        return;
+    }
+    const fitm_chunk_q5_0x16 *q = (const fitm_chunk_q5_0x16 *)c;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(16);
+#pragma GCC unroll 4
+    for (int k = 0; k < 8; k += 2) {
+        const __m512i n = _mm512_loadu_si512(q->nib[k / 2]);
+        v[k] = _mm512_or_si512(_mm512_and_si512(n, low4), _mm512_maskz_mov_epi8(q->hi[k], five));
+        v[k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n, 4), low4),
+                                   _mm512_maskz_mov_epi8(q->hi[k + 1], five));
+    }
+}
+
+KERNEL void packed_group(fitm_dtype t, const uint8_t *P, size_t cb, int64_t nb, const uint8_t *xq,
+                         size_t x_stride, const packed_x *px, const int M, float *y,
+                         int64_t y_stride)
+{
+    __m512 acc[PACKED_MAX];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 dw;
+        __m512i v[8];
+        packed_chunk(t, P + (size_t)b * cb, &dw, v);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const packed_x *e = &px[m * nb + b];
+            const int8_t *x = ((const fitm_block_q8_0 *)(xq + (size_t)m * x_stride))[b].qs;
+            __m512i s = _mm512_set1_epi32(e->bias);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                int32_t xd;
+                memcpy(&xd, x + 4 * k, 4);
+                s = _mm512_dpbusd_epi32(s, v[k], _mm512_set1_epi32(xd));
+            }
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(e->d)),
+                                     acc[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+}
+
+/* Row n of a packed weight as 32 signed values per block (u - off), then the stored row's
+ * dequantizer's product (store_mul: (float)q * d), so the floats are the same bits. */
+static inline void store_mul(__m256i q, float d, float *y);
+
+void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
+{
+    const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
+    const int r = (int)(n % FITM_PACK_ROWS);
+    const size_t cb = t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+    const uint8_t *c = (const uint8_t *)P + (size_t)(g * nb) * cb;
+    int32_t d4[8];
+    for (int64_t b = 0; b < nb; b++, c += cb, dst += FITM_QK) {
+        const uint16_t d = ((const uint16_t *)c)[r];
+        __m256i q;
+        if (t == FITM_DTYPE_Q8_0) {
+            const fitm_chunk_q8_0x16 *ch = (const fitm_chunk_q8_0x16 *)c;
+            for (int k = 0; k < 8; k++)
+                memcpy(&d4[k], ch->q[k] + 4 * r, 4);
+            q = _mm256_xor_si256(loadu256(d4), _mm256_set1_epi8((char)0x80));
+        } else {
+            const fitm_chunk_q5_0x16 *ch = (const fitm_chunk_q5_0x16 *)c;
+            for (int k = 0; k < 4; k++)
+                memcpy(&d4[k], ch->nib[k] + 4 * r, 4);
+            const __m128i nib = _mm_loadu_si128((const __m128i *)d4), low4 = _mm_set1_epi8(0x0F);
+            const __m128i lo = _mm_and_si128(nib, low4),
+                          hi = _mm_and_si128(_mm_srli_epi16(nib, 4), low4);
+            /* dword k of the row: even k low nibbles of nib[k / 2], odd k high ones */
+            q = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+            uint32_t fifth = 0;
+            for (int k = 0; k < 8; k++)
+                fifth |= (uint32_t)((ch->hi[k] >> (4 * r)) & 0xF) << (4 * k);
+            q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_maskz_mov_epi8(fifth, _mm256_set1_epi8(16))),
+                                _mm256_set1_epi8(16));
+        }
+        store_mul(q, fp16(d), dst);
+    }
+}
+
+typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, const packed_x *,
+                          float *, int64_t);
+
+#define DEF_PACKED(M)                                                                              \
+    static void packed_q8_0_##M(const uint8_t *P, int64_t nb, const uint8_t *xq, size_t xs,       \
+                                const packed_x *px, float *y, int64_t ys)                         \
+    {                                                                                              \
+        packed_group(FITM_DTYPE_Q8_0, P, sizeof(fitm_chunk_q8_0x16), nb, xq, xs, px, M, y, ys);   \
+    }                                                                                              \
+    static void packed_q5_0_##M(const uint8_t *P, int64_t nb, const uint8_t *xq, size_t xs,       \
+                                const packed_x *px, float *y, int64_t ys)                         \
+    {                                                                                              \
+        packed_group(FITM_DTYPE_Q5_0, P, sizeof(fitm_chunk_q5_0x16), nb, xq, xs, px, M, y, ys);   \
+    }
+DEF_PACKED(1)
+DEF_PACKED(2)
+DEF_PACKED(3)
+DEF_PACKED(4)
+DEF_PACKED(5)
+DEF_PACKED(6)
+DEF_PACKED(7)
+DEF_PACKED(8)
+
+void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
+                                   size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                                   int64_t n_groups)
+{
+    static const packed_fn q8_0[PACKED_MAX] = {packed_q8_0_1, packed_q8_0_2, packed_q8_0_3,
+                                               packed_q8_0_4, packed_q8_0_5, packed_q8_0_6,
+                                               packed_q8_0_7, packed_q8_0_8};
+    static const packed_fn q5_0[PACKED_MAX] = {packed_q5_0_1, packed_q5_0_2, packed_q5_0_3,
+                                               packed_q5_0_4, packed_q5_0_5, packed_q5_0_6,
+                                               packed_q5_0_7, packed_q5_0_8};
+    const packed_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
+    const int64_t nb = K / FITM_QK;
+    const int off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
+    const size_t cb = t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+    const size_t group = (size_t)nb * cb;
+    const int64_t pass = PACKED_XS_MAX / nb < M ? PACKED_XS_MAX / nb : M; /* >= 1: quant.c */
+    packed_x px[PACKED_XS_MAX];
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t n = M - m0 < pass ? M - m0 : pass;
+        const uint8_t *xc = (const uint8_t *)x_q + (size_t)m0 * x_stride;
+        for (int64_t m = 0; m < n; m++) {
+            const fitm_block_q8_0 *x = (const fitm_block_q8_0 *)(xc + (size_t)m * x_stride);
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i s = _mm256_sad_epu8(
+                    _mm256_xor_si256(loadu256(x[b].qs), _mm256_set1_epi8((char)0x80)),
+                    _mm256_setzero_si256()); /* sums of (q + 128) per 8 bytes */
+                const int32_t sum = _mm256_extract_epi32(s, 0) + _mm256_extract_epi32(s, 2) +
+                                    _mm256_extract_epi32(s, 4) + _mm256_extract_epi32(s, 6) -
+                                    128 * FITM_QK;
+                px[m * nb + b] = (packed_x){-off * sum, fp16(x[b].d)};
+            }
+        }
+        for (int64_t g = 0; g < n_groups; g++) {
+            const uint8_t *pg = P + (size_t)g * group;
+            for (int64_t c0 = 0; c0 < n; c0 += PACKED_MAX) {
+                const int k = (int)(n - c0 < PACKED_MAX ? n - c0 : PACKED_MAX);
+                fn[k - 1](pg, nb, xc + (size_t)c0 * x_stride, x_stride, px + c0 * nb,
+                          y + (m0 + c0) * y_stride + g * FITM_PACK_ROWS, y_stride);
             }
         }
     }
