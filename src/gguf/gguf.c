@@ -593,6 +593,17 @@ static void release(fitm_gguf *g)
     free(g);
 }
 
+void fitm_gguf_release(const fitm_gguf *g, const void *p, size_t n)
+{
+    if (!g || !g->mapped || (const uint8_t *)p < g->base || n > g->size ||
+        (size_t)((const uint8_t *)p - g->base) > g->size - n)
+        return;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p,
+                    lo = (a + page - 1) / page * page, hi = (a + n) / page * page;
+    if (hi > lo) /* the mapping is read-only and private: dropped pages come back from the file */
+        (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 void fitm_gguf_close(fitm_gguf *g)
 {
     if (g)

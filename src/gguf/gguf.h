@@ -87,6 +87,11 @@ fitm_status fitm_gguf_open_memory(fitm_gguf **out, const void *data, size_t n_by
 /* Releases everything. NULL is a no-op. */
 void fitm_gguf_close(fitm_gguf *g);
 
+/* The caller keeps its own copy of [p, p + n), bytes of g: a mapped file drops the whole pages
+ * inside the range from the process's memory (read from the file again if touched later); a
+ * copy in memory or a caller's buffer keeps them (a no-op). */
+void fitm_gguf_release(const fitm_gguf *g, const void *p, size_t n);
+
 /* File-level facts; each returns 0 for a NULL g. */
 uint32_t fitm_gguf_version(const fitm_gguf *g);
 uint64_t fitm_gguf_file_bytes(const fitm_gguf *g);

@@ -125,8 +125,12 @@ typedef struct {
     /* dst = src, both backend memory, not overlapping (a batched call's K/V rows into each
      * sequence's cache). */
     void (*copy)(fitm_backend *b, void *dst, const void *src, size_t n_bytes);
-    /* Optional: called once per model before its first forward pass (e.g. upload weights). */
+    /* Optional: called by every fitm_forward_create, before the forward's first pass (e.g.
+     * upload weights, or repack them); the backend may keep what it makes for one model at a
+     * time, for as long as a forward that prepared it lives. */
     fitm_status (*prepare)(fitm_backend *b, const fitm_model *m, fitm_err *err);
+    /* Optional: called by fitm_forward_destroy of a forward whose prepare succeeded. */
+    void (*release)(fitm_backend *b, const fitm_model *m);
     /* Optional (backends whose ops can fail, e.g. on a device): waits for the ops so far and
      * reports the first failure among them since the last call (FITM_ERR_BACKEND, NOMEM, ...)
      * with a message, then forgets it unless the device is lost for good. */

@@ -33,6 +33,13 @@
 #define PACK_ROWS 8            /* rows converted together, then stored K-major       */
 #define MATVEC_TASK_BYTES 262144 /* least weight bytes per task of a one-row product */
 
+/* A weight this path multiplies in quant.h's packed layout: a copy made by prepare, found by
+ * the stored data's address (the fitm_weight view's, stable for the model's life). */
+typedef struct {
+    const void *stored;
+    void *packed;
+} packed_weight;
+
 typedef struct {
     fitm_backend base;
     fitm_pool *pool;
@@ -45,6 +52,10 @@ typedef struct {
     float *zero_row;       /* (max_k) zeros: padding rows of the float path  */
     uint8_t *xq[MAX_VEC_TYPES]; /* quantized activations, (max_tokens, row)  */
     size_t xq_row_cap;     /* bytes of one quantized row the buffers allow   */
+    packed_weight *packs;  /* packed copies of packed_model's weights, sorted by stored address */
+    size_t n_packs;
+    const fitm_model *packed_model; /* or NULL                                 */
+    int64_t model_refs;    /* forwards of packed_model alive that prepared it */
 } cpu_backend;
 
 static cpu_backend *cpu(fitm_backend *b)
@@ -102,9 +113,13 @@ static void release_scratch(cpu_backend *c)
     }
 }
 
+static void drop_packs(cpu_backend *c);
+
 static void cpu_destroy(fitm_backend *b)
 {
     cpu_backend *c = cpu(b);
+    drop_packs(c);
+    free(c->packs);
     release_scratch(c);
     fitm_pool_destroy(c->pool);
     free(c);
@@ -198,10 +213,133 @@ static void par_rows(cpu_backend *c, int64_t n, int64_t row_elems,
     fitm_pool_run(c->pool, (n + j.per - 1) / j.per, range_task, &j);
 }
 
+/* ---- packed weights ---------------------------------------------------------------------- */
+
+static packed_weight *find_pack(const cpu_backend *c, const fitm_weight *w)
+{
+    size_t lo = 0, hi = c->n_packs;
+    while (lo < hi) {
+        const size_t mid = (lo + hi) / 2;
+        if (c->packs[mid].stored == w->data)
+            return &c->packs[mid];
+        if ((uintptr_t)c->packs[mid].stored < (uintptr_t)w->data)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+static const void *packed_of(const cpu_backend *c, const fitm_weight *w)
+{
+    const packed_weight *pw = find_pack(c, w);
+    return pw ? pw->packed : NULL;
+}
+
+static int cmp_pack(const void *a, const void *b)
+{
+    const uintptr_t x = (uintptr_t)((const packed_weight *)a)->stored,
+                    y = (uintptr_t)((const packed_weight *)b)->stored;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct {
+    const fitm_weight *w;
+    void *packed;
+    int64_t groups_per_task;
+} pack_job;
+
+static void pack_task(void *ctx, int64_t task, int thread)
+{
+    (void)thread;
+    const pack_job *j = ctx;
+    const fitm_weight *w = j->w;
+    const int64_t n0 = task * j->groups_per_task * FITM_PACK_ROWS,
+                  n = j->groups_per_task * FITM_PACK_ROWS < w->n_rows - n0
+                          ? j->groups_per_task * FITM_PACK_ROWS
+                          : w->n_rows - n0;
+    const size_t at = (size_t)n0 * w->row_bytes; /* a group's chunks hold its rows' bytes */
+    fitm_pack(w->type, (const uint8_t *)w->data + at, n, w->n_cols, (uint8_t *)j->packed + at);
+}
+
+/* Packs w when this path has a faster layout for it, then lets the model drop the stored
+ * bytes' pages (every product and row read of w goes to the copy). */
+static fitm_status pack_weight(cpu_backend *c, const fitm_model *m, const fitm_weight *w,
+                               fitm_err *err)
+{
+    const size_t bytes = fitm_pack_bytes(w->type, w->n_rows, w->n_cols);
+    if (!w->data || w->n_rows <= 1 || !bytes || find_pack(c, w))
+        return FITM_OK; /* found: a view of the same data (a tied output head) */
+    void *p = cpu_alloc(&c->base, bytes);
+    if (!p)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "CPU backend: no memory to pack %s", w->name);
+    const int64_t groups = w->n_rows / FITM_PACK_ROWS, per = groups / (8 * c->n_threads) + 1;
+    pack_job j = {w, p, per};
+    fitm_pool_run(c->pool, (groups + per - 1) / per, pack_task, &j);
+    c->packs[c->n_packs++] = (packed_weight){w->data, p};
+    qsort(c->packs, c->n_packs, sizeof *c->packs, cmp_pack);
+    fitm_model_release(m, w);
+    return FITM_OK;
+}
+
+static void drop_packs(cpu_backend *c)
+{
+    for (size_t i = 0; i < c->n_packs; i++)
+        cpu_free(&c->base, c->packs[i].packed);
+    c->n_packs = 0;
+    c->packed_model = NULL;
+    c->model_refs = 0;
+}
+
+/* One model's packed copies at a time, kept while a forward that prepared them lives: a
+ * forward of an earlier model still alive then runs on its stored weights (the same values
+ * but for float rounding; the products take the stored layout for any view not packed). */
+static fitm_status cpu_prepare(fitm_backend *b, const fitm_model *m, fitm_err *err)
+{
+    cpu_backend *c = cpu(b);
+    if (c->packed_model == m) {
+        c->model_refs++;
+        return FITM_OK;
+    }
+    drop_packs(c);
+    const fitm_model_config *cfg = fitm_model_config_of(m);
+    enum { PER_LAYER = 7 };
+    const size_t cap = 2 + (size_t)cfg->n_layer * PER_LAYER;
+    packed_weight *pw = realloc(c->packs, cap * sizeof *pw);
+    if (!pw)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "CPU backend: weight table");
+    c->packs = pw;
+    fitm_status s = pack_weight(c, m, fitm_model_tok_embd(m), err);
+    if (!s)
+        s = pack_weight(c, m, fitm_model_output(m), err);
+    for (int32_t l = 0; l < cfg->n_layer && !s; l++) {
+        const fitm_layer *ly = fitm_model_layer(m, l);
+        const fitm_weight *lw[PER_LAYER] = {&ly->wq,     &ly->wk, &ly->wv,    &ly->wo,
+                                            &ly->w_gate, &ly->w_up, &ly->w_down};
+        for (int i = 0; i < PER_LAYER && !s; i++)
+            s = pack_weight(c, m, lw[i], err);
+    }
+    if (s) {
+        drop_packs(c);
+        return s;
+    }
+    c->packed_model = m;
+    c->model_refs = 1;
+    return FITM_OK;
+}
+
+static void cpu_release(fitm_backend *b, const fitm_model *m)
+{
+    cpu_backend *c = cpu(b);
+    if (c->packed_model == m && --c->model_refs == 0)
+        drop_packs(c);
+}
+
 /* ---- element-wise and row-wise ops ------------------------------------------------------- */
 
 typedef struct {
     const fitm_weight *w;
+    const void *packed; /* w's packed copy, or NULL */
     const int32_t *ids;
     float scale;
     float *x;
@@ -213,8 +351,11 @@ static void embed_rows(void *ctx, int64_t i0, int64_t i1)
     const int64_t C = j->w->n_cols;
     for (int64_t t = i0; t < i1; t++) {
         float *xr = j->x + t * C;
-        fitm_dequant_row(j->w->type, (const uint8_t *)j->w->data + (size_t)j->ids[t] * j->w->row_bytes,
-                         xr, C);
+        if (j->packed)
+            fitm_packed_row(j->w->type, j->packed, C, j->ids[t], xr);
+        else
+            fitm_dequant_row(j->w->type,
+                             (const uint8_t *)j->w->data + (size_t)j->ids[t] * j->w->row_bytes, xr, C);
         if (j->scale != 1.0f)
             for (int64_t i = 0; i < C; i++)
                 xr[i] *= j->scale;
@@ -224,7 +365,7 @@ static void embed_rows(void *ctx, int64_t i0, int64_t i1)
 static void cpu_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,
                       float scale, float *x)
 {
-    embed_job j = {w, ids, scale, x};
+    embed_job j = {w, packed_of(cpu(b), w), ids, scale, x};
     par_rows(cpu(b), T, w->n_cols, embed_rows, &j);
 }
 
@@ -581,8 +722,8 @@ static bool is_float_type(fitm_dtype t)
 #define NB 2
 #endif
 
-static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float *Y, int64_t n0,
-                          int64_t n1, float *scratch, const float *zero_row)
+static void mm_float_tile(const fitm_weight *w, const void *packed, const float *X, int64_t T,
+                          float *Y, int64_t n0, int64_t n1, float *scratch, const float *zero_row)
 {
     const int64_t K = w->n_cols, N = w->n_rows, nr = n1 - n0;
     float *Wp = scratch;                   /* (K, FLOAT_TILE) */
@@ -598,9 +739,12 @@ static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float
             } else if (w->type == FITM_DTYPE_F32) {
                 src[i] = (const float *)w->data + (n0 + r) * K;
             } else {
-                fitm_dequant_row(w->type,
-                                 (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
-                                 rows + i * K, K);
+                if (packed)
+                    fitm_packed_row(w->type, packed, K, n0 + r, rows + i * K);
+                else
+                    fitm_dequant_row(w->type,
+                                     (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
+                                     rows + i * K, K);
                 src[i] = rows + i * K;
             }
         }
@@ -641,6 +785,7 @@ static void mm_float_tile(const fitm_weight *w, const float *X, int64_t T, float
 
 typedef struct {
     const fitm_mm_out *o;
+    const void *packed;  /* the weight's packed copy, or NULL                          */
     const uint8_t *xq;   /* quantized activations for this output, or NULL (BLAS path) */
     size_t xq_row;
     int64_t rows_per_task;
@@ -678,12 +823,15 @@ static void mm_task(void *ctx, int64_t task, int thread)
     int64_t n0 = (task - pt->first_task) * pt->rows_per_task;
     int64_t n1 = n0 + pt->rows_per_task < N ? n0 + pt->rows_per_task : N;
     float *y = pt->o->y;
-    if (pt->xq) {
+    if (pt->xq && pt->packed) {
+        fitm_matvec_rows_packed(w->type, pt->packed, K, pt->xq, pt->xq_row, j->T, y, N, n0, n1);
+    } else if (pt->xq) {
         fitm_matvec_rows(w->type, w->data, K, pt->xq, pt->xq_row, j->T, y, N, n0, n1);
     } else {
         for (int64_t t0 = n0; t0 < n1; t0 += FLOAT_TILE)
-            mm_float_tile(w, j->x, j->T, y, t0, t0 + FLOAT_TILE < n1 ? t0 + FLOAT_TILE : n1,
-                          j->c->mm_scratch[thread], j->c->zero_row);
+            mm_float_tile(w, pt->packed, j->x, j->T, y, t0,
+                          t0 + FLOAT_TILE < n1 ? t0 + FLOAT_TILE : n1, j->c->mm_scratch[thread],
+                          j->c->zero_row);
     }
     add_bias(pt->o, j->T, n0, n1);
 }
@@ -717,6 +865,7 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
         const int64_t N = w->n_rows, K = w->n_cols;
         mm_part *pt = &j.parts[j.n_parts++];
         pt->o = &outs[i];
+        pt->packed = packed_of(c, w);
         pt->xq = NULL;
         if (!is_float_type(w->type) && !batched) {
             fitm_dtype vt = fitm_quant_vec_dtype(w->type);
@@ -739,12 +888,12 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
              * tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB 172; 8 sequences on AVX-512,
              * 16 KiB tasks 194-277 tok/s, these 294-333). */
             int64_t rpt = (int64_t)(16384 / w->row_bytes);
-            if (T <= fitm_matvec_rows_once(w->type, K)) {
+            if (pt->packed || T <= fitm_matvec_rows_once(w->type, K)) {
                 rpt = N / (16 * c->n_threads);
                 const int64_t min_rows = (int64_t)(MATVEC_TASK_BYTES / w->row_bytes);
                 rpt = rpt < min_rows ? min_rows : rpt;
             }
-            pt->rows_per_task = rpt < 16 ? 16 : rpt;
+            pt->rows_per_task = rpt < 16 ? 16 : pt->packed ? rpt / 16 * 16 : rpt;
         } else {
             /* One tile per task: the tile's conversion is the unit of work anyway, and small
              * tasks balance threads the OS delays. */
@@ -1145,7 +1294,8 @@ static const fitm_backend_ops cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .copy = cpu_copy,
-    .prepare = NULL,
+    .prepare = cpu_prepare,
+    .release = cpu_release,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,

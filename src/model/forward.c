@@ -18,6 +18,7 @@ static const seq_role plain_role = {1.0f, 0, 0, -1};
 struct fitm_forward {
     const fitm_model *m;
     fitm_backend *b;
+    bool prepared; /* ops->prepare ran for this forward: ops->release on destroy */
     fitm_forward_params p;
     /* backend scratch */
     float *x;        /* (T, C) residual stream        */
@@ -135,6 +136,8 @@ void fitm_forward_destroy(fitm_forward *f)
     if (!f)
         return;
     free_scratch(f);
+    if (f->prepared && f->b->ops->release)
+        f->b->ops->release(f->b, f->m);
     free(f);
 }
 
@@ -191,8 +194,10 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     int64_t max_k = C > F ? C : F;
     max_k = max_k > HD ? max_k : HD;
     fitm_status s = b->ops->reserve(b, Tm, p->max_ctx, max_k, err);
-    if (s == FITM_OK && b->ops->prepare)
+    if (s == FITM_OK && b->ops->prepare) {
         s = b->ops->prepare(b, m, err);
+        f->prepared = s == FITM_OK;
+    }
     if (s) {
         fitm_forward_destroy(f);
         return s;

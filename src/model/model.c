@@ -477,6 +477,11 @@ const fitm_layer *fitm_model_layer(const fitm_model *m, int32_t l)
     return &m->layers[l];
 }
 
+void fitm_model_release(const fitm_model *m, const fitm_weight *w)
+{
+    fitm_gguf_release(m->gguf, w->data, (size_t)w->n_rows * w->row_bytes);
+}
+
 const fitm_weight *fitm_model_tok_embd(const fitm_model *m)
 {
     return &m->tok_embd;

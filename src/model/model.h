@@ -124,6 +124,11 @@ const fitm_weight *fitm_model_tok_embd(const fitm_model *m);        /* (V, C)   
 const fitm_weight *fitm_model_output_norm(const fitm_model *m);     /* (C)          */
 const fitm_weight *fitm_model_output(const fitm_model *m);          /* (V, C); may be tok_embd */
 
+/* A backend that keeps its own copy of w's data tells the model so: the pages of a mapped file
+ * that hold only w are dropped from memory (w->data stays valid: touching it reads the file
+ * again). A model read into memory keeps them. */
+void fitm_model_release(const fitm_model *m, const fitm_weight *w);
+
 /* The file, for the tokenizer and metadata; owned by the model. */
 const fitm_gguf *fitm_model_gguf(const fitm_model *m);
 
