@@ -286,7 +286,7 @@ def benchmark(a, headers):
                       f"decode-only tok/s {g[n]['dec_s'] / g[n1]['dec_s']:.2f}x, "
                       f"gap p99 N={n} / N={n1} = {g[n]['gap99'] / g[n1]['gap99']:.2f}x")
         for n in a.n:
-            if n != n1:
+            if n != n1 and rr[n1]["req_s"] > 0:  # --rerank-reps 0: no /rerank round
                 print(f"  fitmd /rerank req/s N={n} / N={n1} = "
                       f"{rr[n]['req_s'] / rr[n1]['req_s']:.2f}x")
         if len(servers) > 1:

@@ -7,7 +7,12 @@ What is asserted, and why:
   * One path run twice gives bit-identical logits: a path sums in one fixed order.
   * Paths differ from each other only in float rounding (FMA or not, 8 or 16 lanes; the
     integer block sums of the quantized dots are the same on every path): BATCH-path logits
-    (float tiles, no activation quantization) within relative L2 1e-4 of the default path's.
+    (float tiles, no activation quantization in the layers) within relative L2 1e-4 of the
+    default path's, row by row. But the output head takes the STEP path's products on every
+    path (docs/design.md), so the head's input is rounded to Q8 and a tie there can fall the
+    other way: that row then moves by about 1e-3 (seen on a -Dcpu_arch=native build, where
+    the layers round differently: one row of 24 at 1.2e-3, the others at 9e-8). So the median
+    row is held to 1e-4 and every row to 1e-2.
     The STEP path quantizes activations to Q8 before every product, so one rounding tie that
     falls the other way moves a whole quantum and carries on through the K/V rows (see
     test_model.py's docstring): relative L2 <= 0.08 there, and the first position, before
@@ -68,7 +73,8 @@ def test_paths_agree(gen_model, model_tool, tmp_path, arch, wtype):
         assert np.array_equal(again[1], pb) and np.array_equal(again[2], ps), p
         if p == default:
             assert np.array_equal(pb, batch) and np.array_equal(ps, step)
-        assert rel_l2(pb, batch) <= 1e-4, (p, default, rel_l2(pb, batch))
+        rows = [rel_l2(pb[i], batch[i]) for i in range(len(pb))]
+        assert np.median(rows) <= 1e-4 and max(rows) <= 1e-2, (p, default, rows)
         assert rel_l2(ps, step) <= 0.08, (p, default, rel_l2(ps, step))
         assert rel_l2(ps[:1], step[:1]) <= 1e-3, (p, default, rel_l2(ps[:1], step[:1]))
     assert "baseline" in supported and supported[-1] == default
