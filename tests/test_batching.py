@@ -29,15 +29,19 @@ RERANK_FRAME = (r"Write a high-quality answer for the given question using only 
                 r"\n\n{documents}\nQuestion: {question}\nAnswer:")
 
 
-@pytest.fixture(scope="module")
-def daemon(fitmd_bin, tmp_path_factory):  # noqa: F811
+def start(fitmd_bin, tmp_path_factory, **extra):  # noqa: F811
     d = tmp_path_factory.mktemp("batching")
     model = d / "q4k.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
                     "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
-    dm = Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
-                max_documents=16, max_answer_tokens=200, http_threads=32, queue_depth=64,
-                max_running=4, batch_prefill_tokens=24)
+    return Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
+                  max_documents=16, max_answer_tokens=200, http_threads=32, queue_depth=64,
+                  max_running=4, batch_prefill_tokens=24, **extra)
+
+
+@pytest.fixture(scope="module")
+def daemon(fitmd_bin, tmp_path_factory):  # noqa: F811
+    dm = start(fitmd_bin, tmp_path_factory)
     yield dm
     assert dm.terminate() == 0, dm.log_text()
 
@@ -136,6 +140,29 @@ def metrics(d):
 
 
 def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
+    concurrent_matches_one_at_a_time(daemon)
+
+
+def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
+    """answer_prompt_path = step: prompts take the decode steps' quantized products. The same
+    equality under concurrency holds; generations differ from the batch path's somewhere (Q4_K
+    rounds differently on the two paths, so the setting did reach the forward pass) while
+    /rerank, always on the batch path, scores the same."""
+    dm = start(fitmd_bin, tmp_path_factory, answer_prompt_path="step")
+    try:
+        work = workload()
+        step = concurrent_matches_one_at_a_time(dm)
+        batch = [run_one(daemon, route, body) for route, body in work]
+        gen = [k for k, (route, _) in enumerate(work) if route != "/rerank"]
+        assert any(step[k] != batch[k] for k in gen)
+        assert all(step[k] == batch[k] for k in range(len(work)) if k not in gen)
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
+def concurrent_matches_one_at_a_time(daemon):
+    """Every request of workload() alone, then all at once: the same responses. Returns the
+    responses."""
     work = workload()
     reference = [run_one(daemon, route, body) for route, body in work]
     before = metrics(daemon)
@@ -175,6 +202,7 @@ def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
     assert m["fitm_queue_wait_seconds_count"] >= len(work) * 2
     assert daemon.healthy()
     assert run_one(daemon, *work[0]) == reference[0]
+    return reference
 
 
 def test_queue_beyond_running_limit(daemon):

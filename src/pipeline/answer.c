@@ -632,8 +632,8 @@ fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
     return st;
 }
 
-/* This step's part of sequence q: the next prompt chunk (at most budget tokens, on the batch
- * path, as fitm_reranker_prefill runs it) or the next decode step. */
+/* This step's part of sequence q: the next prompt chunk (at most budget tokens, on the path
+ * the server's answer_prompt_path names) or the next decode step. */
 static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part)
 {
     answer_state *s = &q->s;
@@ -646,7 +646,8 @@ static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part
                                .top = s->sm.top,
                                .intervention = s->intervene ? &s->iv : NULL,
                                .position = q->position,
-                               .path = q->decoding ? FITM_PATH_AUTO : FITM_PATH_BATCH};
+                               .path = q->decoding ? FITM_PATH_AUTO
+                                                   : (fitm_forward_path)fitm_reranker_answer_prompt_path(q->r)};
     *part = (fitm_forward_seq){q->kv, q->res->tokens + q->pos, T, q->pos, &q->o};
 }
 

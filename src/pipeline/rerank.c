@@ -270,6 +270,7 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
     }
     r->moice = p->moice;
     r->position_default = p->position;
+    r->answer_prompt_step = p->answer_prompt_step;
     if ((st = fitm_forward_create(&r->fwd, m, b, &fp, err)) != FITM_OK ||
         (st = fitm_forward_positions(r->fwd, p->moice, err)) != FITM_OK ||
         (st = fitm_kv_create(&r->kv, b, c, r->n_ctx, err)) != FITM_OK ||
@@ -1388,6 +1389,11 @@ fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, f
     if (r->b->ops->status)
         return r->b->ops->status(r->b, err);
     return FITM_OK;
+}
+
+int fitm_reranker_answer_prompt_path(const fitm_reranker *r)
+{
+    return r->answer_prompt_step ? FITM_PATH_STEP : FITM_PATH_BATCH;
 }
 
 int64_t fitm_reranker_batch_tokens(const fitm_reranker *r)

@@ -143,6 +143,7 @@ typedef struct {
      * moice get FITM_ERR_INVALID) and the method of requests that name none. */
     const struct fitm_moice *moice;
     fitm_position_method position;
+    bool answer_prompt_step; /* /answer's prompts on the STEP path instead of BATCH        */
 } fitm_reranker_params;
 
 /* The built-in answer_template: two short worked examples (a name, a place) before the
@@ -316,6 +317,9 @@ fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **
  * prompt) into dst, an ordinary cache (base 0) of at least n rows: dst then holds [0, n). */
 fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n,
                                     fitm_err *err);
+
+/* The path of /answer's prompt rows (fitm_reranker_params.answer_prompt_step). */
+int fitm_reranker_answer_prompt_path(const fitm_reranker *r);
 
 /* Most tokens and most logit rows one batched call may carry. */
 int64_t fitm_reranker_batch_tokens(const fitm_reranker *r);

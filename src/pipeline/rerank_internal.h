@@ -26,6 +26,7 @@ struct fitm_reranker {
     fitm_kv *kv;     /* the prompt's cache, [0, T)            */
     fitm_kv *branch; /* one reference pass: [s_k, T) on kv    */
     int64_t n_ctx, chunk;
+    bool answer_prompt_step;
     const fitm_rr_template *tmpl;
     int32_t *dummy;  /* default dummy ids (" " + dummy_text)  */
     int64_t n_dummy;

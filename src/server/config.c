@@ -99,6 +99,11 @@ static const opt opts[] = {
     {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
      "prompt tokens per batched step, over all new /answer prompts: lower keeps running "
      "streams' token gaps short, higher gives new requests their first token sooner"},
+    {"answer_prompt_path", ENUM(answer_prompt_path), "batch", 0, 0, "batch|step",
+     "how /answer and the OpenAI routes compute their prompts: batch = weights converted to "
+     "F32 in tiles shared by the chunk's rows; step = the decode steps' quantized products "
+     "(activations rounded to Q8, as llama.cpp computes prompts), faster on an AVX-512 CPU "
+     "and for short chunks (docs/load-benchmark.md); /rerank always uses batch"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,

@@ -360,6 +360,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
                                .answer_template = cfg->answer_template, .profile = profile,
+                               .answer_prompt_step = strcmp(cfg->answer_prompt_path, "step") == 0,
                                .answer = &answer,
                                .moice = dm->moice,
                                .position = (fitm_position_method)fitm_position_method_parse(
