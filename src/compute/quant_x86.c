@@ -788,6 +788,8 @@ DEF_ROWSK(4)
  *   scale  the row's block scales [xs(2p) x 8, xs(2p+1) x 8] (fp16 -> fp32 is exact, and a
  *          vector multiply by w's pair scales rounds each lane as the scalar product does) */
 #define ROWS512_MAX 8       /* rows per kernel call: 2 x 8 accumulators of 32 registers */
+/* The kernels f_1 .. f_8 of a DEF_* family, indexed by rows - 1. */
+#define BY_ROWS8(f) {f##_1, f##_2, f##_3, f##_4, f##_5, f##_6, f##_7, f##_8}
 #define ROWS512_ENTRIES 160 /* entries held on the stack (30 KiB): 16 rows of K = 640 */
 
 typedef struct {
@@ -900,12 +902,8 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
                            const uint8_t *xq, size_t x_stride, int64_t M, float *y,
                            int64_t y_stride, int64_t n_rows)
 {
-    static const rows512_fn q8_0[ROWS512_MAX] = {rows512_q8_0_1, rows512_q8_0_2, rows512_q8_0_3,
-                                                 rows512_q8_0_4, rows512_q8_0_5, rows512_q8_0_6,
-                                                 rows512_q8_0_7, rows512_q8_0_8};
-    static const rows512_fn q5_0[ROWS512_MAX] = {rows512_q5_0_1, rows512_q5_0_2, rows512_q5_0_3,
-                                                 rows512_q5_0_4, rows512_q5_0_5, rows512_q5_0_6,
-                                                 rows512_q5_0_7, rows512_q5_0_8};
+    static const rows512_fn q8_0[ROWS512_MAX] = BY_ROWS8(rows512_q8_0),
+                            q5_0[ROWS512_MAX] = BY_ROWS8(rows512_q5_0);
     const rows512_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
     const int64_t nb = K / FITM_QK, np = nb / 2, once = matvec_rows512_once(np);
     const int64_t pass = M <= once ? M : once; /* rows whose entries are formed at a time */
@@ -1071,12 +1069,8 @@ void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, co
                                    size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                    int64_t n_groups)
 {
-    static const packed_fn q8_0[PACKED_MAX] = {packed_q8_0_1, packed_q8_0_2, packed_q8_0_3,
-                                               packed_q8_0_4, packed_q8_0_5, packed_q8_0_6,
-                                               packed_q8_0_7, packed_q8_0_8};
-    static const packed_fn q5_0[PACKED_MAX] = {packed_q5_0_1, packed_q5_0_2, packed_q5_0_3,
-                                               packed_q5_0_4, packed_q5_0_5, packed_q5_0_6,
-                                               packed_q5_0_7, packed_q5_0_8};
+    static const packed_fn q8_0[PACKED_MAX] = BY_ROWS8(packed_q8_0),
+                           q5_0[PACKED_MAX] = BY_ROWS8(packed_q5_0);
     const packed_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
     const int64_t nb = K / FITM_QK;
     const int off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
