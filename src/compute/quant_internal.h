@@ -107,6 +107,17 @@ typedef struct {
 _Static_assert(sizeof(fitm_chunk_q8_0x16) == 16 * sizeof(fitm_block_q8_0), "Q8_0x16 chunk");
 _Static_assert(sizeof(fitm_chunk_q5_0x16) == 16 * sizeof(fitm_block_q5_0), "Q5_0x16 chunk");
 
+/* A packed type's chunk bytes, and the offset off of its unsigned values. */
+static inline size_t fitm_chunk_bytes(fitm_dtype t)
+{
+    return t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+}
+
+static inline int fitm_chunk_off(fitm_dtype t)
+{
+    return t == FITM_DTYPE_Q8_0 ? 128 : 16;
+}
+
 /* Scale and min (each 0..63) of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
 static inline void fitm_quant_k_scale_min(const uint8_t *s12, int j, uint8_t *sc, uint8_t *m)
 {

@@ -687,11 +687,6 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
 /* ---------------------------------------------------------------------------------------
  * Packed weights (layouts: quant_internal.h) */
 
-static size_t chunk_bytes(fitm_dtype t)
-{
-    return t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
-}
-
 /* Row r's block scale and unsigned value of element 4k + i in a chunk. */
 static uint16_t chunk_d(const void *c, int r)
 {
@@ -713,7 +708,7 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
     assert((t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && N % FITM_PACK_ROWS == 0 &&
            K % FITM_QK == 0);
     const int64_t nb = K / FITM_QK;
-    const size_t rb = fitm_dtype_row_bytes(t, K), bb = rb / (size_t)nb, cb = chunk_bytes(t);
+    const size_t rb = fitm_dtype_row_bytes(t, K), bb = rb / (size_t)nb, cb = fitm_chunk_bytes(t);
     uint8_t *out = P;
     for (int64_t g = 0; g < N / FITM_PACK_ROWS; g++) {
         for (int64_t b = 0; b < nb; b++, out += cb) {
@@ -760,8 +755,8 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
-    const int r = (int)(n % FITM_PACK_ROWS), off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
-    const size_t cb = chunk_bytes(t);
+    const int r = (int)(n % FITM_PACK_ROWS), off = fitm_chunk_off(t);
+    const size_t cb = fitm_chunk_bytes(t);
     const uint8_t *c = (const uint8_t *)P + (size_t)(g * nb) * cb;
     for (int64_t b = 0; b < nb; b++, c += cb, dst += FITM_QK) {
         const float d = FP16(chunk_d(c, r));
@@ -775,8 +770,8 @@ void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, 
                                      int64_t n_groups)
 {
     const int64_t nb = K / FITM_QK;
-    const int off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
-    const size_t cb = chunk_bytes(t);
+    const int off = fitm_chunk_off(t);
+    const size_t cb = fitm_chunk_bytes(t);
     for (int64_t g = 0; g < n_groups; g++) {
         for (int64_t m = 0; m < M; m++) {
             const fitm_block_q8_0 *x =

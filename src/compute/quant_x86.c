@@ -972,10 +972,11 @@ KERNEL void packed_chunk(fitm_dtype t, const uint8_t *c, __m512 *dw, __m512i v[8
     }
 }
 
-KERNEL void packed_group(fitm_dtype t, const uint8_t *P, size_t cb, int64_t nb, const uint8_t *xq,
+KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8_t *xq,
                          size_t x_stride, const packed_x *px, const int M, float *y,
                          int64_t y_stride)
 {
+    const size_t cb = fitm_chunk_bytes(t);
     __m512 acc[PACKED_MAX];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++)
@@ -1012,7 +1013,7 @@ void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t 
 {
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
     const int r = (int)(n % FITM_PACK_ROWS);
-    const size_t cb = t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+    const size_t cb = fitm_chunk_bytes(t);
     const uint8_t *c = (const uint8_t *)P + (size_t)(g * nb) * cb;
     int32_t d4[8];
     for (int64_t b = 0; b < nb; b++, c += cb, dst += FITM_QK) {
@@ -1049,12 +1050,12 @@ typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, con
     static void packed_q8_0_##M(const uint8_t *P, int64_t nb, const uint8_t *xq, size_t xs,       \
                                 const packed_x *px, float *y, int64_t ys)                         \
     {                                                                                              \
-        packed_group(FITM_DTYPE_Q8_0, P, sizeof(fitm_chunk_q8_0x16), nb, xq, xs, px, M, y, ys);   \
+        packed_group(FITM_DTYPE_Q8_0, P, nb, xq, xs, px, M, y, ys);                                \
     }                                                                                              \
     static void packed_q5_0_##M(const uint8_t *P, int64_t nb, const uint8_t *xq, size_t xs,       \
                                 const packed_x *px, float *y, int64_t ys)                         \
     {                                                                                              \
-        packed_group(FITM_DTYPE_Q5_0, P, sizeof(fitm_chunk_q5_0x16), nb, xq, xs, px, M, y, ys);   \
+        packed_group(FITM_DTYPE_Q5_0, P, nb, xq, xs, px, M, y, ys);                                \
     }
 DEF_PACKED(1)
 DEF_PACKED(2)
@@ -1073,8 +1074,8 @@ void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, co
                            q5_0[PACKED_MAX] = BY_ROWS8(packed_q5_0);
     const packed_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
     const int64_t nb = K / FITM_QK;
-    const int off = t == FITM_DTYPE_Q8_0 ? 128 : 16;
-    const size_t cb = t == FITM_DTYPE_Q8_0 ? sizeof(fitm_chunk_q8_0x16) : sizeof(fitm_chunk_q5_0x16);
+    const int off = fitm_chunk_off(t);
+    const size_t cb = fitm_chunk_bytes(t);
     const size_t group = (size_t)nb * cb;
     const int64_t pass = PACKED_XS_MAX / nb < M ? PACKED_XS_MAX / nb : M; /* >= 1: quant.c */
     packed_x px[PACKED_XS_MAX];

@@ -302,23 +302,14 @@ static fitm_status cpu_prepare(fitm_backend *b, const fitm_model *m, fitm_err *e
         return FITM_OK;
     }
     drop_packs(c);
-    const fitm_model_config *cfg = fitm_model_config_of(m);
-    enum { PER_LAYER = 7 };
-    const size_t cap = 2 + (size_t)cfg->n_layer * PER_LAYER;
-    packed_weight *pw = realloc(c->packs, cap * sizeof *pw);
+    const int64_t n = fitm_model_n_weights(m);
+    packed_weight *pw = realloc(c->packs, (size_t)n * sizeof *pw);
     if (!pw)
         return fitm_err_set(err, FITM_ERR_NOMEM, "CPU backend: weight table");
     c->packs = pw;
-    fitm_status s = pack_weight(c, m, fitm_model_tok_embd(m), err);
-    if (!s)
-        s = pack_weight(c, m, fitm_model_output(m), err);
-    for (int32_t l = 0; l < cfg->n_layer && !s; l++) {
-        const fitm_layer *ly = fitm_model_layer(m, l);
-        const fitm_weight *lw[PER_LAYER] = {&ly->wq,     &ly->wk, &ly->wv,    &ly->wo,
-                                            &ly->w_gate, &ly->w_up, &ly->w_down};
-        for (int i = 0; i < PER_LAYER && !s; i++)
-            s = pack_weight(c, m, lw[i], err);
-    }
+    fitm_status s = FITM_OK;
+    for (int64_t i = 0; i < n && !s; i++)
+        s = pack_weight(c, m, fitm_model_weight_at(m, i), err);
     if (s) {
         drop_packs(c);
         return s;

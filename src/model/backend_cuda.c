@@ -236,8 +236,7 @@ static void release_weights(cuda_backend *c)
 static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *err)
 {
     cuda_backend *c = cu(b);
-    const fitm_model_config *cfg = fitm_model_config_of(m);
-    const size_t per_layer = 17, cap = 3 + (size_t)cfg->n_layer * per_layer;
+    const size_t cap = (size_t)fitm_model_n_weights(m);
     /* One model at a time: the previous model's views may be gone and their addresses
      * reused by this one's (forwards of the same model find the fresh copies). */
     release_weights(c);
@@ -246,20 +245,8 @@ static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *
         return fitm_err_set(err, FITM_ERR_NOMEM, "CUDA backend: weight table");
     c->w = w;
     fitm_status s = FITM_OK;
-    const fitm_weight *top[3] = {fitm_model_tok_embd(m), fitm_model_output_norm(m),
-                                 fitm_model_output(m)};
-    for (int i = 0; i < 3 && !s; i++)
-        s = add_weight(c, top[i], cap, err);
-    for (int32_t l = 0; l < cfg->n_layer && !s; l++) {
-        const fitm_layer *ly = fitm_model_layer(m, l);
-        const fitm_weight *lw[17] = {&ly->attn_norm,    &ly->wq,     &ly->wk,   &ly->wv,
-                                     &ly->bq,           &ly->bk,     &ly->bv,   &ly->q_norm,
-                                     &ly->k_norm,       &ly->wo,     &ly->bo,   &ly->post_attn_norm,
-                                     &ly->ffn_norm,     &ly->w_gate, &ly->w_up, &ly->w_down,
-                                     &ly->post_ffn_norm};
-        for (size_t i = 0; i < per_layer && !s; i++)
-            s = add_weight(c, lw[i], cap, err);
-    }
+    for (size_t i = 0; i < cap && !s; i++)
+        s = add_weight(c, fitm_model_weight_at(m, (int64_t)i), cap, err);
     qsort(c->w, c->n_w, sizeof *c->w, cmp_weight);
     return s;
 }

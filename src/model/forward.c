@@ -635,7 +635,7 @@ static void attention_block(const pass *p, int32_t l)
     o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
     o->rope(b, f->k, T, Hkv, D, c->n_rot, cs, c->rope_neox);
     fitm_attn_args a[FITM_FORWARD_MAX_SEQS];
-    int32_t n_alone = 0;
+    bool one_by_one = false;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t dst = (q->pos0 - q->base) * Hkv * D, src = q->row0 * Hkv * D;
@@ -643,13 +643,13 @@ static void attention_block(const pass *p, int32_t l)
         o->copy(b, fitm_kv_k(q->kv, l) + dst, f->k + src, n);
         o->copy(b, fitm_kv_v(q->kv, l) + dst, f->v + src, n);
         a[s] = attn_args(p, q, l);
-        n_alone += position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
+        one_by_one |= position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
     }
     /* One job for all sequences needs calls that share no memory they write or build: a
      * mixture's queries, keys and weights are built in the driver's one set of scratch arrays
      * (position_mix), and Attention Buckets' passes add their captures into the same arrays
      * (capture->add), so a step with either runs its sequences one at a time. */
-    if (o->attention_many && p->n_seqs > 1 && n_alone == 0) {
+    if (o->attention_many && p->n_seqs > 1 && !one_by_one) {
         o->attention_many(b, a, p->n_seqs);
     } else {
         for (int32_t s = 0; s < p->n_seqs; s++) {

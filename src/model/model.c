@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -475,6 +476,29 @@ const fitm_model_config *fitm_model_config_of(const fitm_model *m)
 const fitm_layer *fitm_model_layer(const fitm_model *m, int32_t l)
 {
     return &m->layers[l];
+}
+
+static const size_t layer_views[] = {
+    offsetof(fitm_layer, attn_norm), offsetof(fitm_layer, wq),       offsetof(fitm_layer, wk),
+    offsetof(fitm_layer, wv),        offsetof(fitm_layer, bq),       offsetof(fitm_layer, bk),
+    offsetof(fitm_layer, bv),        offsetof(fitm_layer, q_norm),   offsetof(fitm_layer, k_norm),
+    offsetof(fitm_layer, wo),        offsetof(fitm_layer, bo),
+    offsetof(fitm_layer, post_attn_norm), offsetof(fitm_layer, ffn_norm),
+    offsetof(fitm_layer, w_gate),    offsetof(fitm_layer, w_up),     offsetof(fitm_layer, w_down),
+    offsetof(fitm_layer, post_ffn_norm)};
+#define LAYER_VIEWS ((int64_t)(sizeof layer_views / sizeof layer_views[0]))
+
+int64_t fitm_model_n_weights(const fitm_model *m)
+{
+    return 3 + (int64_t)m->cfg.n_layer * LAYER_VIEWS;
+}
+
+const fitm_weight *fitm_model_weight_at(const fitm_model *m, int64_t i)
+{
+    if (i < 3)
+        return i == 0 ? &m->tok_embd : i == 1 ? &m->output_norm : &m->output;
+    const fitm_layer *ly = &m->layers[(i - 3) / LAYER_VIEWS];
+    return (const fitm_weight *)((const char *)ly + layer_views[(i - 3) % LAYER_VIEWS]);
 }
 
 void fitm_model_release(const fitm_model *m, const fitm_weight *w)

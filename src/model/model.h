@@ -124,6 +124,12 @@ const fitm_weight *fitm_model_tok_embd(const fitm_model *m);        /* (V, C)   
 const fitm_weight *fitm_model_output_norm(const fitm_model *m);     /* (C)          */
 const fitm_weight *fitm_model_output(const fitm_model *m);          /* (V, C); may be tok_embd */
 
+/* Every weight view of m, for a backend that copies or repacks them: tok_embd, output_norm,
+ * output, then each layer's views in field order (17 per layer), i in [0, n). Absent optional
+ * ones have data NULL; a tied output is a second view of tok_embd's data. */
+int64_t fitm_model_n_weights(const fitm_model *m);
+const fitm_weight *fitm_model_weight_at(const fitm_model *m, int64_t i);
+
 /* A backend that keeps its own copy of w's data tells the model so: the pages of a mapped file
  * that hold only w are dropped from memory (w->data stays valid: touching it reads the file
  * again). A model read into memory keeps them. */

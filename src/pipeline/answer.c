@@ -641,14 +641,15 @@ static void step_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part
     if (!q->decoding)
         T = s->T - q->pos < budget ? s->T - q->pos : budget;
     const bool logits = q->decoding || q->pos + T == s->T;
-    const int prompt_path = fitm_reranker_answer_prompt_path(q->r);
+    const bool step = fitm_reranker_answer_prompt_step(q->r);
     q->o = (fitm_forward_opts){.n_logits = logits ? 1 : 0,
                                .top_k = s->sm.k,
                                .top = s->sm.top,
                                .intervention = s->intervene ? &s->iv : NULL,
                                .position = q->position,
                                .path = q->decoding ? FITM_PATH_AUTO
-                                                   : (fitm_forward_path)prompt_path};
+                                     : step        ? FITM_PATH_STEP
+                                                   : FITM_PATH_BATCH};
     *part = (fitm_forward_seq){q->kv, q->res->tokens + q->pos, T, q->pos, &q->o};
 }
 

@@ -1391,9 +1391,9 @@ fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, f
     return FITM_OK;
 }
 
-int fitm_reranker_answer_prompt_path(const fitm_reranker *r)
+bool fitm_reranker_answer_prompt_step(const fitm_reranker *r)
 {
-    return r->answer_prompt_step ? FITM_PATH_STEP : FITM_PATH_BATCH;
+    return r->answer_prompt_step;
 }
 
 int64_t fitm_reranker_batch_tokens(const fitm_reranker *r)

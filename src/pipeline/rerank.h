@@ -318,8 +318,8 @@ fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **
 fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n,
                                     fitm_err *err);
 
-/* The path of /answer's prompt rows (fitm_reranker_params.answer_prompt_step). */
-int fitm_reranker_answer_prompt_path(const fitm_reranker *r);
+/* Whether /answer's prompt rows take the STEP path (fitm_reranker_params.answer_prompt_step). */
+bool fitm_reranker_answer_prompt_step(const fitm_reranker *r);
 
 /* Most tokens and most logit rows one batched call may carry. */
 int64_t fitm_reranker_batch_tokens(const fitm_reranker *r);
