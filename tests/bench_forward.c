@@ -110,29 +110,41 @@ static double sgemm_gflops(fitm_pool *pool, int threads)
     return best;
 }
 
-/* Best aggregate tok/s over reps runs of B sequences decoding n_tg steps together from empty
- * caches: every step one batched call with a token and a logit row per sequence. */
+/* Best aggregate tok/s over reps runs of B sequences decoding n_tg steps together, each from
+ * a cache of its own holding ctx0 prompt tokens of its own (prefilled once, not timed; 0:
+ * empty caches): every step one batched call with a token and a logit row per sequence. ids
+ * holds at least ctx0 + n_tg tokens. */
 static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
                                         const fitm_model_config *c, const int32_t *ids,
-                                        long n_tg, int B, int reps, double *tps, fitm_err *err)
+                                        long ctx0, long n_tg, int B, int reps, double *tps,
+                                        fitm_err *err)
 {
     fitm_kv *kv[FITM_FORWARD_MAX_SEQS] = {0};
     fitm_forward_seq seq[FITM_FORWARD_MAX_SEQS];
     fitm_forward_opts o[FITM_FORWARD_MAX_SEQS];
     float *logits = malloc(sizeof *logits * (size_t)c->n_vocab * (size_t)B);
     fitm_status s = logits ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int q = 0; q < B && !s; q++)
-        s = fitm_kv_create(&kv[q], b, c, n_tg, err);
+    const long n_ids = ctx0 + n_tg;
+    int32_t *own = malloc(sizeof *own * (size_t)n_ids * (size_t)B);
+    if (!own && !s)
+        s = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int q = 0; q < B && !s; q++) { /* each sequence its own tokens: ids rotated */
+        for (long i = 0; i < n_ids; i++)
+            own[q * n_ids + i] = ids[(i + 7 * q) % n_ids];
+        s = fitm_kv_create(&kv[q], b, c, n_ids, err);
+        if (!s && ctx0 > 0)
+            s = fitm_forward_run(fw, kv[q], own + q * n_ids, ctx0, 0, NULL, err);
+    }
     double best = 0.0;
     for (int r = 0; r < reps && !s; r++) {
         for (int q = 0; q < B; q++) {
-            fitm_kv_rebase(kv[q], 0, NULL);
+            fitm_kv_truncate(kv[q], ctx0);
             o[q] = (fitm_forward_opts){.n_logits = 1, .logits = logits + (size_t)q * c->n_vocab};
         }
         double t0 = now_s();
-        for (long i = 0; i < n_tg && !s; i++) {
-            for (int q = 0; q < B; q++) /* each sequence its own token stream */
-                seq[q] = (fitm_forward_seq){kv[q], &ids[(i + 7 * q) % n_tg], 1, i, &o[q]};
+        for (long i = ctx0; i < n_ids && !s; i++) {
+            for (int q = 0; q < B; q++)
+                seq[q] = (fitm_forward_seq){kv[q], &own[q * n_ids + i], 1, i, &o[q]};
             s = fitm_forward_run_batch(fw, seq, B, err);
         }
         double tps_r = (double)B * n_tg / (now_s() - t0);
@@ -140,6 +152,7 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
     }
     for (int q = 0; q < B; q++)
         fitm_kv_destroy(kv[q]);
+    free(own);
     free(logits);
     *tps = best;
     return s;
@@ -149,7 +162,7 @@ int main(int argc, char **argv)
 {
     const char *path = NULL, *backend = "cpu";
     int threads = 2, reps = 3;
-    long n_pp = 512, n_tg = 128;
+    long n_pp = 512, n_tg = 128, ctx0 = 0;
     double ref_pp = 0.0, ref_tg = 0.0;
     int batches[8], n_batches = 0;
     for (int i = 1; i < argc; i++) {
@@ -163,6 +176,8 @@ int main(int argc, char **argv)
             n_pp = atol(argv[++i]);
         else if (!strcmp(argv[i], "-n") && i + 1 < argc)
             n_tg = atol(argv[++i]);
+        else if (!strcmp(argv[i], "-c") && i + 1 < argc)
+            ctx0 = atol(argv[++i]);
         else if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "-B") && i + 1 < argc && n_batches < 8)
@@ -173,7 +188,8 @@ int main(int argc, char **argv)
             ref_tg = atof(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
-                            "[-n 128] [-r 3] [-B B (up to 8 times)] [--ref-pp TOK_S] "
+                            "[-n 128] [-r 3] [-B B (up to 8 times)] [-c CTX (each -B sequence's "
+                            "context before it decodes, default 0)] [--ref-pp TOK_S] "
                             "[--ref-tg TOK_S]\n");
             return 2;
         }
@@ -186,7 +202,7 @@ int main(int argc, char **argv)
         }
         max_b = batches[i] > max_b ? batches[i] : max_b;
     }
-    if (!path || threads < 1 || n_pp < 1 || n_tg < 1 || reps < 1) {
+    if (!path || threads < 1 || n_pp < 1 || n_tg < 1 || reps < 1 || ctx0 < 0) {
         fprintf(stderr, "bench_forward: -m MODEL is required; counts must be positive\n");
         return 2;
     }
@@ -198,10 +214,12 @@ int main(int argc, char **argv)
     fitm_forward *fw = NULL;
     fitm_kv *kv = NULL;
     int64_t n_ctx = n_pp > n_tg ? n_pp : n_tg;
+    n_ctx = ctx0 + n_tg > n_ctx ? ctx0 + n_tg : n_ctx;
     double t_load = now_s();
     fitm_status s = fitm_model_open(&m, path, &err);
     const fitm_model_config *c = s ? NULL : fitm_model_config_of(m);
-    fitm_forward_params fp = {n_pp > max_b ? n_pp : max_b, n_ctx, max_b};
+    const long max_rows = n_pp > ctx0 ? n_pp : ctx0;
+    fitm_forward_params fp = {max_rows > max_b ? max_rows : max_b, n_ctx, max_b};
     if (!s && !strcmp(backend, "cpu"))
         s = fitm_backend_cpu_create(&b, threads, &err);
 #if FITM_HAVE_CUDA
@@ -317,13 +335,13 @@ int main(int argc, char **argv)
         printf(" %12s |\n", "-");
     for (int i = 0; i < n_batches; i++) {
         double tps = 0.0;
-        s = bench_batched_decode(fw, b, c, ids, n_tg, batches[i], reps, &tps, &err);
+        s = bench_batched_decode(fw, b, c, ids, ctx0, n_tg, batches[i], reps, &tps, &err);
         if (s) {
             fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
             return 1;
         }
-        printf("| tg%-5ld x %-2d seqs, 1 call/step | %10.1f | %12s | %9s | %16s | %10.2fx tg |\n",
-               n_tg, batches[i], tps, "-", "-", "-", tps / tg_tps);
+        printf("| tg%-5ld x %-2d seqs @ %-5ld ctx | %10.1f | %12s | %9s | %16s | %10.2fx tg |\n",
+               n_tg, batches[i], ctx0, tps, "-", "-", "-", tps / tg_tps);
     }
     printf("| sgemm 512x1024x512, 1 thread |          - |            - | %9.1f | %16s | %12s |\n",
            gf1, "-", "-");
