@@ -162,6 +162,7 @@ int main(int argc, char **argv)
 {
     const char *path = NULL, *backend = "cpu";
     int threads = 2, reps = 3;
+    bool kv_half = false;
     long n_pp = 512, n_tg = 128, ctx0 = 0;
     double ref_pp = 0.0, ref_tg = 0.0;
     int batches[8], n_batches = 0;
@@ -176,6 +177,9 @@ int main(int argc, char **argv)
             n_pp = atol(argv[++i]);
         else if (!strcmp(argv[i], "-n") && i + 1 < argc)
             n_tg = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--kv") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "f16") || !strcmp(argv[i + 1], "f32")))
+            kv_half = !strcmp(argv[++i], "f16");
         else if (!strcmp(argv[i], "-c") && i + 1 < argc)
             ctx0 = atol(argv[++i]);
         else if (!strcmp(argv[i], "-r") && i + 1 < argc)
@@ -189,7 +193,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
                             "[-n 128] [-r 3] [-B B (up to 8 times)] [-c CTX (each -B sequence's "
-                            "context before it decodes, default 0)] [--ref-pp TOK_S] "
+                            "context before it decodes, default 0)] [--kv f32|f16] [--ref-pp TOK_S] "
                             "[--ref-tg TOK_S]\n");
             return 2;
         }
@@ -228,6 +232,8 @@ int main(int argc, char **argv)
 #endif
     else if (!s)
         s = fitm_err_set(&err, FITM_ERR_INVALID, "backend '%s' is not in this build", backend);
+    if (!s)
+        s = fitm_backend_set_kv_half(b, kv_half, &err);
     if (!s)
         s = fitm_forward_create(&fw, m, b, &fp, &err);
     if (!s)
@@ -313,9 +319,9 @@ int main(int argc, char **argv)
     double kv_mib = fitm_kv_bytes(kv) / 1048576.0;
 
     printf("bench_forward: %s (%s, L=%d C=%d H=%d Hkv=%d D=%d F=%d V=%d), %s backend, %d "
-           "threads, %d runs\n",
+           "threads, %d runs, %s KV cache\n",
            path, fitm_arch_name(c->arch), c->n_layer, c->n_embd, c->n_head, c->n_head_kv,
-           c->head_dim, c->n_ff, c->n_vocab, backend, threads, reps);
+           c->head_dim, c->n_ff, c->n_vocab, backend, threads, reps, kv_half ? "fp16" : "F32");
     printf("| test                        | tok/s best | tok/s median |   GFLOP/s | vs sgemm "
            "ceiling | vs reference |\n");
     printf("| --------------------------- | ---------: | -----------: | --------: | "

@@ -313,6 +313,52 @@ static void test_elementwise(fitm_backend *b, int64_t n)
     b->ops->free(b, g), b->ops->free(b, u), b->ops->free(b, y);
 }
 
+/* to_half / from_half (a backend with fp16 KV caches): n values over fp16's range and past
+ * it -- ties halfway between two halves, subnormals, overflow to inf, signed zeros, inf and
+ * NaN -- each rounded as fitm_fp32_to_fp16 rounds (the portable reference), back exactly. */
+static void test_half(fitm_backend *b, int64_t n)
+{
+    float *xh = rand_vec(n, -4, 4);
+    for (int64_t i = 0; i < n; i++) {
+        const double r = urand();
+        if (i % 7 == 1) /* halfway between two halves of [1, 2): the tie goes to the even one */
+            xh[i] = 1.0f + ((float)(int)(r * 1023) + 0.5f) / 1024.0f;
+        else if (i % 7 == 2) /* subnormal and underflowing halves */
+            xh[i] = (float)((r - 0.5) * 1e-6);
+        else if (i % 7 == 3) /* near and past the largest half, 65504 */
+            xh[i] = (float)((r - 0.5) * 2.0 * 70000.0);
+        else if (i % 7 == 4)
+            xh[i] = ldexpf((float)r + 0.5f, (int)(r * 40) - 20);
+    }
+    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 65504.0f, 65520.0f,
+                             5.9604645e-8f, 2.9802322e-8f, 2.9802326e-8f};
+    for (size_t i = 0; i < sizeof special / sizeof special[0] && (int64_t)i < n; i++)
+        xh[i] = special[i];
+    float *x = to_dev(b, xh, n), *back = to_dev(b, NULL, n);
+    void *h = b->ops->alloc(b, (size_t)n * sizeof(uint16_t));
+    b->ops->to_half(b, h, x, n);
+    b->ops->from_half(b, back, h, n);
+    uint16_t *got = malloc((size_t)n * sizeof *got);
+    b->ops->download(b, got, h, (size_t)n * sizeof *got);
+    float *got_back = to_host(b, back, n);
+    int64_t bad = -1, bad_back = -1;
+    for (int64_t i = 0; i < n && bad < 0; i++)
+        if (got[i] != fitm_fp32_to_fp16(xh[i]))
+            bad = i;
+    for (int64_t i = 0; i < n && bad_back < 0; i++) {
+        const float want = fitm_fp16_to_fp32(fitm_fp32_to_fp16(xh[i]));
+        if (memcmp(&got_back[i], &want, sizeof want) != 0)
+            bad_back = i;
+    }
+    CHECK(bad < 0, "to_half of %lld values: value %lld (%g) gave 0x%04x, want 0x%04x",
+          (long long)n, (long long)bad, bad < 0 ? 0.0 : xh[bad], bad < 0 ? 0 : got[bad],
+          bad < 0 ? 0 : fitm_fp32_to_fp16(xh[bad]));
+    CHECK(bad_back < 0, "from_half of %lld values: value %lld differs", (long long)n,
+          (long long)bad_back);
+    free(xh), free(got), free(got_back);
+    b->ops->free(b, x), b->ops->free(b, back), b->ops->free(b, h);
+}
+
 /* ---- topk ------------------------------------------------------------------------------- */
 
 static int cmp_top_ref(const void *a, const void *b)
@@ -484,7 +530,30 @@ static fitm_attn_args row_call(const fitm_attn_args *a, int64_t i, float *out)
     return r;
 }
 
-static void test_attention(fitm_backend *b, const attn_case *c)
+/* Backend memory holding host's n values as fp16 (half) or F32; host is first rounded to
+ * fp16's grid where half, so the reference reads the values the backend reads. */
+static void *kv_dev(fitm_backend *b, float *host, int64_t n, bool half)
+{
+    if (!half)
+        return to_dev(b, host, n);
+    uint16_t *h = malloc((size_t)n * sizeof *h);
+    for (int64_t i = 0; i < n; i++) {
+        h[i] = fitm_fp32_to_fp16(host[i]);
+        host[i] = fitm_fp16_to_fp32(h[i]);
+    }
+    void *d = b->ops->alloc(b, (size_t)n * sizeof *h);
+    if (!d) {
+        fprintf(stderr, "backend alloc of %lld halves failed\n", (long long)n);
+        exit(1);
+    }
+    b->ops->upload(b, d, h, (size_t)n * sizeof *h);
+    free(h);
+    return d;
+}
+
+/* One attention case against the double reference, with K and V held as fp16 values where
+ * half (a backend with ops->kv_half), else as F32. */
+static void test_attention(fitm_backend *b, const attn_case *c, bool half)
 {
     const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
     const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
@@ -494,9 +563,9 @@ static void test_attention(fitm_backend *b, const attn_case *c)
           *vph = rand_vec(c->own_base * HkvD + 1, -1, 1);
     float *koh = rand_vec(own_rows * HkvD, -1.5f, 1.5f), *voh = rand_vec(own_rows * HkvD, -1, 1);
     float *q = to_dev(b, qh, T * HD), *out = to_dev(b, NULL, T * HD);
-    float *kp = to_dev(b, kph, c->own_base * HkvD + 1),
-          *vp = to_dev(b, vph, c->own_base * HkvD + 1);
-    float *ko = to_dev(b, koh, own_rows * HkvD), *vo = to_dev(b, voh, own_rows * HkvD);
+    void *kp = kv_dev(b, kph, c->own_base * HkvD + 1, half),
+         *vp = kv_dev(b, vph, c->own_base * HkvD + 1, half);
+    void *ko = kv_dev(b, koh, own_rows * HkvD, half), *vo = kv_dev(b, voh, own_rows * HkvD, half);
     /* A mixture: each expert's queries and keys (positions [0, n_keys), a padded stride),
      * weights per (row, head) summing to 1 over a random subset of experts (one-hot rows too,
      * and every expert skipped by some rows). */
@@ -564,6 +633,7 @@ static void test_attention(fitm_backend *b, const attn_case *c)
                         .k_own = ko,
                         .v_own = vo,
                         .own_base = c->own_base,
+                        .kv_half = half,
                         .capture = c->capture ? &cap : NULL,
                         .cap_index = c->capture ? cap_index : NULL,
                         .n_layer = L,
@@ -606,19 +676,21 @@ static void test_attention(fitm_backend *b, const attn_case *c)
                     want_mass[slot * 2 + s] += cp[j];
         }
     }
-    char what[160];
+    char what[176];
     snprintf(what, sizeof what,
-             "attention T %lld pos0 %lld own_base %lld window %lld H %d Hkv %d D %d%s%s%s mix %d",
+             "attention T %lld pos0 %lld own_base %lld window %lld H %d Hkv %d D %d%s%s%s mix %d "
+             "%s KV",
              (long long)T, (long long)c->pos0, (long long)c->own_base, (long long)c->window,
              (int)c->H, (int)c->Hkv, (int)c->D, c->capture ? " capture" : "",
-             c->intervene ? " intervene" : "", c->after ? " (after)" : "", (int)E);
+             c->intervene ? " intervene" : "", c->after ? " (after)" : "", (int)E,
+             half ? "fp16" : "F32");
     check_close(what, got, want, T * HD, NULL, 2e-5);
     const int64_t np = (int64_t)n_rows * L * c->H * stride, nm = (int64_t)n_rows * L * c->H * 2;
     if (c->capture) {
         double *wp = malloc((size_t)np * sizeof *wp);
         for (int64_t i = 0; i < np; i++)
             wp[i] = want_probs[i];
-        char w2[200];
+        char w2[224];
         snprintf(w2, sizeof w2, "%s: captured probs", what);
         check_close(w2, probs, wp, np, NULL, 2e-5);
         snprintf(w2, sizeof w2, "%s: captured span mass", what);
@@ -684,7 +756,7 @@ static void test_attention(fitm_backend *b, const attn_case *c)
             b->ops->attention(b, &a1);
         }
         float *got1 = to_host(b, out1, T * HD);
-        char w3[200];
+        char w3[224];
         snprintf(w3, sizeof w3, "%s: one call per row equals one call", what);
         CHECK(memcmp(got1, got, (size_t)(T * HD) * sizeof(float)) == 0, "%s", w3);
         if (c->capture)
@@ -741,6 +813,16 @@ int main(int argc, char **argv)
     test_rope(b, 5, 3, 16, 16, false);
     test_rope(b, 3, 2, 24, 16, true);
     test_elementwise(b, 1001);
+    /* fp16 KV caches: where the backend has them (with the two conversions), else refused */
+    CHECK(fitm_backend_set_kv_half(b, true, &err) ==
+              (b->ops->kv_half ? FITM_OK : FITM_ERR_UNSUPPORTED),
+          "set_kv_half on the %s backend: %s", b->ops->name, err.msg);
+    CHECK(!b->ops->kv_half || (b->ops->to_half && b->ops->from_half));
+    CHECK(fitm_backend_set_kv_half(b, false, &err) == FITM_OK && !b->kv_half);
+    if (b->ops->kv_half) {
+        test_half(b, 1);
+        test_half(b, 4099); /* vectors of 16 and 8 and a scalar tail */
+    }
     /* one-block rows, rows split over chunks (> 2048 on the device), k 1 (greedy) to 64 */
     test_topk(b, 1, 1, 1, 0);
     test_topk(b, 3, 77, 1, 3);
@@ -809,9 +891,10 @@ attention:;
         {.T = 6, .pos0 = 19, .own_base = 19, .window = 9, .H = 2, .Hkv = 1, .D = 40,
          .intervene = true},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (!attention_only || i == 0 || i == 4 || i == 6 || i == 8)
-            test_attention(b, &cases[i]);
+    for (int half = 0; half < (b->ops->kv_half ? 2 : 1); half++)
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            if (!attention_only || i == 0 || i == 4 || i == 6 || i == 8)
+                test_attention(b, &cases[i], half);
     fitm_backend_destroy(b);
     printf("%d checks, %d failed (cpu path %s)\n", n_checks, failures,
            fitm_cpu_path_name(fitm_cpu_path()));

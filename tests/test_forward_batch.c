@@ -3,7 +3,8 @@
  * attention captures (span masses and full rows, before and after the intervention) and KV
  * rows must be bit-identical (memcmp), whatever else shares the call -- decode steps packed
  * with other decode steps, prefill chunks, branches over a shared prefix, intervened rows,
- * sequences with Ms-PoE's per-head positions beside sequences without.
+ * sequences with Ms-PoE's per-head positions beside sequences without; with F32 caches and
+ * with fp16 ones (fitm_backend_set_kv_half).
  *
  * Inputs are fresh random each run (the seed is printed; FITM_TEST_SEED=<n> repeats a run). */
 #include <inttypes.h>
@@ -115,13 +116,13 @@ static bool same_rows(const seq *s, const fitm_model_config *c)
     if (fitm_kv_pos_end(s->bat) != fitm_kv_pos_end(s->solo))
         return false;
     for (int32_t l = 0; l < c->n_layer; l++)
-        if (memcmp(fitm_kv_k(s->bat, l), fitm_kv_k(s->solo, l), (size_t)n * sizeof(float)) ||
-            memcmp(fitm_kv_v(s->bat, l), fitm_kv_v(s->solo, l), (size_t)n * sizeof(float)))
+        if (memcmp(fitm_kv_k(s->bat, l), fitm_kv_k(s->solo, l), (size_t)n * fitm_kv_elem_bytes(s->bat)) ||
+            memcmp(fitm_kv_v(s->bat, l), fitm_kv_v(s->solo, l), (size_t)n * fitm_kv_elem_bytes(s->bat)))
             return false;
     return true;
 }
 
-static void test_model(fitm_gen_arch arch, fitm_dtype type)
+static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
 {
     void *buf;
     fitm_model *m = gen_model(arch, type, &buf);
@@ -140,6 +141,7 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type)
     memset(S, 0, sizeof S);
     fitm_forward_params fp = {MAX_T, CTX, MAX_T};
     CHECK(fitm_backend_cpu_create(&b, 2, &err) == FITM_OK);
+    CHECK(!b || fitm_backend_set_kv_half(b, kv_half, &err) == FITM_OK, " %s", err.msg);
     CHECK(fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK, " %s", err.msg);
     CHECK(!fw || fitm_forward_positions(fw, NULL, &err) == FITM_OK, " %s", err.msg);
     CHECK(fitm_kv_create(&prefix, b, c, CTX, &err) == FITM_OK);
@@ -228,8 +230,9 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type)
                 what = "attention rows";
             else if (!same_rows(s, c))
                 what = "KV rows";
-            CHECK(!*what, " %s %s round %d seq %d (T %lld at %lld, %d in the call): %s differ",
-                  fitm_gen_arch_name(arch), fitm_dtype_info_of(type)->name, round, idx[k],
+            CHECK(!*what, " %s %s, %s KV, round %d seq %d (T %lld at %lld, %d in the call): %s differ",
+                  fitm_gen_arch_name(arch), fitm_dtype_info_of(type)->name,
+                  kv_half ? "fp16" : "F32", round, idx[k],
                   (long long)s->T, (long long)s->pos, (int)n, what);
             s->pos += s->T;
         }
@@ -277,11 +280,12 @@ int main(void)
     const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                 FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
                                 FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
-    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
-        for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
-            rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t);
-            test_model((fitm_gen_arch)a, types[t]);
-        }
+    for (int half = 0; half < 2; half++)
+        for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+            for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+                rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t ^ ((uint64_t)half << 40));
+                test_model((fitm_gen_arch)a, types[t], half);
+            }
     if (failures) {
         fprintf(stderr, "test_forward_batch: %d of %d checks failed\n", failures, n_checks);
         return 1;

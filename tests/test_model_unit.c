@@ -12,6 +12,7 @@
 #include "check.h"
 #include "gen_model.h"
 #include "compute/ops.h"
+#include "compute/quant.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
 #include "model/backend.h"
@@ -274,6 +275,76 @@ out:
     free(buf);
 }
 
+/* fp16 KV caches (fitm_backend_set_kv_half): half the bytes; layer 0's K and V rows are the
+ * F32 cache's rounded to fp16 exactly (the same inputs reach them); the logits stay within
+ * fp16's rounding of the F32 cache's; caches of the two types do not mix. */
+static void test_forward_half(fitm_gen_arch arch)
+{
+    void *buf;
+    fitm_model *m = gen_model(arch, FITM_DTYPE_F32, &buf);
+    CHECK(m != NULL);
+    if (!m) {
+        free(buf);
+        return;
+    }
+    const fitm_model_config *c = fitm_model_config_of(m);
+    enum { T = 24 };
+    fitm_err err;
+    fitm_backend *b = NULL;
+    fitm_forward *fw = NULL;
+    fitm_kv *k32 = NULL, *k16 = NULL, *br = NULL;
+    fitm_forward_params fp = {T, T, T};
+    CHECK(fitm_backend_cpu_create(&b, 2, &err) == FITM_OK);
+    CHECK(fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK);
+    CHECK(fitm_kv_create(&k32, b, c, T, &err) == FITM_OK);
+    CHECK(fitm_backend_set_kv_half(b, true, &err) == FITM_OK);
+    CHECK(fitm_kv_create(&k16, b, c, T, &err) == FITM_OK);
+    CHECK(fitm_kv_create(&br, b, c, T, &err) == FITM_OK);
+    if (!fw || !k32 || !k16 || !br)
+        goto out;
+    CHECK(!fitm_kv_half(k32) && fitm_kv_half(k16) && fitm_kv_elem_bytes(k16) == 2);
+    CHECK(2 * fitm_kv_bytes(k16) == fitm_kv_bytes(k32));
+    const int64_t V = c->n_vocab, n = (int64_t)T * c->n_head_kv * c->head_dim;
+    int32_t ids[T];
+    for (int i = 0; i < T; i++)
+        ids[i] = (int32_t)((i * 4493 + 7) % V);
+    float *l32 = malloc(sizeof(float) * T * V), *l16 = malloc(sizeof(float) * T * V);
+    fitm_forward_opts o32 = {.n_logits = T, .logits = l32}, o16 = {.n_logits = T, .logits = l16};
+    CHECK(fitm_forward_run(fw, k32, ids, T, 0, &o32, &err) == FITM_OK);
+    CHECK(fitm_forward_run(fw, k16, ids, T, 0, &o16, &err) == FITM_OK);
+    const float *a = fitm_kv_k(k32, 0), *va = fitm_kv_v(k32, 0);
+    const uint16_t *h = fitm_kv_k(k16, 0), *vh = fitm_kv_v(k16, 0);
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n && bad < 0; i++)
+        if (h[i] != fitm_fp32_to_fp16(a[i]) || vh[i] != fitm_fp32_to_fp16(va[i]))
+            bad = i;
+    CHECK(bad < 0, " %s: layer 0's fp16 K/V value %lld is not the F32 cache's rounded",
+          fitm_gen_arch_name(arch), (long long)bad);
+    double worst = 0, scale = 0;
+    for (int64_t i = 0; i < T * V; i++) {
+        worst = fmax(worst, fabs((double)l16[i] - l32[i]));
+        scale = fmax(scale, fabs((double)l32[i]));
+    }
+    CHECK(worst <= 1e-2 * (scale + 1) && worst > 0, " %s: logits of the fp16 cache differ by %g "
+          "(largest logit %g)", fitm_gen_arch_name(arch), worst, scale);
+    /* no mixing: a copy between the types, an fp16 branch over an F32 prefix */
+    CHECK(fitm_kv_copy(br, k32, 4, &err) == FITM_ERR_INVALID);
+    CHECK(fitm_kv_rebase(br, 10, &err) == FITM_OK);
+    fitm_forward_opts ob = {.prefix = k32};
+    CHECK(fitm_forward_run(fw, br, ids + 10, 1, 10, &ob, &err) == FITM_ERR_INVALID);
+    CHECK(fitm_kv_pos_end(br) == 10);
+    free(l32);
+    free(l16);
+out:
+    fitm_kv_destroy(k32);
+    fitm_kv_destroy(k16);
+    fitm_kv_destroy(br);
+    fitm_forward_destroy(fw);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    free(buf);
+}
+
 int main(void)
 {
     test_pool();
@@ -283,6 +354,7 @@ int main(void)
     for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++) {
         test_forward((fitm_gen_arch)a, FITM_DTYPE_F32);
         test_forward((fitm_gen_arch)a, FITM_DTYPE_Q4_K);
+        test_forward_half((fitm_gen_arch)a);
     }
     if (failures) {
         fprintf(stderr, "test_model_unit: %d failures\n", failures);

@@ -87,7 +87,8 @@ typedef struct {
  * Keys are the positions visible from each row (causal; and within `window` when window > 0:
  * key j is visible from query i iff j <= i and i - j < window). Key j's K/V row is in the
  * prefix arrays when j < own_base (row j), else in the own arrays (row j - own_base); the own
- * arrays already hold the rows of this call's tokens. */
+ * arrays already hold the rows of this call's tokens, as F32 or, where kv_half, as fp16 values
+ * (fitm_backend_set_kv_half). */
 typedef struct {
     int32_t layer;
     int64_t T, pos0;
@@ -96,9 +97,10 @@ typedef struct {
     int64_t window;              /* 0: full causal                              */
     const float *q;              /* (T, H, D), RoPE applied                     */
     float *out;                  /* (T, H, D)                                   */
-    const float *k_pre, *v_pre;  /* (own_base, Hkv, D); unused when own_base 0  */
-    const float *k_own, *v_own;  /* (rows, Hkv, D)                              */
+    const void *k_pre, *v_pre;   /* (own_base, Hkv, D); unused when own_base 0  */
+    const void *k_own, *v_own;   /* (rows, Hkv, D)                              */
     int64_t own_base;
+    bool kv_half;                /* the four arrays hold fp16 values, not F32   */
     /* Capture (NULL: none). cap_index (host, T entries) maps a row to its index in
      * capture->rows, or -1; n_layer is L, for the output layout. */
     const fitm_capture *capture;
@@ -125,6 +127,10 @@ typedef struct {
     /* dst = src, both backend memory, not overlapping (a batched call's K/V rows into each
      * sequence's cache). */
     void (*copy)(fitm_backend *b, void *dst, const void *src, size_t n_bytes);
+    /* Optional, with kv_half: dst (n fp16 values) = src (n F32) rounded to nearest even, and
+     * dst (n F32) = src (n fp16) exactly; both backend memory, not overlapping. */
+    void (*to_half)(fitm_backend *b, void *dst, const float *src, int64_t n);
+    void (*from_half)(fitm_backend *b, float *dst, const void *src, int64_t n);
     /* Optional: called by every fitm_forward_create, before the forward's first pass (e.g.
      * upload weights, or repack them); the backend may keep what it makes for one model at a
      * time, for as long as a forward that prepared it lives. */
@@ -177,11 +183,21 @@ typedef struct {
      * the caller's arrays); a backend without it answers attention_buckets with
      * FITM_ERR_UNSUPPORTED (forward.c). */
     bool capture_add;
+    /* Whether attention reads fp16 K/V caches (fitm_attn_args.kv_half), with to_half and
+     * from_half set. */
+    bool kv_half;
 } fitm_backend_ops;
 
 struct fitm_backend {
     const fitm_backend_ops *ops;
+    bool kv_half; /* KV caches created from now on hold fp16 values (fitm_backend_set_kv_half) */
 };
+
+/* Makes the KV caches created on b from now on hold K and V as fp16 (half) or F32 values:
+ * half the memory and half the bytes a decode step's attention reads, for K and V rounded
+ * to fp16 (as llama.cpp's default cache holds them). Fails with FITM_ERR_UNSUPPORTED when
+ * half is asked of a backend without it (ops->kv_half). */
+fitm_status fitm_backend_set_kv_half(fitm_backend *b, bool half, fitm_err *err);
 
 /* The CPU backend: BLAS and quantized dot products over n_threads threads (the caller's
  * included). *out is NULL on failure. */

@@ -86,6 +86,34 @@ static void cpu_copy(fitm_backend *b, void *dst, const void *src, size_t n)
         memcpy(dst, src, n);
 }
 
+/* dst (n fp16) = src (n F32), rounded to nearest even as fitm_fp32_to_fp16 rounds. */
+static void cpu_to_half(fitm_backend *b, void *dst, const float *src, int64_t n)
+{
+    (void)b;
+    uint16_t *h = dst;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(h + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++)
+        h[i] = fitm_fp32_to_fp16(src[i]);
+}
+
+/* dst (n F32) = src (n fp16), exactly. */
+static void cpu_from_half(fitm_backend *b, float *dst, const void *src, int64_t n)
+{
+    (void)b;
+    const uint16_t *h = src;
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = fitm_fp16_to_fp32(h[i]);
+}
+
 static void free_per_thread(void **v, int n)
 {
     if (!v)
@@ -647,42 +675,6 @@ static void softmax_fast(float *x, int64_t n)
         x[i] *= inv;
 }
 
-/* dot(a, b) over n in the fixed order described above. */
-static inline float dot_fixed(const float *a, const float *b, int64_t n)
-{
-    vf acc = {0};
-    int64_t d = 0;
-    for (; d + VW <= n; d += VW)
-        acc = fmav(ldv(a + d), ldv(b + d), acc);
-    float tail = 0.0f;
-    for (; d < n; d++)
-        tail += a[d] * b[d];
-    return hsumv(acc) + tail;
-}
-
-/* The same dots for 4 queries x 4 keys at once (each result bit-identical to dot_fixed). */
-static inline void dot_4x4(const float *const q[4], const float *const k[4], int64_t n,
-                           float out[4][4])
-{
-    vf acc[4][4] = {{{0}}};
-    int64_t d = 0;
-    for (; d + VW <= n; d += VW) {
-        vf kv[4] = {ldv(k[0] + d), ldv(k[1] + d), ldv(k[2] + d), ldv(k[3] + d)};
-        for (int i = 0; i < 4; i++) {
-            vf qv = ldv(q[i] + d);
-            for (int j = 0; j < 4; j++)
-                acc[i][j] = fmav(qv, kv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            float tail = 0.0f;
-            for (int64_t e = d; e < n; e++)
-                tail += q[i][e] * k[j][e];
-            out[i][j] = hsumv(acc[i][j]) + tail;
-        }
-}
-
 /* ---- matrix products --------------------------------------------------------------------- */
 
 /* Which path a product takes. Each output element is summed in an order that depends only on
@@ -935,13 +927,16 @@ static void head_rows(const fitm_attn_args *a, const float *q, int64_t h, int64_
 }
 
 /* The K (or V) row of key position j: in the prefix arrays below own_base, else in the own;
- * at head group g. */
-static inline const float *kv_row(const fitm_attn_args *a, const float *pre, const float *own,
-                                  int64_t j, int64_t g)
+ * at head group g. Its values are F32, or fp16 where a->kv_half (ldkv reads either). */
+static inline const void *kv_row(const fitm_attn_args *a, const void *pre, const void *own,
+                                 int64_t j, int64_t g)
 {
     const int64_t HkvD = (int64_t)a->n_head_kv * a->head_dim;
-    const float *r = j < a->own_base ? pre + j * HkvD : own + (j - a->own_base) * HkvD;
-    return r + g * a->head_dim;
+    const size_t e = a->kv_half ? sizeof(uint16_t) : sizeof(float);
+    const unsigned char *r = j < a->own_base
+                                 ? (const unsigned char *)pre + (size_t)(j * HkvD) * e
+                                 : (const unsigned char *)own + (size_t)((j - a->own_base) * HkvD) * e;
+    return r + (size_t)(g * a->head_dim) * e;
 }
 
 /* capture->add: adds row p's keys [lo, lo + n) to slot's span masses and probabilities (the
@@ -990,9 +985,71 @@ static void capture_row(const fitm_attn_args *a, int64_t h, int32_t r, int64_t p
 
 #define KERNEL_INLINE static inline __attribute__((always_inline))
 
+/* Value i of a K/V row p, and the VW values from i: F32, or fp16 converted exactly (half is
+ * a constant in every caller, so each kernel below is compiled once per value type; a row's
+ * dots and sums are the same code on the converted values). */
+KERNEL_INLINE float ldkv1(const void *p, int64_t i, const bool half)
+{
+    return half ? fitm_fp16_to_fp32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+KERNEL_INLINE vf ldkv(const void *p, int64_t i, const bool half)
+{
+    if (!half)
+        return ldv((const float *)p + i);
+    const uint16_t *h = (const uint16_t *)p + i;
+#if VW == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    float t[VW];
+    for (int k = 0; k < VW; k++)
+        t[k] = fitm_fp16_to_fp32(h[k]);
+    return ldv(t);
+#endif
+}
+
+/* dot(a, k) over n in the fixed order described above (lanes of VW, then the tail). */
+KERNEL_INLINE float dot_fixed(const float *a, const void *k, int64_t n, const bool half)
+{
+    vf acc = {0};
+    int64_t d = 0;
+    for (; d + VW <= n; d += VW)
+        acc = fmav(ldv(a + d), ldkv(k, d, half), acc);
+    float tail = 0.0f;
+    for (; d < n; d++)
+        tail += a[d] * ldkv1(k, d, half);
+    return hsumv(acc) + tail;
+}
+
+/* The same dots for 4 queries x 4 keys at once (each result bit-identical to dot_fixed). */
+KERNEL_INLINE void dot_4x4(const float *const q[4], const void *const k[4], int64_t n,
+                           float out[4][4], const bool half)
+{
+    vf acc[4][4] = {{{0}}};
+    int64_t d = 0;
+    for (; d + VW <= n; d += VW) {
+        vf kv[4] = {ldkv(k[0], d, half), ldkv(k[1], d, half), ldkv(k[2], d, half),
+                    ldkv(k[3], d, half)};
+        for (int i = 0; i < 4; i++) {
+            vf qv = ldv(q[i] + d);
+            for (int j = 0; j < 4; j++)
+                acc[i][j] = fmav(qv, kv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            float tail = 0.0f;
+            for (int64_t e = d; e < n; e++)
+                tail += q[i][e] * ldkv1(k[j], e, half);
+            out[i][j] = hsumv(acc[i][j]) + tail;
+        }
+}
+
 /* rows[r].s[j] = scale * rows[r].q . K[lo + j] for the n rows (all of group g), j < nk. */
-static void attn_scores(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g,
-                        int64_t lo, int64_t nk)
+KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g,
+                               int64_t lo, int64_t nk, const bool half)
 {
     const int64_t D = a->head_dim;
     int64_t i = 0;
@@ -1000,40 +1057,49 @@ static void attn_scores(const fitm_attn_args *a, const attn_row *rows, int64_t n
         const float *q[4] = {rows[i].q, rows[i + 1].q, rows[i + 2].q, rows[i + 3].q};
         int64_t j = 0;
         for (; j + 4 <= nk; j += 4) {
-            const float *k[4];
+            const void *k[4];
             for (int t = 0; t < 4; t++)
                 k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g);
             float o[4][4];
-            dot_4x4(q, k, D, o);
+            dot_4x4(q, k, D, o, half);
             for (int r = 0; r < 4; r++)
                 for (int t = 0; t < 4; t++)
                     rows[i + r].s[j + t] = o[r][t] * a->scale;
         }
         for (; j < nk; j++) {
-            const float *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
             for (int r = 0; r < 4; r++)
-                rows[i + r].s[j] = dot_fixed(q[r], k, D) * a->scale;
+                rows[i + r].s[j] = dot_fixed(q[r], k, D, half) * a->scale;
         }
     }
     if (i < n) /* the last 1-3 rows key by key: each K row is read once for all of them */
         for (int64_t j = 0; j < nk; j++) {
-            const float *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
             for (int64_t r = i; r < n; r++)
-                rows[r].s[j] = dot_fixed(rows[r].q, k, D) * a->scale;
+                rows[r].s[j] = dot_fixed(rows[r].q, k, D, half) * a->scale;
         }
+}
+
+static void attn_scores(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g,
+                        int64_t lo, int64_t nk)
+{
+    if (a->kv_half)
+        scores_rows(a, rows, n, g, lo, nk, true);
+    else
+        scores_rows(a, rows, n, g, lo, nk, false);
 }
 
 /* rows[0..nr).o[d, d + nv VW) = sum over j < nk, in order, of rows[r].s[j] * V[lo + j][d..];
  * nr (and nv, but for a head dim's last few vectors) are constants after inlining, so the
  * accumulators stay in registers. */
 KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const int nr, int64_t g,
-                            int64_t lo, int64_t nk, int64_t d, const int nv)
+                            int64_t lo, int64_t nk, int64_t d, const int nv, const bool half)
 {
     vf acc[4][4] = {{{0}}};
     for (int64_t j = 0; j < nk; j++) {
-        const float *v = kv_row(a, a->v_pre, a->v_own, lo + j, g) + d;
+        const void *v = kv_row(a, a->v_pre, a->v_own, lo + j, g);
         for (int c = 0; c < nv; c++) {
-            const vf vv = ldv(v + VW * c);
+            const vf vv = ldkv(v, d + VW * c, half);
             for (int r = 0; r < nr; r++)
                 acc[r][c] = fmav(splatv(rows[r].s[j]), vv, acc[r][c]);
         }
@@ -1045,20 +1111,20 @@ KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const
 
 /* pv_block for nr = 1..4 rows (each count its own constant copy). */
 KERNEL_INLINE void pv_rows(const fitm_attn_args *a, const attn_row *rows, int64_t nr, int64_t g,
-                           int64_t lo, int64_t nk, int64_t d, const int nv)
+                           int64_t lo, int64_t nk, int64_t d, const int nv, const bool half)
 {
     switch (nr) {
-    case 1: pv_block(a, rows, 1, g, lo, nk, d, nv); break;
-    case 2: pv_block(a, rows, 2, g, lo, nk, d, nv); break;
-    case 3: pv_block(a, rows, 3, g, lo, nk, d, nv); break;
-    default: pv_block(a, rows, 4, g, lo, nk, d, nv); break;
+    case 1: pv_block(a, rows, 1, g, lo, nk, d, nv, half); break;
+    case 2: pv_block(a, rows, 2, g, lo, nk, d, nv, half); break;
+    case 3: pv_block(a, rows, 3, g, lo, nk, d, nv, half); break;
+    default: pv_block(a, rows, 4, g, lo, nk, d, nv, half); break;
     }
 }
 
 /* rows[r].o = rows[r].s . V[lo, lo + nk) for the n rows (all of group g): up to 4 rows at a
  * time share each V row read. */
-static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g, int64_t lo,
-                    int64_t nk)
+KERNEL_INLINE void pv_all(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g,
+                          int64_t lo, int64_t nk, const bool half)
 {
     const int64_t D = a->head_dim;
     const int64_t D8 = D / VW * VW;
@@ -1067,9 +1133,9 @@ static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, in
         for (int64_t d = 0; d < D8; d += 4 * VW) {
             const int nv = (int)((D8 - d) / VW < 4 ? (D8 - d) / VW : 4);
             if (nv == 4) /* every block of a head dim that is a multiple of 4 VW */
-                pv_rows(a, rows + i, nr, g, lo, nk, d, 4);
+                pv_rows(a, rows + i, nr, g, lo, nk, d, 4, half);
             else
-                pv_rows(a, rows + i, nr, g, lo, nk, d, nv);
+                pv_rows(a, rows + i, nr, g, lo, nk, d, nv, half);
         }
     }
     if (D8 < D) /* scalar tail of the head dim, same order */
@@ -1077,9 +1143,18 @@ static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, in
             for (int64_t d = D8; d < D; d++) {
                 float acc = 0.0f;
                 for (int64_t j = 0; j < nk; j++)
-                    acc += rows[r].s[j] * kv_row(a, a->v_pre, a->v_own, lo + j, g)[d];
+                    acc += rows[r].s[j] * ldkv1(kv_row(a, a->v_pre, a->v_own, lo + j, g), d, half);
                 rows[r].o[d] = acc;
             }
+}
+
+static void attn_pv(const fitm_attn_args *a, const attn_row *rows, int64_t n, int64_t g, int64_t lo,
+                    int64_t nk)
+{
+    if (a->kv_half)
+        pv_all(a, rows, n, g, lo, nk, true);
+    else
+        pv_all(a, rows, n, g, lo, nk, false);
 }
 
 /* Row i of the tile (position pos0 + i0 + i) becomes softmax over its visible keys [v0, p],
@@ -1119,6 +1194,7 @@ static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int6
         const int64_t g = h / (H / mx->k_heads);
         ae.q = mx->q + e * a->T * H * D;
         ae.n_head_kv = mx->k_heads;
+        ae.kv_half = false; /* the mixture's keys are F32 (only the scores read ae's keys) */
         ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
         ae.k_own = k + a->own_base * mx->k_heads * D;
         attn_row rows[TILE_Q];
@@ -1285,6 +1361,8 @@ static const fitm_backend_ops cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .copy = cpu_copy,
+    .to_half = cpu_to_half,
+    .from_half = cpu_from_half,
     .prepare = cpu_prepare,
     .release = cpu_release,
     .embed = cpu_embed,
@@ -1299,6 +1377,7 @@ static const fitm_backend_ops cpu_ops = {
     .attention_many = cpu_attention_many,
     .attention_mix = true,
     .capture_add = true,
+    .kv_half = true,
 };
 
 #define CPU_CAT_(a, b) a##_##b

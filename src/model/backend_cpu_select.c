@@ -1,5 +1,6 @@
 /* backend_cpu_select: fitm_backend_cpu_create picks the CPU backend object built for the SIMD
- * path this process runs (base/cpu.h); backend_cpu.c is compiled once per path. */
+ * path this process runs (base/cpu.h); backend_cpu.c is compiled once per path. Also the
+ * backend-independent entry points of backend.h. */
 #include "base/cpu.h"
 #include "model/backend.h"
 
@@ -27,4 +28,13 @@ void fitm_backend_destroy(fitm_backend *b)
 {
     if (b)
         b->ops->destroy(b);
+}
+
+fitm_status fitm_backend_set_kv_half(fitm_backend *b, bool half, fitm_err *err)
+{
+    if (half && !b->ops->kv_half)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                            "the %s backend keeps its KV cache as F32 only", b->ops->name);
+    b->kv_half = half;
+    return FITM_OK;
 }

@@ -596,7 +596,7 @@ static fitm_cuda_attn attn_kernel_args(const fitm_attn_args *a)
         .scale = a->scale,
         .q = a->q,
         .out = a->out,
-        .k_pre = a->k_pre,
+        .k_pre = a->k_pre, /* F32 caches only (no ops->kv_half) */
         .v_pre = a->v_pre,
         .k_own = a->k_own,
         .v_own = a->v_own,

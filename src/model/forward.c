@@ -322,6 +322,10 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
     const fitm_model_config *c = fitm_model_config_of(f->m);
     if (!fitm_kv_fits(kv, c) || (opts->prefix && !fitm_kv_fits(opts->prefix, c)))
         return fitm_err_set(err, FITM_ERR_INVALID, "KV cache was made for another model shape");
+    if ((fitm_kv_half(kv) && !f->b->ops->kv_half) ||
+        (opts->prefix && fitm_kv_half(opts->prefix) != fitm_kv_half(kv)))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "KV cache of fp16 values on a backend or prefix of F32 ones");
     if (T < 1 || !tokens)
         return fitm_err_set(err, FITM_ERR_INVALID, "no tokens to run");
     const int64_t base = fitm_kv_pos_base(kv);
@@ -477,6 +481,7 @@ static fitm_attn_args attn_args(const pass *p, const seq_part *q, int32_t l)
         .k_own = fitm_kv_k(q->kv, l),
         .v_own = fitm_kv_v(q->kv, l),
         .own_base = q->base,
+        .kv_half = fitm_kv_half(q->kv),
         .capture = opts->capture,
         .cap_index = p->f->cap_index + q->row0,
         .n_layer = c->n_layer,
@@ -518,6 +523,15 @@ static bool position_layer(const fitm_forward *f, fitm_position_method m, int32_
     return m == FITM_POSITION_MS_POE && l >= FITM_MS_POE_FIRST_LAYER;
 }
 
+/* dst (n F32) = the cache's values src (fp16 when half). */
+static void keys_f32(fitm_backend *b, float *dst, const void *src, int64_t n, bool half)
+{
+    if (half)
+        b->ops->from_half(b, dst, src, n);
+    else
+        b->ops->copy(b, dst, src, (size_t)n * sizeof(float));
+}
+
 /* The mixture of sequence q in layer l: per expert e, the call's queries and every visible
  * key (the prefix's below base) copied and turned on by the expert's base change (the cache
  * holds keys rotated with the layer's own base, and rotations compose); then the weights:
@@ -542,11 +556,11 @@ static void position_mix(const pass *p, const seq_part *q, int32_t l, fitm_attn_
         o->rope(b, qe, T, H, D, n_rot, tab + q->pos0 * n_rot, c->rope_neox);
         int64_t own0 = 0;
         if (q->base > 0) {
-            o->copy(b, ke, fitm_kv_k(q->opts->prefix, l), (size_t)(q->base * KV) * sizeof(float));
+            keys_f32(b, ke, fitm_kv_k(q->opts->prefix, l), q->base * KV, fitm_kv_half(q->kv));
             own0 = q->base;
         }
-        o->copy(b, ke + own0 * KV, fitm_kv_k(q->kv, l),
-                (size_t)((n_keys - own0) * KV) * sizeof(float));
+        keys_f32(b, ke + own0 * KV, fitm_kv_k(q->kv, l), (n_keys - own0) * KV,
+                 fitm_kv_half(q->kv));
         o->rope(b, ke, n_keys, c->n_head_kv, D, n_rot, tab, c->rope_neox);
     }
     float *w = f->w_host;
@@ -639,9 +653,17 @@ static void attention_block(const pass *p, int32_t l)
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t dst = (q->pos0 - q->base) * Hkv * D, src = q->row0 * Hkv * D;
-        const size_t n = (size_t)(q->T * Hkv * D) * sizeof(float);
-        o->copy(b, fitm_kv_k(q->kv, l) + dst, f->k + src, n);
-        o->copy(b, fitm_kv_v(q->kv, l) + dst, f->v + src, n);
+        const int64_t n = q->T * Hkv * D;
+        const size_t e = fitm_kv_elem_bytes(q->kv);
+        unsigned char *kd = (unsigned char *)fitm_kv_k(q->kv, l) + (size_t)dst * e,
+                      *vd = (unsigned char *)fitm_kv_v(q->kv, l) + (size_t)dst * e;
+        if (fitm_kv_half(q->kv)) {
+            o->to_half(b, kd, f->k + src, n);
+            o->to_half(b, vd, f->v + src, n);
+        } else {
+            o->copy(b, kd, f->k + src, (size_t)n * sizeof(float));
+            o->copy(b, vd, f->v + src, (size_t)n * sizeof(float));
+        }
         a[s] = attn_args(p, q, l);
         one_by_one |= position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
     }

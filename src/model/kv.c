@@ -7,15 +7,17 @@ struct fitm_kv {
     int32_t n_layer, n_head_kv, head_dim;
     int64_t n_rows;
     int64_t pos_base, pos_end;
-    size_t row_floats;   /* Hkv * D */
+    size_t row_floats;   /* Hkv * D values                                          */
+    size_t elem;         /* bytes per value: 4 (F32) or 2 (fp16)                    */
     size_t n_bytes;
-    float *mem;          /* L blocks of K (n_rows, Hkv, D) then V (n_rows, Hkv, D) */
+    unsigned char *mem;  /* L blocks of K (n_rows, Hkv, D) then V (n_rows, Hkv, D) */
     int32_t n_passes;    /* 1 + the passes below (only in pass 0)                   */
     struct fitm_kv *pass[FITM_KV_MAX_PASSES]; /* [1, n_passes): the other passes    */
 };
 
-fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_config *c,
-                           int64_t n_rows, fitm_err *err)
+/* fitm_kv_create with the value type given (passes keep their cache's type). */
+static fitm_status kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_config *c,
+                             int64_t n_rows, bool half, fitm_err *err)
 {
     *out = NULL;
     if (n_rows < 1 || n_rows > ((int64_t)1 << 31))
@@ -24,7 +26,8 @@ fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_conf
     size_t row_floats = (size_t)c->n_head_kv * (size_t)c->head_dim;
     /* Sizes are bounded by the loader (dims <= 2^20, L <= 512) and n_rows <= 2^31, but the
      * product can still exceed size_t on 32-bit hosts: check. */
-    double total = (double)row_floats * (double)n_rows * 2.0 * (double)c->n_layer * sizeof(float);
+    const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
+    double total = (double)row_floats * (double)n_rows * 2.0 * (double)c->n_layer * (double)elem;
     if (total > (double)SIZE_MAX / 2)
         return fitm_err_set(err, FITM_ERR_LIMIT, "KV cache of %lld rows is too large",
                             (long long)n_rows);
@@ -37,6 +40,7 @@ fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_conf
     kv->head_dim = c->head_dim;
     kv->n_rows = n_rows;
     kv->row_floats = row_floats;
+    kv->elem = elem;
     kv->n_bytes = (size_t)total;
     kv->n_passes = 1;
     kv->mem = b->ops->alloc(b, kv->n_bytes);
@@ -47,6 +51,12 @@ fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_conf
     }
     *out = kv;
     return FITM_OK;
+}
+
+fitm_status fitm_kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_config *c,
+                           int64_t n_rows, fitm_err *err)
+{
+    return kv_create(out, b, c, n_rows, b->kv_half, err);
 }
 
 void fitm_kv_destroy(fitm_kv *kv)
@@ -104,14 +114,24 @@ size_t fitm_kv_bytes(const fitm_kv *kv)
     return n;
 }
 
-float *fitm_kv_k(const fitm_kv *kv, int32_t l)
+void *fitm_kv_k(const fitm_kv *kv, int32_t l)
 {
-    return kv->mem + (size_t)l * 2 * (size_t)kv->n_rows * kv->row_floats;
+    return kv->mem + (size_t)l * 2 * (size_t)kv->n_rows * kv->row_floats * kv->elem;
 }
 
-float *fitm_kv_v(const fitm_kv *kv, int32_t l)
+void *fitm_kv_v(const fitm_kv *kv, int32_t l)
 {
-    return fitm_kv_k(kv, l) + (size_t)kv->n_rows * kv->row_floats;
+    return (unsigned char *)fitm_kv_k(kv, l) + (size_t)kv->n_rows * kv->row_floats * kv->elem;
+}
+
+bool fitm_kv_half(const fitm_kv *kv)
+{
+    return kv->elem == sizeof(uint16_t);
+}
+
+size_t fitm_kv_elem_bytes(const fitm_kv *kv)
+{
+    return kv->elem;
 }
 
 int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c)
@@ -138,7 +158,7 @@ fitm_kv *fitm_kv_pass(const fitm_kv *kv, int32_t p)
 /* Copies positions [0, n) of one pass's rows from src to dst (base 0 both). */
 static void copy_rows(fitm_kv *dst, const fitm_kv *src, int64_t n)
 {
-    const size_t bytes = (size_t)n * src->row_floats * sizeof(float);
+    const size_t bytes = (size_t)n * src->row_floats * src->elem;
     for (int32_t l = 0; l < src->n_layer; l++) {
         src->b->ops->copy(src->b, fitm_kv_k(dst, l), fitm_kv_k(src, l), bytes);
         src->b->ops->copy(src->b, fitm_kv_v(dst, l), fitm_kv_v(src, l), bytes);
@@ -158,7 +178,7 @@ fitm_status fitm_kv_passes(fitm_kv *kv, int32_t n_passes, int64_t n_rows, fitm_e
         const fitm_model_config c = {.n_layer = kv->n_layer, .n_head_kv = kv->n_head_kv,
                                      .head_dim = kv->head_dim};
         fitm_kv *x = NULL;
-        fitm_status s = fitm_kv_create(&x, kv->b, &c, n_rows, err);
+        fitm_status s = kv_create(&x, kv->b, &c, n_rows, fitm_kv_half(kv), err);
         if (s != FITM_OK)
             return s;
         x->pos_base = kv->pos_base;
@@ -184,7 +204,8 @@ fitm_status fitm_kv_passes(fitm_kv *kv, int32_t n_passes, int64_t n_rows, fitm_e
 fitm_status fitm_kv_copy(fitm_kv *dst, const fitm_kv *src, int64_t n, fitm_err *err)
 {
     if (n < 0 || dst->pos_base != 0 || src->pos_base != 0 || dst->n_passes < src->n_passes ||
-        dst->n_layer != src->n_layer || dst->row_floats != src->row_floats)
+        dst->n_layer != src->n_layer || dst->row_floats != src->row_floats ||
+        dst->elem != src->elem)
         return fitm_err_set(err, FITM_ERR_INVALID, "KV copy of %lld rows between unlike caches",
                             (long long)n);
     for (int32_t p = 0; p < src->n_passes; p++) {

@@ -1,5 +1,6 @@
-/* kv: the KV cache. For every layer, K and V rows of (Hkv, D) F32 values, one row per
- * position, in backend memory.
+/* kv: the KV cache. For every layer, K and V rows of (Hkv, D) values, one row per position,
+ * in backend memory: F32, or fp16 in a cache created while its backend's kv_half was set
+ * (fitm_backend_set_kv_half; a cache keeps its type, and so do its passes).
  *
  * A cache holds a contiguous run of positions [pos_base, pos_end): row r is position
  * pos_base + r. An ordinary sequence has pos_base 0. A branch (fitm_kv_rebase) starts at
@@ -12,6 +13,7 @@
 #ifndef FITM_KV_H
 #define FITM_KV_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -41,9 +43,13 @@ int64_t fitm_kv_pos_base(const fitm_kv *kv);
 int64_t fitm_kv_pos_end(const fitm_kv *kv);
 size_t fitm_kv_bytes(const fitm_kv *kv);
 
-/* Layer l's K and V rows, each (n_rows, Hkv, D). */
-float *fitm_kv_k(const fitm_kv *kv, int32_t l);
-float *fitm_kv_v(const fitm_kv *kv, int32_t l);
+/* Layer l's K and V rows, each (n_rows, Hkv, D), of fitm_kv_elem_bytes each. */
+void *fitm_kv_k(const fitm_kv *kv, int32_t l);
+void *fitm_kv_v(const fitm_kv *kv, int32_t l);
+
+/* Whether the cache holds fp16 values (else F32), and so the bytes of one value. */
+bool fitm_kv_half(const fitm_kv *kv);
+size_t fitm_kv_elem_bytes(const fitm_kv *kv);
 
 /* Whether the cache was made for c's shape (layers, KV heads, head size). */
 int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c);

@@ -99,6 +99,11 @@ static const opt opts[] = {
     {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
      "prompt tokens per batched step, over all new /answer prompts: lower keeps running "
      "streams' token gaps short, higher gives new requests their first token sooner"},
+    {"kv_cache_type", ENUM(kv_cache_type), "auto", 0, 0, "auto|f32|f16",
+     "values of the KV cache: f16 = half the memory per sequence (more generations fit "
+     "batch_kv_mb) and half the bytes a decode step's attention reads, K and V rounded to fp16 "
+     "as llama.cpp's default cache holds them; f32 = exact; auto = f16 on the CPU, f32 on the "
+     "cuda backend (which keeps F32 only)"},
     {"answer_prompt_path", ENUM(answer_prompt_path), "batch", 0, 0, "batch|step",
      "how /answer and the OpenAI routes compute their prompts: batch = weights converted to "
      "F32 in tiles shared by the chunk's rows; step = the decode steps' quantized products "

@@ -43,6 +43,7 @@ typedef struct {
     int64_t max_running; /* /answer generations in the running batch           */
     int64_t batch_kv_mb; /* their KV memory before new ones wait in the queue  */
     int64_t batch_prefill_tokens; /* prompt tokens per batched step             */
+    char kv_cache_type[8];        /* auto | f32 | f16                                 */
     char answer_prompt_path[8];   /* batch | step: the numerics of generation prompts */
     int64_t request_timeout_ms;
     int64_t max_request_forward_tokens; /* admission: one request's estimated cost (422)  */

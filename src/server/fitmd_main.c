@@ -336,6 +336,14 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     char backend[512];
     if ((st = choose_backend(dm, threads, backend, sizeof backend, err)) != FITM_OK)
         return st;
+    const char *kv = cfg->kv_cache_type;
+    const bool half = !strcmp(kv, "f16") || (!strcmp(kv, "auto") && dm->backend->ops->kv_half);
+    if ((st = fitm_backend_set_kv_half(dm->backend, half, err)) != FITM_OK) {
+        fitm_err_prefix(err, "kv_cache_type %s", kv);
+        return st;
+    }
+    size_t used = strlen(backend);
+    snprintf(backend + used, sizeof backend - used, ", %s KV cache", half ? "fp16" : "F32");
     const fitm_model_config *mc = fitm_model_config_of(dm->model);
     int64_t n_ctx = cfg->ctx_size;
     if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
