@@ -193,7 +193,8 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
                             "[-n 128] [-r 3] [-B B (up to 8 times)] [-c CTX (each -B sequence's "
-                            "context before it decodes, default 0)] [--kv f32|f16] [--ref-pp TOK_S] "
+                            "context before it decodes, default 0)] [--kv f32|f16] "
+                            "[--ref-pp TOK_S] "
                             "[--ref-tg TOK_S]\n");
             return 2;
         }

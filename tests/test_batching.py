@@ -160,6 +160,36 @@ def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         assert dm.terminate() == 0, dm.log_text()
 
 
+def test_f32_kv_cache(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
+    """kv_cache_type: the CPU's default (auto) keeps fp16 K and V, f32 keeps them exact; both say
+    so at start-up. The setting reaches the forward pass (rerank scores and generations differ
+    somewhere between the two: K and V rounded to fp16 or not), and the F32 cache's responses
+    are what they are alone also when all come at once (the concurrent equality for fp16 is the
+    tests above)."""
+    dm = start(fitmd_bin, tmp_path_factory, kv_cache_type="f32")
+    try:
+        assert "fp16 KV cache" in daemon.log_text()
+        assert "F32 KV cache" in dm.log_text()
+        w = workload()
+        work = w[:4] + w[10:13]  # answers (streamed too) and reranks
+        f32 = [run_one(dm, route, body) for route, body in work]
+        f16 = [run_one(daemon, route, body) for route, body in work]
+        assert any(a != b for a, b in zip(f32, f16))
+        got = [None] * len(work)
+
+        def client(k):
+            got[k] = run_one(dm, *work[k])
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert got == f32
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
 def concurrent_matches_one_at_a_time(daemon):
     """Every request of workload() alone, then all at once: the same responses. Returns the
     responses."""

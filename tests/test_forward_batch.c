@@ -115,9 +115,10 @@ static bool same_rows(const seq *s, const fitm_model_config *c)
                       c->head_dim;
     if (fitm_kv_pos_end(s->bat) != fitm_kv_pos_end(s->solo))
         return false;
+    const size_t bytes = (size_t)n * fitm_kv_elem_bytes(s->bat);
     for (int32_t l = 0; l < c->n_layer; l++)
-        if (memcmp(fitm_kv_k(s->bat, l), fitm_kv_k(s->solo, l), (size_t)n * fitm_kv_elem_bytes(s->bat)) ||
-            memcmp(fitm_kv_v(s->bat, l), fitm_kv_v(s->solo, l), (size_t)n * fitm_kv_elem_bytes(s->bat)))
+        if (memcmp(fitm_kv_k(s->bat, l), fitm_kv_k(s->solo, l), bytes) ||
+            memcmp(fitm_kv_v(s->bat, l), fitm_kv_v(s->solo, l), bytes))
             return false;
     return true;
 }
@@ -230,7 +231,8 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
                 what = "attention rows";
             else if (!same_rows(s, c))
                 what = "KV rows";
-            CHECK(!*what, " %s %s, %s KV, round %d seq %d (T %lld at %lld, %d in the call): %s differ",
+            CHECK(!*what,
+                  " %s %s, %s KV, round %d seq %d (T %lld at %lld, %d in the call): %s differ",
                   fitm_gen_arch_name(arch), fitm_dtype_info_of(type)->name,
                   kv_half ? "fp16" : "F32", round, idx[k],
                   (long long)s->T, (long long)s->pos, (int)n, what);

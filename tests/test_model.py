@@ -194,18 +194,21 @@ def test_stories_greedy_text(fitm_bin, data_dir, reference_dir):
     assert r.stdout.rstrip("\n") == want
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_stories_first_logits(fitm_bin, data_dir, reference_dir, tmp_path, threads):
-    ref = json.loads((reference_dir / "once-upon-a-time.llamacpp-f32kv.json").read_text())
+@pytest.mark.parametrize("threads,kv", [(1, "f32"), (2, "f32"), (2, "f16")])
+def test_stories_first_logits(fitm_bin, data_dir, reference_dir, tmp_path, threads, kv):
+    """Against llama.cpp's run with the same KV cache type: F32 within float32 noise (1e-4);
+    fp16 within 1e-2 (the data's README: llama.cpp's fp16 cache also rounds the queries and
+    probabilities that meet it, fitm's only K and V), and the same greedy ids."""
+    ref = json.loads((reference_dir / f"once-upon-a-time.llamacpp-{kv}kv.json").read_text())
     out = tmp_path / "logits.txt"
-    subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "1", "-t", str(threads),
-                    "--logits", str(out), "-m", str(data_dir / "stories260K.gguf"),
-                    "Once upon a time"], capture_output=True, text=True, check=True)
+    r = subprocess.run([str(fitm_bin), "generate", "--ids", "-n", "32", "-t", str(threads),
+                        "--kv", kv, "--logits", str(out), "-m", str(data_dir / "stories260K.gguf"),
+                        "Once upon a time"], capture_output=True, text=True, check=True)
     got = np.loadtxt(out)
     want = np.asarray(ref["first_position_logits"], np.float64)
     assert got.shape == want.shape == (512,)
-    assert np.max(np.abs(got - want)) <= 1e-4
-    assert int(np.argmax(got)) == ref["generated_ids"][0]
+    assert np.max(np.abs(got - want)) <= (1e-4 if kv == "f32" else 1e-2)
+    assert [int(x) for x in r.stdout.split()] == ref["generated_ids"]
 
 
 def test_stories_prompt_ids_and_oracle(fitm_bin, model_tool, data_dir, reference_dir, tmp_path):

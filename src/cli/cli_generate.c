@@ -25,7 +25,8 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: fitm generate -m MODEL [-n N] [-t THREADS] [--ids] [--prompt-ids \"1 2 3\"]\n"
-            "                     [--no-bos] [--ignore-eos] [--logits FILE] [--stats] [PROMPT]\n"
+            "                     [--no-bos] [--ignore-eos] [--kv f16|f32] [--logits FILE] [--stats]\n"
+            "                     [PROMPT]\n"
             "  -m MODEL          GGUF model file\n"
             "  -n N              tokens to generate (default 32)\n"
             "  -t THREADS        CPU threads (default: all online CPUs, at most 16)\n"
@@ -33,6 +34,7 @@ static void usage(FILE *f)
             "  --prompt-ids IDS  use these ids as the prompt instead of tokenizing PROMPT\n"
             "  --no-bos          do not add the model's BOS token to PROMPT\n"
             "  --ignore-eos      keep generating past end-of-generation tokens\n"
+            "  --kv f16|f32      KV cache values (default f16, as fitmd's kv_cache_type on the CPU)\n"
             "  --logits FILE     write the first generated position's logits, one per line\n"
             "  --stats           print prefill/decode speed to stderr\n");
 }
@@ -88,7 +90,7 @@ static int parse_ids(const char *s, int32_t **out, int64_t *n)
 typedef struct {
     const char *model_path, *prompt, *prompt_ids, *logits_path;
     long n_gen, n_threads;
-    bool print_ids, no_bos, ignore_eos, stats;
+    bool print_ids, no_bos, ignore_eos, stats, kv_f32;
 } gen_args;
 
 /* Fills a from argv. -1 to go on, else the exit status (help printed, or a usage error). */
@@ -115,6 +117,9 @@ static int parse_args(int argc, char **argv, gen_args *a)
             a->no_bos = true;
         } else if (!strcmp(s, "--ignore-eos")) {
             a->ignore_eos = true;
+        } else if (!strcmp(s, "--kv") && has_value &&
+                   (!strcmp(argv[i + 1], "f16") || !strcmp(argv[i + 1], "f32"))) {
+            a->kv_f32 = !strcmp(argv[++i], "f32");
         } else if (!strcmp(s, "--logits") && has_value) {
             a->logits_path = argv[++i];
         } else if (!strcmp(s, "--stats")) {
@@ -214,6 +219,7 @@ static fitm_status gen_load(gen_state *g, const gen_args *a, bool *usage_error, 
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     fitm_forward_params fp = {.max_tokens = g->n_prompt, .max_ctx = g->n_ctx, .max_logits = 1};
     if ((s = fitm_backend_cpu_create(&g->b, (int)a->n_threads, err)) ||
+        (s = fitm_backend_set_kv_half(g->b, !a->kv_f32, err)) ||
         (s = fitm_forward_create(&g->fw, g->m, g->b, &fp, err)) ||
         (s = fitm_kv_create(&g->kv, g->b, c, g->n_ctx, err)))
         return s;

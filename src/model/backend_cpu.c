@@ -933,10 +933,9 @@ static inline const void *kv_row(const fitm_attn_args *a, const void *pre, const
 {
     const int64_t HkvD = (int64_t)a->n_head_kv * a->head_dim;
     const size_t e = a->kv_half ? sizeof(uint16_t) : sizeof(float);
-    const unsigned char *r = j < a->own_base
-                                 ? (const unsigned char *)pre + (size_t)(j * HkvD) * e
-                                 : (const unsigned char *)own + (size_t)((j - a->own_base) * HkvD) * e;
-    return r + (size_t)(g * a->head_dim) * e;
+    const unsigned char *base = j < a->own_base ? pre : own;
+    const int64_t row = j < a->own_base ? j : j - a->own_base;
+    return base + (size_t)(row * HkvD + g * a->head_dim) * e;
 }
 
 /* capture->add: adds row p's keys [lo, lo + n) to slot's span masses and probabilities (the

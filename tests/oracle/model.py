@@ -248,7 +248,11 @@ class Model:
 
     After forward(..., capture_rows=rows): self.attn is a list over layers of (H, len(rows), T)
     arrays, the attention probabilities the model used (after any intervention) for those query
-    rows; self.attn[l][h] is (len(rows), T). Otherwise self.attn is None."""
+    rows; self.attn[l][h] is (len(rows), T). Otherwise self.attn is None.
+
+    kv_half = True rounds every layer's keys (after RoPE) and values to float16 and back, as a
+    cache of fp16 values holds them (fitmd's kv_cache_type f16; the position methods' rotated
+    keys are not modelled this way)."""
 
     def __init__(self, g: gguf_reader.GGUFFile, dtype=np.float64, cache_head: bool = False,
                  head_chunk: int = 4096):
@@ -262,6 +266,7 @@ class Model:
         self.out_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
         self._w: dict[str, np.ndarray] = {}
         self.attn: Optional[list] = None
+        self.kv_half = False
 
     @classmethod
     def load(cls, path, dtype=np.float64, cache_head: bool = False) -> "Model":
@@ -381,6 +386,9 @@ class Model:
             base, scale = hp.rope_for(il)
             q = rope(q, pos, hp.n_rot, base, scale, hp.rope_neox, ff)
             k = rope(k, pos, hp.n_rot, base, scale, hp.rope_neox, ff)
+            if self.kv_half:  # round to nearest even, as the cache stores them
+                k = k.astype(np.float16).astype(dt)
+                v = v.astype(np.float16).astype(dt)
             if cache is not None:
                 k, v = cache.extend(il, k, v)  # (S, Hkv, D), (S, Hkv, Dv)
                 k_raw = cache.extend_raw(il, k_raw)
