@@ -160,6 +160,21 @@ def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         assert dm.terminate() == 0, dm.log_text()
 
 
+def at_once(d, work):
+    """run_one of every (route, body) of work, all at once, each on a thread of its own."""
+    got = [None] * len(work)
+
+    def client(k):
+        got[k] = run_one(d, *work[k])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return got
+
+
 def test_f32_kv_cache(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
     """kv_cache_type: the CPU's default (auto) keeps fp16 K and V, f32 keeps them exact; both say
     so at start-up. The setting reaches the forward pass (rerank scores and generations differ
@@ -175,17 +190,7 @@ def test_f32_kv_cache(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         f32 = [run_one(dm, route, body) for route, body in work]
         f16 = [run_one(daemon, route, body) for route, body in work]
         assert any(a != b for a, b in zip(f32, f16))
-        got = [None] * len(work)
-
-        def client(k):
-            got[k] = run_one(dm, *work[k])
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert got == f32
+        assert at_once(dm, work) == f32
     finally:
         assert dm.terminate() == 0, dm.log_text()
 
@@ -241,17 +246,7 @@ def test_queue_beyond_running_limit(daemon):
     bodies = [{"query": f"q {i}", "documents": docs(3, 5, shift=i), "max_tokens": 12,
                "calibrate": False, "return_tokens": True} for i in range(10)]
     ref = [run_one(daemon, "/answer", b) for b in bodies]
-    got = [None] * len(bodies)
-
-    def client(k):
-        got[k] = run_one(daemon, "/answer", bodies[k])
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert got == ref
+    assert at_once(daemon, [("/answer", b) for b in bodies]) == ref
 
 
 def rerank_bodies():
