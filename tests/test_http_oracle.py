@@ -7,8 +7,8 @@ the spec (built-in defaults overlaid by the request), not read back from the res
 Runs on generated llama, qwen2 and gemma3 models; the gemma3 model has a short sliding window
 so some documents fall outside the local layers' view. Each model twice: the daemon's cache of
 F32 values against the exact oracle, and its cache of fp16 values (the CPU's default) against
-the oracle with keys and values rounded to float16 as that cache holds them. Documents are fresh random words on
-every run (the seed is in the failure message).
+the oracle with keys and values rounded to float16 as that cache holds them. Documents are
+fresh random words on every run (the seed is in the failure message).
 
 Tolerances, derived from float32: the daemon computes attention in float32 (softmax over at
 most a few hundred keys, sums over at most a few dozen rows and tokens), so A and A_ref agree
