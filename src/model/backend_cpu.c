@@ -110,7 +110,15 @@ static void cpu_from_half(fitm_backend *b, float *dst, const void *src, int64_t 
 {
     (void)b;
     const uint16_t *h = src;
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++)
         dst[i] = fitm_fp16_to_fp32(h[i]);
 }
 
@@ -927,12 +935,13 @@ static void head_rows(const fitm_attn_args *a, const float *q, int64_t h, int64_
 }
 
 /* The K (or V) row of key position j: in the prefix arrays below own_base, else in the own;
- * at head group g. Its values are F32, or fp16 where a->kv_half (ldkv reads either). */
+ * at head group g. Its values are F32, or fp16 where half (a->kv_half, a constant in every
+ * caller; ldkv reads either). */
 static inline const void *kv_row(const fitm_attn_args *a, const void *pre, const void *own,
-                                 int64_t j, int64_t g)
+                                 int64_t j, int64_t g, const bool half)
 {
     const int64_t HkvD = (int64_t)a->n_head_kv * a->head_dim;
-    const size_t e = a->kv_half ? sizeof(uint16_t) : sizeof(float);
+    const size_t e = half ? sizeof(uint16_t) : sizeof(float);
     const unsigned char *base = j < a->own_base ? pre : own;
     const int64_t row = j < a->own_base ? j : j - a->own_base;
     return base + (size_t)(row * HkvD + g * a->head_dim) * e;
@@ -1058,7 +1067,7 @@ KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, in
         for (; j + 4 <= nk; j += 4) {
             const void *k[4];
             for (int t = 0; t < 4; t++)
-                k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g);
+                k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g, half);
             float o[4][4];
             dot_4x4(q, k, D, o, half);
             for (int r = 0; r < 4; r++)
@@ -1066,14 +1075,14 @@ KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, in
                     rows[i + r].s[j + t] = o[r][t] * a->scale;
         }
         for (; j < nk; j++) {
-            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g, half);
             for (int r = 0; r < 4; r++)
                 rows[i + r].s[j] = dot_fixed(q[r], k, D, half) * a->scale;
         }
     }
     if (i < n) /* the last 1-3 rows key by key: each K row is read once for all of them */
         for (int64_t j = 0; j < nk; j++) {
-            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g);
+            const void *k = kv_row(a, a->k_pre, a->k_own, lo + j, g, half);
             for (int64_t r = i; r < n; r++)
                 rows[r].s[j] = dot_fixed(rows[r].q, k, D, half) * a->scale;
         }
@@ -1096,7 +1105,7 @@ KERNEL_INLINE void pv_block(const fitm_attn_args *a, const attn_row *rows, const
 {
     vf acc[4][4] = {{{0}}};
     for (int64_t j = 0; j < nk; j++) {
-        const void *v = kv_row(a, a->v_pre, a->v_own, lo + j, g);
+        const void *v = kv_row(a, a->v_pre, a->v_own, lo + j, g, half);
         for (int c = 0; c < nv; c++) {
             const vf vv = ldkv(v, d + VW * c, half);
             for (int r = 0; r < nr; r++)
@@ -1141,8 +1150,10 @@ KERNEL_INLINE void pv_all(const fitm_attn_args *a, const attn_row *rows, int64_t
         for (int64_t r = 0; r < n; r++)
             for (int64_t d = D8; d < D; d++) {
                 float acc = 0.0f;
-                for (int64_t j = 0; j < nk; j++)
-                    acc += rows[r].s[j] * ldkv1(kv_row(a, a->v_pre, a->v_own, lo + j, g), d, half);
+                for (int64_t j = 0; j < nk; j++) {
+                    const void *v = kv_row(a, a->v_pre, a->v_own, lo + j, g, half);
+                    acc += rows[r].s[j] * ldkv1(v, d, half);
+                }
                 rows[r].o[d] = acc;
             }
 }

@@ -523,15 +523,6 @@ static bool position_layer(const fitm_forward *f, fitm_position_method m, int32_
     return m == FITM_POSITION_MS_POE && l >= FITM_MS_POE_FIRST_LAYER;
 }
 
-/* dst (n F32) = the cache's values src (fp16 when half). */
-static void keys_f32(fitm_backend *b, float *dst, const void *src, int64_t n, bool half)
-{
-    if (half)
-        b->ops->from_half(b, dst, src, n);
-    else
-        b->ops->copy(b, dst, src, (size_t)n * sizeof(float));
-}
-
 /* The mixture of sequence q in layer l: per expert e, the call's queries and every visible
  * key (the prefix's below base) copied and turned on by the expert's base change (the cache
  * holds keys rotated with the layer's own base, and rotations compose); then the weights:
@@ -556,11 +547,10 @@ static void position_mix(const pass *p, const seq_part *q, int32_t l, fitm_attn_
         o->rope(b, qe, T, H, D, n_rot, tab + q->pos0 * n_rot, c->rope_neox);
         int64_t own0 = 0;
         if (q->base > 0) {
-            keys_f32(b, ke, fitm_kv_k(q->opts->prefix, l), q->base * KV, fitm_kv_half(q->kv));
+            fitm_kv_load_k(q->opts->prefix, l, 0, q->base, ke);
             own0 = q->base;
         }
-        keys_f32(b, ke + own0 * KV, fitm_kv_k(q->kv, l), (n_keys - own0) * KV,
-                 fitm_kv_half(q->kv));
+        fitm_kv_load_k(q->kv, l, 0, n_keys - own0, ke + own0 * KV);
         o->rope(b, ke, n_keys, c->n_head_kv, D, n_rot, tab, c->rope_neox);
     }
     float *w = f->w_host;
@@ -652,18 +642,8 @@ static void attention_block(const pass *p, int32_t l)
     bool one_by_one = false;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
-        const int64_t dst = (q->pos0 - q->base) * Hkv * D, src = q->row0 * Hkv * D;
-        const int64_t n = q->T * Hkv * D;
-        const size_t e = fitm_kv_elem_bytes(q->kv);
-        unsigned char *kd = (unsigned char *)fitm_kv_k(q->kv, l) + (size_t)dst * e,
-                      *vd = (unsigned char *)fitm_kv_v(q->kv, l) + (size_t)dst * e;
-        if (fitm_kv_half(q->kv)) {
-            o->to_half(b, kd, f->k + src, n);
-            o->to_half(b, vd, f->v + src, n);
-        } else {
-            o->copy(b, kd, f->k + src, (size_t)n * sizeof(float));
-            o->copy(b, vd, f->v + src, (size_t)n * sizeof(float));
-        }
+        const int64_t src = q->row0 * Hkv * D;
+        fitm_kv_store(q->kv, l, q->pos0 - q->base, f->k + src, f->v + src, q->T);
         a[s] = attn_args(p, q, l);
         one_by_one |= position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
     }

@@ -134,6 +134,34 @@ size_t fitm_kv_elem_bytes(const fitm_kv *kv)
     return kv->elem;
 }
 
+void fitm_kv_store(fitm_kv *kv, int32_t l, int64_t row, const float *k, const float *v,
+                   int64_t n)
+{
+    const fitm_backend_ops *o = kv->b->ops;
+    const int64_t m = n * (int64_t)kv->row_floats;
+    const size_t at = (size_t)row * kv->row_floats * kv->elem;
+    unsigned char *kd = (unsigned char *)fitm_kv_k(kv, l) + at,
+                  *vd = (unsigned char *)fitm_kv_v(kv, l) + at;
+    if (fitm_kv_half(kv)) {
+        o->to_half(kv->b, kd, k, m);
+        o->to_half(kv->b, vd, v, m);
+    } else {
+        o->copy(kv->b, kd, k, (size_t)m * sizeof(float));
+        o->copy(kv->b, vd, v, (size_t)m * sizeof(float));
+    }
+}
+
+void fitm_kv_load_k(const fitm_kv *kv, int32_t l, int64_t row, int64_t n, float *dst)
+{
+    const unsigned char *src =
+        (const unsigned char *)fitm_kv_k(kv, l) + (size_t)row * kv->row_floats * kv->elem;
+    const int64_t m = n * (int64_t)kv->row_floats;
+    if (fitm_kv_half(kv))
+        kv->b->ops->from_half(kv->b, dst, src, m);
+    else
+        kv->b->ops->copy(kv->b, dst, src, (size_t)m * sizeof(float));
+}
+
 int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c)
 {
     return kv->n_layer == c->n_layer && kv->n_head_kv == c->n_head_kv &&

@@ -51,6 +51,15 @@ void *fitm_kv_v(const fitm_kv *kv, int32_t l);
 bool fitm_kv_half(const fitm_kv *kv);
 size_t fitm_kv_elem_bytes(const fitm_kv *kv);
 
+/* Layer l's K and V rows [row, row + n) = k and v (n rows of Hkv * D F32 values each, backend
+ * memory), stored in the cache's type (rounded to nearest even when fp16). */
+void fitm_kv_store(fitm_kv *kv, int32_t l, int64_t row, const float *k, const float *v,
+                   int64_t n);
+
+/* dst (n rows of Hkv * D F32 values, backend memory) = layer l's K rows [row, row + n),
+ * exactly. */
+void fitm_kv_load_k(const fitm_kv *kv, int32_t l, int64_t row, int64_t n, float *dst);
+
 /* Whether the cache was made for c's shape (layers, KV heads, head size). */
 int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c);
 
