@@ -972,6 +972,18 @@ KERNEL void packed_chunk(fitm_dtype t, const uint8_t *c, __m512 *dw, __m512i v[8
     }
 }
 
+/* acc + the dot products of u's unsigned bytes with the 4 signed bytes at x, repeated in
+ * every dword: vpdpbusd with its broadcast read from memory ({1to16}), one instruction where
+ * _mm512_set1_epi32 makes the compiler emit a separate broadcast that competes with the dot
+ * products for the vector units. */
+typedef int32_t i32_any __attribute__((may_alias, aligned(1)));
+
+KERNEL __m512i dpbusd_bcst(__m512i acc, __m512i u, const int8_t *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const i32_any *)x));
+    return acc;
+}
+
 KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8_t *xq,
                          size_t x_stride, const packed_x *px, const int M, float *y,
                          int64_t y_stride)
@@ -991,11 +1003,8 @@ KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8
             const int8_t *x = ((const fitm_block_q8_0 *)(xq + (size_t)m * x_stride))[b].qs;
             __m512i s = _mm512_set1_epi32(e->bias);
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-                int32_t xd;
-                memcpy(&xd, x + 4 * k, 4);
-                s = _mm512_dpbusd_epi32(s, v[k], _mm512_set1_epi32(xd));
-            }
+            for (int k = 0; k < 8; k++)
+                s = dpbusd_bcst(s, v[k], x + 4 * k);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(e->d)),
                                      acc[m]);
         }
