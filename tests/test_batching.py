@@ -30,13 +30,13 @@ RERANK_FRAME = (r"Write a high-quality answer for the given question using only 
 
 
 def start(fitmd_bin, tmp_path_factory, **extra):  # noqa: F811
+    extra = {"max_answer_tokens": 200, "batch_prefill_tokens": 24, **extra}
     d = tmp_path_factory.mktemp("batching")
     model = d / "q4k.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
                     "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
     return Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
-                  max_documents=16, max_answer_tokens=200, http_threads=32, queue_depth=64,
-                  max_running=4, batch_prefill_tokens=24, **extra)
+                  max_documents=16, http_threads=32, queue_depth=64, max_running=4, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +238,70 @@ def concurrent_matches_one_at_a_time(daemon):
     assert daemon.healthy()
     assert run_one(daemon, *work[0]) == reference[0]
     return reference
+
+
+def stream_times(d, prompt, max_tokens, times, started=None):
+    """Streams a greedy /v1/completions of prompt past end-of-generation; appends the time of
+    each text event to times, and sets started (if given) after the third. Returns the usage."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with requests.post(d.url("/v1/completions"), json=body, headers=AUTH, stream=True,
+                       timeout=600) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line[6:] == b"[DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if any(c.get("text") for c in ev.get("choices", [])):
+                times.append(time.perf_counter())
+                if started and len(times) == 3:
+                    started.set()
+            usage = ev.get("usage") or usage
+    return usage
+
+
+def test_arrival_order_and_running_streams(fitmd_bin, tmp_path_factory):  # noqa: F811
+    """Two prompts that arrive together while a stream runs, on a daemon prefilling 2 prompt
+    tokens per step: the running stream keeps getting tokens while both are prefilled (its
+    gaps are bounded by batch_prefill_tokens), and the prompt that finishes first gives its
+    first token, then waits until the other request -- which arrived before that token -- has
+    its first token too (arrival order: requests that arrive together are prefilled before
+    any of them streams on). Two tokens per step make each prompt take ~200 steps, far more
+    than the two requests take to arrive one after the other."""
+    dm = start(fitmd_bin, tmp_path_factory, batch_prefill_tokens=2, max_answer_tokens=1000)
+    try:
+        long_prompt = " ".join(f"golf hotel {w}" for w in docs(1, 35)[0].split())
+        running, a, b, started = [], [], [], threading.Event()
+        t_run = threading.Thread(target=stream_times,
+                                 args=(dm, "the golf hotel is", 990, running, started))
+        t_run.start()
+        assert started.wait(120)
+        go = threading.Barrier(2)
+        usage = {}
+
+        def client(key, times):
+            go.wait()
+            usage[key] = stream_times(dm, long_prompt + f" {key}", 12, times)
+
+        sent = time.perf_counter()
+        pair = [threading.Thread(target=client, args=(k, t)) for k, t in (("a", a), ("b", b))]
+        for t in pair:
+            t.start()
+        for t in pair:
+            t.join()
+        t_run.join()
+        assert all(u["completion_tokens"] == 12 for u in usage.values()) and a and b
+        # long enough for ~200 budgeted steps each
+        assert min(u["prompt_tokens"] for u in usage.values()) >= 300, usage
+        first, second = (a, b) if a[0] < b[0] else (b, a)
+        # the first prompt's stream waited for the other's first token (its own first event
+        # before it, where serving it on would give one per step of the other's prefill)
+        assert sum(t < second[0] for t in first) <= 2, (first, second[0])
+        # the running stream kept decoding while both prompts were prefilled
+        assert running[-1] > second[0] and sum(sent < t < second[0] for t in running) >= 100
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
 
 
 def test_queue_beyond_running_limit(daemon):

@@ -351,6 +351,7 @@ struct fitm_answer_seq {
     fitm_forward_opts o; /* this step's options                                       */
     fitm_position_method position; /* the request's, resolved at begin                 */
     double t0, t_prefill;
+    int64_t first_ns;    /* when the first token was sampled (fitm_clock_ns)          */
 };
 
 /* req with the server's defaults (fitm_reranker_answer_defaults) where it left an option
@@ -670,8 +671,10 @@ static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
     int32_t next = sample(&s->sm);
     res->tokens[s->T + q->n_done++] = next;
     res->completion_tokens = q->n_done;
-    if (q->n_done == 1)
-        res->first_token_ms = now_ms() - q->t0;
+    if (q->n_done == 1) {
+        q->first_ns = fitm_clock_ns();
+        res->first_token_ms = (double)q->first_ns / 1e6 - q->t0;
+    }
     if (!req->ignore_eos && fitm_tok_is_eog(tok, next)) {
         res->finish = FITM_FINISH_STOP;
         return FITM_OK;
@@ -700,11 +703,23 @@ void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
     fitm_forward_seq parts[FITM_FORWARD_MAX_SEQS];
     int32_t idx[FITM_FORWARD_MAX_SEQS], n_parts = 0;
     int64_t room = fitm_reranker_batch_tokens(r), logit_room = fitm_reranker_batch_logits(r);
+    /* Arrival order: an answer with only its first token waits while work that arrived
+     * before that token is unfinished (the oldest such arrival is what decides). */
+    int64_t oldest = INT64_MAX;
+    for (int32_t i = 0; i < n; i++)
+        if ((seqs[i].rerank || !seqs[i].answer->decoding) && seqs[i].arrived_ns < oldest)
+            oldest = seqs[i].arrived_ns;
+    bool held[FITM_FORWARD_MAX_SEQS] = {false};
     /* The prompt budget bounds the gap between two tokens of a running stream; with no
      * stream decoding there is no gap to bound, and prompts take the whole call. */
     bool streaming = false;
-    for (int32_t i = 0; i < n; i++)
-        streaming = streaming || (seqs[i].answer && seqs[i].answer->decoding);
+    for (int32_t i = 0; i < n; i++) {
+        const fitm_answer_seq *q = seqs[i].answer;
+        if (!q || !q->decoding)
+            continue;
+        held[i] = q->n_done == 1 && oldest < q->first_ns;
+        streaming = streaming || !held[i];
+    }
     if (!streaming)
         prefill_budget = room;
     /* Decode steps first (one row each), then prompt chunks and rerank passes in the order
@@ -729,8 +744,8 @@ void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
                 }
             }
             const bool decoding = q && q->decoding;
-            if (done[i] || decoding != (pass == 0) || n_parts == FITM_FORWARD_MAX_SEQS ||
-                logit_room < 1)
+            if (done[i] || held[i] || decoding != (pass == 0) ||
+                n_parts == FITM_FORWARD_MAX_SEQS || logit_room < 1)
                 continue;
             int64_t want = decoding ? 1 : (prefill_budget < room ? prefill_budget : room);
             if (want < 1)

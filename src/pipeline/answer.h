@@ -140,17 +140,22 @@ fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
                               fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err);
 
 /* One member of the running batch: an answer or a /rerank (fitm_rerank_begin); exactly one
- * of the two is set. */
+ * of the two is set. arrived_ns: when its request arrived, on fitm_clock_ns's scale. */
 typedef struct {
     fitm_answer_seq *answer;
     fitm_rerank_seq *rerank;
+    int64_t arrived_ns;
 } fitm_batch_seq;
 
 /* One batched forward call over seqs (n <= FITM_FORWARD_MAX_SEQS): every decoding answer
  * gets its next token; prompts and rerank passes get chunks of at most prefill_budget tokens
  * in all (the whole call when no answer is decoding: the budget bounds a stream's gap
  * between two tokens), in the order given, within the call's limits (a sequence left out
- * waits for the next step). For each i: done[i] when seqs[i] has finished, with st[i] (and
+ * waits for the next step). Requests are served in the order they arrived: an answer that
+ * has its first token waits, before its second, while a prompt or rerank of a request that
+ * arrived before that first token is still being computed (requests that arrive together
+ * are all prefilled, in whole calls, before any of them streams on); only answers past
+ * their second token bound the prompts by the budget. For each i: done[i] when seqs[i] has finished, with st[i] (and
  * errs[i] on failure) for an answer; a rerank's status and message come from
  * fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT, an answer
  * whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must not be

@@ -467,6 +467,7 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
             seqs[i].rerank = ((fitm_rerank_work *)jobs[i]->work)->seq;
         else
             seqs[i].answer = ((fitm_answer_work *)jobs[i]->work)->seq;
+        seqs[i].arrived_ns = jobs[i]->enqueued_ns;
     }
     /* The prompt budget bounds how long one step (and so the gap between two tokens of a
      * running stream) takes while new prompts are prefilled beside the running answers. */
