@@ -831,6 +831,7 @@ int main(int argc, char **argv)
     test_topk(b, 1, 5003, 64, 4);
     test_topk(b, 3, 4099, 64, 0);
     test_topk(b, 2, 70001, 1, 2);
+    test_topk(b, 8, 4099, 40, 1); /* a decode step of 8 sequences: rows over the threads */
 attention:;
     static const attn_case cases[] = {
         {.T = 9, .pos0 = 0, .own_base = 0, .window = 0, .H = 4, .Hkv = 2, .D = 16},

@@ -571,12 +571,27 @@ static void topk_row(const float *x, int64_t n, int32_t k, fitm_top *top)
     fitm_ops_topk_add(x, i, n, k, top, &have);
 }
 
+typedef struct {
+    const float *x;
+    int64_t n;
+    int32_t k;
+    fitm_top *top;
+} topk_job;
+
+static void topk_task(void *ctx, int64_t r, int thread)
+{
+    (void)thread;
+    const topk_job *j = ctx;
+    topk_row(j->x + r * j->n, j->n, j->k, j->top + r * j->k);
+}
+
+/* A row per task: a decode step of several sequences scans each one's logits (1 MiB per row
+ * on Gemma 3), which one thread alone did while the others waited. */
 static void cpu_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
                      fitm_top *top)
 {
-    (void)b;
-    for (int64_t r = 0; r < rows; r++)
-        topk_row(x + r * n, n, k, top + r * k);
+    topk_job j = {x, n, k, top};
+    fitm_pool_run(cpu(b)->pool, rows, topk_task, &j);
 }
 
 /* e^x for VW floats: x = n ln2 + r (|r| <= ln2/2, ln2 split in two for exactness), e^r by a
