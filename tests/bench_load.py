@@ -14,7 +14,11 @@ requests/s, time to first token, inter-token gap p50/p99, request latency p50/p9
 RSS after the round; then each server's N-stream figures against its single stream, and fitmd
 against llama-server.
 
-  tests/bench_load.py --model MODEL.gguf [--n 1 2 4 8] [--llama-server PATH]
+  tests/bench_load.py --model MODEL.gguf [--n 1 2 4 8] [--llama-server PATH] [--repeat R]
+
+With --repeat R every N runs R rounds, the Ns in turn, and the ratios are taken between each
+figure's median over its rounds (one machine's load varies by tens of percent from minute to
+minute on a shared host).
 
 Soak mode (--soak SECONDS): --clients clients loop over a random mix of /rerank, /answer and
 streamed /answer, and hang up on a random share of the streams (--hangup) after the first
@@ -264,10 +268,21 @@ def benchmark(a, headers):
               f"{'req/s':>6} "
               f"{'TTFT50':>8} {'TTFT99':>8} {'gap50':>7} {'gap99':>7} {'lat50 s':>7} "
               f"{'lat99 s':>7} {'RSS MiB':>7}")
-        for n in a.n:
-            for s in servers:
-                gen[s.name][n] = m = gen_round(s, headers, n, a, rnd)
-                print(fmt_gen(s.name, n, m), flush=True)
+        rounds = {s.name: {n: [] for n in a.n} for s in servers}
+        for _ in range(a.repeat):  # N = 1, 2, ... in turn, so a shared machine's load hits all
+            for n in a.n:
+                for s in servers:
+                    rounds[s.name][n].append(m := gen_round(s, headers, n, a, rnd))
+                    print(fmt_gen(s.name, n, m), flush=True)
+        for s in servers:  # each figure's median over the rounds
+            for n in a.n:
+                rs = rounds[s.name][n]
+                gen[s.name][n] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        if a.repeat > 1:
+            print(f"\nmedians of {a.repeat} rounds")
+            for n in a.n:
+                for s in servers:
+                    print(fmt_gen(s.name, n, gen[s.name][n]))
         print(f"\n/rerank, K = {a.k} (~{a.rerank_words} words each), {a.rerank_reps} requests per "
               f"client\n{'server':<13} {'N':>3} {'req/s':>7} {'lat50 s':>8} {'lat99 s':>8} "
               f"{'RSS MiB':>8}")
@@ -481,6 +496,8 @@ def main():
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--rerank-words", type=int, default=60)
     ap.add_argument("--rerank-reps", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every N (in turn); the ratios use each figure's median")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--soak", type=float, default=0, help="seconds of mixed load instead")
     ap.add_argument("--clients", type=int, default=8)
@@ -490,6 +507,8 @@ def main():
     ap.add_argument("--mixed", action="store_true",
                     help="one stream while --clients reranks run (stalls), instead")
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if a.mixed:
         sys.exit(mixed(a))
     if a.soak:

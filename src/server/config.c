@@ -97,7 +97,9 @@ static const opt opts[] = {
     {"batch_kv_mb", INT(batch_kv_mb), "1024", 1, 1048576, NULL,
      "KV cache memory (MiB) the running /answer generations may hold before new ones wait"},
     {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
-     "prompt tokens per batched step, over all new /answer prompts: lower keeps running "
+     "prompt tokens per batched step while streams decode, over the prompts and /rerank passes "
+     "of requests that arrived after those streams' first token (requests that arrive together "
+     "are prefilled in whole calls before any of them streams on): lower keeps running "
      "streams' token gaps short, higher gives new requests their first token sooner"},
     {"kv_cache_type", ENUM(kv_cache_type), "auto", 0, 0, "auto|f32|f16",
      "values of the KV cache: f16 = half the memory per sequence (more generations fit "
