@@ -154,12 +154,12 @@ typedef struct {
  * waits for the next step). Requests are served in the order they arrived: an answer that
  * has its first token waits, before its second, while a prompt or rerank of a request that
  * arrived before that first token is still being computed (requests that arrive together
- * are all prefilled, in whole calls, before any of them streams on); only answers past
- * their second token bound the prompts by the budget. For each i: done[i] when seqs[i] has finished, with st[i] (and
- * errs[i] on failure) for an answer; a rerank's status and message come from
- * fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT, an answer
- * whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must not be
- * stepped again. */
+ * are all prefilled, in whole calls, before any of them streams on); only the answers that
+ * decode in the step bound the prompts by the budget. For each i: done[i] when seqs[i] has
+ * finished, with st[i] (and errs[i] on failure) for an answer; a rerank's status and message
+ * come from fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT,
+ * an answer whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must
+ * not be stepped again. */
 void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
                       int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs);
 
