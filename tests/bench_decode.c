@@ -32,6 +32,17 @@ static float frand(void)
     return (float)((double)(rng >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
+/* Value i of a K/V array of fp16 (half) or F32 values. */
+static void put(void *p, size_t i, float x, bool half)
+{
+    if (half) {
+        const uint16_t h = fitm_fp32_to_fp16(x);
+        memcpy((unsigned char *)p + i * sizeof h, &h, sizeof h);
+    } else {
+        memcpy((unsigned char *)p + i * sizeof x, &x, sizeof x);
+    }
+}
+
 static int bench_attention(int threads, int S, int64_t ctx, int L, int reps, bool half)
 {
     fitm_err err = {{0}};
@@ -44,7 +55,7 @@ static int bench_attention(int threads, int S, int64_t ctx, int L, int reps, boo
     }
     const size_t es = half ? sizeof(uint16_t) : sizeof(float), per = (size_t)ctx * DIM;
     const size_t n = per * (size_t)S * (size_t)L;
-    unsigned char *K = malloc(n * es), *V = malloc(n * es);
+    void *K = malloc(n * es), *V = malloc(n * es);
     float *q = malloc(sizeof(float) * (size_t)(S * HEADS * DIM)),
           *o = malloc(sizeof(float) * (size_t)(S * HEADS * DIM));
     fitm_attn_args *a = calloc((size_t)S, sizeof *a);
@@ -55,14 +66,8 @@ static int bench_attention(int threads, int S, int64_t ctx, int L, int reps, boo
         return 1;
     }
     for (size_t i = 0; i < n; i++) {
-        const float k = frand(), v = frand();
-        if (half) {
-            ((uint16_t *)K)[i] = fitm_fp32_to_fp16(k);
-            ((uint16_t *)V)[i] = fitm_fp32_to_fp16(v);
-        } else {
-            ((float *)K)[i] = k;
-            ((float *)V)[i] = v;
-        }
+        put(K, i, frand(), half);
+        put(V, i, frand(), half);
     }
     for (int i = 0; i < S * HEADS * DIM; i++)
         q[i] = frand();
@@ -75,8 +80,9 @@ static int bench_attention(int threads, int S, int64_t ctx, int L, int reps, boo
                 a[s] = (fitm_attn_args){.layer = l, .T = 1, .pos0 = ctx - 1, .n_head = HEADS,
                                         .n_head_kv = 1, .head_dim = DIM, .scale = 0.0625f,
                                         .window = l % 6 == 5 ? 0 : 512, .q = q + s * HEADS * DIM,
-                                        .out = o + s * HEADS * DIM, .k_own = K + at,
-                                        .v_own = V + at, .kv_half = half};
+                                        .out = o + s * HEADS * DIM,
+                                        .k_own = (const unsigned char *)K + at,
+                                        .v_own = (const unsigned char *)V + at, .kv_half = half};
             }
             b->ops->attention_many(b, a, S);
         }
