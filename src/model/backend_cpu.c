@@ -404,10 +404,35 @@ typedef struct {
     float eps;
 } norm_job;
 
+/* fitm_ops_rmsnorm's row with its sum of squares in NORM_LANES double accumulators, element c
+ * going to lane c % NORM_LANES, then the lanes in order and the tail: the reference adds the
+ * same exact products (a float's square is exact in double) in one chain, whose latency made
+ * the norms of a decode step (7 per layer and row on Gemma 3, on one thread) about 3% of it.
+ * Only the double sum's rounding differs from the reference, far below the float scale's. */
+#define NORM_LANES 16
+
+static void norm_row(float *y, const float *x, const float *w, int64_t n, float eps)
+{
+    double acc[NORM_LANES] = {0.0};
+    int64_t c = 0;
+    for (; c + NORM_LANES <= n; c += NORM_LANES)
+        for (int i = 0; i < NORM_LANES; i++)
+            acc[i] += (double)x[c + i] * x[c + i];
+    double ss = 0.0;
+    for (int i = 0; i < NORM_LANES; i++)
+        ss += acc[i];
+    for (; c < n; c++)
+        ss += (double)x[c] * x[c];
+    const float scale = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (c = 0; c < n; c++)
+        y[c] = x[c] * scale * (w[c] + 0.0f);
+}
+
 static void norm_rows(void *ctx, int64_t i0, int64_t i1)
 {
     norm_job *j = ctx;
-    fitm_ops_rmsnorm(j->y + i0 * j->n, j->x + i0 * j->n, j->w, 0.0f, i1 - i0, j->n, j->eps);
+    for (int64_t i = i0; i < i1; i++)
+        norm_row(j->y + i * j->n, j->x + i * j->n, j->w, j->n, j->eps);
 }
 
 static void cpu_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
