@@ -1,6 +1,7 @@
 /* Batched forward calls (fitm_forward_run_batch) against the same sequences run one call at a
- * time, on generated models of every architecture and weight type: every sequence's logits,
- * attention captures (span masses and full rows, before and after the intervention) and KV
+ * time, on generated models of every architecture and weight type: every sequence's logits
+ * and top-k lists (k drawn per sequence, so runs of equal k share one top-k call), attention
+ * captures (span masses and full rows, before and after the intervention) and KV
  * rows must be bit-identical (memcmp), whatever else shares the call -- decode steps packed
  * with other decode steps, prefill chunks, branches over a shared prefix, intervened rows,
  * sequences with Ms-PoE's per-head positions beside sequences without; with F32 caches and
@@ -63,7 +64,9 @@ typedef struct {
     fitm_intervention iv;
     bool use_cap, use_iv;
     fitm_position_method position; /* Ms-PoE now and then; branches never (their prefix has none) */
+    int32_t top_k;                 /* 0 (none), 1 (greedy), 3 or FITM_TOP_MAX               */
     float *logits[2], *mass[2], *probs[2]; /* [0] batched, [1] solo */
+    fitm_top *top[2];
 } seq;
 
 static void fill_part(seq *s, const fitm_model_config *c, bool decode)
@@ -74,6 +77,9 @@ static void fill_part(seq *s, const fitm_model_config *c, bool decode)
     for (int64_t t = 0; t < s->T; t++)
         s->ids[s->pos + t] = (int32_t)uniform(0, c->n_vocab - 1);
     s->n_logits = uniform(s->T > 1 ? 0 : 1, s->T);
+    static const int32_t ks[] = {0, 1, 1, 3, FITM_TOP_MAX};
+    s->top_k = ks[uniform(0, 4)];
+    s->top_k = s->top_k > c->n_vocab ? c->n_vocab : s->top_k;
     s->use_cap = uniform(0, 1);
     s->use_iv = s->pos >= 4 && uniform(0, 1);
     s->position = !s->prefix && uniform(0, 2) == 0 ? FITM_POSITION_MS_POE : FITM_POSITION_NONE;
@@ -103,6 +109,8 @@ static fitm_forward_opts opts_of(seq *s, int which, fitm_capture *cap)
         .prefix = s->prefix,
         .n_logits = s->n_logits,
         .logits = s->logits[which],
+        .top_k = s->top_k,
+        .top = s->top[which],
         .capture = s->use_cap ? cap : NULL,
         .intervention = s->use_iv ? &s->iv : NULL,
         .position = s->position,
@@ -154,7 +162,8 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
             S[i].logits[w] = malloc(sizeof(float) * (size_t)(MAX_T * V));
             S[i].mass[w] = malloc(sizeof(float) * (size_t)(2 * L * H * 3));
             S[i].probs[w] = malloc(sizeof(float) * (size_t)(2 * L * H * CTX));
-            ok = S[i].logits[w] && S[i].mass[w] && S[i].probs[w];
+            S[i].top[w] = malloc(sizeof(fitm_top) * (size_t)(MAX_T * FITM_TOP_MAX));
+            ok = S[i].logits[w] && S[i].mass[w] && S[i].probs[w] && S[i].top[w];
         }
     }
     CHECK(ok);
@@ -221,6 +230,9 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
             const char *what = "";
             if (memcmp(s->logits[0], s->logits[1], sizeof(float) * (size_t)(s->n_logits * V)))
                 what = "logits";
+            else if (memcmp(s->top[0], s->top[1],
+                            sizeof(fitm_top) * (size_t)(s->n_logits * s->top_k)))
+                what = "top-k lists";
             else if (s->use_cap &&
                      memcmp(s->mass[0], s->mass[1],
                             sizeof(float) * (size_t)(s->cap.n_rows * L * H * 3)))
@@ -265,6 +277,7 @@ out:
             free(S[i].logits[w]);
             free(S[i].mass[w]);
             free(S[i].probs[w]);
+            free(S[i].top[w]);
         }
     }
     fitm_kv_destroy(prefix);

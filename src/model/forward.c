@@ -33,6 +33,7 @@ struct fitm_forward {
     /* host scratch */
     float *cs_host;     /* (T, n_rot) */
     int32_t *cap_index; /* (T)        */
+    fitm_top *top;      /* (max_logits, FITM_TOP_MAX): several sequences' top-k in one call */
     int32_t *ids;       /* (T) the call's tokens, in row order */
     /* position methods (params.positions; docs/position-methods.md) */
     int32_t n_mix;      /* expert slots: max(H, MoICE N); 0 = no position methods        */
@@ -107,6 +108,7 @@ static void free_scratch(fitm_forward *f)
         b->ops->free(b, bufs[i]);
     free(f->cs_host);
     free(f->cap_index);
+    free(f->top);
     free(f->ids);
     b->ops->free(b, f->q_mix);
     b->ops->free(b, f->k_mix);
@@ -185,8 +187,9 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     f->v = alloc_floats(b, Tm * KV, &ok);
     f->cs_host = malloc((size_t)(Tm * c->n_rot + 1) * sizeof(float));
     f->cap_index = malloc((size_t)Tm * sizeof(int32_t));
+    f->top = malloc((size_t)(p->max_logits * FITM_TOP_MAX + 1) * sizeof(fitm_top));
     f->ids = malloc((size_t)Tm * sizeof(int32_t));
-    if (!ok || !f->cs_host || !f->cap_index || !f->ids) {
+    if (!ok || !f->cs_host || !f->cap_index || !f->top || !f->ids) {
         fitm_forward_destroy(f);
         return fitm_err_set(err, FITM_ERR_NOMEM, "cannot allocate forward scratch for %lld tokens",
                             (long long)Tm);
@@ -719,8 +722,30 @@ static void output_head(const pass *p)
         if (nl > 0 && q->opts->logits)
             o->download(b, q->opts->logits, f->logits + q->lrow0 * V,
                         (size_t)(nl * V) * sizeof(float));
-        if (nl > 0 && q->opts->top_k > 0)
-            o->topk(b, f->logits + q->lrow0 * V, nl, V, q->opts->top_k, q->opts->top);
+    }
+    /* Top-k: consecutive sequences asking for the same k in one call (their logit rows are
+     * adjacent), so a decode step's rows are scanned on all threads; each sequence's entries
+     * are then copied out of the shared list. */
+    for (int32_t s = 0, e; s < p->n_seqs; s = e) {
+        const seq_part *q = &p->seq[s];
+        const int32_t k = q->opts->top_k;
+        int64_t rows = q->opts->n_logits;
+        for (e = s + 1; rows > 0 && k > 0 && e < p->n_seqs && p->seq[e].opts->top_k == k &&
+                        p->seq[e].opts->n_logits > 0;
+             e++)
+            rows += p->seq[e].opts->n_logits;
+        if (rows == 0 || k <= 0)
+            continue;
+        if (e == s + 1) {
+            o->topk(b, f->logits + q->lrow0 * V, rows, V, k, q->opts->top);
+            continue;
+        }
+        o->topk(b, f->logits + q->lrow0 * V, rows, V, k, f->top);
+        for (int32_t t = s; t < e; t++) {
+            const seq_part *r = &p->seq[t];
+            memcpy(r->opts->top, f->top + (r->lrow0 - q->lrow0) * k,
+                   (size_t)(r->opts->n_logits * k) * sizeof(fitm_top));
+        }
     }
 }
 
