@@ -282,7 +282,7 @@ def test_arrival_order_and_running_streams(fitmd_bin, tmp_path_factory):  # noqa
 
         def client(key, times):
             go.wait()
-            usage[key] = stream_times(dm, long_prompt + f" {key}", 12, times)
+            usage[key] = stream_times(dm, long_prompt + f" {key}", 80, times)
 
         sent = time.perf_counter()
         pair = [threading.Thread(target=client, args=(k, t)) for k, t in (("a", a), ("b", b))]
@@ -291,13 +291,17 @@ def test_arrival_order_and_running_streams(fitmd_bin, tmp_path_factory):  # noqa
         for t in pair:
             t.join()
         t_run.join()
-        assert all(u["completion_tokens"] == 12 for u in usage.values()) and a and b
+        assert all(u["completion_tokens"] == 80 for u in usage.values()) and a and b
         # long enough for ~200 budgeted steps each
         assert min(u["prompt_tokens"] for u in usage.values()) >= 300, usage
         first, second = (a, b) if a[0] < b[0] else (b, a)
-        # the first prompt's stream waited for the other's first token (its own first event
-        # before it, where serving it on would give one per step of the other's prefill)
-        assert sum(t < second[0] for t in first) <= 2, (first, second[0])
+        # the first prompt's stream waited for the other's first token: its first token came
+        # before it, where serving it on would have given all 80 (one per step of the other's
+        # ~200-step prefill). The margin is wide because what the client sees is not the
+        # engine's order exactly: two connections deliver independently (a step of this tiny
+        # model takes well under a millisecond), and a token ending inside a UTF-8 character
+        # is held back until the character is whole.
+        assert sum(t < second[0] for t in first) < 40, (first, second[0])
         # the running stream kept decoding while both prompts were prefilled
         assert running[-1] > second[0] and sum(sent < t < second[0] for t in running) >= 100
     finally:
