@@ -145,9 +145,9 @@ static int bench_packed(fitm_dtype t, int threads, int64_t N, int reps)
         fitm_quant_row(vt, row, xq + xs * (size_t)m, K_COLS);
     }
     const int64_t groups = N / FITM_PACK_ROWS;
-    for (int64_t M = 1; M <= 8; M *= 2) {
-        if (M == 2)
-            continue;
+    static const int64_t rows_per_call[] = {1, 4, 8};
+    for (size_t c = 0; c < sizeof rows_per_call / sizeof *rows_per_call; c++) {
+        const int64_t M = rows_per_call[c];
         double best = 1e30;
         for (int r = 0; r < reps; r++) {
             const double t0 = now_s();

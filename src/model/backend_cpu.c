@@ -426,7 +426,7 @@ static void norm_row(float *y, const float *x, const float *w, int64_t n, float 
     for (; c < n; c++)
         ss += (double)x[c] * x[c];
     const float scale = (float)(1.0 / sqrt(ss / (double)n + eps));
-    for (c = 0; c < n; c++)
+    for (c = 0; c < n; c++) /* + 0.0f: the reference's w_offset, so a -0 weight gives +0 too */
         y[c] = x[c] * scale * (w[c] + 0.0f);
 }
 
@@ -1097,7 +1097,7 @@ KERNEL_INLINE void dot_4x4(const float *const q[4], const void *const k[4], int6
         }
 }
 
-/* Asks for the lines of key j's K (or V) row at group g, which the kernel reads KV_AHEAD keys
+/* Asks for the lines of key j's K row at group g, which the score kernel reads KV_AHEAD keys
  * later: a decode step's attention streams each sequence's cache from memory once, and with
  * the hardware prefetchers alone the loads wait (8 sequences x 540 fp16 keys x 18 layers,
  * 2 threads: about a quarter less time with 8 keys ahead, less gain with 16 or 32;

@@ -729,23 +729,16 @@ static void output_head(const pass *p)
     for (int32_t s = 0, e; s < p->n_seqs; s = e) {
         const seq_part *q = &p->seq[s];
         const int32_t k = q->opts->top_k;
+        e = s + 1;
+        if (k <= 0 || q->opts->n_logits == 0)
+            continue;
         int64_t rows = q->opts->n_logits;
-        for (e = s + 1; rows > 0 && k > 0 && e < p->n_seqs && p->seq[e].opts->top_k == k &&
-                        p->seq[e].opts->n_logits > 0;
-             e++)
-            rows += p->seq[e].opts->n_logits;
-        if (rows == 0 || k <= 0)
-            continue;
-        if (e == s + 1) {
-            o->topk(b, f->logits + q->lrow0 * V, rows, V, k, q->opts->top);
-            continue;
-        }
+        while (e < p->n_seqs && p->seq[e].opts->top_k == k && p->seq[e].opts->n_logits > 0)
+            rows += p->seq[e++].opts->n_logits;
         o->topk(b, f->logits + q->lrow0 * V, rows, V, k, f->top);
-        for (int32_t t = s; t < e; t++) {
-            const seq_part *r = &p->seq[t];
-            memcpy(r->opts->top, f->top + (r->lrow0 - q->lrow0) * k,
-                   (size_t)(r->opts->n_logits * k) * sizeof(fitm_top));
-        }
+        for (int32_t t = s; t < e; t++)
+            memcpy(p->seq[t].opts->top, f->top + (p->seq[t].lrow0 - q->lrow0) * k,
+                   (size_t)(p->seq[t].opts->n_logits * k) * sizeof(fitm_top));
     }
 }
 
