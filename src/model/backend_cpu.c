@@ -1097,20 +1097,26 @@ KERNEL_INLINE void dot_4x4(const float *const q[4], const void *const k[4], int6
         }
 }
 
-/* Asks for the lines of key j's K row at group g, which the score kernel reads KV_AHEAD keys
- * later: a decode step's attention streams each sequence's cache from memory once, and with
- * the hardware prefetchers alone the loads wait (8 sequences x 540 fp16 keys x 18 layers,
- * 2 threads: about a quarter less time with 8 keys ahead, less gain with 16 or 32;
+/* Asks for the lines of key j's K (or V) row at group g, which the kernels read later: a
+ * decode step's attention streams each sequence's cache from memory once, and with the
+ * hardware prefetchers alone the loads wait. The score kernel asks for K and V rows KV_AHEAD
+ * keys ahead, K into L1 for its own dots, V into L2 for the products with the probabilities
+ * that follow (8 sequences x 540 fp16 keys x 18 layers, 2 threads: K ahead about a quarter
+ * less time, distances 4 and 8 alike, 16 or 32 less gain; V besides, a fifth less again;
  * docs/cpu-forward-benchmark.md). */
 #define KV_AHEAD 8
 
 KERNEL_INLINE void prefetch_kv(const fitm_attn_args *a, const void *pre, const void *own,
-                               int64_t j, int64_t g, const bool half)
+                               int64_t j, int64_t g, const bool half, const bool to_l2)
 {
     const char *p = kv_row(a, pre, own, j, g, half);
     const size_t bytes = (size_t)a->head_dim * (half ? 2 : 4);
-    for (size_t o = 0; o < bytes; o += 64)
-        __builtin_prefetch(p + o, 0, 3);
+    for (size_t o = 0; o < bytes; o += 64) {
+        if (to_l2)
+            __builtin_prefetch(p + o, 0, 2);
+        else
+            __builtin_prefetch(p + o, 0, 3);
+    }
 }
 
 /* rows[r].s[j] = scale * rows[r].q . K[lo + j] for the n rows (all of group g), j < nk. */
@@ -1126,8 +1132,10 @@ KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, in
             const void *k[4];
             for (int t = 0; t < 4; t++)
                 k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g, half);
-            for (int t = 0; t < 4 && j + KV_AHEAD + t < nk; t++)
-                prefetch_kv(a, a->k_pre, a->k_own, lo + j + KV_AHEAD + t, g, half);
+            for (int t = 0; t < 4 && j + KV_AHEAD + t < nk; t++) {
+                prefetch_kv(a, a->k_pre, a->k_own, lo + j + KV_AHEAD + t, g, half, false);
+                prefetch_kv(a, a->v_pre, a->v_own, lo + j + KV_AHEAD + t, g, half, true);
+            }
             float o[4][4];
             dot_4x4(q, k, D, o, half);
             for (int r = 0; r < 4; r++)
