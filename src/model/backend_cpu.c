@@ -1285,6 +1285,8 @@ static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int6
         ae.kv_half = false; /* the mixture's keys are F32 (only the scores read ae's keys) */
         ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
         ae.k_own = k + a->own_base * mx->k_heads * D;
+        ae.v_pre = ae.k_pre; /* only scores here: the score kernel's V prefetch stays in K */
+        ae.v_own = ae.k_own;
         attn_row rows[TILE_Q];
         if (used == nq) { /* every row: the blocked kernels */
             head_rows(&ae, ae.q, h, i0, nq, S, nk, rows);
