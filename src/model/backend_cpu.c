@@ -404,37 +404,10 @@ typedef struct {
     float eps;
 } norm_job;
 
-/* fitm_ops_rmsnorm's row with its sum of squares in NORM_LANES double accumulators, element c
- * going to lane c % NORM_LANES, then the lanes in order and the tail: the reference adds the
- * same exact products (a float's square is exact in double) in one chain, whose latency made
- * a decode step's norms (six per layer on Gemma 3, run inline: too small to share out) about
- * 3% of the engine thread's time while the pool's threads waited. Only the double sum's
- * rounding differs from the reference, far below the float scale's (on 262M random values,
- * none differed). */
-#define NORM_LANES 16
-
-static void norm_row(float *y, const float *x, const float *w, int64_t n, float eps)
-{
-    double acc[NORM_LANES] = {0.0};
-    int64_t c = 0;
-    for (; c + NORM_LANES <= n; c += NORM_LANES)
-        for (int i = 0; i < NORM_LANES; i++)
-            acc[i] += (double)x[c + i] * x[c + i];
-    double ss = 0.0;
-    for (int i = 0; i < NORM_LANES; i++)
-        ss += acc[i];
-    for (; c < n; c++)
-        ss += (double)x[c] * x[c];
-    const float scale = (float)(1.0 / sqrt(ss / (double)n + eps));
-    for (c = 0; c < n; c++) /* + 0.0f: the reference's w_offset, so a -0 weight gives +0 too */
-        y[c] = x[c] * scale * (w[c] + 0.0f);
-}
-
 static void norm_rows(void *ctx, int64_t i0, int64_t i1)
 {
     norm_job *j = ctx;
-    for (int64_t i = i0; i < i1; i++)
-        norm_row(j->y + i * j->n, j->x + i * j->n, j->w, j->n, j->eps);
+    fitm_ops_rmsnorm(j->y + i0 * j->n, j->x + i0 * j->n, j->w, 0.0f, i1 - i0, j->n, j->eps);
 }
 
 static void cpu_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
@@ -1134,6 +1107,7 @@ KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, in
                                int64_t lo, int64_t nk, const bool half)
 {
     const int64_t D = a->head_dim;
+    const bool has_v = a->v_pre || a->v_own; /* not for the mixture's scores */
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
         const float *q[4] = {rows[i].q, rows[i + 1].q, rows[i + 2].q, rows[i + 3].q};
@@ -1144,7 +1118,8 @@ KERNEL_INLINE void scores_rows(const fitm_attn_args *a, const attn_row *rows, in
                 k[t] = kv_row(a, a->k_pre, a->k_own, lo + j + t, g, half);
             for (int t = 0; t < 4 && j + KV_AHEAD + t < nk; t++) {
                 prefetch_kv(a, a->k_pre, a->k_own, lo + j + KV_AHEAD + t, g, half, false);
-                prefetch_kv(a, a->v_pre, a->v_own, lo + j + KV_AHEAD + t, g, half, true);
+                if (has_v)
+                    prefetch_kv(a, a->v_pre, a->v_own, lo + j + KV_AHEAD + t, g, half, true);
             }
             float o[4][4];
             dot_4x4(q, k, D, o, half);
@@ -1285,8 +1260,7 @@ static void attn_mix_probs(const fitm_attn_args *a, int64_t i0, int64_t nq, int6
         ae.kv_half = false; /* the mixture's keys are F32 (only the scores read ae's keys) */
         ae.k_pre = k; /* kv_row: position j at row j whichever side of own_base */
         ae.k_own = k + a->own_base * mx->k_heads * D;
-        ae.v_pre = ae.k_pre; /* only scores here: the score kernel's V prefetch stays in K */
-        ae.v_own = ae.k_own;
+        ae.v_pre = ae.v_own = NULL; /* only scores here: no V to ask for ahead */
         attn_row rows[TILE_Q];
         if (used == nq) { /* every row: the blocked kernels */
             head_rows(&ae, ae.q, h, i0, nq, S, nk, rows);
