@@ -1,7 +1,8 @@
 /* Unit test for base/mem.c: buffers on both sides of FITM_MEM_MAP_MIN are aligned, zero and
  * writable end to end; a mapped buffer is resident only in the pages written (mincore), and
  * freeing it unmaps them (the reason the module exists: a KV cache sized for the whole
- * context used to be resident in full from its creation); bad alignments are refused. */
+ * context used to be resident in full from its creation); bad alignments are refused; asking
+ * for huge pages changes none of that for any size. */
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -40,6 +41,8 @@ static void one(size_t n, size_t align, uint64_t *rng)
     if (!p)
         return;
     CHECK((uintptr_t)p % align == 0, "%zu bytes at %p, align %zu", n, (void *)p, align);
+    if (fitm_rng_next(rng) & 1) /* huge pages asked for (a no-op below the map threshold) */
+        fitm_mem_hugepages(p);
     size_t nonzero = 0;
     for (size_t i = 0; i < n; i++)
         nonzero += p[i] != 0;
@@ -69,6 +72,7 @@ int main(void)
     CHECK(fitm_mem_alloc_zeroed(100, 8192) == NULL, "an alignment past a page");
     CHECK(fitm_mem_alloc_zeroed(SIZE_MAX - 10, 64) == NULL, "a size that cannot exist");
     fitm_mem_free(NULL);
+    fitm_mem_hugepages(NULL);
 
     /* 256 MiB that are not written are not resident; writing 16 MiB of them makes exactly
      * those pages resident; freeing unmaps them. */

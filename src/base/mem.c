@@ -47,6 +47,15 @@ void *fitm_mem_alloc_zeroed(size_t n, size_t align)
     return p;
 }
 
+void fitm_mem_hugepages(void *p)
+{
+    if (!p)
+        return;
+    const header h = *header_of(p);
+    if (h.magic == MAGIC_MAP)
+        (void)madvise(h.base, h.map_bytes, MADV_HUGEPAGE);
+}
+
 void fitm_mem_free(void *p)
 {
     if (!p)

@@ -23,4 +23,11 @@ void *fitm_mem_alloc_zeroed(size_t n, size_t align);
 /* NULL is a no-op. */
 void fitm_mem_free(void *p);
 
+/* Asks the kernel to back a mapped buffer (one of at least FITM_MEM_MAP_MIN bytes) with huge
+ * pages where it can (transparent huge pages in "madvise" mode; a no-op where they are off or
+ * for a small buffer). For buffers read through from end to end, such as packed weights:
+ * fewer TLB misses. Not for a KV cache, whose pages become resident as rows are written: with
+ * 2 MiB pages a short request would hold far more memory than it used. */
+void fitm_mem_hugepages(void *p);
+
 #endif

@@ -309,6 +309,7 @@ static fitm_status pack_weight(cpu_backend *c, const fitm_model *m, const fitm_w
     void *p = cpu_alloc(&c->base, bytes);
     if (!p)
         return fitm_err_set(err, FITM_ERR_NOMEM, "CPU backend: no memory to pack %s", w->name);
+    fitm_mem_hugepages(p); /* before the pages are touched: the products stream every byte */
     const int64_t groups = w->n_rows / FITM_PACK_ROWS, per = groups / (8 * c->n_threads) + 1;
     pack_job j = {w, p, per};
     fitm_pool_run(c->pool, (groups + per - 1) / per, pack_task, &j);
