@@ -7,7 +7,8 @@
  * 127 < 32768 for the value ranges each caller feeds it) and AVX512BW + VL (mask registers
  * for Q5_0's fifth bits, a variable shift for nibbles). Where the build targets AVX512F/BW/
  * DQ/VNNI, the Q8_0 and Q5_0 dots (most of a Gemma 3 decode step) run on 512-bit vectors, two
- * blocks per vector (FITM_DOT512). tests/meson.build runs the unit test
+ * blocks per vector (FITM_DOT512), and so do the K-quants' integer sums (the same sums, so the
+ * same results as the 256-bit kernels). tests/meson.build runs the unit test
  * once per path the machine has (FITM_CPU), so every path is checked.
  *
  * Layouts: quant_internal.h. Every integer block sum equals the scalar path's; only float
@@ -436,6 +437,34 @@ static inline __m256i k_min_sums(__m256i bsums, const uint8_t m[8])
  * on M. xq: the rows' Q8_K blocks, x_stride bytes apart; out[r * out_stride]. */
 #define ROWSK_MAX 4
 
+#if FITM_DOT512
+/* The K-quant rows on 512-bit vectors (FITM_DOT512 builds): the two 256-bit products of a
+ * group (or of two groups) side by side, each 128-bit lane with its own scales, and pair
+ * sums times scales added by one vpdpwssd. A block's upper 256 bits are then added onto the
+ * lower ones: lane l of the lower half sums the same byte positions as lane l of the 256-bit
+ * kernels' isum, so every integer block sum, and so every result, is theirs bit for bit. */
+
+/* 16-bit counts: c0 in every lane of the lower 256 bits, c1 of the upper. */
+static inline __m512i halves16(int c0, int c1)
+{
+    const long long a = (long long)(0x0001000100010001ull * (unsigned)c0),
+                    b = (long long)(0x0001000100010001ull * (unsigned)c1);
+    return _mm512_set_epi64(b, b, b, b, a, a, a, a);
+}
+
+/* bcast16_mask(j0) in the lower 256 bits, bcast16_mask(j1) in the upper. */
+static inline __m512i bcast16_mask2(int j0, int j1)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bcast16_mask(j0)), bcast16_mask(j1), 1);
+}
+
+/* The block's 256-bit integer sum of one row from its 512-bit accumulator. */
+static inline __m256i fold512(__m512i v)
+{
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+#endif
+
 KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, size_t x_stride,
                            const int M, int64_t nb, float *out, int64_t out_stride)
 {
@@ -458,6 +487,35 @@ KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, si
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
         __m256i h = is5 ? loadu256(((const fitm_block_q5_k *)blk)->qh) : _mm256_setzero_si256();
         __m256i isum[ROWSK_MAX];
+#if FITM_DOT512
+        /* group g as one vector: low nibbles (scale 2g) below, high nibbles (2g + 1) above,
+         * against the row's 64 bytes of the group, which lie in that order */
+        const __m512i sc512 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+        const __m512i h512 = _mm512_broadcast_i64x4(h), low4x = _mm512_set1_epi8(0x0F);
+        __m512i isum5[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum5[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {
+            __m512i q = _mm512_broadcast_i64x4(loadu256(qs + 32 * g));
+            q = _mm512_and_si512(_mm512_srlv_epi16(q, halves16(0, 4)), low4x);
+            if (is5) { /* bits 2g (low nibbles) and 2g + 1 (high) of each qh byte */
+                const __m512i b = _mm512_srlv_epi16(h512, halves16(2 * g, 2 * g + 1));
+                q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi8(1)), 4));
+            }
+            const __m512i sg = _mm512_shuffle_epi8(sc512, bcast16_mask2(2 * g, 2 * g + 1));
+#pragma GCC unroll 4
+            for (int r = 0; r < M; r++) {
+                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)r * x_stride);
+                isum5[r] = _mm512_dpwssd_epi32(
+                    isum5[r], _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[i].qs + 64 * g)), sg);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = fold512(isum5[r]);
+        (void)one, (void)low4;
+#else
 #pragma GCC unroll 4
         for (int r = 0; r < M; r++)
             isum[r] = _mm256_setzero_si256();
@@ -480,6 +538,7 @@ KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, si
                 isum[r] = _mm256_add_epi32(isum[r], dot_u8s8_scaled(hi, loadu256(x[i].qs + 64 * g + 32), shi));
             }
         }
+#endif
         const float d = fp16(b4->d), dmin = fp16(b4->dmin);
 #pragma GCC unroll 4
         for (int r = 0; r < M; r++) {
@@ -526,6 +585,36 @@ KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_
         const __m128i evod = _mm_shuffle_epi8(sc8, _mm_set_epi8(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0));
         const __m256i sc_eo = _mm256_cvtepi8_epi16(evod);
         __m256i isum[ROWSK_MAX];
+#if FITM_DOT512
+        /* q6_k_half's groups 0, 1 and 2, 3 as two vectors, against the row's 64 bytes each */
+        const __m512i sc512 = _mm512_broadcast_i64x4(sc_eo), low4x = _mm512_set1_epi8(0x0F),
+                      low2x = _mm512_set1_epi8(3);
+        __m512i isum5[ROWSK_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum5[r] = _mm512_setzero_si512();
+        for (int hh = 0; hh < 2; hh++) {
+            const __m512i l = _mm512_loadu_si512(b->ql + 64 * hh);
+            const __m512i h = _mm512_broadcast_i64x4(loadu256(b->qh + 32 * hh));
+            const __m512i q01 = _mm512_or_si512(
+                _mm512_and_si512(l, low4x),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, halves16(0, 2)), low2x), 4));
+            const __m512i q23 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(l, 4), low4x),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, halves16(4, 6)), low2x), 4));
+            const __m512i s01 = _mm512_shuffle_epi8(sc512, bcast16_mask2(4 * hh, 4 * hh + 1));
+            const __m512i s23 = _mm512_shuffle_epi8(sc512, bcast16_mask2(4 * hh + 2, 4 * hh + 3));
+#pragma GCC unroll 4
+            for (int r = 0; r < M; r++) {
+                const int8_t *xr = ((const fitm_block_q8_k *)(xq + (size_t)r * x_stride))[i].qs + 128 * hh;
+                isum5[r] = _mm512_dpwssd_epi32(isum5[r], _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xr)), s01);
+                isum5[r] = _mm512_dpwssd_epi32(isum5[r], _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xr + 64)), s23);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < M; r++)
+            isum[r] = fold512(isum5[r]);
+#else
 #pragma GCC unroll 4
         for (int r = 0; r < M; r++)
             isum[r] = _mm256_setzero_si256();
@@ -542,6 +631,7 @@ KERNEL void dot_q6_k_rows(const fitm_block_q6_k *w, const uint8_t *xq, size_t x_
                 }
             }
         }
+#endif
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         const float d = fp16(b->d);
 #pragma GCC unroll 4
