@@ -122,8 +122,8 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
     fitm_kv *kv[FITM_FORWARD_MAX_SEQS] = {0};
     fitm_forward_seq seq[FITM_FORWARD_MAX_SEQS];
     fitm_forward_opts o[FITM_FORWARD_MAX_SEQS];
-    float *logits = malloc(sizeof *logits * (size_t)c->n_vocab * (size_t)B);
-    fitm_status s = logits ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    fitm_top *top = malloc(sizeof *top * FITM_TOP_MAX * (size_t)B);
+    fitm_status s = top ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     const long n_ids = ctx0 + n_tg;
     int32_t *own = malloc(sizeof *own * (size_t)n_ids * (size_t)B);
     if (!own && !s)
@@ -139,7 +139,10 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
     for (int r = 0; r < reps && !s; r++) {
         for (int q = 0; q < B; q++) {
             fitm_kv_truncate(kv[q], ctx0);
-            o[q] = (fitm_forward_opts){.n_logits = 1, .logits = logits + (size_t)q * c->n_vocab};
+            o[q] = (fitm_forward_opts){ /* what /answer's sampler takes, as the tg row */
+                .n_logits = 1,
+                .top_k = c->n_vocab < FITM_TOP_MAX ? (int32_t)c->n_vocab : FITM_TOP_MAX,
+                .top = top + (size_t)q * FITM_TOP_MAX};
         }
         double t0 = now_s();
         for (long i = ctx0; i < n_ids && !s; i++) {
@@ -153,7 +156,7 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
     for (int q = 0; q < B; q++)
         fitm_kv_destroy(kv[q]);
     free(own);
-    free(logits);
+    free(top);
     *tps = best;
     return s;
 }
