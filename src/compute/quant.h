@@ -91,7 +91,8 @@ void fitm_pack(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
 void fitm_packed_row(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
 
 /* fitm_matvec_rows on a packed weight, n0 and n1 multiples of 16. Each weight row is read
- * once for any M. */
+ * once for any M. With several rows the SIMD path prefetches weight bytes up to 8 KiB past
+ * row n1 - 1 (a hint, as fitm_matvec's). */
 void fitm_matvec_rows_packed(fitm_dtype t, const void *P, int64_t K, const void *x_q,
                              size_t x_stride, int64_t M, float *Y, int64_t ldy, int64_t n0,
                              int64_t n1);
