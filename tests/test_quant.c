@@ -8,7 +8,8 @@
  *    float rounding) on random blocks and odd lengths;
  *  - matvec == per-row dot and writes only its rows; matmul (dequantized tiles + BLAS)
  *    against matvec on the same activation values; matvec_rows (several activation rows)
- *    == per-row dot bit for bit, for every row count and writing only its rows;
+ *    == per-row dot bit for bit, for every row count and writing only its rows; the K-quant
+ *    products of the AVX2 and AVX-512 objects bit-identical where the CPU runs both;
  *  - packed Q8_0 / Q5_0 weights: rows read back equal the stored ones, the product equals
  *    the scalar reference bit for bit for every row count, the reference the dot's value;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
@@ -512,6 +513,48 @@ static void test_matvec_rows(void)
     }
 }
 
+/* The K-quant products of the AVX2 and the AVX-512 objects form the same integer block sums
+ * (256-bit lanes; 512-bit vectors folded onto them) and the same float chains: bit-identical
+ * for every row count, where the CPU runs both. */
+static void test_kquant_paths(void)
+{
+#if FITM_QUANT_X86
+    if (!fitm_cpu_supports(FITM_CPU_AVX512) || !fitm_cpu_supports(FITM_CPU_AVX2))
+        return;
+    const fitm_dtype kt[] = {FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
+    const int64_t N = 19, M_MAX = 9, lens[] = {256, 768, 2048};
+    for (int ti = 0; ti < 3; ti++)
+        for (int li = 0; li < 3; li++) {
+            const fitm_dtype t = kt[ti], vt = fitm_quant_vec_dtype(t);
+            const int64_t K = lens[li];
+            const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K);
+            uint8_t *W = malloc(N * rb), *xq = malloc(M_MAX * xqb);
+            float *x = malloc(K * sizeof(float)), *y2 = malloc(M_MAX * N * sizeof(float)),
+                  *y5 = malloc(M_MAX * N * sizeof(float));
+            for (int64_t n = 0; n < N; n++)
+                random_row(t, W + n * rb, K);
+            for (int64_t m = 0; m < M_MAX; m++) {
+                random_floats(x, K, 0.5f + (float)m);
+                fitm_quant_row(vt, x, xq + m * xqb, K);
+            }
+            for (int64_t M = 1; M <= M_MAX; M++) {
+                fitm_quant_matvec_rows_avx2(t, W, rb, K, xq, xqb, M, y2, N, N);
+                fitm_quant_matvec_rows_avx512(t, W, rb, K, xq, xqb, M, y5, N, N);
+                CHECK(memcmp(y2, y5, (size_t)(M * N) * sizeof(float)) == 0,
+                      "%s K=%ld M=%ld: AVX2 and AVX-512 products differ", tname(t), (long)K,
+                      (long)M);
+            }
+            for (int64_t n = 0; n < N; n++) {
+                const float a = fitm_quant_dot_avx2(t, W + n * rb, xq, K),
+                            b = fitm_quant_dot_avx512(t, W + n * rb, xq, K);
+                CHECK(fbits(a) == fbits(b), "%s K=%ld row %ld: dots %.9g and %.9g", tname(t),
+                      (long)K, (long)n, a, b);
+            }
+            free(W), free(xq), free(x), free(y2), free(y5);
+        }
+#endif
+}
+
 /* ---------------------------------------------------------------------------------------
  * Packed weights: the layout holds the stored values (rows read back bit for bit); the
  * product on this path equals the scalar reference bit for bit for every row count and
@@ -650,6 +693,7 @@ int main(void)
     test_paths();
     test_matvec_matmul();
     test_matvec_rows();
+    test_kquant_paths();
     test_packed();
     test_degenerate();
     if (failures) {

@@ -476,7 +476,6 @@ KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, si
 {
     const int is5 = t == FITM_DTYPE_Q5_K;
     const size_t bb = is5 ? sizeof(fitm_block_q5_k) : sizeof(fitm_block_q4_k);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256 acc[ROWSK_MAX], accm[ROWSK_MAX];
 #pragma GCC unroll 8
     for (int r = 0; r < M; r++)
@@ -520,8 +519,8 @@ KERNEL void dot_q45_k_rows(fitm_dtype t, const uint8_t *w, const uint8_t *xq, si
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++)
             isum[r] = fold512(isum5[r]);
-        (void)one, (void)low4;
 #else
+        const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
 #pragma GCC unroll 8
         for (int r = 0; r < M; r++)
             isum[r] = _mm256_setzero_si256();
@@ -1048,6 +1047,8 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
  * one fma per block per row into a vector whose lane r is output row r. No lane is ever
  * summed with another, so each output is the chain fitm_quant_matvec_packed_scalar computes,
  * and the weights a chunk decodes once serve up to PACKED_MAX activation rows. */
+#define PACKED_MAX 8       /* activation rows per kernel call: 8 accumulators, 8 weight vectors */
+#define PACKED_XS_MAX FITM_PACK_MAX_BLOCKS /* (row, block) entries prepared per pass (32 KiB) */
 /* With 4 or more activation rows a packed product is bound by the vector units more than by
  * memory, and the hardware prefetchers alone fall behind: the kernel then asks for the
  * weights PACKED_AHEAD bytes ahead, into L2 (a step of 8 sequences: the output head 6.4 ->
@@ -1057,8 +1058,6 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
  * are harmless. */
 #define PACKED_AHEAD 8192
 #define PACKED_AHEAD_ROWS 4
-#define PACKED_MAX 8       /* activation rows per kernel call: 8 accumulators, 8 weight vectors */
-#define PACKED_XS_MAX FITM_PACK_MAX_BLOCKS /* (row, block) entries prepared per pass (32 KiB) */
 
 typedef struct {
     int32_t bias; /* -off * (sum of the block's 32 activation bytes) */
