@@ -907,10 +907,10 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
                 k = k < 16 * nt ? k : 16 * nt;
                 k = (k + nt - 1) / nt * nt;
                 rpt = (N + k - 1) / k;
-                if (pt->packed)
-                    rpt = (rpt + 15) / 16 * 16;
+                if (pt->packed) /* whole groups of FITM_PACK_ROWS */
+                    rpt = (rpt + FITM_PACK_ROWS - 1) / FITM_PACK_ROWS * FITM_PACK_ROWS;
             }
-            pt->rows_per_task = rpt < 16 ? 16 : pt->packed ? rpt / 16 * 16 : rpt;
+            pt->rows_per_task = rpt < 16 ? 16 : rpt;
         } else {
             /* One tile per task: the tile's conversion is the unit of work anyway, and small
              * tasks balance threads the OS delays. */
