@@ -10,7 +10,7 @@
  *    against matvec on the same activation values; matvec_rows (several activation rows)
  *    == per-row dot bit for bit, for every row count and writing only its rows; the K-quant
  *    products of the AVX2 and AVX-512 objects bit-identical where the CPU runs both;
- *  - packed Q8_0 / Q5_0 weights: rows read back equal the stored ones, the product equals
+ *  - packed Q8_0 / Q5_0 / Q4_K weights: rows read back equal the stored ones, the product equals
  *    the scalar reference bit for bit for every row count, the reference the dot's value;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
  * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
@@ -560,23 +560,56 @@ static void test_kquant_paths(void)
  * product on this path equals the scalar reference bit for bit for every row count and
  * writes only its groups; and the reference is the stored weights' dot within rounding. */
 
+/* The dot of a stored Q4_K row with Q8_K activations from their integers, in double (the
+ * format's exact value but for the scale products' rounding), and its magnitude. */
+static double q4_k_dot_exact(const fitm_block_q4_k *w, const fitm_block_q8_k *x, int64_t nb,
+                             double *mag)
+{
+    double acc = 0;
+    *mag = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t isum = 0, msum = 0;
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            fitm_quant_k_scale_min(w[b].scales, j, &sc, &m);
+            for (int e = 0; e < 32; e++) {
+                const int q = (w[b].qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 0xF;
+                isum += (int64_t)sc * q * x[b].qs[32 * j + e];
+                msum += (int64_t)m * x[b].qs[32 * j + e];
+            }
+        }
+        const double a = (double)fitm_fp16_to_fp32(w[b].d) * x[b].d * (double)isum,
+                     c = (double)fitm_fp16_to_fp32(w[b].dmin) * x[b].d * (double)msum;
+        acc += a - c;
+        *mag += fabs(a) + fabs(c);
+    }
+    return acc;
+}
+
 static void test_packed(void)
 {
     const int64_t N = 48, M_MAX = 11, ldy = N + 3, n0 = 16, n1 = 48;
-    const int64_t lens[] = {32, 64, 96, 640, 2080};
-    const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0};
+    const int64_t lens[] = {32, 64, 96, 640, 2080}, lens_k[] = {256, 512, 1024, 2304};
+    const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K};
     const bool packs = fitm_cpu_path() == FITM_CPU_AVX512;
     CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 40, 64) == 0, "40 rows are not whole groups");
-    CHECK(fitm_pack_bytes(FITM_DTYPE_Q4_K, 48, 256) == 0, "Q4_K has no packed layout");
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q6_K, 48, 256) == 0, "Q6_K has no packed layout");
     CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 48, 32 * (FITM_PACK_MAX_BLOCKS + 1)) == 0, "K too long");
-    for (int ti = 0; ti < 2; ti++) {
-        const fitm_dtype t = types[ti];
-        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
-            const int64_t K = lens[li];
-            const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(FITM_DTYPE_Q8_0, K) + 4;
-            CHECK(fitm_pack_bytes(t, N, K) == (packs ? N * rb : 0), "%s K=%ld: pack bytes %zu",
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q4_K, 48, 32 * (FITM_PACK_MAX_BLOCKS + 8)) == 0, "K too long");
+    for (int ti = 0; ti < 3; ti++) {
+        const fitm_dtype t = types[ti], vt = fitm_quant_vec_dtype(t);
+        const bool kq = t == FITM_DTYPE_Q4_K;
+        for (size_t li = 0; li < (kq ? 4 : 5); li++) {
+            const int64_t K = kq ? lens_k[li] : lens[li];
+            const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 4;
+            const size_t pb = kq ? (size_t)(N / 16) * (size_t)(K / 256) * sizeof(fitm_chunk_q4_kx16)
+                                 : N * rb;
+            CHECK(fitm_pack_bytes(t, N, K) == (packs ? pb : 0), "%s K=%ld: pack bytes %zu",
                   tname(t), (long)K, fitm_pack_bytes(t, N, K));
-            uint8_t *W = malloc(N * rb), *P = malloc(N * rb), *xq = malloc(M_MAX * xqb);
+            if (packs)
+                CHECK(fitm_pack_bytes(t, n0, K) == pb / 3, "%s K=%ld: where row 16 starts",
+                      tname(t), (long)K);
+            uint8_t *W = malloc(N * rb), *P = malloc(pb), *xq = malloc(M_MAX * xqb);
             float *x = malloc(K * sizeof(float)), *a = malloc(K * sizeof(float)),
                   *b = malloc(K * sizeof(float)), *Y = malloc(M_MAX * ldy * sizeof(float)),
                   *R = malloc(M_MAX * N * sizeof(float));
@@ -594,20 +627,26 @@ static void test_packed(void)
             }
             for (int64_t m = 0; m < M_MAX; m++) {
                 random_floats(x, K, 1.0f + (float)m);
-                fitm_quant_row(FITM_DTYPE_Q8_0, x, xq + m * xqb, K);
+                fitm_quant_row(vt, x, xq + m * xqb, K);
             }
             fitm_quant_matvec_packed_scalar(t, P, K, xq, xqb, M_MAX, R, N, N / FITM_PACK_ROWS);
             for (int64_t m = 0; m < M_MAX; m++)
                 for (int64_t n = 0; n < N; n++) {
-                    fitm_dequant_row(t, W + n * rb, a, K);
-                    fitm_dequant_row(FITM_DTYPE_Q8_0, xq + m * xqb, b, K);
-                    double ref = 0, mag = 0;
-                    for (int64_t i = 0; i < K; i++) {
-                        ref += (double)a[i] * b[i];
-                        mag += fabs((double)a[i] * b[i]);
+                    double ref = 0, mag = 0, tol;
+                    if (kq) { /* two rounded scale products and two fmas per super-block */
+                        ref = q4_k_dot_exact((const fitm_block_q4_k *)(W + n * rb),
+                                             (const fitm_block_q8_k *)(xq + m * xqb), K / 256, &mag);
+                        tol = (4.0 * K / 256 + 2) * 0x1p-24 * mag;
+                    } else {
+                        fitm_dequant_row(t, W + n * rb, a, K);
+                        fitm_dequant_row(vt, xq + m * xqb, b, K);
+                        for (int64_t i = 0; i < K; i++) {
+                            ref += (double)a[i] * b[i];
+                            mag += fabs((double)a[i] * b[i]);
+                        }
+                        /* exact block sums, one rounded scale product and one rounded fma per block */
+                        tol = (2.0 * K / 32 + 2) * 0x1p-24 * mag;
                     }
-                    /* exact block sums, one rounded scale product and one rounded fma per block */
-                    const double tol = (2.0 * K / 32 + 2) * 0x1p-24 * mag;
                     if (fabs(R[m * N + n] - ref) > tol && bad++ < 3)
                         CHECK(false, "%s K=%ld: packed reference (%ld, %ld) = %.9g, dot %.9g (tol %g)",
                               tname(t), (long)K, (long)m, (long)n, R[m * N + n], ref, tol);

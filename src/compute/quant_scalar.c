@@ -376,7 +376,7 @@ static void fit_asymmetric(const float *x, int n, int nmax, float *s_out, float 
 }
 
 /* Packs 8 scales and 8 mins (each 0..63) into the 12 bytes of Q4_K/Q5_K. */
-static void pack_k_scales(const uint8_t sc[8], const uint8_t m[8], uint8_t s12[12])
+void fitm_quant_pack_k_scales(const uint8_t sc[8], const uint8_t m[8], uint8_t s12[12])
 {
     for (int j = 0; j < 4; j++) {
         s12[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
@@ -408,7 +408,7 @@ static void quant_k_asym(const float *x, uint8_t *scales12, uint16_t *d_out, uin
         for (int l = 0; l < 32; l++)
             q[32 * j + l] = (uint8_t)rint_clamp((x[32 * j + l] + om) * ids, 0.0f, (float)nmax);
     }
-    pack_k_scales(sc, m, scales12);
+    fitm_quant_pack_k_scales(sc, m, scales12);
 }
 
 static void quant_q4_k(const float *x, fitm_block_q4_k *b, int64_t nb)
@@ -703,10 +703,57 @@ static int chunk_u(fitm_dtype t, const void *c, int r, int k, int i)
     return nib | (int)(((q->hi[k] >> byte) & 1u) << 4);
 }
 
+/* Q4_K rows into Q4_Kx16 chunks: row r's stored bytes, scales and mins moved to its lanes. */
+static void pack_q4_k(const fitm_block_q4_k *W, int64_t N, int64_t nb, fitm_chunk_q4_kx16 *out)
+{
+    for (int64_t g = 0; g < N / FITM_PACK_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++, out++) {
+            memset(out, 0, sizeof *out);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                const fitm_block_q4_k *w = &W[(g * FITM_PACK_ROWS + r) * nb + b];
+                out->d[r] = w->d;
+                out->dmin[r] = w->dmin;
+                for (int j = 0; j < 8; j++)
+                    fitm_quant_k_scale_min(w->scales, j, &out->sc[j][r],
+                                           &out->m[j / 2][2 * r + j % 2]);
+                for (int p = 0; p < 4; p++)
+                    for (int k = 0; k < 8; k++)
+                        memcpy(out->nib[p][k] + 4 * r, w->qs + 32 * p + 4 * k, 4);
+            }
+        }
+}
+
+/* Row r's block b of a Q4_Kx16 chunk as the stored block it was packed from. */
+static void unpack_q4_k(const fitm_chunk_q4_kx16 *c, int r, fitm_block_q4_k *w)
+{
+    uint8_t sc[8], m[8];
+    for (int j = 0; j < 8; j++) {
+        sc[j] = c->sc[j][r];
+        m[j] = c->m[j / 2][2 * r + j % 2];
+    }
+    w->d = c->d[r];
+    w->dmin = c->dmin[r];
+    fitm_quant_pack_k_scales(sc, m, w->scales);
+    for (int p = 0; p < 4; p++)
+        for (int k = 0; k < 8; k++)
+            memcpy(w->qs + 32 * p + 4 * k, c->nib[p][k] + 4 * r, 4);
+}
+
+void fitm_quant_packed_block_q4_k(const void *P, int64_t K, int64_t n, int64_t b,
+                                  fitm_block_q4_k *dst)
+{
+    const fitm_chunk_q4_kx16 *c = (const fitm_chunk_q4_kx16 *)P + (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
+    unpack_q4_k(&c[b], (int)(n % FITM_PACK_ROWS), dst);
+}
+
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
 {
-    assert((t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0) && N % FITM_PACK_ROWS == 0 &&
-           K % FITM_QK == 0);
+    assert(N % FITM_PACK_ROWS == 0 && K % fitm_chunk_elems(t) == 0);
+    if (t == FITM_DTYPE_Q4_K) {
+        pack_q4_k(W, N, K / FITM_QK_K, P);
+        return;
+    }
+    assert(t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0);
     const int64_t nb = K / FITM_QK;
     const size_t rb = fitm_dtype_row_bytes(t, K), bb = rb / (size_t)nb, cb = fitm_chunk_bytes(t);
     uint8_t *out = P;
@@ -754,6 +801,15 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
 
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
+    if (t == FITM_DTYPE_Q4_K) { /* the stored blocks again, then their dequantizer */
+        const fitm_chunk_q4_kx16 *c = (const fitm_chunk_q4_kx16 *)P + (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
+        for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
+            fitm_block_q4_k w;
+            unpack_q4_k(&c[b], (int)(n % FITM_PACK_ROWS), &w);
+            fitm_quant_dequant_row_scalar(t, &w, dst, FITM_QK_K);
+        }
+        return;
+    }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
     const int r = (int)(n % FITM_PACK_ROWS), off = fitm_chunk_off(t);
     const size_t cb = fitm_chunk_bytes(t);
@@ -765,10 +821,49 @@ void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_
     }
 }
 
+/* The packed Q4_K product: per super-block the exact integer sums isum = sum over sub-blocks
+ * of sc * (values . activations) and msum = sum of m * (the sub-block's activation sum), then
+ *     acc = fma(isum, d * d_x, acc);  acc = fma(-msum, dmin * d_x, acc). */
+static void matvec_packed_q4_k(const fitm_chunk_q4_kx16 *P, int64_t K, const void *x_q,
+                               size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                               int64_t n_groups)
+{
+    const int64_t nb = K / FITM_QK_K;
+    for (int64_t g = 0; g < n_groups; g++)
+        for (int64_t m = 0; m < M; m++) {
+            const fitm_block_q8_k *x =
+                (const fitm_block_q8_k *)((const uint8_t *)x_q + (size_t)m * x_stride);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const fitm_chunk_q4_kx16 *c = &P[g * nb + b];
+                    int32_t isum = 0, msum = 0; /* exact: |isum| <= 8 * 63 * 32 * 15 * 128 */
+                    for (int j = 0; j < 8; j++) {
+                        int32_t s = 0;
+                        for (int e = 0; e < 32; e++) {
+                            const uint8_t q = c->nib[j / 2][e / 4][4 * r + e % 4];
+                            s += ((j % 2) ? q >> 4 : q & 0xF) * x[b].qs[32 * j + e];
+                        }
+                        isum += c->sc[j][r] * s;
+                        msum += c->m[j / 2][2 * r + j % 2] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+                    }
+                    acc = fmaf((float)isum, FP16(c->d[r]) * x[b].d, acc);
+                    acc = fmaf((float)-msum, FP16(c->dmin[r]) * x[b].d, acc);
+                }
+                y[m * y_stride + g * FITM_PACK_ROWS + r] = acc;
+            }
+        }
+}
+
 void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                      int64_t n_groups)
 {
+    if (t == FITM_DTYPE_Q4_K) {
+        matvec_packed_q4_k((const fitm_chunk_q4_kx16 *)P, K, x_q, x_stride, M, y, y_stride,
+                           n_groups);
+        return;
+    }
     const int64_t nb = K / FITM_QK;
     const int off = fitm_chunk_off(t);
     const size_t cb = fitm_chunk_bytes(t);

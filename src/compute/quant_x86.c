@@ -1131,12 +1131,97 @@ KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8
         _mm512_storeu_ps(y + m * y_stride, acc[m]);
 }
 
+/* Packed Q4_K: per super-block and sub-block j, eight vpdpbusd of the 16 rows' nibbles
+ * (low ones for even j, high for odd) with the activation's dwords give each row's integer
+ * dot in its lane; times the rows' scales (vpmulld) they add up to isum. The mins' sum is
+ * four vpdpwssd of the rows' (m, m') word pairs with the activation's pairs of sub-block
+ * sums. Both exact, then the two fmas of the reference chain per block. */
+typedef struct {
+    int16_t bs[8]; /* the activation's sum over each sub-block of 32 */
+    float d;
+} packed_xk;
+
+#define PACKED_XK_MAX (FITM_PACK_MAX_BLOCKS / 8)
+
+KERNEL __m512i dpwssd_bcst(__m512i acc, __m512i w, const int16_t *x)
+{
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_any *)x));
+    return acc;
+}
+
+KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uint8_t *xq,
+                              size_t x_stride, const packed_xk *px, const int M, float *y,
+                              int64_t y_stride)
+{
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[PACKED_MAX];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const fitm_chunk_q4_kx16 *c = &C[b];
+        if (M >= PACKED_AHEAD_ROWS)
+            for (size_t o = 0; o < sizeof *c; o += 64)
+                _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
+        __m512i isum[PACKED_MAX];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            isum[m] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c->sc[j]));
+            __m512i v[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m512i n = _mm512_loadu_si512(c->nib[j / 2][k]);
+                v[k] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(n, 4) : n, low4);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *x = ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 32 * j;
+                __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++)
+                    s = dpbusd_bcst(s, v[k], x + 4 * k);
+                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, sc));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d)),
+                     dmw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
+        __m512i mins[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            mins[k] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)c->m[k]));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const packed_xk *e = &px[m * nb + b];
+            __m512i ms = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                ms = dpwssd_bcst(ms, mins[k], e->bs + 2 * k);
+            const __m512 dx = _mm512_set1_ps(e->d);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(dw, dx), acc[m]);
+            acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmw, dx), acc[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+}
+
 /* Row n of a packed weight as 32 signed values per block (u - off), then the stored row's
  * dequantizer's product (store_mul: (float)q * d), so the floats are the same bits. */
 static inline void store_mul(__m256i q, float d, float *y);
 
 void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
+    if (t == FITM_DTYPE_Q4_K) { /* the stored blocks again, then their dequantizer */
+        for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
+            fitm_block_q4_k w;
+            fitm_quant_packed_block_q4_k(P, K, n, b, &w);
+            fitm_quant_dequant_row_simd(t, &w, dst, FITM_QK_K);
+        }
+        return;
+    }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
     const int r = (int)(n % FITM_PACK_ROWS);
     const size_t cb = fitm_chunk_bytes(t);
@@ -1182,6 +1267,11 @@ typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, con
                                 const packed_x *px, float *y, int64_t ys)                         \
     {                                                                                              \
         packed_group(FITM_DTYPE_Q5_0, P, nb, xq, xs, px, M, y, ys);                                \
+    }                                                                                              \
+    static void packed_q4_k_##M(const fitm_chunk_q4_kx16 *P, int64_t nb, const uint8_t *xq,       \
+                                size_t xs, const packed_xk *px, float *y, int64_t ys)             \
+    {                                                                                              \
+        packed_q4_k_group(P, nb, xq, xs, px, M, y, ys);                                            \
     }
 DEF_PACKED(1)
 DEF_PACKED(2)
@@ -1192,10 +1282,46 @@ DEF_PACKED(6)
 DEF_PACKED(7)
 DEF_PACKED(8)
 
+typedef void (*packed_k_fn)(const fitm_chunk_q4_kx16 *, int64_t, const uint8_t *, size_t,
+                            const packed_xk *, float *, int64_t);
+
+static void matvec_packed_q4_k(const uint8_t *P, int64_t K, const void *x_q, size_t x_stride,
+                               int64_t M, float *y, int64_t y_stride, int64_t n_groups)
+{
+    static const packed_k_fn fn[PACKED_MAX] = BY_ROWS8(packed_q4_k);
+    const int64_t nb = K / FITM_QK_K;
+    const int64_t pass = PACKED_XK_MAX / nb < M ? PACKED_XK_MAX / nb : M; /* >= 1: quant.c */
+    const fitm_chunk_q4_kx16 *C = (const fitm_chunk_q4_kx16 *)P;
+    packed_xk px[PACKED_XK_MAX];
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t n = M - m0 < pass ? M - m0 : pass;
+        const uint8_t *xc = (const uint8_t *)x_q + (size_t)m0 * x_stride;
+        for (int64_t m = 0; m < n; m++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xc + (size_t)m * x_stride);
+            for (int64_t b = 0; b < nb; b++) {
+                packed_xk *e = &px[m * nb + b];
+                for (int j = 0; j < 8; j++) /* |sum| <= 32 * 128: an int16 */
+                    e->bs[j] = (int16_t)(x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+                e->d = x[b].d;
+            }
+        }
+        for (int64_t g = 0; g < n_groups; g++)
+            for (int64_t c0 = 0; c0 < n; c0 += PACKED_MAX) {
+                const int k = (int)(n - c0 < PACKED_MAX ? n - c0 : PACKED_MAX);
+                fn[k - 1](C + g * nb, nb, xc + (size_t)c0 * x_stride, x_stride, px + c0 * nb,
+                          y + (m0 + c0) * y_stride + g * FITM_PACK_ROWS, y_stride);
+            }
+    }
+}
+
 void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                    size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                    int64_t n_groups)
 {
+    if (t == FITM_DTYPE_Q4_K) {
+        matvec_packed_q4_k(P, K, x_q, x_stride, M, y, y_stride, n_groups);
+        return;
+    }
     static const packed_fn q8_0[PACKED_MAX] = BY_ROWS8(packed_q8_0),
                            q5_0[PACKED_MAX] = BY_ROWS8(packed_q5_0);
     const packed_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;

@@ -294,8 +294,8 @@ static void pack_task(void *ctx, int64_t task, int thread)
                   n = j->groups_per_task * FITM_PACK_ROWS < w->n_rows - n0
                           ? j->groups_per_task * FITM_PACK_ROWS
                           : w->n_rows - n0;
-    const size_t at = (size_t)n0 * w->row_bytes; /* a group's chunks hold its rows' bytes */
-    fitm_pack(w->type, (const uint8_t *)w->data + at, n, w->n_cols, (uint8_t *)j->packed + at);
+    fitm_pack(w->type, (const uint8_t *)w->data + (size_t)n0 * w->row_bytes, n, w->n_cols,
+              (uint8_t *)j->packed + fitm_pack_bytes(w->type, n0, w->n_cols)); /* 0 at n0 = 0 */
 }
 
 /* Packs w when this path has a faster layout for it, then lets the model drop the stored
