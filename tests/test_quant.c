@@ -10,7 +10,7 @@
  *    against matvec on the same activation values; matvec_rows (several activation rows)
  *    == per-row dot bit for bit, for every row count and writing only its rows; the K-quant
  *    products of the AVX2 and AVX-512 objects bit-identical where the CPU runs both;
- *  - packed Q8_0 / Q5_0 / Q4_K weights: rows read back equal the stored ones, the product equals
+ *  - packed Q8_0 / Q5_0 / Q4_K / Q6_K weights: rows read back equal the stored ones, the product equals
  *    the scalar reference bit for bit for every row count, the reference the dot's value;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
  * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
@@ -586,24 +586,48 @@ static double q4_k_dot_exact(const fitm_block_q4_k *w, const fitm_block_q8_k *x,
     return acc;
 }
 
+/* The same for Q6_K. */
+static double q6_k_dot_exact(const fitm_block_q6_k *w, const fitm_block_q8_k *x, int64_t nb,
+                             double *mag)
+{
+    double acc = 0;
+    *mag = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        float v[FITM_QK_K]; /* d * sc * (u - 32): the integer u - 32 from the dequantized value */
+        fitm_dequant_row(FITM_DTYPE_Q6_K, &w[b], v, FITM_QK_K);
+        const double d = fitm_fp16_to_fp32(w[b].d);
+        int64_t isum = 0;
+        for (int e = 0; e < FITM_QK_K; e++) {
+            const int sc = w[b].scales[e / 16];
+            const long q = sc && d != 0 ? lround(v[e] / (d * sc)) : 0;
+            isum += (int64_t)sc * q * x[b].qs[e];
+        }
+        const double a = d * x[b].d * (double)isum;
+        acc += a;
+        *mag += fabs(a);
+    }
+    return acc;
+}
+
 static void test_packed(void)
 {
     const int64_t N = 48, M_MAX = 11, ldy = N + 3, n0 = 16, n1 = 48;
     const int64_t lens[] = {32, 64, 96, 640, 2080}, lens_k[] = {256, 512, 1024, 2304};
-    const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K};
+    const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K, FITM_DTYPE_Q6_K};
     const bool packs = fitm_cpu_path() == FITM_CPU_AVX512;
     CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 40, 64) == 0, "40 rows are not whole groups");
-    CHECK(fitm_pack_bytes(FITM_DTYPE_Q6_K, 48, 256) == 0, "Q6_K has no packed layout");
+    CHECK(fitm_pack_bytes(FITM_DTYPE_Q5_K, 48, 256) == 0, "Q5_K has no packed layout");
     CHECK(fitm_pack_bytes(FITM_DTYPE_Q8_0, 48, 32 * (FITM_PACK_MAX_BLOCKS + 1)) == 0, "K too long");
     CHECK(fitm_pack_bytes(FITM_DTYPE_Q4_K, 48, 32 * (FITM_PACK_MAX_BLOCKS + 8)) == 0, "K too long");
-    for (int ti = 0; ti < 3; ti++) {
+    for (int ti = 0; ti < 4; ti++) {
         const fitm_dtype t = types[ti], vt = fitm_quant_vec_dtype(t);
-        const bool kq = t == FITM_DTYPE_Q4_K;
+        const bool kq = t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K;
         for (size_t li = 0; li < (kq ? 4 : 5); li++) {
             const int64_t K = kq ? lens_k[li] : lens[li];
             const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 4;
-            const size_t pb = kq ? (size_t)(N / 16) * (size_t)(K / 256) * sizeof(fitm_chunk_q4_kx16)
-                                 : N * rb;
+            const size_t pb = t == FITM_DTYPE_Q4_K
+                                  ? (size_t)(N / 16) * (size_t)(K / 256) * sizeof(fitm_chunk_q4_kx16)
+                                  : N * rb;
             CHECK(fitm_pack_bytes(t, N, K) == (packs ? pb : 0), "%s K=%ld: pack bytes %zu",
                   tname(t), (long)K, fitm_pack_bytes(t, N, K));
             if (packs)
@@ -633,10 +657,14 @@ static void test_packed(void)
             for (int64_t m = 0; m < M_MAX; m++)
                 for (int64_t n = 0; n < N; n++) {
                     double ref = 0, mag = 0, tol;
-                    if (kq) { /* two rounded scale products and two fmas per super-block */
+                    if (t == FITM_DTYPE_Q4_K) { /* two scale products, two fmas per super-block */
                         ref = q4_k_dot_exact((const fitm_block_q4_k *)(W + n * rb),
                                              (const fitm_block_q8_k *)(xq + m * xqb), K / 256, &mag);
                         tol = (4.0 * K / 256 + 2) * 0x1p-24 * mag;
+                    } else if (t == FITM_DTYPE_Q6_K) {
+                        ref = q6_k_dot_exact((const fitm_block_q6_k *)(W + n * rb),
+                                             (const fitm_block_q8_k *)(xq + m * xqb), K / 256, &mag);
+                        tol = (2.0 * K / 256 + 2) * 0x1p-24 * mag;
                     } else {
                         fitm_dequant_row(t, W + n * rb, a, K);
                         fitm_dequant_row(vt, xq + m * xqb, b, K);

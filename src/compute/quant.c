@@ -183,7 +183,8 @@ int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K)
 
 size_t fitm_pack_bytes(fitm_dtype t, int64_t N, int64_t K)
 {
-    if ((t != FITM_DTYPE_Q8_0 && t != FITM_DTYPE_Q5_0 && t != FITM_DTYPE_Q4_K) || N <= 0 ||
+    if ((t != FITM_DTYPE_Q8_0 && t != FITM_DTYPE_Q5_0 && t != FITM_DTYPE_Q4_K &&
+         t != FITM_DTYPE_Q6_K) || N <= 0 ||
         N % FITM_PACK_ROWS || K <= 0 || K % fitm_chunk_elems(t) ||
         K / FITM_QK > FITM_PACK_MAX_BLOCKS || simd_path() != FITM_CPU_AVX512)
         return 0;

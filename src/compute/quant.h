@@ -72,7 +72,7 @@ void fitm_matvec_rows(fitm_dtype t, const void *W, int64_t K, const void *x_q, s
  * again should come in runs that stay in cache. */
 int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K);
 
-/* Packed weights. On the AVX-512 path, Q8_0, Q5_0 and Q4_K weights whose row count is a
+/* Packed weights. On the AVX-512 path, Q8_0, Q5_0, Q4_K and Q6_K weights whose row count is a
  * multiple of 16 multiply faster in a layout of their own (quant_internal.h: each block of 16
  * rows stored side by side, so that one 512-bit integer dot product serves 16 outputs and no
  * horizontal sum is needed; about 3x fewer instructions per activation row, which is what a
@@ -82,9 +82,9 @@ int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K);
  * fitm_matvec_rows_packed in place of fitm_dequant_row and fitm_matvec_rows. The packed
  * product's value for an output is the float chain
  *     acc = 0;  for each block b in order:  acc = fma(isum_b, d_w,b * d_x,b, acc)
- * with isum_b the block's exact integer sum (Q4_K: per super-block, isum_b = sum over its
- * sub-blocks of scale * integer dot, then also acc = fma(-msum_b, dmin_w,b * d_x,b, acc) with
- * msum_b the exact sum of the mins times the activations' sub-block sums): the same bits for
+ * with isum_b the block's exact integer sum (K-quants: per super-block, isum_b = sum over its
+ * sub-blocks of scale * integer dot; Q4_K then also acc = fma(-msum_b, dmin_w,b * d_x,b, acc)
+ * with msum_b the exact sum of the mins times the activations' sub-block sums): the same bits for
  * any M, task split or path (quant_scalar.c's reference); against fitm_matvec only the float
  * rounding differs. */
 #define FITM_PACK_ROWS 16 /* rows of a packed group; a packed weight's N is a multiple */

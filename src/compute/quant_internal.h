@@ -79,12 +79,13 @@ _Static_assert(sizeof(fitm_block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(fitm_block_q6_k) == 210, "Q6_K block");
 _Static_assert(sizeof(fitm_block_q8_k) == 292, "Q8_K block");
 
-/* Packed weights (quant.h's fitm_pack): Q8_0, Q5_0 and Q4_K rows in groups of FITM_PACK_ROWS
- * = 16, one chunk per group and block (32 elements; Q4_K: super-block of 256). Group g's
+/* Packed weights (quant.h's fitm_pack): Q8_0, Q5_0, Q4_K and Q6_K rows in groups of FITM_PACK_ROWS
+ * = 16, one chunk per group and block (32 elements; K-quants: super-block of 256). Group g's
  * chunks are contiguous, block b at (g * nb + b) * chunk bytes:
  *   Q8_0x16  { fp16 d[16]; u8 q[8][64]; }                  (16 stored blocks' bytes)
  *   Q5_0x16  { fp16 d[16]; u8 nib[4][64]; u64 hi[8]; }     (16 stored blocks' bytes)
  *   Q4_Kx16  { fp16 d[16], dmin[16]; u8 sc[8][16]; u8 m[4][32]; u8 nib[4][8][64]; }
+ *   Q6_Kx16  { fp16 d[16]; i8 sc[8][32]; u8 nib[32][64]; u8 hi[16][64]; }  (16 blocks' bytes)
  * d[r] is row r's block scale. Q8_0 and Q5_0 hold, for k = 0..7, a vector V_k of 64 unsigned
  * bytes: byte 4r + i of V_k is row r's element 4k + i as an unsigned value u, x = d * (u - off).
  *   Q8_0: V_k = q[k], u = stored int8 + 128 (off 128).
@@ -95,6 +96,11 @@ _Static_assert(sizeof(fitm_block_q8_k) == 292, "Q8_K block");
  * m[j / 2][2r + j % 2] are row r's 6-bit scale and min of sub-block j (the mins of a pair of
  * sub-blocks side by side, so widened to 16 bits they are one dword per row); 2368 bytes
  * against the 16 stored blocks' 2304.
+ * Q6_K: row r's element 4k + i (k = 0..63) is the unsigned 6-bit u (x = d * sc * (u - 32));
+ * its low nibble is byte 4r + i of nib[k / 2] (low half for even k, high for odd), its top
+ * two bits are bits 2 (k % 4) and up of byte 4r + i of hi[k / 4]; sc[g / 2][2r + g % 2] is
+ * row r's signed scale of the 16 elements of group g (pairs of groups side by side, as the
+ * Q4_K mins).
  * So one 32-bit lane of a 512-bit vector is one row: a dot product of V_k with x's dword k
  * repeated sixteen times gives the 16 rows' partial sums side by side. */
 #define FITM_PACK_MAX_BLOCKS 4096 /* K / 32 at most: the product prepares a row's blocks at once */
@@ -120,7 +126,15 @@ typedef struct {
 
 _Static_assert(sizeof(fitm_chunk_q8_0x16) == 16 * sizeof(fitm_block_q8_0), "Q8_0x16 chunk");
 _Static_assert(sizeof(fitm_chunk_q5_0x16) == 16 * sizeof(fitm_block_q5_0), "Q5_0x16 chunk");
+typedef struct {
+    uint16_t d[FITM_PACK_ROWS];
+    int8_t sc[8][2 * FITM_PACK_ROWS];
+    uint8_t nib[32][64];
+    uint8_t hi[16][64];
+} fitm_chunk_q6_kx16;
+
 _Static_assert(sizeof(fitm_chunk_q4_kx16) == 2368, "Q4_Kx16 chunk");
+_Static_assert(sizeof(fitm_chunk_q6_kx16) == 16 * sizeof(fitm_block_q6_k), "Q6_Kx16 chunk");
 
 /* A packed type's chunk bytes, the elements of a row one chunk covers, and the offset off of
  * its unsigned values (Q8_0, Q5_0). */
@@ -128,12 +142,13 @@ static inline size_t fitm_chunk_bytes(fitm_dtype t)
 {
     return t == FITM_DTYPE_Q8_0   ? sizeof(fitm_chunk_q8_0x16)
            : t == FITM_DTYPE_Q5_0 ? sizeof(fitm_chunk_q5_0x16)
-                                  : sizeof(fitm_chunk_q4_kx16);
+           : t == FITM_DTYPE_Q4_K ? sizeof(fitm_chunk_q4_kx16)
+                                  : sizeof(fitm_chunk_q6_kx16);
 }
 
 static inline int64_t fitm_chunk_elems(fitm_dtype t)
 {
-    return t == FITM_DTYPE_Q4_K ? FITM_QK_K : FITM_QK;
+    return t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K ? FITM_QK_K : FITM_QK;
 }
 
 static inline int fitm_chunk_off(fitm_dtype t)
@@ -165,9 +180,9 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
  * product's values), and the AVX-512 product (quant_x86.c, the path that packs). n_groups
  * groups from P (the first of them group 0 of y); y + m * y_stride holds row m's outputs. */
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
-/* Row n's stored Q4_K block b read back from a packed Q4_K weight. */
-void fitm_quant_packed_block_q4_k(const void *P, int64_t K, int64_t n, int64_t b,
-                                  fitm_block_q4_k *dst);
+/* Row n's stored block b read back from a packed Q4_K or Q6_K weight. */
+void fitm_quant_packed_block(fitm_dtype t, const void *P, int64_t K, int64_t n, int64_t b,
+                             void *dst);
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
 void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,

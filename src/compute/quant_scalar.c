@@ -739,18 +739,65 @@ static void unpack_q4_k(const fitm_chunk_q4_kx16 *c, int r, fitm_block_q4_k *w)
             memcpy(w->qs + 32 * p + 4 * k, c->nib[p][k] + 4 * r, 4);
 }
 
-void fitm_quant_packed_block_q4_k(const void *P, int64_t K, int64_t n, int64_t b,
-                                  fitm_block_q4_k *dst)
+/* Q6_K rows into Q6_Kx16 chunks. */
+static void pack_q6_k(const fitm_block_q6_k *W, int64_t N, int64_t nb, fitm_chunk_q6_kx16 *out)
 {
-    const fitm_chunk_q4_kx16 *c = (const fitm_chunk_q4_kx16 *)P + (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
-    unpack_q4_k(&c[b], (int)(n % FITM_PACK_ROWS), dst);
+    for (int64_t g = 0; g < N / FITM_PACK_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++, out++) {
+            memset(out, 0, sizeof *out);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                const fitm_block_q6_k *w = &W[(g * FITM_PACK_ROWS + r) * nb + b];
+                out->d[r] = w->d;
+                for (int j = 0; j < 16; j++)
+                    out->sc[j / 2][2 * r + j % 2] = w->scales[j];
+                for (int e = 0; e < FITM_QK_K; e++) {
+                    const int u = q6_k_get(w, e), k = e / 4, byte = 4 * r + e % 4;
+                    out->nib[k / 2][byte] |= (uint8_t)((u & 0xF) << (4 * (k % 2)));
+                    out->hi[k / 4][byte] |= (uint8_t)((u >> 4) << (2 * (k % 4)));
+                }
+            }
+        }
+}
+
+/* Row r's unsigned 6-bit value of element e in a Q6_Kx16 chunk. */
+static int chunk_q6_k_u(const fitm_chunk_q6_kx16 *c, int r, int e)
+{
+    const int k = e / 4, byte = 4 * r + e % 4;
+    return ((c->nib[k / 2][byte] >> (4 * (k % 2))) & 0xF) | ((c->hi[k / 4][byte] >> (2 * (k % 4))) & 3) << 4;
+}
+
+static void unpack_q6_k(const fitm_chunk_q6_kx16 *c, int r, fitm_block_q6_k *w)
+{
+    memset(w, 0, sizeof *w);
+    w->d = c->d[r];
+    for (int j = 0; j < 16; j++)
+        w->scales[j] = c->sc[j / 2][2 * r + j % 2];
+    for (int e = 0; e < FITM_QK_K; e++) { /* q6_k_get's places */
+        const int u = chunk_q6_k_u(c, r, e), h = e >> 7, k = (e >> 5) & 3, l = e & 31;
+        w->ql[64 * h + ((k & 1) ? 32 : 0) + l] |= (uint8_t)((u & 0xF) << ((k & 2) ? 4 : 0));
+        w->qh[32 * h + l] |= (uint8_t)((u >> 4) << (2 * k));
+    }
+}
+
+void fitm_quant_packed_block(fitm_dtype t, const void *P, int64_t K, int64_t n, int64_t b,
+                             void *dst)
+{
+    const int64_t at = (n / FITM_PACK_ROWS) * (K / FITM_QK_K) + b;
+    const int r = (int)(n % FITM_PACK_ROWS);
+    if (t == FITM_DTYPE_Q4_K)
+        unpack_q4_k((const fitm_chunk_q4_kx16 *)P + at, r, dst);
+    else
+        unpack_q6_k((const fitm_chunk_q6_kx16 *)P + at, r, dst);
 }
 
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
 {
     assert(N % FITM_PACK_ROWS == 0 && K % fitm_chunk_elems(t) == 0);
-    if (t == FITM_DTYPE_Q4_K) {
-        pack_q4_k(W, N, K / FITM_QK_K, P);
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
+        if (t == FITM_DTYPE_Q4_K)
+            pack_q4_k(W, N, K / FITM_QK_K, P);
+        else
+            pack_q6_k(W, N, K / FITM_QK_K, P);
         return;
     }
     assert(t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0);
@@ -801,12 +848,17 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
 
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
-    if (t == FITM_DTYPE_Q4_K) { /* the stored blocks again, then their dequantizer */
-        const fitm_chunk_q4_kx16 *c = (const fitm_chunk_q4_kx16 *)P + (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) { /* the stored blocks, dequantized */
         for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
-            fitm_block_q4_k w;
-            unpack_q4_k(&c[b], (int)(n % FITM_PACK_ROWS), &w);
-            fitm_quant_dequant_row_scalar(t, &w, dst, FITM_QK_K);
+            union {
+                fitm_block_q4_k q4;
+                fitm_block_q6_k q6;
+            } w;
+            fitm_quant_packed_block(t, P, K, n, b, &w);
+            if (t == FITM_DTYPE_Q4_K) /* (constant types: no other type's reads of w) */
+                fitm_quant_dequant_row_scalar(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
+            else
+                fitm_quant_dequant_row_scalar(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
         }
         return;
     }
@@ -855,10 +907,44 @@ static void matvec_packed_q4_k(const fitm_chunk_q4_kx16 *P, int64_t K, const voi
         }
 }
 
+/* The packed Q6_K product: per super-block the exact integer sum isum = sum over groups of
+ * 16 of sc * ((u - 32) . activations), then acc = fma(isum, d * d_x, acc). */
+static void matvec_packed_q6_k(const fitm_chunk_q6_kx16 *P, int64_t K, const void *x_q,
+                               size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                               int64_t n_groups)
+{
+    const int64_t nb = K / FITM_QK_K;
+    for (int64_t g = 0; g < n_groups; g++)
+        for (int64_t m = 0; m < M; m++) {
+            const fitm_block_q8_k *x =
+                (const fitm_block_q8_k *)((const uint8_t *)x_q + (size_t)m * x_stride);
+            for (int r = 0; r < FITM_PACK_ROWS; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const fitm_chunk_q6_kx16 *c = &P[g * nb + b];
+                    int32_t isum = 0; /* exact: |isum| <= 16 * 128 * 16 * 32 * 128 */
+                    for (int j = 0; j < 16; j++) {
+                        int32_t s = 0;
+                        for (int e = 16 * j; e < 16 * j + 16; e++)
+                            s += (chunk_q6_k_u(c, r, e) - 32) * x[b].qs[e];
+                        isum += c->sc[j / 2][2 * r + j % 2] * s;
+                    }
+                    acc = fmaf((float)isum, FP16(c->d[r]) * x[b].d, acc);
+                }
+                y[m * y_stride + g * FITM_PACK_ROWS + r] = acc;
+            }
+        }
+}
+
 void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                      int64_t n_groups)
 {
+    if (t == FITM_DTYPE_Q6_K) {
+        matvec_packed_q6_k((const fitm_chunk_q6_kx16 *)P, K, x_q, x_stride, M, y, y_stride,
+                           n_groups);
+        return;
+    }
     if (t == FITM_DTYPE_Q4_K) {
         matvec_packed_q4_k((const fitm_chunk_q4_kx16 *)P, K, x_q, x_stride, M, y, y_stride,
                            n_groups);

@@ -8,7 +8,8 @@
  * for Q5_0's fifth bits, a variable shift for nibbles). Where the build targets AVX512F/BW/
  * DQ/VNNI, the Q8_0 and Q5_0 dots (most of a Gemma 3 decode step) run on 512-bit vectors, two
  * blocks per vector (FITM_DOT512), and so do the K-quants' integer sums (the same sums, so the
- * same results as the 256-bit kernels). tests/meson.build runs the unit test
+ * same results as the 256-bit kernels); packed weights (quant.h) have their own kernels there.
+ * tests/meson.build runs the unit test
  * once per path the machine has (FITM_CPU), so every path is checked.
  *
  * Layouts: quant_internal.h. Every integer block sum equals the scalar path's; only float
@@ -1208,17 +1209,92 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
         _mm512_storeu_ps(y + m * y_stride, acc[m]);
 }
 
+/* Packed Q6_K: per group of 16 elements, four value vectors (low nibbles and top two bits
+ * put together), four vpdpbusd per activation row and one vpmulld by the rows' signed scales;
+ * the values' offset 32 comes off at the end as 32 * sum of scale * (the activation's group
+ * sum), eight vpdpwssd of the rows' scale pairs with the activation's pairs of sums (Q8_K's
+ * bsums). Exact, then the reference chain's one fma per block. */
+KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uint8_t *xq,
+                              size_t x_stride, const int M, float *y, int64_t y_stride)
+{
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    __m512 acc[PACKED_MAX];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const fitm_chunk_q6_kx16 *c = &C[b];
+        /* at every row count: unpacking a Q6_K chunk costs enough that one row's product no
+         * longer streams at memory speed by itself (a 1-row step's Q6_K ffn_down, 9 layers:
+         * ~0.2 ms more without, ~0.05 ms less with, than the stored layout's kernel) */
+        for (size_t o = 0; o < sizeof *c; o += 64)
+                _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
+        __m512i isum[PACKED_MAX];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            isum[m] = _mm512_setzero_si512();
+        for (int g = 0; g < 16; g++) {
+            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
+            const __m512i sc = g % 2 ? _mm512_srai_epi32(pair, 16)
+                                     : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+            const __m512i n0 = _mm512_loadu_si512(c->nib[2 * g]), n1 = _mm512_loadu_si512(c->nib[2 * g + 1]),
+                          h = _mm512_loadu_si512(c->hi[g]);
+            __m512i v[4];
+            v[0] = _mm512_or_si512(_mm512_and_si512(n0, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), top2));
+            v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4),
+                                   _mm512_and_si512(_mm512_slli_epi16(h, 2), top2));
+            v[2] = _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(h, top2));
+            v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low4),
+                                   _mm512_and_si512(_mm512_srli_epi16(h, 2), top2));
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const int8_t *x = ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 16 * g;
+                __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    s = dpbusd_bcst(s, v[k], x + 4 * k);
+                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, sc));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+        __m512i scs[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            scs[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[k]));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)m * x_stride) + b;
+            __m512i off = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+                off = dpwssd_bcst(off, scs[k], x->bsums + 2 * k);
+            isum[m] = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(off, 5));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)),
+                                     acc[m]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+}
+
 /* Row n of a packed weight as 32 signed values per block (u - off), then the stored row's
  * dequantizer's product (store_mul: (float)q * d), so the floats are the same bits. */
 static inline void store_mul(__m256i q, float d, float *y);
 
 void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
-    if (t == FITM_DTYPE_Q4_K) { /* the stored blocks again, then their dequantizer */
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) { /* the stored blocks, dequantized */
         for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
-            fitm_block_q4_k w;
-            fitm_quant_packed_block_q4_k(P, K, n, b, &w);
-            fitm_quant_dequant_row_simd(t, &w, dst, FITM_QK_K);
+            union {
+                fitm_block_q4_k q4;
+                fitm_block_q6_k q6;
+            } w;
+            fitm_quant_packed_block(t, P, K, n, b, &w);
+            if (t == FITM_DTYPE_Q4_K) /* (constant types: no other type's reads of w) */
+                fitm_quant_dequant_row_simd(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
+            else
+                fitm_quant_dequant_row_simd(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
         }
         return;
     }
@@ -1272,6 +1348,11 @@ typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, con
                                 size_t xs, const packed_xk *px, float *y, int64_t ys)             \
     {                                                                                              \
         packed_q4_k_group(P, nb, xq, xs, px, M, y, ys);                                            \
+    }                                                                                              \
+    static void packed_q6_k_##M(const fitm_chunk_q6_kx16 *P, int64_t nb, const uint8_t *xq,       \
+                                size_t xs, float *y, int64_t ys)                                  \
+    {                                                                                              \
+        packed_q6_k_group(P, nb, xq, xs, M, y, ys);                                                \
     }
 DEF_PACKED(1)
 DEF_PACKED(2)
@@ -1284,6 +1365,23 @@ DEF_PACKED(8)
 
 typedef void (*packed_k_fn)(const fitm_chunk_q4_kx16 *, int64_t, const uint8_t *, size_t,
                             const packed_xk *, float *, int64_t);
+
+typedef void (*packed_k6_fn)(const fitm_chunk_q6_kx16 *, int64_t, const uint8_t *, size_t,
+                             float *, int64_t);
+
+static void matvec_packed_q6_k(const uint8_t *P, int64_t K, const void *x_q, size_t x_stride,
+                               int64_t M, float *y, int64_t y_stride, int64_t n_groups)
+{
+    static const packed_k6_fn fn[PACKED_MAX] = BY_ROWS8(packed_q6_k);
+    const int64_t nb = K / FITM_QK_K;
+    const fitm_chunk_q6_kx16 *C = (const fitm_chunk_q6_kx16 *)P;
+    for (int64_t g = 0; g < n_groups; g++)
+        for (int64_t c0 = 0; c0 < M; c0 += PACKED_MAX) {
+            const int k = (int)(M - c0 < PACKED_MAX ? M - c0 : PACKED_MAX);
+            fn[k - 1](C + g * nb, nb, (const uint8_t *)x_q + (size_t)c0 * x_stride, x_stride,
+                      y + c0 * y_stride + g * FITM_PACK_ROWS, y_stride);
+        }
+}
 
 static void matvec_packed_q4_k(const uint8_t *P, int64_t K, const void *x_q, size_t x_stride,
                                int64_t M, float *y, int64_t y_stride, int64_t n_groups)
@@ -1320,6 +1418,10 @@ void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, co
 {
     if (t == FITM_DTYPE_Q4_K) {
         matvec_packed_q4_k(P, K, x_q, x_stride, M, y, y_stride, n_groups);
+        return;
+    }
+    if (t == FITM_DTYPE_Q6_K) {
+        matvec_packed_q6_k(P, K, x_q, x_stride, M, y, y_stride, n_groups);
         return;
     }
     static const packed_fn q8_0[PACKED_MAX] = BY_ROWS8(packed_q8_0),
