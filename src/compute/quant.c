@@ -213,7 +213,8 @@ void fitm_matvec_rows_packed(fitm_dtype t, const void *P, int64_t K, const void 
 {
     assert(n0 % FITM_PACK_ROWS == 0 && n1 % FITM_PACK_ROWS == 0 && n0 <= n1);
     const uint8_t *p = (const uint8_t *)P + (size_t)(n0 / FITM_PACK_ROWS) *
-                                                (size_t)(K / fitm_chunk_elems(t)) * fitm_chunk_bytes(t);
+                                                (size_t)(K / fitm_chunk_elems(t)) *
+                                                fitm_chunk_bytes(t); /* (on any path) */
     const int64_t groups = (n1 - n0) / FITM_PACK_ROWS;
 #if FITM_QUANT_X86
     if (simd_path() == FITM_CPU_AVX512) {

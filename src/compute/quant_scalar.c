@@ -763,7 +763,8 @@ static void pack_q6_k(const fitm_block_q6_k *W, int64_t N, int64_t nb, fitm_chun
 static int chunk_q6_k_u(const fitm_chunk_q6_kx16 *c, int r, int e)
 {
     const int k = e / 4, byte = 4 * r + e % 4;
-    return ((c->nib[k / 2][byte] >> (4 * (k % 2))) & 0xF) | ((c->hi[k / 4][byte] >> (2 * (k % 4))) & 3) << 4;
+    return ((c->nib[k / 2][byte] >> (4 * (k % 2))) & 0xF) |
+           ((c->hi[k / 4][byte] >> (2 * (k % 4))) & 3) << 4;
 }
 
 static void unpack_q6_k(const fitm_chunk_q6_kx16 *c, int r, fitm_block_q6_k *w)
@@ -897,7 +898,8 @@ static void matvec_packed_q4_k(const fitm_chunk_q4_kx16 *P, int64_t K, const voi
                             s += ((j % 2) ? q >> 4 : q & 0xF) * x[b].qs[32 * j + e];
                         }
                         isum += c->sc[j][r] * s;
-                        msum += c->m[j / 2][2 * r + j % 2] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+                        msum += c->m[j / 2][2 * r + j % 2] *
+                                (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
                     }
                     acc = fmaf((float)isum, FP16(c->d[r]) * x[b].d, acc);
                     acc = fmaf((float)-msum, FP16(c->dmin[r]) * x[b].d, acc);

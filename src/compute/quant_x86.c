@@ -1178,7 +1178,8 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
             }
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
-                const int8_t *x = ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 32 * j;
+                const int8_t *x =
+                    ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 32 * j;
                 __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k++)
@@ -1228,19 +1229,22 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
          * longer streams at memory speed by itself (a 1-row step's Q6_K ffn_down, 9 layers:
          * ~0.2 ms more without, ~0.05 ms less with, than the stored layout's kernel) */
         for (size_t o = 0; o < sizeof *c; o += 64)
-                _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
+            _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
         __m512i isum[PACKED_MAX];
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
             isum[m] = _mm512_setzero_si512();
         for (int g = 0; g < 16; g++) {
-            const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
+            const __m512i pair =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
             const __m512i sc = g % 2 ? _mm512_srai_epi32(pair, 16)
                                      : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
-            const __m512i n0 = _mm512_loadu_si512(c->nib[2 * g]), n1 = _mm512_loadu_si512(c->nib[2 * g + 1]),
+            const __m512i n0 = _mm512_loadu_si512(c->nib[2 * g]),
+                          n1 = _mm512_loadu_si512(c->nib[2 * g + 1]),
                           h = _mm512_loadu_si512(c->hi[g]);
             __m512i v[4];
-            v[0] = _mm512_or_si512(_mm512_and_si512(n0, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), top2));
+            v[0] = _mm512_or_si512(_mm512_and_si512(n0, low4),
+                                   _mm512_and_si512(_mm512_slli_epi16(h, 4), top2));
             v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4),
                                    _mm512_and_si512(_mm512_slli_epi16(h, 2), top2));
             v[2] = _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(h, top2));
@@ -1248,7 +1252,8 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), top2));
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
-                const int8_t *x = ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 16 * g;
+                const int8_t *x =
+                    ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 16 * g;
                 __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++)
@@ -1269,8 +1274,8 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
             for (int k = 0; k < 8; k++)
                 off = dpwssd_bcst(off, scs[k], x->bsums + 2 * k);
             isum[m] = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(off, 5));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)),
-                                     acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]),
+                                     _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[m]);
         }
     }
 #pragma GCC unroll 8
