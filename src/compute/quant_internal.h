@@ -180,9 +180,10 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
  * product's values), and the AVX-512 product (quant_x86.c, the path that packs). n_groups
  * groups from P (the first of them group 0 of y); y + m * y_stride holds row m's outputs. */
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
-/* Row n's stored block b read back from a packed Q4_K or Q6_K weight. */
-void fitm_quant_packed_block(fitm_dtype t, const void *P, int64_t K, int64_t n, int64_t b,
-                             void *dst);
+/* Row n of a packed Q4_K or Q6_K weight: its stored blocks read back, then dequantized by
+ * dequant (the scalar or a SIMD path's dequantizer, so the row equals that path's). */
+void fitm_quant_packed_row_k(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                             void (*dequant)(fitm_dtype, const void *, float *, int64_t));
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
 void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,

@@ -780,15 +780,22 @@ static void unpack_q6_k(const fitm_chunk_q6_kx16 *c, int r, fitm_block_q6_k *w)
     }
 }
 
-void fitm_quant_packed_block(fitm_dtype t, const void *P, int64_t K, int64_t n, int64_t b,
-                             void *dst)
+void fitm_quant_packed_row_k(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                             void (*dequant)(fitm_dtype, const void *, float *, int64_t))
 {
-    const int64_t at = (n / FITM_PACK_ROWS) * (K / FITM_QK_K) + b;
+    const int64_t at = (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
     const int r = (int)(n % FITM_PACK_ROWS);
-    if (t == FITM_DTYPE_Q4_K)
-        unpack_q4_k((const fitm_chunk_q4_kx16 *)P + at, r, dst);
-    else
-        unpack_q6_k((const fitm_chunk_q6_kx16 *)P + at, r, dst);
+    for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
+        if (t == FITM_DTYPE_Q4_K) { /* (one type per block variable: no other type's reads) */
+            fitm_block_q4_k w;
+            unpack_q4_k((const fitm_chunk_q4_kx16 *)P + at + b, r, &w);
+            dequant(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
+        } else {
+            fitm_block_q6_k w;
+            unpack_q6_k((const fitm_chunk_q6_kx16 *)P + at + b, r, &w);
+            dequant(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
+        }
+    }
 }
 
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
@@ -849,18 +856,8 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
 
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
-    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) { /* the stored blocks, dequantized */
-        for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
-            union {
-                fitm_block_q4_k q4;
-                fitm_block_q6_k q6;
-            } w;
-            fitm_quant_packed_block(t, P, K, n, b, &w);
-            if (t == FITM_DTYPE_Q4_K) /* (constant types: no other type's reads of w) */
-                fitm_quant_dequant_row_scalar(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
-            else
-                fitm_quant_dequant_row_scalar(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
-        }
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
+        fitm_quant_packed_row_k(t, P, K, n, dst, fitm_quant_dequant_row_scalar);
         return;
     }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
@@ -874,65 +871,53 @@ void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_
     }
 }
 
-/* The packed Q4_K product: per super-block the exact integer sums isum = sum over sub-blocks
- * of sc * (values . activations) and msum = sum of m * (the sub-block's activation sum), then
- *     acc = fma(isum, d * d_x, acc);  acc = fma(-msum, dmin * d_x, acc). */
-static void matvec_packed_q4_k(const fitm_chunk_q4_kx16 *P, int64_t K, const void *x_q,
-                               size_t x_stride, int64_t M, float *y, int64_t y_stride,
-                               int64_t n_groups)
+/* The packed K-quant products: per super-block the exact integer sum isum (Q4_K: over its
+ * sub-blocks of 32, sc * (values . activations); Q6_K: over its groups of 16, sc * ((u - 32) .
+ * activations)), then acc = fma(isum, d * d_x, acc); Q4_K then also acc = fma(-msum, dmin *
+ * d_x, acc), msum the sum of m * (the sub-block's activation sum). */
+static float packed_k_block(fitm_dtype t, const void *chunk, int r, const fitm_block_q8_k *x,
+                            float acc)
 {
-    const int64_t nb = K / FITM_QK_K;
-    for (int64_t g = 0; g < n_groups; g++)
-        for (int64_t m = 0; m < M; m++) {
-            const fitm_block_q8_k *x =
-                (const fitm_block_q8_k *)((const uint8_t *)x_q + (size_t)m * x_stride);
-            for (int r = 0; r < FITM_PACK_ROWS; r++) {
-                float acc = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
-                    const fitm_chunk_q4_kx16 *c = &P[g * nb + b];
-                    int32_t isum = 0, msum = 0; /* exact: |isum| <= 8 * 63 * 32 * 15 * 128 */
-                    for (int j = 0; j < 8; j++) {
-                        int32_t s = 0;
-                        for (int e = 0; e < 32; e++) {
-                            const uint8_t q = c->nib[j / 2][e / 4][4 * r + e % 4];
-                            s += ((j % 2) ? q >> 4 : q & 0xF) * x[b].qs[32 * j + e];
-                        }
-                        isum += c->sc[j][r] * s;
-                        msum += c->m[j / 2][2 * r + j % 2] *
-                                (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
-                    }
-                    acc = fmaf((float)isum, FP16(c->d[r]) * x[b].d, acc);
-                    acc = fmaf((float)-msum, FP16(c->dmin[r]) * x[b].d, acc);
-                }
-                y[m * y_stride + g * FITM_PACK_ROWS + r] = acc;
-            }
+    if (t == FITM_DTYPE_Q6_K) {
+        const fitm_chunk_q6_kx16 *c = chunk;
+        int32_t isum = 0; /* exact: |isum| <= 16 * 128 * 16 * 32 * 128 */
+        for (int j = 0; j < 16; j++) {
+            int32_t s = 0;
+            for (int e = 16 * j; e < 16 * j + 16; e++)
+                s += (chunk_q6_k_u(c, r, e) - 32) * x->qs[e];
+            isum += c->sc[j / 2][2 * r + j % 2] * s;
         }
+        return fmaf((float)isum, FP16(c->d[r]) * x->d, acc);
+    }
+    const fitm_chunk_q4_kx16 *c = chunk;
+    int32_t isum = 0, msum = 0; /* exact: |isum| <= 8 * 63 * 32 * 15 * 128 */
+    for (int j = 0; j < 8; j++) {
+        int32_t s = 0;
+        for (int e = 0; e < 32; e++) {
+            const uint8_t q = c->nib[j / 2][e / 4][4 * r + e % 4];
+            s += ((j % 2) ? q >> 4 : q & 0xF) * x->qs[32 * j + e];
+        }
+        isum += c->sc[j][r] * s;
+        msum += c->m[j / 2][2 * r + j % 2] * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+    }
+    acc = fmaf((float)isum, FP16(c->d[r]) * x->d, acc);
+    return fmaf((float)-msum, FP16(c->dmin[r]) * x->d, acc);
 }
 
-/* The packed Q6_K product: per super-block the exact integer sum isum = sum over groups of
- * 16 of sc * ((u - 32) . activations), then acc = fma(isum, d * d_x, acc). */
-static void matvec_packed_q6_k(const fitm_chunk_q6_kx16 *P, int64_t K, const void *x_q,
-                               size_t x_stride, int64_t M, float *y, int64_t y_stride,
-                               int64_t n_groups)
+static void matvec_packed_k(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
+                            size_t x_stride, int64_t M, float *y, int64_t y_stride,
+                            int64_t n_groups)
 {
     const int64_t nb = K / FITM_QK_K;
+    const size_t cb = fitm_chunk_bytes(t);
     for (int64_t g = 0; g < n_groups; g++)
         for (int64_t m = 0; m < M; m++) {
             const fitm_block_q8_k *x =
                 (const fitm_block_q8_k *)((const uint8_t *)x_q + (size_t)m * x_stride);
             for (int r = 0; r < FITM_PACK_ROWS; r++) {
                 float acc = 0.0f;
-                for (int64_t b = 0; b < nb; b++) {
-                    const fitm_chunk_q6_kx16 *c = &P[g * nb + b];
-                    int32_t isum = 0; /* exact: |isum| <= 16 * 128 * 16 * 32 * 128 */
-                    for (int j = 0; j < 16; j++) {
-                        int32_t s = 0;
-                        for (int e = 16 * j; e < 16 * j + 16; e++)
-                            s += (chunk_q6_k_u(c, r, e) - 32) * x[b].qs[e];
-                        isum += c->sc[j / 2][2 * r + j % 2] * s;
-                    }
-                    acc = fmaf((float)isum, FP16(c->d[r]) * x[b].d, acc);
-                }
+                for (int64_t b = 0; b < nb; b++)
+                    acc = packed_k_block(t, P + (size_t)(g * nb + b) * cb, r, &x[b], acc);
                 y[m * y_stride + g * FITM_PACK_ROWS + r] = acc;
             }
         }
@@ -942,14 +927,8 @@ void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, 
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                      int64_t n_groups)
 {
-    if (t == FITM_DTYPE_Q6_K) {
-        matvec_packed_q6_k((const fitm_chunk_q6_kx16 *)P, K, x_q, x_stride, M, y, y_stride,
-                           n_groups);
-        return;
-    }
-    if (t == FITM_DTYPE_Q4_K) {
-        matvec_packed_q4_k((const fitm_chunk_q4_kx16 *)P, K, x_q, x_stride, M, y, y_stride,
-                           n_groups);
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
+        matvec_packed_k(t, P, K, x_q, x_stride, M, y, y_stride, n_groups);
         return;
     }
     const int64_t nb = K / FITM_QK;

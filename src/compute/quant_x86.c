@@ -1150,6 +1150,18 @@ KERNEL __m512i dpwssd_bcst(__m512i acc, __m512i w, const int16_t *x)
     return acc;
 }
 
+/* isum + sc * (the dots of the n vectors v with x's n dwords): one activation row's integer
+ * sum over a sub-block for the 16 rows, times the rows' scales, added to their block sums. */
+KERNEL __m512i scaled_dots(__m512i isum, const __m512i *v, const int n, const int8_t *x,
+                           __m512i sc)
+{
+    __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = 0; k < n; k++)
+        s = dpbusd_bcst(s, v[k], x + 4 * k);
+    return _mm512_add_epi32(isum, _mm512_mullo_epi32(s, sc));
+}
+
 KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uint8_t *xq,
                               size_t x_stride, const packed_xk *px, const int M, float *y,
                               int64_t y_stride)
@@ -1178,13 +1190,8 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
             }
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
-                const int8_t *x =
-                    ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 32 * j;
-                __m512i s = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                for (int k = 0; k < 8; k++)
-                    s = dpbusd_bcst(s, v[k], x + 4 * k);
-                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, sc));
+                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)m * x_stride);
+                isum[m] = scaled_dots(isum[m], v, 8, x[b].qs + 32 * j, sc);
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d)),
@@ -1252,13 +1259,8 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), top2));
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) {
-                const int8_t *x =
-                    ((const fitm_block_q8_k *)(xq + (size_t)m * x_stride))[b].qs + 16 * g;
-                __m512i s = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int k = 0; k < 4; k++)
-                    s = dpbusd_bcst(s, v[k], x + 4 * k);
-                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, sc));
+                const fitm_block_q8_k *x = (const fitm_block_q8_k *)(xq + (size_t)m * x_stride);
+                isum[m] = scaled_dots(isum[m], v, 4, x[b].qs + 16 * g, sc);
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
@@ -1289,18 +1291,8 @@ static inline void store_mul(__m256i q, float d, float *y);
 
 void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
-    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) { /* the stored blocks, dequantized */
-        for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
-            union {
-                fitm_block_q4_k q4;
-                fitm_block_q6_k q6;
-            } w;
-            fitm_quant_packed_block(t, P, K, n, b, &w);
-            if (t == FITM_DTYPE_Q4_K) /* (constant types: no other type's reads of w) */
-                fitm_quant_dequant_row_simd(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
-            else
-                fitm_quant_dequant_row_simd(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
-        }
+    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
+        fitm_quant_packed_row_k(t, P, K, n, dst, fitm_quant_dequant_row_simd);
         return;
     }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
