@@ -10,8 +10,9 @@
  *    against matvec on the same activation values; matvec_rows (several activation rows)
  *    == per-row dot bit for bit, for every row count and writing only its rows; the K-quant
  *    products of the AVX2 and AVX-512 objects bit-identical where the CPU runs both;
- *  - packed Q8_0 / Q5_0 / Q4_K / Q6_K weights: rows read back equal the stored ones, the product equals
- *    the scalar reference bit for bit for every row count, the reference the dot's value;
+ *  - packed Q8_0 / Q5_0 / Q4_K / Q6_K weights: rows read back equal the stored ones, the
+ *    product equals the scalar reference bit for bit for every row count, the reference the
+ *    dot's value;
  *  - quantizers on degenerate input (zeros, constants, tiny, huge, inf/NaN) write valid blocks.
  * Random data is seeded (FITM_TEST_SEED overrides) and never all zeros. */
 #include <float.h>
@@ -625,9 +626,7 @@ static void test_packed(void)
         for (size_t li = 0; li < (kq ? 4 : 5); li++) {
             const int64_t K = kq ? lens_k[li] : lens[li];
             const size_t rb = fitm_dtype_row_bytes(t, K), xqb = fitm_dtype_row_bytes(vt, K) + 4;
-            const size_t pb = t == FITM_DTYPE_Q4_K
-                                  ? (size_t)(N / 16) * (size_t)(K / 256) * sizeof(fitm_chunk_q4_kx16)
-                                  : N * rb;
+            const size_t pb = t == FITM_DTYPE_Q4_K ? (size_t)(N / 16 * K / 256) * 2368 : N * rb;
             CHECK(fitm_pack_bytes(t, N, K) == (packs ? pb : 0), "%s K=%ld: pack bytes %zu",
                   tname(t), (long)K, fitm_pack_bytes(t, N, K));
             if (packs)
@@ -657,13 +656,14 @@ static void test_packed(void)
             for (int64_t m = 0; m < M_MAX; m++)
                 for (int64_t n = 0; n < N; n++) {
                     double ref = 0, mag = 0, tol;
+                    const fitm_block_q8_k *xk = (const fitm_block_q8_k *)(xq + m * xqb);
                     if (t == FITM_DTYPE_Q4_K) { /* two scale products, two fmas per super-block */
-                        ref = q4_k_dot_exact((const fitm_block_q4_k *)(W + n * rb),
-                                             (const fitm_block_q8_k *)(xq + m * xqb), K / 256, &mag);
+                        ref = q4_k_dot_exact((const fitm_block_q4_k *)(W + n * rb), xk, K / 256,
+                                             &mag);
                         tol = (4.0 * K / 256 + 2) * 0x1p-24 * mag;
                     } else if (t == FITM_DTYPE_Q6_K) {
-                        ref = q6_k_dot_exact((const fitm_block_q6_k *)(W + n * rb),
-                                             (const fitm_block_q8_k *)(xq + m * xqb), K / 256, &mag);
+                        ref = q6_k_dot_exact((const fitm_block_q6_k *)(W + n * rb), xk, K / 256,
+                                             &mag);
                         tol = (2.0 * K / 256 + 2) * 0x1p-24 * mag;
                     } else {
                         fitm_dequant_row(t, W + n * rb, a, K);
@@ -672,7 +672,8 @@ static void test_packed(void)
                             ref += (double)a[i] * b[i];
                             mag += fabs((double)a[i] * b[i]);
                         }
-                        /* exact block sums, one rounded scale product and one rounded fma per block */
+                        /* exact block sums, one rounded scale product and one rounded fma per
+                         * block */
                         tol = (2.0 * K / 32 + 2) * 0x1p-24 * mag;
                     }
                     if (fabs(R[m * N + n] - ref) > tol && bad++ < 3)

@@ -181,6 +181,12 @@ int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K)
  * Packed weights: only the AVX-512 path packs (its kernel is what the layout is for); the
  * portable functions pack, read and multiply on any path (the tests' reference). */
 
+/* The bytes of N packed rows of type t and length K (N a multiple of 16), on any path. */
+static size_t packed_bytes(fitm_dtype t, int64_t N, int64_t K)
+{
+    return (size_t)(N / FITM_PACK_ROWS) * (size_t)(K / fitm_chunk_elems(t)) * fitm_chunk_bytes(t);
+}
+
 size_t fitm_pack_bytes(fitm_dtype t, int64_t N, int64_t K)
 {
     if ((t != FITM_DTYPE_Q8_0 && t != FITM_DTYPE_Q5_0 && t != FITM_DTYPE_Q4_K &&
@@ -188,7 +194,7 @@ size_t fitm_pack_bytes(fitm_dtype t, int64_t N, int64_t K)
         N % FITM_PACK_ROWS || K <= 0 || K % fitm_chunk_elems(t) ||
         K / FITM_QK > FITM_PACK_MAX_BLOCKS || simd_path() != FITM_CPU_AVX512)
         return 0;
-    return (size_t)(N / FITM_PACK_ROWS) * (size_t)(K / fitm_chunk_elems(t)) * fitm_chunk_bytes(t);
+    return packed_bytes(t, N, K);
 }
 
 void fitm_pack(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
@@ -212,9 +218,7 @@ void fitm_matvec_rows_packed(fitm_dtype t, const void *P, int64_t K, const void 
                              int64_t n1)
 {
     assert(n0 % FITM_PACK_ROWS == 0 && n1 % FITM_PACK_ROWS == 0 && n0 <= n1);
-    const uint8_t *p = (const uint8_t *)P + (size_t)(n0 / FITM_PACK_ROWS) *
-                                                (size_t)(K / fitm_chunk_elems(t)) *
-                                                fitm_chunk_bytes(t); /* (on any path) */
+    const uint8_t *p = (const uint8_t *)P + packed_bytes(t, n0, K);
     const int64_t groups = (n1 - n0) / FITM_PACK_ROWS;
 #if FITM_QUANT_X86
     if (simd_path() == FITM_CPU_AVX512) {

@@ -82,11 +82,11 @@ int64_t fitm_matvec_rows_once(fitm_dtype t, int64_t K);
  * fitm_matvec_rows_packed in place of fitm_dequant_row and fitm_matvec_rows. The packed
  * product's value for an output is the float chain
  *     acc = 0;  for each block b in order:  acc = fma(isum_b, d_w,b * d_x,b, acc)
- * with isum_b the block's exact integer sum (K-quants: per super-block, isum_b = sum over its
- * sub-blocks of scale * integer dot; Q4_K then also acc = fma(-msum_b, dmin_w,b * d_x,b, acc)
- * with msum_b the exact sum of the mins times the activations' sub-block sums): the same bits for
- * any M, task split or path (quant_scalar.c's reference); against fitm_matvec only the float
- * rounding differs. */
+ * with isum_b the block's exact integer sum (K-quants: per super-block, isum_b = sum over
+ * its sub-blocks of scale * integer dot; Q4_K then also acc = fma(-msum_b, dmin_w,b * d_x,b,
+ * acc) with msum_b the exact sum of the mins times the activations' sub-block sums): the
+ * same bits for any M, task split or path (quant_scalar.c's reference); against fitm_matvec
+ * only the float rounding differs. */
 #define FITM_PACK_ROWS 16 /* rows of a packed group; a packed weight's N is a multiple */
 size_t fitm_pack_bytes(fitm_dtype t, int64_t N, int64_t K);
 void fitm_pack(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);

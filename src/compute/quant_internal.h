@@ -79,9 +79,9 @@ _Static_assert(sizeof(fitm_block_q5_k) == 176, "Q5_K block");
 _Static_assert(sizeof(fitm_block_q6_k) == 210, "Q6_K block");
 _Static_assert(sizeof(fitm_block_q8_k) == 292, "Q8_K block");
 
-/* Packed weights (quant.h's fitm_pack): Q8_0, Q5_0, Q4_K and Q6_K rows in groups of FITM_PACK_ROWS
- * = 16, one chunk per group and block (32 elements; K-quants: super-block of 256). Group g's
- * chunks are contiguous, block b at (g * nb + b) * chunk bytes:
+/* Packed weights (quant.h's fitm_pack): Q8_0, Q5_0, Q4_K and Q6_K rows in groups of
+ * FITM_PACK_ROWS = 16, one chunk per group and block (32 elements; K-quants: super-block of
+ * 256). Group g's chunks are contiguous, block b at (g * nb + b) * chunk bytes:
  *   Q8_0x16  { fp16 d[16]; u8 q[8][64]; }                  (16 stored blocks' bytes)
  *   Q5_0x16  { fp16 d[16]; u8 nib[4][64]; u64 hi[8]; }     (16 stored blocks' bytes)
  *   Q4_Kx16  { fp16 d[16], dmin[16]; u8 sc[8][16]; u8 m[4][32]; u8 nib[4][8][64]; }
@@ -124,8 +124,6 @@ typedef struct {
     uint8_t nib[4][8][64];
 } fitm_chunk_q4_kx16;
 
-_Static_assert(sizeof(fitm_chunk_q8_0x16) == 16 * sizeof(fitm_block_q8_0), "Q8_0x16 chunk");
-_Static_assert(sizeof(fitm_chunk_q5_0x16) == 16 * sizeof(fitm_block_q5_0), "Q5_0x16 chunk");
 typedef struct {
     uint16_t d[FITM_PACK_ROWS];
     int8_t sc[8][2 * FITM_PACK_ROWS];
@@ -133,6 +131,8 @@ typedef struct {
     uint8_t hi[16][64];
 } fitm_chunk_q6_kx16;
 
+_Static_assert(sizeof(fitm_chunk_q8_0x16) == 16 * sizeof(fitm_block_q8_0), "Q8_0x16 chunk");
+_Static_assert(sizeof(fitm_chunk_q5_0x16) == 16 * sizeof(fitm_block_q5_0), "Q5_0x16 chunk");
 _Static_assert(sizeof(fitm_chunk_q4_kx16) == 2368, "Q4_Kx16 chunk");
 _Static_assert(sizeof(fitm_chunk_q6_kx16) == 16 * sizeof(fitm_block_q6_k), "Q6_Kx16 chunk");
 
