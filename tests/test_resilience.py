@@ -535,12 +535,24 @@ def health_from(d, source: str) -> int:
     return int(out.split(b" ", 2)[1])
 
 
-def accepted_connection(d, source="127.0.0.1"):
-    """A keep-alive connection the daemon has certainly accepted: it answered a request on it."""
-    s = socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0))
-    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert s.recv(65536).startswith(b"HTTP/1.1 200")
-    return s
+def accepted_connection(d, source="127.0.0.1", wait_s=10.0):
+    """A keep-alive connection the daemon has certainly accepted: it answered a request on it.
+    A refused one is tried again for up to wait_s: the Daemon's own readiness probes (from
+    127.0.0.1) count against the limits until the server has seen them closed, which under
+    ASan can take a moment after the client closed them."""
+    deadline = time.time() + wait_s
+    while True:
+        s = socket.create_connection(("127.0.0.1", d.port), timeout=10, source_address=(source, 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            got = s.recv(65536)
+        except ConnectionResetError:
+            got = b""
+        if got.startswith(b"HTTP/1.1 200"):
+            return s
+        s.close()
+        assert time.time() < deadline, got
+        time.sleep(0.05)
 
 
 def test_trickled_body_is_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
