@@ -376,7 +376,7 @@ static void fit_asymmetric(const float *x, int n, int nmax, float *s_out, float 
 }
 
 /* Packs 8 scales and 8 mins (each 0..63) into the 12 bytes of Q4_K/Q5_K. */
-void fitm_quant_pack_k_scales(const uint8_t sc[8], const uint8_t m[8], uint8_t s12[12])
+static void pack_k_scales(const uint8_t sc[8], const uint8_t m[8], uint8_t s12[12])
 {
     for (int j = 0; j < 4; j++) {
         s12[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
@@ -408,7 +408,7 @@ static void quant_k_asym(const float *x, uint8_t *scales12, uint16_t *d_out, uin
         for (int l = 0; l < 32; l++)
             q[32 * j + l] = (uint8_t)rint_clamp((x[32 * j + l] + om) * ids, 0.0f, (float)nmax);
     }
-    fitm_quant_pack_k_scales(sc, m, scales12);
+    pack_k_scales(sc, m, scales12);
 }
 
 static void quant_q4_k(const float *x, fitm_block_q4_k *b, int64_t nb)
@@ -723,22 +723,6 @@ static void pack_q4_k(const fitm_block_q4_k *W, int64_t N, int64_t nb, fitm_chun
         }
 }
 
-/* Row r's block b of a Q4_Kx16 chunk as the stored block it was packed from. */
-static void unpack_q4_k(const fitm_chunk_q4_kx16 *c, int r, fitm_block_q4_k *w)
-{
-    uint8_t sc[8], m[8];
-    for (int j = 0; j < 8; j++) {
-        sc[j] = c->sc[j][r];
-        m[j] = c->m[j / 2][2 * r + j % 2];
-    }
-    w->d = c->d[r];
-    w->dmin = c->dmin[r];
-    fitm_quant_pack_k_scales(sc, m, w->scales);
-    for (int p = 0; p < 4; p++)
-        for (int k = 0; k < 8; k++)
-            memcpy(w->qs + 32 * p + 4 * k, c->nib[p][k] + 4 * r, 4);
-}
-
 /* Q6_K rows into Q6_Kx16 chunks. */
 static void pack_q6_k(const fitm_block_q6_k *W, int64_t N, int64_t nb, fitm_chunk_q6_kx16 *out)
 {
@@ -765,37 +749,6 @@ static int chunk_q6_k_u(const fitm_chunk_q6_kx16 *c, int r, int e)
     const int k = e / 4, byte = 4 * r + e % 4;
     return ((c->nib[k / 2][byte] >> (4 * (k % 2))) & 0xF) |
            ((c->hi[k / 4][byte] >> (2 * (k % 4))) & 3) << 4;
-}
-
-static void unpack_q6_k(const fitm_chunk_q6_kx16 *c, int r, fitm_block_q6_k *w)
-{
-    memset(w, 0, sizeof *w);
-    w->d = c->d[r];
-    for (int j = 0; j < 16; j++)
-        w->scales[j] = c->sc[j / 2][2 * r + j % 2];
-    for (int e = 0; e < FITM_QK_K; e++) { /* q6_k_get's places */
-        const int u = chunk_q6_k_u(c, r, e), h = e >> 7, k = (e >> 5) & 3, l = e & 31;
-        w->ql[64 * h + ((k & 1) ? 32 : 0) + l] |= (uint8_t)((u & 0xF) << ((k & 2) ? 4 : 0));
-        w->qh[32 * h + l] |= (uint8_t)((u >> 4) << (2 * k));
-    }
-}
-
-void fitm_quant_packed_row_k(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
-                             void (*dequant)(fitm_dtype, const void *, float *, int64_t))
-{
-    const int64_t at = (n / FITM_PACK_ROWS) * (K / FITM_QK_K);
-    const int r = (int)(n % FITM_PACK_ROWS);
-    for (int64_t b = 0; b < K / FITM_QK_K; b++, dst += FITM_QK_K) {
-        if (t == FITM_DTYPE_Q4_K) { /* (one type per block variable: no other type's reads) */
-            fitm_block_q4_k w;
-            unpack_q4_k((const fitm_chunk_q4_kx16 *)P + at + b, r, &w);
-            dequant(FITM_DTYPE_Q4_K, &w, dst, FITM_QK_K);
-        } else {
-            fitm_block_q6_k w;
-            unpack_q6_k((const fitm_chunk_q6_kx16 *)P + at + b, r, &w);
-            dequant(FITM_DTYPE_Q6_K, &w, dst, FITM_QK_K);
-        }
-    }
 }
 
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
@@ -857,7 +810,7 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
     if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
-        fitm_quant_packed_row_k(t, P, K, n, dst, fitm_quant_dequant_row_scalar);
+        fitm_quant_packed_row_k(t, P, K, n, dst);
         return;
     }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;

@@ -1292,7 +1292,7 @@ static inline void store_mul(__m256i q, float d, float *y);
 void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
 {
     if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
-        fitm_quant_packed_row_k(t, P, K, n, dst, fitm_quant_dequant_row_simd);
+        fitm_quant_packed_row_k(t, P, K, n, dst);
         return;
     }
     const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
