@@ -648,6 +648,29 @@ static void test_packed(void)
                     CHECK(false, "%s K=%ld: packed row %ld differs from the stored one", tname(t),
                           (long)K, (long)n);
             }
+            /* the groups column by column, ld past the 16 rows (the lanes between untouched) */
+            const int64_t ld = FITM_PACK_ROWS + 3;
+            float *cols = malloc(2 * K * ld * sizeof(float));
+            for (int64_t n = 0; n < N; n += FITM_PACK_ROWS) {
+                for (int64_t i = 0; i < 2 * K * ld; i++)
+                    cols[i] = GUARD;
+                fitm_packed_cols(t, P, K, n, cols, ld);
+                fitm_quant_packed_cols_scalar(t, P, K, n, cols + K * ld, ld);
+                for (int64_t r = 0; r < ld; r++) {
+                    if (r < FITM_PACK_ROWS)
+                        fitm_dequant_row(t, W + (n + r) * rb, x, K);
+                    for (int64_t k = 0; k < K; k++)
+                        for (int s = 0; s < 2; s++) {
+                            const float got = cols[s * K * ld + k * ld + r];
+                            const float want = r < FITM_PACK_ROWS ? x[k] : GUARD;
+                            if (fbits(got) != fbits(want) && bad++ < 3)
+                                CHECK(false, "%s K=%ld: packed %s cols, row %ld col %ld: %.9g, "
+                                      "want %.9g", tname(t), (long)K, s ? "scalar" : "path",
+                                      (long)(n + r), (long)k, got, want);
+                        }
+                }
+            }
+            free(cols);
             for (int64_t m = 0; m < M_MAX; m++) {
                 random_floats(x, K, 1.0f + (float)m);
                 fitm_quant_row(vt, x, xq + m * xqb, K);

@@ -213,6 +213,18 @@ void fitm_packed_row(fitm_dtype t, const void *P, int64_t K, int64_t n, float *d
     fitm_quant_packed_row_scalar(t, P, K, n, dst);
 }
 
+void fitm_packed_cols(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst, int64_t ld)
+{
+    assert(n % FITM_PACK_ROWS == 0);
+#if FITM_QUANT_X86
+    if (simd_path() == FITM_CPU_AVX512) {
+        fitm_quant_packed_cols_avx512(t, P, K, n, dst, ld);
+        return;
+    }
+#endif
+    fitm_quant_packed_cols_scalar(t, P, K, n, dst, ld);
+}
+
 void fitm_matvec_rows_packed(fitm_dtype t, const void *P, int64_t K, const void *x_q,
                              size_t x_stride, int64_t M, float *Y, int64_t ldy, int64_t n0,
                              int64_t n1)

@@ -94,6 +94,11 @@ void fitm_pack(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
 /* Row n of a packed weight converted to F32: equal to fitm_dequant_row of the stored row. */
 void fitm_packed_row(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
 
+/* Rows [n, n + 16) of a packed weight (n a multiple of 16) converted to F32 column by column:
+ * dst[k * ld + i] = element k of row n + i for k < K, i < 16 (a float product's K-major
+ * weight tile), each value equal to fitm_packed_row's. */
+void fitm_packed_cols(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst, int64_t ld);
+
 /* fitm_matvec_rows on a packed weight, n0 and n1 multiples of 16. Each weight row is read
  * once for any M. With several rows the SIMD path prefetches weight bytes up to 8 KiB past
  * row n1 - 1 (a hint, as fitm_matvec's). */

@@ -178,52 +178,58 @@ float fitm_quant_dot_scalar(fitm_dtype t, const void *w_row, const void *x_q, in
  * product's values), and the AVX-512 product (quant_x86.c, the path that packs). n_groups
  * groups from P (the first of them group 0 of y); y + m * y_stride holds row m's outputs. */
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P);
-/* Row n of a packed Q4_K or Q6_K weight (K floats), dequantized straight from its chunks
- * with the stored row's dequantizer's operations in its order (mul then sub, never fused;
- * quant_scalar.c), so the same bits. Inline: each path's object compiles (and vectorizes) it
- * itself, as the BATCH path converts every weight tile on every call. */
+/* Row r (0..15) of one packed Q4_K or Q6_K chunk (256 floats), and row n of a packed weight
+ * (K floats), dequantized straight from the chunks with the stored row's dequantizer's
+ * operations in its order (mul then sub, never fused; quant_scalar.c), so the same bits.
+ * Inline: each path's object compiles (and vectorizes) it itself. */
+static inline void fitm_quant_packed_block_k(fitm_dtype t, const void *chunk, int r, float *y)
+{
+    if (t == FITM_DTYPE_Q4_K) {
+        const fitm_chunk_q4_kx16 *c = chunk;
+        const float d = fitm_fp16_to_fp32(c->d[r]), dmin = fitm_fp16_to_fp32(c->dmin[r]);
+        for (int p = 0; p < 4; p++) { /* stored qs[32p..]: sub-blocks 2p (low), 2p+1 */
+            uint8_t q[32];
+            for (int k = 0; k < 8; k++)
+                memcpy(q + 4 * k, c->nib[p][k] + 4 * r, 4);
+            const float d0 = d * c->sc[2 * p][r], o0 = dmin * c->m[p][2 * r],
+                        d1 = d * c->sc[2 * p + 1][r], o1 = dmin * c->m[p][2 * r + 1];
+            for (int l = 0; l < 32; l++) {
+                y[64 * p + l] = d0 * (float)(q[l] & 0xF) - o0;
+                y[64 * p + 32 + l] = d1 * (float)(q[l] >> 4) - o1;
+            }
+        }
+        return;
+    }
+    const fitm_chunk_q6_kx16 *c = chunk;
+    const float d = fitm_fp16_to_fp32(c->d[r]);
+    uint8_t u[FITM_QK_K];
+    for (int k = 0; k < 64; k++) { /* elements 4k..4k+3, a dword at a time */
+        uint32_t lo, hi;
+        memcpy(&lo, c->nib[k / 2] + 4 * r, 4);
+        memcpy(&hi, c->hi[k / 4] + 4 * r, 4);
+        const uint32_t v = ((lo >> (4 * (k % 2))) & 0x0F0F0F0Fu) |
+                           ((hi >> (2 * (k % 4))) & 0x03030303u) << 4;
+        memcpy(u + 4 * k, &v, 4);
+    }
+    for (int g = 0; g < 16; g++) {
+        const float dg = d * (float)c->sc[g / 2][2 * r + g % 2];
+        for (int e = 16 * g; e < 16 * g + 16; e++)
+            y[e] = dg * (float)(u[e] - 32);
+    }
+}
+
 static inline void fitm_quant_packed_row_k(fitm_dtype t, const void *P, int64_t K, int64_t n,
                                            float *y)
 {
     const int64_t nb = K / FITM_QK_K;
-    const int r = (int)(n % FITM_PACK_ROWS);
-    for (int64_t b = 0; b < nb; b++, y += FITM_QK_K) {
-        const int64_t at = (n / FITM_PACK_ROWS) * nb + b;
-        if (t == FITM_DTYPE_Q4_K) {
-            const fitm_chunk_q4_kx16 *c = (const fitm_chunk_q4_kx16 *)P + at;
-            const float d = fitm_fp16_to_fp32(c->d[r]), dmin = fitm_fp16_to_fp32(c->dmin[r]);
-            for (int p = 0; p < 4; p++) { /* stored qs[32p..]: sub-blocks 2p (low), 2p+1 */
-                uint8_t q[32];
-                for (int k = 0; k < 8; k++)
-                    memcpy(q + 4 * k, c->nib[p][k] + 4 * r, 4);
-                const float d0 = d * c->sc[2 * p][r], o0 = dmin * c->m[p][2 * r],
-                            d1 = d * c->sc[2 * p + 1][r], o1 = dmin * c->m[p][2 * r + 1];
-                for (int l = 0; l < 32; l++) {
-                    y[64 * p + l] = d0 * (float)(q[l] & 0xF) - o0;
-                    y[64 * p + 32 + l] = d1 * (float)(q[l] >> 4) - o1;
-                }
-            }
-        } else {
-            const fitm_chunk_q6_kx16 *c = (const fitm_chunk_q6_kx16 *)P + at;
-            const float d = fitm_fp16_to_fp32(c->d[r]);
-            uint8_t u[FITM_QK_K];
-            for (int k = 0; k < 64; k++) { /* elements 4k..4k+3, a dword at a time */
-                uint32_t lo, hi;
-                memcpy(&lo, c->nib[k / 2] + 4 * r, 4);
-                memcpy(&hi, c->hi[k / 4] + 4 * r, 4);
-                const uint32_t v = ((lo >> (4 * (k % 2))) & 0x0F0F0F0Fu) |
-                                   ((hi >> (2 * (k % 4))) & 0x03030303u) << 4;
-                memcpy(u + 4 * k, &v, 4);
-            }
-            for (int g = 0; g < 16; g++) {
-                const float dg = d * (float)c->sc[g / 2][2 * r + g % 2];
-                for (int e = 16 * g; e < 16 * g + 16; e++)
-                    y[e] = dg * (float)(u[e] - 32);
-            }
-        }
-    }
+    const unsigned char *c = (const unsigned char *)P + (size_t)((n / FITM_PACK_ROWS) * nb) *
+                                                            fitm_chunk_bytes(t);
+    for (int64_t b = 0; b < nb; b++, c += fitm_chunk_bytes(t), y += FITM_QK_K)
+        fitm_quant_packed_block_k(t, c, (int)(n % FITM_PACK_ROWS), y);
 }
 void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
+void fitm_quant_packed_cols_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                                   int64_t ld);
 void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                      int64_t n_groups);
@@ -253,6 +259,8 @@ void fitm_quant_matvec_packed_scalar(fitm_dtype t, const uint8_t *P, int64_t K, 
 FITM_QUANT_SIMD_DECL(avx2)
 FITM_QUANT_SIMD_DECL(avx512)
 void fitm_quant_packed_row_avx512(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst);
+void fitm_quant_packed_cols_avx512(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                                   int64_t ld);
 void fitm_quant_matvec_packed_avx512(fitm_dtype t, const uint8_t *P, int64_t K, const void *x_q,
                                      size_t x_stride, int64_t M, float *y, int64_t y_stride,
                                      int64_t n_groups);

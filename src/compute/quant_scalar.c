@@ -824,6 +824,28 @@ void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_
     }
 }
 
+void fitm_quant_packed_cols_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                                   int64_t ld)
+{
+    const bool kq = t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K;
+    const int64_t E = fitm_chunk_elems(t), nb = K / E;
+    const size_t cb = fitm_chunk_bytes(t);
+    const uint8_t *c = (const uint8_t *)P + (size_t)((n / FITM_PACK_ROWS) * nb) * cb;
+    float y[FITM_QK_K];
+    for (int64_t b = 0; b < nb; b++, c += cb, dst += E * ld)
+        for (int r = 0; r < FITM_PACK_ROWS; r++) {
+            if (kq) {
+                fitm_quant_packed_block_k(t, c, r, y);
+            } else {
+                const float d = FP16(chunk_d(c, r));
+                for (int j = 0; j < FITM_QK; j++)
+                    y[j] = (float)(chunk_u(t, c, r, j / 4, j % 4) - fitm_chunk_off(t)) * d;
+            }
+            for (int64_t e = 0; e < E; e++)
+                dst[e * ld + r] = y[e];
+        }
+}
+
 /* The packed K-quant products: per super-block the exact integer sum isum (Q4_K: over its
  * sub-blocks of 32, sc * (values . activations); Q6_K: over its groups of 16, sc * ((u - 32) .
  * activations)), then acc = fma(isum, d * d_x, acc); Q4_K then also acc = fma(-msum, dmin *

@@ -33,6 +33,7 @@
 #define fitm_quant_matvec_rows_once_simd SIMD_CAT(fitm_quant_matvec_rows_once, FITM_SIMD_SUFFIX)
 #define fitm_quant_matvec_packed_simd SIMD_CAT(fitm_quant_matvec_packed, FITM_SIMD_SUFFIX)
 #define fitm_quant_packed_row_simd SIMD_CAT(fitm_quant_packed_row, FITM_SIMD_SUFFIX)
+#define fitm_quant_packed_cols_simd SIMD_CAT(fitm_quant_packed_cols, FITM_SIMD_SUFFIX)
 
 #include <immintrin.h>
 #include <string.h>
@@ -1324,6 +1325,108 @@ void fitm_quant_packed_row_simd(fitm_dtype t, const void *P, int64_t K, int64_t 
                                 _mm256_set1_epi8(16));
         }
         store_mul(q, fp16(d), dst);
+    }
+}
+
+/* fitm_packed_cols. A chunk's 64-byte vector of a dword group holds the 16 rows' 4 values side
+ * by side, a dword per row, so column c of the group is lane r's byte c: one shift and mask
+ * give all 16 rows of a column in their lanes, and the rows' scales (a vector too) turn them
+ * into floats with the row reader's operations (u - off, then times d; K-quants d * sc times
+ * the value, minus dmin * m), lane by lane. */
+KERNEL __m512i byte_col(__m512i u, int shift, int mask)
+{
+    return _mm512_and_si512(_mm512_srli_epi32(u, (unsigned)shift), _mm512_set1_epi32(mask));
+}
+
+KERNEL void cols_q8_0_q5_0(fitm_dtype t, const uint8_t *c, float *dst, int64_t ld)
+{
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));
+    const __m512i off = _mm512_set1_epi32(fitm_chunk_off(t)), fifth = _mm512_set1_epi32(16);
+    for (int k = 0; k < 8; k++, dst += 4 * ld) {
+        __m512i u;
+        uint64_t hi = 0;
+        if (t == FITM_DTYPE_Q8_0) {
+            u = _mm512_loadu_si512(((const fitm_chunk_q8_0x16 *)c)->q[k]);
+        } else {
+            const fitm_chunk_q5_0x16 *q = (const fitm_chunk_q5_0x16 *)c;
+            u = _mm512_srli_epi32(_mm512_loadu_si512(q->nib[k / 2]), 4 * (k % 2));
+            hi = q->hi[k]; /* bit 4r + c: row r's column c */
+        }
+        for (int col = 0; col < 4; col++) {
+            __m512i v = byte_col(u, 8 * col, t == FITM_DTYPE_Q8_0 ? 0xFF : 0x0F);
+            if (t == FITM_DTYPE_Q5_0)
+                v = _mm512_mask_or_epi32(v, (__mmask16)_pext_u64(hi, 0x1111111111111111ull << col),
+                                         v, fifth);
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, off));
+            _mm512_storeu_ps(dst + col * ld, _mm512_mul_ps(f, d));
+        }
+    }
+}
+
+KERNEL __m512 u8_floats(const uint8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+KERNEL void cols_q4_k(const fitm_chunk_q4_kx16 *c, float *dst, int64_t ld)
+{
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d)),
+                 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
+    for (int p = 0; p < 4; p++, dst += 64 * ld) { /* sub-blocks 2p (low nibbles), 2p + 1 */
+        const __m512i m = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c->m[p]));
+        const __m512 d0 = _mm512_mul_ps(d, u8_floats(c->sc[2 * p])),
+                     d1 = _mm512_mul_ps(d, u8_floats(c->sc[2 * p + 1])),
+                     o0 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_col(m, 0, 0xFF))),
+                     o1 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(m, 8)));
+        for (int k = 0; k < 8; k++) {
+            const __m512i u = _mm512_loadu_si512(c->nib[p][k]);
+            for (int col = 0; col < 4; col++) {
+                float *y = dst + (4 * k + col) * ld;
+                const __m512 lo = _mm512_cvtepi32_ps(byte_col(u, 8 * col, 0xF)),
+                             hi = _mm512_cvtepi32_ps(byte_col(u, 8 * col + 4, 0xF));
+                _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(d0, lo), o0));
+                _mm512_storeu_ps(y + 32 * ld, _mm512_sub_ps(_mm512_mul_ps(d1, hi), o1));
+            }
+        }
+    }
+}
+
+KERNEL void cols_q6_k(const fitm_chunk_q6_kx16 *c, float *dst, int64_t ld)
+{
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
+    const __m512i off = _mm512_set1_epi32(32);
+    __m512 dg[16]; /* group g's scales d * sc: its pair's low (even g) or high byte, signed */
+    for (int g = 0; g < 16; g += 2) {
+        const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
+        const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24);
+        dg[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+        dg[g + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 8)));
+    }
+    for (int k = 0; k < 64; k++, dst += 4 * ld) { /* elements 4k..4k+3 */
+        const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512(c->nib[k / 2]), 4 * (k % 2)),
+                      hi = _mm512_srli_epi32(_mm512_loadu_si512(c->hi[k / 4]), 2 * (k % 4));
+        for (int col = 0; col < 4; col++) {
+            const __m512i u = _mm512_or_si512(byte_col(lo, 8 * col, 0xF),
+                                              _mm512_slli_epi32(byte_col(hi, 8 * col, 3), 4));
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, off));
+            _mm512_storeu_ps(dst + col * ld, _mm512_mul_ps(dg[k / 4], f));
+        }
+    }
+}
+
+void fitm_quant_packed_cols_simd(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
+                                 int64_t ld)
+{
+    const int64_t E = fitm_chunk_elems(t), nb = K / E;
+    const size_t cb = fitm_chunk_bytes(t);
+    const uint8_t *c = (const uint8_t *)P + (size_t)((n / FITM_PACK_ROWS) * nb) * cb;
+    for (int64_t b = 0; b < nb; b++, c += cb, dst += E * ld) {
+        if (t == FITM_DTYPE_Q4_K)
+            cols_q4_k((const fitm_chunk_q4_kx16 *)c, dst, ld);
+        else if (t == FITM_DTYPE_Q6_K)
+            cols_q6_k((const fitm_chunk_q6_kx16 *)c, dst, ld);
+        else
+            cols_q8_0_q5_0(t, c, dst, ld);
     }
 }
 

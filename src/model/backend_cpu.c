@@ -729,6 +729,9 @@ static bool is_float_type(fitm_dtype t)
 #define NB 2
 #endif
 
+_Static_assert(FITM_PACK_ROWS % PACK_ROWS == 0 && FLOAT_TILE % FITM_PACK_ROWS == 0,
+               "a float tile holds whole packed groups, converted in steps of PACK_ROWS");
+
 static void mm_float_tile(const fitm_weight *w, const void *packed, const float *X, int64_t T,
                           float *Y, int64_t n0, int64_t n1, float *scratch, const float *zero_row)
 {
@@ -736,6 +739,12 @@ static void mm_float_tile(const fitm_weight *w, const void *packed, const float 
     float *Wp = scratch;                   /* (K, FLOAT_TILE) */
     float *rows = scratch + K * FLOAT_TILE; /* (PACK_ROWS, K) converted rows */
     for (int64_t r0 = 0; r0 < FLOAT_TILE; r0 += PACK_ROWS) {
+        if (packed && (n0 + r0) % FITM_PACK_ROWS == 0 && r0 + FITM_PACK_ROWS <= nr) {
+            /* a packed group's 16 rows are side by side already: straight into Wp */
+            fitm_packed_cols(w->type, packed, K, n0 + r0, Wp + r0, FLOAT_TILE);
+            r0 += FITM_PACK_ROWS - PACK_ROWS;
+            continue;
+        }
         /* PACK_ROWS rows converted, then written column by column: each k stores PACK_ROWS
          * adjacent floats of Wp instead of one float per cache line of the tile */
         const float *src[PACK_ROWS];
