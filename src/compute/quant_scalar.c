@@ -754,11 +754,12 @@ static int chunk_q6_k_u(const fitm_chunk_q6_kx16 *c, int r, int e)
 void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, void *P)
 {
     assert(N % FITM_PACK_ROWS == 0 && K % fitm_chunk_elems(t) == 0);
-    if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
-        if (t == FITM_DTYPE_Q4_K)
-            pack_q4_k(W, N, K / FITM_QK_K, P);
-        else
-            pack_q6_k(W, N, K / FITM_QK_K, P);
+    if (t == FITM_DTYPE_Q4_K) {
+        pack_q4_k(W, N, K / FITM_QK_K, P);
+        return;
+    }
+    if (t == FITM_DTYPE_Q6_K) {
+        pack_q6_k(W, N, K / FITM_QK_K, P);
         return;
     }
     assert(t == FITM_DTYPE_Q8_0 || t == FITM_DTYPE_Q5_0);
@@ -807,40 +808,43 @@ void fitm_quant_pack_scalar(fitm_dtype t, const void *W, int64_t N, int64_t K, v
     }
 }
 
-void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
+/* Row r of one chunk as floats (fitm_chunk_elems(t) of them), the stored row's dequantizer's
+ * values: (float)(u - off) * d, or fitm_quant_packed_block_k's for the K-quants. */
+static void chunk_row(fitm_dtype t, const void *c, int r, float *y)
 {
     if (t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K) {
-        fitm_quant_packed_row_k(t, P, K, n, dst);
+        fitm_quant_packed_block_k(t, c, r, y);
         return;
     }
-    const int64_t nb = K / FITM_QK, g = n / FITM_PACK_ROWS;
-    const int r = (int)(n % FITM_PACK_ROWS), off = fitm_chunk_off(t);
-    const size_t cb = fitm_chunk_bytes(t);
-    const uint8_t *c = (const uint8_t *)P + (size_t)(g * nb) * cb;
-    for (int64_t b = 0; b < nb; b++, c += cb, dst += FITM_QK) {
-        const float d = FP16(chunk_d(c, r));
-        for (int j = 0; j < FITM_QK; j++) /* as the stored row's dequantizer: (float)q * d */
-            dst[j] = (float)(chunk_u(t, c, r, j / 4, j % 4) - off) * d;
-    }
+    const float d = FP16(chunk_d(c, r));
+    for (int j = 0; j < FITM_QK; j++)
+        y[j] = (float)(chunk_u(t, c, r, j / 4, j % 4) - fitm_chunk_off(t)) * d;
+}
+
+/* The first chunk of row n's group. */
+static const uint8_t *group_chunks(fitm_dtype t, const void *P, int64_t K, int64_t n)
+{
+    return (const uint8_t *)P +
+           (size_t)((n / FITM_PACK_ROWS) * (K / fitm_chunk_elems(t))) * fitm_chunk_bytes(t);
+}
+
+void fitm_quant_packed_row_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst)
+{
+    const int64_t E = fitm_chunk_elems(t);
+    const uint8_t *c = group_chunks(t, P, K, n);
+    for (int64_t b = 0; b < K / E; b++, c += fitm_chunk_bytes(t), dst += E)
+        chunk_row(t, c, (int)(n % FITM_PACK_ROWS), dst);
 }
 
 void fitm_quant_packed_cols_scalar(fitm_dtype t, const void *P, int64_t K, int64_t n, float *dst,
                                    int64_t ld)
 {
-    const bool kq = t == FITM_DTYPE_Q4_K || t == FITM_DTYPE_Q6_K;
-    const int64_t E = fitm_chunk_elems(t), nb = K / E;
-    const size_t cb = fitm_chunk_bytes(t);
-    const uint8_t *c = (const uint8_t *)P + (size_t)((n / FITM_PACK_ROWS) * nb) * cb;
+    const int64_t E = fitm_chunk_elems(t);
+    const uint8_t *c = group_chunks(t, P, K, n);
     float y[FITM_QK_K];
-    for (int64_t b = 0; b < nb; b++, c += cb, dst += E * ld)
+    for (int64_t b = 0; b < K / E; b++, c += fitm_chunk_bytes(t), dst += E * ld)
         for (int r = 0; r < FITM_PACK_ROWS; r++) {
-            if (kq) {
-                fitm_quant_packed_block_k(t, c, r, y);
-            } else {
-                const float d = FP16(chunk_d(c, r));
-                for (int j = 0; j < FITM_QK; j++)
-                    y[j] = (float)(chunk_u(t, c, r, j / 4, j % 4) - fitm_chunk_off(t)) * d;
-            }
+            chunk_row(t, c, r, y);
             for (int64_t e = 0; e < E; e++)
                 dst[e * ld + r] = y[e];
         }
