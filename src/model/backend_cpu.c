@@ -732,21 +732,29 @@ static bool is_float_type(fitm_dtype t)
 _Static_assert(FITM_PACK_ROWS % PACK_ROWS == 0 && FLOAT_TILE % FITM_PACK_ROWS == 0,
                "a float tile holds whole packed groups, converted in steps of PACK_ROWS");
 
+/* The tile's converted rows [0, nr) of a packed weight, K-major into Wp: its tiles start at
+ * multiples of FLOAT_TILE and its N is a multiple of 16, so they are whole groups, whose 16
+ * rows a chunk already holds side by side (fitm_packed_cols). */
+static void packed_tile(const fitm_weight *w, const void *packed, int64_t n0, int64_t nr,
+                        float *Wp)
+{
+    assert(n0 % FITM_PACK_ROWS == 0 && nr % FITM_PACK_ROWS == 0);
+    for (int64_t r0 = 0; r0 < nr; r0 += FITM_PACK_ROWS)
+        fitm_packed_cols(w->type, packed, w->n_cols, n0 + r0, Wp + r0, FLOAT_TILE);
+}
+
 static void mm_float_tile(const fitm_weight *w, const void *packed, const float *X, int64_t T,
                           float *Y, int64_t n0, int64_t n1, float *scratch, const float *zero_row)
 {
     const int64_t K = w->n_cols, N = w->n_rows, nr = n1 - n0;
     float *Wp = scratch;                   /* (K, FLOAT_TILE) */
     float *rows = scratch + K * FLOAT_TILE; /* (PACK_ROWS, K) converted rows */
-    for (int64_t r0 = 0; r0 < FLOAT_TILE; r0 += PACK_ROWS) {
-        if (packed && (n0 + r0) % FITM_PACK_ROWS == 0 && r0 + FITM_PACK_ROWS <= nr) {
-            /* a packed group's 16 rows are side by side already: straight into Wp */
-            fitm_packed_cols(w->type, packed, K, n0 + r0, Wp + r0, FLOAT_TILE);
-            r0 += FITM_PACK_ROWS - PACK_ROWS;
-            continue;
-        }
-        /* PACK_ROWS rows converted, then written column by column: each k stores PACK_ROWS
-         * adjacent floats of Wp instead of one float per cache line of the tile */
+    if (packed)
+        packed_tile(w, packed, n0, nr, Wp);
+    for (int64_t r0 = packed ? nr : 0; r0 < FLOAT_TILE; r0 += PACK_ROWS) {
+        /* PACK_ROWS rows converted (of a packed weight, only the zero rows past nr), then
+         * written column by column: each k stores PACK_ROWS adjacent floats of Wp instead of
+         * one float per cache line of the tile */
         const float *src[PACK_ROWS];
         for (int i = 0; i < PACK_ROWS; i++) {
             const int64_t r = r0 + i;
@@ -755,12 +763,9 @@ static void mm_float_tile(const fitm_weight *w, const void *packed, const float 
             } else if (w->type == FITM_DTYPE_F32) {
                 src[i] = (const float *)w->data + (n0 + r) * K;
             } else {
-                if (packed)
-                    fitm_packed_row(w->type, packed, K, n0 + r, rows + i * K);
-                else
-                    fitm_dequant_row(w->type,
-                                     (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
-                                     rows + i * K, K);
+                fitm_dequant_row(w->type,
+                                 (const uint8_t *)w->data + (size_t)(n0 + r) * w->row_bytes,
+                                 rows + i * K, K);
                 src[i] = rows + i * K;
             }
         }
@@ -1074,23 +1079,25 @@ KERNEL_INLINE float dot_fixed(const float *a, const void *k, int64_t n, const bo
  * 4t + r ends with v[4r + t]'s sum, and one permutation puts it at 4r + t. */
 static inline __m512 hsum16(const vf acc[4][4])
 {
-    __m512 u[8], w[4], z[2];
-    for (int p = 0; p < 8; p++) { /* w = 8: u[p] = v[2p]'s 8 sums, then v[2p + 1]'s */
+    __m512 h8[8], h4[4], h2[2]; /* after the levels w = 8, 4, 2 */
+    for (int p = 0; p < 8; p++) { /* w = 8: h8[p] = v[2p]'s 8 sums, then v[2p + 1]'s */
         const __m512 a = (__m512)acc[p / 2][2 * (p % 2)], b = (__m512)acc[p / 2][2 * (p % 2) + 1];
-        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+        h8[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
     }
-    for (int p = 0; p < 4; p++) /* w = 4: 128-bit part c of w[p] holds v[4p + c]'s 4 sums */
-        w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int p = 0; p < 2; p++) { /* w = 2: part c of z[p]: v[8p + c]'s 2 sums, v[8p + 4 + c]'s */
-        const __m512d a = _mm512_castps_pd(w[2 * p]), b = _mm512_castps_pd(w[2 * p + 1]);
-        z[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    for (int p = 0; p < 4; p++) { /* w = 4: 128-bit part c of h4[p] holds v[4p + c]'s 4 sums */
+        const __m512 a = h8[2 * p], b = h8[2 * p + 1];
+        h4[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int p = 0; p < 2; p++) { /* w = 2: part c of h2[p]: v[8p + c]'s 2 sums, v[8p + 4 + c]'s */
+        const __m512d a = _mm512_castps_pd(h4[2 * p]), b = _mm512_castps_pd(h4[2 * p + 1]);
+        h2[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
     /* w = 1: lane 4c + m holds v[4m + c]'s sum */
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(h2[0], h2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(h2[0], h2[1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
                                                    11, 15),
                                  s);
