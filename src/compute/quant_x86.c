@@ -1145,6 +1145,25 @@ typedef struct {
 
 #define PACKED_XK_MAX (FITM_PACK_MAX_BLOCKS / 8)
 
+/* The 16 rows' scales of sub-block j (Q4_K) and of group g (Q6_K, signed), one per dword; and
+ * the Q4_K rows' mins of sub-block j. The products and fitm_packed_cols both read them. */
+KERNEL __m512i q4_k_scales(const fitm_chunk_q4_kx16 *c, int j)
+{
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c->sc[j]));
+}
+
+KERNEL __m512i q4_k_mins(const fitm_chunk_q4_kx16 *c, int j)
+{
+    const __m512i pairs = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)c->m[j / 2]));
+    return j % 2 ? _mm512_srli_epi32(pairs, 16) : _mm512_and_si512(pairs, _mm512_set1_epi32(0xFF));
+}
+
+KERNEL __m512i q6_k_scales(const fitm_chunk_q6_kx16 *c, int g)
+{
+    const __m512i pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
+    return g % 2 ? _mm512_srai_epi32(pair, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+}
+
 KERNEL __m512i dpwssd_bcst(__m512i acc, __m512i w, const int16_t *x)
 {
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_any *)x));
@@ -1182,7 +1201,7 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
         for (int m = 0; m < M; m++)
             isum[m] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c->sc[j]));
+            const __m512i sc = q4_k_scales(c, j);
             __m512i v[8];
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++) {
@@ -1243,10 +1262,7 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
         for (int m = 0; m < M; m++)
             isum[m] = _mm512_setzero_si512();
         for (int g = 0; g < 16; g++) {
-            const __m512i pair =
-                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
-            const __m512i sc = g % 2 ? _mm512_srai_epi32(pair, 16)
-                                     : _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+            const __m512i sc = q6_k_scales(c, g);
             const __m512i n0 = _mm512_loadu_si512(c->nib[2 * g]),
                           n1 = _mm512_loadu_si512(c->nib[2 * g + 1]),
                           h = _mm512_loadu_si512(c->hi[g]);
@@ -1363,21 +1379,15 @@ KERNEL void cols_q8_0_q5_0(fitm_dtype t, const uint8_t *c, float *dst, int64_t l
     }
 }
 
-KERNEL __m512 u8_floats(const uint8_t *p)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
 KERNEL void cols_q4_k(const fitm_chunk_q4_kx16 *c, float *dst, int64_t ld)
 {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d)),
                  dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->dmin));
     for (int p = 0; p < 4; p++, dst += 64 * ld) { /* sub-blocks 2p (low nibbles), 2p + 1 */
-        const __m512i m = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c->m[p]));
-        const __m512 d0 = _mm512_mul_ps(d, u8_floats(c->sc[2 * p])),
-                     d1 = _mm512_mul_ps(d, u8_floats(c->sc[2 * p + 1])),
-                     o0 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_col(m, 0, 0xFF))),
-                     o1 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(m, 8)));
+        const __m512 d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q4_k_scales(c, 2 * p))),
+                     d1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q4_k_scales(c, 2 * p + 1))),
+                     o0 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(q4_k_mins(c, 2 * p))),
+                     o1 = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(q4_k_mins(c, 2 * p + 1)));
         for (int k = 0; k < 8; k++) {
             const __m512i u = _mm512_loadu_si512(c->nib[p][k]);
             for (int col = 0; col < 4; col++) {
@@ -1395,13 +1405,9 @@ KERNEL void cols_q6_k(const fitm_chunk_q6_kx16 *c, float *dst, int64_t ld)
 {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c->d));
     const __m512i off = _mm512_set1_epi32(32);
-    __m512 dg[16]; /* group g's scales d * sc: its pair's low (even g) or high byte, signed */
-    for (int g = 0; g < 16; g += 2) {
-        const __m512i w = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)c->sc[g / 2]));
-        const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(w, 24), 24);
-        dg[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-        dg[g + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 8)));
-    }
+    __m512 dg[16]; /* group g's scales d * sc */
+    for (int g = 0; g < 16; g++)
+        dg[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q6_k_scales(c, g)));
     for (int k = 0; k < 64; k++, dst += 4 * ld) { /* elements 4k..4k+3 */
         const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512(c->nib[k / 2]), 4 * (k % 2)),
                       hi = _mm512_srli_epi32(_mm512_loadu_si512(c->hi[k / 4]), 2 * (k % 4));
