@@ -1100,15 +1100,20 @@ KERNEL __m512i dpbusd_bcst(__m512i acc, __m512i u, const int8_t *x)
     return acc;
 }
 
+/* The M activation rows' 16 outputs each, row m's at y + m * y_stride. */
+KERNEL void store_rows(const __m512 *acc, const int M, float *y, int64_t y_stride)
+{
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+}
+
 KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8_t *xq,
                          size_t x_stride, const packed_x *px, const int M, float *y,
                          int64_t y_stride)
 {
     const size_t cb = fitm_chunk_bytes(t);
-    __m512 acc[PACKED_MAX];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        acc[m] = _mm512_setzero_ps();
+    __m512 acc[PACKED_MAX] = {0}; /* row m's 16 outputs */
     for (int64_t b = 0; b < nb; b++) {
         __m512 dw;
         __m512i v[8];
@@ -1128,9 +1133,7 @@ KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8
                                      acc[m]);
         }
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+    store_rows(acc, M, y, y_stride);
 }
 
 /* Packed Q4_K: per super-block and sub-block j, eight vpdpbusd of the 16 rows' nibbles
@@ -1187,19 +1190,13 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
                               int64_t y_stride)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[PACKED_MAX];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        acc[m] = _mm512_setzero_ps();
+    __m512 acc[PACKED_MAX] = {0}; /* row m's 16 outputs */
     for (int64_t b = 0; b < nb; b++) {
         const fitm_chunk_q4_kx16 *c = &C[b];
         if (M >= PACKED_AHEAD_ROWS)
             for (size_t o = 0; o < sizeof *c; o += 64)
                 _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
-        __m512i isum[PACKED_MAX];
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            isum[m] = _mm512_setzero_si512();
+        __m512i isum[PACKED_MAX] = {0}; /* row m's block sums */
         for (int j = 0; j < 8; j++) {
             const __m512i sc = q4_k_scales(c, j);
             __m512i v[8];
@@ -1232,9 +1229,7 @@ KERNEL void packed_q4_k_group(const fitm_chunk_q4_kx16 *C, int64_t nb, const uin
             acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmw, dx), acc[m]);
         }
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+    store_rows(acc, M, y, y_stride);
 }
 
 /* Packed Q6_K: per group of 16 elements, four value vectors (low nibbles and top two bits
@@ -1246,10 +1241,7 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
                               size_t x_stride, const int M, float *y, int64_t y_stride)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
-    __m512 acc[PACKED_MAX];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        acc[m] = _mm512_setzero_ps();
+    __m512 acc[PACKED_MAX] = {0}; /* row m's 16 outputs */
     for (int64_t b = 0; b < nb; b++) {
         const fitm_chunk_q6_kx16 *c = &C[b];
         /* at every row count: unpacking a Q6_K chunk costs enough that one row's product no
@@ -1257,10 +1249,7 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
          * ~0.2 ms more without, ~0.05 ms less with, than the stored layout's kernel) */
         for (size_t o = 0; o < sizeof *c; o += 64)
             _mm_prefetch((const char *)c + PACKED_AHEAD + o, _MM_HINT_T1);
-        __m512i isum[PACKED_MAX];
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            isum[m] = _mm512_setzero_si512();
+        __m512i isum[PACKED_MAX] = {0}; /* row m's block sums */
         for (int g = 0; g < 16; g++) {
             const __m512i sc = q6_k_scales(c, g);
             const __m512i n0 = _mm512_loadu_si512(c->nib[2 * g]),
@@ -1297,9 +1286,7 @@ KERNEL void packed_q6_k_group(const fitm_chunk_q6_kx16 *C, int64_t nb, const uin
                                      _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[m]);
         }
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; m++)
-        _mm512_storeu_ps(y + m * y_stride, acc[m]);
+    store_rows(acc, M, y, y_stride);
 }
 
 /* Row n of a packed weight as 32 signed values per block (u - off), then the stored row's
