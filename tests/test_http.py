@@ -68,6 +68,17 @@ class Daemon:
             self.log.flush()
         return self.log_path.read_text()
 
+    def wait_log(self, pattern: str, timeout: float = 120):
+        """The first match of pattern in the log, waited for: the server logs a request once
+        it has sent the response, so the line may follow the client's reading it."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            m = re.search(pattern, self.log_text())
+            if m:
+                return m
+            time.sleep(0.05)
+        pytest.fail(f"no log line matching {pattern!r}:\n{self.log_text()[-3000:]}")
+
     def running(self) -> bool:
         """Whether a request is in flight (per /metrics)."""
         return "fitm_inflight_requests 1" in requests.get(self.url("/metrics")).text
@@ -164,7 +175,7 @@ def test_health_and_request_id(daemon):
     # probes are logged at debug; a route's request at info carries the client's id
     r = requests.get(daemon.url("/v1/models"), headers={"X-Request-Id": "my-trace-43", **AUTH})
     assert r.headers["X-Request-Id"] == "my-trace-43"
-    assert "req=my-trace-43" in daemon.log_text()
+    daemon.wait_log(r"req=my-trace-43 ")
 
 
 def test_models(daemon):

@@ -433,16 +433,6 @@ def slow_rerank():
     return {"query": "what is golf", "documents": docs(8, 50), "prefix_reuse": False}
 
 
-def wait_for_log(d, pattern, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = re.search(pattern, d.log_text())
-        if m:
-            return m
-        time.sleep(0.05)
-    pytest.fail(f"no log line matching {pattern!r}:\n{d.log_text()[-3000:]}")
-
-
 def abandon(d, path, body, rid, read_first=False):
     """Sends body, waits until the engine runs it (or the stream's headers came), then leaves."""
     data = json.dumps(body).encode()
@@ -475,10 +465,10 @@ def test_abandoned_job_is_cancelled_not_200(long_daemon, path, extra, read_first
     (never sent), with a log line saying why; on main it ran to the end and logged 200."""
     d = long_daemon
     abandon(d, path, {**slow_rerank(), **extra}, "gone-1", read_first)
-    m = wait_for_log(d, r"req=gone-1 msg=\"POST \S+ -> (\d+)")
+    m = d.wait_log(r"req=gone-1 msg=\"POST \S+ -> (\d+)")
     assert m.group(1) == "499", d.log_text()[-2000:]
     # A stream's 499 is logged when a write fails; the job stops at its next step, after.
-    wait_for_log(d, r"req=gone-1 msg=\"(job cancelled: the client disconnected"
+    d.wait_log(r"req=gone-1 msg=\"(job cancelled: the client disconnected"
                  r"|answer stream ended \(cancelled\))")
     route = path.strip("/")
     assert f'fitm_requests_total{{route="{route}",code="499"}} 1' in requests.get(
@@ -493,7 +483,7 @@ def test_abandoned_jobs_do_not_fill_the_queue(long_daemon):
     for i in range(3):
         abandon(d, "/rerank", slow_rerank(), f"gone-{i}")
     for i in range(3):
-        wait_for_log(d, rf"req=gone-{i} msg=\"POST /rerank -> 499")
+        d.wait_log(rf"req=gone-{i} msg=\"POST /rerank -> 499")
     r = requests.post(d.url("/rerank"), json={"query": "q", "documents": ["a"]}, headers=AUTH,
                       timeout=120)
     assert r.status_code == 200, r.text
