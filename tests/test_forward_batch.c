@@ -7,6 +7,11 @@
  * sequences with Ms-PoE's per-head positions beside sequences without; with F32 caches and
  * with fp16 ones (fitm_backend_set_kv_half).
  *
+ * Calls that stop after n_layers layers (fitm_forward_opts.n_layers): the layers they run give
+ * the rows, captures and cache rows of a whole pass, alone and packed beside whole passes and
+ * decode steps; the later layers' capture slots are 0; a cache remembers how many layers its
+ * rows hold, and calls that would read rows missing there fail.
+ *
  * Inputs are fresh random each run (the seed is printed; FITM_TEST_SEED=<n> repeats a run). */
 #include <inttypes.h>
 #include <stdio.h>
@@ -297,6 +302,193 @@ out:
     free(buf);
 }
 
+/* One sequence of test_layers: a cache, its capture and logits. */
+typedef struct {
+    fitm_kv *kv;
+    float *mass, *probs, *logits;
+    fitm_capture cap;
+    fitm_forward_opts o;
+} lseq;
+
+enum { L_T = 10, L_SPANS = 2 };
+
+static const int64_t l_rows[2] = {L_T - 1, 4}, l_row0[1] = {0};
+static const fitm_span l_spans[L_SPANS] = {{1, 4}, {5, 8}};
+
+/* A sequence whose calls run n_layers (0: all), with n_logits, over L_T tokens or (one_row)
+ * one. */
+static bool lseq_init(lseq *q, fitm_backend *b, const fitm_model_config *c, int32_t n_layers,
+                      int64_t n_logits, bool one_row)
+{
+    const size_t slots = (size_t)(2 * c->n_layer * c->n_head);
+    fitm_err err;
+    memset(q, 0, sizeof *q);
+    if (fitm_kv_create(&q->kv, b, c, CTX, &err) != FITM_OK)
+        return false;
+    q->mass = malloc(sizeof(float) * slots * L_SPANS);
+    q->probs = malloc(sizeof(float) * slots * CTX);
+    q->logits = malloc(sizeof(float) * (size_t)(2 * c->n_vocab));
+    if (!q->mass || !q->probs || !q->logits)
+        return false;
+    memset(q->mass, 0x7f, sizeof(float) * slots * L_SPANS); /* not zeros: must be set */
+    memset(q->probs, 0x7f, sizeof(float) * slots * CTX);
+    q->cap = (fitm_capture){.rows = one_row ? l_row0 : l_rows, .n_rows = one_row ? 1 : 2,
+                            .spans = l_spans, .n_spans = L_SPANS,
+                            .span_mass = q->mass, .probs = q->probs, .probs_stride = CTX};
+    q->o = (fitm_forward_opts){.capture = &q->cap, .n_layers = n_layers, .n_logits = n_logits,
+                               .logits = n_logits ? q->logits : NULL};
+    return true;
+}
+
+static void lseq_free(lseq *q)
+{
+    fitm_kv_destroy(q->kv);
+    free(q->mass);
+    free(q->probs);
+    free(q->logits);
+}
+
+/* Whether q's capture and cache match whole's in layers [0, n) and q's capture is 0 after. */
+static const char *layers_differ(const lseq *q, const lseq *whole, const fitm_model_config *c,
+                                 int32_t n)
+{
+    const int64_t L = c->n_layer, H = c->n_head;
+    for (int r = 0; r < q->cap.n_rows; r++)
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t slot = (r * L + l) * H;
+            const float *m = q->mass + slot * L_SPANS, *p = q->probs + slot * CTX;
+            if (l < n) {
+                if (memcmp(m, whole->mass + slot * L_SPANS, sizeof(float) * (size_t)(H * L_SPANS)))
+                    return "span masses";
+                if (memcmp(p, whole->probs + slot * CTX, sizeof(float) * (size_t)(H * CTX)))
+                    return "attention rows";
+                continue;
+            }
+            for (int64_t i = 0; i < H * L_SPANS; i++)
+                if (m[i] != 0.0f)
+                    return "span masses past the last layer run";
+            for (int64_t i = 0; i < H * CTX; i++)
+                if (p[i] != 0.0f)
+                    return "attention rows past the last layer run";
+        }
+    const size_t bytes = (size_t)(fitm_kv_pos_end(q->kv) * c->n_head_kv * c->head_dim) *
+                         fitm_kv_elem_bytes(q->kv);
+    if (fitm_kv_pos_end(q->kv) != fitm_kv_pos_end(whole->kv))
+        return "cache ends";
+    for (int32_t l = 0; l < n; l++)
+        if (memcmp(fitm_kv_k(q->kv, l), fitm_kv_k(whole->kv, l), bytes) ||
+            memcmp(fitm_kv_v(q->kv, l), fitm_kv_v(whole->kv, l), bytes))
+            return "KV rows";
+    return NULL;
+}
+
+/* Calls that run only their first layers, alone and packed with whole ones. */
+static void test_layers(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
+{
+    void *buf;
+    fitm_model *m = gen_model(arch, type, &buf);
+    CHECK(m != NULL);
+    if (!m) {
+        free(buf);
+        return;
+    }
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int32_t L = c->n_layer, k = (int32_t)uniform(1, L - 1);
+    const char *name = fitm_gen_arch_name(arch), *tname = fitm_dtype_info_of(type)->name;
+    fitm_err err;
+    fitm_backend *b = NULL;
+    fitm_forward *fw = NULL;
+    fitm_forward_params fp = {MAX_T, CTX, MAX_T};
+    enum { WHOLE, PART, WHOLE_B, PART_B, STEP_B, DEC_B, STEP_S, DEC_S, N_L };
+    lseq q[N_L];
+    memset(q, 0, sizeof q);
+    CHECK(fitm_backend_cpu_create(&b, 2, &err) == FITM_OK);
+    CHECK(!b || fitm_backend_set_kv_half(b, kv_half, &err) == FITM_OK, " %s", err.msg);
+    CHECK(b && fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK, " %s", err.msg);
+    bool ok = fw != NULL;
+    for (int i = 0; i < N_L && ok; i++)
+        ok = lseq_init(&q[i], b, c, i == PART || i == PART_B || i == STEP_B || i == STEP_S ? k : 0,
+                       i == DEC_B || i == DEC_S ? 1 : 0, i >= STEP_B);
+    CHECK(ok);
+    int32_t ids[L_T + 1];
+    for (int t = 0; t <= L_T; t++)
+        ids[t] = (int32_t)uniform(0, c->n_vocab - 1);
+    if (!ok)
+        goto out;
+
+    /* Alone: the first k layers of a whole pass. */
+    CHECK(fitm_forward_run(fw, q[WHOLE].kv, ids, L_T, 0, &q[WHOLE].o, &err) == FITM_OK, " %s",
+          err.msg);
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids, L_T, 0, &q[PART].o, &err) == FITM_OK, " %s",
+          err.msg);
+    const char *what = layers_differ(&q[PART], &q[WHOLE], c, k);
+    CHECK(!what, " %s %s, %s KV, %d of %d layers: %s differ", name, tname,
+          kv_half ? "fp16" : "F32", (int)k, (int)L, what);
+    CHECK(fitm_kv_layers(q[PART].kv) == k && fitm_kv_layers(q[WHOLE].kv) == L);
+
+    /* Packed: a part and a whole prefill (BATCH), a part and a whole decode step (STEP), each
+     * against the same call alone; the part's rows lie between the whole ones' in each path. */
+    fitm_forward_seq in[4] = {
+        {q[DEC_B].kv, ids, 1, 0, &q[DEC_B].o},
+        {q[PART_B].kv, ids, L_T, 0, &q[PART_B].o},
+        {q[STEP_B].kv, ids, 1, 0, &q[STEP_B].o},
+        {q[WHOLE_B].kv, ids, L_T, 0, &q[WHOLE_B].o},
+    };
+    q[STEP_B].o.path = q[STEP_S].o.path = FITM_PATH_STEP;
+    CHECK(fitm_forward_run_batch(fw, in, 4, &err) == FITM_OK, " %s", err.msg);
+    CHECK(fitm_forward_run(fw, q[STEP_S].kv, ids, 1, 0, &q[STEP_S].o, &err) == FITM_OK);
+    CHECK(fitm_forward_run(fw, q[DEC_S].kv, ids, 1, 0, &q[DEC_S].o, &err) == FITM_OK);
+    const struct {
+        int a, b;
+        int32_t n;
+    } pairs[] = {{PART_B, WHOLE, k}, {WHOLE_B, WHOLE, L}, {STEP_B, STEP_S, k}, {DEC_B, DEC_S, L}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+        const lseq *x = &q[pairs[i].a], *y = &q[pairs[i].b];
+        what = layers_differ(x, y, c, pairs[i].n);
+        CHECK(!what, " %s %s, packed call, sequence %d: %s differ", name, tname, pairs[i].a,
+              what);
+    }
+    CHECK(!memcmp(q[DEC_B].logits, q[DEC_S].logits, sizeof(float) * (size_t)c->n_vocab),
+          " %s %s: a decode step's logits beside a part pass differ", name, tname);
+
+    /* Rows the cache holds in fewer layers than a call runs cannot be read. */
+    fitm_forward_opts whole = {0}, part = {.n_layers = k}, logits = {.n_layers = k, .n_logits = 1,
+                                                                      .logits = q[PART].logits};
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids + L_T, 1, L_T, &whole, &err) == FITM_ERR_INVALID);
+    CHECK(strstr(err.msg, "layers") != NULL, " %s", err.msg);
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids + L_T, 1, L_T, &logits, &err) == FITM_ERR_INVALID);
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids + L_T, 1, L_T, &part, &err) == FITM_OK, " %s",
+          err.msg);
+    fitm_forward_opts too_many = {.n_layers = L + 1};
+    CHECK(fitm_forward_run(fw, q[WHOLE].kv, ids + L_T, 1, L_T, &too_many, &err) ==
+          FITM_ERR_INVALID);
+    /* a branch over a part prefix: as many layers or fewer only */
+    fitm_forward_opts over = {.prefix = q[PART].kv}, over_part = {.prefix = q[PART].kv,
+                                                                   .n_layers = k};
+    CHECK(fitm_kv_rebase(q[PART_B].kv, 6, &err) == FITM_OK);
+    CHECK(fitm_kv_layers(q[PART_B].kv) == L);
+    CHECK(fitm_forward_run(fw, q[PART_B].kv, ids + 6, 2, 6, &over, &err) == FITM_ERR_INVALID);
+    CHECK(fitm_forward_run(fw, q[PART_B].kv, ids + 6, 2, 6, &over_part, &err) == FITM_OK, " %s",
+          err.msg);
+    /* a whole call from the base again, then continuing it */
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids, 4, 0, &whole, &err) == FITM_OK, " %s", err.msg);
+    CHECK(fitm_kv_layers(q[PART].kv) == L);
+    CHECK(fitm_forward_run(fw, q[PART].kv, ids + 4, 2, 4, &whole, &err) == FITM_OK, " %s",
+          err.msg);
+    fitm_kv_truncate(q[WHOLE].kv, 3);
+    CHECK(fitm_forward_run(fw, q[WHOLE].kv, ids + 3, 1, 3, &part, &err) == FITM_OK);
+    CHECK(fitm_kv_layers(q[WHOLE].kv) == k);
+    fitm_kv_truncate(q[WHOLE].kv, 0);
+    CHECK(fitm_kv_layers(q[WHOLE].kv) == L);
+out:
+    for (int i = 0; i < N_L; i++)
+        lseq_free(&q[i]);
+    fitm_forward_destroy(fw);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    free(buf);
+}
+
 int main(void)
 {
     const char *env = getenv("FITM_TEST_SEED");
@@ -310,6 +502,7 @@ int main(void)
             for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
                 rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t ^ ((uint64_t)half << 40));
                 test_model((fitm_gen_arch)a, types[t], half);
+                test_layers((fitm_gen_arch)a, types[t], half);
             }
     if (failures) {
         fprintf(stderr, "test_forward_batch: %d of %d checks failed\n", failures, n_checks);

@@ -354,6 +354,22 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
             return fitm_err_set(err, FITM_ERR_INVALID, "token id %d at %lld is not in [0, %d)",
                                 (int)tokens[t], (long long)t, (int)c->n_vocab);
+    if (opts->n_layers < 0 || opts->n_layers > c->n_layer)
+        return fitm_err_set(err, FITM_ERR_INVALID, "n_layers %d is outside [0, %d]",
+                            (int)opts->n_layers, (int)c->n_layer);
+    const int32_t layers = opts->n_layers > 0 ? opts->n_layers : c->n_layer;
+    if (layers < c->n_layer && opts->n_logits > 0)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "a call that runs %d of the %d layers has no logits", (int)layers,
+                            (int)c->n_layer);
+    if ((pos0 > base && fitm_kv_layers(kv) < layers) ||
+        (base > 0 && fitm_kv_layers(opts->prefix) < layers))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "the rows before position %lld were computed in %d layers, this call "
+                            "runs %d",
+                            (long long)pos0,
+                            (int)(pos0 > base ? fitm_kv_layers(kv) : fitm_kv_layers(opts->prefix)),
+                            (int)layers);
     fitm_status s;
     if (role->n_pass == 0 && (s = check_output(f, T, opts, err)) != FITM_OK)
         return s;
@@ -394,18 +410,42 @@ typedef struct {
     int64_t base;   /* the cache's first position (> 0: a branch over opts->prefix) */
     int64_t row0;   /* its first row in the call                                      */
     int64_t lrow0;  /* its first logit row in the call                                */
+    int32_t n_layers; /* the layers it runs, [0, n_layers)                            */
     bool batched;   /* its numerics path                                              */
     seq_role role;
 } seq_part;
 
 /* One call's state, shared by the layer steps. Rows are laid out STEP sequences first, then
- * BATCH sequences, so each path's rows are one contiguous run [0, n_step), [n_step, T). */
+ * BATCH sequences, so each path's rows are one contiguous run [0, n_step), [n_step, T); in
+ * each run, the sequences that run more layers come first, so the rows a layer runs are the
+ * first act[0] of the STEP run and the first act[1] of the BATCH run. */
 typedef struct {
     fitm_forward *f;
     seq_part seq[FITM_FORWARD_MAX_SEQS];
-    int32_t n_seqs;
+    int32_t n_seqs, n_layers; /* the most layers a sequence runs */
     int64_t T, n_step, n_logits;
+    int64_t act[2];           /* the layer being run: its rows of each path */
 } pass;
+
+/* The rows the current layer runs, as one or two runs [r0[i], r0[i] + n[i]); returns how
+ * many. */
+static int layer_runs(const pass *p, int64_t r0[2], int64_t n[2])
+{
+    if (p->act[0] == p->n_step || p->act[1] == 0) {
+        r0[0] = p->act[0] > 0 ? 0 : p->n_step;
+        n[0] = p->act[0] + p->act[1];
+        return 1;
+    }
+    r0[0] = 0, n[0] = p->act[0];
+    r0[1] = p->n_step, n[1] = p->act[1];
+    return 2;
+}
+
+/* Whether sequence q runs layer l. */
+static bool runs_layer(const seq_part *q, int32_t l)
+{
+    return l < q->n_layers;
+}
 
 static void rope_tables(fitm_forward *f, const pass *p, float base, float scale, float *dst)
 {
@@ -437,15 +477,15 @@ static void pass_rope_tables(const pass *p)
         rope_tables(p->f, p, c->rope_base_local, 1.0f, p->f->cs[1]);
 }
 
-/* outs (y laid out over all T rows) = x (T, K) . W^T, as one product per path: the STEP rows,
- * then the BATCH rows. */
+/* outs (y laid out over all T rows) = x (T, K) . W^T for the rows the layer runs, as one
+ * product per path: the STEP rows, then the BATCH rows. */
 static void matmul_paths(const pass *p, const float *x, int64_t K, const fitm_mm_out *outs,
                          int n_outs)
 {
     fitm_backend *b = p->f->b;
     fitm_mm_out part[3];
     for (int g = 0; g < 2; g++) {
-        const int64_t r0 = g == 0 ? 0 : p->n_step, nr = g == 0 ? p->n_step : p->T - p->n_step;
+        const int64_t r0 = g == 0 ? 0 : p->n_step, nr = p->act[g];
         if (nr == 0)
             continue;
         for (int i = 0; i < n_outs; i++) {
@@ -615,7 +655,36 @@ static void ms_poe_stats(const pass *p, int32_t l)
     }
 }
 
-/* x += attention block of layer l; appends each sequence's K/V rows to its cache. */
+/* tmp += ... the block's output for the rows the layer runs: tmp normed (post_norms) and
+ * added into x. */
+static void add_block(const pass *p, const fitm_weight *post_norm)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    fitm_backend *b = f->b;
+    const int64_t C = c->n_embd;
+    int64_t r0[2], n[2];
+    for (int i = 0, runs = layer_runs(p, r0, n); i < runs; i++) {
+        float *t = f->tmp + r0[i] * C;
+        if (c->post_norms)
+            b->ops->rmsnorm(b, t, t, post_norm, n[i], C, c->norm_eps);
+        b->ops->add(b, f->x + r0[i] * C, t, n[i] * C);
+    }
+}
+
+/* xn = x normed with w, for the rows the layer runs. */
+static void norm_rows(const pass *p, const fitm_weight *w)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const int64_t C = c->n_embd;
+    int64_t r0[2], n[2];
+    for (int i = 0, runs = layer_runs(p, r0, n); i < runs; i++)
+        f->b->ops->rmsnorm(f->b, f->xn + r0[i] * C, f->x + r0[i] * C, w, n[i], C, c->norm_eps);
+}
+
+/* x += attention block of layer l for the sequences that run it; appends their K/V rows to
+ * their caches. */
 static void attention_block(const pass *p, int32_t l)
 {
     fitm_forward *f = p->f;
@@ -623,44 +692,58 @@ static void attention_block(const pass *p, int32_t l)
     const fitm_layer *ly = fitm_model_layer(f->m, l);
     fitm_backend *b = f->b;
     const fitm_backend_ops *o = b->ops;
-    const int64_t T = p->T, C = c->n_embd, H = c->n_head, Hkv = c->n_head_kv, D = c->head_dim;
+    const int64_t H = c->n_head, Hkv = c->n_head_kv, D = c->head_dim, n_rot = c->n_rot;
     const float *cs = f->cs[ly->local ? 1 : 0];
 
-    o->rmsnorm(b, f->xn, f->x, &ly->attn_norm, T, C, c->norm_eps);
+    norm_rows(p, &ly->attn_norm);
     const fitm_mm_out qkv[3] = {
         {&ly->wq, ly->bq.data ? &ly->bq : NULL, f->q},
         {&ly->wk, ly->bk.data ? &ly->bk : NULL, f->k},
         {&ly->wv, ly->bv.data ? &ly->bv : NULL, f->v},
     };
-    matmul_paths(p, f->xn, C, qkv, 3);
-    if (c->qk_norm) {
-        o->rmsnorm(b, f->q, f->q, &ly->q_norm, T * H, D, c->norm_eps);
-        o->rmsnorm(b, f->k, f->k, &ly->k_norm, T * Hkv, D, c->norm_eps);
+    matmul_paths(p, f->xn, c->n_embd, qkv, 3);
+    int64_t r0[2], n[2];
+    const int runs = layer_runs(p, r0, n);
+    for (int i = 0; i < runs && c->qk_norm; i++) {
+        o->rmsnorm(b, f->q + r0[i] * H * D, f->q + r0[i] * H * D, &ly->q_norm, n[i] * H, D,
+                   c->norm_eps);
+        o->rmsnorm(b, f->k + r0[i] * Hkv * D, f->k + r0[i] * Hkv * D, &ly->k_norm, n[i] * Hkv,
+                   D, c->norm_eps);
     }
     if (f->stat_host)
         ms_poe_stats(p, l);
-    o->rope(b, f->q, T, H, D, c->n_rot, cs, c->rope_neox);
-    o->rope(b, f->k, T, Hkv, D, c->n_rot, cs, c->rope_neox);
+    for (int i = 0; i < runs; i++) {
+        o->rope(b, f->q + r0[i] * H * D, n[i], H, D, n_rot, cs + r0[i] * n_rot, c->rope_neox);
+        o->rope(b, f->k + r0[i] * Hkv * D, n[i], Hkv, D, n_rot, cs + r0[i] * n_rot,
+                c->rope_neox);
+    }
     fitm_attn_args a[FITM_FORWARD_MAX_SEQS];
+    const seq_part *run[FITM_FORWARD_MAX_SEQS];
+    int32_t n_run = 0;
     bool one_by_one = false;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
+        if (!runs_layer(q, l))
+            continue;
         const int64_t src = q->row0 * Hkv * D;
         fitm_kv_store(q->kv, l, q->pos0 - q->base, f->k + src, f->v + src, q->T);
-        a[s] = attn_args(p, q, l);
-        one_by_one |= position_layer(f, q->opts->position, l) || (a[s].capture && a[s].capture->add);
+        run[n_run] = q;
+        a[n_run] = attn_args(p, q, l);
+        one_by_one |= position_layer(f, q->opts->position, l) ||
+                      (a[n_run].capture && a[n_run].capture->add);
+        n_run++;
     }
     /* One job for all sequences needs calls that share no memory they write or build: a
      * mixture's queries, keys and weights are built in the driver's one set of scratch arrays
      * (position_mix), and Attention Buckets' passes add their captures into the same arrays
      * (capture->add), so a step with either runs its sequences one at a time. */
-    if (o->attention_many && p->n_seqs > 1 && !one_by_one) {
-        o->attention_many(b, a, p->n_seqs);
+    if (o->attention_many && n_run > 1 && !one_by_one) {
+        o->attention_many(b, a, n_run);
     } else {
-        for (int32_t s = 0; s < p->n_seqs; s++) {
+        for (int32_t s = 0; s < n_run; s++) {
             fitm_attn_mix mix;
-            if (position_layer(f, p->seq[s].opts->position, l)) {
-                position_mix(p, &p->seq[s], l, &mix);
+            if (position_layer(f, run[s]->opts->position, l)) {
+                position_mix(p, run[s], l, &mix);
                 a[s].mix = &mix;
             }
             o->attention(b, &a[s]);
@@ -668,30 +751,27 @@ static void attention_block(const pass *p, int32_t l)
     }
     const fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
     matmul_paths(p, f->att, H * D, &wo, 1);
-    if (c->post_norms)
-        o->rmsnorm(b, f->tmp, f->tmp, &ly->post_attn_norm, T, C, c->norm_eps);
-    o->add(b, f->x, f->tmp, T * C);
+    add_block(p, &ly->post_attn_norm);
 }
 
-/* x += feed-forward block of layer l. */
+/* x += feed-forward block of layer l, for the rows that run it. */
 static void ffn_block(const pass *p, int32_t l)
 {
     fitm_forward *f = p->f;
     const fitm_model_config *c = fitm_model_config_of(f->m);
     const fitm_layer *ly = fitm_model_layer(f->m, l);
-    fitm_backend *b = f->b;
-    const fitm_backend_ops *o = b->ops;
-    const int64_t T = p->T, C = c->n_embd, F = c->n_ff;
+    const int64_t F = c->n_ff;
 
-    o->rmsnorm(b, f->xn, f->x, &ly->ffn_norm, T, C, c->norm_eps);
+    norm_rows(p, &ly->ffn_norm);
     const fitm_mm_out gu[2] = {{&ly->w_gate, NULL, f->g}, {&ly->w_up, NULL, f->u}};
-    matmul_paths(p, f->xn, C, gu, 2);
-    o->glu(b, f->g, f->g, f->u, T * F, c->act);
+    matmul_paths(p, f->xn, c->n_embd, gu, 2);
+    int64_t r0[2], n[2];
+    for (int i = 0, runs = layer_runs(p, r0, n); i < runs; i++)
+        f->b->ops->glu(f->b, f->g + r0[i] * F, f->g + r0[i] * F, f->u + r0[i] * F, n[i] * F,
+                       c->act);
     const fitm_mm_out down = {&ly->w_down, NULL, f->tmp};
     matmul_paths(p, f->g, F, &down, 1);
-    if (c->post_norms)
-        o->rmsnorm(b, f->tmp, f->tmp, &ly->post_ffn_norm, T, C, c->norm_eps);
-    o->add(b, f->x, f->tmp, T * C);
+    add_block(p, &ly->post_ffn_norm);
 }
 
 /* Each sequence's last n_logits rows' logits into its opts->logits and/or their top entries
@@ -753,6 +833,7 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
                             (int)n_seqs, FITM_FORWARD_MAX_SEQS);
     p->f = f;
     p->n_seqs = n_seqs;
+    p->n_layers = 0;
     p->T = p->n_step = p->n_logits = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
         const fitm_forward_seq *in = &seqs[s];
@@ -781,20 +862,30 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
             .pos0 = in->pos0,
             .base = fitm_kv_pos_base(in->kv),
             .lrow0 = p->n_logits,
+            .n_layers = opts->n_layers > 0 && opts->n_layers < fitm_model_config_of(f->m)->n_layer
+                            ? opts->n_layers
+                            : fitm_model_config_of(f->m)->n_layer,
             .batched = opts->path == FITM_PATH_BATCH ||
                        (opts->path == FITM_PATH_AUTO && in->T >= FITM_FORWARD_BATCH_MIN),
             .role = roles ? roles[s] : plain_role,
         };
         p->T += in->T;
         p->n_logits += opts->n_logits;
+        if (p->seq[s].n_layers > p->n_layers)
+            p->n_layers = p->seq[s].n_layers;
         if (!p->seq[s].batched)
             p->n_step += in->T;
     }
+    /* rows: within each path, the sequences that run more layers first (in order on ties) */
     int64_t next[2] = {0, p->n_step}; /* the next free row of each path */
+    for (int32_t layers = p->n_layers; layers > 0; layers--)
+        for (int32_t s = 0; s < n_seqs; s++)
+            if (p->seq[s].n_layers == layers) {
+                p->seq[s].row0 = next[p->seq[s].batched];
+                next[p->seq[s].batched] += p->seq[s].T;
+            }
     for (int32_t s = 0; s < n_seqs; s++) {
         seq_part *q = &p->seq[s];
-        q->row0 = next[q->batched];
-        next[q->batched] += q->T;
         fitm_status st = check_run(f, q->kv, seqs[s].tokens, q->T, q->pos0, q->opts, &q->role,
                                    f->cap_index + q->row0, err);
         if (st != FITM_OK) {
@@ -846,19 +937,44 @@ static void bucket_add(const pass *p, const seq_part *q)
     }
 }
 
+/* Sets cap's slots of layers [from, L) to 0 (a call that did not run them). */
+static void capture_clear(const fitm_forward *f, const fitm_capture *cap, int32_t from)
+{
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const int64_t per_row = (int64_t)c->n_layer * c->n_head, skip = (int64_t)from * c->n_head;
+    for (int32_t r = 0; r < cap->n_rows; r++) {
+        const int64_t slot = r * per_row + skip, n = per_row - skip;
+        if (cap->span_mass && cap->n_spans > 0)
+            memset(cap->span_mass + slot * cap->n_spans, 0,
+                   (size_t)(n * cap->n_spans) * sizeof(float));
+        if (cap->probs)
+            memset(cap->probs + slot * cap->probs_stride, 0,
+                   (size_t)(n * cap->probs_stride) * sizeof(float));
+    }
+}
+
 /* Runs the call planned in p (bucket passes add their logit rows to the accumulators). */
-static fitm_status run_pass(fitm_forward *f, const pass *p, fitm_err *err)
+static fitm_status run_pass(fitm_forward *f, pass *p, fitm_err *err)
 {
     fitm_status s;
     const fitm_model_config *c = fitm_model_config_of(f->m);
     pass_rope_tables(p);
     f->b->ops->embed(f->b, fitm_model_tok_embd(f->m), f->ids, p->T, c->embd_scale, f->x);
-    for (int32_t l = 0; l < c->n_layer; l++) {
+    for (int32_t l = 0; l < p->n_layers; l++) {
+        p->act[0] = p->act[1] = 0;
+        for (int32_t i = 0; i < p->n_seqs; i++)
+            if (runs_layer(&p->seq[i], l))
+                p->act[p->seq[i].batched] += p->seq[i].T;
         attention_block(p, l);
         ffn_block(p, l);
     }
-    for (int32_t i = 0; i < p->n_seqs; i++)
-        fitm_kv_set_end(p->seq[i].kv, p->seq[i].pos0 + p->seq[i].T);
+    for (int32_t i = 0; i < p->n_seqs; i++) {
+        const seq_part *q = &p->seq[i];
+        fitm_kv_set_end(q->kv, q->pos0 + q->T);
+        fitm_kv_set_layers(q->kv, q->pos0, q->n_layers);
+        if (q->n_layers < c->n_layer && q->opts->capture && !q->opts->capture->add)
+            capture_clear(f, q->opts->capture, q->n_layers);
+    }
     if (p->n_logits > 0)
         output_head(p);
     if (f->b->ops->status && (s = f->b->ops->status(f->b, err)) != FITM_OK) {

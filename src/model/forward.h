@@ -94,6 +94,13 @@ typedef struct {
     const fitm_intervention *intervention; /* NULL: none */
     fitm_forward_path path;                /* numerics class; AUTO unless a caller needs
                                               rows to match a call of another size */
+    int32_t n_layers;                      /* > 0: run layers [0, n_layers) only (at most
+                                              the model's L; no logits): for a capture that
+                                              reads no later layer. The cache gets no rows in
+                                              the later layers (fitm_kv_layers), the capture's
+                                              slots of the later layers are set to 0, and the
+                                              rows of the layers run are those of a whole
+                                              pass. 0: every layer                         */
     fitm_position_method position;         /* NONE unless fitm_forward_positions was called
                                               (MOICE: with a sidecar); a branch and its
                                               prefix must use the same. BUCKETS: one pass
@@ -175,7 +182,9 @@ fitm_status fitm_forward_run_batch(fitm_forward *f, const fitm_forward_seq *seqs
 
 /* Runs tokens (T ids, host) at positions [pos0, pos0 + T). kv must hold [kv.pos_base, pos0)
  * (pos_base <= pos0 <= pos_end: a pos0 below pos_end rewinds) and have room for pos0 + T;
- * afterwards it holds [pos_base, pos0 + T). opts may be NULL (no logits, no capture).
+ * afterwards it holds [pos_base, pos0 + T). opts may be NULL (no logits, no capture). The rows
+ * it reads (kv's before pos0, the prefix's) must be held in every layer it runs
+ * (fitm_kv_layers); afterwards kv holds its rows in the layers it ran.
  * Bad arguments give FITM_ERR_INVALID (or FITM_ERR_LIMIT past the created limits) with a
  * message, and leave kv unchanged. */
 fitm_status fitm_forward_run(fitm_forward *f, fitm_kv *kv, const int32_t *tokens, int64_t T,

@@ -7,6 +7,7 @@ struct fitm_kv {
     int32_t n_layer, n_head_kv, head_dim;
     int64_t n_rows;
     int64_t pos_base, pos_end;
+    int32_t layers;      /* the layers every held row was computed in (n_layer: empty) */
     size_t row_floats;   /* Hkv * D values                                          */
     size_t elem;         /* bytes per value: 4 (F32) or 2 (fp16)                    */
     size_t n_bytes;
@@ -36,6 +37,7 @@ static fitm_status kv_create(fitm_kv **out, fitm_backend *b, const fitm_model_co
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the KV cache");
     kv->b = b;
     kv->n_layer = c->n_layer;
+    kv->layers = c->n_layer;
     kv->n_head_kv = c->n_head_kv;
     kv->head_dim = c->head_dim;
     kv->n_rows = n_rows;
@@ -78,6 +80,7 @@ fitm_status fitm_kv_rebase(fitm_kv *kv, int64_t pos_base, fitm_err *err)
         fitm_kv *x = fitm_kv_pass(kv, p);
         x->pos_base = pos_base;
         x->pos_end = pos_base;
+        x->layers = x->n_layer;
     }
     return FITM_OK;
 }
@@ -86,9 +89,13 @@ void fitm_kv_truncate(fitm_kv *kv, int64_t pos_end)
 {
     if (pos_end < kv->pos_base)
         pos_end = kv->pos_base;
-    for (int32_t p = 0; p < kv->n_passes; p++)
-        if (pos_end < fitm_kv_pass(kv, p)->pos_end)
-            fitm_kv_pass(kv, p)->pos_end = pos_end;
+    for (int32_t p = 0; p < kv->n_passes; p++) {
+        fitm_kv *x = fitm_kv_pass(kv, p);
+        if (pos_end < x->pos_end)
+            x->pos_end = pos_end;
+        if (x->pos_end == x->pos_base)
+            x->layers = x->n_layer;
+    }
 }
 
 int64_t fitm_kv_n_rows(const fitm_kv *kv)
@@ -173,6 +180,17 @@ void fitm_kv_set_end(fitm_kv *kv, int64_t pos_end)
     kv->pos_end = pos_end;
 }
 
+int32_t fitm_kv_layers(const fitm_kv *kv)
+{
+    return kv->layers;
+}
+
+void fitm_kv_set_layers(fitm_kv *kv, int64_t pos0, int32_t n_layers)
+{
+    if (pos0 <= kv->pos_base || n_layers < kv->layers)
+        kv->layers = n_layers;
+}
+
 int32_t fitm_kv_n_passes(const fitm_kv *kv)
 {
     return kv->n_passes;
@@ -215,6 +233,7 @@ fitm_status fitm_kv_passes(fitm_kv *kv, int32_t n_passes, int64_t n_rows, fitm_e
             /* the rows it held (a branch's rows start at its base: row r is pos_base + r) */
             copy_rows(x, old, old->pos_end - old->pos_base);
             x->pos_end = old->pos_end;
+            x->layers = old->layers;
             fitm_kv_destroy(old);
         }
         kv->pass[p] = x;
@@ -247,6 +266,7 @@ fitm_status fitm_kv_copy(fitm_kv *dst, const fitm_kv *src, int64_t n, fitm_err *
     for (int32_t p = 0; p < src->n_passes; p++) {
         copy_rows(fitm_kv_pass(dst, p), fitm_kv_pass(src, p), n);
         fitm_kv_pass(dst, p)->pos_end = n;
+        fitm_kv_pass(dst, p)->layers = n > 0 ? fitm_kv_pass(src, p)->layers : src->n_layer;
     }
     return FITM_OK;
 }

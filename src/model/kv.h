@@ -67,6 +67,15 @@ int fitm_kv_fits(const fitm_kv *kv, const fitm_model_config *c);
  * This pass only (the forward pass sets each pass it writes). */
 void fitm_kv_set_end(fitm_kv *kv, int64_t pos_end);
 
+/* Layers [0, fitm_kv_layers) hold every held row; the layers from there on may hold rows of
+ * other prompts (a forward call that stopped early, fitm_forward_opts.n_layers, wrote none
+ * of them). The model's layer count for an empty cache. */
+int32_t fitm_kv_layers(const fitm_kv *kv);
+
+/* For the forward pass, after writing rows from pos0 on in layers [0, n_layers): the cache
+ * holds n_layers when pos0 is its base, else the fewer of n_layers and what it held. */
+void fitm_kv_set_layers(fitm_kv *kv, int64_t pos0, int32_t n_layers);
+
 /* Passes (Attention Buckets, docs/position-methods.md): each pass rotates with bases of its
  * own, so its rows differ and it needs a cache of its own. Pass 0 is kv itself; passes 1..
  * are caches that follow kv's positions (rebase and truncate apply to every pass).

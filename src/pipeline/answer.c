@@ -199,6 +199,7 @@ static fitm_rerank_request rank_request(const fitm_answer_request *req, fitm_rer
     q.return_tokens = false;
     q.return_documents = false;
     q.tei = false;
+    q.all_layers = true; /* the answer continues the scored prompt's rows */
     return q;
 }
 

@@ -421,16 +421,18 @@ static const fitm_capture *capture_part(const fitm_reranker *r, const fitm_captu
 
 static fitm_status seq_pass(struct fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
                             const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                            int64_t n_logits, fitm_err *err);
+                            int64_t n_logits, int32_t n_layers, fitm_err *err);
 
 fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                         int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
                         fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
 {
-    if (r->seq)
-        return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, err);
     if (kv == r->kv && r->kv_n > pos0)
         r->kv_n = pos0; /* rows from pos0 on are about to change */
+    /* A pass that stops early leaves the later layers without its rows: nobody else's prompt. */
+    const int32_t layers = n_logits ? 0 : r->run_layers;
+    if (r->seq)
+        return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, layers, err);
     fitm_status pst;
     if (r->position == FITM_POSITION_BUCKETS &&
         (pst = fitm_kv_passes(kv, FITM_BUCKETS, pos0 + n - fitm_kv_pos_base(kv), err)) != FITM_OK)
@@ -450,7 +452,8 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
                                .capture = capture_part(r, cap, pos0 + off, len, &part),
                                .n_logits = last_call ? n_logits : 0,
                                .logits = last_call && n_logits ? r->logits : NULL,
-                               .path = FITM_PATH_BATCH};
+                               .path = FITM_PATH_BATCH,
+                               .n_layers = layers};
         fitm_status st = fitm_forward_run(r->fwd, kv, ids + off, len, pos0 + off, &o, err);
         if (st == FITM_ERR_INVALID || st == FITM_ERR_LIMIT) {
             fitm_err_prefix(err, "forward pass");
@@ -458,7 +461,7 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         }
         if (st != FITM_OK)
             return st;
-        if (kv == r->kv && r->kv_n == pos0 + off && prefix == NULL) {
+        if (kv == r->kv && r->kv_n == pos0 + off && prefix == NULL && layers == 0) {
             memcpy(r->kv_ids + pos0 + off, ids + off, (size_t)len * sizeof *ids);
             r->kv_n = pos0 + off + len;
         }
@@ -491,6 +494,7 @@ struct fitm_rerank_seq {
     const fitm_kv *prefix;
     const int32_t *ids;
     int64_t n, pos0, n_logits, done_rows;
+    int32_t n_layers;
     const fitm_capture *cap;
     fitm_status pass_st;    /* what the pass ended with, for the helper thread          */
     fitm_err pass_err;
@@ -503,7 +507,7 @@ struct fitm_rerank_seq {
 /* Helper thread, inside fitm_rr_run: posts the pass, waits until the steps have run it. */
 static fitm_status seq_pass(fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
                             const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                            int64_t n_logits, fitm_err *err)
+                            int64_t n_logits, int32_t n_layers, fitm_err *err)
 {
     if (n < 1)
         return FITM_OK;
@@ -515,6 +519,7 @@ static fitm_status seq_pass(fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *pref
     q->pos0 = pos0;
     q->cap = cap;
     q->n_logits = n_logits;
+    q->n_layers = n_layers;
     q->done_rows = 0;
     q->phase = SEQ_POSTED;
     pthread_cond_broadcast(&q->cv);
@@ -640,7 +645,7 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *
     q->part_opts = (fitm_forward_opts){
         .prefix = q->prefix, .capture = capture_part(&q->view, q->cap, pos, T, &q->part_cap),
         .n_logits = last ? q->n_logits : 0, .logits = NULL, .position = q->view.position,
-        .path = FITM_PATH_BATCH};
+        .path = FITM_PATH_BATCH, .n_layers = q->n_layers};
     *part = (fitm_forward_seq){q->kv, q->ids + q->done_rows, T, pos, &q->part_opts};
 }
 
@@ -763,6 +768,15 @@ fitm_status fitm_rr_layers(const fitm_reranker *r, const int32_t *layers, int32_
     return FITM_OK;
 }
 
+int32_t fitm_rr_last_layer(const fitm_reranker *r, const uint8_t *use)
+{
+    int32_t n = 0;
+    for (int32_t l = 0; l < r->L; l++)
+        if (use[l])
+            n = l + 1;
+    return n;
+}
+
 /* The layers to average over (fitm_rr_layers of the request's), listed into meta. */
 static fitm_status choose_layers(const fitm_reranker *r, const fitm_rerank_request *req,
                                  uint8_t *use, fitm_rerank_meta *meta, fitm_err *err)
@@ -830,6 +844,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
     }
     if ((st = choose_layers(r, req, use, &res->meta, err)) != FITM_OK)
         goto done;
+    r->run_layers = req->all_layers ? 0 : fitm_rr_last_layer(r, use); /* none read later */
     for (int32_t k = 0; k < K; k++)
         order[k] = k;
     int64_t forward = 0, T = 0;
@@ -879,6 +894,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
     res->meta.tokenize_ms = tok_ms;
     res->meta.forward_ms = now_ms() - t0 - tok_ms;
 done:
+    r->run_layers = 0;
     free(ids.v);
     free(spans);
     free(use);

@@ -47,6 +47,9 @@ typedef struct {
     size_t dummy_len;
     bool return_tokens;
     bool prefix_reuse;          /* calibrated: reference passes reuse the prompt's cache   */
+    bool all_layers;            /* the passes run every layer, not only up to the last one
+                                   read, so later requests may reuse the prompt's rows (an
+                                   /answer's scoring, whose prompt the answer continues)     */
     bool tei;                   /* asked in TEI's shape (`texts`): answer in TEI's shape */
     int32_t position;           /* a fitm_position_method, or -1: the server's default   */
 } fitm_rerank_request;

@@ -22,6 +22,7 @@ typedef struct {
     bool sink;           /* per-token capture: sink_factor > 0 with a reference         */
     bool dummy_passes, null_pass;
     uint8_t *pair;       /* (L * H) the (layer, head) pairs averaged over               */
+    int32_t n_layers;    /* the passes run layers [0, n_layers): the last pair's and before */
     const int32_t *dummy;
     int64_t n_dummy;
     fitm_rr_ids own_dummy; /* the request's dummy text's ids                           */
@@ -103,6 +104,7 @@ static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_me
     for (int32_t l = 0; l < r->L; l++)
         if (use[l])
             meta->layers[meta->n_layers++] = l;
+    pl->n_layers = fitm_rr_last_layer(r, use);
     free(use);
     return st;
 }
@@ -566,6 +568,7 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
         sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
                       .position = sc.position};
         int32_t G = fitm_score_groups(K, pl.o.window, starts);
+        r->run_layers = req->all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
         res->meta.n_groups = G;
         if (req->return_tokens && !(res->groups = calloc((size_t)G, sizeof *res->groups)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
@@ -574,6 +577,7 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
             st = score_group(r, req, &pl, starts[g], starts[g + 1] - starts[g], &sc,
                              res->groups ? &res->groups[g] : NULL, stop, stop_arg, err);
     }
+    r->run_layers = 0;
     if (st == FITM_OK)
         st = finish(&pl, &sc, K, res, err);
     res->usage = (fitm_rerank_usage){.prompt_tokens = sc.T_max, .forward_tokens = sc.forward,

@@ -48,6 +48,9 @@ struct fitm_reranker {
     const struct fitm_moice *moice;     /* NULL: none                                  */
     fitm_position_method position_default;
     fitm_position_method position;      /* of the current request's passes (and kv's)  */
+    /* > 0 while an attention method runs: the passes without logits stop after this many
+     * layers (every layer it reads: fitm_rr_last_layer); 0: every layer. */
+    int32_t run_layers;
 };
 
 typedef struct {
@@ -85,7 +88,7 @@ fitm_status fitm_rr_build_prompt(const fitm_reranker *r, const fitm_rerank_reque
 /* Runs ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) in chunks
  * on the batch path. cap (may be NULL) lists rows in ascending order; each chunk captures the
  * rows it holds (span_mass and probs offset accordingly). n_logits logit rows of the last
- * chunk go to r->logits. */
+ * chunk go to r->logits. Without logits, only layers [0, r->run_layers) when that is set. */
 fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                         int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
                         fitm_rr_stop stop, const void *stop_arg, fitm_err *err);
@@ -97,6 +100,10 @@ fitm_status fitm_rr_too_long(int64_t T, const fitm_reranker *r, const fitm_reran
  * that sees the whole context (all layers for models without sliding windows). */
 fitm_status fitm_rr_layers(const fitm_reranker *r, const int32_t *layers, int32_t n, uint8_t *use,
                            fitm_err *err);
+
+/* 1 + the last of the L flags of use that is set (0 when none is): the layers a pass whose
+ * capture is read only in those layers must run. */
+int32_t fitm_rr_last_layer(const fitm_reranker *r, const uint8_t *use);
 
 /* Sorts results by relevance_score descending, ties by index. */
 void fitm_rr_sort(fitm_rerank_doc_result *res, int32_t K);
