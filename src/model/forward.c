@@ -417,8 +417,9 @@ typedef struct {
 
 /* One call's state, shared by the layer steps. Rows are laid out STEP sequences first, then
  * BATCH sequences, so each path's rows are one contiguous run [0, n_step), [n_step, T); in
- * each run, the sequences that run more layers come first, so the rows a layer runs are the
- * first act[0] of the STEP run and the first act[1] of the BATCH run. */
+ * each run, the sequences that run more of the layers come first (runs_ffn), so the rows a
+ * part of a layer runs are the first act[0] of the STEP run and the first act[1] of the BATCH
+ * run. */
 typedef struct {
     fitm_forward *f;
     seq_part seq[FITM_FORWARD_MAX_SEQS];
@@ -441,10 +442,29 @@ static int layer_runs(const pass *p, int64_t r0[2], int64_t n[2])
     return 2;
 }
 
-/* Whether sequence q runs layer l. */
+/* Whether sequence q runs layer l's attention, and its output projection and feed-forward
+ * block: after the last layer, only the rows with logits read the residual stream, so a
+ * sequence without logits leaves its last layer after the attention (its cache rows and
+ * captures are the attention's). */
 static bool runs_layer(const seq_part *q, int32_t l)
 {
     return l < q->n_layers;
+}
+
+static bool runs_ffn(const seq_part *q, int32_t l)
+{
+    return l < q->n_layers - (q->opts->n_logits > 0 ? 0 : 1);
+}
+
+/* p->act = the rows of the sequences that run (ffn ? the feed-forward part : the attention
+ * part of) layer l, per path; whether there are any. */
+static bool set_act(pass *p, int32_t l, bool ffn)
+{
+    p->act[0] = p->act[1] = 0;
+    for (int32_t i = 0; i < p->n_seqs; i++)
+        if (ffn ? runs_ffn(&p->seq[i], l) : runs_layer(&p->seq[i], l))
+            p->act[p->seq[i].batched] += p->seq[i].T;
+    return p->act[0] + p->act[1] > 0;
 }
 
 static void rope_tables(fitm_forward *f, const pass *p, float base, float scale, float *dst)
@@ -749,8 +769,16 @@ static void attention_block(const pass *p, int32_t l)
             o->attention(b, &a[s]);
         }
     }
+}
+
+/* x += the attention output's projection for layer l's rows (after attention_block). */
+static void attention_out(const pass *p, int32_t l)
+{
+    fitm_forward *f = p->f;
+    const fitm_model_config *c = fitm_model_config_of(f->m);
+    const fitm_layer *ly = fitm_model_layer(f->m, l);
     const fitm_mm_out wo = {&ly->wo, ly->bo.data ? &ly->bo : NULL, f->tmp};
-    matmul_paths(p, f->att, H * D, &wo, 1);
+    matmul_paths(p, f->att, (int64_t)c->n_head * c->head_dim, &wo, 1);
     add_block(p, &ly->post_attn_norm);
 }
 
@@ -876,14 +904,16 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
         if (!p->seq[s].batched)
             p->n_step += in->T;
     }
-    /* rows: within each path, the sequences that run more layers first (in order on ties) */
+    /* rows: within each path, the sequences that run more layers first, those with logits
+     * first among equals (they run the last one's feed-forward part), in order on ties */
     int64_t next[2] = {0, p->n_step}; /* the next free row of each path */
     for (int32_t layers = p->n_layers; layers > 0; layers--)
-        for (int32_t s = 0; s < n_seqs; s++)
-            if (p->seq[s].n_layers == layers) {
-                p->seq[s].row0 = next[p->seq[s].batched];
-                next[p->seq[s].batched] += p->seq[s].T;
-            }
+        for (int with_logits = 1; with_logits >= 0; with_logits--)
+            for (int32_t s = 0; s < n_seqs; s++)
+                if (p->seq[s].n_layers == layers && (p->seq[s].opts->n_logits > 0) == with_logits) {
+                    p->seq[s].row0 = next[p->seq[s].batched];
+                    next[p->seq[s].batched] += p->seq[s].T;
+                }
     for (int32_t s = 0; s < n_seqs; s++) {
         seq_part *q = &p->seq[s];
         fitm_status st = check_run(f, q->kv, seqs[s].tokens, q->T, q->pos0, q->opts, &q->role,
@@ -961,12 +991,12 @@ static fitm_status run_pass(fitm_forward *f, pass *p, fitm_err *err)
     pass_rope_tables(p);
     f->b->ops->embed(f->b, fitm_model_tok_embd(f->m), f->ids, p->T, c->embd_scale, f->x);
     for (int32_t l = 0; l < p->n_layers; l++) {
-        p->act[0] = p->act[1] = 0;
-        for (int32_t i = 0; i < p->n_seqs; i++)
-            if (runs_layer(&p->seq[i], l))
-                p->act[p->seq[i].batched] += p->seq[i].T;
+        set_act(p, l, false);
         attention_block(p, l);
-        ffn_block(p, l);
+        if (set_act(p, l, true)) {
+            attention_out(p, l);
+            ffn_block(p, l);
+        }
     }
     for (int32_t i = 0; i < p->n_seqs; i++) {
         const seq_part *q = &p->seq[i];
