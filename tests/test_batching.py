@@ -147,7 +147,7 @@ def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
     """answer_prompt_path = step: prompts take the decode steps' quantized products. The same
     equality under concurrency holds; generations differ from the batch path's somewhere (Q4_K
     rounds differently on the two paths, so the setting did reach the forward pass) while
-    /rerank, always on the batch path, scores the same."""
+    /rerank, whose path is rerank_path's, scores the same."""
     dm = start(fitmd_bin, tmp_path_factory, answer_prompt_path="step")
     try:
         work = workload()
@@ -156,6 +156,27 @@ def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         gen = [k for k, (route, _) in enumerate(work) if route != "/rerank"]
         assert any(step[k] != batch[k] for k in gen)
         assert all(step[k] == batch[k] for k in range(len(work)) if k not in gen)
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
+def test_rerank_batch_path(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
+    """rerank_path: auto takes the STEP path on the CPU, batch the F32 tiles; both say so at
+    start-up. The setting reaches /rerank's passes (scores differ somewhere: Q4_K rounds
+    differently on the two paths) and nothing else (the answers, whose prompts follow
+    answer_prompt_path, are the same); on batch, too, the reranks are what they are alone also
+    when all come at once."""
+    dm = start(fitmd_bin, tmp_path_factory, rerank_path="batch")
+    try:
+        assert "/rerank on the step path" in daemon.log_text()
+        assert "/rerank on the batch path" in dm.log_text()
+        work = workload()
+        ranks = [k for k, (route, _) in enumerate(work) if route == "/rerank"]
+        batch = [run_one(dm, route, body) for route, body in work]
+        step = [run_one(daemon, route, body) for route, body in work]
+        assert ranks and any(batch[k] != step[k] for k in ranks)
+        assert all(batch[k] == step[k] for k in range(len(work)) if k not in ranks)
+        assert at_once(dm, [work[k] for k in ranks]) == [batch[k] for k in ranks]
     finally:
         assert dm.terminate() == 0, dm.log_text()
 

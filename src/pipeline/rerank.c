@@ -271,6 +271,8 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
     r->moice = p->moice;
     r->position_default = p->position;
     r->answer_prompt_step = p->answer_prompt_step;
+    r->rerank_step = p->rerank_step;
+    r->run_path = FITM_PATH_BATCH;
     if ((st = fitm_forward_create(&r->fwd, m, b, &fp, err)) != FITM_OK ||
         (st = fitm_forward_positions(r->fwd, p->moice, err)) != FITM_OK ||
         (st = fitm_kv_create(&r->kv, b, c, r->n_ctx, err)) != FITM_OK ||
@@ -421,7 +423,8 @@ static const fitm_capture *capture_part(const fitm_reranker *r, const fitm_captu
 
 static fitm_status seq_pass(struct fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
                             const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                            int64_t n_logits, int32_t n_layers, fitm_err *err);
+                            int64_t n_logits, int32_t n_layers, fitm_forward_path path,
+                            fitm_err *err);
 
 fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                         int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
@@ -429,10 +432,14 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
 {
     if (kv == r->kv && r->kv_n > pos0)
         r->kv_n = pos0; /* rows from pos0 on are about to change */
-    /* A pass that stops early leaves the later layers without its rows: nobody else's prompt. */
+    /* Rows a later /answer may continue (fitm_reranker_cached): every layer's, computed as its
+     * prompt would be. A pass that stops early leaves the later layers without its rows. */
     const int32_t layers = n_logits ? 0 : r->run_layers;
+    const bool reusable =
+        layers == 0 && r->run_path == (r->answer_prompt_step ? FITM_PATH_STEP : FITM_PATH_BATCH);
     if (r->seq)
-        return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, layers, err);
+        return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, layers, r->run_path,
+                        err);
     fitm_status pst;
     if (r->position == FITM_POSITION_BUCKETS &&
         (pst = fitm_kv_passes(kv, FITM_BUCKETS, pos0 + n - fitm_kv_pos_base(kv), err)) != FITM_OK)
@@ -445,14 +452,14 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         int64_t len = n - off < r->chunk ? n - off : r->chunk;
         bool last_call = off + len == n;
         fitm_capture part;
-        /* Always the batch path: a reference pass's last chunk may be one token, and its rows
-         * must be computed exactly as the original pass's were. */
+        /* Never AUTO: a reference pass's last chunk may be one token, and its rows must be
+         * computed exactly as the original pass's were. */
         fitm_forward_opts o = {.prefix = prefix,
                                .position = r->position,
                                .capture = capture_part(r, cap, pos0 + off, len, &part),
                                .n_logits = last_call ? n_logits : 0,
                                .logits = last_call && n_logits ? r->logits : NULL,
-                               .path = FITM_PATH_BATCH,
+                               .path = r->run_path,
                                .n_layers = layers};
         fitm_status st = fitm_forward_run(r->fwd, kv, ids + off, len, pos0 + off, &o, err);
         if (st == FITM_ERR_INVALID || st == FITM_ERR_LIMIT) {
@@ -461,7 +468,7 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
         }
         if (st != FITM_OK)
             return st;
-        if (kv == r->kv && r->kv_n == pos0 + off && prefix == NULL && layers == 0) {
+        if (kv == r->kv && r->kv_n == pos0 + off && prefix == NULL && reusable) {
             memcpy(r->kv_ids + pos0 + off, ids + off, (size_t)len * sizeof *ids);
             r->kv_n = pos0 + off + len;
         }
@@ -495,6 +502,7 @@ struct fitm_rerank_seq {
     const int32_t *ids;
     int64_t n, pos0, n_logits, done_rows;
     int32_t n_layers;
+    fitm_forward_path path;
     const fitm_capture *cap;
     fitm_status pass_st;    /* what the pass ended with, for the helper thread          */
     fitm_err pass_err;
@@ -507,7 +515,8 @@ struct fitm_rerank_seq {
 /* Helper thread, inside fitm_rr_run: posts the pass, waits until the steps have run it. */
 static fitm_status seq_pass(fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *prefix,
                             const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                            int64_t n_logits, int32_t n_layers, fitm_err *err)
+                            int64_t n_logits, int32_t n_layers, fitm_forward_path path,
+                            fitm_err *err)
 {
     if (n < 1)
         return FITM_OK;
@@ -520,6 +529,7 @@ static fitm_status seq_pass(fitm_rerank_seq *q, fitm_kv *kv, const fitm_kv *pref
     q->cap = cap;
     q->n_logits = n_logits;
     q->n_layers = n_layers;
+    q->path = path;
     q->done_rows = 0;
     q->phase = SEQ_POSTED;
     pthread_cond_broadcast(&q->cv);
@@ -645,7 +655,7 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *
     q->part_opts = (fitm_forward_opts){
         .prefix = q->prefix, .capture = capture_part(&q->view, q->cap, pos, T, &q->part_cap),
         .n_logits = last ? q->n_logits : 0, .logits = NULL, .position = q->view.position,
-        .path = FITM_PATH_BATCH, .n_layers = q->n_layers};
+        .path = q->path, .n_layers = q->n_layers};
     *part = (fitm_forward_seq){q->kv, q->ids + q->done_rows, T, pos, &q->part_opts};
 }
 
@@ -1114,20 +1124,28 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     if (pst != FITM_OK)
         return pst;
     res->meta.position = r->position;
+    r->run_path = (req->all_layers ? r->answer_prompt_step : r->rerank_step) ? FITM_PATH_STEP
+                                                                             : FITM_PATH_BATCH;
+    fitm_status st;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
     case FITM_RERANK_ATTENTION:
     case FITM_RERANK_PAPER:
-        return fitm_rr_run_attention(r, req, stop, stop_arg, res, err);
+        st = fitm_rr_run_attention(r, req, stop, stop_arg, res, err);
+        break;
     case FITM_RERANK_ATTENTION_SORT:
-        return run_attention_sort(r, req, stop, stop_arg, res, err);
+        st = run_attention_sort(r, req, stop, stop_arg, res, err);
+        break;
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
-        return run_per_document(r, req, stop, stop_arg, res, err);
-    case FITM_RERANK_METHOD_COUNT:
+        st = run_per_document(r, req, stop, stop_arg, res, err);
+        break;
+    default:
+        st = fitm_err_set(err, FITM_ERR_INVALID, "'method': unknown");
         break;
     }
-    return fitm_err_set(err, FITM_ERR_INVALID, "'method': unknown");
+    r->run_path = FITM_PATH_BATCH;
+    return st;
 }
 
 /* ---- what /answer shares ----------------------------------------------------------------- */
@@ -1201,46 +1219,6 @@ static fitm_status forward_failed(fitm_status st, fitm_err *err)
         return st;
     fitm_err_prefix(err, "forward pass");
     return FITM_ERR_INTERNAL;
-}
-
-fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t n, int64_t pos0,
-                                  const struct fitm_intervention *iv, float *logits,
-                                  bool (*stop)(const void *), const void *stop_arg, fitm_err *err)
-{
-    if (pos0 > fitm_reranker_cached(r, ids, pos0))
-        return fitm_err_set(err, FITM_ERR_INTERNAL, "prefill from %lld: the cache holds less",
-                            (long long)pos0);
-    for (int64_t off = pos0; off < n; off += r->chunk) {
-        if (stop && stop(stop_arg))
-            return fitm_err_set(err, FITM_ERR_TIMEOUT, "stopped: the request's deadline passed "
-                                                       "or the server is shutting down");
-        int64_t len = n - off < r->chunk ? n - off : r->chunk;
-        bool last = off + len == n;
-        fitm_forward_opts o = {.n_logits = last && logits ? 1 : 0,
-                               .logits = last ? logits : NULL,
-                               .intervention = iv,
-                               .position = r->position,
-                               .path = FITM_PATH_BATCH};
-        r->kv_n = off < r->kv_n ? off : r->kv_n;
-        fitm_status st = fitm_forward_run(r->fwd, r->kv, ids + off, len, off, &o, err);
-        if (st != FITM_OK)
-            return forward_failed(st, err);
-        /* Rows under an intervention are not the plain prompt's: not reusable. */
-        if (!iv) {
-            memcpy(r->kv_ids + off, ids + off, (size_t)len * sizeof *ids);
-            r->kv_n = off + len;
-        }
-    }
-    return FITM_OK;
-}
-
-fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
-                               const struct fitm_intervention *iv, float *logits, fitm_err *err)
-{
-    fitm_forward_opts o = {.n_logits = 1, .logits = logits, .intervention = iv,
-                           .position = r->position};
-    r->kv_n = pos < r->kv_n ? pos : r->kv_n; /* generated rows are nobody's prompt */
-    return forward_failed(fitm_forward_run(r->fwd, r->kv, &id, 1, pos, &o, err), err);
 }
 
 /* ---- cost: the forward tokens of a request, counted before it runs ------------------------ */

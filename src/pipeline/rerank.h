@@ -146,7 +146,9 @@ typedef struct {
      * moice get FITM_ERR_INVALID) and the method of requests that name none. */
     const struct fitm_moice *moice;
     fitm_position_method position;
-    bool answer_prompt_step; /* /answer's prompts on the STEP path instead of BATCH        */
+    bool answer_prompt_step; /* /answer's prompts (and its scoring passes, whose rows the
+                                answer continues) on the STEP path instead of BATCH         */
+    bool rerank_step;        /* /rerank's passes on the STEP path instead of BATCH         */
 } fitm_reranker_params;
 
 /* The built-in answer_template: two short worked examples (a name, a place) before the
@@ -299,15 +301,6 @@ fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank
  * there): a pipeline may start its forward pass at any position up to that. */
 int64_t fitm_reranker_cached(const fitm_reranker *r, const int32_t *ids, int64_t n);
 
-/* Runs ids (n tokens) at positions [pos0, pos0 + n) on the prompt cache on the batch path in
- * chunks (pos0 <= fitm_reranker_cached of the prompt so far), with the intervention iv (may
- * be NULL) and the last token's logits into logits (V floats; may be NULL). stop as in
- * fitm_reranker_run. For prefill; decode steps use fitm_reranker_step. */
-fitm_status fitm_reranker_prefill(fitm_reranker *r, const int32_t *ids, int64_t n, int64_t pos0,
-                                  const struct fitm_intervention *iv, float *logits,
-                                  bool (*stop)(const void *), const void *stop_arg,
-                                  fitm_err *err);
-
 /* ---- sequences of their own (batched generation, answer.c) ------------------------------ */
 
 /* A KV cache of n_rows rows for the reranker's model on its backend, with FITM_BUCKETS passes
@@ -333,9 +326,5 @@ int64_t fitm_reranker_batch_logits(const fitm_reranker *r);
  * FITM_ERR_INTERNAL (the pipeline checked them). */
 fitm_status fitm_reranker_run_batch(fitm_reranker *r, const fitm_forward_seq *seqs,
                                     int32_t n_seqs, fitm_err *err);
-
-/* One decode step: token id at position pos (the cache holds [0, pos)), logits (V) out. */
-fitm_status fitm_reranker_step(fitm_reranker *r, int32_t id, int64_t pos,
-                               const struct fitm_intervention *iv, float *logits, fitm_err *err);
 
 #endif

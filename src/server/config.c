@@ -110,7 +110,13 @@ static const opt opts[] = {
      "how /answer and the OpenAI routes compute their prompts: batch = weights converted to "
      "F32 in tiles shared by the chunk's rows; step = the decode steps' quantized products "
      "(activations rounded to Q8, as llama.cpp computes prompts), faster on an AVX-512 CPU "
-     "and for short chunks (docs/load-benchmark.md); /rerank always uses batch"},
+     "and for short chunks (docs/load-benchmark.md); an /answer's own scoring passes too, "
+     "since the answer continues their rows"},
+    {"rerank_path", ENUM(rerank_path), "auto", 0, 0, "auto|batch|step",
+     "how /rerank computes its passes: batch = weights converted to F32 in tiles shared by a "
+     "call's rows; step = the decode steps' quantized products (activations rounded to Q8), "
+     "2.7x faster on an AVX-512 CPU with the same recall (docs/rerank-results.md); auto = step "
+     "on the CPU, batch on the cuda backend"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,

@@ -342,8 +342,12 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         fitm_err_prefix(err, "kv_cache_type %s", kv);
         return st;
     }
+    const bool rerank_step = !strcmp(cfg->rerank_path, "step") ||
+                             (!strcmp(cfg->rerank_path, "auto") &&
+                              !strcmp(dm->backend->ops->name, "cpu"));
     size_t used = strlen(backend);
-    snprintf(backend + used, sizeof backend - used, ", %s KV cache", half ? "fp16" : "F32");
+    snprintf(backend + used, sizeof backend - used, ", %s KV cache, /rerank on the %s path",
+             half ? "fp16" : "F32", rerank_step ? "step" : "batch");
     const fitm_model_config *mc = fitm_model_config_of(dm->model);
     int64_t n_ctx = cfg->ctx_size;
     if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
@@ -369,6 +373,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
                                .paper_temperature = cfg->calib_temperature,
                                .answer_template = cfg->answer_template, .profile = profile,
                                .answer_prompt_step = strcmp(cfg->answer_prompt_path, "step") == 0,
+                               .rerank_step = rerank_step,
                                .answer = &answer,
                                .moice = dm->moice,
                                .position = (fitm_position_method)fitm_position_method_parse(
