@@ -442,15 +442,15 @@ static int layer_runs(const pass *p, int64_t r0[2], int64_t n[2])
     return 2;
 }
 
-/* Whether sequence q runs layer l's attention, and its output projection and feed-forward
- * block: after the last layer, only the rows with logits read the residual stream, so a
- * sequence without logits leaves its last layer after the attention (its cache rows and
- * captures are the attention's). */
+/* Whether sequence q runs layer l's attention. */
 static bool runs_layer(const seq_part *q, int32_t l)
 {
     return l < q->n_layers;
 }
 
+/* Whether it runs layer l's output projection and feed-forward block: after its last layer
+ * only the rows with logits read the residual stream, so a sequence without logits leaves
+ * its last layer after the attention (which gives its cache rows and captures). */
 static bool runs_ffn(const seq_part *q, int32_t l)
 {
     return l < q->n_layers - (q->opts->n_logits > 0 ? 0 : 1);
@@ -675,8 +675,8 @@ static void ms_poe_stats(const pass *p, int32_t l)
     }
 }
 
-/* tmp += ... the block's output for the rows the layer runs: tmp normed (post_norms) and
- * added into x. */
+/* x += tmp (a block's output) for the rows the layer runs, tmp normed first where the model
+ * has post-norms. */
 static void add_block(const pass *p, const fitm_weight *post_norm)
 {
     fitm_forward *f = p->f;
