@@ -89,7 +89,7 @@ fitm_status fitm_rr_build_prompt(const fitm_reranker *r, const fitm_rerank_reque
                                  fitm_span *question, fitm_err *err);
 
 /* Runs ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) in chunks
- * on the batch path. cap (may be NULL) lists rows in ascending order; each chunk captures the
+ * on r->run_path. cap (may be NULL) lists rows in ascending order; each chunk captures the
  * rows it holds (span_mass and probs offset accordingly). n_logits logit rows of the last
  * chunk go to r->logits. Without logits, only layers [0, r->run_layers) when that is set. */
 fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,

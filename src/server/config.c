@@ -115,8 +115,8 @@ static const opt opts[] = {
     {"rerank_path", ENUM(rerank_path), "auto", 0, 0, "auto|batch|step",
      "how /rerank computes its passes: batch = weights converted to F32 in tiles shared by a "
      "call's rows; step = the decode steps' quantized products (activations rounded to Q8), "
-     "2.7x faster on an AVX-512 CPU with the same recall (docs/rerank-results.md); auto = step "
-     "on the CPU, batch on the cuda backend"},
+     "2.7x faster on an AVX-512 CPU, recall within one question of 50 of batch's "
+     "(docs/rerank-results.md); auto = step on the CPU, batch on the cuda backend"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,
