@@ -317,6 +317,12 @@ static fitm_status check_buckets(const fitm_forward *f, const seq_role *role, fi
     return FITM_OK;
 }
 
+/* The layers a call with opts runs: [0, result). */
+static int32_t call_layers(const fitm_model_config *c, const fitm_forward_opts *opts)
+{
+    return opts->n_layers > 0 && opts->n_layers < c->n_layer ? opts->n_layers : c->n_layer;
+}
+
 /* Everything a call's arguments must satisfy, checked before the cache is touched. */
 static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int32_t *tokens,
                              int64_t T, int64_t pos0, const fitm_forward_opts *opts,
@@ -357,7 +363,7 @@ static fitm_status check_run(const fitm_forward *f, const fitm_kv *kv, const int
     if (opts->n_layers < 0 || opts->n_layers > c->n_layer)
         return fitm_err_set(err, FITM_ERR_INVALID, "n_layers %d is outside [0, %d]",
                             (int)opts->n_layers, (int)c->n_layer);
-    const int32_t layers = opts->n_layers > 0 ? opts->n_layers : c->n_layer;
+    const int32_t layers = call_layers(c, opts);
     if (layers < c->n_layer && opts->n_logits > 0)
         return fitm_err_set(err, FITM_ERR_INVALID,
                             "a call that runs %d of the %d layers has no logits", (int)layers,
@@ -890,9 +896,7 @@ static fitm_status plan_pass(fitm_forward *f, const fitm_forward_seq *seqs,
             .pos0 = in->pos0,
             .base = fitm_kv_pos_base(in->kv),
             .lrow0 = p->n_logits,
-            .n_layers = opts->n_layers > 0 && opts->n_layers < fitm_model_config_of(f->m)->n_layer
-                            ? opts->n_layers
-                            : fitm_model_config_of(f->m)->n_layer,
+            .n_layers = call_layers(fitm_model_config_of(f->m), opts),
             .batched = opts->path == FITM_PATH_BATCH ||
                        (opts->path == FITM_PATH_AUTO && in->T >= FITM_FORWARD_BATCH_MIN),
             .role = roles ? roles[s] : plain_role,

@@ -270,8 +270,8 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
     }
     r->moice = p->moice;
     r->position_default = p->position;
-    r->answer_prompt_step = p->answer_prompt_step;
-    r->rerank_step = p->rerank_step;
+    r->answer_path = p->answer_prompt_step ? FITM_PATH_STEP : FITM_PATH_BATCH;
+    r->rerank_path = p->rerank_step ? FITM_PATH_STEP : FITM_PATH_BATCH;
     r->run_path = FITM_PATH_BATCH;
     if ((st = fitm_forward_create(&r->fwd, m, b, &fp, err)) != FITM_OK ||
         (st = fitm_forward_positions(r->fwd, p->moice, err)) != FITM_OK ||
@@ -435,8 +435,7 @@ fitm_status fitm_rr_run(fitm_reranker *r, fitm_kv *kv, const fitm_kv *prefix, co
     /* Rows a later /answer may continue (fitm_reranker_cached): every layer's, computed as its
      * prompt would be. A pass that stops early leaves the later layers without its rows. */
     const int32_t layers = n_logits ? 0 : r->run_layers;
-    const bool reusable =
-        layers == 0 && r->run_path == (r->answer_prompt_step ? FITM_PATH_STEP : FITM_PATH_BATCH);
+    const bool reusable = layers == 0 && r->run_path == r->answer_path;
     if (r->seq)
         return seq_pass(r->seq, kv, prefix, ids, n, pos0, cap, n_logits, layers, r->run_path,
                         err);
@@ -1124,8 +1123,7 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     if (pst != FITM_OK)
         return pst;
     res->meta.position = r->position;
-    r->run_path = (req->all_layers ? r->answer_prompt_step : r->rerank_step) ? FITM_PATH_STEP
-                                                                             : FITM_PATH_BATCH;
+    r->run_path = req->all_layers ? r->answer_path : r->rerank_path;
     fitm_status st;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
@@ -1387,7 +1385,7 @@ fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n, f
 
 bool fitm_reranker_answer_prompt_step(const fitm_reranker *r)
 {
-    return r->answer_prompt_step;
+    return r->answer_path == FITM_PATH_STEP;
 }
 
 int64_t fitm_reranker_batch_tokens(const fitm_reranker *r)

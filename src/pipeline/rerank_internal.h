@@ -26,7 +26,7 @@ struct fitm_reranker {
     fitm_kv *kv;     /* the prompt's cache, [0, T)            */
     fitm_kv *branch; /* one reference pass: [s_k, T) on kv    */
     int64_t n_ctx, chunk;
-    bool answer_prompt_step, rerank_step;
+    fitm_forward_path answer_path, rerank_path; /* of /answer's prompts, of /rerank's passes */
     const fitm_rr_template *tmpl;
     int32_t *dummy;  /* default dummy ids (" " + dummy_text)  */
     int64_t n_dummy;
@@ -51,8 +51,8 @@ struct fitm_reranker {
     /* > 0 while an attention method runs: the passes without logits stop after this many
      * layers (every layer it reads: fitm_rr_last_layer); 0: every layer. */
     int32_t run_layers;
-    /* The path of the current request's passes: rerank_step's, or answer_prompt_step's for
-     * an /answer's scoring (fitm_rerank_request.all_layers). */
+    /* The path of the current request's passes: rerank_path, or answer_path for an /answer's
+     * scoring (fitm_rerank_request.all_layers). */
     fitm_forward_path run_path;
 };
 
