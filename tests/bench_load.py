@@ -11,8 +11,10 @@ its own, so no server reuses an earlier prompt. Then N clients at once each send
 /rerank requests of K = --k documents (fitmd only: llama-server has no /rerank for a causal
 model). Printed per row: aggregate completion tokens/s (all tokens / wall time of the round),
 requests/s, time to first token, inter-token gap p50/p99, request latency p50/p99, the server's
-RSS after the round; then each server's N-stream figures against its single stream, and fitmd
-against llama-server.
+RSS after the round (for /rerank also fitmd's CPU time per request and the cores it kept busy:
+a request that already keeps every core busy leaves concurrency only the work requests share
+to gain); then each server's N-stream figures against its single stream, and fitmd against
+llama-server.
 
   tests/bench_load.py --model MODEL.gguf [--n 1 2 4 8] [--llama-server PATH] [--repeat R]
 
@@ -93,6 +95,16 @@ def rss_mib(pid):
     except OSError:
         pass
     return float("nan")
+
+
+def cpu_s(pid):
+    """The process's CPU time so far (user + system, all threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 # ---- one streamed generation per server kind -------------------------------------------------
@@ -226,12 +238,15 @@ def rerank_round(srv, headers, n, a, rnd):
     def client(batches):
         return [srv.rerank(srv.url, headers, d) for d in batches]
 
-    t0 = time.perf_counter()
+    c0, t0 = cpu_s(srv.proc.pid), time.perf_counter()
     with cf.ThreadPoolExecutor(n) as ex:
         lat = [x for xs in ex.map(client, work) for x in xs]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_s(srv.proc.pid) - c0
+    # The server's CPU time per request and the cores it kept busy: concurrency can raise
+    # req/s only by filling cores one request leaves idle or by sharing work between requests
+    # (a lower CPU time per request).
     return {"req_s": len(lat) / wall, "lat50": pct(lat, 50), "lat99": pct(lat, 99),
-            "rss": rss_mib(srv.proc.pid)}
+            "cpu_req": cpu / len(lat), "cores": cpu / wall, "rss": rss_mib(srv.proc.pid)}
 
 
 def fmt_gen(name, n, m):
@@ -285,11 +300,11 @@ def benchmark(a, headers):
                     print(fmt_gen(s.name, n, gen[s.name][n]))
         print(f"\n/rerank, K = {a.k} (~{a.rerank_words} words each), {a.rerank_reps} requests per "
               f"client\n{'server':<13} {'N':>3} {'req/s':>7} {'lat50 s':>8} {'lat99 s':>8} "
-              f"{'RSS MiB':>8}")
+              f"{'CPU s/req':>9} {'cores':>5} {'RSS MiB':>8}")
         for n in a.n:
             rr[n] = m = rerank_round(servers[0], headers, n, a, rnd)
             print(f"{'fitmd':<13} {n:>3} {m['req_s']:>7.3f} {m['lat50']:>8.2f} {m['lat99']:>8.2f} "
-                  f"{m['rss']:>8.1f}", flush=True)
+                  f"{m['cpu_req']:>9.3f} {m['cores']:>5.2f} {m['rss']:>8.1f}", flush=True)
         print("\nratios")
         n1 = min(a.n)
         for s in servers:
@@ -303,7 +318,8 @@ def benchmark(a, headers):
         for n in a.n:
             if n != n1 and rr[n1]["req_s"] > 0:  # --rerank-reps 0: no /rerank round
                 print(f"  fitmd /rerank req/s N={n} / N={n1} = "
-                      f"{rr[n]['req_s'] / rr[n1]['req_s']:.2f}x")
+                      f"{rr[n]['req_s'] / rr[n1]['req_s']:.2f}x, CPU per request "
+                      f"{rr[n]['cpu_req'] / rr[n1]['cpu_req']:.2f}x")
         if len(servers) > 1:
             for n in a.n:
                 f, lc = gen["fitmd"][n], gen["llama-server"][n]
