@@ -30,13 +30,13 @@ RERANK_FRAME = (r"Write a high-quality answer for the given question using only 
 
 
 def start(fitmd_bin, tmp_path_factory, **extra):  # noqa: F811
-    extra = {"max_answer_tokens": 200, "batch_prefill_tokens": 24, **extra}
+    extra = {"max_answer_tokens": 200, "batch_prefill_tokens": 24, "answer_template": RERANK_FRAME,
+             **extra}
     d = tmp_path_factory.mktemp("batching")
     model = d / "q4k.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
                     "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
-    return Daemon(fitmd_bin, model, d, api_keys="test-key-1", answer_template=RERANK_FRAME,
-                  max_documents=16, http_threads=32, queue_depth=64, max_running=4, **extra)
+    return Daemon(fitmd_bin, model, d, api_keys="test-key-1", max_documents=16, http_threads=32, queue_depth=64, max_running=4, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,42 @@ def test_rerank_batch_path(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         assert ranks and any(batch[k] != step[k] for k in ranks)
         assert all(batch[k] == step[k] for k in range(len(work)) if k not in ranks)
         assert at_once(dm, [work[k] for k in ranks]) == [batch[k] for k in ranks]
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
+def test_answer_scoring_path(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
+    """An /answer's scoring takes the answer's path (answer_prompt_path), not rerank_path; it
+    runs every layer only where the answer continues its rows. With the built-in answer
+    template (a text of its own) the answer prefills its whole prompt and the scoring stops
+    after the last layer it reads: its weights are still those of the module's daemon, whose
+    answer template is the scoring prompt's text and whose scoring runs every layer (the
+    answer continues its rows up to the end of the documents), bit for bit; and they are not
+    /rerank's, whose passes take the STEP path here (Q4_K rounds differently there)."""
+    dm = start(fitmd_bin, tmp_path_factory, answer_template="")
+    try:
+        for i in range(3):
+            d = docs(4 + i, 7, shift=i) + [{"text": "golf hotel", "title": "G"}]
+            q = f"where is the golf hotel {i}"
+            body = {"query": q, "documents": d, "calibrate": True, "reorder": "none",
+                    "max_tokens": 8, "return_tokens": True}
+            rr = {"query": q, "documents": d, "method": "calibrated"}
+            got = {}
+            for name, srv in (("own", dm), ("frame", daemon)):
+                a = requests.post(srv.url("/answer"), json=body, headers=AUTH, timeout=600)
+                r = requests.post(srv.url("/rerank"), json=rr, headers=AUTH, timeout=600)
+                assert a.status_code == 200 and r.status_code == 200, (a.text, r.text)
+                a, r = a.json(), r.json()
+                w = {x["index"]: x["weight"] for x in r["results"]}
+                got[name] = ([x["weight"] for x in a["documents"]], [w[k] for k in range(len(d))])
+                T, n = len(a["tokens"]["prompt"]), len(a["tokens"]["completion"])
+                # own: no row of the scoring reused; frame: those up to the documents' end
+                cached = 0 if name == "own" else max(e for _, e in a["tokens"]["spans"])
+                assert a["usage"]["forward_tokens"] == \
+                    r["usage"]["forward_tokens"] + T - cached + n - 1, a["usage"]
+            assert got["own"][0] == got["frame"][0]
+            assert got["own"][1] == got["frame"][1]
+            assert got["own"][0] != got["own"][1]
     finally:
         assert dm.terminate() == 0, dm.log_text()
 

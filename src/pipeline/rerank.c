@@ -1123,7 +1123,7 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
     if (pst != FITM_OK)
         return pst;
     res->meta.position = r->position;
-    r->run_path = req->all_layers ? r->answer_path : r->rerank_path;
+    r->run_path = req->answer_scoring ? r->answer_path : r->rerank_path;
     fitm_status st;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
@@ -1188,6 +1188,11 @@ bool fitm_reranker_is_raw(const fitm_reranker *r) { return r->tmpl == &templates
 const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r)
 {
     return fitm_reranker_is_raw(r) ? &r->answer_frame : &fitm_rerank_default_frame;
+}
+
+bool fitm_reranker_answer_continues_scoring(const fitm_reranker *r)
+{
+    return strcmp(fitm_reranker_answer_frame(r)->before, fitm_rerank_default_frame.before) == 0;
 }
 
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,

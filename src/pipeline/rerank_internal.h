@@ -52,7 +52,7 @@ struct fitm_reranker {
      * layers (every layer it reads: fitm_rr_last_layer); 0: every layer. */
     int32_t run_layers;
     /* The path of the current request's passes: rerank_path, or answer_path for an /answer's
-     * scoring (fitm_rerank_request.all_layers). */
+     * scoring (fitm_rerank_request.answer_scoring). */
     fitm_forward_path run_path;
 };
 

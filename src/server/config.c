@@ -110,10 +110,10 @@ static const opt opts[] = {
      "how /answer and the OpenAI routes compute their prompts: batch = weights converted to "
      "F32 in tiles shared by the chunk's rows; step = the decode steps' quantized products "
      "(activations rounded to Q8, as llama.cpp computes prompts), faster on an AVX-512 CPU "
-     "and for short chunks (docs/load-benchmark.md); an /answer's own scoring passes too, "
-     "since the answer continues their rows"},
+     "and for short chunks (docs/load-benchmark.md); an /answer's own scoring passes too "
+     "(its answers were measured with them there)"},
     {"rerank_path", ENUM(rerank_path), "auto", 0, 0, "auto|batch|step",
-     "how /rerank computes its passes: batch = weights converted to F32 in tiles shared by a "
+     "how /rerank computes its passes (an /answer's scoring follows answer_prompt_path): batch = weights converted to F32 in tiles shared by a "
      "call's rows; step = the decode steps' quantized products (activations rounded to Q8), "
      "2.7x faster on an AVX-512 CPU, recall within one question of 50 of batch's "
      "(docs/rerank-results.md); auto = step on the CPU, batch on the cuda backend"},
