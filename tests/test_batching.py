@@ -36,7 +36,8 @@ def start(fitmd_bin, tmp_path_factory, **extra):  # noqa: F811
     model = d / "q4k.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
                     "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
-    return Daemon(fitmd_bin, model, d, api_keys="test-key-1", max_documents=16, http_threads=32, queue_depth=64, max_running=4, **extra)
+    return Daemon(fitmd_bin, model, d, api_keys="test-key-1", max_documents=16, http_threads=32,
+                  queue_depth=64, max_running=4, **extra)
 
 
 @pytest.fixture(scope="module")

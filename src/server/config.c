@@ -113,9 +113,10 @@ static const opt opts[] = {
      "and for short chunks (docs/load-benchmark.md); an /answer's own scoring passes too "
      "(its answers were measured with them there)"},
     {"rerank_path", ENUM(rerank_path), "auto", 0, 0, "auto|batch|step",
-     "how /rerank computes its passes (an /answer's scoring follows answer_prompt_path): batch = weights converted to F32 in tiles shared by a "
-     "call's rows; step = the decode steps' quantized products (activations rounded to Q8), "
-     "2.7x faster on an AVX-512 CPU, recall within one question of 50 of batch's "
+     "how /rerank computes its passes (an /answer's scoring follows answer_prompt_path): "
+     "batch = weights converted to F32 in tiles shared by a call's rows; step = the decode "
+     "steps' quantized products (activations rounded to Q8), 2.7x faster on an AVX-512 CPU, "
+     "recall within one question of 50 of batch's "
      "(docs/rerank-results.md); auto = step on the CPU, batch on the cuda backend"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
