@@ -189,8 +189,8 @@ static fitm_status stopped(fitm_err *err)
 }
 
 /* The shallow request copy that ranks req's documents docs (in that order) with method m. */
-static fitm_rerank_request rank_request(const fitm_reranker *r, const fitm_answer_request *req,
-                                        fitm_rerank_method m, const fitm_rerank_doc *docs)
+static fitm_rerank_request rank_request(const fitm_answer_request *req, fitm_rerank_method m,
+                                        const fitm_rerank_doc *docs)
 {
     fitm_rerank_request q = req->base;
     q.docs = (fitm_rerank_doc *)docs;
@@ -200,12 +200,9 @@ static fitm_rerank_request rank_request(const fitm_reranker *r, const fitm_answe
     q.return_documents = false;
     q.tei = false;
     /* On the answer's path, where its accuracy was measured (docs/load-benchmark.md,
-     * nineteenth session: on rerank_path's STEP products the dev split lost 3 of 80 answers);
-     * every layer only where the answer continues the scored prompt's rows: on the default
-     * model the answer template shares no text with the scoring prompt, and the layers after
-     * the last one read would be computed for nothing. */
+     * nineteenth session: on rerank_path's STEP products the dev split lost 3 of 80 answers),
+     * every layer where the answer continues the scored rows (fitm_reranker_run decides). */
     q.answer_scoring = true;
-    q.all_layers = fitm_reranker_answer_continues_scoring(r);
     return q;
 }
 
@@ -215,7 +212,7 @@ static fitm_status rank(fitm_reranker *r, const fitm_answer_request *req, fitm_r
                         const fitm_rerank_doc *docs, bool (*stop)(const void *),
                         const void *stop_arg, fitm_rerank_result *out, fitm_err *err)
 {
-    fitm_rerank_request q = rank_request(r, req, m, docs);
+    fitm_rerank_request q = rank_request(req, m, docs);
     return fitm_reranker_run(r, &q, stop, stop_arg, out, err);
 }
 
@@ -288,7 +285,7 @@ static fitm_status order_documents(fitm_reranker *r, const fitm_answer_request *
         for (int32_t p = 0; st == FITM_OK && p < s->K; p++)
             s->order[p] = rr.results[req->reorder_last ? s->K - 1 - p : p].index;
         res->forward_tokens += rr.usage.forward_tokens;
-        fitm_rerank_request q = rank_request(r, req, FITM_RERANK_CALIBRATED, req->base.docs);
+        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
         scored = st == FITM_OK && req->calibrate && req->reorder == FITM_RERANK_CALIBRATED &&
                  fitm_reranker_scores_alone(r, &q);
         for (int32_t i = 0; scored && i < s->K; i++) {
@@ -855,13 +852,13 @@ fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *
     int64_t sum = 0, t = 0;
     fitm_status st = FITM_OK;
     if (reorder) {
-        fitm_rerank_request q = rank_request(r, req, (fitm_rerank_method)req->reorder,
+        fitm_rerank_request q = rank_request(req, (fitm_rerank_method)req->reorder,
                                              req->base.docs);
         st = fitm_reranker_cost(r, &q, false, &t, err);
         sum += t;
     }
     /* The intervention's own scoring, unless it takes the reorder's (order_documents). */
-    fitm_rerank_request cal = rank_request(r, req, FITM_RERANK_CALIBRATED, req->base.docs);
+    fitm_rerank_request cal = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
     if (st == FITM_OK && req->calibrate &&
         !(req->reorder == FITM_RERANK_CALIBRATED && fitm_reranker_scores_alone(r, &cal))) {
         st = fitm_reranker_cost(r, &cal, reorder, &t, err);
@@ -870,7 +867,7 @@ fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *
     /* Prefill at most the whole answer prompt (rows the cache holds are skipped), then one
      * step per generated token but the last, never past the context. */
     if (st == FITM_OK) {
-        fitm_rerank_request q = rank_request(r, req, FITM_RERANK_CALIBRATED, req->base.docs);
+        fitm_rerank_request q = rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
         const fitm_rerank_frame *f = fitm_reranker_answer_frame(r);
         if (reorder) {
             st = fitm_reranker_prompt_bound(r, &q, f, &t, err);

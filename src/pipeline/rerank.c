@@ -853,7 +853,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
     }
     if ((st = choose_layers(r, req, use, &res->meta, err)) != FITM_OK)
         goto done;
-    r->run_layers = req->all_layers ? 0 : fitm_rr_last_layer(r, use); /* none read later */
+    r->run_layers = r->run_all_layers ? 0 : fitm_rr_last_layer(r, use); /* none read later */
     for (int32_t k = 0; k < K; k++)
         order[k] = k;
     int64_t forward = 0, T = 0;
@@ -1124,6 +1124,12 @@ fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
         return pst;
     res->meta.position = r->position;
     r->run_path = req->answer_scoring ? r->answer_path : r->rerank_path;
+    /* An answer continues its scoring's rows only when its frame has the scoring prompt's
+     * text before the documents; else (the default answer template on a raw model, a text of
+     * its own) those rows are read for their attention only, as a rerank's. */
+    r->run_all_layers =
+        req->answer_scoring &&
+        strcmp(fitm_reranker_answer_frame(r)->before, fitm_rerank_default_frame.before) == 0;
     fitm_status st;
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
@@ -1188,11 +1194,6 @@ bool fitm_reranker_is_raw(const fitm_reranker *r) { return r->tmpl == &templates
 const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r)
 {
     return fitm_reranker_is_raw(r) ? &r->answer_frame : &fitm_rerank_default_frame;
-}
-
-bool fitm_reranker_answer_continues_scoring(const fitm_reranker *r)
-{
-    return strcmp(fitm_reranker_answer_frame(r)->before, fitm_rerank_default_frame.before) == 0;
 }
 
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,

@@ -49,11 +49,10 @@ typedef struct {
     bool prefix_reuse;          /* calibrated: reference passes reuse the prompt's cache   */
     bool answer_scoring;        /* an /answer's scoring: the passes take the answer prompt's
                                    path (answer_prompt_path), not rerank_path, so its ranks
-                                   are what its accuracy was measured with                  */
-    bool all_layers;            /* the passes run every layer, not only up to the last one
-                                   read, so later requests may reuse the prompt's rows (an
-                                   /answer's scoring whose prompt the answer continues:
-                                   fitm_reranker_answer_continues_scoring)                  */
+                                   are what its accuracy was measured with; and they run
+                                   every layer where the answer continues their rows (its
+                                   frame has the scoring prompt's text before the documents),
+                                   else only up to the last one read, as a rerank's do      */
     bool tei;                   /* asked in TEI's shape (`texts`): answer in TEI's shape */
     int32_t position;           /* a fitm_position_method, or -1: the server's default   */
 } fitm_rerank_request;
@@ -286,12 +285,6 @@ extern const fitm_rerank_frame fitm_rerank_default_frame;
 /* /answer's frame: the answer template's when the chat template is raw, else the default
  * frame (inside the chat template). Valid while r lives. */
 const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r);
-
-/* Whether an answer prompt can continue the rows a scoring pass leaves in the prompt cache:
- * /answer's frame has the scoring prompt's text before the documents (the default frame's).
- * When not (the default answer template on a raw model), an answer reuses none of its
- * scoring's rows, which may then stop after the last layer read. */
-bool fitm_reranker_answer_continues_scoring(const fitm_reranker *r);
 
 /* The prompt for req in frame f (NULL: the default frame) exactly as the attention methods
  * build it: *ids (malloc'd, the caller frees it, also after a failure) of *n_ids tokens, and

@@ -568,7 +568,7 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
         sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
                       .position = sc.position};
         int32_t G = fitm_score_groups(K, pl.o.window, starts);
-        r->run_layers = req->all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
+        r->run_layers = r->run_all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
         res->meta.n_groups = G;
         if (req->return_tokens && !(res->groups = calloc((size_t)G, sizeof *res->groups)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");

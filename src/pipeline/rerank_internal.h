@@ -52,8 +52,10 @@ struct fitm_reranker {
      * layers (every layer it reads: fitm_rr_last_layer); 0: every layer. */
     int32_t run_layers;
     /* The path of the current request's passes: rerank_path, or answer_path for an /answer's
-     * scoring (fitm_rerank_request.answer_scoring). */
+     * scoring (fitm_rerank_request.answer_scoring); and whether they run every layer, so
+     * that the answer may continue their rows (set by fitm_reranker_run). */
     fitm_forward_path run_path;
+    bool run_all_layers;
 };
 
 typedef struct {
