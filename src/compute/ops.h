@@ -67,7 +67,7 @@ typedef struct {
     int32_t id;
 } fitm_top;
 
-/* Most entries a top list holds: what the sampler keeps (src/pipeline/answer.c) and what the
+/* Most entries a top list holds: what the sampler keeps (src/pipeline/sample.c) and what the
  * device kernel selects in one pass (kernels/topk.cu). */
 #define FITM_TOP_MAX 64
 

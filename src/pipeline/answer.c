@@ -10,6 +10,7 @@
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
+#include "pipeline/sample.h"
 #include "tokenizer/tokenizer.h"
 
 void fitm_answer_request_free(fitm_answer_request *req)
@@ -63,45 +64,6 @@ typedef struct {
     fitm_top top[FITM_TOP_MAX]; /* the step's candidates, most likely first               */
     uint64_t rng;
 } sampler;
-
-/* Draws the next token from the forward pass's candidates: the k most likely tokens in the
- * total order of fitm_ops_topk (logit descending, ties by lower id), selected by the backend
- * so that a device backend copies k (logit, id) pairs per step, not the whole row.
- * Greedy: the first candidate, the row's first maximum (as `fitm generate`). Else
- * softmax(logits / temperature) over the candidates, cut to the smallest prefix of them whose
- * mass reaches top_p of theirs, drawn from the PRNG. The rule: tokens outside the 64 most
- * likely are never drawn (a top-k of 64 before top_p, as llama.cpp's default top-k of 40);
- * everything here is computed from the candidates alone, in their order, so every backend
- * that selects the same list draws the same token from the same seed. */
-static int32_t sample(sampler *s)
-{
-    const fitm_top *c = s->top;
-    const double t = s->req->temperature;
-    if (t <= 0)
-        return c[0].id;
-    float p[FITM_TOP_MAX] = {0}; /* unnormalised probabilities, in candidate order */
-    double total = 0;
-    for (int32_t i = 0; i < s->k; i++) {
-        p[i] = (float)exp((double)(c[i].logit - c[0].logit) / t);
-        total += p[i];
-    }
-    const double u = (double)(fitm_answer_rand(&s->rng) >> 11) * 0x1.0p-53;
-    int32_t n = s->k;
-    double keep = total;
-    if (s->req->top_p < 1.0) {
-        keep = 0;
-        n = 0;
-        while (n < s->k && keep < s->req->top_p * total)
-            keep += p[n++];
-    }
-    double acc = 0, target = u * keep;
-    for (int32_t i = 0; i < n; i++) {
-        acc += p[i];
-        if (acc > target)
-            return c[i].id;
-    }
-    return c[n > 0 ? n - 1 : 0].id;
-}
 
 /* The text buffer, what was handed to on_delta, and the stop-string logic. */
 typedef struct {
@@ -672,7 +634,7 @@ static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
         res->prefill_ms = now_ms() - q->t_prefill;
         res->finish = FITM_FINISH_LENGTH;
     }
-    int32_t next = sample(&s->sm);
+    int32_t next = fitm_sample_draw(s->sm.top, s->sm.k, req->temperature, req->top_p, &s->sm.rng);
     res->tokens[s->T + q->n_done++] = next;
     res->completion_tokens = q->n_done;
     if (q->n_done == 1) {
