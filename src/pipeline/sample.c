@@ -15,10 +15,13 @@ int32_t fitm_sample_draw(const fitm_top *c, int32_t k, double temperature, doubl
     const double t = temperature;
     if (t <= 0)
         return c[0].id;
-    float p[FITM_TOP_MAX] = {0}; /* unnormalised probabilities, in candidate order */
+    /* Unnormalised probabilities, in candidate order, in double from the logits on: a float
+     * weight would move a boundary between two candidates by up to 1e-7 of the mass, and the
+     * draws that fall in between would differ from the definition's. */
+    double p[FITM_TOP_MAX] = {0};
     double total = 0;
     for (int32_t i = 0; i < k; i++) {
-        p[i] = (float)exp((double)(c[i].logit - c[0].logit) / t);
+        p[i] = exp(((double)c[i].logit - c[0].logit) / t);
         total += p[i];
     }
     const double u = (double)(fitm_rng_next(rng) >> 11) * 0x1.0p-53;
