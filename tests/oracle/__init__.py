@@ -1,5 +1,6 @@
 """Independent numpy oracle for fitm: GGUF reading, dequantization, the forward pass of the
-supported architectures and the calibration math of docs/design.md, Method.
+supported architectures, the calibration math of docs/design.md, Method, and its sampling
+definition (Decoding; `sample`, with the chi-square tails of `stats`).
 
 Written from the published format and architecture definitions, not from the C code it checks,
 so that agreement between the two means something. Import as `from oracle import gguf_reader,
