@@ -39,11 +39,11 @@ fitm_status fitm_answer_stopped(fitm_err *err);
  * the prompt, the intervention, the prompt's length and the most tokens to generate. */
 typedef struct {
     int32_t K, L;
-    int32_t *order;        /* (K) the document at each position                       */
-    fitm_rerank_doc *docs; /* (K) the request's documents in that order (shallow)     */
-    fitm_span *spans;      /* (K) their bodies in the answer prompt, by position      */
-    float *alpha;          /* (K) the intervention's weights, by position             */
-    uint8_t *use;          /* (L) the layers intervened in                            */
+    int32_t *order;        /* (K) the document at each position */
+    fitm_rerank_doc *docs; /* (K) the request's documents in that order (shallow) */
+    fitm_span *spans;      /* (K) their bodies in the answer prompt, by position */
+    float *alpha;          /* (K) the intervention's weights, by position */
+    uint8_t *use;          /* (L) the layers intervened in */
     fitm_intervention iv;
     bool intervene;
     int64_t T, max_gen;

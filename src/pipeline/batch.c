@@ -17,8 +17,8 @@ typedef struct {
     fitm_forward_seq parts[FITM_FORWARD_MAX_SEQS];
     int32_t idx[FITM_FORWARD_MAX_SEQS]; /* the member each part is of */
     int32_t n_parts;
-    int64_t room, logit_room; /* rows and logit rows the call may still carry           */
-    int64_t budget;           /* prompt rows the step may still carry                   */
+    int64_t room, logit_room; /* rows and logit rows the call may still carry */
+    int64_t budget;           /* prompt rows the step may still carry */
 } step_parts;
 
 /* When the oldest member that is still computing its prompt (an answer) or its passes (a

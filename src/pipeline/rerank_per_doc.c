@@ -47,10 +47,10 @@ static const char RESTRICT[] = " We can get the answer to this question in the g
 static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
 
 typedef struct {
-    bool ql;    /* query_likelihood, else relevance                           */
+    bool ql;    /* query_likelihood, else relevance */
     fitm_ids q; /* query_likelihood: " {query}" + RESTRICT, the scored tokens */
     int32_t yes[4], no[4];
-    int n_yes, n_no; /* relevance: first tokens of Yes/yes and No/no             */
+    int n_yes, n_no; /* relevance: first tokens of Yes/yes and No/no */
 } per_doc;
 
 /* query_likelihood's prompt for document k: BOS, its text, "\n\nQuestion:", then the scored

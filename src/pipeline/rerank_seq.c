@@ -11,15 +11,15 @@
 #include <string.h>
 
 typedef enum {
-    SEQ_HOST,     /* the helper thread runs the method's host side                  */
-    SEQ_POSTED,   /* it waits for the posted pass                                   */
-    SEQ_FINISHED, /* the method returned: run_st, run_err                            */
+    SEQ_HOST,     /* the helper thread runs the method's host side */
+    SEQ_POSTED,   /* it waits for the posted pass */
+    SEQ_FINISHED, /* the method returned: run_st, run_err */
 } seq_phase;
 
 struct fitm_rerank_seq {
     fitm_session *s;
-    fitm_kv *kv, *branch; /* the request's own caches                                */
-    fitm_passes passes;   /* the request's passes: on kv and branch, sunk here        */
+    fitm_kv *kv, *branch; /* the request's own caches */
+    fitm_passes passes;   /* the request's passes: on kv and branch, sunk here */
     const fitm_rerank_request *req;
     bool (*stop)(const void *);
     const void *stop_arg;
@@ -28,14 +28,14 @@ struct fitm_rerank_seq {
     bool started;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    seq_phase phase;     /* under mu: who runs                                       */
-    fitm_pass pass;      /* the posted pass                                          */
-    int64_t done_rows;   /* how far it got                                           */
-    fitm_status pass_st; /* what the pass ended with, for the helper thread          */
+    seq_phase phase;     /* under mu: who runs */
+    fitm_pass pass;      /* the posted pass */
+    int64_t done_rows;   /* how far it got */
+    fitm_status pass_st; /* what the pass ended with, for the helper thread */
     fitm_err pass_err;
-    fitm_capture part_cap; /* this step's part                                         */
+    fitm_capture part_cap; /* this step's part */
     fitm_forward_opts part_opts;
-    fitm_status run_st; /* the method's status, when FINISHED                       */
+    fitm_status run_st; /* the method's status, when FINISHED */
     fitm_err run_err;
 };
 

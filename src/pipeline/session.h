@@ -27,27 +27,27 @@ typedef struct fitm_session fitm_session;
 struct fitm_moice;
 
 typedef struct {
-    int64_t n_ctx;                   /* most prompt tokens (KV rows); <= the model's context      */
-    int64_t chunk;                   /* tokens per forward call (prefill batch)                   */
-    const char *dummy_text;          /* the default dummy document text                           */
-    const char *chat_template;       /* auto | raw | chatml | gemma | llama2 | llama3             */
+    int64_t n_ctx;                   /* most prompt tokens (KV rows); <= the model's context */
+    int64_t chunk;                   /* tokens per forward call (prefill batch) */
+    const char *dummy_text;          /* the default dummy document text */
+    const char *chat_template;       /* auto | raw | chatml | gemma | llama2 | llama3 */
     const fitm_score_opts *defaults; /* the server's scoring options (profile and config);
                                         unset ones take the built-in defaults; may be NULL */
-    double paper_temperature;        /* t of method paper when the request has none (> 0)        */
+    double paper_temperature;        /* t of method paper when the request has none (> 0) */
     const char *answer_template;     /* /answer's prompt for a model without a chat template:
                                         text with one {documents} and, after it, {question};
-                                        "\n" for a newline. NULL or "": the built-in one       */
-    const char *profile;             /* what meta reports as the profile in use; NULL: none      */
+                                        "\n" for a newline. NULL or "": the built-in one */
+    const char *profile;             /* what meta reports as the profile in use; NULL: none */
     const fitm_answer_defaults *answer; /* /answer's defaults (profile and config); unset
-                                           ones take the built-in; may be NULL            */
+                                           ones take the built-in; may be NULL */
     /* Position methods (docs/position-methods.md), enabled on the forward at creation:
      * MoICE's routers (borrowed, checked against the model; NULL: none, so requests for
      * moice get FITM_ERR_INVALID) and the method of requests that name none. */
     const struct fitm_moice *moice;
     fitm_position_method position;
     bool answer_prompt_step; /* /answer's prompts (and its scoring passes, whose rows the
-                                answer continues) on the STEP path instead of BATCH         */
-    bool rerank_step;        /* /rerank's passes on the STEP path instead of BATCH         */
+                                answer continues) on the STEP path instead of BATCH */
+    bool rerank_step;        /* /rerank's passes on the STEP path instead of BATCH */
 } fitm_session_params;
 
 /* A prompt frame: the text before the documents and after them. Each may hold {question}

@@ -19,8 +19,8 @@
 typedef struct {
     const char *name;
     const char *marker; /* in tokenizer.chat_template, and a token of the vocabulary */
-    const char *head;   /* before the user's content (control tokens parsed)          */
-    const char *tail;   /* after it, up to where the model's answer starts            */
+    const char *head;   /* before the user's content (control tokens parsed) */
+    const char *tail;   /* after it, up to where the model's answer starts */
 } fitm_chat_template;
 
 /* What lives as long as the daemon: the model and what serves it, the prompt cache and the
@@ -33,25 +33,25 @@ struct fitm_session {
     fitm_backend *b;
     fitm_forward *fwd;
     fitm_kv *kv;     /* the prompt cache, [0, T): whole reranks and /answer's scoring */
-    fitm_kv *branch; /* one reference pass over kv                                   */
+    fitm_kv *branch; /* one reference pass over kv */
     int32_t *kv_ids; /* (n_ctx) the ids whose rows kv holds for every layer: [0, kv_n) */
     int64_t kv_n;
-    fitm_position_method kv_position; /* the method kv's rows were computed under      */
+    fitm_position_method kv_position; /* the method kv's rows were computed under */
     int64_t n_ctx, chunk;
     fitm_forward_path answer_path, rerank_path; /* of /answer's prompts, of /rerank's passes */
     const fitm_chat_template *tmpl;
-    int32_t *dummy; /* default dummy ids (" " + dummy_text)  */
+    int32_t *dummy; /* default dummy ids (" " + dummy_text) */
     int64_t n_dummy;
     int32_t L, H, V;
-    int64_t logit_rows;          /* min(FITM_LOGIT_ROWS, chunk)                                 */
-    float *logits;               /* (logit_rows, V) host scratch of the whole runs' logit passes  */
-    fitm_score_opts defaults;    /* every option set: built-in < params->defaults        */
-    fitm_answer_defaults answer; /* every one set: built-in < params->answer           */
+    int64_t logit_rows;          /* min(FITM_LOGIT_ROWS, chunk) */
+    float *logits;               /* (logit_rows, V) host scratch of the whole runs' logit passes */
+    fitm_score_opts defaults;    /* every option set: built-in < params->defaults */
+    fitm_answer_defaults answer; /* every one set: built-in < params->answer */
     double paper_temperature;
     char *answer_text; /* the answer template, unescaped and cut at {documents} */
     fitm_rerank_frame answer_frame;
     char profile[256];
-    const struct fitm_moice *moice; /* NULL: none                                  */
+    const struct fitm_moice *moice; /* NULL: none */
     fitm_position_method position_default;
 };
 
@@ -141,15 +141,15 @@ typedef fitm_status (*fitm_pass_sink)(void *arg, const fitm_pass *pass, fitm_err
 typedef struct {
     fitm_session *s;
     fitm_kv *kv, *branch;          /* the prompt's cache and one reference branch over it */
-    fitm_position_method position; /* the request's method (checked)                      */
+    fitm_position_method position; /* the request's method (checked) */
     fitm_forward_path path;        /* rerank_path, or answer_path for an answer's scoring */
     /* > 0 while an attention method runs: the passes without logits stop after this many
      * layers (every layer it reads: fitm_layers_last); 0: every layer. */
     int32_t n_layers;
-    bool all_layers;     /* an answer continues the rows: every pass runs every layer      */
-    fitm_pass_sink sink; /* NULL: run each pass here, in chunks; else hand it over      */
+    bool all_layers;     /* an answer continues the rows: every pass runs every layer */
+    fitm_pass_sink sink; /* NULL: run each pass here, in chunks; else hand it over */
     void *sink_arg;
-    fitm_stop_fn stop; /* polled between forward calls (NULL: never)                   */
+    fitm_stop_fn stop; /* polled between forward calls (NULL: never) */
     const void *stop_arg;
 } fitm_passes;
 
