@@ -47,6 +47,28 @@ static void prompt_free(prompt *p)
     memset(p, 0, sizeof *p);
 }
 
+/* One group's passes, planned before any of them runs: its prompt and where its pass starts
+ * (the rows before are the cache's already), where each dummy pass starts on its branch, and
+ * the null pass's prompt and start. score_group runs exactly these passes and group_cost
+ * counts them, so the admission cost is the plan's. */
+typedef struct {
+    int32_t first, n;
+    int32_t *order;      /* (n) the documents at the group's positions */
+    prompt p;            /* the group's prompt                         */
+    int64_t from;        /* its pass computes [from, T)                */
+    int64_t *dummy_from; /* (n) dummy pass j computes [dummy_from[j], T); NULL: no dummy passes */
+    prompt np;           /* the null pass's prompt (empty: none)       */
+    int64_t null_from;   /* the null pass computes [null_from, T_null) */
+} group_plan;
+
+static void group_plan_free(group_plan *gp)
+{
+    free(gp->order);
+    free(gp->dummy_from);
+    prompt_free(&gp->p);
+    prompt_free(&gp->np);
+}
+
 /* ---- plan -------------------------------------------------------------------------------- */
 
 /* The paper's recipe: only layers, temperature and the dummy text come from the request. */
@@ -297,13 +319,14 @@ static fitm_status fill_dummy(const fitm_session *r, const fitm_rerank_request *
 }
 
 /* The paper's reference: per document j, the prompt with its body replaced by a
- * length-matched dummy, on a branch of the prompt's cache from s_j (prefix_reuse) or whole. */
+ * length-matched dummy, on a branch of the prompt's cache from the start the plan gives
+ * (s_j with prefix_reuse) or whole. */
 static fitm_status dummy_passes(fitm_passes *ps, const fitm_rerank_request *req,
-                                const plan *pl, const prompt *p, const int32_t *order, int32_t n,
-                                const int64_t *off, double *out, fitm_rerank_tokens *tok,
-                                int64_t *forward, fitm_err *err)
+                                const plan *pl, const group_plan *gp, const int64_t *off,
+                                double *out, fitm_rerank_tokens *tok, fitm_err *err)
 {
-    const fitm_session *r = ps->s;
+    const prompt *p = &gp->p;
+    const int32_t n = gp->n;
     const int64_t T = p->ids.n;
     int64_t total = 0;
     for (int32_t j = 0; j < n; j++)
@@ -319,17 +342,16 @@ static fitm_status dummy_passes(fitm_passes *ps, const fitm_rerank_request *req,
     for (int32_t j = 0, doff = 0; st == FITM_OK && j < n; j++) {
         int64_t s = p->spans[j].start, e = p->spans[j].end;
         memcpy(ref, p->ids.v, (size_t)T * sizeof *ref);
-        if ((st = fill_dummy(r, req, pl, order[j], e - s, ref + s, err)) != FITM_OK)
+        if ((st = fill_dummy(ps->s, req, pl, gp->order[j], e - s, ref + s, err)) != FITM_OK)
             break;
         if (tok) {
             tok->dummy_offsets[j] = doff;
             memcpy(tok->dummy_tokens + doff, ref + s, (size_t)(e - s) * sizeof *ref);
             doff += (int32_t)(e - s);
         }
-        int64_t from = req->prefix_reuse ? s : 0;
+        const int64_t from = gp->dummy_from[j];
         st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, ref, T, from, p->rows,
                     p->n_rows, &p->spans[j], 1, off + j, out, err);
-        *forward += T - from;
     }
     free(ref);
     return st;
@@ -345,55 +367,41 @@ static fitm_prompt_queries null_queries(const fitm_rerank_request *req, const pl
                              suffix ? req->query_len : nl, nl};
 }
 
-/* The content-free query's reference: the prompt with the query replaced by "N/A" in both
- * places (null_query, a whole pass) or in the trailing question only (null_suffix, on a
- * branch of the prompt's cache from the end of the documents when prefix_reuse). */
-static fitm_status null_pass(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
-                             const prompt *p, const int32_t *order, int32_t n,
-                             const int64_t *off, double *out, fitm_rerank_tokens *tok,
-                             int64_t *forward, fitm_err *err)
+/* The content-free query's reference: the plan's null prompt (the query replaced by "N/A" in
+ * both places, null_query, a whole pass; or in the trailing question only, null_suffix, on
+ * a branch of the prompt's cache from the end of the documents when prefix_reuse). */
+static fitm_status null_pass(fitm_passes *ps, const plan *pl, group_plan *gp, const int64_t *off,
+                             double *out, fitm_rerank_tokens *tok, fitm_err *err)
 {
-    const fitm_session *r = ps->s;
-    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
-    fitm_prompt_queries q = null_queries(req, pl);
-    prompt np = {0};
-    fitm_status st = make_prompt(r, req, pl, order, n, &q, &np, err);
-    int64_t from = suffix && req->prefix_reuse ? p->spans[n - 1].end : 0;
-    if (st == FITM_OK && from > 0 &&
-        memcmp(np.ids.v, p->ids.v, (size_t)from * sizeof *np.ids.v) != 0)
-        st = fitm_err_set(err, FITM_ERR_INTERNAL, "null_suffix: the prompts differ before the "
-                                                  "end of the documents");
-    if (st == FITM_OK)
-        st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, np.ids.v, np.ids.n, from,
-                    np.rows, np.n_rows, np.spans, n, off, out, err);
-    *forward += np.ids.n - from;
+    prompt *np = &gp->np;
+    const int64_t from = gp->null_from;
+    fitm_status st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, np->ids.v, np->ids.n,
+                            from, np->rows, np->n_rows, np->spans, gp->n, off, out, err);
     if (st == FITM_OK && tok) {
-        tok->null_ids = np.ids.v;
-        tok->n_null_ids = np.ids.n;
-        tok->null_spans = np.spans;
-        tok->null_question = np.question;
-        np.ids.v = NULL;
-        np.spans = NULL;
+        tok->null_ids = np->ids.v;
+        tok->n_null_ids = np->ids.n;
+        tok->null_spans = np->spans;
+        tok->null_question = np->question;
+        np->ids.v = NULL;
+        np->spans = NULL;
     }
-    prompt_free(&np);
     return st;
 }
 
 /* The reference attention (len entries at off[j] per document): the dummy passes', the null
  * pass's, or (both) their mean. */
 static fitm_status reference(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
-                             const prompt *p, const int32_t *order, int32_t n,
-                             const int64_t *off, int64_t len, double *out,
-                             fitm_rerank_tokens *tok, int64_t *forward, fitm_err *err)
+                             group_plan *gp, const int64_t *off, int64_t len, double *out,
+                             fitm_rerank_tokens *tok, fitm_err *err)
 {
     double *nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *nul) : out;
     if (!nul)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     fitm_status st = FITM_OK;
     if (pl->dummy_passes)
-        st = dummy_passes(ps, req, pl, p, order, n, off, out, tok, forward, err);
+        st = dummy_passes(ps, req, pl, gp, off, out, tok, err);
     if (st == FITM_OK && pl->null_pass)
-        st = null_pass(ps, req, pl, p, order, n, off, nul, tok, forward, err);
+        st = null_pass(ps, pl, gp, off, nul, tok, err);
     if (nul != out) {
         for (int64_t i = 0; i < len; i++)
             out[i] = 0.5 * (out[i] + nul[i]);
@@ -472,50 +480,86 @@ static fitm_status continue_from(bool reuse, fitm_ids *held, const prompt *p, in
     return st;
 }
 
-/* One group (the documents first .. first + n - 1): prompt, pass, reference, calibrate. */
+/* The plan of the group of the documents first .. first + n - 1 (see group_plan); held: the
+ * ids the prompt cache holds before it, which become its prompt's (continue_from). */
+static fitm_status plan_group(const fitm_session *r, const fitm_rerank_request *req,
+                              const plan *pl, int32_t first, int32_t n, fitm_ids *held,
+                              group_plan *gp, fitm_err *err)
+{
+    *gp = (group_plan){.first = first, .n = n};
+    gp->order = malloc((size_t)n * sizeof *gp->order);
+    gp->dummy_from = pl->dummy_passes ? malloc((size_t)n * sizeof *gp->dummy_from) : NULL;
+    if (!gp->order || (pl->dummy_passes && !gp->dummy_from))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t j = 0; j < n; j++)
+        gp->order[j] = first + j;
+    fitm_status st = make_prompt(r, req, pl, gp->order, n, NULL, &gp->p, err);
+    /* The groups' prompts share their head (the template, the instruction and the question
+     * before the documents): a later group continues the cache from there. */
+    if (st == FITM_OK)
+        st = continue_from(req->prefix_reuse, held, &gp->p, n, &gp->from, err);
+    for (int32_t j = 0; st == FITM_OK && pl->dummy_passes && j < n; j++)
+        gp->dummy_from[j] = req->prefix_reuse ? gp->p.spans[j].start : 0;
+    if (st != FITM_OK || !pl->null_pass)
+        return st;
+    fitm_prompt_queries q = null_queries(req, pl);
+    if ((st = make_prompt(r, req, pl, gp->order, n, &q, &gp->np, err)) != FITM_OK)
+        return st;
+    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
+    gp->null_from = suffix && req->prefix_reuse ? gp->p.spans[n - 1].end : 0;
+    if (gp->null_from > 0 &&
+        memcmp(gp->np.ids.v, gp->p.ids.v, (size_t)gp->null_from * sizeof *gp->np.ids.v) != 0)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "null_suffix: the prompts differ before the "
+                                                    "end of the documents");
+    return FITM_OK;
+}
+
+/* The forward tokens of the group's planned passes. */
+static int64_t group_tokens(const plan *pl, const group_plan *gp)
+{
+    const int64_t T = gp->p.ids.n;
+    int64_t sum = T - gp->from;
+    for (int32_t j = 0; pl->dummy_passes && j < gp->n; j++)
+        sum += T - gp->dummy_from[j];
+    if (pl->null_pass)
+        sum += gp->np.ids.n - gp->null_from;
+    return sum;
+}
+
+/* One group (the documents first .. first + n - 1): its plan, its pass, its reference
+ * passes, calibrate. */
 static fitm_status score_group(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
                                int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
                                fitm_err *err)
 {
-    const fitm_session *r = ps->s;
-    prompt p = {0};
-    int32_t *order = malloc((size_t)n * sizeof *order);
+    group_plan gp = {0};
     int64_t *off = malloc((size_t)(n + 1) * sizeof *off);
     double *a = NULL;
     double t0 = fitm_clock_ms();
-    fitm_status st = order && off ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t j = 0; st == FITM_OK && j < n; j++)
-        order[j] = first + j;
-    if (st == FITM_OK)
-        st = make_prompt(r, req, pl, order, n, NULL, &p, err);
+    fitm_status st = off ? plan_group(ps->s, req, pl, first, n, &sc->held, &gp, err)
+                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     sc->tok_ms += fitm_clock_ms() - t0;
+    const prompt *p = &gp.p;
     if (st == FITM_OK) {
+        sc->forward += group_tokens(pl, &gp);
+        sc->T_max = p->ids.n > sc->T_max ? p->ids.n : sc->T_max;
         off[0] = 0;
         for (int32_t j = 0; j < n; j++)
-            off[j + 1] = off[j] + (pl->sink ? p.spans[j].end - p.spans[j].start : 1);
+            off[j + 1] = off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
         if (!(a = calloc((size_t)off[n] * 2 + 1, sizeof *a)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     }
-    /* The groups' prompts share their head (the template, the instruction and the question
-     * before the documents): a later group continues the cache from there. */
-    int64_t from = 0;
     if (st == FITM_OK)
-        st = continue_from(req->prefix_reuse, &sc->held, &p, n, &from, err);
-    if (st == FITM_OK)
-        st = attend(ps, pl, ps->kv, NULL, p.ids.v, p.ids.n, from, p.rows, p.n_rows, p.spans, n,
-                    off, a, err);
-    sc->forward += p.ids.n - from;
-    sc->T_max = p.ids.n > sc->T_max ? p.ids.n : sc->T_max;
+        st = attend(ps, pl, ps->kv, NULL, p->ids.v, p->ids.n, gp.from, p->rows, p->n_rows,
+                    p->spans, n, off, a, err);
     bool has_ref = pl->o.reference != FITM_REF_NONE;
     if (st == FITM_OK && has_ref)
-        st = reference(ps, req, pl, &p, order, n, off, off[n], a + off[n], tok, &sc->forward,
-                       err);
+        st = reference(ps, req, pl, &gp, off, off[n], a + off[n], tok, err);
     if (st == FITM_OK)
-        calibrate(pl, p.spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
+        calibrate(pl, p->spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
     if (st == FITM_OK && tok)
-        keep_tokens(&p, first, n, tok);
-    prompt_free(&p);
-    free(order);
+        keep_tokens(&gp.p, first, n, tok);
+    group_plan_free(&gp);
     free(off);
     free(a);
     return st;
@@ -606,33 +650,16 @@ static void meta_free(fitm_rerank_meta *meta)
     fitm_score_opts_free(&meta->opts);
 }
 
-/* One group's passes, as score_group, dummy_passes and null_pass run them. */
+/* One group's forward tokens: its plan's passes, as score_group runs them. */
 static fitm_status group_cost(const fitm_session *r, const fitm_rerank_request *req,
                               const plan *pl, int32_t first, int32_t n, fitm_ids *held,
                               int64_t *sum, fitm_err *err)
 {
-    prompt p = {0}, np = {0};
-    int32_t *order = malloc((size_t)n * sizeof *order);
-    fitm_status st = order ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t j = 0; st == FITM_OK && j < n; j++)
-        order[j] = first + j;
-    if (st == FITM_OK && (st = make_prompt(r, req, pl, order, n, NULL, &p, err)) == FITM_OK) {
-        const int64_t T = p.ids.n;
-        int64_t from = 0;
-        st = continue_from(req->prefix_reuse, held, &p, n, &from, err);
-        *sum += T - from;
-        for (int32_t j = 0; pl->dummy_passes && j < n; j++)
-            *sum += T - (req->prefix_reuse ? p.spans[j].start : 0);
-    }
-    if (st == FITM_OK && pl->null_pass) {
-        fitm_prompt_queries q = null_queries(req, pl);
-        bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
-        if ((st = make_prompt(r, req, pl, order, n, &q, &np, err)) == FITM_OK)
-            *sum += np.ids.n - (suffix && req->prefix_reuse ? p.spans[n - 1].end : 0);
-    }
-    prompt_free(&p);
-    prompt_free(&np);
-    free(order);
+    group_plan gp = {0};
+    fitm_status st = plan_group(r, req, pl, first, n, held, &gp, err);
+    if (st == FITM_OK)
+        *sum += group_tokens(pl, &gp);
+    group_plan_free(&gp);
     return st;
 }
 

@@ -159,6 +159,21 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
     return FITM_OK;
 }
 
+/* Document k's pass: its prompt into ids and the T tokens the pass feeds (query_likelihood
+ * never feeds the question's last token), checked against the context. The run and the
+ * cost both take a document's pass from here. */
+static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *req,
+                            const per_doc *pd, int32_t k, fitm_ids *ids, int64_t *T, fitm_err *err)
+{
+    ids->n = 0;
+    fitm_status st =
+        pd->ql ? ql_prompt(r, req, k, pd, ids, err) : relevance_prompt(r, req, k, ids, err);
+    *T = pd->ql ? ids->n - 1 : ids->n;
+    if (st == FITM_OK && *T > r->n_ctx)
+        st = fitm_prompt_too_long(*T, r, req, err);
+    return st;
+}
+
 /* query_likelihood (LongLLMLingua's r_k): per document, the mean log-probability of
  * " {query} We can get the answer to this question in the given documents." after
  * "{text}\n\nQuestion:"; relevance_score = exp of it (the tokens' geometric-mean probability).
@@ -181,12 +196,9 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
     res->n_results = res->results ? K : 0;
     for (int32_t k = 0; st == FITM_OK && k < K; k++) {
         double tt = fitm_clock_ms(), score = 0;
-        ids.n = 0;
-        st = pd.ql ? ql_prompt(r, req, k, &pd, &ids, err) : relevance_prompt(r, req, k, &ids, err);
+        int64_t T = 0;
+        st = doc_pass(r, req, &pd, k, &ids, &T, err);
         tok_ms += fitm_clock_ms() - tt;
-        int64_t T = pd.ql ? ids.n - 1 : ids.n; /* the question's last token is never fed */
-        if (st == FITM_OK && T > r->n_ctx)
-            st = fitm_prompt_too_long(T, r, req, err);
         if (st == FITM_OK)
             st = fitm_kv_rebase(ps->kv, 0, err);
         if (st == FITM_OK)
@@ -208,7 +220,8 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
     return st;
 }
 
-/* query_likelihood and relevance: each document's prompt, as run_per_document feeds it. */
+/* query_likelihood and relevance: each document's pass (doc_pass), as fitm_per_doc_run runs
+ * them. */
 fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *tokens, fitm_err *err)
 {
@@ -217,11 +230,8 @@ fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *
     int64_t sum = 0;
     fitm_status st = per_doc_init(r, req, &pd, err);
     for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
-        ids.n = 0;
-        st = pd.ql ? ql_prompt(r, req, k, &pd, &ids, err) : relevance_prompt(r, req, k, &ids, err);
-        int64_t T = pd.ql ? ids.n - 1 : ids.n;
-        if (st == FITM_OK && T > r->n_ctx)
-            st = fitm_prompt_too_long(T, r, req, err);
+        int64_t T = 0;
+        st = doc_pass(r, req, &pd, k, &ids, &T, err);
         sum += T;
     }
     free(ids.v);
