@@ -76,7 +76,7 @@ MUTANTS = [
            meson=["tokenizer"], pytest=["tests/test_tokenize_cli.py"]),
     Mutant("answer-late-intervention",
            "/answer's intervention starts one row after the last document",
-           ".from_pos = s->spans[s->K - 1].end}", ".from_pos = s->spans[s->K - 1].end + 1}",
+           ".from_pos = pl->spans[pl->K - 1].end}", ".from_pos = pl->spans[pl->K - 1].end + 1}",
            pytest=["tests/test_http_answer.py"]),
     Mutant("sample-temperature-squared",
            "the sampler divides the logits by the temperature squared",

@@ -905,14 +905,11 @@ static void cpu_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm
              * (one row, or the few of a decode step: fitm_matvec_rows_once), enough tasks per
              * thread that a thread the OS delays does not hold up the others for long, but
              * about MATVEC_TASK_BYTES of weights per task: shorter streams from DRAM run
-             * well below the memory bandwidth (Gemma 3 270M decode, 2 threads: 16 KiB-ish
-             * tasks 155 tok/s, 64 KiB 170, 256 KiB 183, 1 MiB 172; 8 sequences on AVX-512,
-             * 16 KiB tasks 194-277 tok/s, these 294-333). The tasks of one weight are of
-             * equal size, as many as a multiple of the threads: with the rows of 8 sequences
-             * a task is long, and one left over idled a thread (attn_output's 455 + 185
-             * rows; bench_forward, 8 sequences at 512 context, this and the V prefetch
-             * below together: 381 -> 430 tok/s, medians of 8 alternated; one sequence
-             * unchanged). */
+             * well below the memory bandwidth. The tasks of one weight are of equal size, as
+             * many as a multiple of the threads: with the rows of 8 sequences a task is long,
+             * and one left over would idle a thread. (Measurements: docs/cpu-forward-
+             * benchmark.md, "Task sizes of a product that reads its weights once" and the
+             * fourteenth session.) */
             int64_t rpt = (int64_t)(16384 / w->row_bytes);
             if (pt->packed || T <= fitm_matvec_rows_once(w->type, K)) {
                 const int64_t nt = c->n_threads;

@@ -1,10 +1,11 @@
 /* answer: the request and result of POST /answer as plain C structs (filled and written by
- * api.c), and the pipeline on the engine's thread, in three steps: order (an optional
- * reorder, then alpha = the calibrated method's weights), prefill (the answer prompt: the
- * answer template for a base model, else the reranker's inside the chat template, with exact
- * document spans; rows the reranker's cache already holds are reused) and decode, with the
- * intervention in the chosen layers for every query row after the last document. It uses the
- * reranker only through rerank.h's shared interface.
+ * api.c), and the pipeline on the engine's thread, in three steps: order (answer_order.c: an
+ * optional reorder, then alpha = the calibrated method's weights), the prompt (answer_prompt.c:
+ * the answer template for a base model, else the rerank prompt inside the chat template, with
+ * exact document spans; rows the session's prompt cache already holds are reused) and decode
+ * (answer.c, with answer_stream.c for the text), with the intervention in the chosen layers
+ * for every query row after the last document. It uses the session and the rerank pipeline
+ * only through session.h and rerank.h.
  *
  * Ownership: a request owns every string and array it points to (fitm_answer_request_free);
  * a result likewise (fitm_answer_result_free).
@@ -99,69 +100,54 @@ void fitm_answer_result_free(fitm_answer_result *res);
  * nothing sendable yet. Returns false to cancel (the client went away). */
 typedef bool (*fitm_answer_on_delta)(void *arg, const char *text, size_t len);
 
-/* Answers req into *res (the caller frees it, also after a failure), with the server's
- * defaults where req leaves calibrate, reorder or reorder_last unset (res says what ran).
- * stop(stop_arg) is polled between forward calls (FITM_ERR_TIMEOUT when it returns true);
- * on_delta may be NULL.
- * Errors: as fitm_reranker_run, plus FITM_ERR_CANCELLED when on_delta returned false.
- * Not thread-safe: runs on the reranker's thread. */
-fitm_status fitm_answer_run(fitm_reranker *r, const fitm_answer_request *req,
-                            bool (*stop)(const void *), const void *stop_arg,
-                            fitm_answer_on_delta on_delta, void *delta_arg, fitm_answer_result *res,
-                            fitm_err *err);
-
-/* The text of plain generation's prompt for req (n_docs 0) in the reranker's chat template,
+/* The text of plain generation's prompt for req (n_docs 0) in the session's chat template,
  * as fitm_answer_run tokenizes it: with a template (gemma, chatml, llama2, llama3), every
  * message in the template's turn markers (gemma has no system turn: a system message opens the
  * first user turn) and the assistant's turn opened; without one (raw: a base model) a
  * transcript "role: content" one line per message, ending in "assistant:". Control markers are
  * tokenized as control tokens, message text never is. *out is malloc'd (the caller frees it).
  * For tests and logs; fitm_answer_run renders the same way. */
-fitm_status fitm_answer_render(const fitm_reranker *r, const fitm_answer_request *req, char **out,
+fitm_status fitm_answer_render(const fitm_session *r, const fitm_answer_request *req, char **out,
                                size_t *len, fitm_err *err);
 
 /* ---- batched generation ------------------------------------------------------------------
  * An answer as a sequence that advances one batched forward call at a time together with
  * other answers (continuous batching, server/engine.c): fitm_answer_begin runs what does not
- * batch (ranking for the order and the calibrated weights, on the reranker's prompt cache)
+ * batch (ranking for the order and the calibrated weights, on the session's prompt cache)
  * and gives the answer a KV cache of its own, seeded with the prompt rows the prompt cache
- * already holds; fitm_answer_step then advances any set of begun answers by one call --
- * a prompt chunk or a decode step each; fitm_answer_end completes the result and frees the
- * sequence. Tokens, text and logits are the same as fitm_answer_run's, whatever ran beside
- * them (fitm_forward_run_batch's batching rule). All on the reranker's thread. */
+ * already holds; the scheduler (batch.h, fitm_batch_step) then advances any set of begun
+ * answers by one call -- a prompt chunk or a decode step each (fitm_answer_seq_part, then
+ * fitm_answer_seq_after); fitm_answer_end completes the result and frees the sequence.
+ * Tokens, text and logits are the same as fitm_answer_run's, whatever ran beside them
+ * (fitm_forward_run_batch's batching rule). All on the session's thread. */
 typedef struct fitm_answer_seq fitm_answer_seq;
 
 /* Starts req into *res (as fitm_answer_run; the caller frees res). *out is the sequence to
  * step, also on failure (then pass it straight to fitm_answer_end); it holds req with the
  * defaults filled in, borrowing what req owns until fitm_answer_end. */
-fitm_status fitm_answer_begin(fitm_reranker *r, const fitm_answer_request *req,
+fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_answer_on_delta on_delta, void *delta_arg,
                               fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err);
 
-/* One member of the running batch: an answer or a /rerank (fitm_rerank_begin); exactly one
- * of the two is set. arrived_ns: when its request arrived, on fitm_clock_ns's scale. */
-typedef struct {
-    fitm_answer_seq *answer;
-    fitm_rerank_seq *rerank;
-    int64_t arrived_ns;
-} fitm_batch_seq;
+/* This step's part of seq: the next prompt chunk (at most budget tokens, on the path the
+ * server's answer_prompt_path names) or the next decode step. */
+void fitm_answer_seq_part(fitm_answer_seq *seq, int64_t budget, fitm_forward_seq *part);
 
-/* One batched forward call over seqs (n <= FITM_FORWARD_MAX_SEQS): every decoding answer
- * gets its next token; prompts and rerank passes get chunks of at most prefill_budget tokens
- * in all (the whole call when no answer is decoding: the budget bounds a stream's gap
- * between two tokens), in the order given, within the call's limits (a sequence left out
- * waits for the next step). Requests are served in the order they arrived: an answer that
- * has its first token waits, before its second, while a prompt or rerank of a request that
- * arrived before that first token is still being computed (requests that arrive together
- * are all prefilled, in whole calls, before any of them streams on); only the answers that
- * decode in the step bound the prompts by the budget. For each i: done[i] when seqs[i] has
- * finished, with st[i] (and errs[i] on failure) for an answer; a rerank's status and message
- * come from fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT,
- * an answer whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must
- * not be stepped again. */
-void fitm_answer_step(fitm_reranker *r, const fitm_batch_seq *seqs, int32_t n,
-                      int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs);
+/* After the call that carried seq's part of T rows ended with st: the prompt advances, or
+ * (a call that gave its logits) the next token is sampled and its text handed out. *done
+ * when the answer is complete or failed; returns its status then (err its message). */
+fitm_status fitm_answer_seq_after(fitm_answer_seq *seq, int64_t T, fitm_status st, bool *done,
+                                  fitm_err *err);
+
+/* Whether seq's stop() asks it to end. */
+bool fitm_answer_seq_stopped(const fitm_answer_seq *seq);
+
+/* Whether seq's prompt is done and it decodes one token per step. */
+bool fitm_answer_seq_decoding(const fitm_answer_seq *seq);
+
+/* Whether seq has only its first token, sampled after ns (fitm_clock_ns's scale). */
+bool fitm_answer_seq_first_after(const fitm_answer_seq *seq, int64_t ns);
 
 /* Completes seq's result after its last step (st: how it ended), frees seq, and returns the
  * answer's status. NULL seq returns st. */
@@ -170,18 +156,16 @@ fitm_status fitm_answer_end(fitm_answer_seq *seq, fitm_status st, fitm_err *err)
 /* The bytes of seq's own KV cache (0 before it has one). */
 size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *seq);
 
-/* A small seeded PRNG (splitmix64), exposed for tests: the next 64 bits of *state. */
-uint64_t fitm_answer_rand(uint64_t *state);
 
 /* At most the forward tokens (forward_tokens) fitm_answer_run will compute for req (the
  * server's defaults filled in), counted from its tokenized prompts without running the model:
- * the reorder's and the calibration's ranking (fitm_reranker_cost; bounded when the reorder's
+ * the reorder's and the calibration's ranking (fitm_rerank_cost; bounded when the reorder's
  * order is not known yet; one ranking when the calibration takes a calibrated reorder's
- * scores, fitm_reranker_scores_alone), the whole answer prompt (plain generation's: its
+ * scores, fitm_rerank_scores_alone), the whole answer prompt (plain generation's: its
  * rendered messages; less when the cache already holds its start) and max_tokens - 1 decode
- * steps, within the context. Fails as fitm_reranker_cost does. Thread-safety as
- * fitm_reranker_cost. */
-fitm_status fitm_answer_cost(const fitm_reranker *r, const fitm_answer_request *req,
+ * steps, within the context. Fails as fitm_rerank_cost does. Thread-safety as
+ * fitm_rerank_cost. */
+fitm_status fitm_answer_cost(const fitm_session *r, const fitm_answer_request *req,
                              int64_t *tokens, fitm_err *err);
 
 #endif

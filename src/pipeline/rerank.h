@@ -1,8 +1,10 @@
 /* rerank: the request and result of POST /rerank as plain C structs (filled and written by
  * api.c, which is the only JSON user), and the pipeline that turns one into the other on the
- * engine's thread (rerank.c: the prompt, the per-document methods and attention_sort;
- * rerank_attn.c: the attention methods in steps, score -> reference passes -> calibrate,
- * with the scoring options of score.h).
+ * engine's thread with the session (session.h): rerank.c dispatches by method; prompt.c
+ * builds the prompts; rerank_attn.c runs the attention methods in steps, score -> reference
+ * passes -> calibrate, with the scoring options of score.h; rerank_sort.c attention_sort;
+ * rerank_per_doc.c query_likelihood and relevance; passes.c runs their forward passes;
+ * rerank_seq.c makes an attention method a sequence of the engine's batch.
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
  * releases them. A result likewise owns its arrays; fitm_rerank_result_free releases them.
@@ -20,6 +22,7 @@
 #include "model/forward.h"
 #include "model/kv.h"
 #include "pipeline/score.h"
+#include "pipeline/session.h"
 
 /* Longest `layers` list a request may carry. */
 #define FITM_RERANK_MAX_LAYERS FITM_SCORE_MAX_LIST
@@ -124,36 +127,6 @@ void fitm_rerank_result_free(fitm_rerank_result *res);
 
 /* ---- the pipeline ------------------------------------------------------------------------ */
 
-typedef struct fitm_model fitm_model;
-typedef struct fitm_tokenizer fitm_tokenizer;
-typedef struct fitm_backend fitm_backend;
-typedef struct fitm_reranker fitm_reranker;
-struct fitm_intervention;
-
-typedef struct {
-    int64_t n_ctx;             /* most prompt tokens (KV rows); <= the model's context      */
-    int64_t chunk;             /* tokens per forward call (prefill batch)                   */
-    const char *dummy_text;    /* the default dummy document text                           */
-    const char *chat_template; /* auto | raw | chatml | gemma | llama2 | llama3             */
-    const fitm_score_opts *defaults; /* the server's scoring options (profile and config);
-                                        unset ones take the built-in defaults; may be NULL */
-    double paper_temperature;  /* t of method paper when the request has none (> 0)        */
-    const char *answer_template; /* /answer's prompt for a model without a chat template:
-                                    text with one {documents} and, after it, {question};
-                                    "\n" for a newline. NULL or "": the built-in one       */
-    const char *profile;       /* what meta reports as the profile in use; NULL: none      */
-    const fitm_answer_defaults *answer; /* /answer's defaults (profile and config); unset
-                                           ones take the built-in; may be NULL            */
-    /* Position methods (docs/position-methods.md), enabled on the forward at creation:
-     * MoICE's routers (borrowed, checked against the model; NULL: none, so requests for
-     * moice get FITM_ERR_INVALID) and the method of requests that name none. */
-    const struct fitm_moice *moice;
-    fitm_position_method position;
-    bool answer_prompt_step; /* /answer's prompts (and its scoring passes, whose rows the
-                                answer continues) on the STEP path instead of BATCH         */
-    bool rerank_step;        /* /rerank's passes on the STEP path instead of BATCH         */
-} fitm_reranker_params;
-
 /* The built-in answer_template: two short worked examples (a name, a place) before the
  * documents, so a base model answers in a few words instead of continuing the documents'
  * prose. Two answer types, because a single example made the model copy its answer type; a
@@ -161,85 +134,60 @@ typedef struct {
  * line break (send stop "\n"). */
 extern const char fitm_rerank_answer_template[];
 
-/* Prepares a reranker: the forward scratch and two KV caches of n_ctx rows (the prompt's and
- * one reference branch), allocated once, and the scoring defaults (built-in under
- * p->defaults). Borrows m, tok and b, which must outlive it. FITM_ERR_INVALID for an
- * answer_template without {documents} and {question}. */
-fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
-                                 const fitm_tokenizer *tok, fitm_backend *b,
-                                 const fitm_reranker_params *p, fitm_err *err);
-
-/* The position method request req asks for (its own, else the server's default) after the
- * checks: FITM_ERR_INVALID naming 'position_method' when it is moice and the server has no
- * sidecar, FITM_ERR_UNSUPPORTED when it is attention_buckets on a backend without
- * ops->capture_add. Makes it the method of the reranker's next passes; cached prompt rows
- * computed under another method stop being reusable. Under attention_buckets the caches hold
- * a pass per bucket (fitm_reranker_kv_create, and the reranker's own caches as runs need);
- * under another method the reranker's own caches drop their extra passes. */
-fitm_status fitm_reranker_use_position(fitm_reranker *r, int32_t position, fitm_err *err);
-
-/* The method fitm_reranker_use_position chose last. */
-fitm_position_method fitm_reranker_position(const fitm_reranker *r);
-
-/* NULL is a no-op. */
-void fitm_reranker_destroy(fitm_reranker *r);
-
-/* /answer's defaults after create, every one set. */
-const fitm_answer_defaults *fitm_reranker_answer_defaults(const fitm_reranker *r);
-
-/* The chat template in use after create ("raw", "gemma", ...). */
-const char *fitm_reranker_template(const fitm_reranker *r);
+/* The frame of the prompt of docs/design.md (Method) (Liu et al.'s, used by the attention
+ * methods). */
+extern const fitm_rerank_frame fitm_rerank_default_frame;
 
 /* Scores req's documents (docs/design.md) into *res (the caller frees it, also after a failure).
  * stop(stop_arg) is polled between forward calls; when it returns true the run ends with
  * FITM_ERR_TIMEOUT. Errors: FITM_ERR_LIMIT when the prompt does not fit n_ctx even after
  * per-document truncation, FITM_ERR_INVALID for layers or heads the model does not have,
  * FITM_ERR_UNSUPPORTED for methods not implemented yet, FITM_ERR_BACKEND from the backend.
- * Not thread-safe: one thread runs a reranker at a time. */
-fitm_status fitm_reranker_run(fitm_reranker *r, const fitm_rerank_request *req,
-                              bool (*stop)(const void *), const void *stop_arg,
-                              fitm_rerank_result *res, fitm_err *err);
+ * Runs on the session's own caches (which then hold the prompt for a later request). */
+fitm_status fitm_rerank_run(fitm_session *s, const fitm_rerank_request *req,
+                            bool (*stop)(const void *), const void *stop_arg,
+                            fitm_rerank_result *res, fitm_err *err);
 
 /* Whether req's calibrated scores are each document's alone (method calibrated with windows
  * of 1, by the request or the server's default, or one document): then they do not depend on
  * the documents' order, and /answer's intervention may take a calibrated reorder's weights. */
-bool fitm_reranker_scores_alone(const fitm_reranker *r, const fitm_rerank_request *req);
+bool fitm_rerank_scores_alone(const fitm_session *r, const fitm_rerank_request *req);
 
-/* The forward tokens (usage.forward_tokens) fitm_reranker_run will compute for req, counted
+/* The forward tokens (usage.forward_tokens) fitm_rerank_run will compute for req, counted
  * from its tokenized prompts without running the model: exact for every method with the
  * documents in request order, except attention_sort with titles that differ (its reordered
  * passes are bounded: a header counts at most its bytes). any_order: the documents will be in
- * an order not known yet (/answer's reorder): an upper bound. Fails as fitm_reranker_run
+ * an order not known yet (/answer's reorder): an upper bound. Fails as fitm_rerank_run
  * would (FITM_ERR_LIMIT for a prompt over the context, FITM_ERR_INVALID for layers or heads
- * the model does not have, ...). Reads only what fitm_reranker_create made, so it may run on
- * any thread while fitm_reranker_run runs on another. */
-fitm_status fitm_reranker_cost(const fitm_reranker *r, const fitm_rerank_request *req,
-                               bool any_order, int64_t *tokens, fitm_err *err);
+ * the model does not have, ...). Reads only what fitm_session_create made, so it may run on
+ * any thread while fitm_rerank_run runs on another. */
+fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *req,
+                             bool any_order, int64_t *tokens, fitm_err *err);
 
 /* ---- a /rerank in the running batch ------------------------------------------------------
  * The attention methods (calibrated, attention, paper) also run as a sequence that advances
  * one batched forward call at a time beside other sequences (continuous batching,
  * server/engine.c): fitm_rerank_begin gives the request caches of its own (its prompt's and
  * one reference branch over it) and runs the method's host side -- prompts, captures,
- * calibration, exactly fitm_reranker_run's code -- on a helper thread that stops at each
+ * calibration, exactly fitm_rerank_run's code -- on a helper thread that stops at each
  * forward pass and hands it to the sequence; each step carries a chunk of that pass
  * (fitm_rerank_seq_part), and fitm_rerank_seq_after resumes the host side when the pass is
  * complete, until it posts its next pass or finishes. The helper thread only runs while the
- * caller waits for it, so the reranker's thread stays the only one that computes. Scores are
- * bit-identical to fitm_reranker_run's: every pass runs on the batch path, whose rows do not
+ * caller waits for it, so the session's thread stays the only one that computes. Scores are
+ * bit-identical to fitm_rerank_run's: every pass runs on the batch path, whose rows do not
  * depend on the chunking or on what else shares the call (fitm_forward_run_batch). */
 typedef struct fitm_rerank_seq fitm_rerank_seq;
 
 /* Whether req runs as a sequence (its method is an attention method); the others run whole
- * with fitm_reranker_run. */
+ * with fitm_rerank_run. */
 bool fitm_rerank_batches(const fitm_rerank_request *req);
 
 /* Starts req (fitm_rerank_batches) into *res (the caller frees res, also after a failure):
  * the caches, sized by req's longest possible prompt, and the host side up to its first pass.
  * *out is NULL when the run already ended (a failure, or an error the method found before
  * its first pass): the return value is then its status. Otherwise FITM_OK and *out is the
- * sequence to step. stop as in fitm_reranker_run, polled by fitm_answer_step. */
-fitm_status fitm_rerank_begin(fitm_reranker *r, const fitm_rerank_request *req,
+ * sequence to step. stop as in fitm_rerank_run, polled by fitm_batch_step. */
+fitm_status fitm_rerank_begin(fitm_session *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_rerank_seq **out, fitm_err *err);
 
@@ -262,72 +210,20 @@ fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err);
 /* The bytes of q's own KV caches. */
 size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q);
 
-/* ---- what /answer shares (answer.c) ----------------------------------------------------- */
-
-/* The model and tokenizer the reranker serves, and its context (KV rows). Borrowed. */
-const fitm_model *fitm_reranker_model(const fitm_reranker *r);
-const fitm_tokenizer *fitm_reranker_tokenizer(const fitm_reranker *r);
-int64_t fitm_reranker_n_ctx(const fitm_reranker *r);
-
-/* Whether the chat template in use is raw (no template: a base model's prompt). */
-bool fitm_reranker_is_raw(const fitm_reranker *r);
-
-/* A prompt frame: the text before the documents and after them. Each may hold {question}
- * (replaced by the query; the span of its last occurrence in `after` is the question span).
- * The chat template's head and tail wrap the whole. */
-typedef struct {
-    const char *before, *after;
-} fitm_rerank_frame;
-
-/* The frame of the prompt of docs/design.md (Method) (Liu et al.'s, used by the attention methods). */
-extern const fitm_rerank_frame fitm_rerank_default_frame;
-
-/* /answer's frame: the answer template's when the chat template is raw, else the default
- * frame (inside the chat template). Valid while r lives. */
-const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r);
+/* ---- the prompt, for /answer ------------------------------------------------------------ */
 
 /* The prompt for req in frame f (NULL: the default frame) exactly as the attention methods
  * build it: *ids (malloc'd, the caller frees it, also after a failure) of *n_ids tokens, and
  * spans[p] (K entries, caller's) the body of the document at position p. order[p] is the
  * document at position p (NULL: request order). */
-fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
-                                 const fitm_rerank_frame *f, const int32_t *order, int32_t **ids,
-                                 int64_t *n_ids, fitm_span *spans, fitm_err *err);
+fitm_status fitm_rerank_prompt(const fitm_session *r, const fitm_rerank_request *req,
+                               const fitm_rerank_frame *f, const int32_t *order, int32_t **ids,
+                               int64_t *n_ids, fitm_span *spans, fitm_err *err);
 
 /* At most the tokens of the prompt of frame f (NULL: the default) over req's documents in any
- * order (exact when every title is the same). Thread-safety as fitm_reranker_cost. */
-fitm_status fitm_reranker_prompt_bound(const fitm_reranker *r, const fitm_rerank_request *req,
-                                       const fitm_rerank_frame *f, int64_t *tokens,
-                                       fitm_err *err);
-
-/* How many leading rows of the prompt cache hold exactly ids[0, n) (what the last run left
- * there): a pipeline may start its forward pass at any position up to that. */
-int64_t fitm_reranker_cached(const fitm_reranker *r, const int32_t *ids, int64_t n);
-
-/* ---- sequences of their own (batched generation, answer.c) ------------------------------ */
-
-/* A KV cache of n_rows rows for the reranker's model on its backend, with FITM_BUCKETS passes
- * of n_rows rows each when the reranker's method is attention_buckets (the caller destroys
- * it with fitm_kv_destroy before the reranker). */
-fitm_status fitm_reranker_kv_create(fitm_reranker *r, int64_t n_rows, fitm_kv **out,
-                                    fitm_err *err);
-
-/* Copies the prompt cache's first n rows (n <= what fitm_reranker_cached reports for the
- * prompt) into dst, an ordinary cache (base 0) of at least n rows: dst then holds [0, n). */
-fitm_status fitm_reranker_copy_rows(fitm_reranker *r, fitm_kv *dst, int64_t n,
-                                    fitm_err *err);
-
-/* Whether /answer's prompt rows take the STEP path (fitm_reranker_params.answer_prompt_step). */
-bool fitm_reranker_answer_prompt_step(const fitm_reranker *r);
-
-/* Most tokens and most logit rows one batched call may carry. */
-int64_t fitm_reranker_batch_tokens(const fitm_reranker *r);
-int64_t fitm_reranker_batch_logits(const fitm_reranker *r);
-
-/* One batched forward call (fitm_forward_run_batch) over sequences with caches of their own;
- * never the prompt cache or the branch. A rejected argument is reported as
- * FITM_ERR_INTERNAL (the pipeline checked them). */
-fitm_status fitm_reranker_run_batch(fitm_reranker *r, const fitm_forward_seq *seqs,
-                                    int32_t n_seqs, fitm_err *err);
+ * order (exact when every title is the same). Thread-safety as fitm_rerank_cost. */
+fitm_status fitm_rerank_prompt_bound(const fitm_session *r, const fitm_rerank_request *req,
+                                     const fitm_rerank_frame *f, int64_t *tokens,
+                                     fitm_err *err);
 
 #endif

@@ -7,12 +7,14 @@
  *             rel_scaled = rel x n_group, weight = softmax, relevance_score = sigmoid
  * Attention is averaged uniformly over the (row, layer, head) triples whose layer sees the
  * whole document from that row (sliding windows); a document no triple sees gets A = 0. */
-#include "pipeline/rerank_internal.h"
+#include "pipeline/rerank_methods.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "base/clock.h"
 
 static const char NULL_QUERY[] = "N/A";
 
@@ -25,12 +27,12 @@ typedef struct {
     int32_t n_layers;    /* the passes run layers [0, n_layers): the last pair's and before */
     const int32_t *dummy;
     int64_t n_dummy;
-    fitm_rr_ids own_dummy; /* the request's dummy text's ids                           */
+    fitm_ids own_dummy; /* the request's dummy text's ids                           */
 } plan;
 
 /* One prompt: its ids, document spans, trailing question span and capture rows. */
 typedef struct {
-    fitm_rr_ids ids;
+    fitm_ids ids;
     fitm_span *spans; /* (n) */
     fitm_span question;
     int64_t *rows;
@@ -45,10 +47,32 @@ static void prompt_free(prompt *p)
     memset(p, 0, sizeof *p);
 }
 
+/* One group's passes, planned before any of them runs: its prompt and where its pass starts
+ * (the rows before are the cache's already), where each dummy pass starts on its branch, and
+ * the null pass's prompt and start. score_group runs exactly these passes and group_cost
+ * counts them, so the admission cost is the plan's. */
+typedef struct {
+    int32_t first, n;
+    int32_t *order;      /* (n) the documents at the group's positions */
+    prompt p;            /* the group's prompt                         */
+    int64_t from;        /* its pass computes [from, T)                */
+    int64_t *dummy_from; /* (n) dummy pass j computes [dummy_from[j], T); NULL: no dummy passes */
+    prompt np;           /* the null pass's prompt (empty: none)       */
+    int64_t null_from;   /* the null pass computes [null_from, T_null) */
+} group_plan;
+
+static void group_plan_free(group_plan *gp)
+{
+    free(gp->order);
+    free(gp->dummy_from);
+    prompt_free(&gp->p);
+    prompt_free(&gp->np);
+}
+
 /* ---- plan -------------------------------------------------------------------------------- */
 
 /* The paper's recipe: only layers, temperature and the dummy text come from the request. */
-static fitm_status paper_opts(const fitm_reranker *r, const fitm_rerank_request *req,
+static fitm_status paper_opts(const fitm_session *r, const fitm_rerank_request *req,
                               fitm_score_opts *o, fitm_err *err)
 {
     fitm_score_opts only = {0};
@@ -73,7 +97,7 @@ static fitm_status paper_opts(const fitm_reranker *r, const fitm_rerank_request 
 
 /* The (layer, head) pairs: `heads` when given, else every head of `layers` (paper without
  * layers: every layer that sees the whole context). */
-static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_meta *meta,
+static fitm_status choose_pairs(const fitm_session *r, plan *pl, fitm_rerank_meta *meta,
                                 fitm_err *err)
 {
     uint8_t *use = calloc((size_t)r->L, 1);
@@ -96,7 +120,7 @@ static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_me
             else
                 use[l] = pl->pair[l * r->H + h] = 1;
         }
-    } else if ((st = fitm_rr_layers(r, o->layers, o->layers ? o->n_layers : 0, use, err)) ==
+    } else if ((st = fitm_layers_choose(r, o->layers, o->layers ? o->n_layers : 0, use, err)) ==
                FITM_OK) {
         for (int32_t l = 0; l < r->L; l++)
             memset(pl->pair + (size_t)l * (size_t)r->H, use[l], (size_t)r->H);
@@ -104,18 +128,18 @@ static fitm_status choose_pairs(const fitm_reranker *r, plan *pl, fitm_rerank_me
     for (int32_t l = 0; l < r->L; l++)
         if (use[l])
             meta->layers[meta->n_layers++] = l;
-    pl->n_layers = fitm_rr_last_layer(r, use);
+    pl->n_layers = fitm_layers_last(r, use);
     free(use);
     return st;
 }
 
-bool fitm_reranker_scores_alone(const fitm_reranker *r, const fitm_rerank_request *req)
+bool fitm_rerank_scores_alone(const fitm_session *r, const fitm_rerank_request *req)
 {
     int32_t W = req->opt.window >= 0 ? req->opt.window : r->defaults.window;
     return req->method == FITM_RERANK_CALIBRATED && (req->n_docs == 1 || W == 1);
 }
 
-static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *req, plan *pl,
+static fitm_status make_plan(const fitm_session *r, const fitm_rerank_request *req, plan *pl,
                              fitm_rerank_meta *meta, fitm_err *err)
 {
     fitm_score_opts_init(&pl->o);
@@ -138,7 +162,7 @@ static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *
     if (req->dummy && pl->dummy_passes) {
         fitm_rerank_doc d = {.text = req->dummy, .text_len = req->dummy_len};
         fitm_rerank_request one = {.docs = &d, .n_docs = 1, .max_tokens_per_doc = -1};
-        if ((st = fitm_rr_body(r, &one, 0, &pl->own_dummy, err)) != FITM_OK)
+        if ((st = fitm_prompt_body(r, &one, 0, &pl->own_dummy, err)) != FITM_OK)
             return st;
         pl->dummy = pl->own_dummy.v;
         pl->n_dummy = pl->own_dummy.n;
@@ -157,27 +181,27 @@ static fitm_status make_plan(const fitm_reranker *r, const fitm_rerank_request *
 /* The prompt of the n documents order[0..n) with the queries q (NULL: the request's; the one
  * before the documents is "N/A" whatever q says under head_query null), and the rows the plan
  * captures in it. */
-static fitm_status make_prompt(const fitm_reranker *r, const fitm_rerank_request *req,
+static fitm_status make_prompt(const fitm_session *r, const fitm_rerank_request *req,
                                const plan *pl, const int32_t *order, int32_t n,
-                               const fitm_rr_queries *q, prompt *p, fitm_err *err)
+                               const fitm_prompt_queries *q, prompt *p, fitm_err *err)
 {
     p->spans = calloc((size_t)n, sizeof *p->spans);
     if (!p->spans)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    fitm_rr_queries own = q ? *q
-                            : (fitm_rr_queries){req->query, req->query, req->query_len,
+    fitm_prompt_queries own = q ? *q
+                            : (fitm_prompt_queries){req->query, req->query, req->query_len,
                                                 req->query_len};
     if (pl->o.head_query == FITM_HEAD_NULL) {
         own.head = NULL_QUERY;
         own.head_len = sizeof NULL_QUERY - 1;
     }
-    fitm_status st = fitm_rr_build_prompt(r, req, NULL, order, n, &own, &p->ids, p->spans,
+    fitm_status st = fitm_prompt_build(r, req, NULL, order, n, &own, &p->ids, p->spans,
                                           &p->question, err);
     if (st != FITM_OK)
         return st;
     const int64_t T = p->ids.n;
     if (T > r->n_ctx)
-        return fitm_rr_too_long(T, r, req, err);
+        return fitm_prompt_too_long(T, r, req, err);
     int64_t a = T - 1, b = T;
     if (pl->o.rows == FITM_ROWS_QUESTION)
         a = p->question.start, b = p->question.end;
@@ -194,7 +218,7 @@ static fitm_status make_prompt(const fitm_reranker *r, const fitm_rerank_request
 /* Averages one document's captured attention over the visible (row, pair) triples: the
  * summed span c of mass (n_spans spans) into out[0], or (sink) each token of span sp from
  * probs (rows of stride keys) into out[0, N). */
-static void collect(const fitm_reranker *r, const plan *pl, const int64_t *rows, int32_t n_rows,
+static void collect(const fitm_session *r, const plan *pl, const int64_t *rows, int32_t n_rows,
                     const float *mass, int32_t n_spans, int32_t c, const float *probs,
                     int64_t stride, fitm_span sp, double *out)
 {
@@ -224,11 +248,12 @@ static void collect(const fitm_reranker *r, const plan *pl, const int64_t *rows,
 /* One pass: ids[from, T) at positions from.. on kv (a branch of prefix when non-NULL),
  * capturing rows; the attention of each of the n documents with spans sp goes to out +
  * off[j] (collect). */
-static fitm_status attend(fitm_reranker *r, const plan *pl, fitm_kv *kv, const fitm_kv *prefix,
+static fitm_status attend(fitm_passes *ps, const plan *pl, fitm_kv *kv, const fitm_kv *prefix,
                           const int32_t *ids, int64_t T, int64_t from, const int64_t *rows,
                           int32_t n_rows, const fitm_span *sp, int32_t n, const int64_t *off,
-                          double *out, fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
+                          double *out, fitm_err *err)
 {
+    const fitm_session *r = ps->s;
     const size_t per = (size_t)n_rows * (size_t)r->L * (size_t)r->H;
     fitm_span *cs = malloc((size_t)n * sizeof *cs);
     float *buf = malloc(per * (size_t)(pl->sink ? T : n) * sizeof *buf);
@@ -253,7 +278,7 @@ static fitm_status attend(fitm_reranker *r, const plan *pl, fitm_kv *kv, const f
     else
         fitm_kv_truncate(kv, from);
     if (st == FITM_OK)
-        st = fitm_rr_run(r, kv, prefix, ids + from, T - from, from, &cap, 0, stop, stop_arg, err);
+        st = fitm_passes_run(ps, kv, prefix, ids + from, T - from, from, &cap, 0, err);
     for (int32_t j = 0; st == FITM_OK && j < n; j++)
         collect(r, pl, rows, n_rows, buf, n, j, buf, T, sp[j], out + off[j]);
     free(cs);
@@ -266,17 +291,17 @@ static fitm_status attend(fitm_reranker *r, const plan *pl, fitm_kv *kv, const f
 /* The N ids that stand in for document order[j] in its dummy pass: the dummy text repeated,
  * or (dummy_source documents) the request's other documents' bodies, cycling from the next
  * one, cut to N; the fixed dummy when there is no other document. */
-static fitm_status fill_dummy(const fitm_reranker *r, const fitm_rerank_request *req,
+static fitm_status fill_dummy(const fitm_session *r, const fitm_rerank_request *req,
                               const plan *pl, int32_t k, int64_t N, int32_t *out, fitm_err *err)
 {
     int64_t got = 0;
     if (pl->o.dummy_source == FITM_DUMMY_DOCUMENTS && req->n_docs > 1) {
-        fitm_rr_ids body = {0};
+        fitm_ids body = {0};
         /* empty: consecutive bodies without tokens; a whole cycle of them ends the loop */
         for (int32_t i = 1, empty = 0; got < N && empty < req->n_docs - 1;
              i = i % (req->n_docs - 1) + 1) {
             body.n = 0;
-            fitm_status st = fitm_rr_body(r, req, (k + i) % req->n_docs, &body, err);
+            fitm_status st = fitm_prompt_body(r, req, (k + i) % req->n_docs, &body, err);
             if (st != FITM_OK) {
                 free(body.v);
                 return st;
@@ -294,13 +319,14 @@ static fitm_status fill_dummy(const fitm_reranker *r, const fitm_rerank_request 
 }
 
 /* The paper's reference: per document j, the prompt with its body replaced by a
- * length-matched dummy, on a branch of the prompt's cache from s_j (prefix_reuse) or whole. */
-static fitm_status dummy_passes(fitm_reranker *r, const fitm_rerank_request *req,
-                                const plan *pl, const prompt *p, const int32_t *order, int32_t n,
-                                const int64_t *off, double *out, fitm_rerank_tokens *tok,
-                                int64_t *forward, fitm_rr_stop stop, const void *stop_arg,
-                                fitm_err *err)
+ * length-matched dummy, on a branch of the prompt's cache from the start the plan gives
+ * (s_j with prefix_reuse) or whole. */
+static fitm_status dummy_passes(fitm_passes *ps, const fitm_rerank_request *req,
+                                const plan *pl, const group_plan *gp, const int64_t *off,
+                                double *out, fitm_rerank_tokens *tok, fitm_err *err)
 {
+    const prompt *p = &gp->p;
+    const int32_t n = gp->n;
     const int64_t T = p->ids.n;
     int64_t total = 0;
     for (int32_t j = 0; j < n; j++)
@@ -316,17 +342,16 @@ static fitm_status dummy_passes(fitm_reranker *r, const fitm_rerank_request *req
     for (int32_t j = 0, doff = 0; st == FITM_OK && j < n; j++) {
         int64_t s = p->spans[j].start, e = p->spans[j].end;
         memcpy(ref, p->ids.v, (size_t)T * sizeof *ref);
-        if ((st = fill_dummy(r, req, pl, order[j], e - s, ref + s, err)) != FITM_OK)
+        if ((st = fill_dummy(ps->s, req, pl, gp->order[j], e - s, ref + s, err)) != FITM_OK)
             break;
         if (tok) {
             tok->dummy_offsets[j] = doff;
             memcpy(tok->dummy_tokens + doff, ref + s, (size_t)(e - s) * sizeof *ref);
             doff += (int32_t)(e - s);
         }
-        int64_t from = req->prefix_reuse ? s : 0;
-        st = attend(r, pl, r->branch, from > 0 ? r->kv : NULL, ref, T, from, p->rows, p->n_rows,
-                    &p->spans[j], 1, off + j, out, stop, stop_arg, err);
-        *forward += T - from;
+        const int64_t from = gp->dummy_from[j];
+        st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, ref, T, from, p->rows,
+                    p->n_rows, &p->spans[j], 1, off + j, out, err);
     }
     free(ref);
     return st;
@@ -334,64 +359,49 @@ static fitm_status dummy_passes(fitm_reranker *r, const fitm_rerank_request *req
 
 /* The null pass's queries: "N/A" in both places (null_query) or in the trailing question
  * only (null_suffix). */
-static fitm_rr_queries null_queries(const fitm_rerank_request *req, const plan *pl)
+static fitm_prompt_queries null_queries(const fitm_rerank_request *req, const plan *pl)
 {
     const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
     const size_t nl = sizeof NULL_QUERY - 1;
-    return (fitm_rr_queries){suffix ? req->query : NULL_QUERY, NULL_QUERY,
+    return (fitm_prompt_queries){suffix ? req->query : NULL_QUERY, NULL_QUERY,
                              suffix ? req->query_len : nl, nl};
 }
 
-/* The content-free query's reference: the prompt with the query replaced by "N/A" in both
- * places (null_query, a whole pass) or in the trailing question only (null_suffix, on a
- * branch of the prompt's cache from the end of the documents when prefix_reuse). */
-static fitm_status null_pass(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
-                             const prompt *p, const int32_t *order, int32_t n,
-                             const int64_t *off, double *out, fitm_rerank_tokens *tok,
-                             int64_t *forward, fitm_rr_stop stop, const void *stop_arg,
-                             fitm_err *err)
+/* The content-free query's reference: the plan's null prompt (the query replaced by "N/A" in
+ * both places, null_query, a whole pass; or in the trailing question only, null_suffix, on
+ * a branch of the prompt's cache from the end of the documents when prefix_reuse). */
+static fitm_status null_pass(fitm_passes *ps, const plan *pl, group_plan *gp, const int64_t *off,
+                             double *out, fitm_rerank_tokens *tok, fitm_err *err)
 {
-    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
-    fitm_rr_queries q = null_queries(req, pl);
-    prompt np = {0};
-    fitm_status st = make_prompt(r, req, pl, order, n, &q, &np, err);
-    int64_t from = suffix && req->prefix_reuse ? p->spans[n - 1].end : 0;
-    if (st == FITM_OK && from > 0 &&
-        memcmp(np.ids.v, p->ids.v, (size_t)from * sizeof *np.ids.v) != 0)
-        st = fitm_err_set(err, FITM_ERR_INTERNAL, "null_suffix: the prompts differ before the "
-                                                  "end of the documents");
-    if (st == FITM_OK)
-        st = attend(r, pl, r->branch, from > 0 ? r->kv : NULL, np.ids.v, np.ids.n, from,
-                    np.rows, np.n_rows, np.spans, n, off, out, stop, stop_arg, err);
-    *forward += np.ids.n - from;
+    prompt *np = &gp->np;
+    const int64_t from = gp->null_from;
+    fitm_status st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, np->ids.v, np->ids.n,
+                            from, np->rows, np->n_rows, np->spans, gp->n, off, out, err);
     if (st == FITM_OK && tok) {
-        tok->null_ids = np.ids.v;
-        tok->n_null_ids = np.ids.n;
-        tok->null_spans = np.spans;
-        tok->null_question = np.question;
-        np.ids.v = NULL;
-        np.spans = NULL;
+        tok->null_ids = np->ids.v;
+        tok->n_null_ids = np->ids.n;
+        tok->null_spans = np->spans;
+        tok->null_question = np->question;
+        np->ids.v = NULL;
+        np->spans = NULL;
     }
-    prompt_free(&np);
     return st;
 }
 
 /* The reference attention (len entries at off[j] per document): the dummy passes', the null
  * pass's, or (both) their mean. */
-static fitm_status reference(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
-                             const prompt *p, const int32_t *order, int32_t n,
-                             const int64_t *off, int64_t len, double *out,
-                             fitm_rerank_tokens *tok, int64_t *forward, fitm_rr_stop stop,
-                             const void *stop_arg, fitm_err *err)
+static fitm_status reference(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
+                             group_plan *gp, const int64_t *off, int64_t len, double *out,
+                             fitm_rerank_tokens *tok, fitm_err *err)
 {
     double *nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *nul) : out;
     if (!nul)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     fitm_status st = FITM_OK;
     if (pl->dummy_passes)
-        st = dummy_passes(r, req, pl, p, order, n, off, out, tok, forward, stop, stop_arg, err);
+        st = dummy_passes(ps, req, pl, gp, off, out, tok, err);
     if (st == FITM_OK && pl->null_pass)
-        st = null_pass(r, req, pl, p, order, n, off, nul, tok, forward, stop, stop_arg, err);
+        st = null_pass(ps, pl, gp, off, nul, tok, err);
     if (nul != out) {
         for (int64_t i = 0; i < len; i++)
             out[i] = 0.5 * (out[i] + nul[i]);
@@ -407,7 +417,7 @@ typedef struct {
     int32_t *position;                /* (K) place in its group's prompt */
     int64_t forward, T_max;
     double tok_ms;
-    fitm_rr_ids held;                 /* the ids whose rows r->kv holds (the last group's) */
+    fitm_ids held;                    /* the ids the prompt cache holds (the last group's) */
 } scores;
 
 /* A, A_ref, rel and rel_scaled of the group's documents first .. first + n - 1. */
@@ -453,7 +463,7 @@ static void keep_tokens(prompt *p, int32_t first, int32_t n, fitm_rerank_tokens 
  * ids whose rows the cache holds (0 without prefix_reuse), short of the last document's end
  * (every captured row lies after it, so the pass computes them all). `held` becomes p's ids:
  * the cache holds them once the pass has run, and a failed pass ends the request. */
-static fitm_status continue_from(bool reuse, fitm_rr_ids *held, const prompt *p, int32_t n,
+static fitm_status continue_from(bool reuse, fitm_ids *held, const prompt *p, int32_t n,
                                  int64_t *from, fitm_err *err)
 {
     const int64_t lim = reuse ? p->spans[n - 1].end : 0;
@@ -462,7 +472,7 @@ static fitm_status continue_from(bool reuse, fitm_rr_ids *held, const prompt *p,
         c++;
     *from = c;
     held->n = 0;
-    fitm_status st = fitm_rr_reserve(held, p->ids.n, err);
+    fitm_status st = fitm_ids_reserve(held, p->ids.n, err);
     if (st == FITM_OK) {
         memcpy(held->v, p->ids.v, (size_t)p->ids.n * sizeof *p->ids.v);
         held->n = p->ids.n;
@@ -470,49 +480,86 @@ static fitm_status continue_from(bool reuse, fitm_rr_ids *held, const prompt *p,
     return st;
 }
 
-/* One group (the documents first .. first + n - 1): prompt, pass, reference, calibrate. */
-static fitm_status score_group(fitm_reranker *r, const fitm_rerank_request *req, const plan *pl,
-                               int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
-                               fitm_rr_stop stop, const void *stop_arg, fitm_err *err)
+/* The plan of the group of the documents first .. first + n - 1 (see group_plan); held: the
+ * ids the prompt cache holds before it, which become its prompt's (continue_from). */
+static fitm_status plan_group(const fitm_session *r, const fitm_rerank_request *req,
+                              const plan *pl, int32_t first, int32_t n, fitm_ids *held,
+                              group_plan *gp, fitm_err *err)
 {
-    prompt p = {0};
-    int32_t *order = malloc((size_t)n * sizeof *order);
+    *gp = (group_plan){.first = first, .n = n};
+    gp->order = malloc((size_t)n * sizeof *gp->order);
+    gp->dummy_from = pl->dummy_passes ? malloc((size_t)n * sizeof *gp->dummy_from) : NULL;
+    if (!gp->order || (pl->dummy_passes && !gp->dummy_from))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t j = 0; j < n; j++)
+        gp->order[j] = first + j;
+    fitm_status st = make_prompt(r, req, pl, gp->order, n, NULL, &gp->p, err);
+    /* The groups' prompts share their head (the template, the instruction and the question
+     * before the documents): a later group continues the cache from there. */
+    if (st == FITM_OK)
+        st = continue_from(req->prefix_reuse, held, &gp->p, n, &gp->from, err);
+    for (int32_t j = 0; st == FITM_OK && pl->dummy_passes && j < n; j++)
+        gp->dummy_from[j] = req->prefix_reuse ? gp->p.spans[j].start : 0;
+    if (st != FITM_OK || !pl->null_pass)
+        return st;
+    fitm_prompt_queries q = null_queries(req, pl);
+    if ((st = make_prompt(r, req, pl, gp->order, n, &q, &gp->np, err)) != FITM_OK)
+        return st;
+    const bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
+    gp->null_from = suffix && req->prefix_reuse ? gp->p.spans[n - 1].end : 0;
+    if (gp->null_from > 0 &&
+        memcmp(gp->np.ids.v, gp->p.ids.v, (size_t)gp->null_from * sizeof *gp->np.ids.v) != 0)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "null_suffix: the prompts differ before the "
+                                                    "end of the documents");
+    return FITM_OK;
+}
+
+/* The forward tokens of the group's planned passes. */
+static int64_t group_tokens(const plan *pl, const group_plan *gp)
+{
+    const int64_t T = gp->p.ids.n;
+    int64_t sum = T - gp->from;
+    for (int32_t j = 0; pl->dummy_passes && j < gp->n; j++)
+        sum += T - gp->dummy_from[j];
+    if (pl->null_pass)
+        sum += gp->np.ids.n - gp->null_from;
+    return sum;
+}
+
+/* One group (the documents first .. first + n - 1): its plan, its pass, its reference
+ * passes, calibrate. */
+static fitm_status score_group(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
+                               int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
+                               fitm_err *err)
+{
+    group_plan gp = {0};
     int64_t *off = malloc((size_t)(n + 1) * sizeof *off);
     double *a = NULL;
-    double t0 = fitm_rr_now_ms();
-    fitm_status st = order && off ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t j = 0; st == FITM_OK && j < n; j++)
-        order[j] = first + j;
-    if (st == FITM_OK)
-        st = make_prompt(r, req, pl, order, n, NULL, &p, err);
-    sc->tok_ms += fitm_rr_now_ms() - t0;
+    double t0 = fitm_clock_ms();
+    fitm_status st = off ? plan_group(ps->s, req, pl, first, n, &sc->held, &gp, err)
+                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    sc->tok_ms += fitm_clock_ms() - t0;
+    const prompt *p = &gp.p;
     if (st == FITM_OK) {
+        sc->forward += group_tokens(pl, &gp);
+        sc->T_max = p->ids.n > sc->T_max ? p->ids.n : sc->T_max;
         off[0] = 0;
         for (int32_t j = 0; j < n; j++)
-            off[j + 1] = off[j] + (pl->sink ? p.spans[j].end - p.spans[j].start : 1);
+            off[j + 1] = off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
         if (!(a = calloc((size_t)off[n] * 2 + 1, sizeof *a)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     }
-    /* The groups' prompts share their head (the template, the instruction and the question
-     * before the documents): a later group continues the cache from there. */
-    int64_t from = 0;
     if (st == FITM_OK)
-        st = continue_from(req->prefix_reuse, &sc->held, &p, n, &from, err);
-    if (st == FITM_OK)
-        st = attend(r, pl, r->kv, NULL, p.ids.v, p.ids.n, from, p.rows, p.n_rows, p.spans, n,
-                    off, a, stop, stop_arg, err);
-    sc->forward += p.ids.n - from;
-    sc->T_max = p.ids.n > sc->T_max ? p.ids.n : sc->T_max;
+        st = attend(ps, pl, ps->kv, NULL, p->ids.v, p->ids.n, gp.from, p->rows, p->n_rows,
+                    p->spans, n, off, a, err);
     bool has_ref = pl->o.reference != FITM_REF_NONE;
     if (st == FITM_OK && has_ref)
-        st = reference(r, req, pl, &p, order, n, off, off[n], a + off[n], tok, &sc->forward,
-                       stop, stop_arg, err);
+        st = reference(ps, req, pl, &gp, off, off[n], a + off[n], tok, err);
     if (st == FITM_OK)
-        calibrate(pl, p.spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
+        calibrate(pl, p->spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
     if (st == FITM_OK && tok)
-        keep_tokens(&p, first, n, tok);
-    prompt_free(&p);
-    free(order);
+        keep_tokens(&gp.p, first, n, tok);
+    group_plan_free(&gp);
     free(off);
     free(a);
     return st;
@@ -546,15 +593,15 @@ static fitm_status finish(const plan *pl, const scores *sc, int32_t K, fitm_rera
             .relevance_score = score};
     }
     free(w);
-    fitm_rr_sort(res->results, K);
+    fitm_results_sort(res->results, K);
     return FITM_OK;
 }
 
-fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *req,
-                                  fitm_rr_stop stop, const void *stop_arg,
-                                  fitm_rerank_result *res, fitm_err *err)
+fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
+                               fitm_rerank_result *res, fitm_err *err)
 {
-    const double t0 = fitm_rr_now_ms();
+    const fitm_session *r = ps->s;
+    const double t0 = fitm_clock_ms();
     const int32_t K = req->n_docs;
     plan pl = {0};
     scores sc = {0};
@@ -568,22 +615,22 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
         sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
                       .position = sc.position};
         int32_t G = fitm_score_groups(K, pl.o.window, starts);
-        r->run_layers = r->run_all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
+        ps->n_layers = ps->all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
         res->meta.n_groups = G;
         if (req->return_tokens && !(res->groups = calloc((size_t)G, sizeof *res->groups)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
         res->n_groups = res->groups ? G : 0;
         for (int32_t g = 0; st == FITM_OK && g < G; g++)
-            st = score_group(r, req, &pl, starts[g], starts[g + 1] - starts[g], &sc,
-                             res->groups ? &res->groups[g] : NULL, stop, stop_arg, err);
+            st = score_group(ps, req, &pl, starts[g], starts[g + 1] - starts[g], &sc,
+                             res->groups ? &res->groups[g] : NULL, err);
     }
-    r->run_layers = 0;
+    ps->n_layers = 0;
     if (st == FITM_OK)
         st = finish(&pl, &sc, K, res, err);
     res->usage = (fitm_rerank_usage){.prompt_tokens = sc.T_max, .forward_tokens = sc.forward,
                                      .total_tokens = sc.T_max};
     res->meta.tokenize_ms = sc.tok_ms;
-    res->meta.forward_ms = fitm_rr_now_ms() - t0 - sc.tok_ms;
+    res->meta.forward_ms = fitm_clock_ms() - t0 - sc.tok_ms;
     fitm_score_opts_free(&pl.o);
     free(pl.pair);
     free(pl.own_dummy.v);
@@ -596,50 +643,40 @@ fitm_status fitm_rr_run_attention(fitm_reranker *r, const fitm_rerank_request *r
 
 /* ---- cost -------------------------------------------------------------------------------- */
 
-/* One group's passes, as score_group, dummy_passes and null_pass run them. */
-static fitm_status group_cost(const fitm_reranker *r, const fitm_rerank_request *req,
-                              const plan *pl, int32_t first, int32_t n, fitm_rr_ids *held,
+/* Releases what make_plan put in a meta the cost does not keep. */
+static void meta_free(fitm_rerank_meta *meta)
+{
+    free(meta->layers);
+    fitm_score_opts_free(&meta->opts);
+}
+
+/* One group's forward tokens: its plan's passes, as score_group runs them. */
+static fitm_status group_cost(const fitm_session *r, const fitm_rerank_request *req,
+                              const plan *pl, int32_t first, int32_t n, fitm_ids *held,
                               int64_t *sum, fitm_err *err)
 {
-    prompt p = {0}, np = {0};
-    int32_t *order = malloc((size_t)n * sizeof *order);
-    fitm_status st = order ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t j = 0; st == FITM_OK && j < n; j++)
-        order[j] = first + j;
-    if (st == FITM_OK && (st = make_prompt(r, req, pl, order, n, NULL, &p, err)) == FITM_OK) {
-        const int64_t T = p.ids.n;
-        int64_t from = 0;
-        st = continue_from(req->prefix_reuse, held, &p, n, &from, err);
-        *sum += T - from;
-        for (int32_t j = 0; pl->dummy_passes && j < n; j++)
-            *sum += T - (req->prefix_reuse ? p.spans[j].start : 0);
-    }
-    if (st == FITM_OK && pl->null_pass) {
-        fitm_rr_queries q = null_queries(req, pl);
-        bool suffix = pl->o.reference == FITM_REF_NULL_SUFFIX;
-        if ((st = make_prompt(r, req, pl, order, n, &q, &np, err)) == FITM_OK)
-            *sum += np.ids.n - (suffix && req->prefix_reuse ? p.spans[n - 1].end : 0);
-    }
-    prompt_free(&p);
-    prompt_free(&np);
-    free(order);
+    group_plan gp = {0};
+    fitm_status st = plan_group(r, req, pl, first, n, held, &gp, err);
+    if (st == FITM_OK)
+        *sum += group_tokens(pl, &gp);
+    group_plan_free(&gp);
     return st;
 }
 
-fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_request *req,
+fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request *req,
                                    bool any_order, int64_t *tokens, fitm_err *err)
 {
     const int32_t K = req->n_docs;
     plan pl = {0};
-    fitm_rerank_result scratch = {0}; /* make_plan's meta, not kept */
-    fitm_score_opts_init(&scratch.meta.opts);
+    fitm_rerank_meta scratch = {0}; /* make_plan's meta, not kept */
+    fitm_score_opts_init(&scratch.opts);
     int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
-    fitm_status st = starts ? make_plan(r, req, &pl, &scratch.meta, err)
+    fitm_status st = starts ? make_plan(r, req, &pl, &scratch, err)
                             : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     int64_t sum = 0;
     int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
     if (st == FITM_OK && !any_order) {
-        fitm_rr_ids held = {0};
+        fitm_ids held = {0};
         for (int32_t g = 0; st == FITM_OK && g < G; g++)
             st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum,
                             err);
@@ -651,17 +688,17 @@ fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_req
         for (int32_t g = 0; g < G; g++)
             n_max = starts[g + 1] - starts[g] > n_max ? starts[g + 1] - starts[g] : n_max;
         int64_t frame = 0, docs = 0;
-        st = fitm_rr_prompt_bound(r, req, NULL, NULL, starts, G, &frame, &docs, err);
+        st = fitm_prompt_bound(r, req, NULL, NULL, starts, G, &frame, &docs, err);
         int64_t passes = G * frame + docs;
         sum = passes + (pl.dummy_passes ? n_max * passes : 0);
         if (st == FITM_OK && pl.null_pass) {
-            fitm_rr_queries q = null_queries(req, &pl);
-            st = fitm_rr_prompt_bound(r, req, NULL, &q, starts, G, &frame, &docs, err);
+            fitm_prompt_queries q = null_queries(req, &pl);
+            st = fitm_prompt_bound(r, req, NULL, &q, starts, G, &frame, &docs, err);
             sum += G * frame + docs;
         }
     }
     *tokens = sum;
-    fitm_rerank_result_free(&scratch);
+    meta_free(&scratch);
     fitm_score_opts_free(&pl.o);
     free(pl.pair);
     free(pl.own_dummy.v);
@@ -669,27 +706,27 @@ fitm_status fitm_rr_attention_cost(const fitm_reranker *r, const fitm_rerank_req
     return st;
 }
 
-fitm_status fitm_rr_attention_rows(const fitm_reranker *r, const fitm_rerank_request *req,
+fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
                                    int64_t *rows, fitm_err *err)
 {
     plan pl = {0};
-    fitm_rerank_result scratch = {0}; /* make_plan's meta, not kept */
-    fitm_score_opts_init(&scratch.meta.opts);
-    fitm_status st = make_plan(r, req, &pl, &scratch.meta, err);
+    fitm_rerank_meta scratch = {0}; /* make_plan's meta, not kept */
+    fitm_score_opts_init(&scratch.opts);
+    fitm_status st = make_plan(r, req, &pl, &scratch, err);
     int32_t starts[2] = {0, req->n_docs};
     int64_t frame = 0, docs = 0, most = 0;
     /* A window's prompt is the frame and some of the documents: within the bound of all. */
     if (st == FITM_OK &&
-        (st = fitm_rr_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err)) == FITM_OK)
+        (st = fitm_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err)) == FITM_OK)
         most = frame + docs;
     if (st == FITM_OK && pl.null_pass) {
-        fitm_rr_queries q = null_queries(req, &pl);
-        if ((st = fitm_rr_prompt_bound(r, req, NULL, &q, starts, 1, &frame, &docs, err)) ==
+        fitm_prompt_queries q = null_queries(req, &pl);
+        if ((st = fitm_prompt_bound(r, req, NULL, &q, starts, 1, &frame, &docs, err)) ==
             FITM_OK)
             most = frame + docs > most ? frame + docs : most;
     }
     *rows = most < r->n_ctx ? most : r->n_ctx;
-    fitm_rerank_result_free(&scratch);
+    meta_free(&scratch);
     fitm_score_opts_free(&pl.o);
     free(pl.pair);
     free(pl.own_dummy.v);

@@ -121,7 +121,7 @@ int fitm_rerank_method_parse(const char *s);
 
 /* /answer's server defaults for the options a request leaves out (answer.h's calibrate,
  * reorder, reorder_placement): the profile's under the config's, FITM_ANSWER_UNSET where
- * neither says; the reranker fills what is still unset with the built-in ones (calibrate,
+ * neither says; the session fills what is still unset with the built-in ones (calibrate,
  * no reorder, first). */
 #define FITM_ANSWER_UNSET (-2)
 typedef struct {

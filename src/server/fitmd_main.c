@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "model/moice.h"
 #include "pipeline/profile.h"
+#include "pipeline/batch.h"
 #include "pipeline/rerank.h"
 #include "server/config.h"
 #include "server/cpus.h"
@@ -62,7 +63,7 @@ typedef struct {
     fitm_model *model;
     fitm_tokenizer *tok;
     fitm_backend *backend;
-    fitm_reranker *reranker;
+    fitm_session *session;
     fitm_moice *moice; /* NULL: no sidecar */
 } daemon_model;
 
@@ -368,7 +369,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         fitm_score_opts_free(&defaults);
         return st;
     }
-    fitm_reranker_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
+    fitm_session_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
                                .answer_template = cfg->answer_template, .profile = profile,
@@ -378,7 +379,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
                                .moice = dm->moice,
                                .position = (fitm_position_method)fitm_position_method_parse(
                                    cfg->position_method)};
-    st = fitm_reranker_create(&dm->reranker, dm->model, dm->tok, dm->backend, &rp, err);
+    st = fitm_session_create(&dm->session, dm->model, dm->tok, dm->backend, &rp, err);
     fitm_score_opts_free(&defaults);
     if (st != FITM_OK)
         return st;
@@ -388,7 +389,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
              "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, profile %s, "
              "%s, in %.0f ms",
              cfg->model, dm->info->arch, (int)mc->n_layer, (int)mc->n_embd, (int)mc->n_vocab,
-             (long long)n_ctx, fitm_reranker_template(dm->reranker), profile[0] ? profile : "none",
+             (long long)n_ctx, fitm_session_template(dm->session), profile[0] ? profile : "none",
              backend, fitm_clock_ms() - t0);
     return FITM_OK;
 }
@@ -404,11 +405,11 @@ static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
     switch ((fitm_work_kind)job->kind) {
     case FITM_WORK_RERANK: {
         fitm_rerank_work *w = job->work;
-        return fitm_reranker_run(dm->reranker, w->req, job_stop, job, &w->result, err);
+        return fitm_rerank_run(dm->session, w->req, job_stop, job, &w->result, err);
     }
     case FITM_WORK_ANSWER: {
         fitm_answer_work *w = job->work;
-        return fitm_answer_run(dm->reranker, w->req, job_stop, job, w->on_delta, w->delta_arg,
+        return fitm_answer_run(dm->session, w->req, job_stop, job, w->on_delta, w->delta_arg,
                                &w->result, err);
     }
     }
@@ -421,10 +422,10 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
     daemon_model *dm = ctx;
     switch ((fitm_work_kind)job->kind) {
     case FITM_WORK_RERANK:
-        return fitm_reranker_cost(dm->reranker, ((const fitm_rerank_work *)job->work)->req,
+        return fitm_rerank_cost(dm->session, ((const fitm_rerank_work *)job->work)->req,
                                   false, tokens, err);
     case FITM_WORK_ANSWER:
-        return fitm_answer_cost(dm->reranker, ((const fitm_answer_work *)job->work)->req, tokens,
+        return fitm_answer_cost(dm->session, ((const fitm_answer_work *)job->work)->req, tokens,
                                 err);
     }
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
@@ -441,7 +442,7 @@ static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err 
         fitm_rerank_work *w = job->work;
         if (!fitm_rerank_batches(w->req))
             return model_run(ctx, job, err);
-        fitm_status st = fitm_rerank_begin(dm->reranker, w->req, job_stop, job, &w->result,
+        fitm_status st = fitm_rerank_begin(dm->session, w->req, job_stop, job, &w->result,
                                            &w->seq, err);
         if (st != FITM_OK || !w->seq)
             return st;
@@ -450,7 +451,7 @@ static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err 
         return FITM_OK;
     }
     fitm_answer_work *w = job->work;
-    fitm_status st = fitm_answer_begin(dm->reranker, w->req, job_stop, job, w->on_delta,
+    fitm_status st = fitm_answer_begin(dm->session, w->req, job_stop, job, w->on_delta,
                                        w->delta_arg, &w->result, &w->seq, err);
     if (st != FITM_OK) {
         st = fitm_answer_end(w->seq, st, err);
@@ -476,7 +477,7 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
     }
     /* The prompt budget bounds how long one step (and so the gap between two tokens of a
      * running stream) takes while new prompts are prefilled beside the running answers. */
-    fitm_answer_step(dm->reranker, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
+    fitm_batch_step(dm->session, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
     for (int32_t i = 0; i < n; i++) {
         if (!done[i])
             continue;
@@ -496,13 +497,13 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
 static void model_unload(void *ctx)
 {
     daemon_model *dm = ctx;
-    fitm_reranker_destroy(dm->reranker);
+    fitm_session_destroy(dm->session);
     fitm_moice_destroy(dm->moice);
     dm->moice = NULL;
     fitm_backend_destroy(dm->backend);
     fitm_tok_destroy(dm->tok);
     fitm_model_close(dm->model);
-    dm->reranker = NULL;
+    dm->session = NULL;
     dm->backend = NULL;
     dm->tok = NULL;
     dm->model = NULL;

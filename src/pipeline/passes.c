@@ -1,0 +1,164 @@
+/* passes: a request's forward passes over the session's model -- where they run (its own
+ * caches or the session's), on which path, through how many layers, under which position
+ * method -- and running one in chunks or handing it to the engine's batch (fitm_passes.sink).
+ * Also what every method reads its passes with: the layers chosen and the results' order. */
+#include "pipeline/session_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/forward.h"
+#include "model/kv.h"
+#include "model/model.h"
+
+fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank_request *req,
+                             fitm_kv *kv, fitm_kv *branch, fitm_err *err)
+{
+    *ps = (fitm_passes){.s = s, .kv = kv, .branch = branch};
+    fitm_status st = fitm_session_position(s, req->position, &ps->position, err);
+    if (st != FITM_OK)
+        return st;
+    ps->path = req->answer_scoring ? s->answer_path : s->rerank_path;
+    /* An answer continues its scoring's rows only when its frame has the scoring prompt's
+     * text before the documents; else (the default answer template on a raw model, a text of
+     * its own) those rows are read for their attention only, as a rerank's. */
+    ps->all_layers = req->answer_scoring && strcmp(fitm_session_answer_frame(s)->before,
+                                                   fitm_rerank_default_frame.before) == 0;
+    return FITM_OK;
+}
+
+const fitm_capture *fitm_passes_capture_part(const fitm_session *r, const fitm_capture *cap,
+                                             int64_t pos0, int64_t n, fitm_capture *part)
+{
+    if (!cap)
+        return NULL;
+    int32_t i = 0, j;
+    while (i < cap->n_rows && cap->rows[i] < pos0)
+        i++;
+    for (j = i; j < cap->n_rows && cap->rows[j] < pos0 + n; j++)
+        ;
+    if (j == i)
+        return NULL;
+    const size_t per = (size_t)r->L * (size_t)r->H;
+    *part = *cap;
+    part->rows = cap->rows + i;
+    part->n_rows = j - i;
+    if (cap->span_mass)
+        part->span_mass = cap->span_mass + (size_t)i * per * (size_t)cap->n_spans;
+    if (cap->probs)
+        part->probs = cap->probs + (size_t)i * per * (size_t)cap->probs_stride;
+    return part;
+}
+
+/* Runs pass p here, chunk by chunk, on the session's forward; keeps the session's record of
+ * the prompt cache's ids up to date when p computes rows a later request may continue. */
+static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
+{
+    fitm_session *r = ps->s;
+    fitm_status st;
+    if (p->position == FITM_POSITION_BUCKETS &&
+        (st = fitm_kv_passes(p->kv, FITM_BUCKETS, p->pos0 + p->n - fitm_kv_pos_base(p->kv), err)) !=
+            FITM_OK)
+        return st;
+    /* Rows a later /answer may continue (fitm_session_cached): every layer's, computed as its
+     * prompt would be. A pass that stops early leaves the later layers without its rows. */
+    const bool reusable = p->n_layers == 0 && p->path == r->answer_path;
+    for (int64_t off = 0; off < p->n; off += r->chunk) {
+        if (ps->stop && ps->stop(ps->stop_arg))
+            return fitm_err_set(err, FITM_ERR_TIMEOUT,
+                                "stopped: the request's deadline passed or the server is "
+                                "shutting down");
+        int64_t len = p->n - off < r->chunk ? p->n - off : r->chunk;
+        bool last_call = off + len == p->n;
+        fitm_capture part;
+        /* Never AUTO: a reference pass's last chunk may be one token, and its rows must be
+         * computed exactly as the original pass's were. */
+        fitm_forward_opts o = {.prefix = p->prefix,
+                               .position = p->position,
+                               .capture =
+                                   fitm_passes_capture_part(r, p->cap, p->pos0 + off, len, &part),
+                               .n_logits = last_call ? p->n_logits : 0,
+                               .logits = last_call && p->n_logits ? r->logits : NULL,
+                               .path = p->path,
+                               .n_layers = p->n_layers};
+        st = fitm_forward_run(r->fwd, p->kv, p->ids + off, len, p->pos0 + off, &o, err);
+        if (st == FITM_ERR_INVALID || st == FITM_ERR_LIMIT) {
+            fitm_err_prefix(err, "forward pass");
+            return FITM_ERR_INTERNAL; /* arguments were checked: this is a bug */
+        }
+        if (st != FITM_OK)
+            return st;
+        if (p->kv == r->kv && r->kv_n == p->pos0 + off && p->prefix == NULL && reusable) {
+            memcpy(r->kv_ids + p->pos0 + off, p->ids + off, (size_t)len * sizeof *p->ids);
+            r->kv_n = p->pos0 + off + len;
+        }
+    }
+    return FITM_OK;
+}
+
+fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
+                            int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
+                            fitm_err *err)
+{
+    fitm_session *r = ps->s;
+    if (kv == r->kv && r->kv_n > pos0)
+        r->kv_n = pos0; /* rows from pos0 on are about to change */
+    const fitm_pass p = {.kv = kv,
+                         .prefix = prefix,
+                         .ids = ids,
+                         .n = n,
+                         .pos0 = pos0,
+                         .cap = cap,
+                         .n_logits = n_logits,
+                         .n_layers = n_logits ? 0 : ps->n_layers,
+                         .path = ps->path,
+                         .position = ps->position};
+    if (ps->sink)
+        return n < 1 ? FITM_OK : ps->sink(ps->sink_arg, &p, err);
+    return run_here(ps, &p, err);
+}
+
+fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int32_t n,
+                               uint8_t *use, fitm_err *err)
+{
+    memset(use, 0, (size_t)(uint32_t)r->L);
+    if (n > 0) {
+        for (int32_t i = 0; i < n; i++) {
+            int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
+            if (l < 0 || l >= r->L)
+                return fitm_err_set(err, FITM_ERR_INVALID,
+                                    "'layers[%d]' = %d: the model has %d layers", (int)i,
+                                    (int)layers[i], (int)r->L);
+            use[l] = 1;
+        }
+        return FITM_OK;
+    }
+    bool any_global = false;
+    for (int32_t l = 0; l < r->L; l++)
+        any_global |= !fitm_model_layer(r->m, l)->local;
+    for (int32_t l = 0; l < r->L; l++)
+        use[l] = !any_global || !fitm_model_layer(r->m, l)->local;
+    return FITM_OK;
+}
+
+int32_t fitm_layers_last(const fitm_session *r, const uint8_t *use)
+{
+    int32_t n = 0;
+    for (int32_t l = 0; l < r->L; l++)
+        if (use[l])
+            n = l + 1;
+    return n;
+}
+
+static int cmp_results(const void *a, const void *b)
+{
+    const fitm_rerank_doc_result *x = a, *y = b;
+    if (x->relevance_score != y->relevance_score)
+        return x->relevance_score > y->relevance_score ? -1 : 1;
+    return x->index - y->index;
+}
+
+void fitm_results_sort(fitm_rerank_doc_result *res, int32_t K)
+{
+    qsort(res, (size_t)K, sizeof *res, cmp_results);
+}

@@ -1,0 +1,43 @@
+/* rerank_methods: each rerank method's run and cost, for rerank.c's dispatch and the batch
+ * sequence (rerank_seq.c). rerank_attn.c: calibrated, attention, paper; rerank_sort.c:
+ * attention_sort; rerank_per_doc.c: query_likelihood, relevance. A run takes the request's
+ * passes (fitm_passes: where they run) and fills the result; a cost reads only the session.
+ * Not for other modules: they use rerank.h. */
+#ifndef FITM_RERANK_METHODS_H
+#define FITM_RERANK_METHODS_H
+
+#include "pipeline/session_internal.h"
+
+/* Runs req's method with its passes ps into res (zeroed, meta.method set by the caller). */
+fitm_status fitm_rerank_run_passes(fitm_passes *ps, const fitm_rerank_request *req,
+                                   fitm_rerank_result *res, fitm_err *err);
+
+/* The attention methods (rerank_attn.c). */
+fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
+                               fitm_rerank_result *res, fitm_err *err);
+
+/* The forward tokens fitm_attention_run computes for req: exactly, or (any_order: the
+ * documents in an order not known yet) at most this. Fails as the run would for options,
+ * layers or heads the model does not have and for a prompt over the context (exact only). */
+fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request *req,
+                                bool any_order, int64_t *tokens, fitm_err *err);
+
+/* The most rows any prompt of fitm_attention_run for req can have (its caches' size): the
+ * prompt of all documents in any order with the request's query or (a null reference) the
+ * content-free one, at most n_ctx. */
+fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
+                                int64_t *rows, fitm_err *err);
+
+/* attention_sort (rerank_sort.c). */
+fitm_status fitm_attention_sort_run(fitm_passes *ps, const fitm_rerank_request *req,
+                                    fitm_rerank_result *res, fitm_err *err);
+fitm_status fitm_attention_sort_cost(const fitm_session *r, const fitm_rerank_request *req,
+                                     int64_t *tokens, fitm_err *err);
+
+/* query_likelihood and relevance (rerank_per_doc.c). */
+fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
+                             fitm_rerank_result *res, fitm_err *err);
+fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *req,
+                              int64_t *tokens, fitm_err *err);
+
+#endif
