@@ -163,6 +163,7 @@ void fitm_reranker_destroy(fitm_reranker *r)
     free(r->logits);
     free(r->kv_ids);
     free(r->answer_text);
+    free(r->answer_stop[0]);
     free(r);
 }
 
@@ -195,21 +196,37 @@ static fitm_status encode_dummy(fitm_reranker *r, const char *text, fitm_err *er
     return st;
 }
 
-/* The answer template, "\\n" and "\\\\" unescaped, cut at its one {documents}. */
-static fitm_status parse_answer_template(fitm_reranker *r, const char *t, fitm_err *err)
+/* t with "\\n" and "\\\\" unescaped, malloc'd; NULL when out of memory. */
+static char *unescape(const char *t)
 {
-    static const char DOCS[] = "{documents}";
-    t = t && *t ? t : fitm_rerank_answer_template;
     char *u = malloc(strlen(t) + 1), *o = u;
     if (!u)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        return NULL;
     for (; *t; t++) {
         bool esc = t[0] == '\\' && (t[1] == 'n' || t[1] == '\\');
         *o++ = esc ? (t[1] == 'n' ? '\n' : '\\') : *t;
         t += esc;
     }
     *o = '\0';
+    return u;
+}
+
+/* The answer template, unescaped, cut at its one {documents}, and its stop string: the
+ * configured one, else the built-in template's line break (its worked answers are one line
+ * each), else none. */
+static fitm_status parse_answer_template(fitm_reranker *r, const char *t, const char *stop,
+                                         fitm_err *err)
+{
+    static const char DOCS[] = "{documents}";
+    const bool builtin = !t || !*t;
+    t = builtin ? fitm_rerank_answer_template : t;
+    char *u = unescape(t);
+    if (!u)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     r->answer_text = u;
+    if (stop && *stop ? !(r->answer_stop[0] = unescape(stop))
+                      : builtin && !(r->answer_stop[0] = unescape("\\n")))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     char *d = strstr(u, DOCS);
     if (!d || strstr(d + 1, DOCS) || !strstr(d, "{question}"))
         return fitm_err_set(err, FITM_ERR_INVALID, "answer_template must hold {documents} once "
@@ -279,7 +296,7 @@ fitm_status fitm_reranker_create(fitm_reranker **out, const fitm_model *m,
         (st = fitm_kv_create(&r->branch, b, c, r->n_ctx, err)) != FITM_OK ||
         (st = encode_dummy(r, p->dummy_text, err)) != FITM_OK ||
         (st = resolve_defaults(r, p, err)) != FITM_OK ||
-        (st = parse_answer_template(r, p->answer_template, err)) != FITM_OK)
+        (st = parse_answer_template(r, p->answer_template, p->answer_stop, err)) != FITM_OK)
         goto fail;
     snprintf(r->profile, sizeof r->profile, "%s", p->profile ? p->profile : "");
     *out = r;
@@ -288,6 +305,26 @@ fail:
     fitm_err_prefix(err, "reranker");
     fitm_reranker_destroy(r);
     return st;
+}
+
+/* How many tokens of a document's text to keep: max_tokens_per_doc, or all of them when a
+ * longer document is refused instead (no_truncate, checked by doc_fits). */
+static int64_t doc_keep(const fitm_rerank_request *req)
+{
+    return req->no_truncate ? -1 : req->max_tokens_per_doc;
+}
+
+/* FITM_ERR_LIMIT naming document k when the request refuses to cut it and its n tokens are
+ * over max_tokens_per_doc. */
+static fitm_status doc_fits(const fitm_rerank_request *req, int32_t k, int64_t n, fitm_err *err)
+{
+    if (!req->no_truncate || req->max_tokens_per_doc <= 0 || n <= req->max_tokens_per_doc)
+        return FITM_OK;
+    return fitm_err_set(err, FITM_ERR_LIMIT,
+                        "'%s[%d]' has %lld tokens, more than max_tokens_per_doc = %d (send "
+                        "truncate: true to cut it)",
+                        req->tei ? "texts" : "documents", (int)k, (long long)n,
+                        (int)req->max_tokens_per_doc);
 }
 
 fitm_status fitm_rr_body(const fitm_reranker *r, const fitm_rerank_request *req, int32_t k,
@@ -299,9 +336,12 @@ fitm_status fitm_rr_body(const fitm_reranker *r, const fitm_rerank_request *req,
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     line[0] = ' ';
     memcpy(line + 1, d->text, d->text_len);
+    const int64_t before = a->n;
     fitm_status st = fitm_rr_encode(r->tok, a, line, d->text_len + 1, FITM_TOK_CONTINUATION,
-                                    req->max_tokens_per_doc, err);
+                                    doc_keep(req), err);
     free(line);
+    if (st == FITM_OK)
+        st = doc_fits(req, k, a->n - before, err);
     return st;
 }
 
@@ -896,6 +936,7 @@ static fitm_status run_attention_sort(fitm_reranker *r, const fitm_rerank_reques
         o->position = p;
         o->attention = A[p];
         o->relevance_score = M[p];
+        o->raw_score = M[p];
     }
     qsort(res->results, (size_t)K, sizeof *res->results, cmp_results);
     res->usage = (fitm_rerank_usage){.prompt_tokens = T, .forward_tokens = forward,
@@ -964,8 +1005,11 @@ static fitm_status ql_prompt(const fitm_reranker *r, const fitm_rerank_request *
 {
     const fitm_rerank_doc *d = &req->docs[k];
     fitm_status st = fitm_rr_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
+    const int64_t body = ids->n;
     if (!st)
-        st = fitm_rr_encode(r->tok, ids, d->text, d->text_len, 0, req->max_tokens_per_doc, err);
+        st = fitm_rr_encode(r->tok, ids, d->text, d->text_len, 0, doc_keep(req), err);
+    if (!st)
+        st = doc_fits(req, k, ids->n - body, err);
     if (!st)
         st = fitm_rr_encode(r->tok, ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1, err);
     if (!st && !(st = fitm_rr_reserve(ids, pd->q.n, err))) {
@@ -1099,7 +1143,7 @@ static fitm_status run_per_document(fitm_reranker *r, const fitm_rerank_request 
         T_max = T > T_max ? T : T_max;
         forward += T;
         res->results[k] = (fitm_rerank_doc_result){.index = k, .position = k,
-                                                   .relevance_score = score};
+                                                   .relevance_score = score, .raw_score = score};
     }
     if (st == FITM_OK)
         fitm_rr_sort(res->results, K);
@@ -1194,6 +1238,12 @@ bool fitm_reranker_is_raw(const fitm_reranker *r) { return r->tmpl == &templates
 const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r)
 {
     return fitm_reranker_is_raw(r) ? &r->answer_frame : &fitm_rerank_default_frame;
+}
+
+int32_t fitm_reranker_answer_stop(const fitm_reranker *r, char *const **stop)
+{
+    *stop = r->answer_stop;
+    return fitm_reranker_is_raw(r) && r->answer_stop[0] ? 1 : 0;
 }
 
 fitm_status fitm_reranker_prompt(const fitm_reranker *r, const fitm_rerank_request *req,

@@ -54,6 +54,10 @@ typedef struct {
                                    frame has the scoring prompt's text before the documents),
                                    else only up to the last one read, as a rerank's do      */
     bool tei;                   /* asked in TEI's shape (`texts`): answer in TEI's shape */
+    bool no_truncate;           /* a document over max_tokens_per_doc fails the request
+                                   (FITM_ERR_LIMIT) instead of being cut (TEI's
+                                   truncate: false)                                        */
+    bool raw_scores;            /* TEI's raw_scores: its answer gives raw_score            */
     int32_t position;           /* a fitm_position_method, or -1: the server's default   */
 } fitm_rerank_request;
 
@@ -70,6 +74,9 @@ typedef struct {
     double dummy_attention;      /* A_ref, the reference's attention (0 without one)       */
     double weight;               /* alpha = softmax(rel_scaled / temperature) over K (the
                                     attention methods; 0 for the others)                   */
+    double raw_score;            /* the score before the method's squashing: calibrated:
+                                    score_scale x rel_scaled + score_bias; the others:
+                                    relevance_score (TEI's raw_scores)                     */
 } fitm_rerank_doc_result;
 
 typedef struct {
@@ -141,6 +148,10 @@ typedef struct {
     const char *answer_template; /* /answer's prompt for a model without a chat template:
                                     text with one {documents} and, after it, {question};
                                     "\n" for a newline. NULL or "": the built-in one       */
+    const char *answer_stop;     /* the text that ends an answer in answer_template's format
+                                    ("\n" for a newline), /answer's stop string when a
+                                    request sends none. NULL or "": "\n" with the built-in
+                                    template, none with another                            */
     const char *profile;       /* what meta reports as the profile in use; NULL: none      */
     const fitm_answer_defaults *answer; /* /answer's defaults (profile and config); unset
                                            ones take the built-in; may be NULL            */
@@ -158,7 +169,7 @@ typedef struct {
  * documents, so a base model answers in a few words instead of continuing the documents'
  * prose. Two answer types, because a single example made the model copy its answer type; a
  * trailing "Answer in a few words:" cue alone made it repeat the cue. The answer ends at the
- * line break (send stop "\n"). */
+ * line break: its default stop string (params.answer_stop). */
 extern const char fitm_rerank_answer_template[];
 
 /* Prepares a reranker: the forward scratch and two KV caches of n_ctx rows (the prompt's and
@@ -285,6 +296,11 @@ extern const fitm_rerank_frame fitm_rerank_default_frame;
 /* /answer's frame: the answer template's when the chat template is raw, else the default
  * frame (inside the chat template). Valid while r lives. */
 const fitm_rerank_frame *fitm_reranker_answer_frame(const fitm_reranker *r);
+
+/* The answer template's stop strings (params.answer_stop) into *stop (valid while r lives),
+ * their count: 0 when the chat template is not raw (the template's end-of-turn token ends
+ * the answer) or the template has none. */
+int32_t fitm_reranker_answer_stop(const fitm_reranker *r, char *const **stop);
 
 /* The prompt for req in frame f (NULL: the default frame) exactly as the attention methods
  * build it: *ids (malloc'd, the caller frees it, also after a failure) of *n_ids tokens, and

@@ -40,6 +40,7 @@ struct fitm_reranker {
     int64_t kv_n;
     char *answer_text;   /* the answer template, unescaped and cut at {documents} */
     fitm_rerank_frame answer_frame;
+    char *answer_stop[1]; /* the answer template's stop string; [0] NULL: none         */
     char profile[256];
     /* A sequence's view of the reranker (fitm_rerank_begin): the same model and options with
      * caches of its own; fitm_rr_run hands its passes to seq instead of running them. NULL
