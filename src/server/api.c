@@ -1655,16 +1655,20 @@ void fitm_api_tokens_free(fitm_api_tokens *t)
     memset(t, 0, sizeof *t);
 }
 
-/* The first of two names present in obj (llama.cpp's, then vLLM's), or NULL. */
-static const cJSON *either(const cJSON *obj, const char *a, const char *b, const char **name)
+/* The one of two names (llama.cpp's a, vLLM's b) obj gives a value to (null counts as
+ * absent) into *it, or NULL when neither; FITM_ERR_INVALID when both are given. */
+static fitm_status either(const cJSON *obj, const char *a, const char *b, const cJSON **it,
+                          const char **name, fitm_err *err)
 {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, a);
-    *name = a;
-    if (!it || cJSON_IsNull(it)) {
-        it = cJSON_GetObjectItemCaseSensitive(obj, b);
-        *name = b;
-    }
-    return it && !cJSON_IsNull(it) ? it : NULL;
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(obj, a);
+    const cJSON *y = cJSON_GetObjectItemCaseSensitive(obj, b);
+    x = x && !cJSON_IsNull(x) ? x : NULL;
+    y = y && !cJSON_IsNull(y) ? y : NULL;
+    if (x && y)
+        return fitm_err_set(err, FITM_ERR_INVALID, "give either '%s' or '%s', not both", a, b);
+    *it = x ? x : y;
+    *name = x ? a : b;
+    return FITM_OK;
 }
 
 fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
@@ -1688,18 +1692,26 @@ fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
                               it ? "'tokens' must be an array of token ids" : "'tokens' is missing");
         else if (n > 0 && !(out->ids = calloc((size_t)n, sizeof *out->ids)))
             st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        for (int i = 0; st == FITM_OK && i < n; i++) {
+        const cJSON *ids = n > 0 ? it : NULL, *id;
+        cJSON_ArrayForEach(id, ids)
+        {
             char field[32];
-            int64_t v;
-            snprintf(field, sizeof field, "tokens[%d]", i);
-            if ((st = take_int(cJSON_GetArrayItem(it, i), field, 0, INT32_MAX, &v, err)) == FITM_OK)
-                out->ids[out->n_ids++] = (int32_t)v;
+            int64_t v = 0;
+            snprintf(field, sizeof field, "tokens[%lld]", (long long)out->n_ids);
+            if ((st = take_int(id, field, 0, INT32_MAX, &v, err)) != FITM_OK)
+                break;
+            out->ids[out->n_ids++] = (int32_t)v;
         }
-    } else if (!(it = either(root, "content", "prompt", &name))) {
-        st = fitm_err_set(err, FITM_ERR_INVALID, "'content' (or 'prompt') is missing");
-    } else if ((st = take_string(it, name, &out->text, &out->text_len, err)) == FITM_OK &&
-               (it = either(root, "add_special", "add_special_tokens", &name)) != NULL) {
-        st = take_bool(it, name, &out->add_special, err);
+    } else {
+        st = either(root, "content", "prompt", &it, &name, err);
+        if (st == FITM_OK && !it)
+            st = fitm_err_set(err, FITM_ERR_INVALID, "'content' (or 'prompt') is missing");
+        if (st == FITM_OK)
+            st = take_string(it, name, &out->text, &out->text_len, err);
+        if (st == FITM_OK)
+            st = either(root, "add_special", "add_special_tokens", &it, &name, err);
+        if (st == FITM_OK && it)
+            st = take_bool(it, name, &out->add_special, err);
     }
     cJSON_Delete(root);
     return st;
