@@ -432,7 +432,7 @@ def test_compose_prometheus_scrapes_the_probe_port():
 def test_compose_gpu_service():
     """The GPU service: the cuda image, one NVIDIA device reserved as compose specifies it,
     backend cuda (no silent CPU fallback), and only when its profile is asked for (the plain
-    `up` of the README starts the CPU service)."""
+    `up` of docs/deploy.md starts the CPU service)."""
     c = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
     cpu, gpu = c["services"]["fitm"], c["services"]["fitm-gpu"]
     assert gpu["profiles"] == ["gpu"] and "profiles" not in cpu
