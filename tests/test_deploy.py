@@ -449,6 +449,23 @@ def test_compose_gpu_service():
     assert "--profile gpu up --build fitm-gpu prometheus" in text
 
 
+def test_compose_file_is_valid_for_the_compose_spec():
+    """Against the Compose Specification's JSON schema (the copy check-jsonschema ships, from
+    PyPI); a misspelt key in the GPU reservation fails it."""
+    cj = pytest.importorskip("check_jsonschema")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((pathlib.Path(cj.__file__).parent / "builtin_schemas" / "vendor"
+                         / "compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    c = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
+    errors = [e.message for e in validator.iter_errors(c)]
+    assert not errors, errors
+    bad = copy.deepcopy(c)
+    dev = bad["services"]["fitm-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    dev["capability"] = dev.pop("capabilities")
+    assert list(validator.iter_errors(bad))
+
+
 @pytest.mark.skipif(shutil.which("docker") is None or subprocess.run(
     ["docker", "compose", "version"], capture_output=True).returncode != 0,
     reason="docker compose is not installed")
