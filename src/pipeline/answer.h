@@ -45,6 +45,8 @@ typedef struct {
     int32_t max_tokens; /* in [1, server limit]                                        */
     char **stop;        /* (n_stop) owned, non-empty strings                           */
     int32_t n_stop;
+    bool has_stop;      /* the request gave stop (even none): else, with documents, the
+                           answer template's (fitm_session_answer_stop) unless ignore_eos */
     double temperature;        /* sampling; 0 = greedy                                        */
     double top_p;              /* (0, 1]                                                      */
     uint64_t seed;             /* the sampler's seed                                          */

@@ -86,6 +86,23 @@ bool fitm_prompt_template_raw(const fitm_chat_template *t)
     return t == &templates[0];
 }
 
+int64_t fitm_prompt_doc_keep(const fitm_rerank_request *req)
+{
+    return req->no_truncate ? -1 : req->max_tokens_per_doc;
+}
+
+fitm_status fitm_prompt_doc_fits(const fitm_rerank_request *req, int32_t k, int64_t n,
+                                 fitm_err *err)
+{
+    if (!req->no_truncate || req->max_tokens_per_doc <= 0 || n <= req->max_tokens_per_doc)
+        return FITM_OK;
+    return fitm_err_set(err, FITM_ERR_LIMIT,
+                        "'%s[%d]' has %lld tokens, more than max_tokens_per_doc = %d (send "
+                        "truncate: true to cut it)",
+                        req->tei ? "texts" : "documents", (int)k, (long long)n,
+                        (int)req->max_tokens_per_doc);
+}
+
 fitm_status fitm_prompt_body(const fitm_session *r, const fitm_rerank_request *req, int32_t k,
                              fitm_ids *a, fitm_err *err)
 {
@@ -95,9 +112,12 @@ fitm_status fitm_prompt_body(const fitm_session *r, const fitm_rerank_request *r
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     line[0] = ' ';
     memcpy(line + 1, d->text, d->text_len);
+    const int64_t before = a->n;
     fitm_status st = fitm_prompt_encode(r->tok, a, line, d->text_len + 1, FITM_TOK_CONTINUATION,
-                                        req->max_tokens_per_doc, err);
+                                        fitm_prompt_doc_keep(req), err);
     free(line);
+    if (st == FITM_OK)
+        st = fitm_prompt_doc_fits(req, k, a->n - before, err);
     return st;
 }
 

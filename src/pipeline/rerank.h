@@ -57,6 +57,10 @@ typedef struct {
                                    frame has the scoring prompt's text before the documents),
                                    else only up to the last one read, as a rerank's do      */
     bool tei;                   /* asked in TEI's shape (`texts`): answer in TEI's shape */
+    bool no_truncate;           /* a document over max_tokens_per_doc fails the request
+                                   (FITM_ERR_LIMIT) instead of being cut (TEI's
+                                   truncate: false)                                        */
+    bool raw_scores;            /* TEI's raw_scores: its answer gives raw_score            */
     int32_t position;           /* a fitm_position_method, or -1: the server's default   */
 } fitm_rerank_request;
 
@@ -73,6 +77,9 @@ typedef struct {
     double dummy_attention;      /* A_ref, the reference's attention (0 without one)       */
     double weight;               /* alpha = softmax(rel_scaled / temperature) over K (the
                                     attention methods; 0 for the others)                   */
+    double raw_score;            /* the score before the method's squashing: calibrated:
+                                    score_scale x rel_scaled + score_bias; the others:
+                                    relevance_score (TEI's raw_scores)                     */
 } fitm_rerank_doc_result;
 
 typedef struct {
@@ -131,7 +138,7 @@ void fitm_rerank_result_free(fitm_rerank_result *res);
  * documents, so a base model answers in a few words instead of continuing the documents'
  * prose. Two answer types, because a single example made the model copy its answer type; a
  * trailing "Answer in a few words:" cue alone made it repeat the cue. The answer ends at the
- * line break (send stop "\n"). */
+ * line break: its default stop string (fitm_session_params.answer_stop). */
 extern const char fitm_rerank_answer_template[];
 
 /* The frame of the prompt of docs/design.md (Method) (Liu et al.'s, used by the attention

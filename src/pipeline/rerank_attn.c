@@ -590,7 +590,10 @@ static fitm_status finish(const plan *pl, const scores *sc, int32_t K, fitm_rera
             .index = k, .position = sc->position[k], .attention = sc->A[k],
             .dummy_attention = ref ? sc->A_ref[k] : 0.0,
             .calibrated_attention = ref ? sc->rel[k] : 0.0, .weight = w[k],
-            .relevance_score = score};
+            .relevance_score = score,
+            .raw_score = pl->method == FITM_RERANK_PAPER || pl->method == FITM_RERANK_ATTENTION
+                             ? score
+                             : pl->o.score_scale * sc->scaled[k] + pl->o.score_bias};
     }
     free(w);
     fitm_results_sort(res->results, K);

@@ -60,8 +60,12 @@ static fitm_status ql_prompt(const fitm_session *r, const fitm_rerank_request *r
 {
     const fitm_rerank_doc *d = &req->docs[k];
     fitm_status st = fitm_prompt_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
+    const int64_t body = ids->n;
     if (!st)
-        st = fitm_prompt_encode(r->tok, ids, d->text, d->text_len, 0, req->max_tokens_per_doc, err);
+        st = fitm_prompt_encode(r->tok, ids, d->text, d->text_len, 0, fitm_prompt_doc_keep(req),
+                                err);
+    if (!st)
+        st = fitm_prompt_doc_fits(req, k, ids->n - body, err);
     if (!st)
         st = fitm_prompt_encode(r->tok, ids, "\n\nQuestion:", 11, FITM_TOK_CONTINUATION, -1, err);
     if (!st && !(st = fitm_ids_reserve(ids, pd->q.n, err))) {
@@ -207,7 +211,8 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
         T_max = T > T_max ? T : T_max;
         forward += T;
         res->results[k] =
-            (fitm_rerank_doc_result){.index = k, .position = k, .relevance_score = score};
+            (fitm_rerank_doc_result){.index = k, .position = k, .relevance_score = score,
+                                     .raw_score = score};
     }
     if (st == FITM_OK)
         fitm_results_sort(res->results, K);

@@ -149,7 +149,8 @@ static fitm_status sort_results(const sort_run *sr, int32_t K, fitm_rerank_resul
         res->results[p] = (fitm_rerank_doc_result){.index = sr->order[p],
                                                    .position = p,
                                                    .attention = sr->A[p],
-                                                   .relevance_score = sr->M[p]};
+                                                   .relevance_score = sr->M[p],
+                                                   .raw_score = sr->M[p]};
     fitm_results_sort(res->results, K);
     return FITM_OK;
 }

@@ -26,6 +26,7 @@ void fitm_session_destroy(fitm_session *r)
     free(r->logits);
     free(r->kv_ids);
     free(r->answer_text);
+    free(r->answer_stop[0]);
     free(r);
 }
 
@@ -58,21 +59,37 @@ static fitm_status encode_dummy(fitm_session *r, const char *text, fitm_err *err
     return st;
 }
 
-/* The answer template, "\\n" and "\\\\" unescaped, cut at its one {documents}. */
-static fitm_status parse_answer_template(fitm_session *r, const char *t, fitm_err *err)
+/* t with "\\n" and "\\\\" unescaped, malloc'd; NULL when out of memory. */
+static char *unescape(const char *t)
 {
-    static const char DOCS[] = "{documents}";
-    t = t && *t ? t : fitm_rerank_answer_template;
     char *u = malloc(strlen(t) + 1), *o = u;
     if (!u)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        return NULL;
     for (; *t; t++) {
         bool esc = t[0] == '\\' && (t[1] == 'n' || t[1] == '\\');
         *o++ = esc ? (t[1] == 'n' ? '\n' : '\\') : *t;
         t += esc;
     }
     *o = '\0';
+    return u;
+}
+
+/* The answer template, unescaped, cut at its one {documents}, and its stop string: the
+ * configured one, else the built-in template's line break (its worked answers are one line
+ * each), else none. */
+static fitm_status parse_answer_template(fitm_session *r, const char *t, const char *stop,
+                                         fitm_err *err)
+{
+    static const char DOCS[] = "{documents}";
+    const bool builtin = !t || !*t;
+    t = builtin ? fitm_rerank_answer_template : t;
+    char *u = unescape(t);
+    if (!u)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     r->answer_text = u;
+    if (stop && *stop ? !(r->answer_stop[0] = unescape(stop))
+                      : builtin && !(r->answer_stop[0] = unescape("\\n")))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     char *d = strstr(u, DOCS);
     if (!d || strstr(d + 1, DOCS) || !strstr(d, "{question}"))
         return fitm_err_set(err, FITM_ERR_INVALID,
@@ -140,7 +157,7 @@ fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const f
         (st = fitm_kv_create(&r->branch, b, c, r->n_ctx, err)) != FITM_OK ||
         (st = encode_dummy(r, p->dummy_text, err)) != FITM_OK ||
         (st = resolve_defaults(r, p, err)) != FITM_OK ||
-        (st = parse_answer_template(r, p->answer_template, err)) != FITM_OK)
+        (st = parse_answer_template(r, p->answer_template, p->answer_stop, err)) != FITM_OK)
         goto fail;
     snprintf(r->profile, sizeof r->profile, "%s", p->profile ? p->profile : "");
     *out = r;
@@ -206,6 +223,12 @@ bool fitm_session_is_raw(const fitm_session *r)
 const fitm_rerank_frame *fitm_session_answer_frame(const fitm_session *r)
 {
     return fitm_session_is_raw(r) ? &r->answer_frame : &fitm_rerank_default_frame;
+}
+
+int32_t fitm_session_answer_stop(const fitm_session *r, char *const **stop)
+{
+    *stop = r->answer_stop;
+    return fitm_session_is_raw(r) && r->answer_stop[0] ? 1 : 0;
 }
 
 int64_t fitm_session_cached(const fitm_session *r, const int32_t *ids, int64_t n)

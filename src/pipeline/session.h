@@ -37,6 +37,10 @@ typedef struct {
     const char *answer_template;     /* /answer's prompt for a model without a chat template:
                                         text with one {documents} and, after it, {question};
                                         "\n" for a newline. NULL or "": the built-in one */
+    const char *answer_stop;         /* the text that ends an answer in answer_template's
+                                        format ("\n" for a newline), /answer's stop string
+                                        when a request sends none. NULL or "": "\n" with the
+                                        built-in template, none with another */
     const char *profile;             /* what meta reports as the profile in use; NULL: none */
     const fitm_answer_defaults *answer; /* /answer's defaults (profile and config); unset
                                            ones take the built-in; may be NULL */
@@ -84,6 +88,11 @@ bool fitm_session_is_raw(const fitm_session *s);
 /* /answer's frame: the answer template's when the chat template is raw, else the default
  * frame (inside the chat template). Valid while s lives. */
 const fitm_rerank_frame *fitm_session_answer_frame(const fitm_session *s);
+
+/* The answer template's stop strings (params.answer_stop) into *stop (valid while s lives),
+ * their count: 0 when the chat template is not raw (the template's end-of-turn token ends
+ * the answer) or the template has none. */
+int32_t fitm_session_answer_stop(const fitm_session *s, char *const **stop);
 
 /* The position method a request asks for (position: its own, or -1 for the server's
  * default) into *out, after the checks: FITM_ERR_INVALID naming 'position_method' when it is

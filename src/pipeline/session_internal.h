@@ -50,6 +50,7 @@ struct fitm_session {
     double paper_temperature;
     char *answer_text; /* the answer template, unescaped and cut at {documents} */
     fitm_rerank_frame answer_frame;
+    char *answer_stop[1]; /* the answer template's stop string; [0] NULL: none */
     char profile[256];
     const struct fitm_moice *moice; /* NULL: none */
     fitm_position_method position_default;
@@ -81,7 +82,17 @@ const fitm_chat_template *fitm_prompt_template(const fitm_model *m, const fitm_t
 /* Whether t is raw (no template: a base model's prompt). */
 bool fitm_prompt_template_raw(const fitm_chat_template *t);
 
-/* Appends document k's body: " " + text, cut to max_tokens_per_doc. */
+/* How many tokens of a document's text to keep: max_tokens_per_doc, or all of them when a
+ * longer document is refused instead (no_truncate, checked by fitm_prompt_doc_fits). */
+int64_t fitm_prompt_doc_keep(const fitm_rerank_request *req);
+
+/* FITM_ERR_LIMIT naming document k when the request refuses to cut it and its n tokens are
+ * over max_tokens_per_doc. */
+fitm_status fitm_prompt_doc_fits(const fitm_rerank_request *req, int32_t k, int64_t n,
+                                 fitm_err *err);
+
+/* Appends document k's body: " " + text, cut to max_tokens_per_doc (or refused past it:
+ * fitm_prompt_doc_fits). */
 fitm_status fitm_prompt_body(const fitm_session *r, const fitm_rerank_request *req, int32_t k,
                              fitm_ids *a, fitm_err *err);
 

@@ -379,6 +379,17 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "return_tokens")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "return_tokens", &out->return_tokens, err)) != FITM_OK)
         return st;
+    /* TEI's truncate: false refuses a document over max_tokens_per_doc instead of cutting it
+     * (left out or true: cut, as fitm always did); raw_scores: TEI's answer gives each
+     * score before the method's sigmoid. */
+    bool truncate = true;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "truncate")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "truncate", &truncate, err)) != FITM_OK)
+        return st;
+    out->no_truncate = !truncate;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "raw_scores")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "raw_scores", &out->raw_scores, err)) != FITM_OK)
+        return st;
     out->prefix_reuse = true;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "prefix_reuse")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "prefix_reuse", &out->prefix_reuse, err)) != FITM_OK)
@@ -621,7 +632,8 @@ static cJSON *tei_json(const fitm_rerank_request *req, const fitm_rerank_result 
         const fitm_rerank_doc_result *r = &res->results[i];
         cJSON *o = cJSON_CreateObject();
         if (!o || !cJSON_AddItemToArray(arr, o) || !cJSON_AddNumberToObject(o, "index", r->index) ||
-            !cJSON_AddNumberToObject(o, "score", r->relevance_score) ||
+            !cJSON_AddNumberToObject(o, "score",
+                                     req->raw_scores ? r->raw_score : r->relevance_score) ||
             (req->return_documents &&
              !cJSON_AddStringToObject(o, "text", req->docs[r->index].text))) {
             cJSON_Delete(arr);
@@ -906,9 +918,12 @@ static fitm_status parse_sampling(const cJSON *root, double temperature_max,
     const cJSON *it;
     fitm_status st;
     int64_t v;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it) &&
-        (st = parse_stop(it, out, err)) != FITM_OK)
-        return st;
+    /* Given (even as []), stop replaces the answer template's stop string. */
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "stop")) && !cJSON_IsNull(it)) {
+        out->has_stop = true;
+        if ((st = parse_stop(it, out, err)) != FITM_OK)
+            return st;
+    }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it) &&
         (st = take_number(it, "temperature", 0, temperature_max, &out->temperature, err)) !=
             FITM_OK)
@@ -1513,6 +1528,219 @@ char *fitm_api_write_openai_chunk(const fitm_api_openai_head *h, const char *tex
         ok = add_choice(choices, h->chat, true, role, final ? (h->chat ? NULL : "") : text,
                         final ? 0 : len, final ? fitm_answer_finish_name(final->finish) : NULL) &&
              (!final || final->n_docs == 0 || add_answer_docs(root, final));
+    if (ok)
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+/* ---- POST /v1/score ---------------------------------------------------------------------- */
+
+/* An error of /rerank's parser about query or documents, renamed to the score route's
+ * fields. */
+static void rename_field(fitm_err *err, const char *from, const char *to)
+{
+    size_t n = strlen(from);
+    if (strncmp(err->msg, from, n) != 0)
+        return;
+    char tail[sizeof err->msg];
+    snprintf(tail, sizeof tail, "%s", err->msg + n);
+    snprintf(err->msg, sizeof err->msg, "%s%s", to, tail);
+}
+
+fitm_status fitm_api_parse_score(const char *body, size_t len, const fitm_api_limits *lim,
+                                 fitm_rerank_request *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    fitm_score_opts_init(&out->opt);
+    cJSON *root = NULL, *view = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    if (!cJSON_IsObject(root)) {
+        st = fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+        goto done;
+    }
+    /* text_1 is the query: one string (an array of one, as vLLM also takes); text_2 the
+     * documents, one string or an array of them. */
+    cJSON *t1 = cJSON_GetObjectItemCaseSensitive(root, "text_1");
+    cJSON *t2 = cJSON_GetObjectItemCaseSensitive(root, "text_2");
+    cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (cJSON_IsArray(t1) && cJSON_GetArraySize(t1) == 1)
+        t1 = cJSON_GetArrayItem(t1, 0);
+    if (!t1 || !t2) {
+        st = fitm_err_set(err, FITM_ERR_INVALID, "'%s' is missing", t1 ? "text_2" : "text_1");
+        goto done;
+    }
+    if (!cJSON_IsString(t1)) {
+        st = fitm_err_set(err, FITM_ERR_INVALID,
+                          "'text_1' must be a string (the query; an array of one is taken too)");
+        goto done;
+    }
+    view = cJSON_CreateObject();
+    bool ok = view != NULL;
+    if (ok && cJSON_IsString(t2)) {
+        cJSON *docs = cJSON_CreateArray();
+        if (!docs || !cJSON_AddItemToObject(view, "documents", docs)) {
+            cJSON_Delete(docs);
+            ok = false;
+        } else {
+            ok = cJSON_AddItemReferenceToArray(docs, t2);
+        }
+    } else if (ok) {
+        ok = cJSON_AddItemReferenceToObject(view, "documents", t2);
+    }
+    ok = ok && cJSON_AddItemReferenceToObject(view, "query", t1) &&
+         (!model || cJSON_AddItemReferenceToObject(view, "model", model));
+    if (!ok) {
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    st = parse_rerank_object(view, lim, out, err);
+    if (st != FITM_OK) {
+        rename_field(err, "'documents", "'text_2");
+        rename_field(err, "'query'", "'text_1'");
+    }
+done:
+    cJSON_Delete(view);
+    cJSON_Delete(root);
+    return st;
+}
+
+char *fitm_api_write_score(const fitm_rerank_result *res, const char *id, const char *model,
+                           int64_t created)
+{
+    char *out = NULL;
+    char sid[64];
+    snprintf(sid, sizeof sid, "score-%s", id);
+    cJSON *root = cJSON_CreateObject();
+    cJSON *data = NULL, *usage = NULL;
+    bool ok = root && cJSON_AddStringToObject(root, "id", sid) &&
+              cJSON_AddStringToObject(root, "object", "list") &&
+              cJSON_AddNumberToObject(root, "created", (double)created) &&
+              cJSON_AddStringToObject(root, "model", model) &&
+              (data = cJSON_AddArrayToObject(root, "data")) != NULL;
+    /* In text_2's order, as vLLM answers (the results are sorted by score). */
+    for (int32_t k = 0; ok && k < res->n_results; k++) {
+        const fitm_rerank_doc_result *r = NULL;
+        for (int32_t i = 0; i < res->n_results && !r; i++)
+            r = res->results[i].index == k ? &res->results[i] : NULL;
+        cJSON *o = r ? cJSON_CreateObject() : NULL;
+        if (!o || !cJSON_AddItemToArray(data, o)) {
+            cJSON_Delete(o);
+            ok = false;
+            break;
+        }
+        ok = cJSON_AddNumberToObject(o, "index", k) &&
+             cJSON_AddStringToObject(o, "object", "score") &&
+             cJSON_AddNumberToObject(o, "score", r->relevance_score);
+    }
+    ok = ok && (usage = cJSON_AddObjectToObject(root, "usage")) != NULL &&
+         cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->usage.prompt_tokens) &&
+         cJSON_AddNumberToObject(usage, "total_tokens", (double)res->usage.prompt_tokens);
+    if (ok)
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+/* ---- POST /tokenize, /detokenize --------------------------------------------------------- */
+
+void fitm_api_tokens_free(fitm_api_tokens *t)
+{
+    if (!t)
+        return;
+    free(t->text);
+    free(t->ids);
+    memset(t, 0, sizeof *t);
+}
+
+/* The one of two names (llama.cpp's a, vLLM's b) obj gives a value to (null counts as
+ * absent) into *it, or NULL when neither; FITM_ERR_INVALID when both are given. */
+static fitm_status either(const cJSON *obj, const char *a, const char *b, const cJSON **it,
+                          const char **name, fitm_err *err)
+{
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(obj, a);
+    const cJSON *y = cJSON_GetObjectItemCaseSensitive(obj, b);
+    x = x && !cJSON_IsNull(x) ? x : NULL;
+    y = y && !cJSON_IsNull(y) ? y : NULL;
+    if (x && y)
+        return fitm_err_set(err, FITM_ERR_INVALID, "give either '%s' or '%s', not both", a, b);
+    *it = x ? x : y;
+    *name = x ? a : b;
+    return FITM_OK;
+}
+
+fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
+                                  fitm_api_tokens *out, fitm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    out->detokenize = detokenize;
+    cJSON *root = NULL;
+    fitm_status st = parse_body(body, len, &root, err);
+    if (st != FITM_OK)
+        return st;
+    const char *name;
+    const cJSON *it;
+    if (!cJSON_IsObject(root)) {
+        st = fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+    } else if (detokenize) {
+        it = cJSON_GetObjectItemCaseSensitive(root, "tokens");
+        int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : -1;
+        if (n < 0)
+            st = fitm_err_set(err, FITM_ERR_INVALID,
+                              it ? "'tokens' must be an array of token ids" : "'tokens' is missing");
+        else if (n > 0 && !(out->ids = calloc((size_t)n, sizeof *out->ids)))
+            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        const cJSON *ids = n > 0 ? it : NULL, *id;
+        cJSON_ArrayForEach(id, ids)
+        {
+            char field[32];
+            int64_t v = 0;
+            snprintf(field, sizeof field, "tokens[%lld]", (long long)out->n_ids);
+            if ((st = take_int(id, field, 0, INT32_MAX, &v, err)) != FITM_OK)
+                break;
+            out->ids[out->n_ids++] = (int32_t)v;
+        }
+    } else {
+        st = either(root, "content", "prompt", &it, &name, err);
+        if (st == FITM_OK && !it)
+            st = fitm_err_set(err, FITM_ERR_INVALID, "'content' (or 'prompt') is missing");
+        if (st == FITM_OK)
+            st = take_string(it, name, &out->text, &out->text_len, err);
+        if (st == FITM_OK)
+            st = either(root, "add_special", "add_special_tokens", &it, &name, err);
+        if (st == FITM_OK && it)
+            st = take_bool(it, name, &out->add_special, err);
+    }
+    cJSON_Delete(root);
+    return st;
+}
+
+char *fitm_api_write_tokens(const fitm_api_tokens *t, int64_t max_model_len)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    bool ok = root != NULL;
+    if (ok && t->detokenize) {
+        /* The same text under llama.cpp's name and vLLM's. */
+        const char *names[] = {"content", "prompt"};
+        for (int i = 0; ok && i < 2; i++) {
+            cJSON *s = text_item(t->text ? t->text : "", t->text_len);
+            if (!s || !cJSON_AddItemToObject(root, names[i], s)) {
+                cJSON_Delete(s);
+                ok = false;
+            }
+        }
+    } else if (ok) {
+        cJSON *ids = int_array(t->ids, t->n_ids);
+        if (!ids || !cJSON_AddItemToObject(root, "tokens", ids)) {
+            cJSON_Delete(ids);
+            ok = false;
+        }
+        ok = ok && cJSON_AddNumberToObject(root, "count", (double)t->n_ids) &&
+             cJSON_AddNumberToObject(root, "max_model_len", (double)max_model_len);
+    }
     if (ok)
         out = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);

@@ -134,4 +134,43 @@ char *fitm_api_write_openai(const fitm_api_openai_head *h, const fitm_answer_res
 char *fitm_api_write_openai_chunk(const fitm_api_openai_head *h, const char *text, size_t len,
                                   bool role, const fitm_answer_result *final, bool usage_only);
 
+/* ---- vLLM's score route and the tokenizer routes ----------------------------------------- */
+
+/* Parses a POST /v1/score body (vLLM's: text_1 a string or an array of one, the query;
+ * text_2 a string or an array of strings, the documents; model) into *out as a /rerank of
+ * method calibrated, /rerank's default (release with fitm_rerank_request_free, also after a
+ * failure). Other fields are ignored. Errors as fitm_api_parse_rerank, naming text_1 and
+ * text_2. */
+fitm_status fitm_api_parse_score(const char *body, size_t len, const fitm_api_limits *lim,
+                                 fitm_rerank_request *out, fitm_err *err);
+
+/* vLLM's score response {id, object: "list", created, model, data: [{index, object: "score",
+ * score}] in text_2's order, usage}. */
+char *fitm_api_write_score(const fitm_rerank_result *res, const char *id, const char *model,
+                           int64_t created);
+
+/* POST /tokenize and /detokenize as plain values: text to token ids, or ids to text. */
+typedef struct {
+    bool detokenize;
+    char *text; /* owned: tokenize's input, detokenize's output (any bytes)   */
+    size_t text_len;
+    bool add_special;  /* tokenize: the BOS/EOS the model adds to a prompt       */
+    int32_t *ids;      /* owned: detokenize's input, tokenize's output           */
+    int64_t n_ids;
+} fitm_api_tokens;
+
+/* Releases what t owns and zeroes it. NULL is a no-op. */
+void fitm_api_tokens_free(fitm_api_tokens *t);
+
+/* Parses /tokenize's body (content, or vLLM's prompt; add_special, or vLLM's
+ * add_special_tokens, default false) or /detokenize's (tokens: ids >= 0; the vocabulary
+ * bound is checked when decoding) into *out. Errors as fitm_api_parse_rerank. */
+fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
+                                  fitm_api_tokens *out, fitm_err *err);
+
+/* /tokenize's response {tokens, count, max_model_len} or /detokenize's {content, prompt}
+ * (the same text under llama.cpp's and vLLM's names; bytes that are not UTF-8 become
+ * U+FFFD). */
+char *fitm_api_write_tokens(const fitm_api_tokens *t, int64_t max_model_len);
+
 #endif

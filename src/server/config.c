@@ -82,6 +82,10 @@ static const opt opts[] = {
      "close beyond)"},
     {"api_keys", STR(api_keys), "", 0, 0, NULL,
      "comma-separated bearer keys guarding inference routes; empty = no auth"},
+    {"cors_origins", STR(cors_origins), "", 0, 0, NULL,
+     "browser origins allowed to call the API (CORS): * for any, or a comma-separated list "
+     "such as https://app.example.org; empty = no CORS headers (browsers block cross-origin "
+     "calls)"},
     {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,
      "largest request body accepted (413 beyond, enforced while reading)"},
     {"max_documents", INT(max_documents), "256", 1, 4096, NULL,
@@ -192,7 +196,14 @@ static const opt opts[] = {
      "/answer's prompt for models without a chat template: text with {documents} once and "
      "{question} after it, \\n for newlines; empty = the built-in template (two "
      "worked examples before the documents)"},
+    {"answer_stop", STR(answer_stop), "", 0, 0, NULL,
+     "the text that ends an answer in answer_template's format (\\n for a newline): /answer's "
+     "stop string when a request with documents sends no 'stop' (a request's 'stop' replaces "
+     "it); empty = \\n with the built-in template, none with another"},
     {"log_level", ENUM(log_level), "info", 0, 0, "debug|info|warn|error", "log threshold"},
+    {"log_format", ENUM(log_format), "logfmt", 0, 0, "logfmt|json",
+     "log lines on stderr: logfmt (time level=... req=... msg=\"...\") or json (one object "
+     "per line with time, level, req, msg)"},
 };
 #define N_OPTS (sizeof opts / sizeof opts[0])
 

@@ -35,6 +35,7 @@ typedef struct {
     int64_t http_header_timeout_s;         /* request head receive deadline (408)       */
     int64_t http_receive_timeout_s;        /* whole-body receive deadline (408)        */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
+    char cors_origins[FITM_CONFIG_STR_BYTES]; /* "*" or comma-separated origins; "" = no CORS */
     int64_t max_body_bytes;
     int64_t max_documents;
     int64_t max_tokens_per_doc;
@@ -67,7 +68,9 @@ typedef struct {
      * the built-in default. */
     char answer_calibrate[8], answer_reorder[24], answer_reorder_placement[8];
     char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in template */
+    char answer_stop[72];                  /* the template's end of answer; "" = its default */
     char log_level[16];                    /* debug | info | warn | error              */
+    char log_format[8];                    /* logfmt | json                            */
 } fitm_config;
 
 /* The scoring options set in cfg (the non-empty ones) into o (initialised by the caller).

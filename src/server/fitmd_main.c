@@ -372,7 +372,8 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     fitm_session_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
-                               .answer_template = cfg->answer_template, .profile = profile,
+                               .answer_template = cfg->answer_template,
+                               .answer_stop = cfg->answer_stop, .profile = profile,
                                .answer_prompt_step = strcmp(cfg->answer_prompt_path, "step") == 0,
                                .rerank_step = rerank_step,
                                .answer = &answer,
@@ -399,6 +400,39 @@ static bool job_stop(const void *arg)
     return fitm_job_should_stop(arg);
 }
 
+/* /tokenize: text to ids (with the BOS/EOS the model adds when asked); /detokenize: ids to
+ * text, the SentencePiece space prefix undone so that what /tokenize gave decodes to its
+ * text. Control-token text is tokenized as ordinary text. */
+static fitm_status run_tokens(const daemon_model *dm, fitm_tokens_work *w, fitm_err *err)
+{
+    const fitm_tokenizer *tok = fitm_session_tokenizer(dm->session);
+    fitm_api_tokens *t = w->t;
+    fitm_status st;
+    w->n_ctx = fitm_session_n_ctx(dm->session);
+    if (t->detokenize) {
+        size_t n = 0;
+        st = fitm_tok_decode(tok, t->ids, t->n_ids, FITM_TOK_DECODE_STRIP_PREFIX, NULL, 0, &n,
+                             err);
+        if (st == FITM_ERR_LIMIT && !(t->text = malloc(n + 1)))
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        if (st == FITM_ERR_LIMIT)
+            st = fitm_tok_decode(tok, t->ids, t->n_ids, FITM_TOK_DECODE_STRIP_PREFIX, t->text,
+                                 n + 1, &t->text_len, err);
+        if (st != FITM_OK)
+            fitm_err_prefix(err, "'tokens'");
+        return st;
+    }
+    uint32_t flags = t->add_special ? FITM_TOK_ADD_SPECIAL : 0;
+    int64_t n = 0;
+    st = fitm_tok_encode(tok, t->text, t->text_len, flags, NULL, 0, &n, err);
+    if (st == FITM_ERR_LIMIT && n > 0) {
+        if (!(t->ids = malloc((size_t)n * sizeof *t->ids)))
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        st = fitm_tok_encode(tok, t->text, t->text_len, flags, t->ids, n, &t->n_ids, err);
+    }
+    return st;
+}
+
 static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
 {
     daemon_model *dm = ctx;
@@ -412,6 +446,8 @@ static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
         return fitm_answer_run(dm->session, w->req, job_stop, job, w->on_delta, w->delta_arg,
                                &w->result, err);
     }
+    case FITM_WORK_TOKENS:
+        return run_tokens(dm, job->work, err);
     }
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
@@ -427,17 +463,22 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
     case FITM_WORK_ANSWER:
         return fitm_answer_cost(dm->session, ((const fitm_answer_work *)job->work)->req, tokens,
                                 err);
+    case FITM_WORK_TOKENS:
+        *tokens = 0; /* no forward pass */
+        return FITM_OK;
     }
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
 /* Continuous batching: an /answer joins the running batch once its documents are ordered
  * (fitm_answer_begin), a /rerank of an attention method once its caches are made
- * (fitm_rerank_begin); the other /rerank methods run whole between two steps. */
+ * (fitm_rerank_begin); the other /rerank methods and /tokenize run whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
 {
     daemon_model *dm = ctx;
     *joined = false;
+    if ((fitm_work_kind)job->kind == FITM_WORK_TOKENS)
+        return model_run(ctx, job, err);
     if ((fitm_work_kind)job->kind == FITM_WORK_RERANK) {
         fitm_rerank_work *w = job->work;
         if (!fitm_rerank_batches(w->req))
@@ -581,6 +622,7 @@ static int configure(int argc, char **argv, fitm_config *cfg)
         return 0;
     }
     fitm_log_threshold = (fitm_log_level)fitm_log_parse_level(cfg->log_level);
+    fitm_log_json = strcmp(cfg->log_format, "json") == 0;
     if (!cfg->model[0]) {
         fprintf(stderr, "fitmd: no model: set --model PATH (or FITM_MODEL, or model = in the "
                         "config file)\n");

@@ -73,6 +73,9 @@ typedef struct {
     fitm_answer_request areq; /* /answer's request */
     fitm_rerank_work rwork;   /* job.work of a /rerank job */
     fitm_answer_work awork;   /* job.work of an /answer job */
+    bool score;               /* /v1/score: the rerank answered in vLLM's shape */
+    fitm_api_tokens tokens;   /* /tokenize and /detokenize's request and result */
+    fitm_tokens_work twork;   /* job.work of their job */
     atomic_bool done; /* the engine finished job */
     /* A streamed /answer: the SSE bytes not yet sent, shared by the engine's thread (which
      * appends) and MHD's (which sends); the request is freed by whichever of on_completed and
@@ -96,6 +99,45 @@ typedef struct {
 
 /* ---- responses ---------------------------------------------------------------------- */
 
+/* The value of Access-Control-Allow-Origin for r: "*" when cors_origins is "*", the request's
+ * Origin when cors_origins lists it, NULL (no CORS headers) otherwise. */
+static const char *cors_origin(const request *r)
+{
+    const char *list = r->h->p.cfg->cors_origins;
+    const char *origin = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Origin");
+    if (!list[0] || !origin)
+        return NULL;
+    if (!strcmp(list, "*"))
+        return "*";
+    size_t n = strlen(origin);
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == ',')
+            p++;
+        const char *s = p;
+        while (*p && *p != ',')
+            p++;
+        size_t m = (size_t)(p - s);
+        while (m && s[m - 1] == ' ')
+            m--;
+        if (m && m == n && !memcmp(s, origin, n))
+            return origin;
+    }
+    return NULL;
+}
+
+/* The CORS headers of an answer to an allowed origin: which origin may read it, and the
+ * response headers a browser script may see. */
+static void add_cors(const request *r, struct MHD_Response *resp)
+{
+    const char *o = cors_origin(r);
+    if (!o)
+        return;
+    MHD_add_response_header(resp, "Access-Control-Allow-Origin", o);
+    if (strcmp(o, "*") != 0)
+        MHD_add_response_header(resp, "Vary", "Origin");
+    MHD_add_response_header(resp, "Access-Control-Expose-Headers", "X-Request-Id, Retry-After");
+}
+
 /* Queues body (malloc'd; taken over, also on failure) with the common headers. */
 static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
                                  const char *content_type, const char *allow, bool retry)
@@ -108,6 +150,7 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     MHD_add_response_header(resp, "X-Request-Id", r->id);
+    add_cors(r, resp);
     if (allow)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
@@ -402,12 +445,71 @@ static enum MHD_Result finish_rerank(request *r)
     fitm_metrics_tokens(r->rwork.result.usage.prompt_tokens, r->rwork.result.usage.forward_tokens);
     r->rwork.result.meta.queue_ms = j->queue_ms;
     r->rwork.result.meta.total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
-    char *json = fitm_api_write_rerank(&r->req, &r->rwork.result, r->id, r->h->p.model->name);
+    char *json = r->score ? fitm_api_write_score(&r->rwork.result, r->id, r->h->p.model->name,
+                                                 (int64_t)time(NULL))
+                          : fitm_api_write_rerank(&r->req, &r->rwork.result, r->id,
+                                                  r->h->p.model->name);
     FITM_LOG(FITM_LOG_DEBUG, r->id, "rerank: K %d T %lld forward %lld", (int)r->req.n_docs,
              (long long)r->rwork.result.usage.prompt_tokens,
              (long long)r->rwork.result.usage.forward_tokens);
     fitm_rerank_result_free(&r->rwork.result);
     return send_json(r, 200, json);
+}
+
+/* POST /v1/score (vLLM's): text_1 against each text_2, a /rerank answered in vLLM's shape. */
+static enum MHD_Result start_score(request *r)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_score(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
+                                          &r->req, &err);
+    fitm_buf_free(&r->body);
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    r->score = true;
+    r->rwork.req = &r->req;
+    r->job.kind = FITM_WORK_RERANK;
+    r->job.work = &r->rwork;
+    job_bind(r);
+    return submit_suspended(r);
+}
+
+/* ---- POST /tokenize, /detokenize --------------------------------------------------------- */
+
+/* The model's tokenizer belongs to the engine thread's model: the job runs there, in the
+ * queue's order, between two steps. */
+static enum MHD_Result start_tokens(request *r, bool detokenize)
+{
+    fitm_err err = {{0}};
+    fitm_status st = fitm_api_parse_tokens(r->body.p ? r->body.p : "", r->body.len, detokenize,
+                                           &r->tokens, &err);
+    fitm_buf_free(&r->body);
+    if (st != FITM_OK)
+        return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
+    r->twork.t = &r->tokens;
+    r->job.kind = FITM_WORK_TOKENS;
+    r->job.work = &r->twork;
+    job_bind(r);
+    return submit_suspended(r);
+}
+
+static enum MHD_Result start_tokenize(request *r)
+{
+    return start_tokens(r, false);
+}
+
+static enum MHD_Result start_detokenize(request *r)
+{
+    return start_tokens(r, true);
+}
+
+static enum MHD_Result finish_tokens(request *r)
+{
+    fitm_job *j = &r->job;
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                              (unsigned)r->h->p.cfg->http_idle_timeout_s);
+    if (j->status != FITM_OK)
+        return send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
+    return send_json(r, 200, fitm_api_write_tokens(&r->tokens, r->twork.n_ctx));
 }
 
 /* ---- POST /answer ------------------------------------------------------------------------ */
@@ -417,6 +519,7 @@ static void request_free(request *r)
     fitm_buf_free(&r->body);
     fitm_rerank_request_free(&r->req);
     fitm_answer_request_free(&r->areq);
+    fitm_api_tokens_free(&r->tokens);
     if (r->streaming)
         pthread_mutex_destroy(&r->smu);
     fitm_buf_free(&r->sbuf);
@@ -558,6 +661,7 @@ static enum MHD_Result start_stream(request *r)
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(resp, "X-Request-Id", r->id);
+    add_cors(r, resp);
     enum MHD_Result ok = MHD_queue_response(r->conn, 200, resp);
     MHD_destroy_response(resp);
     r->code = 200;
@@ -666,10 +770,14 @@ static const route_def routes[] = {
     {"/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
     {"/v1/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
     {"/v2/rerank", FITM_ROUTE_RERANK, "POST", true, start_rerank, finish_rerank},
+    {"/v1/score", FITM_ROUTE_RERANK, "POST", true, start_score, finish_rerank},
+    {"/score", FITM_ROUTE_RERANK, "POST", true, start_score, finish_rerank},
     {"/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
     {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
     {"/v1/chat/completions", FITM_ROUTE_CHAT, "POST", true, start_chat, finish_answer},
     {"/v1/completions", FITM_ROUTE_COMPLETIONS, "POST", true, start_completion, finish_answer},
+    {"/tokenize", FITM_ROUTE_OTHER, "POST", true, start_tokenize, finish_tokens},
+    {"/detokenize", FITM_ROUTE_OTHER, "POST", true, start_detokenize, finish_tokens},
     {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
@@ -727,6 +835,35 @@ static enum MHD_Result check_post_headers(request *r)
     return MHD_YES;
 }
 
+/* OPTIONS on a route: its methods (Allow) and, to an origin cors_origins allows, the CORS
+ * preflight answer (the methods and request headers a browser script may use, for 10
+ * minutes). No key is asked for: browsers send none with a preflight. */
+static enum MHD_Result send_options(request *r)
+{
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(0, (char *)"", MHD_RESPMEM_PERSISTENT);
+    if (!resp)
+        return MHD_NO;
+    char allow[64];
+    snprintf(allow, sizeof allow, "%s, OPTIONS", r->rd->allow);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    MHD_add_response_header(resp, "X-Request-Id", r->id);
+    add_cors(r, resp);
+    if (cors_origin(r)) {
+        MHD_add_response_header(resp, "Access-Control-Allow-Methods", allow);
+        MHD_add_response_header(resp, "Access-Control-Allow-Headers",
+                                "Authorization, Content-Type, X-Request-Id");
+        MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
+    }
+    if (atomic_load(&r->h->draining))
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ok = MHD_queue_response(r->conn, MHD_HTTP_NO_CONTENT, resp);
+    MHD_destroy_response(resp);
+    r->code = MHD_HTTP_NO_CONTENT;
+    r->state = ST_ANSWERED;
+    return ok;
+}
+
 /* First callback of a request: everything decidable from the request line and headers. */
 static enum MHD_Result first_call(request *r, const char *url, const char *method,
                                   const char *version)
@@ -750,6 +887,8 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
         snprintf(msg, sizeof msg, "no route %.120s", url);
         return send_error(r, FITM_ERR_NOT_FOUND, FITM_API_COND_NONE, NULL, msg);
     }
+    if (!strcmp(method, "OPTIONS"))
+        return send_options(r);
     if (!method_allowed(rd, method)) {
         char msg[200];
         snprintf(msg, sizeof msg, "%.16s is not allowed on %s (allowed: %s)", method, rd->path,

@@ -3,10 +3,12 @@
  * jobs; a /rerank connection is suspended while its job waits and runs, so HTTP threads never
  * block on the model and /health answers at any time.
  *
- * Routes: POST /rerank, /v1/rerank, /v2/rerank, /answer, /v1/answer, /v1/chat/completions,
- * /v1/completions; GET /health, /metrics, /v1/models, /openapi.yaml, / (the playground).
- * Bearer keys (when configured) guard all but /health, /metrics and the playground page (which
- * holds no data; its requests carry the key the user types). */
+ * Routes: POST /rerank, /v1/rerank, /v2/rerank, /v1/score, /score, /answer, /v1/answer,
+ * /v1/chat/completions, /v1/completions, /tokenize, /detokenize; GET /health, /metrics,
+ * /v1/models, /openapi.yaml, / (the playground); OPTIONS on each (CORS preflight when
+ * cors_origins allows the request's Origin). Bearer keys (when configured) guard all but
+ * /health, /metrics, the playground page (which holds no data; its requests carry the key
+ * the user types) and OPTIONS. */
 #ifndef FITM_HTTP_H
 #define FITM_HTTP_H
 

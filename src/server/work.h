@@ -9,10 +9,12 @@
 
 #include "pipeline/answer.h"
 #include "pipeline/rerank.h"
+#include "server/api.h"
 
 typedef enum {
     FITM_WORK_RERANK = 1, /* work is a fitm_rerank_work */
     FITM_WORK_ANSWER,     /* work is a fitm_answer_work */
+    FITM_WORK_TOKENS,     /* work is a fitm_tokens_work */
 } fitm_work_kind;
 
 typedef struct {
@@ -28,5 +30,12 @@ typedef struct {
     fitm_answer_result result; /* filled as far as the run got, also on failure */
     fitm_answer_seq *seq;      /* engine thread only: the answer while it is in the batch */
 } fitm_answer_work;
+
+/* POST /tokenize and /detokenize: run whole between two engine steps (the tokenizer is the
+ * loaded model's). */
+typedef struct {
+    fitm_api_tokens *t; /* the request: run fills ids (tokenize) or text (detokenize) */
+    int64_t n_ctx;      /* filled: the context the server was started with            */
+} fitm_tokens_work;
 
 #endif
