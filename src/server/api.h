@@ -28,6 +28,7 @@ typedef enum {
     FITM_API_COND_TARGET_TOO_LONG, /* request target over the limit (414)          */
     FITM_API_COND_HEAD_TOO_LARGE,  /* request head over the limit (431)            */
     FITM_API_COND_VERSION,         /* an HTTP version other than 1.0/1.1 (505)     */
+    FITM_API_COND_EXPECTATION,     /* an Expect other than 100-continue (417)       */
 } fitm_api_cond;
 
 typedef struct {
@@ -51,7 +52,8 @@ typedef struct {
     int32_t max_tokens_per_doc;
     const char *model_name; /* the served model's name                           */
     bool strict_model;      /* a request's `model`, when given, must equal model_name */
-    int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
+    int32_t max_answer_tokens; /* most max_tokens an /answer or OpenAI request may ask for */
+    int64_t max_json_members;  /* most object members and array elements in a body; 0: any */
 } fitm_api_limits;
 
 /* Parses and validates a /rerank body (Cohere/Jina shape, or TEI's with `texts`) into *out,

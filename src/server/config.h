@@ -36,6 +36,7 @@ typedef struct {
     int64_t http_receive_timeout_s;        /* whole-body receive deadline (408)        */
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     int64_t max_body_bytes;
+    int64_t max_json_members;
     int64_t max_documents;
     int64_t max_tokens_per_doc;
     int64_t ctx_size;                      /* 0 = the model's trained context          */

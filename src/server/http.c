@@ -1093,6 +1093,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.model_name = p->model->name;
     h->limits.strict_model = !strcmp(cfg->strict_model, "true");
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
+    h->limits.max_json_members = cfg->max_json_members;
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);
     if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
