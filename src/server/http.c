@@ -96,6 +96,15 @@ typedef struct {
 
 /* ---- responses ---------------------------------------------------------------------- */
 
+/* gate.h's security headers; an HTML page gets its own Content-Security-Policy. */
+static void add_security_headers(struct MHD_Response *resp, bool page)
+{
+    MHD_add_response_header(resp, "X-Content-Type-Options", FITM_GATE_NOSNIFF);
+    MHD_add_response_header(resp, "X-Frame-Options", FITM_GATE_FRAMES);
+    MHD_add_response_header(resp, "Content-Security-Policy",
+                            page ? FITM_GATE_CSP_PAGE : FITM_GATE_CSP_DATA);
+}
+
 /* Queues body (malloc'd; taken over, also on failure) with the common headers. */
 static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
                                  const char *content_type, const char *allow, bool retry)
@@ -108,6 +117,7 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     MHD_add_response_header(resp, "X-Request-Id", r->id);
+    add_security_headers(resp, !strncmp(content_type, "text/html", 9));
     if (allow)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
@@ -524,6 +534,10 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         n = (ssize_t)k;
     } else if (r->s_done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
+        /* The stream had no idle timeout while it waited for tokens; a kept-alive connection
+         * after it has the usual one. */
+        MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                                  (unsigned)r->h->p.cfg->http_idle_timeout_s);
     } else {
         /* Nothing yet: park the connection until sse_push wakes it. */
         r->s_suspended = true;
@@ -558,6 +572,7 @@ static enum MHD_Result start_stream(request *r)
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(resp, "X-Request-Id", r->id);
+    add_security_headers(resp, false);
     enum MHD_Result ok = MHD_queue_response(r->conn, 200, resp);
     MHD_destroy_response(resp);
     r->code = 200;
@@ -849,7 +864,7 @@ static enum MHD_Result send_slow(request *r, bool body_complete)
         fitm_buf_printf(&out,
                         "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
                         "Content-Type: application/json\r\nX-Request-Id: %s\r\n"
-                        "Content-Length: %zu\r\n\r\n%s",
+                        FITM_GATE_SECURITY_HEADERS "Content-Length: %zu\r\n\r\n%s",
                         r->id, strlen(json), json))
         (void)!send(ci->connect_fd, out.p, out.len, MSG_DONTWAIT | MSG_NOSIGNAL);
     fitm_buf_free(&out);
@@ -1065,6 +1080,8 @@ static bool listen_on(fitm_http *h, int64_t port, bool probe)
         h->d = d;
     fitm_err err = {{0}};
     fitm_gate_params gp = {.listen_fd = fd, .head_timeout_ms = cfg->http_header_timeout_s * 1000,
+                           .idle_timeout_ms = (probe ? 10 : cfg->http_idle_timeout_s) * 1000,
+                           .max_body_bytes = cfg->max_body_bytes,
                            .max_conns = max_conns, .max_per_client = per_client,
                            .hand = probe ? hand_to_probe : hand_to_main, .user = h};
     if (fitm_gate_start(probe ? &h->probe_gate : &h->gate, &gp, &err) != FITM_OK) {
