@@ -897,7 +897,7 @@ def flood(n_keys: int, tail: str = "") -> bytes:
 
 
 def test_key_flood_is_refused_and_duplicates_found_in_linear_time(daemon):
-    """200,000 unknown keys (2.2 MB): 400 naming max_json_members at once (on 5f0f007 the
+    """200,000 unknown keys (2.3 MB): 400 naming max_json_members at once (on 5f0f007 the
     quadratic duplicate check took 45 s here and answered 200). Under the bound, a key repeated
     at the end of 60,000 is still found, and 60,000 distinct keys are accepted."""
     hdr = {**AUTH, "Content-Type": "application/json"}
