@@ -521,8 +521,9 @@ static void notify(const char *state)
     }
 }
 
-/* SIGTERM/SIGINT taken by a thread that does not block them (one a runtime started before
- * main, such as a sanitizer's): recorded here for wait_for_signal instead of killing fitmd. */
+/* SIGTERM/SIGINT/SIGHUP taken by a thread that does not block them (one a runtime started
+ * before main, such as a sanitizer's): recorded here for wait_for_signal instead of killing
+ * fitmd. */
 static volatile sig_atomic_t stray_signal, stray_hangup;
 
 static void on_stray_signal(int sig)
@@ -545,9 +546,9 @@ static void hangup(void)
 }
 
 /* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0).
- * Meanwhile: SIGHUP is logged (hangup), READY=1 to the service manager once the model is loaded, and WATCHDOG=1 at half
- * the interval it asks for while the engine is not broken (a broken backend stops the pings,
- * so the manager restarts the daemon). */
+ * Meanwhile: each SIGHUP is logged (hangup), READY=1 goes to the service manager once the
+ * model is loaded, and WATCHDOG=1 at half the interval it asks for while the engine is not
+ * broken (a broken backend stops the pings, so the manager restarts the daemon). */
 static int wait_for_signal(const sigset_t *set, fitm_engine *e)
 {
     const double watchdog_ms = (double)fitm_notify_watchdog_usec() / 2000.0;
