@@ -343,7 +343,7 @@ def mixed(a):
     times, first = [], threading.Event()
 
     def stream():
-        body = {"query": QUESTION, "documents": make_docs(2, 20, rnd), "max_tokens": 2000,
+        body = {"query": QUESTION, "documents": make_docs(2, 20, rnd), "max_tokens": 512,
                 "calibrate": False, "reorder": "none", "stream": True}
         with requests.post(url + "/answer", json=body, stream=True, timeout=3600) as r:
             for line in r.iter_lines():

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/buf.h"
 #include "check.h"
 #include "server/api.h"
 
@@ -208,14 +209,14 @@ static void test_answer(void)
     fitm_answer_request req;
     fitm_err err = {{0}};
     const char *all = "{\"query\":\"q\",\"documents\":[\"a\",{\"text\":\"b\",\"title\":\"t\"}],"
-                      "\"max_tokens\":1000,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
+                      "\"max_tokens\":50,\"stop\":[\"\\n\",\"zz\"],\"temperature\":0.5,"
                       "\"top_p\":0.9,\"seed\":3,\"calibration\":{\"temperature\":0.001,\"window\":2,"
                       "\"layers\":[0,-1],\"dummy\":\"d\"},\"reorder\":\"query_likelihood\","
                       "\"reorder_placement\":\"last\",\"calibrate\":false,"
                       "\"intervention_layers\":[-1],\"stream\":true,\"method\":\"bogus\"}";
     CHECK(fitm_api_parse_answer(all, strlen(all), &LIM, &req, &err) == FITM_OK);
     CHECK(req.base.n_docs == 2 && req.n_stop == 2 && !strcmp(req.stop[1], "zz"));
-    CHECK(req.max_tokens == LIM.max_answer_tokens); /* lowered to the server's limit */
+    CHECK(req.max_tokens == LIM.max_answer_tokens); /* the server's limit itself */
     CHECK(req.temperature == 0.5 && req.top_p == 0.9 && req.seed == 3 && req.has_seed);
     CHECK(req.base.opt.temperature == 0.001 && req.base.opt.n_layers == 2 && req.base.dummy);
     CHECK(req.base.opt.window == 2 && req.base.opt.rows == -1);
@@ -256,6 +257,9 @@ static void test_answer(void)
     expect_answer("{\"query\":\"q\",\"texts\":[\"a\"]}", FITM_ERR_INVALID, "'documents'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"max_tokens\":0}", FITM_ERR_INVALID,
                   "'max_tokens'");
+    /* Over the server's limit: refused naming it, not lowered. */
+    expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"max_tokens\":51}", FITM_ERR_INVALID,
+                  "limit of 50 tokens (max_answer_tokens)");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"stop\":[\"a\",3]}", FITM_ERR_INVALID,
                   "'stop[1]'");
     expect_answer("{\"query\":\"q\",\"documents\":[\"a\"],\"temperature\":-0.1}", FITM_ERR_INVALID,
@@ -275,8 +279,38 @@ static void test_answer(void)
     expect_answer("[1]", FITM_ERR_INVALID, "object");
 }
 
+/* Bodies of many keys: every member counted (keys and elements, nested, none inside strings)
+ * against max_json_members, and a key repeated anywhere in a large object found. */
+static void test_json_members(void)
+{
+    fitm_api_limits lim = LIM;
+    lim.max_json_members = 5000;
+    fitm_rerank_request req;
+    fitm_err err = {{0}};
+    fitm_buf b = {0};
+    for (int round = 0; round < 3; round++) {
+        fitm_buf_clear(&b);
+        /* 3 members (query, documents and its element), then n keys (their empty arrays add
+         * none): 5000 in rounds 0 and 1 (where a key is repeated), 5001 in round 2 */
+        int n = round == 2 ? 4998 : 4997;
+        fitm_buf_printf(&b, "{\"query\":\"q,\\\"[{\",\"documents\":[\"a\"]");
+        for (int i = 0; i < n; i++)
+            fitm_buf_printf(&b, ",\"k%d\":[]", round == 1 && i == n - 1 ? 1234 : i);
+        fitm_buf_printf(&b, "}");
+        fitm_status st = fitm_api_parse_rerank(b.p, b.len, &lim, &req, &err);
+        if (round == 0)
+            CHECK(st == FITM_OK);
+        else
+            CHECK(st == FITM_ERR_INVALID &&
+                  strstr(err.msg, round == 1 ? "duplicate key 'k1234'" : "max_json_members"));
+        fitm_rerank_request_free(&req);
+    }
+    fitm_buf_free(&b);
+}
+
 int main(void)
 {
+    test_json_members();
     test_classify();
     test_utf8();
     test_parse();

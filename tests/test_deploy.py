@@ -388,6 +388,11 @@ def test_systemd_analyze_verify_gpu_variant(tmp_path):
     assert float(m.group(1)) <= 2.5, r.stdout
 
 
+def test_systemd_reload_sends_the_sighup_fitmd_survives():
+    # tests/test_resilience.py -k sighup: fitmd logs SIGHUP and serves on
+    assert unit_values()["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
 def test_systemd_analyze_verify(tmp_path):
     fitmd = build_dir() / "src" / "fitmd"

@@ -247,6 +247,38 @@ static void test_request(void)
     expect_request("GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\n", 400, NONE, 0);
     expect_request("HEAD / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", 400, NONE,
                    0);
+    /* Expect: 100-continue (any case) is met; another expectation fails on HTTP/1.1 only. */
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nExpect: 100-Continue\r\nContent-Length: 2\r\n"
+                   "\r\n",
+                   0, LEN, 2);
+    expect_request("POST /r HTTP/1.1\r\nHost: x\r\nExpect: 100-continue, x\r\n\r\n", 417, NONE,
+                   0);
+    expect_request("GET / HTTP/1.1\r\nHost: x\r\nExpect:\r\n\r\n", 417, NONE, 0);
+    expect_request("GET / HTTP/1.0\r\nExpect: 200-ok\r\n\r\n", 0, NONE, 0);
+}
+
+/* A body limit (max_total): the size line that brings the announced chunk data past it is
+ * refused with 413 as it ends, before its data; data up to the limit is accepted. */
+static void test_chunk_limit(void)
+{
+    static const struct {
+        const char *body;
+        int status;
+    } cases[] = {
+        {"10\r\n0123456789abcdef\r\n0\r\n\r\n", 0},
+        {"11\r\n", 413},
+        {"8\r\n01234567\r\n8\r\n01234567\r\n1\r\n", 413},
+        {"8;ext=1\r\n01234567\r\n8\r\n01234567\r\n0\r\n\r\n", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fitm_frame_chunks c = {.max_total = 16};
+        fitm_frame_error e = {0};
+        size_t used = 0, n = strlen(cases[i].body);
+        fitm_frame_verdict v = fitm_frame_chunks_scan(&c, cases[i].body, n, &used, &e);
+        CHECK(cases[i].status ? v == FITM_FRAME_BAD && e.status == 413
+                              : v == FITM_FRAME_OK && used == n,
+              "chunk limit case %zu: %d/%d", i, v, e.status);
+    }
 }
 
 /* Scans s in pieces of `step` bytes; the verdict, and in *used the bytes of s that were body. */
@@ -340,6 +372,7 @@ int main(void)
     test_random();
     test_request();
     test_chunks();
+    test_chunk_limit();
     printf("frame: %d checks, %d failures\n", n_checks, failures);
     return failures ? 1 : 0;
 }

@@ -356,12 +356,13 @@ def test_every_route_s_refusals_are_in_the_spec(daemon):
             if method == "get":
                 cases.append(line + b" HTTP/1.1\r\nHost: x\r\n" + auth
                              + b"Content-Length: 5\r\n\r\nhello")
+            cases.append(line + b" HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\n\r\n")
             for data in cases:
                 got = responses(exchange(daemon, data))
                 assert len(got) == 1, (path, data[:80], got)
                 check(path, method, RawResponse(got[0]))
                 seen.add(got[0][0])
-    assert seen == {400, 405, 413, 414, 431, 501, 505}, seen
+    assert seen == {400, 405, 413, 414, 417, 431, 501, 505}, seen
 
 
 def test_trickled_headers_are_cut_with_408(fitmd_bin, models, tmp_path):  # noqa: F811
@@ -842,3 +843,297 @@ def test_model_load_copy_survives_the_file_changing(fitmd_bin, models, tmp_path)
         assert d.healthy()
     finally:
         assert d.terminate() == 0
+
+
+# ---- what operators and attackers send (issue 42) -------------------------------------------
+
+def start_fitmd(fitmd_bin, model, log, **opts):  # noqa: F811
+    """fitmd started without waiting for it to be healthy (its model may never load)."""
+    args = [str(fitmd_bin), f"--model={model}", "--host=127.0.0.1", f"--port={free_port()}"]
+    args += [f"--{k}={v}" for k, v in opts.items()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(path, pattern, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if re.search(pattern, path.read_text()):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no {pattern!r} in the log:\n{path.read_text()[-3000:]}")
+
+
+def test_sighup_is_logged_and_serving_goes_on(fitmd_bin, models, tmp_path):  # noqa: F811
+    """SIGHUP (logrotate, `systemctl reload`) while streams run: logged, every stream ends
+    with [DONE], fitmd serves on and still drains on SIGTERM (on 5f0f007 it died of the
+    signal, exit 129, cutting the streams)."""
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY)
+    got = []
+
+    def stream():
+        r = requests.post(d.url("/answer"), headers=AUTH, timeout=120, stream=True,
+                          json={"query": "q", "documents": docs(4, 30), "max_tokens": 64,
+                                "ignore_eos": True, "stream": True})
+        got.append((r.status_code, r.content))
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    d.wait_running()
+    for _ in range(2):
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.2)
+    for t in threads:
+        t.join(120)
+    assert d.proc.poll() is None, d.log_text()[-2000:]
+    assert len(got) == 3 and all(st == 200 and b"data: [DONE]" in body for st, body in got), got
+    d.wait_log(r"SIGHUP: nothing to reload")
+    assert d.healthy()
+    assert d.terminate() == 0, d.log_text()
+
+
+def flood(n_keys: int, tail: str = "") -> bytes:
+    return ("{" + ",".join(f'"k{i}":1' for i in range(n_keys)) + tail
+            + ',"query":"q","documents":["a"]}').encode()
+
+
+def test_key_flood_is_refused_and_duplicates_found_in_linear_time(daemon):
+    """200,000 unknown keys (2.3 MB): 400 naming max_json_members at once (on 5f0f007 the
+    quadratic duplicate check took 45 s here and answered 200). Under the bound, a key repeated
+    at the end of 60,000 is still found, and 60,000 distinct keys are accepted."""
+    hdr = {**AUTH, "Content-Type": "application/json"}
+    r = requests.post(daemon.url("/rerank"), data=flood(200000), headers=hdr, timeout=30)
+    assert r.status_code == 400 and "max_json_members" in r.json()["error"]["message"], r.text
+    r = requests.post(daemon.url("/rerank"), data=flood(60000, ',"k7":2'), headers=hdr,
+                      timeout=30)
+    assert r.status_code == 400 and "duplicate key 'k7'" in r.json()["error"]["message"], r.text
+    r = requests.post(daemon.url("/rerank"), data=flood(60000), headers=hdr, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw", [b'{"query":"q","documents":["a"],"top_n":NaN}',
+                                 b'{"query":"\\ud800","documents":["a"]}',
+                                 b"[" * 2000 + b"]" * 2000,
+                                 b'{"query":"q","documents":["a"]} {}'],
+                         ids=["NaN", "lone surrogate", "nested 2000 deep", "trailing data"])
+def test_malformed_json_is_invalid_json(daemon, raw):
+    r = post_body(daemon, raw)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+def test_max_json_members_counts_every_key_and_element(fitmd_bin, models, tmp_path):  # noqa: F811
+    """{"query", "documents": [n strings]} holds n + 2 members (keys and elements, nested
+    ones too): with max_json_members = 40 one over is refused, the bound itself accepted."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, api_keys=KEY, max_json_members=40)
+    for n, want in ((38, 200), (39, 400)):
+        body = {"query": "q, \"[not\", {a, member}", "documents": [f"d{i}, ]" for i in range(n)]}
+        r = requests.post(d.url("/rerank"), json=body, headers=AUTH, timeout=60)
+        assert r.status_code == want, (n, r.text)
+    nested = {"query": "q", "documents": [{"text": "a", "title": "t"}] * 12}  # 2 + 12 * 3
+    nested["documents"].append({"text": "b"})  # + 2: 40
+    assert requests.post(d.url("/rerank"), json=nested, headers=AUTH, timeout=60).status_code == 200
+    nested["documents"][-1]["title"] = "u"  # 41
+    assert requests.post(d.url("/rerank"), json=nested, headers=AUTH, timeout=60).status_code == 400
+    assert d.terminate() == 0
+
+
+def test_non_regular_model_path_is_refused_at_once(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A FIFO as the model: fitmd says it is not a regular file and exits 1 before listening;
+    fitm inspect too (on 5f0f007 both blocked in open() for good)."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    log = tmp_path / "fitmd.log"
+    with open(log, "w") as f:
+        p = start_fitmd(fitmd_bin, fifo, f)
+        try:
+            assert p.wait(30) == 1
+        finally:
+            p.kill()
+    assert "not a regular file" in log.read_text(), log.read_text()
+    fitm = fitmd_bin.parent / "fitm"
+    p = subprocess.run([str(fitm), "inspect", "-m", str(fifo)], capture_output=True, timeout=30)
+    assert p.returncode == 1 and b"not a regular file (a FIFO)" in p.stderr, p.stderr
+
+
+def test_drain_deadline_holds_while_the_model_loads(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A load that never returns (its profile a FIFO nobody writes): SIGTERM still ends fitmd
+    once drain_timeout_ms passed, exit 1 with a log line (on 5f0f007 it waited for the load
+    for good)."""
+    fifo = tmp_path / "scoring.profile"
+    os.mkfifo(fifo)
+    log = tmp_path / "fitmd.log"
+    with open(log, "w") as f:
+        p = start_fitmd(fitmd_bin, models["small"], f, profile=fifo, drain_timeout_ms=500)
+        try:
+            wait_for(log, r"listening on")
+            time.sleep(0.5)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(30) == 1
+        finally:
+            p.kill()
+    assert "the model is still loading after 500 ms" in log.read_text(), log.read_text()
+
+
+CHUNKED = (b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD
+           + b"Transfer-Encoding: chunked\r\n\r\n")
+FRAMING_ERRORS = [
+    ("chunk size zz", CHUNKED + b"zz\r\n", 400, "not hex digits"),
+    ("chunk size of 17 digits", CHUNKED + b"1" + b"0" * 16 + b"\r\n", 400, "16 hex digits"),
+    ("chunk size 2^63", CHUNKED + b"7fffffffffffffff\r\n", 413, "over any body"),
+    ("chunk over max_body_bytes", CHUNKED + b"10001\r\n" + b"a" * 100, 413, "65536 bytes"),
+    ("chunks adding up past it", CHUNKED + b"8000\r\n" + b"a" * 0x8000 + b"\r\n8001\r\n", 413,
+     "65536 bytes"),
+    ("200 KB chunk extension", CHUNKED + b"5;" + b"x" * 200000 + b"\r\n", 400, "extension"),
+    ("no CRLF after chunk data", CHUNKED + b"5\r\nhelloXX", 400, "not followed by CRLF"),
+    ("unknown Expect", b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD
+     + b"Expect: 200-ok\r\nContent-Length: 2\r\n\r\n{}", 417, "100-continue"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_body_daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("log"), api_keys=KEY,
+               max_body_bytes=65536, http_idle_timeout_s=2)
+    yield d
+    assert d.terminate() == 0, d.log_text()
+
+
+@pytest.mark.parametrize("name,data,status,mentions", FRAMING_ERRORS,
+                         ids=[c[0] for c in FRAMING_ERRORS])
+def test_framing_errors_get_a_status_before_the_close(small_body_daemon, name, data, status,
+                                                      mentions):
+    """Each framing error inside a body is answered with its status (RFC 9112: 400, 413 for a
+    body over the limit, 417 for an Expect the server cannot meet) and Connection: close,
+    before the close (on 5f0f007: a silent close, at once or at the idle timeout)."""
+    t0 = time.time()
+    got = responses(exchange(small_body_daemon, data, wait=20))
+    assert len(got) == 1, (name, got)
+    st, hdr, body = got[0]
+    assert st == status and hdr["connection"] == "close", (name, st, hdr)
+    assert mentions in json.loads(body)["error"]["message"], (name, body)
+    assert time.time() - t0 < 1.5, "answered at once, not at the idle timeout"
+
+
+def test_expect_100_continue_without_a_body_gets_408(small_body_daemon):
+    """Expect: 100-continue, then no body: 100 Continue, then 408 once nothing came for
+    http_idle_timeout_s (on 5f0f007: 100, then a silent close)."""
+    data = (b"POST /rerank HTTP/1.1\r\nHost: x\r\n" + HEAD
+            + b"Expect: 100-continue\r\nContent-Length: 40\r\n\r\n")
+    out = exchange(small_body_daemon, data, wait=20)
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), out
+    got = responses(out[len(b"HTTP/1.1 100 Continue\r\n\r\n"):])
+    assert [g[0] for g in got] == [408], got
+    assert "stopped arriving" in json.loads(got[0][2])["error"]["message"]
+
+
+def test_max_tokens_over_the_limit_is_refused(daemon):
+    """max_tokens over max_answer_tokens (512 by default) is refused naming the limit, not
+    lowered in silence; the limit itself is accepted (on 5f0f007 513 gave 200, and 0 was said
+    to be out of [1, 2147483647])."""
+    q = {"query": "q", "documents": ["a"]}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/answer", {**q, "max_tokens": 513}),
+                       ("/v1/chat/completions", {**chat, "max_tokens": 513}),
+                       ("/v1/chat/completions", {**chat, "max_completion_tokens": 513}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 513})):
+        r = requests.post(daemon.url(path), json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "max_answer_tokens" in r.text and "512" in r.text, r.text
+    r = requests.post(daemon.url("/answer"), json={**q, "max_tokens": 0}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "1 to 512" in r.text and "2147483647" not in r.text, r.text
+    r = requests.post(daemon.url("/answer"), json={**q, "max_tokens": 512, "temperature": 0},
+                      headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {"50256": -100}), ("logit_bias", "not an object"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f"}]), ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
+    ("response_format", "json"), ("logprobs", True), ("top_logprobs", 3), ("best_of", 2),
+])
+def test_unsupported_openai_fields_are_refused(daemon, field, value):
+    """A field this server cannot honour is refused with 400 naming it, on both OpenAI routes
+    (on 5f0f007: 200 as if honoured)."""
+    for path, body in (("/v1/chat/completions", CHAT),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+        r = requests.post(daemon.url(path), json={**body, field: value}, headers=AUTH, timeout=60)
+        assert r.status_code == 400, (path, field, r.text)
+        assert f"'{field}'" in r.json()["error"]["message"], r.text
+
+
+def test_openai_fields_that_ask_for_nothing_are_accepted(daemon):
+    harmless = {"logit_bias": {}, "tools": [], "functions": None, "tool_choice": "none",
+                "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0,
+                "best_of": 1}
+    r = requests.post(daemon.url("/v1/chat/completions"), json={**CHAT, **harmless}, headers=AUTH,
+                      timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def security_headers_of(hdr, page=False):
+    hdr = {k.lower(): v for k, v in hdr.items()}
+    assert hdr.get("x-content-type-options") == "nosniff", hdr
+    assert hdr.get("x-frame-options") == "DENY", hdr
+    csp = hdr.get("content-security-policy", "")
+    assert "frame-ancestors 'none'" in csp and "default-src 'none'" in csp, hdr
+    return csp
+
+
+def test_every_response_carries_the_security_headers(daemon):
+    """The playground (with its own policy: scripts inline, calls to this origin only), JSON
+    answers and errors, a stream, and the gate's own refusals all carry nosniff, DENY and a
+    Content-Security-Policy (on 5f0f007 none of them did)."""
+    r = requests.get(daemon.url("/"), timeout=10)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    csp = security_headers_of(r.headers, page=True)
+    assert "connect-src 'self'" in csp and "script-src 'unsafe-inline'" in csp
+    for r in (requests.get(daemon.url("/health"), timeout=10),
+              requests.get(daemon.url("/nope"), timeout=10),
+              requests.post(daemon.url("/rerank"), json={"query": "q", "documents": ["a"]},
+                            headers=AUTH, timeout=60),
+              requests.post(daemon.url("/answer"), headers=AUTH, timeout=60,
+                            json={"query": "q", "documents": ["a"], "max_tokens": 2,
+                                  "stream": True})):
+        assert r.status_code in (200, 404), r.text
+        security_headers_of(r.headers)
+    for data in (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                 CHUNKED + b"zz\r\n"):
+        (st, hdr, _), = responses(exchange(daemon, data))
+        assert st == 400
+        security_headers_of(hdr)
+
+
+def test_stalled_stream_reader_is_cut_after_the_idle_timeout(fitmd_bin, models, tmp_path):  # noqa: F811
+    """A client that reads nothing of a long stream: its connection is closed
+    http_idle_timeout_s after it last took a byte, and its job stops (on 5f0f007 the socket
+    stayed open for good: the stream resumed whenever the client read again)."""
+    d = Daemon(fitmd_bin, models["long"], tmp_path, api_keys=KEY, http_idle_timeout_s=2,
+               max_answer_tokens=4096)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
+                       "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+    s = socket.socket()
+    # A small window and segment size keep the server's socket buffers for this connection
+    # small (on loopback they grow with the segment size), so the stream outgrows them.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.connect(("127.0.0.1", d.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + HEAD
+              + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    d.wait_log(r"took none of its answer for 2000 ms", timeout=120)
+    s.settimeout(20)
+    out = b""
+    try:
+        while (b := s.recv(65536)):
+            out += b
+    except ConnectionResetError:
+        pass
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in out, out[-300:]
+    d.wait_log(r"POST /v1/chat/completions -> 499")
+    assert d.terminate() == 0

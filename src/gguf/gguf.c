@@ -678,7 +678,9 @@ static fitm_status open_file(fitm_gguf **out, const char *path, bool copy, fitm_
     if (!out || !path)
         return fitm_err_set(err, FITM_ERR_INVALID, "fitm_gguf_open: out or path is NULL");
     *out = NULL;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO (or a device) without a writer would block; such a file is
+     * refused below as not regular, and a regular file ignores the flag. */
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) {
         st = fitm_err_set(err, errno == ENOENT ? FITM_ERR_NOT_FOUND : FITM_ERR_IO,
                           "%s: cannot open: %s", path, strerror(errno));
@@ -690,7 +692,12 @@ static fitm_status open_file(fitm_gguf **out, const char *path, bool copy, fitm_
         goto done;
     }
     if (!S_ISREG(sb.st_mode)) {
-        st = fitm_err_set(err, FITM_ERR_IO, "%s: not a regular file", path);
+        st = fitm_err_set(err, FITM_ERR_IO, "%s: not a regular file (%s)", path,
+                          S_ISDIR(sb.st_mode)    ? "a directory"
+                          : S_ISFIFO(sb.st_mode) ? "a FIFO"
+                          : S_ISSOCK(sb.st_mode) ? "a socket"
+                          : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "a device"
+                                                                         : "not a file");
         goto done;
     }
     if (sb.st_size == 0) {

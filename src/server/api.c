@@ -31,6 +31,8 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
     case FITM_API_COND_VERSION:
         return (fitm_api_error_class){505, "invalid_request_error", "http_version_not_supported",
                                       false};
+    case FITM_API_COND_EXPECTATION:
+        return (fitm_api_error_class){417, "invalid_request_error", "expectation_failed", false};
     case FITM_API_COND_NONE:
         break;
     }
@@ -147,6 +149,25 @@ static fitm_status take_int(const cJSON *item, const char *field, int64_t lo, in
                             field, d, (long long)lo, (long long)hi);
     *v = (int64_t)d;
     return FITM_OK;
+}
+
+/* max_tokens (field: or an OpenAI name of it) into *v: 1 to the server's max_answer_tokens,
+ * refused beyond rather than lowered, so a client never gets fewer tokens than it asked for
+ * without being told. */
+static fitm_status take_max_tokens(const cJSON *item, const char *field,
+                                   const fitm_api_limits *lim, int64_t *v, fitm_err *err)
+{
+    fitm_status st = take_int(item, field, 1, INT32_MAX, v, err);
+    if (st == FITM_OK && *v > lim->max_answer_tokens)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'%s' = %lld is over this server's limit of %d tokens "
+                            "(max_answer_tokens): ask for 1 to %d",
+                            field, (long long)*v, (int)lim->max_answer_tokens,
+                            (int)lim->max_answer_tokens);
+    if (st != FITM_OK && cJSON_IsNumber(item) && item->valuedouble < 1)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s' = %g: ask for 1 to %d tokens", field,
+                            item->valuedouble, (int)lim->max_answer_tokens);
+    return st;
 }
 
 static fitm_status take_bool(const cJSON *item, const char *field, bool *v, fitm_err *err)
@@ -543,18 +564,96 @@ static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
     return FITM_OK;
 }
 
+/* The object members and array elements of body (JSON text not yet parsed), counted outside
+ * strings in one pass: what cJSON would allocate an item for, besides the root. Counting stops
+ * once it passes limit, so a body of millions of keys costs no more than limit of them. */
+static int64_t count_members(const char *body, size_t len, int64_t limit)
+{
+    int64_t n = 0;
+    bool in_str = false, opened = false; /* opened: a { or [ whose first member is next */
+    for (size_t i = 0; i < len && n <= limit; i++) {
+        char c = body[i];
+        if (in_str) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = false;
+            continue;
+        }
+        if (c == ' ' || c == '\t' || c == '\n' || c == '\r')
+            continue;
+        if (opened && c != '}' && c != ']')
+            n++;
+        opened = c == '{' || c == '[';
+        if (c == ',')
+            n++;
+        else if (c == '"')
+            in_str = true;
+    }
+    return n;
+}
+
+static uint64_t key_hash(const char *s)
+{
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h;
+}
+
+/* The first key of obj that an earlier member of obj already has, or NULL (also in *dup on
+ * success). Linear: small objects compare pairwise, larger ones through a hash set. */
+static fitm_status find_duplicate_key(const cJSON *obj, const char **dup, fitm_err *err)
+{
+    *dup = NULL;
+    size_t m = 0;
+    for (const cJSON *a = obj->child; a; a = a->next)
+        m++;
+    if (m <= 8) {
+        for (const cJSON *a = obj->child; a && !*dup; a = a->next)
+            for (const cJSON *b = a->next; b && a->string; b = b->next)
+                if (b->string && !strcmp(a->string, b->string)) {
+                    *dup = a->string;
+                    break;
+                }
+        return FITM_OK;
+    }
+    size_t cap = 16;
+    while (cap < 2 * m)
+        cap *= 2;
+    const char **set = calloc(cap, sizeof *set);
+    if (!set)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory checking %zu keys", m);
+    for (const cJSON *a = obj->child; a && !*dup; a = a->next) {
+        if (!a->string)
+            continue;
+        size_t i = (size_t)key_hash(a->string) & (cap - 1);
+        while (set[i] && strcmp(set[i], a->string))
+            i = (i + 1) & (cap - 1);
+        if (set[i])
+            *dup = a->string;
+        set[i] = a->string;
+    }
+    free(set);
+    return FITM_OK;
+}
+
 /* A key given twice in one object, anywhere in the tree (cJSON would keep the first); path
  * (n bytes used of cap) is the node's, and names where. */
 static fitm_status reject_duplicate_keys(const cJSON *node, char *path, size_t n, size_t cap,
                                          fitm_err *err)
 {
+    if (cJSON_IsObject(node)) {
+        const char *dup = NULL;
+        fitm_status st = find_duplicate_key(node, &dup, err);
+        if (st != FITM_OK)
+            return st;
+        if (dup)
+            return fitm_err_set(err, FITM_ERR_INVALID, "duplicate key '%.64s'%s%s%s", dup,
+                                n ? " in '" : "", path, n ? "'" : "");
+    }
     int64_t index = 0;
     for (const cJSON *a = node ? node->child : NULL; a; a = a->next, index++) {
-        if (cJSON_IsObject(node) && a->string)
-            for (const cJSON *b = a->next; b; b = b->next)
-                if (b->string && !strcmp(a->string, b->string))
-                    return fitm_err_set(err, FITM_ERR_INVALID, "duplicate key '%.64s'%s%s%s",
-                                        a->string, n ? " in '" : "", path, n ? "'" : "");
         int w = cJSON_IsArray(node) ? snprintf(path + n, cap - n, "[%lld]", (long long)index)
                                     : snprintf(path + n, cap - n, "%s%.64s", n ? "." : "",
                                                a->string ? a->string : "");
@@ -567,13 +666,20 @@ static fitm_status reject_duplicate_keys(const cJSON *node, char *path, size_t n
     return FITM_OK;
 }
 
-/* Parses a whole request body as one JSON value (nothing but whitespace after it). On success
- * *root is the caller's to cJSON_Delete. */
-static fitm_status parse_body(const char *body, size_t len, cJSON **root, fitm_err *err)
+/* Parses a whole request body as one JSON value (nothing but whitespace after it) of at most
+ * lim->max_json_members members. On success *root is the caller's to cJSON_Delete. */
+static fitm_status parse_body(const char *body, size_t len, const fitm_api_limits *lim,
+                              cJSON **root, fitm_err *err)
 {
     *root = NULL;
     if (len == 0)
         return fitm_err_set(err, FITM_ERR_FORMAT, "invalid JSON: the request body is empty");
+    if (lim->max_json_members > 0 && count_members(body, len, lim->max_json_members) >
+                                         lim->max_json_members)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "the body has more than %lld object keys and array elements in all "
+                            "(the server's max_json_members)",
+                            (long long)lim->max_json_members);
     const char *end = NULL;
     cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!r) {
@@ -605,7 +711,7 @@ fitm_status fitm_api_parse_rerank(const char *body, size_t len, const fitm_api_l
     memset(out, 0, sizeof *out);
     fitm_score_opts_init(&out->opt);
     cJSON *root = NULL;
-    fitm_status st = parse_body(body, len, &root, err);
+    fitm_status st = parse_body(body, len, lim, &root, err);
     if (st != FITM_OK)
         return st;
     st = parse_rerank_object(root, lim, out, err);
@@ -972,9 +1078,9 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
     int64_t v;
     out->max_tokens = lim->max_answer_tokens < 256 ? lim->max_answer_tokens : 256;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens")) && !cJSON_IsNull(it)) {
-        if ((st = take_int(it, "max_tokens", 1, INT32_MAX, &v, err)) != FITM_OK)
+        if ((st = take_max_tokens(it, "max_tokens", lim, &v, err)) != FITM_OK)
             return st;
-        out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
+        out->max_tokens = (int32_t)v;
     }
     if ((st = parse_sampling(root, 100, out, err)) != FITM_OK)
         return st;
@@ -1056,7 +1162,7 @@ fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_l
     memset(out, 0, sizeof *out);
     fitm_score_opts_init(&out->base.opt);
     cJSON *root = NULL;
-    fitm_status st = parse_body(body, len, &root, err);
+    fitm_status st = parse_body(body, len, lim, &root, err);
     if (st != FITM_OK)
         return st;
     st = parse_answer_object(root, lim, out, err);
@@ -1319,6 +1425,61 @@ static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limi
     return parse_answer_options(root, out, err);
 }
 
+/* OpenAI fields this server cannot honour: refused (400, naming the field) unless given in
+ * the form that asks for nothing (null, false, 0 or 1 as each means "off", {} or [] for none,
+ * response_format {type: text}), so a client that asked for JSON mode, logprobs or tools
+ * knows it did not get them. */
+static fitm_status refuse_unsupported_openai(const cJSON *root, fitm_err *err)
+{
+    const cJSON *it;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "logit_bias")) && !cJSON_IsNull(it) &&
+        !(cJSON_IsObject(it) && !it->child))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'logit_bias' is not supported: this server cannot bias tokens "
+                            "(leave it out, or send {})");
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "logprobs")) && !cJSON_IsNull(it) &&
+        !cJSON_IsFalse(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'logprobs' is not supported: this server does not return token "
+                            "log-probabilities (leave it out, or send false)");
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_logprobs")) && !cJSON_IsNull(it) &&
+        !(cJSON_IsNumber(it) && it->valuedouble == 0))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'top_logprobs' is not supported: this server does not return token "
+                            "log-probabilities (leave it out, or send 0)");
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "best_of")) && !cJSON_IsNull(it) &&
+        !(cJSON_IsNumber(it) && it->valuedouble == 1))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'best_of' is not supported: this server generates one completion "
+                            "(leave it out, or send 1)");
+    static const char *const calls[] = {"tools", "functions"};
+    for (int i = 0; i < 2; i++)
+        if ((it = cJSON_GetObjectItemCaseSensitive(root, calls[i])) && !cJSON_IsNull(it) &&
+            !(cJSON_IsArray(it) && !it->child))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%s' is not supported: this server does not call tools "
+                                "(leave it out, or send [])",
+                                calls[i]);
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "tool_choice")) && !cJSON_IsNull(it) &&
+        !(cJSON_IsString(it) && (!strcmp(it->valuestring, "none") ||
+                                 !strcmp(it->valuestring, "auto"))))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'tool_choice' is not supported: this server does not call tools "
+                            "(leave it out, or send \"none\")");
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "response_format")) && !cJSON_IsNull(it)) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(it, "type");
+        if (!cJSON_IsObject(it) || !cJSON_IsString(type))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'response_format' must be an object with a string 'type'");
+        if (strcmp(type->valuestring, "text"))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'response_format' type '%.40s' is not supported: this server "
+                                "cannot constrain its output (only {\"type\": \"text\"})",
+                                type->valuestring);
+    }
+    return FITM_OK;
+}
+
 static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits *lim, bool chat,
                                        fitm_answer_request *out, bool *include_usage,
                                        fitm_err *err)
@@ -1326,6 +1487,8 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     if (!cJSON_IsObject(root))
         return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
     fitm_status st;
+    if ((st = refuse_unsupported_openai(root, err)) != FITM_OK)
+        return st;
     const cJSON *it;
     int64_t v;
     if (chat) {
@@ -1362,9 +1525,9 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     static const char *const max_names[] = {"max_tokens", "max_completion_tokens"};
     for (int i = 0; i < 2; i++)
         if ((it = cJSON_GetObjectItemCaseSensitive(root, max_names[i])) && !cJSON_IsNull(it)) {
-            if ((st = take_int(it, max_names[i], 1, INT32_MAX, &v, err)) != FITM_OK)
+            if ((st = take_max_tokens(it, max_names[i], lim, &v, err)) != FITM_OK)
                 return st;
-            out->max_tokens = v < lim->max_answer_tokens ? (int32_t)v : lim->max_answer_tokens;
+            out->max_tokens = (int32_t)v;
         }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "n")) && !cJSON_IsNull(it) &&
         (st = take_int(it, "n", 1, 1, &v, err)) != FITM_OK)
@@ -1412,7 +1575,7 @@ fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_l
     fitm_score_opts_init(&out->base.opt);
     *include_usage = false;
     cJSON *root = NULL;
-    fitm_status st = parse_body(body, len, &root, err);
+    fitm_status st = parse_body(body, len, lim, &root, err);
     if (st != FITM_OK)
         return st;
     st = parse_openai_object(root, lim, chat, out, include_usage, err);
@@ -1554,7 +1717,7 @@ fitm_status fitm_api_parse_score(const char *body, size_t len, const fitm_api_li
     memset(out, 0, sizeof *out);
     fitm_score_opts_init(&out->opt);
     cJSON *root = NULL, *view = NULL;
-    fitm_status st = parse_body(body, len, &root, err);
+    fitm_status st = parse_body(body, len, lim, &root, err);
     if (st != FITM_OK)
         return st;
     if (!cJSON_IsObject(root)) {
@@ -1671,13 +1834,13 @@ static fitm_status either(const cJSON *obj, const char *a, const char *b, const 
     return FITM_OK;
 }
 
-fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
-                                  fitm_api_tokens *out, fitm_err *err)
+fitm_status fitm_api_parse_tokens(const char *body, size_t len, const fitm_api_limits *lim,
+                                  bool detokenize, fitm_api_tokens *out, fitm_err *err)
 {
     memset(out, 0, sizeof *out);
     out->detokenize = detokenize;
     cJSON *root = NULL;
-    fitm_status st = parse_body(body, len, &root, err);
+    fitm_status st = parse_body(body, len, lim, &root, err);
     if (st != FITM_OK)
         return st;
     const char *name;

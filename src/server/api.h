@@ -28,6 +28,7 @@ typedef enum {
     FITM_API_COND_TARGET_TOO_LONG, /* request target over the limit (414)          */
     FITM_API_COND_HEAD_TOO_LARGE,  /* request head over the limit (431)            */
     FITM_API_COND_VERSION,         /* an HTTP version other than 1.0/1.1 (505)     */
+    FITM_API_COND_EXPECTATION,     /* an Expect other than 100-continue (417)       */
 } fitm_api_cond;
 
 typedef struct {
@@ -51,7 +52,8 @@ typedef struct {
     int32_t max_tokens_per_doc;
     const char *model_name; /* the served model's name                           */
     bool strict_model;      /* a request's `model`, when given, must equal model_name */
-    int32_t max_answer_tokens; /* /answer's max_tokens is lowered to it */
+    int32_t max_answer_tokens; /* most max_tokens an /answer or OpenAI request may ask for */
+    int64_t max_json_members;  /* most object members and array elements in a body; 0: any */
 } fitm_api_limits;
 
 /* Parses and validates a /rerank body (Cohere/Jina shape, or TEI's with `texts`) into *out,
@@ -165,8 +167,8 @@ void fitm_api_tokens_free(fitm_api_tokens *t);
 /* Parses /tokenize's body (content, or vLLM's prompt; add_special, or vLLM's
  * add_special_tokens, default false) or /detokenize's (tokens: ids >= 0; the vocabulary
  * bound is checked when decoding) into *out. Errors as fitm_api_parse_rerank. */
-fitm_status fitm_api_parse_tokens(const char *body, size_t len, bool detokenize,
-                                  fitm_api_tokens *out, fitm_err *err);
+fitm_status fitm_api_parse_tokens(const char *body, size_t len, const fitm_api_limits *lim,
+                                  bool detokenize, fitm_api_tokens *out, fitm_err *err);
 
 /* /tokenize's response {tokens, count, max_model_len} or /detokenize's {content, prompt}
  * (the same text under llama.cpp's and vLLM's names; bytes that are not UTF-8 become

@@ -68,7 +68,9 @@ static const opt opts[] = {
      "CPU compute threads; 0 = the CPUs this process may use (affinity mask, cgroup CPU quota)"},
     {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},
     {"http_idle_timeout_s", INT(http_idle_timeout_s), "30", 1, 3600, NULL,
-     "seconds a connection may stay silent (slow or idle clients) before it is closed"},
+     "seconds a connection may stay silent (slow or idle clients) before it is closed; a "
+     "request body that stops arriving this long gets 408 first, and a client that takes "
+     "none of an answer (or a stream) this long is closed"},
     {"max_connections", INT(max_connections), "512", 4, 100000, NULL,
      "open client connections at once; more are refused at accept"},
     {"max_connections_per_client", INT(max_connections_per_client), "64", 1, 100000, NULL,
@@ -88,6 +90,9 @@ static const opt opts[] = {
      "calls)"},
     {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,
      "largest request body accepted (413 beyond, enforced while reading)"},
+    {"max_json_members", INT(max_json_members), "65536", 16, 16777216, NULL,
+     "most object keys and array elements in a request body, counted before it is parsed "
+     "(400 beyond)"},
     {"max_documents", INT(max_documents), "256", 1, 4096, NULL,
      "documents per request (more: 422)"},
     {"max_tokens_per_doc", INT(max_tokens_per_doc), "512", 8, 1000000, NULL,
@@ -132,9 +137,10 @@ static const opt opts[] = {
      "Retry-After beyond (an empty queue takes any request); 0 = no limit"},
     {"drain_timeout_ms", INT(drain_timeout_ms), "30000", 0, 3600000, NULL,
      "on SIGTERM: /health says draining, new requests get 503, in-flight ones have this long "
-     "to finish; then exit 0"},
+     "to finish; then exit 0 (a model load still running then: exit 1 without it)"},
     {"max_answer_tokens", INT(max_answer_tokens), "512", 1, 65536, NULL,
-     "upper bound of max_tokens in /answer and the OpenAI routes"},
+     "most max_tokens (max_completion_tokens) /answer and the OpenAI routes accept (400 "
+     "beyond)"},
     {"chat_template", ENUM(chat_template), "auto", 0, 0, "auto|raw|chatml|gemma|llama2|llama3",
      "prompt wrapping; auto = recognise tokenizer.chat_template, raw when unknown"},
     {"dummy_text", STR(dummy_text),

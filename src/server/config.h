@@ -37,6 +37,7 @@ typedef struct {
     char api_keys[FITM_CONFIG_STR_BYTES];  /* comma-separated bearer keys; "" = open   */
     char cors_origins[FITM_CONFIG_STR_BYTES]; /* "*" or comma-separated origins; "" = no CORS */
     int64_t max_body_bytes;
+    int64_t max_json_members;
     int64_t max_documents;
     int64_t max_tokens_per_doc;
     int64_t ctx_size;                      /* 0 = the model's trained context          */

@@ -1,7 +1,9 @@
 /* fitmd: the daemon. Startup: config (flags > FITM_* env > file > defaults) -> engine thread
  * (loads the model, then owns it) -> HTTP. /health says 503 until the model is loaded.
  * SIGTERM/SIGINT: keep listening (/health says draining, new requests get 503), let
- * in-flight requests finish within drain_timeout_ms, exit 0. A model that fails to load exits 1 with the reason. */
+ * in-flight requests finish within drain_timeout_ms, exit 0. A model that fails to load exits 1 with the reason.
+ * SIGHUP: logged and otherwise ignored (fitmd logs to stderr, so there is no file to reopen;
+ * a changed config takes a restart). */
 #include <errno.h>
 #include <curl/curl.h>
 #include <libgen.h>
@@ -561,19 +563,34 @@ static void notify(const char *state)
     }
 }
 
-/* SIGTERM/SIGINT taken by a thread that does not block them (one a runtime started before
- * main, such as a sanitizer's): recorded here for wait_for_signal instead of killing fitmd. */
-static volatile sig_atomic_t stray_signal;
+/* SIGTERM/SIGINT/SIGHUP taken by a thread that does not block them (one a runtime started
+ * before main, such as a sanitizer's): recorded here for wait_for_signal instead of killing
+ * fitmd. */
+static volatile sig_atomic_t stray_signal, stray_hangup;
 
 static void on_stray_signal(int sig)
 {
     stray_signal = sig;
 }
 
+static void on_stray_hangup(int sig)
+{
+    (void)sig;
+    stray_hangup = 1;
+}
+
+/* SIGHUP (logrotate, `systemctl reload`): nothing to reopen or re-read, so one log line and
+ * fitmd serves on. */
+static void hangup(void)
+{
+    FITM_LOG(FITM_LOG_INFO, NULL, "SIGHUP: nothing to reload (the log is stderr; restart fitmd "
+                                  "to apply a changed config); serving on");
+}
+
 /* Blocks until SIGTERM/SIGINT (returns it) or until the engine failed to load (returns 0).
- * Meanwhile: READY=1 to the service manager once the model is loaded, and WATCHDOG=1 at half
- * the interval it asks for while the engine is not broken (a broken backend stops the pings,
- * so the manager restarts the daemon). */
+ * Meanwhile: each SIGHUP is logged (hangup), READY=1 goes to the service manager once the
+ * model is loaded, and WATCHDOG=1 at half the interval it asks for while the engine is not
+ * broken (a broken backend stops the pings, so the manager restarts the daemon). */
 static int wait_for_signal(const sigset_t *set, fitm_engine *e)
 {
     const double watchdog_ms = (double)fitm_notify_watchdog_usec() / 2000.0;
@@ -582,6 +599,11 @@ static int wait_for_signal(const sigset_t *set, fitm_engine *e)
     for (;;) {
         struct timespec ts = {0, 200 * 1000 * 1000};
         int sig = sigtimedwait(set, NULL, &ts);
+        if (sig == SIGHUP || stray_hangup) {
+            stray_hangup = 0;
+            hangup();
+            continue;
+        }
         if (sig > 0)
             return sig;
         if (stray_signal)
@@ -643,6 +665,11 @@ static int describe_model(const fitm_config *cfg, fitm_http_model_info *info)
             return 1;
         }
         sb.st_mtime = time(NULL); /* downloaded on the engine thread, /health 503 meanwhile */
+    } else if (!S_ISREG(sb.st_mode)) {
+        /* Said before listening: the loader refuses it too, but only once the engine runs. */
+        fprintf(stderr, "fitmd: model %s: not a regular file (a model is read from a regular "
+                        "file, mapped or copied)\n", cfg->model);
+        return 1;
     }
     if (cfg->model_name[0]) {
         snprintf(info->name, sizeof info->name, "%s", cfg->model_name);
@@ -676,13 +703,29 @@ static void block_signals(sigset_t *set)
     sigemptyset(set);
     sigaddset(set, SIGTERM);
     sigaddset(set, SIGINT);
+    sigaddset(set, SIGHUP);
     struct sigaction term = {.sa_handler = on_stray_signal};
     sigaction(SIGTERM, &term, NULL);
     sigaction(SIGINT, &term, NULL);
+    struct sigaction hup = {.sa_handler = on_stray_hangup};
+    sigaction(SIGHUP, &hup, NULL);
     pthread_sigmask(SIG_BLOCK, set, NULL);
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_sigbus};
     sigaction(SIGBUS, &sa, NULL);
+}
+
+/* Waits until the engine is past its model load or the clock passes until_ms (fitm_clock_ms).
+ * False when it is still loading then. */
+static bool load_ends_by(fitm_engine *e, double until_ms)
+{
+    while (fitm_engine_get_state(e, NULL) == FITM_ENGINE_LOADING) {
+        if (fitm_clock_ms() >= until_ms)
+            return false;
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return true;
 }
 
 /* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0), stops
@@ -703,8 +746,19 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
         FITM_LOG(FITM_LOG_INFO, NULL, "%s: draining (up to %lld ms)",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", (long long)cfg->drain_timeout_ms);
         fitm_http_quiesce(http);
+        const double until = fitm_clock_ms() + (double)cfg->drain_timeout_ms;
         if (!fitm_engine_drain(engine, cfg->drain_timeout_ms))
             FITM_LOG(FITM_LOG_WARN, NULL, "drain timeout: cancelling what is left");
+        if (!load_ends_by(engine, until)) {
+            /* The engine thread is stuck in the load (a read that does not return): joining it
+             * could take forever. No job ever ran, so nothing is lost by leaving it behind. */
+            FITM_LOG(FITM_LOG_ERROR, NULL,
+                     "drain timeout: the model is still loading after %lld ms; exiting without "
+                     "waiting for it", (long long)cfg->drain_timeout_ms);
+            fitm_http_stop(http);
+            fflush(NULL);
+            _exit(1);
+        }
     }
     fitm_engine_shutdown(engine); /* every job answered from here on */
     if (!fitm_http_wait_idle(http, 2000))

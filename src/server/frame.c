@@ -170,7 +170,7 @@ fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_fram
     bool http11 = !memcmp(p + len - 8, "HTTP/1.1", 8);
     int n_cl = 0, n_te = 0, n_host = 0;
     uint64_t cl = 0;
-    bool te_chunked = false;
+    bool te_chunked = false, expect_other = false;
     for (p = next;; p = next) {
         next_line(p, end, &len, &next);
         if (len == 0)
@@ -189,6 +189,8 @@ fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_fram
             te_chunked = vn == 7 && !memcmp(val, "chunked", 7);
         } else if (m == 4 && !strncasecmp(p, "Host", 4)) {
             n_host++;
+        } else if (m == 6 && !strncasecmp(p, "Expect", 6)) {
+            expect_other |= !(vn == 12 && !strncasecmp(val, "100-continue", 12));
         }
     }
     if (n_cl && n_te)
@@ -202,6 +204,8 @@ fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_fram
                    n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header");
     if (!post && (n_te || cl))
         return bad(e, 400, "this method takes no request body");
+    if (http11 && expect_other) /* an HTTP/1.0 server ignores Expect (RFC 9110 10.1.1) */
+        return bad(e, 417, "Expect: only '100-continue' is supported");
     req->head_len = (size_t)(next - buf);
     req->body = n_te ? FITM_FRAME_BODY_CHUNKED : cl ? FITM_FRAME_BODY_LENGTH : FITM_FRAME_BODY_NONE;
     req->length = cl;
@@ -264,6 +268,10 @@ fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, s
                 return bad(e, 400, "a chunk size line does not end in CRLF");
             c->line = 0;
             c->digits = 0;
+            c->total += c->max_total ? c->left : 0; /* total <= max_total, left <= 2^60 */
+            if (c->max_total && c->total > c->max_total)
+                return bad(e, 413, "the chunked body is over the limit of %llu bytes",
+                           (unsigned long long)c->max_total);
             c->state = c->left ? CH_DATA : CH_TRAILER;
             break;
         case CH_DATA: {

@@ -22,7 +22,7 @@ typedef enum {
 } fitm_frame_verdict;
 
 typedef struct {
-    int status;    /* 400, 413, 414, 431 or 505 when BAD */
+    int status;    /* 400, 413, 414, 417, 431, 501 or 505 when BAD */
     char msg[160]; /* what is wrong, for the client      */
 } fitm_frame_error;
 
@@ -54,23 +54,28 @@ typedef struct {
  * fitm_frame_check_head's cases, for: Content-Length with Transfer-Encoding, more than one
  * Content-Length (400), a Transfer-Encoding other than one header with exactly `chunked`
  * (501), an HTTP/1.1 request without exactly one Host (400), a body (Content-Length other than
- * 0, or chunked) on a method other than POST (400). OK fills *req. */
+ * 0, or chunked) on a method other than POST (400), an HTTP/1.1 Expect other than
+ * 100-continue (417, RFC 9110 10.1.1). OK fills *req. */
 fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_frame_request *req,
                                             fitm_frame_error *e);
 
-/* The state of a chunked body being scanned; zero it before the body's first byte. */
+/* The state of a chunked body being scanned; zero it before the body's first byte, then set
+ * max_total if the body has a limit. */
 typedef struct {
     int state;
-    uint64_t left; /* bytes of chunk data, or of the size digits' value so far */
-    int digits;    /* hex digits of the size line */
-    size_t line;   /* bytes of the current size, extension or trailer line */
+    uint64_t left;      /* bytes of chunk data, or of the size digits' value so far */
+    int digits;         /* hex digits of the size line */
+    size_t line;        /* bytes of the current size, extension or trailer line */
+    uint64_t total;     /* chunk data announced so far                             */
+    uint64_t max_total; /* most chunk data the body may hold (413 beyond); 0: 2^60  */
 } fitm_frame_chunks;
 
 /* Scans the next n bytes of a chunked body (RFC 9112 7.1: size lines with optional
  * extensions, data each followed by CRLF, the last chunk, trailer fields, the final CRLF;
  * lines end in CRLF). *used: the bytes that belong to the body. OK when the body ended (*used
  * may be less than n: a next request follows), INCOMPLETE when all n bytes were body, BAD
- * (400; 413 for a chunk size beyond 2^60) for anything else. */
+ * (400; 413 for a chunk size beyond 2^60, or chunk sizes adding up past max_total, said as
+ * soon as the size line ends) for anything else. */
 fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, size_t n,
                                           size_t *used, fitm_frame_error *e);
 

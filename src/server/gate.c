@@ -41,7 +41,9 @@ typedef struct {
     int mfd;    /* the gate's end of the pair (-1: none yet, or the server closed)      */
     int mhd_fd; /* the number of the server's end, to match fitm_gate_done (-1: none)    */
     cstate st;
-    int64_t deadline_ns; /* S_HEAD: the head's; S_CLOSING: the linger's; 0: none           */
+    int64_t deadline_ns; /* S_HEAD: the head's; S_BODY, S_CHUNKS: the next body byte's;
+                          * S_CLOSING: the linger's; 0: none                               */
+    int64_t stall_ns;    /* out holds bytes: when the client last took some (0: out empty)  */
     uint64_t body_left;
     fitm_frame_chunks ch;
     int64_t forwarded, completed; /* heads passed on; requests the server finished           */
@@ -114,6 +116,8 @@ static const char *reason(int status)
         return "Content Too Large";
     case 414:
         return "URI Too Long";
+    case 417:
+        return "Expectation Failed";
     case 431:
         return "Request Header Fields Too Large";
     case 501:
@@ -132,6 +136,8 @@ static fitm_api_cond cond_of(int status)
         return FITM_API_COND_BODY_TOO_LARGE;
     case 414:
         return FITM_API_COND_TARGET_TOO_LONG;
+    case 417:
+        return FITM_API_COND_EXPECTATION;
     case 431:
         return FITM_API_COND_HEAD_TOO_LARGE;
     case 501:
@@ -163,7 +169,7 @@ static void emit(conn *c)
     size_t jn = json ? strlen(json) : 0;
     int hn = snprintf(c->out, OUT_CAP,
                       "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: "
-                      "%zu\r\nConnection: close\r\n\r\n%s",
+                      "%zu\r\nConnection: close\r\n" FITM_GATE_SECURITY_HEADERS "\r\n%s",
                       k.http, reason(k.http), jn, json ? json : "");
     c->out_len = hn > 0 && hn < OUT_CAP ? (size_t)hn : 0;
     c->out_sent = 0;
@@ -209,6 +215,17 @@ static bool hand_over(fitm_gate *g, conn *c)
     return true;
 }
 
+/* A request body stopped arriving (nothing for idle_timeout_ms while the server waited for
+ * it): 408 once the requests before it are answered, and close. */
+static void refuse_silent_body(fitm_gate *g, conn *c)
+{
+    char msg[128];
+    snprintf(msg, sizeof msg, "the request body stopped arriving: nothing for %lld ms",
+             (long long)g->p.idle_timeout_ms);
+    refuse(c, FITM_API_COND_SLOW, msg);
+    c->dirty = true;
+}
+
 /* Checks what arrived from in_ok on, request by request. False when c must be dropped. */
 static bool check(fitm_gate *g, conn *c, int64_t now)
 {
@@ -220,18 +237,24 @@ static bool check(fitm_gate *g, conn *c, int64_t now)
             size_t k = n < c->body_left ? n : (size_t)c->body_left;
             c->in_ok += k;
             c->body_left -= k;
-            if (!c->body_left)
+            c->deadline_ns = now + g->p.idle_timeout_ms * 1000000;
+            if (!c->body_left) {
                 c->st = S_HEAD;
+                c->deadline_ns = 0;
+            }
             continue;
         }
         if (c->st == S_CHUNKS) {
             size_t used = 0;
             fitm_frame_verdict v = fitm_frame_chunks_scan(&c->ch, p, n, &used, &e);
             c->in_ok += used;
-            if (v == FITM_FRAME_BAD)
+            c->deadline_ns = now + g->p.idle_timeout_ms * 1000000;
+            if (v == FITM_FRAME_BAD) {
                 refuse(c, cond_of(e.status), e.msg);
-            else if (v == FITM_FRAME_OK)
+            } else if (v == FITM_FRAME_OK) {
                 c->st = S_HEAD;
+                c->deadline_ns = 0;
+            }
             continue;
         }
         if (c->st != S_HEAD)
@@ -251,12 +274,13 @@ static bool check(fitm_gate *g, conn *c, int64_t now)
                 return false;
             c->in_ok += req.head_len;
             c->forwarded++;
-            c->deadline_ns = 0;
             c->body_left = req.length;
             c->st = req.body == FITM_FRAME_BODY_LENGTH    ? S_BODY
                     : req.body == FITM_FRAME_BODY_CHUNKED ? S_CHUNKS
                                                           : S_HEAD;
+            c->deadline_ns = c->st == S_HEAD ? 0 : now + g->p.idle_timeout_ms * 1000000;
             memset(&c->ch, 0, sizeof c->ch);
+            c->ch.max_total = (uint64_t)g->p.max_body_bytes;
             break;
         }
     }
@@ -341,11 +365,22 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
             c->m_quiet = true;
     }
     if (c->m_eof && c->mfd >= 0) {
+        /* The server calls fitm_gate_done before it closes: take its last calls now, or this
+         * connection would look as if the server left requests unanswered. */
+        take_done(g);
         close(c->mfd);
         c->mfd = c->mhd_fd = -1;
+        /* The server gave up on a body that stopped arriving (its idle timeout, the same as
+         * the gate's body deadline): the client is told as if the gate's deadline passed. */
+        if ((c->st == S_BODY || c->st == S_CHUNKS) && c->deadline_ns &&
+            now >= c->deadline_ns - 1000000000)
+            refuse_silent_body(g, c);
     }
-    /* A refusal's answer, once the server answered every request before it. */
-    if (c->st == S_REFUSING && !c->emitted && c->completed >= c->forwarded &&
+    /* A refusal's answer, once the server answered every request before it. A refusal inside a
+     * body leaves its own request unanswered by the server (the body never completes), so only
+     * those before it count. */
+    const int64_t before = c->forwarded - (c->st == S_REFUSING && c->mid_body);
+    if (c->st == S_REFUSING && !c->emitted && c->completed >= before &&
         c->out_sent == c->out_len && (c->m_quiet || c->mfd < 0))
         emit(c);
     /* To the client. */
@@ -356,6 +391,8 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
             drop(g, i);
             return;
         }
+        if (r > 0 || !c->stall_ns)
+            c->stall_ns = now;
         if (r > 0)
             c->out_sent += (size_t)r;
         if (c->out_sent == c->out_len)
@@ -368,12 +405,13 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
     }
     /* A refusal waiting only for the server's last bytes to be read: look again at once (the
      * read finds more, or nothing and the answer goes out). */
-    c->dirty =
-        c->st == S_REFUSING && !c->emitted && c->completed >= c->forwarded && c->out_len == 0;
+    if (c->out_len == 0)
+        c->stall_ns = 0;
+    c->dirty = c->st == S_REFUSING && !c->emitted && c->completed >= before && c->out_len == 0;
     /* The server closed (after Connection: close, an idle timeout, or the refusal) and
      * everything it said is out: end the connection. */
     if (c->mfd < 0 && c->m_eof && c->out_len == 0 && c->st != S_CLOSING &&
-        (c->st != S_REFUSING || c->emitted || c->completed < c->forwarded)) {
+        (c->st != S_REFUSING || c->emitted || c->completed < before)) {
         if (c->c_eof) {
             drop(g, i);
             return;
@@ -515,6 +553,13 @@ static void *gate_main(void *arg)
         }
         for (int64_t i = g->n - 1; i >= 0; i--) {
             conn *c = g->conns[i];
+            if (c->stall_ns && now - c->stall_ns >= g->p.idle_timeout_ms * 1000000) {
+                FITM_LOG(FITM_LOG_INFO, NULL,
+                         "closing a connection whose client took none of its answer for %lld ms",
+                         (long long)g->p.idle_timeout_ms);
+                drop(g, i); /* the server's end closes too: a job still streaming stops */
+                continue;
+            }
             if (c->deadline_ns && c->deadline_ns <= now) {
                 if (c->st == S_CLOSING) {
                     drop(g, i);
@@ -522,6 +567,15 @@ static void *gate_main(void *arg)
                 }
                 if (c->st == S_HEAD && !head_overdue(g, i))
                     continue;
+                if (c->st == S_BODY || c->st == S_CHUNKS) {
+                    /* Silent because the server has not read what came (it is still busy with
+                     * an earlier request, or the buffer is full): not the client's delay. */
+                    if (c->completed < c->forwarded - 1 || c->in_ok > c->in_sent ||
+                        c->in_len == IN_CAP)
+                        c->deadline_ns = now + g->p.idle_timeout_ms * 1000000;
+                    else
+                        refuse_silent_body(g, c);
+                }
             }
         }
         bool any_dirty = false;
@@ -537,6 +591,8 @@ static void *gate_main(void *arg)
             conn *c = g->conns[i];
             if (c->deadline_ns && c->deadline_ns < next)
                 next = c->deadline_ns;
+            if (c->stall_ns && c->stall_ns + g->p.idle_timeout_ms * 1000000 < next)
+                next = c->stall_ns + g->p.idle_timeout_ms * 1000000;
             any_dirty |= c->dirty;
             short ce = 0, me = 0;
             if (c->st == S_CLOSING || (!c->c_eof && (c->st == S_REFUSING || c->in_len < IN_CAP)))

@@ -24,10 +24,26 @@
 
 typedef struct fitm_gate fitm_gate;
 
+/* The security headers every response carries (the gate's own answers and the server's): no
+ * MIME sniffing, no framing by other sites, and a policy that lets a JSON answer load nothing.
+ * The playground's page gets FITM_GATE_CSP_PAGE instead, its own policy. */
+#define FITM_GATE_NOSNIFF "nosniff"
+#define FITM_GATE_FRAMES "DENY"
+#define FITM_GATE_CSP_DATA "default-src 'none'; frame-ancestors 'none'"
+#define FITM_GATE_CSP_PAGE                                                                     \
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src "  \
+    "'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+#define FITM_GATE_SECURITY_HEADERS                                                             \
+    "X-Content-Type-Options: " FITM_GATE_NOSNIFF "\r\nX-Frame-Options: " FITM_GATE_FRAMES      \
+    "\r\nContent-Security-Policy: " FITM_GATE_CSP_DATA "\r\n"
+
 typedef struct {
     int listen_fd;           /* bound and listening; the gate closes it on stop                */
     int64_t head_timeout_ms; /* a head not complete this long after accept (a first head) or
                               * after its first byte (a later one): 408, close                */
+    int64_t idle_timeout_ms; /* a request body that stops arriving this long: 408, close; a
+                              * client that takes none of an answer this long: closed        */
+    int64_t max_body_bytes;  /* a chunked body announcing more: 413, close                     */
     int64_t max_conns;       /* connections held, in all (beyond: closed at accept)            */
     int64_t max_per_client;  /* ... from one address                                          */
     /* Takes over fd (the server's end of a connection's socket pair) with the client's

@@ -138,6 +138,15 @@ static void add_cors(const request *r, struct MHD_Response *resp)
     MHD_add_response_header(resp, "Access-Control-Expose-Headers", "X-Request-Id, Retry-After");
 }
 
+/* gate.h's security headers; an HTML page gets its own Content-Security-Policy. */
+static void add_security_headers(struct MHD_Response *resp, bool page)
+{
+    MHD_add_response_header(resp, "X-Content-Type-Options", FITM_GATE_NOSNIFF);
+    MHD_add_response_header(resp, "X-Frame-Options", FITM_GATE_FRAMES);
+    MHD_add_response_header(resp, "Content-Security-Policy",
+                            page ? FITM_GATE_CSP_PAGE : FITM_GATE_CSP_DATA);
+}
+
 /* Queues body (malloc'd; taken over, also on failure) with the common headers. */
 static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
                                  const char *content_type, const char *allow, bool retry)
@@ -151,6 +160,7 @@ static enum MHD_Result send_body(request *r, int code, char *body, size_t len,
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     MHD_add_response_header(resp, "X-Request-Id", r->id);
     add_cors(r, resp);
+    add_security_headers(resp, !strncmp(content_type, "text/html", 9));
     if (allow)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
     if (retry)
@@ -480,8 +490,8 @@ static enum MHD_Result start_score(request *r)
 static enum MHD_Result start_tokens(request *r, bool detokenize)
 {
     fitm_err err = {{0}};
-    fitm_status st = fitm_api_parse_tokens(r->body.p ? r->body.p : "", r->body.len, detokenize,
-                                           &r->tokens, &err);
+    fitm_status st = fitm_api_parse_tokens(r->body.p ? r->body.p : "", r->body.len,
+                                           &r->h->limits, detokenize, &r->tokens, &err);
     fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
@@ -627,6 +637,10 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         n = (ssize_t)k;
     } else if (r->s_done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
+        /* The stream had no idle timeout while it waited for tokens; a kept-alive connection
+         * after it has the usual one. */
+        MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                                  (unsigned)r->h->p.cfg->http_idle_timeout_s);
     } else {
         /* Nothing yet: park the connection until sse_push wakes it. */
         r->s_suspended = true;
@@ -662,6 +676,7 @@ static enum MHD_Result start_stream(request *r)
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(resp, "X-Request-Id", r->id);
     add_cors(r, resp);
+    add_security_headers(resp, false);
     enum MHD_Result ok = MHD_queue_response(r->conn, 200, resp);
     MHD_destroy_response(resp);
     r->code = 200;
@@ -988,7 +1003,7 @@ static enum MHD_Result send_slow(request *r, bool body_complete)
         fitm_buf_printf(&out,
                         "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
                         "Content-Type: application/json\r\nX-Request-Id: %s\r\n"
-                        "Content-Length: %zu\r\n\r\n%s",
+                        FITM_GATE_SECURITY_HEADERS "Content-Length: %zu\r\n\r\n%s",
                         r->id, strlen(json), json))
         (void)!send(ci->connect_fd, out.p, out.len, MSG_DONTWAIT | MSG_NOSIGNAL);
     fitm_buf_free(&out);
@@ -1204,6 +1219,8 @@ static bool listen_on(fitm_http *h, int64_t port, bool probe)
         h->d = d;
     fitm_err err = {{0}};
     fitm_gate_params gp = {.listen_fd = fd, .head_timeout_ms = cfg->http_header_timeout_s * 1000,
+                           .idle_timeout_ms = (probe ? 10 : cfg->http_idle_timeout_s) * 1000,
+                           .max_body_bytes = cfg->max_body_bytes,
                            .max_conns = max_conns, .max_per_client = per_client,
                            .hand = probe ? hand_to_probe : hand_to_main, .user = h};
     if (fitm_gate_start(probe ? &h->probe_gate : &h->gate, &gp, &err) != FITM_OK) {
@@ -1232,6 +1249,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.model_name = p->model->name;
     h->limits.strict_model = !strcmp(cfg->strict_model, "true");
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
+    h->limits.max_json_members = cfg->max_json_members;
     atomic_init(&h->draining, false);
     atomic_init(&h->next_id, 1);
     if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
