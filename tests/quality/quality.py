@@ -41,6 +41,7 @@ import requests
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dataset  # noqa: E402
+import traps  # noqa: E402
 
 ROOT = HERE.parent.parent
 
@@ -181,12 +182,27 @@ def answer(url, headers, item, fields, max_tokens):
 
 
 def select(a) -> list:
+    """The items of the run: the committed sets' variants from their files, the trap variants
+    generated (traps.py), the first a.groups groups of each cell."""
     its = [it for it in dataset.load(a.split) if it["variant"] in a.variants
            and it["k"] in a.k and dataset.group(it) < a.groups]
+    trap_variants = [v for v in a.variants if v in traps.VARIANTS]
+    if trap_variants:
+        its += traps.items(a.split, min(a.groups, traps.GROUPS), variants=trap_variants,
+                           ks=[k for k in a.k if k in traps.KS])
     extra = [dataset.moved(it, p) for it in its if it["gold_pos"] == 1
              for p in sorted(set(getattr(a, "positions", None) or ())) if p <= it["k"]
              and p not in dataset.positions(it["k"])]
     return its + extra
+
+
+def doc_label(it: dict, i: int) -> str:
+    """How --verbose names document i of an item: its title (its text's start when untitled),
+    with a trap's form (traps.py) in brackets."""
+    d = it["documents"][i]
+    name = d["title"] or d["text"][:70] + "..."
+    forms = dict(zip(it.get("traps", ()), it.get("forms", ())))
+    return f"[{forms[i]}] {name}" if i in forms else name
 
 
 def cell_positions(results: dict, variant: str, k: int) -> list:
@@ -227,9 +243,9 @@ def run(a, url, headers, specs, answer_mode: bool) -> dict:
                 c.r3 += it["gold_index"] in order[:3]
                 if a.verbose and order[0] != it["gold_index"]:
                     rank_of = order.index(it["gold_index"])
-                    above = [it["documents"][i]["title"] for i in order[:rank_of]]
+                    above = [doc_label(it, i) for i in order[:rank_of]]
                     print(f"  [{label} {it['id']}] {it['query']!r}: gold "
-                          f"{it['documents'][it['gold_index']]['title']!r} ranked {rank_of + 1}, "
+                          f"{doc_label(it, it['gold_index'])!r} ranked {rank_of + 1}, "
                           f"after {above}", flush=True)
             c.fwd += c_fwd
             c.prompt += c_prompt
@@ -332,7 +348,11 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
            "in the table; gold document first / middle ((K + 1) // 2) / last, and at any other position "
            "shown (the gold-first items with the gold document moved there); fictional "
            "entities, so only the documents can answer; `hard`: every distractor shares part "
-           "of the gold entity's name and states the asked attribute). Cells: proportion with "
+           "of the gold entity's name and states the asked attribute; `traps` / "
+           "`traps_untitled`: tests/quality/traps.py, biographies where 2 (titled) or 3 "
+           "(untitled) distractors name the asked person and state the asked attribute of "
+           "someone else: a correspondent, a relative, a namesake, a place named after the "
+           "person, a denied claim). Cells: proportion with "
            "its Wilson 95% interval. Forward tokens: usage.forward_tokens per request, and its "
            "ratio to one pass over the whole prompt (the longest usage.prompt_tokens of the "
            "table's methods: a windowed method's own prompts are shorter). Wall time: one request at a time.", ""]
@@ -435,7 +455,8 @@ def main() -> int:
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra fitmd flag when the tool starts it (repeatable)")
     ap.add_argument("--split", default="test", choices=["dev", "test"])
-    ap.add_argument("--variants", nargs="+", default=list(dataset.VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(dataset.VARIANTS),
+                    choices=list(dataset.VARIANTS) + list(traps.VARIANTS))
     ap.add_argument("--k", type=int, nargs="+", default=list(dataset.KS))
     ap.add_argument("--groups", type=int, default=dataset.GROUPS,
                     help="questions per cell (the first N groups)")
