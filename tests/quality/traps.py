@@ -7,8 +7,8 @@ Every question asks one attribute (city or year of birth, profession, prize) of 
 person X. The gold document is X's biography. Of the other K - 1 documents, `n_traps` are
 traps, each in a different form:
 
-  correspondence  Y corresponded with X; the two met in Y's city of birth.
-  relative        Y, a cousin of X, was born in ...
+  correspondence  X corresponded with Y; the two met in Y's city of birth.
+  relative        X had a cousin, Y, who was born in ...
   namesake        Y was named after X ...
   place           a town named after X, where Y was born ...
   negated         X was *not* born in ..., did not work as ..., never received ... (a claim
@@ -68,10 +68,10 @@ WORDING = {
         "bio": ["{n} was born in the city of {city} in {year}.",
                 "{n} worked for many years as a {profession}.",
                 "In middle age {n} was awarded the {prize} for that work."],
-        "correspondence": ["{n} corresponded for years with {x}; the two first met in {city}, "
-                           "where {n} was born in {year}.",
+        "correspondence": ["{x} corresponded for years with the {profession} {n}; the two "
+                           "first met in {city}, where {n} was born in {year}.",
                            "{n} worked as a {profession} and was awarded the {prize}."],
-        "relative": ["{n}, a {relative} of {x}, was born in the city of {city} in {year}.",
+        "relative": ["{x} had a {relative}, {n}, who was born in the city of {city} in {year}.",
                      "{n} worked as a {profession} and was awarded the {prize}."],
         "namesake": ["{n} was named after {x} and was born in the city of {city} in {year}.",
                      "{n} worked as a {profession} and was awarded the {prize}."],
@@ -89,8 +89,8 @@ WORDING = {
         "bio": ["Records give {year} as the year {n} came into the world, in {city}.",
                 "By trade {n} was a {profession}.",
                 "Late in life {n} received the {prize}."],
-        "correspondence": ["Letters survive between {n} and {x}, written from {city}, "
-                           "where {n} came into the world in {year}.",
+        "correspondence": ["{x} wrote letters for decades to {n}, a {profession} living in "
+                           "{city}, where {n} came into the world in {year}.",
                            "By trade {n} was a {profession}, and {n} received the {prize}."],
         "relative": ["{x} had a {relative}, {n}, who came into the world in {city} in {year}.",
                      "By trade {n} was a {profession}, and {n} received the {prize}."],
