@@ -252,6 +252,16 @@ def test_runs_merge_into_one_report(tmp_path):
     text = md.read_text()
     assert text.count("- `one`:") == 1
     assert "| `one` | 4 | 0.25 (" in text and "| `one` | 6 | 1.00 (" in text
+    # --intro goes before the tables; a (variant, K) no run measured gets no section
+    intro = tmp_path / "intro.md"
+    intro.write_text("## Where each method fails\n\nWords.\n")
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a,
+                        "--variants", "plain", "hard", "--k", "10", "--intro", str(intro),
+                        "--markdown", str(md)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert text.index("## Where each method fails") < text.index("## plain, K = 10")
+    assert "## hard" not in text
 
 
 def test_verbose_names_the_documents_above_a_missed_gold(capsys, monkeypatch):
