@@ -65,7 +65,7 @@ RELATIVES = {"dev": ["cousin", "nephew", "niece"], "test": ["brother-in-law", "g
 # {n}: the subject's name; {x}: the asked person's name (traps); {p}: the place named after X.
 WORDING = {
     "dev": {
-        "bio": ["{n} was born in the city of {city} in {year}.",
+        "bio": ["The parish book notes that {n} was born in the city of {city} in {year}.",
                 "{n} worked for many years as a {profession}.",
                 "In middle age {n} was awarded the {prize} for that work."],
         "correspondence": ["{x} corresponded for years with the {profession} {n}; the two "
@@ -80,10 +80,10 @@ WORDING = {
                   "awarded the {prize}."],
         "negated": ["Contrary to an old story, {x} was not born in the city of {city} in {year}.",
                     "{x} never worked as a {profession} and was not awarded the {prize}."],
-        "questions": {"city": "In which city was {x} born?",
-                      "year": "In which year was {x} born?",
-                      "profession": "What did {x} work as?",
-                      "prize": "Which prize was {x} awarded?"},
+        "questions": {"city": "What is the birthplace of {x}?",
+                      "year": "What is the birth year of {x}?",
+                      "profession": "What was the job of {x}?",
+                      "prize": "Which honour went to {x}?"},
     },
     "test": {
         "bio": ["Records give {year} as the year {n} came into the world, in {city}.",
