@@ -252,6 +252,16 @@ def test_runs_merge_into_one_report(tmp_path):
     text = md.read_text()
     assert text.count("- `one`:") == 1
     assert "| `one` | 4 | 0.25 (" in text and "| `one` | 6 | 1.00 (" in text
+    # --intro goes before the tables; a (variant, K) no run measured gets no section
+    intro = tmp_path / "intro.md"
+    intro.write_text("## Where each method fails\n\nWords.\n")
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/quality.py"), "--merge", a,
+                        "--variants", "plain", "hard", "--k", "10", "--intro", str(intro),
+                        "--markdown", str(md)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert text.index("## Where each method fails") < text.index("## plain, K = 10")
+    assert "## hard" not in text
 
 
 def test_verbose_names_the_documents_above_a_missed_gold(capsys, monkeypatch):
@@ -276,3 +286,89 @@ def test_verbose_names_the_documents_above_a_missed_gold(capsys, monkeypatch):
         assert len(line) == 1 and line[0].endswith(f"ranked {K - g}, after {titles}")
     assert misses > 0
     assert sum(c.n - c.r1 for c in res["rev"].values()) == misses
+
+
+# ---- the trap sets (tests/quality/traps.py) ----------------------------------------------
+
+import traps  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trap_splits():
+    return {s: traps.items(s, 12) for s in ("dev", "test")}
+
+
+def test_trap_sets_are_deterministic(trap_splits):
+    assert traps.items("dev", 12) == trap_splits["dev"]
+    assert traps.items("dev", 12, seed=traps.SEED + 1) != trap_splits["dev"]
+    # fewer groups are a prefix of more: --groups N takes the first N
+    assert traps.items("test", 3, variants=("traps",), ks=(10,)) == \
+        [it for it in trap_splits["test"] if it["variant"] == "traps" and it["k"] == 10
+         and quality.dataset.group(it) < 3]
+
+
+def test_trap_splits_are_disjoint(trap_splits):
+    def words(items):
+        return {w for it in items for d in it["documents"]
+                for w in quality.words(d["title"] + " " + d["text"])}
+
+    def questions(items):
+        return {it["query"].replace(it["entity"], "{}") for it in items}
+    dev, test = trap_splits["dev"], trap_splits["test"]
+    names = lambda items: {it["entity"] for it in items}  # noqa: E731
+    assert not names(dev) & names(test)
+    assert not questions(dev) & questions(test)
+    # no name, place, profession or prize word is shared: only function words, "named"
+    # (the namesake and place forms) and years
+    shared = {w for w in words(dev) & words(test) if not w.isdigit()}
+    assert shared <= {"a", "an", "and", "as", "for", "had", "in", "named", "never", "of",
+                      "that", "the", "to", "was", "where", "who"}, shared
+
+
+def test_trap_items_carry_the_traps(trap_splits):
+    cells = {}
+    for split, items in trap_splits.items():
+        for it in items:
+            key = (split, it["variant"], it["k"], it["gold_pos"])
+            cells[key] = cells.get(key, 0) + 1
+            docs, x, gi = it["documents"], it["entity"], it["gold_index"]
+            assert len(docs) == it["k"] and gi == it["gold_pos"] - 1
+            assert x in it["query"] and x in docs[gi]["text"]
+            # the answer is in the gold document only
+            assert [i for i, d in enumerate(docs) if it["answer"] in d["text"]] == [gi]
+            assert len(it["traps"]) == traps.N_TRAPS[it["variant"]] == len(set(it["forms"]))
+            assert gi not in it["traps"]
+            asked = {"city": "born" if split == "dev" else "came into the world",
+                     "year": "born" if split == "dev" else "came into the world",
+                     "profession": "worked as" if split == "dev" else "by trade",
+                     "prize": "awarded" if split == "dev" else "received"}[it["attribute"]]
+            for i, d in enumerate(docs):
+                named = x in d["text"]
+                # exactly the traps name the asked person besides the gold document
+                assert named == (i in it["traps"] or i == gi), (i, d)
+                if i in it["traps"]:
+                    assert asked in d["text"].lower(), d
+                titled = it["variant"] == "traps"
+                assert bool(d["title"]) == titled
+                if titled and i != gi:
+                    assert d["title"] != x
+            if titled:
+                assert docs[gi]["title"] == x
+    assert set(cells.values()) == {12}
+    assert set(cells) == {(s, v, k, p) for s in ("dev", "test") for v in traps.VARIANTS
+                          for k in traps.KS for p in traps.positions(k)}
+    # every form and every attribute occurs in each split
+    for items in trap_splits.values():
+        assert {f for it in items for f in it["forms"]} == set(traps.FORMS)
+        assert {it["attribute"] for it in items} == set(traps.ATTRIBUTES)
+
+
+def test_trap_variants_reach_the_quality_tool(monkeypatch):
+    a = quality.argparse.Namespace(split="dev", variants=["plain", "traps_untitled"],
+                                   k=[10], groups=2, positions=None)
+    its = quality.select(a)
+    assert {it["variant"] for it in its} == {"plain", "traps_untitled"}
+    assert sum(it["variant"] == "traps_untitled" for it in its) == 2 * 3
+    it = next(it for it in its if it["variant"] == "traps_untitled")
+    t = it["traps"][0]
+    assert quality.doc_label(it, t).startswith(f"[{it['forms'][0]}] ")
