@@ -335,6 +335,35 @@ static void test_error_channel(fitm_backend *gpu)
 #endif
 }
 
+/* Host memory handed to an op where device memory belongs (the rope table of a test that once
+ * passed a malloc'd one): the emulated device, like a real one, loses the context with an
+ * illegal address; the backend reports it as a lost device on every later status, and
+ * allocates nothing more. Last, since the device is gone afterwards (the emulator's reset
+ * brings it back for the end of the process). */
+static void test_lost_context(fitm_backend *gpu)
+{
+#ifdef FITM_CUDA_EMU
+    enum { rows = 2, heads = 2, dim = 8, n_rot = 8 };
+    float *x = gpu->ops->alloc(gpu, (size_t)(rows * heads * dim) * sizeof(float));
+    float table[rows * n_rot];
+    for (int i = 0; i < rows * n_rot; i++)
+        table[i] = (float)i / 16.0f;
+    fitm_err err = {{0}};
+    CHECK(x && gpu->ops->status(gpu, &err) == FITM_OK);
+    gpu->ops->rope(gpu, x, rows, heads, dim, n_rot, table, false);
+    CHECK(gpu->ops->status(gpu, &err) == FITM_ERR_BACKEND);
+    CHECK(strstr(err.msg, "cudaErrorIllegalAddress") && strstr(err.msg, "device lost"), "%s",
+          err.msg);
+    CHECK(gpu->ops->status(gpu, &err) == FITM_ERR_BACKEND, "sticky");
+    void *more = gpu->ops->alloc(gpu, 64);
+    CHECK(more == NULL, "an allocation after the loss");
+    gpu->ops->free(gpu, x);
+    fitm_emu_reset_device();
+#else
+    (void)gpu; /* a real device would have to be lost for good */
+#endif
+}
+
 int main(int argc, char **argv)
 {
     if (fitm_cuda_device_count() == 0) {
@@ -354,6 +383,7 @@ int main(int argc, char **argv)
                 strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
                 test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
     test_error_channel(gpu);
+    test_lost_context(gpu);
     fitm_backend_destroy(cpu);
     fitm_backend_destroy(gpu);
     printf("%d checks, %d failed\n", n_checks, failures);
