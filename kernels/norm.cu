@@ -84,8 +84,7 @@ extern "C" int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float
 }
 
 extern "C" int fitm_cuda_add_rmsnorm(float *y, float *x, const float *r, const float *w,
-                                     float w_offset, int64_t T, int64_t C, float eps,
-                                     void *stream)
+                                     float w_offset, int64_t T, int64_t C, float eps, void *stream)
 {
     if (T < 0 || C < 0 || T > INT32_MAX || !y || !x || !r || !w)
         return (int)cudaErrorInvalidValue;

@@ -487,11 +487,11 @@ static void test_add_rmsnorm(int64_t T, int64_t C, float w_offset, bool in_place
     dbuf dw = dbuf_from(w, (size_t)C * sizeof(float)), dr = dbuf_from(r, bytes);
     dbuf dx1 = dbuf_from(x, bytes), dx2 = dbuf_from(x, bytes);
     dbuf dy1 = dbuf_new(bytes), dy2 = in_place ? dx2 : dbuf_new(bytes);
-    bool ok = launched(what, fitm_cuda_add(dx1.p, dr.p, T * C, stream)) &&
-              launched(what, fitm_cuda_rmsnorm(dy1.p, dx1.p, dw.p, w_offset, T, C, 1e-6f,
-                                               stream)) &&
-              launched(what, fitm_cuda_add_rmsnorm(dy2.p, dx2.p, dr.p, dw.p, w_offset, T, C,
-                                                   1e-6f, stream));
+    bool ok =
+        launched(what, fitm_cuda_add(dx1.p, dr.p, T * C, stream)) &&
+        launched(what, fitm_cuda_rmsnorm(dy1.p, dx1.p, dw.p, w_offset, T, C, 1e-6f, stream)) &&
+        launched(what,
+                 fitm_cuda_add_rmsnorm(dy2.p, dx2.p, dr.p, dw.p, w_offset, T, C, 1e-6f, stream));
     if (ok) {
         dbuf_get(sum1, &dx1);
         dbuf_get(y1, &dy1);

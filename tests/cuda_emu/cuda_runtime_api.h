@@ -102,9 +102,9 @@ struct cudaDeviceProp {
     size_t totalGlobalMem;
     int major, minor;
     int multiProcessorCount;
-    int memoryClockRate; /* kHz */
-    int memoryBusWidth;  /* bits */
-    int clockRate;       /* kHz */
+    int memoryClockRate;           /* kHz */
+    int memoryBusWidth;            /* bits */
+    int clockRate;                 /* kHz */
     size_t sharedMemPerBlock;      /* without an opt-in */
     size_t sharedMemPerBlockOptin; /* the most one block may have */
     int maxThreadsPerBlock;

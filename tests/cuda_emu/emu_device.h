@@ -273,17 +273,16 @@ template <typename T> static inline T atomicMax(T *p, T v)
  * (or fitm_emu_pointee_pointers), found by argument-dependent lookup (k_attention.cpp). */
 struct fitm_emu_args_check {
     dim3 grid;
-    int arg = 0;             /* the argument being checked (0-based) */
+    int arg = 0; /* the argument being checked (0-based) */
     const void *bad = nullptr;
     int bad_arg = -1;
-    void ptr(const void *p);  /* emu_runtime.cpp */
+    void ptr(const void *p); /* emu_runtime.cpp */
 };
 
 template <typename T> static inline void fitm_emu_arg_pointers(const T &, fitm_emu_args_check &)
 {
 }
-template <typename T>
-static inline void fitm_emu_pointee_pointers(const T *, fitm_emu_args_check &)
+template <typename T> static inline void fitm_emu_pointee_pointers(const T *, fitm_emu_args_check &)
 {
 }
 
@@ -308,9 +307,9 @@ void fitm_emu_launch_body(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t
                           std::function<void()> body);
 
 /* For the stand-in of cuBLAS (emu_cublas.cpp; counted as a cuBLAS call): runs op on the
- * stream, or records it while the stream is captured; op returns the error the work failed with (cudaSuccess: none),
- * which the runtime records. The return value: the error now (a sticky one, or op's when it
- * ran now). */
+ * stream, or records it while the stream is captured; op returns the error the work failed with
+ * (cudaSuccess: none), which the runtime records. The return value: the error now (a sticky one, or
+ * op's when it ran now). */
 cudaError_t fitm_emu_enqueue(cudaStream_t st, std::function<cudaError_t()> op);
 
 /* True when p is NULL or lies in a device allocation or pinned host memory. */

@@ -6,9 +6,9 @@
 
 static void fitm_emu_attn_pointers(const fitm_cuda_attn &a, fitm_emu_args_check &c)
 {
-    const void *ptrs[] = {a.q,         a.out,       a.k_pre,    a.v_pre,   a.k_own,
-                          a.v_own,     a.cap_index, a.cap_spans, a.cap_mass, a.cap_probs,
-                          a.iv_spans,  a.iv_alpha,  a.mix_q,    a.mix_k,   a.mix_w};
+    const void *ptrs[] = {a.q,        a.out,       a.k_pre,     a.v_pre,    a.k_own,
+                          a.v_own,    a.cap_index, a.cap_spans, a.cap_mass, a.cap_probs,
+                          a.iv_spans, a.iv_alpha,  a.mix_q,     a.mix_k,    a.mix_w};
     for (const void *p : ptrs)
         c.ptr(p);
 }

@@ -195,8 +195,8 @@ static void test_host_pointers(void)
     cublasHandle_t h;
     CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
     const float one = 1.0f, zero = 0.0f;
-    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x + 16, 4, &zero, y,
-                      4) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x + 16, 4, &zero, y, 4) ==
+          CUBLAS_STATUS_SUCCESS);
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "gemm on device memory");
     CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, host, 4, &zero, y, 4) ==
           CUBLAS_STATUS_EXECUTION_FAILED);
@@ -208,14 +208,11 @@ static void test_host_pointers(void)
 
     /* the device side of copies and memsets */
     float back[4];
-    CHECK(cudaMemcpyAsync(host, pin, 16, cudaMemcpyHostToDevice, NULL) ==
-          cudaErrorIllegalAddress);
+    CHECK(cudaMemcpyAsync(host, pin, 16, cudaMemcpyHostToDevice, NULL) == cudaErrorIllegalAddress);
     expect_lost("copy to a host 'device' address");
-    CHECK(cudaMemcpyAsync(back, host, 16, cudaMemcpyDeviceToHost, NULL) ==
-          cudaErrorIllegalAddress);
+    CHECK(cudaMemcpyAsync(back, host, 16, cudaMemcpyDeviceToHost, NULL) == cudaErrorIllegalAddress);
     expect_lost("copy from a host 'device' address");
-    CHECK(cudaMemcpyAsync(y, host, 16, cudaMemcpyDeviceToDevice, NULL) ==
-          cudaErrorIllegalAddress);
+    CHECK(cudaMemcpyAsync(y, host, 16, cudaMemcpyDeviceToDevice, NULL) == cudaErrorIllegalAddress);
     expect_lost("device-to-device from host memory");
     CHECK(cudaMemsetAsync(host, 0, 16, NULL) == cudaErrorIllegalAddress);
     expect_lost("memset of host memory");
@@ -249,8 +246,8 @@ static void test_graphs(void)
     /* pin -> x, y = 2x + i, x (10x10) = y (10x10) . y (10x10), all recorded */
     CHECK(cudaMemcpyAsync(x, pin, n * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
     FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, x, n);
-    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x,
-                      10) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x, 10) ==
+          CUBLAS_STATUS_SUCCESS);
     fitm_emu_get_stats(&after);
     CHECK(after.kernels_run == before.kernels_run && after.launches == before.launches &&
               after.blas_calls == before.blas_calls && after.copies == before.copies,
@@ -289,8 +286,8 @@ static void test_graphs(void)
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
     CHECK(cudaMemcpyAsync(x, pin, n * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
     FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(z, x, n); /* into z now */
-    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x,
-                      10) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x, 10) ==
+          CUBLAS_STATUS_SUCCESS);
     cudaGraph_t g_new;
     size_t nodes = 0;
     CHECK(cudaStreamEndCapture(s, &g_new) == cudaSuccess &&
