@@ -146,8 +146,11 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
 /* Graphs: between cudaStreamBeginCapture and cudaStreamEndCapture, the launches, cuBLAS calls,
  * copies and memsets enqueued on the stream are recorded, not run (their arguments copied as a
  * launch copies them); cudaGraphLaunch replays them in order. A call that waits for the device
- * (a synchronization, a synchronous copy) during a capture fails with
- * cudaErrorStreamCaptureUnsupported and invalidates the capture, as on a device. */
+ * (a synchronization, a synchronous copy), allocates or frees during a capture, and a copy
+ * between the captured stream and pageable host memory, fail with
+ * cudaErrorStreamCaptureUnsupported and invalidate the capture, as on a device (a wait,
+ * allocation or free only from the capturing thread in the thread-local mode, from any thread
+ * in the global mode). */
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph);
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status);

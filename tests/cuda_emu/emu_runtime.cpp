@@ -661,6 +661,9 @@ struct graph_op {
 bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run);
 /* A host wait for the device (defined with the streams). */
 cudaError_t host_wait(cudaStream_t st);
+/* True (and the captures concerned invalidated) when a capture under way forbids this thread
+ * a call that is unsafe during a capture: a wait, an allocation or a free. */
+bool capture_forbids(void);
 
 /* Runs one launch now: the checks, then every block. */
 void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
@@ -890,6 +893,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
     *p = NULL;
     if (sticky())
         return sticky();
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     const cudaError_t inj = take_injected(&injected_malloc);
     if (inj != cudaSuccess)
         return set_error(inj);
@@ -905,6 +910,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
 
 cudaError_t cudaFree(void *p)
 {
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     run_pending_copies();
     if (!p)
         return sticky();
@@ -922,6 +929,8 @@ cudaError_t cudaMallocHost(void **p, size_t bytes)
     *p = NULL;
     if (sticky())
         return sticky();
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     const size_t rounded = (bytes + 255) / 256 * 256;
     *p = aligned_alloc(256, rounded ? rounded : 256);
     if (!*p)
@@ -934,6 +943,8 @@ cudaError_t cudaMallocHost(void **p, size_t bytes)
 
 cudaError_t cudaFreeHost(void *p)
 {
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     run_pending_copies();
     if (!p)
         return sticky();
@@ -1003,7 +1014,7 @@ bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<voi
  * any thread while a capture in the global mode is under way, from the capturing thread in
  * the thread-local mode (the relaxed mode allows it); the captures it concerns are
  * invalidated. Otherwise the pending copies run and the error so far is returned. */
-cudaError_t host_wait(cudaStream_t)
+bool capture_forbids(void)
 {
     bool refused = false;
     pthread_mutex_lock(&capture_lock);
@@ -1015,7 +1026,12 @@ cudaError_t host_wait(cudaStream_t)
             refused = true;
         }
     pthread_mutex_unlock(&capture_lock);
-    if (refused)
+    return refused;
+}
+
+cudaError_t host_wait(cudaStream_t)
+{
+    if (capture_forbids())
         return set_error(cudaErrorStreamCaptureUnsupported);
     count(&fitm_emu_stats::host_waits);
     run_pending_copies();
@@ -1084,6 +1100,22 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t s)
 {
+    /* a graph copies from or to host memory only where it is pinned (a pageable buffer may be
+     * gone by the replay): such a copy breaks the capture */
+    const void *host_side = kind == cudaMemcpyHostToDevice   ? src
+                            : kind == cudaMemcpyDeviceToHost ? (const void *)dst
+                                                             : nullptr;
+    if (s && s->capturing && host_side && bytes) {
+        pthread_mutex_lock(&copy_lock);
+        const bool pin = in_pinned(host_side, bytes);
+        pthread_mutex_unlock(&copy_lock);
+        if (!pin) {
+            pthread_mutex_lock(&capture_lock);
+            s->invalidated = true;
+            pthread_mutex_unlock(&capture_lock);
+            return set_error(cudaErrorStreamCaptureUnsupported);
+        }
+    }
     if (record(s, OP_COPY, nullptr, [=]() {
             const cudaError_t e = copy_now(dst, src, bytes, kind);
             (void)e; /* recorded by copy_now */

@@ -319,7 +319,21 @@ static void test_graphs(void)
     cudaGraph_t bad;
     CHECK(cudaStreamEndCapture(s, &bad) == cudaErrorStreamCaptureInvalidated && !bad);
     (void)cudaGetLastError();
-    /* an illegal address inside a graph shows when it replays */
+    /* so are an allocation and a copy from pageable memory */
+    float *host_buf = (float *)calloc(n, sizeof(float));
+    for (int what = 0; what < 2; what++) {
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+        void *p = NULL;
+        if (what == 0)
+            CHECK(cudaMalloc(&p, 64) == cudaErrorStreamCaptureUnsupported && !p);
+        else
+            CHECK(cudaMemcpyAsync(y, host_buf, 64, cudaMemcpyHostToDevice, s) ==
+                  cudaErrorStreamCaptureUnsupported);
+        CHECK(cudaStreamEndCapture(s, &bad) == cudaErrorStreamCaptureInvalidated && !bad);
+        (void)cudaGetLastError();
+    }
+    free(host_buf);
+        /* an illegal address inside a graph shows when it replays */
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
     float *host = (float *)calloc(n, sizeof(float));
     FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, host, n);
