@@ -80,6 +80,12 @@ int fitm_cuda_matvec(fitm_dtype t, const void *W, int64_t N, int64_t K, const fl
 int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
                       int64_t C, float eps, void *stream);
 
+/* x (T, C) += r (T, C), then y = rmsnorm(x) * (w + w_offset): bit for bit fitm_cuda_add (x, r)
+ * followed by fitm_cuda_rmsnorm (y, x), in one launch. y may equal x; r must not overlap
+ * either. */
+int fitm_cuda_add_rmsnorm(float *y, float *x, const float *r, const float *w, float w_offset,
+                          int64_t T, int64_t C, float eps, void *stream);
+
 /* In place, each of n_rows rows of x: x[r*ld + 0 .. n) = softmax(that row), as
  * fitm_ops_softmax. ld >= n; elements [n, ld) of a row are not touched. -inf entries are
  * masked (probability 0); a row that is all -inf becomes NaN, as in the reference. */

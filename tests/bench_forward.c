@@ -10,6 +10,14 @@
  * -b cuda (a CUDA build) runs on device 0; the sgemm ceiling stays the CPU's, so for the GPU's
  * limits see tests/bench_cuda.py, which runs this.
  *
+ * bench_forward_cuda_emu is this program on the CUDA emulator of tests/cuda_emu (-b cuda runs
+ * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a decode
+ * step asks of the device, from the emulator's counters, with the backend's CUDA graphs off
+ * and on side by side: kernel launches, cuBLAS calls, copies and memsets, graph launches (the
+ * host's submissions; a launch costs a real device a few microseconds of host time and leaves
+ * it idle between kernels), kernels run, and host waits, each per step, for one sequence and
+ * for each -B.
+ *
  * Prints best and median tok/s over the REPS runs (llama-bench prints mean +- stddev) in a
  * table; never fails on speed (benchmarks measure, tests assert). */
 #include <cblas.h>
@@ -25,8 +33,11 @@
 #include "model/forward.h"
 #include "model/kv.h"
 #include "model/model.h"
-#if FITM_HAVE_CUDA
+#if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
 #include "model/backend_cuda.h"
+#endif
+#ifdef FITM_BENCH_CUDA_EMU
+#include <cuda_runtime_api.h>
 #endif
 
 static double now_s(void)
@@ -161,6 +172,74 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
     return s;
 }
 
+#ifdef FITM_BENCH_CUDA_EMU
+/* Prints one row per batch size: what one decode step of B sequences (n steps from a
+ * warmed-up state, each sequence at its own position) asks of the emulated device, per step,
+ * with the backend's graphs off and on. */
+static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
+                                     const fitm_model_config *c, const int32_t *ids, long n_ids,
+                                     const int *batches, int n_batches, fitm_err *err)
+{
+    enum { STEPS = 4 };
+    printf("\nwhat a decode step asks of the device (emulator counters, per step, mean of %d "
+           "steps)\n",
+           STEPS);
+    printf("| seqs | graphs | launches | cuBLAS | copies | graph launches | submissions | "
+           "kernels run | host waits |\n");
+    printf("| ---: | ------ | -------: | -----: | -----: | -------------: | ----------: | "
+           "----------: | ---------: |\n");
+    fitm_status s = FITM_OK;
+    int sizes[9] = {1};
+    int n_sizes = 1;
+    for (int i = 0; i < n_batches; i++)
+        if (batches[i] != 1)
+            sizes[n_sizes++] = batches[i];
+    double subs[9][2] = {{0}};
+    for (int i = 0; i < n_sizes && !s; i++) {
+        const int B = sizes[i];
+        for (int g = 0; g < 2 && !s; g++) {
+            fitm_backend_cuda_set_graphs(b, g == 1);
+            fitm_kv *kv[FITM_FORWARD_MAX_SEQS] = {0};
+            fitm_forward_seq seq[FITM_FORWARD_MAX_SEQS];
+            fitm_forward_opts o[FITM_FORWARD_MAX_SEQS];
+            fitm_top top[FITM_TOP_MAX * FITM_FORWARD_MAX_SEQS];
+            for (int q = 0; q < B && !s; q++) {
+                s = fitm_kv_create(&kv[q], b, c, STEPS + 1, err);
+                o[q] = (fitm_forward_opts){
+                    .n_logits = 1,
+                    .top_k = c->n_vocab < FITM_TOP_MAX ? (int32_t)c->n_vocab : FITM_TOP_MAX,
+                    .top = top + (size_t)q * FITM_TOP_MAX};
+            }
+            fitm_emu_stats before = {0}, after = {0};
+            for (long t = 0; t <= STEPS && !s; t++) { /* step 0 warms up (allocations, graphs) */
+                if (t == 1)
+                    fitm_emu_get_stats(&before);
+                for (int q = 0; q < B; q++)
+                    seq[q] = (fitm_forward_seq){kv[q], &ids[(t + 3 * q) % n_ids], 1, t, &o[q]};
+                s = fitm_forward_run_batch(fw, seq, B, err);
+            }
+            fitm_emu_get_stats(&after);
+            for (int q = 0; q < B; q++)
+                fitm_kv_destroy(kv[q]);
+            if (s)
+                break;
+#define PER(f) ((double)(after.f - before.f) / STEPS)
+            subs[i][g] = PER(launches) + PER(blas_calls) + PER(copies) + PER(graph_launches);
+            printf("| %4d | %-6s | %8.1f | %6.1f | %6.1f | %14.1f | %11.1f | %11.1f | %10.1f |\n",
+                   B, g ? "on" : "off", PER(launches), PER(blas_calls), PER(copies),
+                   PER(graph_launches), subs[i][g], PER(kernels_run), PER(host_waits));
+#undef PER
+        }
+    }
+    fitm_backend_cuda_set_graphs(b, true);
+    for (int i = 0; i < n_sizes && !s; i++)
+        printf("%d sequence%s: %.1f submissions a step without graphs, %.1f with (%.0fx fewer)\n",
+               sizes[i], sizes[i] > 1 ? "s" : "", subs[i][0], subs[i][1],
+               subs[i][1] > 0 ? subs[i][0] / subs[i][1] : 0.0);
+    return s;
+}
+#endif
+
 int main(int argc, char **argv)
 {
     const char *path = NULL, *backend = "cpu";
@@ -230,7 +309,7 @@ int main(int argc, char **argv)
     fitm_forward_params fp = {max_rows > max_b ? max_rows : max_b, n_ctx, max_b};
     if (!s && !strcmp(backend, "cpu"))
         s = fitm_backend_cpu_create(&b, threads, &err);
-#if FITM_HAVE_CUDA
+#if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
     else if (!s && !strcmp(backend, "cuda"))
         s = fitm_backend_cuda_create(&b, 0, &err);
 #endif
@@ -358,6 +437,15 @@ int main(int argc, char **argv)
     printf(
         "| sgemm, %d threads at once     |          - |            - | %9.1f | %15.0f%% | %12s |\n",
         threads, gfn, 100.0, "-");
+#ifdef FITM_BENCH_CUDA_EMU
+    if (!strcmp(backend, "cuda")) {
+        s = bench_submissions(fw, b, c, ids, (long)n_ctx, batches, n_batches, &err);
+        if (s) {
+            fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
+            return 1;
+        }
+    }
+#endif
     printf("load %.3f s; VmRSS before load %.1f MiB, after load + %d-row KV cache + runs %.1f MiB; "
            "file %.1f MiB, KV cache %.1f MiB; (VmRSS - before) / (file + KV) = %.2f\n",
            t_load, rss0 / 1024.0, (int)n_ctx, rss / 1024.0, file_mib, kv_mib,

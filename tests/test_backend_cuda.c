@@ -4,8 +4,9 @@
  * attention mixture: the position methods' path) and with Attention Buckets (passes whose
  * captures are summed: ops->capture_add); and on the CUDA backend alone,
  * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count)
- * bit-identical to a full pass, and STEP-class steps (the warp-per-output kernel) within the
- * logit tolerance of it.
+ * bit-identical to a full pass, STEP-class steps (the warp-per-output kernel) within the
+ * logit tolerance of it, and decode steps with CUDA graphs (the default) bit-identical to
+ * steps without.
  *
  * Runs on a CUDA device, or on the emulator of tests/cuda_emu (test_backend_cuda_emu); exits
  * 77 (skip) without a device.
@@ -335,6 +336,135 @@ static void test_error_channel(fitm_backend *gpu)
 #endif
 }
 
+/* CUDA graphs (the backend's default: the work between two waits captured and replayed as
+ * one submission) against the same backend with them off, through the forward driver on a
+ * gemma3 model (local and global layers): prompts of different lengths (the BATCH class, whose
+ * cuBLAS products end a capture early), then decode steps of three and of two sequences in
+ * turn (two shapes, so graphs are both updated with new arguments and kept per shape), logits
+ * and top-k of every step bit for bit equal. On the emulator, the steps after the first of
+ * each shape must be submitted as graphs: no kernel launched directly, at least one graph
+ * launch a step, and the same kernels run as without graphs. */
+static void test_graphs(fitm_backend *gpu)
+{
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_GEMMA3, FITM_DTYPE_Q5_0, &buf);
+    fitm_backend *plain = NULL;
+    fitm_err err = {{0}};
+    if (!m || fitm_backend_cuda_create(&plain, 0, &err) != FITM_OK) {
+        CHECK(false, "graph test setup: %s", err.msg);
+        return;
+    }
+    fitm_backend_cuda_set_graphs(plain, false);
+    enum { B = 3, PROMPT = 5, STEPS = 6, K = 8 };
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab;
+    fitm_backend *bk[2] = {plain, gpu};
+    fitm_forward *f[2] = {NULL, NULL};
+    fitm_kv *kv[2][B] = {{NULL}};
+    float *lg[2] = {malloc(sizeof(float) * B * V), malloc(sizeof(float) * B * V)};
+    fitm_top top[2][B * K];
+    const fitm_forward_params fp = {T, T, T};
+    bool ready = lg[0] && lg[1];
+    for (int i = 0; i < 2 && ready; i++) {
+        ready = fitm_forward_create(&f[i], m, bk[i], &fp, &err) == FITM_OK;
+        for (int q = 0; q < B && ready; q++)
+            ready = fitm_kv_create(&kv[i][q], bk[i], c, T, &err) == FITM_OK;
+    }
+    CHECK(ready, "graph test: %s", err.msg);
+    int32_t ids[B][PROMPT + STEPS];
+    for (int q = 0; q < B; q++)
+        for (int t = 0; t < PROMPT + STEPS; t++)
+            ids[q][t] = (int32_t)((q * 131 + t * 17 + 3) % V);
+    int64_t pos[B];
+    for (int q = 0; q < B && ready; q++) { /* prompts of 3, 4 and 5 tokens */
+        pos[q] = PROMPT - (B - 1 - q);
+        for (int i = 0; i < 2; i++) {
+            fitm_forward_opts o = {.n_logits = 2, .logits = lg[i]};
+            CHECK(fitm_forward_run(f[i], kv[i][q], ids[q], pos[q], 0, &o, &err) == FITM_OK,
+                  "prompt: %s", err.msg);
+        }
+        CHECK(memcmp(lg[0], lg[1], sizeof(float) * 2 * V) == 0,
+              "prompt %d: logits with graphs differ from those without", q);
+    }
+    for (int t = 0; t < STEPS && ready; t++) {
+        const int nb = t % 2 ? B - 1 : B;
+#ifdef FITM_CUDA_EMU
+        fitm_emu_stats st[2][2];
+#endif
+        for (int i = 0; i < 2; i++) {
+            fitm_forward_opts o[B];
+            fitm_forward_seq seq[B];
+            for (int q = 0; q < nb; q++) {
+                o[q] = (fitm_forward_opts){
+                    .n_logits = 1, .logits = lg[i] + q * V, .top_k = K, .top = top[i] + q * K};
+                seq[q] = (fitm_forward_seq){kv[i][q], &ids[q][pos[q]], 1, pos[q], &o[q]};
+            }
+#ifdef FITM_CUDA_EMU
+            fitm_emu_get_stats(&st[i][0]);
+#endif
+            CHECK(fitm_forward_run_batch(f[i], seq, nb, &err) == FITM_OK, "step %d: %s", t,
+                  err.msg);
+#ifdef FITM_CUDA_EMU
+            fitm_emu_get_stats(&st[i][1]);
+#endif
+        }
+        for (int q = 0; q < nb; q++)
+            pos[q]++;
+        CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)(nb * V)) == 0,
+              "step %d: logits with graphs differ from those without", t);
+        CHECK(memcmp(top[0], top[1], sizeof(fitm_top) * (size_t)(nb * K)) == 0,
+              "step %d: top entries with graphs differ from those without", t);
+#ifdef FITM_CUDA_EMU
+        const fitm_emu_stats *a = st[0], *g = st[1];
+        CHECK(g[1].kernels_run - g[0].kernels_run == a[1].kernels_run - a[0].kernels_run &&
+                  a[1].launches - a[0].launches == a[1].kernels_run - a[0].kernels_run,
+              "step %d: the same kernels run with and without graphs", t);
+        if (t >= 2)
+            CHECK(g[1].launches == g[0].launches && g[1].graph_launches > g[0].graph_launches,
+                  "step %d: %llu kernels launched directly, %llu graph launches", t,
+                  g[1].launches - g[0].launches, g[1].graph_launches - g[0].graph_launches);
+#endif
+    }
+    for (int i = 0; i < 2; i++) {
+        for (int q = 0; q < B; q++)
+            fitm_kv_destroy(kv[i][q]);
+        fitm_forward_destroy(f[i]);
+        free(lg[i]);
+    }
+    fitm_backend_destroy(plain);
+    fitm_model_close(m);
+    free(buf);
+}
+
+/* Host memory handed to an op where device memory belongs (the rope table of a test that once
+ * passed a malloc'd one): the emulated device, like a real one, loses the context with an
+ * illegal address; the backend reports it as a lost device on every later status, and
+ * allocates nothing more. Last, since the device is gone afterwards (the emulator's reset
+ * brings it back for the end of the process). */
+static void test_lost_context(fitm_backend *gpu)
+{
+#ifdef FITM_CUDA_EMU
+    enum { rows = 2, heads = 2, dim = 8, n_rot = 8 };
+    float *x = gpu->ops->alloc(gpu, (size_t)(rows * heads * dim) * sizeof(float));
+    float table[rows * n_rot];
+    for (int i = 0; i < rows * n_rot; i++)
+        table[i] = (float)i / 16.0f;
+    fitm_err err = {{0}};
+    CHECK(x && gpu->ops->status(gpu, &err) == FITM_OK);
+    gpu->ops->rope(gpu, x, rows, heads, dim, n_rot, table, false);
+    CHECK(gpu->ops->status(gpu, &err) == FITM_ERR_BACKEND);
+    CHECK(strstr(err.msg, "cudaErrorIllegalAddress") && strstr(err.msg, "device lost"), "%s",
+          err.msg);
+    CHECK(gpu->ops->status(gpu, &err) == FITM_ERR_BACKEND, "sticky");
+    void *more = gpu->ops->alloc(gpu, 64);
+    CHECK(more == NULL, "an allocation after the loss");
+    gpu->ops->free(gpu, x);
+    fitm_emu_reset_device();
+#else
+    (void)gpu; /* a real device would have to be lost for good */
+#endif
+}
+
 int main(int argc, char **argv)
 {
     if (fitm_cuda_device_count() == 0) {
@@ -353,7 +483,9 @@ int main(int argc, char **argv)
             if (argc < 2 ||
                 strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
                 test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
+    test_graphs(gpu);
     test_error_channel(gpu);
+    test_lost_context(gpu);
     fitm_backend_destroy(cpu);
     fitm_backend_destroy(gpu);
     printf("%d checks, %d failed\n", n_checks, failures);

@@ -260,7 +260,9 @@ static void test_rope(fitm_backend *b, int64_t T, int64_t H, int64_t D, int64_t 
     for (int64_t t = 0; t < T; t++)
         fitm_ops_rope_table(cs + t * n_rot, n_rot, 7 + 13 * t, 10000.0f, 1.0f);
     float *x = to_dev(b, xh, T * H * D);
-    b->ops->rope(b, x, T, H, D, n_rot, cs, neox);
+    /* the table is backend memory, as the driver's (forward.c keeps it on the backend) */
+    float *cs_dev = to_dev(b, cs, T * n_rot);
+    b->ops->rope(b, x, T, H, D, n_rot, cs_dev, neox);
     float *got = to_host(b, x, T * H * D);
     double *want = malloc((size_t)(T * H * D) * sizeof *want);
     for (int64_t t = 0; t < T; t++)
@@ -278,6 +280,7 @@ static void test_rope(fitm_backend *b, int64_t T, int64_t H, int64_t D, int64_t 
         }
     check_close(neox ? "rope neox" : "rope normal", got, want, T * H * D, NULL, 1e-5);
     free(got), free(want), free(xh), free(cs);
+    b->ops->free(b, cs_dev);
     b->ops->free(b, x);
 }
 

@@ -466,6 +466,60 @@ static void test_rmsnorm(int64_t T, int64_t C, float w_offset, float eps, bool i
     free(got);
 }
 
+/* The fused residual add + RMSNorm against the two kernels it replaces, run one after the
+ * other on the same inputs: the sums and the normed rows bit for bit equal (the backend's
+ * decode steps use it where they would run the two), and the normed rows within the rmsnorm
+ * tolerance of the CPU reference on the sums. */
+static void test_add_rmsnorm(int64_t T, int64_t C, float w_offset, bool in_place)
+{
+    char what[96];
+    snprintf(what, sizeof what, "add_rmsnorm T=%lld C=%lld off=%g%s", (long long)T, (long long)C,
+             (double)w_offset, in_place ? " in-place" : "");
+    const size_t bytes = (size_t)(T * C) * sizeof(float);
+    float *x = xmalloc(bytes), *r = xmalloc(bytes), *w = xmalloc((size_t)C * sizeof(float));
+    float *sum1 = xmalloc(bytes), *sum2 = xmalloc(bytes), *y1 = xmalloc(bytes),
+          *y2 = xmalloc(bytes), *ref = xmalloc(bytes);
+    fill_uniform(x, T * C, -2.0f, 2.0f);
+    fill_uniform(r, T * C, -1.0f, 1.0f);
+    for (int64_t i = 0; i < T * C; i++) /* rows of different scale */
+        r[i] *= (float)(1 + i / C % 4) * 0.7f;
+    fill_uniform(w, C, 0.5f - w_offset, 1.5f - w_offset);
+    dbuf dw = dbuf_from(w, (size_t)C * sizeof(float)), dr = dbuf_from(r, bytes);
+    dbuf dx1 = dbuf_from(x, bytes), dx2 = dbuf_from(x, bytes);
+    dbuf dy1 = dbuf_new(bytes), dy2 = in_place ? dx2 : dbuf_new(bytes);
+    bool ok =
+        launched(what, fitm_cuda_add(dx1.p, dr.p, T * C, stream)) &&
+        launched(what, fitm_cuda_rmsnorm(dy1.p, dx1.p, dw.p, w_offset, T, C, 1e-6f, stream)) &&
+        launched(what,
+                 fitm_cuda_add_rmsnorm(dy2.p, dx2.p, dr.p, dw.p, w_offset, T, C, 1e-6f, stream));
+    if (ok) {
+        dbuf_get(sum1, &dx1);
+        dbuf_get(y1, &dy1);
+        dbuf_get(y2, &dy2);
+        if (!in_place)
+            dbuf_get(sum2, &dx2);
+        ok = dbuf_guards_ok(&dx1, what) && dbuf_guards_ok(&dy1, what) &&
+             dbuf_guards_ok(&dy2, what) && (in_place || dbuf_guards_ok(&dx2, what));
+    }
+    if (ok && !in_place && memcmp(sum1, sum2, bytes) != 0) {
+        fprintf(stderr, "  %s: the sums differ from the add kernel's\n", what);
+        ok = false;
+    }
+    if (ok && memcmp(y1, y2, bytes) != 0) {
+        fprintf(stderr, "  %s: the normed rows differ from add + rmsnorm\n", what);
+        ok = false;
+    }
+    if (ok) {
+        fitm_ops_rmsnorm(ref, sum1, w, w_offset, T, C, 1e-6f);
+        ok = check_close(what, ref, y2, T * C, 1e-5, 1e-5);
+    }
+    CHECK(ok);
+    dbuf_free(&dw), dbuf_free(&dr), dbuf_free(&dx1), dbuf_free(&dx2), dbuf_free(&dy1);
+    if (!in_place)
+        dbuf_free(&dy2);
+    free(x), free(r), free(w), free(sum1), free(sum2), free(y1), free(y2), free(ref);
+}
+
 /* ---- softmax ---- */
 
 /* expf within 2 ulp and a float sum against a double one: 1e-5 relative, plus 1e-7 absolute
@@ -793,6 +847,9 @@ int main(int argc, char **argv)
         test_rmsnorm(3, 1000, 0.0f, 1e-6f, false);
         test_rmsnorm(17, 64, 1.0f, 1e-6f, false);
         test_rmsnorm(2, 33, 0.0f, 1e-5f, true);
+        test_add_rmsnorm(3, 640, 0.0f, false);
+        test_add_rmsnorm(5, 33, 1.0f, false);
+        test_add_rmsnorm(2, 1000, 0.0f, true);
         if (!small) {
             test_rmsnorm(1, 4096, 0.0f, 1e-5f, false);
             test_rmsnorm(5, 5120, 0.0f, 1e-6f, true);

@@ -13,6 +13,19 @@
  * block per (row, head), with capture results downloaded per captured row into the caller's
  * host arrays.
  *
+ * Launches: the ops enqueue work without waiting, and the host waits where it needs a result
+ * (a download, the status). Between two waits the stream is captured into a CUDA graph
+ * (capture_on), from the first op on, and the graph replayed as one submission at the next
+ * wait: a decode step's hundreds of kernels, copies and staged uploads then cost the host one
+ * graph launch instead of one launch each, and the device runs them back to back. Graphs are
+ * kept per shape (node count) and updated with each step's arguments (cudaGraphExecUpdate:
+ * positions, cache rows and staged addresses change every step, the kernels do not); a shape
+ * not seen before is instantiated. An op that cannot be captured (a cuBLAS product, an
+ * allocation, a copy from pageable memory, a wait) first submits what was captured, and the
+ * rest of the pass runs uncaptured: a prefill's BATCH products end its capture after a few
+ * ops. Replay runs the same operations in the same order on the same data, so results are
+ * bit for bit those of the uncaptured path (fitm_backend_cuda_set_graphs turns it off).
+ *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
  * it, unless the error is sticky (the context is lost): then every later status call fails. */
@@ -37,6 +50,20 @@ typedef struct {
     size_t cap;
 } grow_buf;
 
+/* An instantiated graph: a step's work of one shape (its node count) and when it last ran. */
+typedef struct {
+    cudaGraphExec_t exec;
+    size_t nodes;
+    uint64_t used;
+} graph_slot;
+
+#define GRAPH_SLOTS 8
+
+/* Capture states: the stream is not captured and the next capturable op starts a capture
+ * (IDLE), is captured (ON), or is not captured until the next wait (OFF: some op of this
+ * pass could not be). */
+enum { CAP_IDLE, CAP_ON, CAP_OFF };
+
 typedef struct {
     fitm_backend base;
     cudaStream_t stream;
@@ -54,6 +81,18 @@ typedef struct {
     size_t host_cap;
     uint8_t *pin; /* pinned staging of the small host arrays an op hands the device (stage) */
     size_t pin_cap, pin_used;
+    bool graphs;         /* capture the work between two waits and replay it (capture_on) */
+    int cap;             /* CAP_IDLE, CAP_ON or CAP_OFF */
+    bool busy;           /* work may have been enqueued since the last wait */
+    /* a residual add not launched yet (n 0: none): y += x, fused into the next rmsnorm of y
+     * (fitm_cuda_add_rmsnorm) when that follows, else launched before the next op's work */
+    struct {
+        float *y;
+        const float *x;
+        int64_t n;
+    } add;
+    graph_slot slots[GRAPH_SLOTS];
+    uint64_t clock;      /* of the slots' last use */
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -72,10 +111,15 @@ static bool ok(cuda_backend *c, int rc, const char *what)
     return c->rc == 0;
 }
 
+static bool capture_off(cuda_backend *c);
+
+/* Makes the device buffer g at least bytes long (its contents are not kept). */
 static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
 {
     if (g->cap >= bytes)
         return c->rc == 0;
+    if (!capture_off(c)) /* no allocation inside a capture */
+        return false;
     if (g->p && !ok(c, (int)cudaFree(g->p), "free scratch"))
         return false;
     g->p = NULL;
@@ -86,19 +130,157 @@ static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
     return true;
 }
 
+/* Enqueues a copy of n bytes from the host to the device. src must be pinned (the staging
+ * area) or the caller must have ended any capture (capture_off). */
 static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
 {
     return n == 0 ||
            ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), what);
 }
 
-/* Waits for the stream's work. Every staged copy is then done, so the whole pinned staging
- * area is free again (stage). */
+/* ---- graphs ---------------------------------------------------------------------------------- */
+
+/* Starts capturing the stream if graphs are on and no capture is under way or ruled out for
+ * this pass: every op that enqueues only capturable work calls it first. */
+static void add_flush(cuda_backend *c);
+
+static void capture_on(cuda_backend *c)
+{
+    c->busy = true;
+    add_flush(c);
+    if (!c->graphs || c->cap != CAP_IDLE || c->rc)
+        return;
+    /* thread-local: other threads' CUDA calls (another backend's) do not break it */
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        c->cap = CAP_ON;
+    } else {
+        (void)cudaGetLastError(); /* not an error of the pass: it runs uncaptured */
+        c->cap = CAP_OFF;
+    }
+}
+
+/* The slot for a graph of n nodes: one that holds a graph of that many (to be updated), else
+ * the least recently used (to be replaced). A capture begins only after a wait, so no
+ * instance is running when it is updated or replaced. */
+static graph_slot *graph_slot_for(cuda_backend *c, size_t n)
+{
+    graph_slot *lru = &c->slots[0];
+    for (int i = 0; i < GRAPH_SLOTS; i++) {
+        if (c->slots[i].exec && c->slots[i].nodes == n)
+            return &c->slots[i];
+        if (c->slots[i].used < lru->used)
+            lru = &c->slots[i];
+    }
+    return lru;
+}
+
+/* Ends the capture under way and submits what it holds as one graph launch: the instance of
+ * its shape updated with its arguments, or a new instance where there is none or the update
+ * is refused (different kernels, or a different order). */
+static void capture_drop(cuda_backend *c);
+
+static bool graph_submit(cuda_backend *c)
+{
+    cudaGraph_t g = NULL;
+    if (c->rc) { /* the pass failed: its captured work is not run */
+        capture_drop(c);
+        c->cap = CAP_OFF;
+        return false;
+    }
+    c->cap = CAP_OFF;
+    if (!ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture"))
+        return false;
+    size_t n = 0;
+    if (!ok(c, (int)cudaGraphGetNodes(g, NULL, &n), "graph nodes")) {
+        cudaGraphDestroy(g);
+        return false;
+    }
+    if (n == 0) {
+        cudaGraphDestroy(g);
+        return true;
+    }
+    graph_slot *s = graph_slot_for(c, n);
+    bool have = s->exec && s->nodes == n;
+    if (have) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(s->exec, g, &info) != cudaSuccess) {
+            (void)cudaGetLastError(); /* a refused update: instantiate instead */
+            have = false;
+        }
+    }
+    if (!have) {
+        if (s->exec)
+            cudaGraphExecDestroy(s->exec);
+        s->exec = NULL;
+        if (!ok(c, (int)cudaGraphInstantiate(&s->exec, g, 0), "graph instantiation")) {
+            s->exec = NULL;
+            cudaGraphDestroy(g);
+            return false;
+        }
+        s->nodes = n;
+    }
+    s->used = ++c->clock;
+    cudaGraphDestroy(g);
+    return ok(c, (int)cudaGraphLaunch(s->exec, c->stream), "graph launch");
+}
+
+/* Submits the capture under way, if any, and keeps the stream uncaptured until the next wait:
+ * called before work that cannot be captured. False on an error (recorded). Every op calls
+ * this or capture_on first, so both mark the stream busy (cuda_status waits only then). */
+static bool capture_off(cuda_backend *c)
+{
+    c->busy = true;
+    add_flush(c);
+    if (c->cap == CAP_ON)
+        return graph_submit(c);
+    c->cap = c->cap == CAP_IDLE ? CAP_OFF : c->cap;
+    return c->rc == 0;
+}
+
+/* Ends a capture without running what it holds (the work of a pass that failed). */
+static void capture_drop(cuda_backend *c)
+{
+    if (c->cap == CAP_ON) {
+        cudaGraph_t g = NULL;
+        if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g)
+            cudaGraphDestroy(g);
+        (void)cudaGetLastError();
+    }
+    c->cap = CAP_IDLE;
+}
+
+/* Drops the capture under way and every instantiated graph (none may be running). */
+static void graphs_release(cuda_backend *c)
+{
+    capture_drop(c);
+    for (int i = 0; i < GRAPH_SLOTS; i++) {
+        if (c->slots[i].exec)
+            cudaGraphExecDestroy(c->slots[i].exec);
+        c->slots[i] = (graph_slot){0};
+    }
+}
+
+static bool sync_stream(cuda_backend *c, const char *what);
+
+void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
+{
+    cuda_backend *c = cu(b);
+    sync_stream(c, "graphs"); /* no instance is destroyed while it runs */
+    graphs_release(c);
+    c->graphs = on;
+}
+
+/* Waits for the stream's work (what a capture under way holds is submitted first). Every
+ * staged copy is then done, so the whole pinned staging area is free again (stage), and the
+ * next op may start a capture. */
 static bool sync_stream(cuda_backend *c, const char *what)
 {
+    capture_off(c);
     if (!ok(c, (int)cudaStreamSynchronize(c->stream), what))
         return false;
     c->pin_used = 0;
+    c->cap = CAP_IDLE;
+    c->busy = false;
     return true;
 }
 
@@ -107,7 +289,8 @@ static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const
 {
     if (n == 0 || c->rc)
         return c->rc == 0;
-    if (!ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
+    if (!capture_off(c) || /* into pageable memory: not in a graph */
+        !ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
         return false;
     return sync_stream(c, what);
 }
@@ -187,7 +370,8 @@ static const void *weight_dev(cuda_backend *c, const fitm_weight *w, int slot)
     if (d)
         return d->dev;
     const size_t n = weight_bytes(w);
-    if (!grow(c, &c->tmp_w[slot], n) || !to_dev(c, c->tmp_w[slot].p, w->data, n, "weight upload"))
+    if (!grow(c, &c->tmp_w[slot], n) || !capture_off(c) || /* pageable source */
+        !to_dev(c, c->tmp_w[slot].p, w->data, n, "weight upload"))
         return NULL;
     return c->tmp_w[slot].p;
 }
@@ -233,9 +417,11 @@ static void release_weights(cuda_backend *c)
     c->n_w = 0;
 }
 
+/* Uploads every weight of m (releasing the previous model's). */
 static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *err)
 {
     cuda_backend *c = cu(b);
+    capture_off(c);
     const size_t cap = (size_t)fitm_model_n_weights(m);
     /* One model at a time: the previous model's views may be gone and their addresses
      * reused by this one's (forwards of the same model find the fresh copies). */
@@ -253,15 +439,16 @@ static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *
 
 /* ---- memory --------------------------------------------------------------------------------- */
 
+/* Zeroed device memory of n bytes (synchronous). */
 static void *cuda_alloc(fitm_backend *b, size_t n)
 {
     cuda_backend *c = cu(b);
     void *p = NULL;
+    capture_off(c); /* no allocation inside a capture */
     if (cudaMalloc(&p, n ? n : 1) != cudaSuccess)
         return NULL; /* the caller reports it; not an error of the pass */
     if (cudaMemset(p, 0, n ? n : 1) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
         cudaFree(p);
-        (void)c;
         return NULL;
     }
     return p;
@@ -269,26 +456,40 @@ static void *cuda_alloc(fitm_backend *b, size_t n)
 
 static void cuda_free(fitm_backend *b, void *p)
 {
-    (void)b;
-    if (p)
+    if (p) {
+        capture_off(cu(b)); /* cudaFree waits for the device */
         cudaFree(p);
+    }
 }
 
+#define UPLOAD_STAGED_MAX (64u << 10)
+
+/* Copies n bytes of the caller's array to the device; the caller may reuse it at once. Up to
+ * UPLOAD_STAGED_MAX bytes (a step's RoPE tables) go through the pinned staging area without a
+ * wait (and into a capture); larger ones are copied and waited for. */
 static void cuda_upload(fitm_backend *b, void *dst, const void *src_host, size_t n)
 {
     cuda_backend *c = cu(b);
-    if (to_dev(c, dst, src_host, n, "upload"))
+    if (n <= UPLOAD_STAGED_MAX) {
+        capture_on(c);
+        stage_at(c, dst, src_host, n);
+        return;
+    }
+    if (capture_off(c) && to_dev(c, dst, src_host, n, "upload"))
         sync_stream(c, "upload"); /* src_host may go away */
 }
 
+/* Copies n bytes of device memory to the caller's array (waits). */
 static void cuda_download(fitm_backend *b, void *dst_host, const void *src, size_t n)
 {
     to_host(cu(b), dst_host, src, n, "download");
 }
 
+/* Device-to-device copy of n bytes, in stream order (no wait). */
 static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     if (n)
         ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
 }
@@ -301,9 +502,13 @@ static void free_buf(grow_buf *g)
     g->cap = 0;
 }
 
+/* Releases everything the backend holds on the device and the host. */
 static void cuda_destroy(fitm_backend *b)
 {
     cuda_backend *c = cu(b);
+    capture_drop(c);
+    cudaStreamSynchronize(c->stream); /* no instance is destroyed while it runs */
+    graphs_release(c);
     release_weights(c);
     free(c->w);
     free(c->host);
@@ -320,6 +525,8 @@ static void cuda_destroy(fitm_backend *b)
     free(c);
 }
 
+/* Grows the scratch that depends on the call sizes (token ids, capture row indices) ahead of
+ * the first pass. */
 static fitm_status cuda_reserve(fitm_backend *b, int64_t max_tokens, int64_t max_keys,
                                 int64_t max_k, fitm_err *err)
 {
@@ -336,10 +543,12 @@ static fitm_status cuda_reserve(fitm_backend *b, int64_t max_tokens, int64_t max
 
 /* ---- ops ---------------------------------------------------------------------------------- */
 
+/* x (T, C) = rows ids of the embedding w times scale; the ids are staged. */
 static void cuda_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids, int64_t T,
                        float scale, float *x)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     const void *W = weight_dev(c, w, 0);
     const int32_t *ids_dev = W ? stage(c, &c->ids, ids, (size_t)T * sizeof(int32_t)) : NULL;
     if (ids_dev)
@@ -434,10 +643,16 @@ static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W,
     gemm_rows(c, Wf, N, K, x, T, y);
 }
 
+/* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through cuBLAS (not
+ * captured), the STEP class through the warp-per-output kernel. */
 static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
                         int n_outs, bool batched)
 {
     cuda_backend *c = cu(b);
+    if (batched)
+        capture_off(c);
+    else
+        capture_on(c);
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;
@@ -459,31 +674,46 @@ static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_m
     }
 }
 
+/* y (rows, n) = rmsnorm(x) * w; w must be F32. When the pending add writes exactly x, both
+ * run as one kernel (the same values bit for bit: fitm_cuda_add_rmsnorm). */
 static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
                          int64_t rows, int64_t n, float eps)
 {
     cuda_backend *c = cu(b);
+    const bool fuse = c->add.n > 0 && c->add.y == x && c->add.n == rows * n;
+    float *sum = c->add.y;
+    const float *res = c->add.x;
+    if (fuse)
+        c->add.n = 0;
+    capture_on(c); /* launches a pending add that is not fused */
     if (w->type != FITM_DTYPE_F32) {
         ok(c, (int)cudaErrorInvalidValue, "rmsnorm weight is not F32");
         return;
     }
     const void *wd = weight_dev(c, w, 1);
-    if (wd)
+    if (wd && fuse)
+        ok(c, fitm_cuda_add_rmsnorm(y, sum, res, wd, 0.0f, rows, n, eps, c->stream),
+           "add + rmsnorm");
+    else if (wd)
         ok(c, fitm_cuda_rmsnorm(y, x, wd, 0.0f, rows, n, eps, c->stream), "rmsnorm");
 }
 
+/* RoPE in place on x (T, n_heads, D) with the driver's table cs (device memory). */
 static void cuda_rope(fitm_backend *b, float *x, int64_t T, int64_t n_heads, int64_t D,
                       int64_t n_rot, const float *cs, bool neox)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     if (c->rc == 0)
         ok(c, fitm_cuda_rope_table(x, T, n_heads, D, n_rot, cs, neox, c->stream), "rope");
 }
 
+/* y (n) = act(g) * u. */
 static void cuda_glu(fitm_backend *b, float *y, const float *g, const float *u, int64_t n,
                      fitm_act act)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     if (c->rc == 0)
         ok(c,
            act == FITM_ACT_GELU ? fitm_cuda_geglu(y, g, u, n, c->stream)
@@ -491,16 +721,34 @@ static void cuda_glu(fitm_backend *b, float *y, const float *g, const float *u, 
            "glu");
 }
 
+/* Launches the pending residual add, if any. */
+static void add_flush(cuda_backend *c)
+{
+    const int64_t n = c->add.n;
+    c->add.n = 0;
+    if (n > 0 && c->rc == 0)
+        ok(c, fitm_cuda_add(c->add.y, c->add.x, n, c->stream), "add");
+}
+
+/* y (n) += x (n): kept pending, so that a following rmsnorm of y runs both in one launch
+ * (the forward driver's residual add, then the next block's norm); any other op launches it
+ * first. */
 static void cuda_add(fitm_backend *b, float *y, const float *x, int64_t n)
 {
     cuda_backend *c = cu(b);
-    if (c->rc == 0)
-        ok(c, fitm_cuda_add(y, x, n, c->stream), "add");
+    capture_on(c); /* launches an earlier pending add */
+    if (c->rc == 0 && n > 0) {
+        c->add.y = y;
+        c->add.x = x;
+        c->add.n = n;
+    }
 }
 
+/* x (n) = cap * tanh(x / cap). */
 static void cuda_softcap(fitm_backend *b, float *x, int64_t n, float cap)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     if (c->rc == 0)
         ok(c, fitm_cuda_softcap(x, n, cap, c->stream), "softcap");
 }
@@ -525,6 +773,7 @@ static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, 
 {
     cuda_backend *c = cu(b);
     const size_t pairs = (size_t)(rows * k), bytes = pairs * (sizeof(float) + sizeof(int32_t));
+    capture_on(c);
     if (c->rc || rows == 0 || !grow(c, &c->top, bytes) ||
         !grow(c, &c->top_scratch, fitm_cuda_topk_scratch(rows, n, k) + 1))
         return;
@@ -612,9 +861,12 @@ static fitm_cuda_attn attn_kernel_args(const fitm_attn_args *a)
     return k;
 }
 
+/* One call's attention (backend.h); its captured rows are downloaded (a wait) into the
+ * caller's arrays. */
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cuda_backend *c = cu(b);
+    capture_on(c);
     if (c->rc)
         return;
     fitm_cuda_attn k = attn_kernel_args(a);
@@ -672,6 +924,7 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
             cuda_attention(b, &a[s]);
         return;
     }
+    capture_on(c);
     if (c->rc)
         return;
     fitm_cuda_attn k[ATTN_MANY_MAX];
@@ -707,10 +960,11 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
         ok(c, fitm_cuda_attention_many(k, k_dev, n, c->stream), "attention");
 }
 
+/* The pass's first error (after waiting for its work), cleared unless the device is lost. */
 static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
 {
     cuda_backend *c = cu(b);
-    if (c->rc == 0) /* errors inside kernels surface here */
+    if (c->rc == 0 && c->busy) /* errors inside kernels surface here */
         sync_stream(c, "a kernel");
     if (c->rc == 0)
         return FITM_OK;
@@ -718,8 +972,13 @@ static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
     snprintf(what, sizeof what, "CUDA backend: %s%s", c->what[0] ? c->what : "stream",
              c->sticky ? " (device lost: restart the service)" : "");
     fitm_status s = fitm_cuda_status(c->rc, err, what);
-    if (!c->sticky)
+    capture_drop(c); /* the failed pass's captured work, if it failed mid-capture */
+    c->add.n = 0;    /* and its pending add */
+    if (!c->sticky) {
         c->rc = 0, c->what[0] = 0;
+        /* an error a replayed graph left (not returned by a launch) must not fail the next */
+        (void)cudaGetLastError();
+    }
     return s;
 }
 
@@ -761,6 +1020,7 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
     if (!c)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the CUDA backend");
     c->base.ops = &cuda_ops;
+    c->graphs = true;
     rc = (int)cudaStreamCreate(&c->stream);
     if (rc != 0) {
         free(c);

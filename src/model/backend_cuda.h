@@ -10,6 +10,11 @@
  * no such device or its context cannot be set up. *out is NULL on failure. */
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err);
 
+/* Whether b (from fitm_backend_cuda_create) captures the work between two waits as a CUDA
+ * graph and replays it (on by default; backend_cuda.c): the results are the same bit for bit,
+ * only the number of submissions changes. For tests and benchmarks that compare the two. */
+void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
+
 /* Usable CUDA devices: 0 without a driver or a device. */
 int fitm_backend_cuda_device_count(void);
 

@@ -8,7 +8,10 @@
  * op(A) and column of op(B) alone, never on m or n. beta 0 does not read C (NaN stays out). A
  * launch failure injected into the emulated runtime (fitm_emu_inject_error "launch", or
  * FITM_CUDA_EMU_FAIL_LAUNCH_IF) fails the call with CUBLAS_STATUS_EXECUTION_FAILED and sets
- * the runtime's error, as a kernel failing inside a real cuBLAS call would. */
+ * the runtime's error, as a kernel failing inside a real cuBLAS call would. An operand (A, B
+ * or C) that is not device memory (cuda_runtime_api.h) loses the context with
+ * cudaErrorIllegalAddress. On a stream being captured into a graph, the product is recorded
+ * and runs at each replay. */
 #ifndef FITM_CUDA_EMU_CUBLAS_V2_H
 #define FITM_CUDA_EMU_CUBLAS_V2_H
 

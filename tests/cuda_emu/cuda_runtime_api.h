@@ -4,7 +4,17 @@
  * "Device" memory is host memory (256-byte aligned), copies are memcpy, and every launch runs
  * to completion on the calling thread before the launcher returns, so streams and events are
  * bookkeeping only. Error codes carry the real runtime's numbers, so code that compares them
- * or prints their names behaves as against libcudart. C and C++ both include this header. */
+ * or prints their names behaves as against libcudart. C and C++ both include this header.
+ *
+ * It fails where a device fails. Device allocations (cudaMalloc) are registered apart from
+ * host memory: every pointer argument of a launch, every cuBLAS operand and the device side of
+ * every copy or memset must lie in one, or in pinned host memory (cudaMallocHost, which a
+ * device maps), else the call fails with cudaErrorIllegalAddress, and that error is sticky as
+ * on a device whose context is lost: every later call returns it and nothing runs any more. A
+ * launch beyond a device's limits fails with cudaErrorInvalidConfiguration (not sticky): more
+ * than 1024 threads a block, a grid's y or z over 65535, more than 48 KiB of dynamic shared
+ * memory without the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize opt-in (set with
+ * cudaFuncSetAttribute), or more than the device's per-block maximum even with it. */
 #ifndef FITM_CUDA_EMU_RUNTIME_API_H
 #define FITM_CUDA_EMU_RUNTIME_API_H
 
@@ -36,6 +46,10 @@ typedef enum cudaError {
     cudaErrorInvalidAddressSpace = 717,
     cudaErrorInvalidPc = 718,
     cudaErrorLaunchFailure = 719,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
+    cudaErrorStreamCaptureWrongThread = 908,
+    cudaErrorGraphExecUpdateFailure = 910,
     cudaErrorUnknown = 999
 } cudaError_t;
 
@@ -49,6 +63,36 @@ typedef enum cudaMemcpyKind {
 
 typedef struct fitm_emu_stream *cudaStream_t;
 typedef struct fitm_emu_event *cudaEvent_t;
+typedef struct fitm_emu_graph *cudaGraph_t;
+typedef struct fitm_emu_graph_exec *cudaGraphExec_t;
+typedef struct fitm_emu_graph_node *cudaGraphNode_t;
+
+typedef enum cudaGraphExecUpdateResult {
+    cudaGraphExecUpdateSuccess = 0,
+    cudaGraphExecUpdateError = 1,
+    cudaGraphExecUpdateErrorTopologyChanged = 2
+} cudaGraphExecUpdateResult;
+
+typedef struct cudaGraphExecUpdateResultInfo {
+    cudaGraphExecUpdateResult result;
+    cudaGraphNode_t errorNode, errorFromNode;
+} cudaGraphExecUpdateResultInfo;
+
+typedef enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8
+} cudaFuncAttribute;
+
+typedef enum cudaStreamCaptureMode {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2
+} cudaStreamCaptureMode;
+
+typedef enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2
+} cudaStreamCaptureStatus;
 
 #define cudaStreamDefault 0x0u
 #define cudaStreamNonBlocking 0x1u
@@ -58,9 +102,13 @@ struct cudaDeviceProp {
     size_t totalGlobalMem;
     int major, minor;
     int multiProcessorCount;
-    int memoryClockRate; /* kHz */
-    int memoryBusWidth;  /* bits */
-    int clockRate;       /* kHz */
+    int memoryClockRate;           /* kHz */
+    int memoryBusWidth;            /* bits */
+    int clockRate;                 /* kHz */
+    size_t sharedMemPerBlock;      /* without an opt-in */
+    size_t sharedMemPerBlockOptin; /* the most one block may have */
+    int maxThreadsPerBlock;
+    int maxGridSize[3];
 };
 
 cudaError_t cudaGetDeviceCount(int *n);
@@ -95,6 +143,30 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
 
+/* Graphs: between cudaStreamBeginCapture and cudaStreamEndCapture, the launches, cuBLAS calls,
+ * copies and memsets enqueued on the stream are recorded, not run (their arguments copied as a
+ * launch copies them); cudaGraphLaunch replays them in order. A call that waits for the device
+ * (a synchronization, a synchronous copy), allocates or frees during a capture, and a copy
+ * between the captured stream and pageable host memory, fail with
+ * cudaErrorStreamCaptureUnsupported and invalidate the capture, as on a device (a wait,
+ * allocation or free only from the capturing thread in the thread-local mode, from any thread
+ * in the global mode). */
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph,
+                                 unsigned long long flags);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+/* The number of nodes of graph (nodes must be NULL: the nodes themselves are not emulated). */
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t *nodes, size_t *n);
+/* Gives exec the arguments of graph when both hold the same operations in the same order (the
+ * same kernels); else cudaErrorGraphExecUpdateFailure, info->result
+ * cudaGraphExecUpdateErrorTopologyChanged, exec unchanged. */
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph,
+                                cudaGraphExecUpdateResultInfo *info);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+
 /* ---- emulator controls (not CUDA) ---- */
 
 /* Devices the emulated runtime reports: 1, or the value of FITM_CUDA_EMU_DEVICES when set
@@ -104,6 +176,21 @@ int fitm_emu_device_count(void);
 /* Makes the next call of the named kind fail once with e (for error-path tests): kind is
  * "malloc" or "launch". */
 void fitm_emu_inject_error(const char *kind, cudaError_t e);
+
+/* Clears a sticky error (a lost context), for tests that plant one and go on; device memory
+ * stays allocated. A device process would have to restart instead. */
+void fitm_emu_reset_device(void);
+
+/* What the emulated device has been asked to do since the process started, for benchmarks of
+ * the overhead a real device pays per submission and per wait. Submissions by the host:
+ * kernel launches, cuBLAS calls, copies and memsets (those recorded into a graph are not
+ * submitted then), graph launches (one submission each, however many operations the graph
+ * holds). kernels_run: kernels that ran, alone or in a graph's replay. host_waits: stream,
+ * event and device synchronizations and synchronous copies. */
+typedef struct {
+    unsigned long long launches, blas_calls, copies, graph_launches, kernels_run, host_waits;
+} fitm_emu_stats;
+void fitm_emu_get_stats(fitm_emu_stats *s);
 
 /* Environment: FITM_CUDA_EMU_DEVICES (above); FITM_CUDA_EMU_FAIL_LAUNCH_IF=PATH: while PATH
  * exists, the next launch fails with cudaErrorLaunchFailure and removes PATH (one failure per

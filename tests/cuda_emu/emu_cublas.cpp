@@ -1,5 +1,6 @@
 /* cuda_emu: the cuBLAS calls fitm uses, on the CPU (contract in cublas_v2.h). */
 #include <math.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -53,25 +54,10 @@ __attribute__((target("fma"))) void dot8_fma(const float *a, int64_t lda, const 
     memcpy(out, acc, sizeof acc);
 }
 
-cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
-                    int k, const float *alpha, const void *A, cudaDataType at, int lda,
-                    const void *B, cudaDataType bt, int ldb, const float *beta, float *C, int ldc)
+/* The product itself (the call's checks done). */
+void run_gemm(bool tA, bool tB, int m, int n, int k, float a, const void *A, cudaDataType at,
+              int lda, const void *B, cudaDataType bt, int ldb, float b, float *C, int ldc)
 {
-    const bool tA = ta == CUBLAS_OP_T, tB = tb == CUBLAS_OP_T;
-    if (!h)
-        return CUBLAS_STATUS_NOT_INITIALIZED;
-    if ((ta != CUBLAS_OP_N && !tA) || (tb != CUBLAS_OP_N && !tB) || m < 0 || n < 0 || k < 0 ||
-        lda < (tA ? (k > 1 ? k : 1) : (m > 1 ? m : 1)) ||
-        ldb < (tB ? (n > 1 ? n : 1) : (k > 1 ? k : 1)) || ldc < (m > 1 ? m : 1) || !alpha || !beta)
-        return CUBLAS_STATUS_INVALID_VALUE;
-    if (m == 0 || n == 0)
-        return CUBLAS_STATUS_SUCCESS;
-    const cudaError_t e = fitm_emu_take_launch_failure();
-    if (e != cudaSuccess) {
-        fitm_emu_set_error(e);
-        return CUBLAS_STATUS_EXECUTION_FAILED;
-    }
-    const float a = *alpha, b = *beta;
     auto put = [&](int r, int c, float acc) {
         float *dst = C + (int64_t)r + (int64_t)c * ldc;
         *dst = b == 0.0f ? a * acc : fmaf(b, *dst, a * acc);
@@ -104,6 +90,46 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
             }
             put(r, c, acc);
         }
+    }
+}
+
+cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                    int k, const float *alpha, const void *A, cudaDataType at, int lda,
+                    const void *B, cudaDataType bt, int ldb, const float *beta, float *C, int ldc)
+{
+    const bool tA = ta == CUBLAS_OP_T, tB = tb == CUBLAS_OP_T;
+    if (!h)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    if ((ta != CUBLAS_OP_N && !tA) || (tb != CUBLAS_OP_N && !tB) || m < 0 || n < 0 || k < 0 ||
+        lda < (tA ? (k > 1 ? k : 1) : (m > 1 ? m : 1)) ||
+        ldb < (tB ? (n > 1 ? n : 1) : (k > 1 ? k : 1)) || ldc < (m > 1 ? m : 1) || !alpha || !beta)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (m == 0 || n == 0)
+        return CUBLAS_STATUS_SUCCESS;
+    const float a = *alpha, b = *beta;
+    /* the operands' first elements must be device memory, as the GEMM kernel would find */
+    auto dev = [](const void *p) { return p && fitm_emu_device_accessible(p); };
+    if (!dev(C) || (k > 0 && (!dev(A) || !dev(B)))) {
+        const void *bad = !dev(C) ? (const void *)C : !dev(A) ? A : B;
+        return fitm_emu_enqueue(h->stream, [bad]() {
+                   fprintf(stderr,
+                           "cuda_emu: illegal address: a cuBLAS operand (%p) is not device "
+                           "memory; the context is lost\n",
+                           bad);
+                   return fitm_emu_lose_context(cudaErrorIllegalAddress);
+               }) == cudaSuccess
+                   ? CUBLAS_STATUS_SUCCESS
+                   : CUBLAS_STATUS_EXECUTION_FAILED;
+    }
+    const cudaError_t e = fitm_emu_enqueue(h->stream, [=]() {
+        const cudaError_t f = fitm_emu_take_launch_failure();
+        if (f == cudaSuccess)
+            run_gemm(tA, tB, m, n, k, a, A, at, lda, B, bt, ldb, b, C, ldc);
+        return f;
+    });
+    if (e != cudaSuccess) {
+        fitm_emu_set_error(e);
+        return CUBLAS_STATUS_EXECUTION_FAILED;
     }
     return CUBLAS_STATUS_SUCCESS;
 }

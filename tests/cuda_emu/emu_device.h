@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <functional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -77,13 +78,13 @@ void fitm_emu_syncthreads(void);
 /* Deposits bits as this lane's value of the current shuffle and returns the value lane src
  * deposited (src < 0: this lane's own), after every lane in mask has deposited. */
 uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src);
-void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st, void (*entry)(void *),
-                  void *ctx);
 void *fitm_emu_dynamic_shared(void);
 /* For stand-ins of device libraries (emu_cublas.cpp): the error a launch would fail with now
  * (an injected one, consumed), or cudaSuccess; and the runtime's sticky-until-read error. */
 cudaError_t fitm_emu_take_launch_failure(void);
 cudaError_t fitm_emu_set_error(cudaError_t e);
+/* Loses the context: e, sticky, is what every later call returns. */
+cudaError_t fitm_emu_lose_context(cudaError_t e);
 
 #define __syncthreads() fitm_emu_syncthreads()
 #define __syncwarp(...) ((void)0)
@@ -264,6 +265,56 @@ template <typename T> static inline T atomicMax(T *p, T v)
 
 /* ---- launches: FITM_LAUNCH(grid, block, shm, stream, kernel)(args...) ---- */
 
+/* The pointer arguments of one launch, checked before it runs: every non-NULL pointer must
+ * lie in a device allocation (cudaMalloc) or in pinned host memory (cudaMallocHost), else the
+ * launch fails with cudaErrorIllegalAddress, as the device would when the kernel dereferences
+ * it. A kernel argument that is a struct holding device pointers, or a pointer to an array of
+ * such structs in device memory, declares them with an overload of fitm_emu_arg_pointers
+ * (or fitm_emu_pointee_pointers), found by argument-dependent lookup (k_attention.cpp). */
+struct fitm_emu_args_check {
+    dim3 grid;
+    int arg = 0; /* the argument being checked (0-based) */
+    const void *bad = nullptr;
+    int bad_arg = -1;
+    void ptr(const void *p); /* emu_runtime.cpp */
+};
+
+template <typename T> static inline void fitm_emu_arg_pointers(const T &, fitm_emu_args_check &)
+{
+}
+template <typename T> static inline void fitm_emu_pointee_pointers(const T *, fitm_emu_args_check &)
+{
+}
+
+template <typename T> static inline void fitm_emu_check_arg(const T &v, fitm_emu_args_check &c)
+{
+    if constexpr (std::is_pointer<T>::value) {
+        c.ptr((const void *)v);
+        if (v && c.bad_arg < 0)
+            fitm_emu_pointee_pointers(v, c);
+    } else {
+        fitm_emu_arg_pointers(v, c);
+    }
+    c.arg++;
+}
+
+/* Runs a launch, or records it while the stream is captured into a graph (then it runs at
+ * each replay): checks the configuration against the device's limits and the arguments
+ * (check), then runs body for every block. kernel identifies the kernel for
+ * cudaFuncSetAttribute. */
+void fitm_emu_launch_body(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st,
+                          const void *kernel, std::function<void(fitm_emu_args_check &)> check,
+                          std::function<void()> body);
+
+/* For the stand-in of cuBLAS (emu_cublas.cpp; counted as a cuBLAS call): runs op on the
+ * stream, or records it while the stream is captured; op returns the error the work failed with
+ * (cudaSuccess: none), which the runtime records. The return value: the error now (a sticky one, or
+ * op's when it ran now). */
+cudaError_t fitm_emu_enqueue(cudaStream_t st, std::function<cudaError_t()> op);
+
+/* True when p is NULL or lies in a device allocation or pinned host memory. */
+bool fitm_emu_device_accessible(const void *p);
+
 template <typename... P> struct fitm_emu_launcher {
     void (*kernel)(P...);
     dim3 grid, block;
@@ -272,15 +323,15 @@ template <typename... P> struct fitm_emu_launcher {
 
     template <typename... A> void operator()(A... a) const
     {
-        std::tuple<P...> args(static_cast<P>(a)...);
-        auto k = kernel;
-        auto body = [&]() { std::apply(k, args); };
-        fitm_emu_run(grid, block, shm, stream, &call<decltype(body)>, &body);
-    }
-
-    template <typename L> static void call(void *p)
-    {
-        (*(L *)p)();
+        /* the arguments are copied, as a launch copies them: a graph may replay it later */
+        const std::tuple<P...> args(static_cast<P>(a)...);
+        const auto k = kernel;
+        fitm_emu_launch_body(
+            grid, block, shm, stream, (const void *)kernel,
+            [args](fitm_emu_args_check &c) {
+                std::apply([&c](const P &...v) { (fitm_emu_check_arg(v, c), ...); }, args);
+            },
+            [args, k]() { std::apply(k, args); });
     }
 };
 
@@ -289,6 +340,14 @@ static inline fitm_emu_launcher<P...> fitm_emu_launch(dim3 g, dim3 b, size_t shm
                                                       void (*k)(P...))
 {
     return fitm_emu_launcher<P...>{k, g, b, shm, st};
+}
+
+/* cudaFuncSetAttribute for a kernel of the C++ side (the runtime's template overload). */
+cudaError_t fitm_emu_func_set_attribute(const void *kernel, int attr, int value);
+template <typename... P>
+static inline cudaError_t cudaFuncSetAttribute(void (*k)(P...), cudaFuncAttribute attr, int value)
+{
+    return fitm_emu_func_set_attribute((const void *)k, (int)attr, value);
 }
 
 #define FITM_DYNAMIC_SHARED(type, name) type *name = (type *)fitm_emu_dynamic_shared()

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <ucontext.h>
 
+#include <map>
 #include <vector>
 
 #include "cuda_runtime.h"
@@ -40,6 +41,8 @@ pthread_mutex_t state_lock = PTHREAD_MUTEX_INITIALIZER;
 cudaError_t last_error = cudaSuccess;
 cudaError_t injected_malloc = cudaSuccess, injected_launch = cudaSuccess;
 
+cudaError_t sticky_error = cudaSuccess; /* the context is lost: every call returns it */
+
 cudaError_t set_error(cudaError_t e)
 {
     pthread_mutex_lock(&state_lock);
@@ -47,6 +50,35 @@ cudaError_t set_error(cudaError_t e)
         last_error = e;
     pthread_mutex_unlock(&state_lock);
     return e;
+}
+
+/* Loses the context: e is returned by every later call. */
+cudaError_t lose_context(cudaError_t e)
+{
+    pthread_mutex_lock(&state_lock);
+    if (sticky_error == cudaSuccess)
+        sticky_error = e;
+    last_error = e;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+cudaError_t sticky(void)
+{
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t e = sticky_error;
+    pthread_mutex_unlock(&state_lock);
+    return e;
+}
+
+/* What the emulated device was asked to do (fitm_emu_get_stats). */
+fitm_emu_stats stats;
+
+void count(unsigned long long fitm_emu_stats::*field)
+{
+    pthread_mutex_lock(&state_lock);
+    stats.*field += 1;
+    pthread_mutex_unlock(&state_lock);
 }
 
 /* Pinned host memory (cudaMallocHost) and the copies from it that have not run yet. A device
@@ -76,6 +108,30 @@ bool in_pinned(const void *src, size_t n)
             return true;
     return false;
 }
+
+/* Device allocations by start address: what a device pointer may point into. */
+pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
+std::map<uintptr_t, size_t> device_blocks;
+
+/* True when [p, p + n) lies in one device allocation or one pinned block; a pointer just past
+ * an allocation's end is accepted for n 0 (an empty view). */
+bool accessible(const void *p, size_t n)
+{
+    const uintptr_t a = (uintptr_t)p;
+    pthread_mutex_lock(&mem_lock);
+    auto it = device_blocks.upper_bound(a);
+    bool in = it != device_blocks.begin() && (--it, a + n <= it->first + it->second);
+    pthread_mutex_unlock(&mem_lock);
+    if (!in) {
+        pthread_mutex_lock(&copy_lock);
+        in = in_pinned(p, n);
+        pthread_mutex_unlock(&copy_lock);
+    }
+    return in;
+}
+
+/* Kernels' opt-in dynamic shared memory (cudaFuncSetAttribute), by kernel. */
+std::map<const void *, size_t> smem_optin;
 
 void run_pending_copies(void)
 {
@@ -557,30 +613,101 @@ cudaError_t fitm_emu_set_error(cudaError_t e)
     return set_error(e);
 }
 
+cudaError_t fitm_emu_lose_context(cudaError_t e)
+{
+    return lose_context(e);
+}
+
 cudaError_t fitm_emu_take_launch_failure(void)
 {
     run_pending_copies(); /* every launch and cuBLAS call starts here */
+    const cudaError_t st = sticky();
+    if (st != cudaSuccess)
+        return st;
     const cudaError_t inj = take_injected(&injected_launch);
     return inj == cudaSuccess && launch_fails_by_file() ? cudaErrorLaunchFailure : inj;
 }
 
-void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (*entry)(void *),
-                  void *ctx)
+bool fitm_emu_device_accessible(const void *p)
+{
+    return !p || accessible(p, 0);
+}
+
+void fitm_emu_args_check::ptr(const void *p)
+{
+    if (p && bad_arg < 0 && !accessible(p, 0)) {
+        bad = p;
+        bad_arg = arg;
+    }
+}
+
+namespace
+{
+
+/* The device's limits (those of an sm_80 part: the emulator reports compute capability 8.0). */
+const size_t SMEM_DEFAULT = 48 * 1024, SMEM_OPTIN_MAX = 163 * 1024;
+const unsigned GRID_YZ_MAX = 65535;
+
+/* A graph's operation: what kind (for cudaGraphExecUpdate's topology check), the kernel of a
+ * launch, and the work with its arguments. */
+enum op_kind { OP_KERNEL, OP_COPY, OP_MEMSET, OP_BLAS, OP_GRAPH };
+struct graph_op {
+    op_kind kind;
+    const void *kernel;
+    std::function<void()> run;
+};
+
+/* Records run into st's graph while st is captured (true), else false (run it now). */
+bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run);
+/* A host wait for the device (defined with the streams). */
+cudaError_t host_wait(cudaStream_t st);
+/* True (and the captures concerned invalidated) when a capture under way forbids this thread
+ * a call that is unsafe during a capture: a wait, an allocation or a free. */
+bool capture_forbids(void);
+
+/* Runs one launch now: the checks, then every block. */
+void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
+                const std::function<void(fitm_emu_args_check &)> &check,
+                const std::function<void()> &body)
 {
     const cudaError_t inj = fitm_emu_take_launch_failure();
     if (inj != cudaSuccess) {
         set_error(inj);
         return;
     }
+    size_t smem_max = SMEM_DEFAULT;
+    pthread_mutex_lock(&state_lock);
+    auto opt = smem_optin.find(kernel);
+    if (opt != smem_optin.end() && opt->second > smem_max)
+        smem_max = opt->second;
+    pthread_mutex_unlock(&state_lock);
     const long long n = (long long)block.x * block.y * block.z;
     if (n < 1 || n > MAX_THREADS || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-        dyn_shared > 228 * 1024) {
+        grid.y > GRID_YZ_MAX || grid.z > GRID_YZ_MAX || dyn_shared > smem_max) {
+        fprintf(stderr,
+                "cuda_emu: launch refused: grid (%u,%u,%u), block (%u,%u,%u), %zu bytes of "
+                "dynamic shared memory (this kernel's limit %zu)\n",
+                grid.x, grid.y, grid.z, block.x, block.y, block.z, dyn_shared, smem_max);
         set_error(cudaErrorInvalidConfiguration);
         return;
     }
+    fitm_emu_args_check c;
+    c.grid = grid;
+    check(c);
+    if (c.bad_arg >= 0) {
+        fprintf(stderr,
+                "cuda_emu: illegal address: launch argument %d (%p) is not device memory; "
+                "the context is lost\n",
+                c.bad_arg, c.bad);
+        lose_context(cudaErrorIllegalAddress);
+        return;
+    }
+    count(&fitm_emu_stats::kernels_run);
     pthread_mutex_lock(&launch_lock);
     uint3 at = {0, 0, 0};
-    const bool ok = run_grid(grid, block, dyn_shared, entry, ctx, &at);
+    const bool ok = run_grid(
+        grid, block, dyn_shared, [](void *p) { (*(const std::function<void()> *)p)(); },
+        (void *)&body, &at);
     pthread_mutex_unlock(&launch_lock);
     if (!ok) {
         fprintf(stderr,
@@ -589,6 +716,42 @@ void fitm_emu_run(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t, void (
                 at.x, at.y, at.z);
         set_error(cudaErrorLaunchFailure);
     }
+}
+
+} // namespace
+
+void fitm_emu_launch_body(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st,
+                          const void *kernel, std::function<void(fitm_emu_args_check &)> check,
+                          std::function<void()> body)
+{
+    if (record(st, OP_KERNEL, kernel,
+               [=]() { run_launch(grid, block, dyn_shared, kernel, check, body); }))
+        return;
+    count(&fitm_emu_stats::launches);
+    run_launch(grid, block, dyn_shared, kernel, check, body);
+}
+
+cudaError_t fitm_emu_enqueue(cudaStream_t st, std::function<cudaError_t()> op)
+{
+    if (record(st, OP_BLAS, nullptr, [op]() {
+            const cudaError_t e = op();
+            if (e != cudaSuccess)
+                set_error(e);
+        }))
+        return sticky();
+    count(&fitm_emu_stats::blas_calls);
+    return op();
+}
+
+cudaError_t fitm_emu_func_set_attribute(const void *kernel, int attr, int value)
+{
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+        (size_t)value > SMEM_OPTIN_MAX)
+        return set_error(cudaErrorInvalidValue);
+    pthread_mutex_lock(&state_lock);
+    smem_optin[kernel] = (size_t)value;
+    pthread_mutex_unlock(&state_lock);
+    return cudaSuccess;
 }
 
 /* ---- runtime API ---- */
@@ -639,20 +802,25 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
     p->major = 8;
     p->minor = 0;
     p->multiProcessorCount = 1;
+    p->sharedMemPerBlock = SMEM_DEFAULT;
+    p->sharedMemPerBlockOptin = SMEM_OPTIN_MAX;
+    p->maxThreadsPerBlock = MAX_THREADS;
+    p->maxGridSize[0] = 0x7fffffff;
+    p->maxGridSize[1] = p->maxGridSize[2] = (int)GRID_YZ_MAX;
     return cudaSuccess;
 }
 
 cudaError_t cudaDeviceSynchronize(void)
 {
-    run_pending_copies();
-    return cudaPeekAtLastError();
+    return host_wait(nullptr);
 }
 
 cudaError_t cudaGetLastError(void)
 {
     pthread_mutex_lock(&state_lock);
     const cudaError_t e = last_error;
-    last_error = cudaSuccess;
+    if (sticky_error == cudaSuccess)
+        last_error = cudaSuccess;
     pthread_mutex_unlock(&state_lock);
     return e;
 }
@@ -690,6 +858,10 @@ const char *cudaGetErrorName(cudaError_t e)
         NAME(cudaErrorInvalidAddressSpace)
         NAME(cudaErrorInvalidPc)
         NAME(cudaErrorLaunchFailure)
+        NAME(cudaErrorStreamCaptureUnsupported)
+        NAME(cudaErrorStreamCaptureInvalidated)
+        NAME(cudaErrorStreamCaptureWrongThread)
+        NAME(cudaErrorGraphExecUpdateFailure)
         NAME(cudaErrorUnknown)
 #undef NAME
     }
@@ -719,66 +891,242 @@ const char *cudaGetErrorString(cudaError_t e)
 cudaError_t cudaMalloc(void **p, size_t bytes)
 {
     *p = NULL;
+    if (sticky())
+        return sticky();
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     const cudaError_t inj = take_injected(&injected_malloc);
     if (inj != cudaSuccess)
         return set_error(inj);
     const size_t rounded = (bytes + 255) / 256 * 256;
     *p = aligned_alloc(256, rounded ? rounded : 256);
-    return *p ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
+    if (!*p)
+        return set_error(cudaErrorMemoryAllocation);
+    pthread_mutex_lock(&mem_lock);
+    device_blocks[(uintptr_t)*p] = bytes;
+    pthread_mutex_unlock(&mem_lock);
+    return cudaSuccess;
 }
 
 cudaError_t cudaFree(void *p)
 {
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     run_pending_copies();
+    if (!p)
+        return sticky();
+    pthread_mutex_lock(&mem_lock);
+    const bool known = device_blocks.erase((uintptr_t)p) == 1;
+    pthread_mutex_unlock(&mem_lock);
+    if (!known)
+        return set_error(cudaErrorInvalidValue);
     free(p);
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaMallocHost(void **p, size_t bytes)
 {
-    const cudaError_t e = cudaMalloc(p, bytes);
-    if (e == cudaSuccess) {
-        pthread_mutex_lock(&copy_lock);
-        pinned.push_back({(const char *)*p, bytes});
-        pthread_mutex_unlock(&copy_lock);
-    }
-    return e;
+    *p = NULL;
+    if (sticky())
+        return sticky();
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
+    const size_t rounded = (bytes + 255) / 256 * 256;
+    *p = aligned_alloc(256, rounded ? rounded : 256);
+    if (!*p)
+        return set_error(cudaErrorMemoryAllocation);
+    pthread_mutex_lock(&copy_lock);
+    pinned.push_back({(const char *)*p, bytes});
+    pthread_mutex_unlock(&copy_lock);
+    return cudaSuccess;
 }
 
 cudaError_t cudaFreeHost(void *p)
 {
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
     run_pending_copies();
+    if (!p)
+        return sticky();
+    bool known = false;
     pthread_mutex_lock(&copy_lock);
     for (size_t i = 0; i < pinned.size(); i++)
         if (pinned[i].p == (const char *)p) {
             pinned.erase(pinned.begin() + (long)i);
+            known = true;
             break;
         }
     pthread_mutex_unlock(&copy_lock);
+    if (!known)
+        return set_error(cudaErrorInvalidValue);
     free(p);
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 {
     *free_bytes = *total_bytes = (size_t)4 << 30;
-    return cudaSuccess;
+    return sticky();
 }
 
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind)
+} // extern "C"
+
+/* ---- streams and graphs ---- */
+
+struct fitm_emu_stream {
+    unsigned flags;
+    bool capturing, invalidated;
+    cudaStreamCaptureMode mode;
+    pthread_t thread;           /* that began the capture */
+    std::vector<graph_op> ops; /* of the capture under way */
+};
+struct fitm_emu_event {
+    double t_ms;
+};
+struct fitm_emu_graph {
+    std::vector<graph_op> ops;
+};
+struct fitm_emu_graph_exec {
+    std::vector<graph_op> ops;
+};
+
+namespace
+{
+
+/* Streams being captured (capture is per stream; the legacy stream NULL is never captured). */
+pthread_mutex_t capture_lock = PTHREAD_MUTEX_INITIALIZER;
+int n_capturing;
+std::vector<cudaStream_t> capturing_streams;
+
+bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run)
+{
+    if (!st)
+        return false;
+    pthread_mutex_lock(&capture_lock);
+    const bool rec = st->capturing;
+    if (rec)
+        st->ops.push_back({kind, kernel, std::move(run)});
+    pthread_mutex_unlock(&capture_lock);
+    return rec;
+}
+
+/* A call that waits for the device, refused as a device refuses it during a capture: from
+ * any thread while a capture in the global mode is under way, from the capturing thread in
+ * the thread-local mode (the relaxed mode allows it); the captures it concerns are
+ * invalidated. Otherwise the pending copies run and the error so far is returned. */
+bool capture_forbids(void)
+{
+    bool refused = false;
+    pthread_mutex_lock(&capture_lock);
+    for (cudaStream_t s : capturing_streams)
+        if (s->mode == cudaStreamCaptureModeGlobal ||
+            (s->mode == cudaStreamCaptureModeThreadLocal &&
+             pthread_equal(s->thread, pthread_self()))) {
+            s->invalidated = true;
+            refused = true;
+        }
+    pthread_mutex_unlock(&capture_lock);
+    return refused;
+}
+
+cudaError_t host_wait(cudaStream_t)
+{
+    if (capture_forbids())
+        return set_error(cudaErrorStreamCaptureUnsupported);
+    count(&fitm_emu_stats::host_waits);
+    run_pending_copies();
+    return cudaPeekAtLastError();
+}
+
+/* The device side of a copy of n bytes (kind) must be device memory; cudaMemcpyDefault lets
+ * the pointers say, as unified addressing does. */
+bool copy_sides_ok(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    const bool d_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+    const bool s_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+    return (!d_dev || accessible(dst, n)) && (!s_dev || accessible(src, n));
+}
+
+cudaError_t illegal_copy(const char *what, void *dst, const void *src, size_t n)
+{
+    fprintf(stderr,
+            "cuda_emu: illegal address: %s of %zu bytes from %p to %p touches memory that is "
+            "not the device's; the context is lost\n",
+            what, n, src, dst);
+    return lose_context(cudaErrorIllegalAddress);
+}
+
+cudaError_t copy_now(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
 {
     run_pending_copies();
+    if (sticky())
+        return sticky();
     if (bytes && (!dst || !src))
         return set_error(cudaErrorInvalidValue);
+    if (!copy_sides_ok(dst, src, bytes, kind))
+        return illegal_copy("a copy", dst, src, bytes);
     if (bytes)
         memmove(dst, src, bytes);
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t)
+cudaError_t memset_now(void *dst, int value, size_t bytes)
 {
+    run_pending_copies();
+    if (sticky())
+        return sticky();
+    if (bytes && !dst)
+        return set_error(cudaErrorInvalidValue);
+    if (bytes && !accessible(dst, bytes))
+        return illegal_copy("a memset", dst, nullptr, bytes);
+    if (bytes)
+        memset(dst, value, bytes);
+    return cudaSuccess;
+}
+
+} // namespace
+
+extern "C" {
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
+{
+    const cudaError_t w = host_wait(nullptr);
+    if (w == cudaErrorStreamCaptureUnsupported)
+        return w;
+    count(&fitm_emu_stats::copies);
+    return copy_now(dst, src, bytes, kind);
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t s)
+{
+    /* a graph copies from or to host memory only where it is pinned (a pageable buffer may be
+     * gone by the replay): such a copy breaks the capture */
+    const void *host_side = kind == cudaMemcpyHostToDevice   ? src
+                            : kind == cudaMemcpyDeviceToHost ? (const void *)dst
+                                                             : nullptr;
+    if (s && s->capturing && host_side && bytes) {
+        pthread_mutex_lock(&copy_lock);
+        const bool pin = in_pinned(host_side, bytes);
+        pthread_mutex_unlock(&copy_lock);
+        if (!pin) {
+            pthread_mutex_lock(&capture_lock);
+            s->invalidated = true;
+            pthread_mutex_unlock(&capture_lock);
+            return set_error(cudaErrorStreamCaptureUnsupported);
+        }
+    }
+    if (record(s, OP_COPY, nullptr, [=]() {
+            const cudaError_t e = copy_now(dst, src, bytes, kind);
+            (void)e; /* recorded by copy_now */
+        }))
+        return sticky();
+    count(&fitm_emu_stats::copies);
+    if (sticky())
+        return sticky();
     if (bytes && dst && src && kind == cudaMemcpyHostToDevice) {
+        if (!accessible(dst, bytes))
+            return illegal_copy("an asynchronous copy", dst, src, bytes);
         pthread_mutex_lock(&copy_lock);
         const bool later = in_pinned(src, bytes);
         if (later)
@@ -787,35 +1135,30 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
         if (later)
             return cudaSuccess;
     }
-    return cudaMemcpy(dst, src, bytes, kind);
+    return copy_now(dst, src, bytes, kind);
 }
 
 cudaError_t cudaMemset(void *dst, int value, size_t bytes)
 {
-    run_pending_copies();
-    if (bytes && !dst)
-        return set_error(cudaErrorInvalidValue);
-    if (bytes)
-        memset(dst, value, bytes);
-    return cudaSuccess;
+    const cudaError_t w = host_wait(nullptr);
+    if (w == cudaErrorStreamCaptureUnsupported)
+        return w;
+    count(&fitm_emu_stats::copies);
+    return memset_now(dst, value, bytes);
 }
 
-cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t)
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s)
 {
-    return cudaMemset(dst, value, bytes);
+    if (record(s, OP_MEMSET, nullptr, [=]() { (void)memset_now(dst, value, bytes); }))
+        return sticky();
+    count(&fitm_emu_stats::copies);
+    return memset_now(dst, value, bytes);
 }
-
-struct fitm_emu_stream {
-    unsigned flags;
-};
-struct fitm_emu_event {
-    double t_ms;
-};
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
 {
-    *s = new fitm_emu_stream{flags};
-    return cudaSuccess;
+    *s = new fitm_emu_stream{flags, false, false, cudaStreamCaptureModeGlobal, pthread_self(), {}};
+    return sticky();
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *s)
@@ -825,20 +1168,27 @@ cudaError_t cudaStreamCreate(cudaStream_t *s)
 
 cudaError_t cudaStreamDestroy(cudaStream_t s)
 {
+    if (s && s->capturing) {
+        pthread_mutex_lock(&capture_lock);
+        n_capturing--;
+        for (size_t i = 0; i < capturing_streams.size(); i++)
+            if (capturing_streams[i] == s)
+                capturing_streams.erase(capturing_streams.begin() + (long)i);
+        pthread_mutex_unlock(&capture_lock);
+    }
     delete s;
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t)
+cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
-    run_pending_copies();
-    return cudaPeekAtLastError();
+    return host_wait(s);
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t *e)
 {
     *e = new fitm_emu_event{0.0};
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t e)
@@ -852,19 +1202,159 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     e->t_ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t)
 {
-    run_pending_copies();
-    return cudaPeekAtLastError();
+    return host_wait(nullptr);
 }
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
 {
     *ms = (float)(end->t_ms - start->t_ms);
+    return sticky();
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode)
+{
+    if (!s)
+        return set_error(cudaErrorStreamCaptureUnsupported); /* the legacy stream */
+    if (sticky())
+        return sticky();
+    pthread_mutex_lock(&capture_lock);
+    const bool already = s->capturing;
+    if (!already) {
+        s->capturing = true;
+        s->invalidated = false;
+        s->mode = mode;
+        s->thread = pthread_self();
+        s->ops.clear();
+        n_capturing++;
+        capturing_streams.push_back(s);
+    }
+    pthread_mutex_unlock(&capture_lock);
+    return already ? set_error(cudaErrorStreamCaptureUnsupported) : cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph)
+{
+    *graph = NULL;
+    if (!s)
+        return set_error(cudaErrorInvalidValue);
+    pthread_mutex_lock(&capture_lock);
+    const bool was = s->capturing, broken = s->invalidated;
+    std::vector<graph_op> ops;
+    if (was) {
+        s->capturing = false;
+        ops.swap(s->ops);
+        n_capturing--;
+        for (size_t i = 0; i < capturing_streams.size(); i++)
+            if (capturing_streams[i] == s)
+                capturing_streams.erase(capturing_streams.begin() + (long)i);
+    }
+    pthread_mutex_unlock(&capture_lock);
+    if (!was)
+        return set_error(cudaErrorInvalidValue);
+    if (broken)
+        return set_error(cudaErrorStreamCaptureInvalidated);
+    *graph = new fitm_emu_graph{std::move(ops)};
+    return sticky();
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status)
+{
+    pthread_mutex_lock(&capture_lock);
+    *status = !s || !s->capturing ? cudaStreamCaptureStatusNone
+              : s->invalidated    ? cudaStreamCaptureStatusInvalidated
+                                  : cudaStreamCaptureStatusActive;
+    pthread_mutex_unlock(&capture_lock);
+    return sticky();
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long)
+{
+    *exec = NULL;
+    if (!graph)
+        return set_error(cudaErrorInvalidValue);
+    if (sticky())
+        return sticky();
+    *exec = new fitm_emu_graph_exec{graph->ops};
     return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s)
+{
+    if (!exec)
+        return set_error(cudaErrorInvalidValue);
+    if (record(s, OP_GRAPH, exec, [exec]() {
+            for (const graph_op &op : exec->ops)
+                op.run();
+        }))
+        return sticky();
+    if (sticky())
+        return sticky();
+    count(&fitm_emu_stats::graph_launches);
+    for (const graph_op &op : exec->ops)
+        op.run();
+    return sticky();
+}
+
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t *nodes, size_t *n)
+{
+    if (!graph || !n || nodes)
+        return set_error(cudaErrorInvalidValue); /* only the count is emulated */
+    *n = graph->ops.size();
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph,
+                                cudaGraphExecUpdateResultInfo *info)
+{
+    if (info)
+        memset(info, 0, sizeof *info);
+    if (!exec || !graph)
+        return set_error(cudaErrorInvalidValue);
+    bool same = exec->ops.size() == graph->ops.size();
+    for (size_t i = 0; same && i < graph->ops.size(); i++)
+        same = exec->ops[i].kind == graph->ops[i].kind &&
+               exec->ops[i].kernel == graph->ops[i].kernel;
+    if (!same) {
+        if (info)
+            info->result = cudaGraphExecUpdateErrorTopologyChanged;
+        return set_error(cudaErrorGraphExecUpdateFailure);
+    }
+    exec->ops = graph->ops; /* the same operations with this graph's arguments */
+    if (info)
+        info->result = cudaGraphExecUpdateSuccess;
+    return sticky();
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec)
+{
+    delete exec;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph)
+{
+    delete graph;
+    return cudaSuccess;
+}
+
+void fitm_emu_reset_device(void)
+{
+    run_pending_copies();
+    pthread_mutex_lock(&state_lock);
+    sticky_error = last_error = cudaSuccess;
+    pthread_mutex_unlock(&state_lock);
+}
+
+void fitm_emu_get_stats(fitm_emu_stats *out)
+{
+    pthread_mutex_lock(&state_lock);
+    *out = stats;
+    pthread_mutex_unlock(&state_lock);
 }
 
 } // extern "C"

@@ -1,0 +1,364 @@
+/* test_faults: the emulator fails where a device fails (contract in cuda_runtime_api.h).
+ * Each class of fault is planted and must be refused with the device's error, while the same
+ * call on valid arguments runs and computes the right values (so a refusal is not a refusal
+ * of everything):
+ *
+ * - launch limits (cudaErrorInvalidConfiguration, not sticky): a block of 1025 threads, a grid
+ *   with y or z over 65535, dynamic shared memory over 48 KiB without the kernel's opt-in, and
+ *   over the device's per-block maximum with it;
+ * - host memory where the device needs its own (cudaErrorIllegalAddress, sticky: the context
+ *   is lost, later calls fail until fitm_emu_reset_device): a host pointer as a kernel's
+ *   argument, inside a struct argument (fitm_cuda_attention's queries), inside the device array
+ *   of structs of fitm_cuda_attention_many, as a cuBLAS operand, as the device side of an
+ *   asynchronous copy and of a memset;
+ * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
+ *   order, on the values their memory holds then; a host wait during a capture is refused and
+ *   breaks it;
+ * - the statistics (fitm_emu_get_stats) count submissions and waits as described. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "check.h"
+#include "kernels.h"
+
+/* y[i] = 2 x[i] + i over a grid-stride loop. */
+__global__ void twice(float *y, const float *x, int n)
+{
+    const int stride = (int)(gridDim.x * blockDim.x);
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += stride)
+        y[i] = 2.0f * x[i] + (float)i;
+}
+
+/* Every thread writes its index to the dynamic shared memory; thread 0 sums it into *out. */
+__global__ void smem_sum(float *out, int n)
+{
+    FITM_DYNAMIC_SHARED(float, s);
+    for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x)
+        s[i] = (float)i;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0;
+        for (int i = 0; i < n; i++)
+            t += s[i];
+        out[blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)] = t;
+    }
+}
+
+static void *dev_alloc(size_t bytes)
+{
+    void *p = NULL;
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+        fprintf(stderr, "cudaMalloc of %zu bytes failed\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+/* After a planted illegal address: the error is sticky (read twice), nothing runs any more,
+ * and fitm_emu_reset_device brings the device back. */
+static void expect_lost(const char *what)
+{
+    CHECK(cudaDeviceSynchronize() == cudaErrorIllegalAddress, "%s: sync", what);
+    CHECK(cudaGetLastError() == cudaErrorIllegalAddress, "%s: last error", what);
+    CHECK(cudaGetLastError() == cudaErrorIllegalAddress, "%s: still (sticky)", what);
+    void *p = NULL;
+    CHECK(cudaMalloc(&p, 64) == cudaErrorIllegalAddress && !p, "%s: malloc after", what);
+    fitm_emu_reset_device();
+    CHECK(cudaGetLastError() == cudaSuccess, "%s: reset", what);
+}
+
+static void test_limits(void)
+{
+    const int n = 5000;
+    float *x = (float *)dev_alloc(n * sizeof(float)), *y = (float *)dev_alloc(n * sizeof(float));
+    float xh[n], yh[n];
+    for (int i = 0; i < n; i++)
+        xh[i] = (float)(rand() % 1000) / 7.0f;
+    cudaMemcpy(x, xh, sizeof xh, cudaMemcpyHostToDevice);
+
+    FITM_LAUNCH(dim3(3), dim3(1024), 0, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaSuccess, "1024 threads run");
+    cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost);
+    bool right = true;
+    for (int i = 0; i < n; i++)
+        right = right && yh[i] == 2.0f * xh[i] + (float)i;
+    CHECK(right, "the valid launch computes y");
+
+    cudaMemset(y, 0, sizeof yh);
+    FITM_LAUNCH(dim3(1), dim3(1025), 0, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "1025 threads refused");
+    FITM_LAUNCH(dim3(1), dim3(32, 32, 2), 0, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "32x32x2 threads refused");
+    FITM_LAUNCH(dim3(1, 65536), dim3(32), 0, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "grid y 65536 refused");
+    FITM_LAUNCH(dim3(1, 1, 65536), dim3(32), 0, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "grid z 65536 refused");
+    cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost);
+    bool untouched = true;
+    for (int i = 0; i < n; i++)
+        untouched = untouched && yh[i] == 0.0f;
+    CHECK(untouched, "refused launches ran nothing");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "invalid configurations are not sticky");
+
+    /* dynamic shared memory: 48 KiB without opt-in, more only with it, never over the max */
+    float *out = (float *)dev_alloc(4 * sizeof(float));
+    const int n48 = 48 * 1024 / 4, n49 = n48 + 256;
+    FITM_LAUNCH(dim3(2, 1, 2), dim3(256), (size_t)n48 * 4, NULL, smem_sum)(out, n48);
+    CHECK(cudaGetLastError() == cudaSuccess, "48 KiB of dynamic shared memory run");
+    float oh[4];
+    cudaMemcpy(oh, out, sizeof oh, cudaMemcpyDeviceToHost);
+    const float want48 = (float)((double)n48 * (n48 - 1) / 2);
+    CHECK(fabsf(oh[0] - want48) <= 1e-3f * want48 && fabsf(oh[3] - want48) <= 1e-3f * want48,
+          "smem sum %g, want %g", oh[0], want48);
+    FITM_LAUNCH(dim3(1), dim3(256), (size_t)n49 * 4, NULL, smem_sum)(out, n49);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "49 KiB without opt-in refused");
+    cudaDeviceProp p;
+    CHECK(cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.sharedMemPerBlock == 48 * 1024 &&
+          p.sharedMemPerBlockOptin > p.sharedMemPerBlock);
+    const int n_max = (int)(p.sharedMemPerBlockOptin / 4);
+    CHECK(cudaFuncSetAttribute(smem_sum, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)p.sharedMemPerBlockOptin + 1) == cudaErrorInvalidValue,
+          "an opt-in over the device's maximum refused");
+    (void)cudaGetLastError();
+    CHECK(cudaFuncSetAttribute(smem_sum, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)p.sharedMemPerBlockOptin) == cudaSuccess);
+    FITM_LAUNCH(dim3(1), dim3(256), (size_t)n_max * 4, NULL, smem_sum)(out, n_max);
+    CHECK(cudaGetLastError() == cudaSuccess, "the device's maximum with the opt-in runs");
+    cudaMemcpy(oh, out, sizeof(float), cudaMemcpyDeviceToHost);
+    const float want_max = (float)((double)n_max * (n_max - 1) / 2);
+    CHECK(fabsf(oh[0] - want_max) <= 1e-3f * want_max, "smem sum %g, want %g", oh[0], want_max);
+    FITM_LAUNCH(dim3(1), dim3(256), (size_t)n_max * 4 + 4, NULL, smem_sum)(out, n_max + 1);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "over the maximum refused");
+    /* the opt-in is the kernel's own: another kernel keeps the 48 KiB limit */
+    FITM_LAUNCH(dim3(1), dim3(256), (size_t)n49 * 4, NULL, twice)(y, x, n);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration, "another kernel: no opt-in");
+    cudaFree(x), cudaFree(y), cudaFree(out);
+}
+
+static void test_host_pointers(void)
+{
+    const int n = 300;
+    float *x = (float *)dev_alloc(n * sizeof(float)), *y = (float *)dev_alloc(n * sizeof(float));
+    float *host = (float *)calloc(n, sizeof(float));
+
+    /* a host pointer as a kernel's argument (as the rope test once handed its table) */
+    FITM_LAUNCH(dim3(2), dim3(128), 0, NULL, twice)(y, host, n);
+    expect_lost("kernel argument");
+    CHECK(fitm_cuda_add(y, host, n, NULL) == cudaErrorIllegalAddress, "fitm_cuda_add");
+    expect_lost("fitm_cuda_add");
+    /* an interior pointer of a device allocation is fine; one past its end only for nothing */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, twice)(y + 10, x + 10, n - 10);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "interior pointers");
+
+    /* pinned host memory is mapped: kernels may read it */
+    float *pin = NULL;
+    CHECK(cudaMallocHost((void **)&pin, n * sizeof(float)) == cudaSuccess);
+    for (int i = 0; i < n; i++)
+        pin[i] = (float)i;
+    FITM_LAUNCH(dim3(2), dim3(128), 0, NULL, twice)(y, pin, n);
+    float yh[n];
+    CHECK(cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(yh[7] == 21.0f && yh[n - 1] == 3.0f * (float)(n - 1), "from pinned: %g", yh[7]);
+
+    /* a device pointer in a struct argument, and in the device array of attention_many */
+    const int D = 8;
+    float *q = (float *)dev_alloc(D * sizeof(float)), *o = (float *)dev_alloc(D * sizeof(float));
+    float *kv = (float *)dev_alloc(D * sizeof(float));
+    cudaMemset(q, 0, D * 4), cudaMemset(kv, 0, D * 4);
+    fitm_cuda_attn a;
+    memset(&a, 0, sizeof a);
+    a.T = 1, a.n_head = 1, a.n_head_kv = 1, a.head_dim = D, a.scale = 1.0f;
+    a.q = q, a.out = o, a.k_own = kv, a.v_own = kv;
+    CHECK(fitm_cuda_attention(&a, NULL) == cudaSuccess, "attention on device memory");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess);
+    fitm_cuda_attn *a_dev = (fitm_cuda_attn *)dev_alloc(2 * sizeof a);
+    fitm_cuda_attn two[2] = {a, a};
+    cudaMemcpy(a_dev, two, sizeof two, cudaMemcpyHostToDevice);
+    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL) == cudaSuccess, "attention_many");
+    a.q = host;
+    CHECK(fitm_cuda_attention(&a, NULL) == cudaErrorIllegalAddress, "host queries in the struct");
+    expect_lost("struct argument");
+    two[1].v_own = host;
+    cudaMemcpy(a_dev, two, sizeof two, cudaMemcpyHostToDevice);
+    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL) == cudaErrorIllegalAddress,
+          "host values in the second of the device structs");
+    expect_lost("array of structs");
+    CHECK(fitm_cuda_attention_many(two, two, 2, NULL) == cudaErrorIllegalAddress,
+          "the struct array itself in host memory");
+    expect_lost("host struct array");
+
+    /* cuBLAS operands */
+    cublasHandle_t h;
+    CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+    const float one = 1.0f, zero = 0.0f;
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x + 16, 4, &zero, y, 4) ==
+          CUBLAS_STATUS_SUCCESS);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "gemm on device memory");
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, host, 4, &zero, y, 4) ==
+          CUBLAS_STATUS_EXECUTION_FAILED);
+    expect_lost("cuBLAS B");
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x, 4, &zero, host, 4) ==
+          CUBLAS_STATUS_EXECUTION_FAILED);
+    expect_lost("cuBLAS C");
+    cublasDestroy(h);
+
+    /* the device side of copies and memsets */
+    float back[4];
+    CHECK(cudaMemcpyAsync(host, pin, 16, cudaMemcpyHostToDevice, NULL) == cudaErrorIllegalAddress);
+    expect_lost("copy to a host 'device' address");
+    CHECK(cudaMemcpyAsync(back, host, 16, cudaMemcpyDeviceToHost, NULL) == cudaErrorIllegalAddress);
+    expect_lost("copy from a host 'device' address");
+    CHECK(cudaMemcpyAsync(y, host, 16, cudaMemcpyDeviceToDevice, NULL) == cudaErrorIllegalAddress);
+    expect_lost("device-to-device from host memory");
+    CHECK(cudaMemsetAsync(host, 0, 16, NULL) == cudaErrorIllegalAddress);
+    expect_lost("memset of host memory");
+    CHECK(cudaMemcpyAsync(y + n - 2, pin, 16, cudaMemcpyHostToDevice, NULL) ==
+          cudaErrorIllegalAddress);
+    expect_lost("copy past the allocation's end");
+    CHECK(cudaFree(host) == cudaErrorInvalidValue, "cudaFree of host memory");
+    (void)cudaGetLastError();
+
+    cudaFreeHost(pin);
+    cudaFree(x), cudaFree(y), cudaFree(q), cudaFree(o), cudaFree(kv), cudaFree(a_dev);
+    free(host);
+}
+
+static void test_graphs(void)
+{
+    const int n = 1000;
+    float *x = (float *)dev_alloc(n * sizeof(float)), *y = (float *)dev_alloc(n * sizeof(float));
+    float *pin = NULL;
+    cudaMallocHost((void **)&pin, n * sizeof(float));
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cublasHandle_t h;
+    cublasCreate(&h);
+    cublasSetStream(h, s);
+    const float one = 1.0f, zero = 0.0f;
+
+    fitm_emu_stats before, after;
+    fitm_emu_get_stats(&before);
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    /* pin -> x, y = 2x + i, x (10x10) = y (10x10) . y (10x10), all recorded */
+    CHECK(cudaMemcpyAsync(x, pin, n * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, x, n);
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x, 10) ==
+          CUBLAS_STATUS_SUCCESS);
+    fitm_emu_get_stats(&after);
+    CHECK(after.kernels_run == before.kernels_run && after.launches == before.launches &&
+              after.blas_calls == before.blas_calls && after.copies == before.copies,
+          "nothing runs while captured");
+    cudaGraph_t g;
+    CHECK(cudaStreamEndCapture(s, &g) == cudaSuccess && g);
+    cudaGraphExec_t ge;
+    CHECK(cudaGraphInstantiate(&ge, g, 0) == cudaSuccess);
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < n; i++)
+            pin[i] = (float)(i % 17) * 0.25f + (float)round; /* new inputs before each replay */
+        fitm_emu_get_stats(&before);
+        CHECK(cudaGraphLaunch(ge, s) == cudaSuccess);
+        CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+        fitm_emu_get_stats(&after);
+        CHECK(after.graph_launches == before.graph_launches + 1 &&
+                  after.kernels_run == before.kernels_run + 1 &&
+                  after.launches == before.launches && after.host_waits == before.host_waits + 1,
+              "one submission, one kernel, one wait");
+        float xh[100];
+        cudaMemcpy(xh, x, sizeof xh, cudaMemcpyDeviceToHost);
+        double worst = 0;
+        for (int r = 0; r < 10; r++)
+            for (int c = 0; c < 10; c++) {
+                double want = 0;
+                for (int k = 0; k < 10; k++) {
+                    const int ia = r + 10 * k, ib = k + 10 * c;
+                    want += (2.0 * pin[ia] + ia) * (2.0 * pin[ib] + ib);
+                }
+                worst = fmax(worst, fabs(xh[r + 10 * c] - want) / fmax(1.0, fabs(want)));
+            }
+        CHECK(worst < 1e-5, "replay %d: relative error %g", round, worst);
+    }
+    /* an update gives the instance a new capture's arguments, if the operations are the same */
+    float *z = (float *)dev_alloc(n * sizeof(float));
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    CHECK(cudaMemcpyAsync(x, pin, n * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(z, x, n); /* into z now */
+    CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 10, 10, 10, &one, y, 10, y, 10, &zero, x, 10) ==
+          CUBLAS_STATUS_SUCCESS);
+    cudaGraph_t g_new;
+    size_t nodes = 0;
+    CHECK(cudaStreamEndCapture(s, &g_new) == cudaSuccess &&
+          cudaGraphGetNodes(g_new, NULL, &nodes) == cudaSuccess && nodes == 3);
+    cudaGraphExecUpdateResultInfo info;
+    CHECK(cudaGraphExecUpdate(ge, g_new, &info) == cudaSuccess &&
+          info.result == cudaGraphExecUpdateSuccess);
+    for (int i = 0; i < n; i++)
+        pin[i] = 1.0f;
+    cudaMemset(z, 0, n * sizeof(float));
+    CHECK(cudaGraphLaunch(ge, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess);
+    float zh[3];
+    cudaMemcpy(zh, z, sizeof zh, cudaMemcpyDeviceToHost);
+    CHECK(zh[0] == 2.0f && zh[2] == 4.0f, "the updated launch wrote z: %g %g", zh[0], zh[2]);
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(z, x, n);
+    cudaGraph_t g_other;
+    CHECK(cudaStreamEndCapture(s, &g_other) == cudaSuccess);
+    CHECK(cudaGraphExecUpdate(ge, g_other, &info) == cudaErrorGraphExecUpdateFailure &&
+          info.result == cudaGraphExecUpdateErrorTopologyChanged);
+    (void)cudaGetLastError();
+    cudaGraphDestroy(g_new), cudaGraphDestroy(g_other);
+    cudaFree(z);
+
+    /* a host wait while capturing is refused and breaks the capture */
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, x, n);
+    CHECK(cudaStreamSynchronize(s) == cudaErrorStreamCaptureUnsupported);
+    cudaGraph_t bad;
+    CHECK(cudaStreamEndCapture(s, &bad) == cudaErrorStreamCaptureInvalidated && !bad);
+    (void)cudaGetLastError();
+    /* so are an allocation and a copy from pageable memory */
+    float *host_buf = (float *)calloc(n, sizeof(float));
+    for (int what = 0; what < 2; what++) {
+        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+        void *p = NULL;
+        if (what == 0)
+            CHECK(cudaMalloc(&p, 64) == cudaErrorStreamCaptureUnsupported && !p);
+        else
+            CHECK(cudaMemcpyAsync(y, host_buf, 64, cudaMemcpyHostToDevice, s) ==
+                  cudaErrorStreamCaptureUnsupported);
+        CHECK(cudaStreamEndCapture(s, &bad) == cudaErrorStreamCaptureInvalidated && !bad);
+        (void)cudaGetLastError();
+    }
+    free(host_buf);
+        /* an illegal address inside a graph shows when it replays */
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    float *host = (float *)calloc(n, sizeof(float));
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, host, n);
+    CHECK(cudaGetLastError() == cudaSuccess, "recorded, not run");
+    cudaGraph_t g2;
+    cudaGraphExec_t ge2;
+    CHECK(cudaStreamEndCapture(s, &g2) == cudaSuccess && cudaGraphInstantiate(&ge2, g2, 0) == 0);
+    cudaGraphLaunch(ge2, s);
+    expect_lost("graph replay");
+    cudaGraphExecDestroy(ge2), cudaGraphDestroy(g2);
+    free(host);
+
+    cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+    cublasDestroy(h);
+    cudaStreamDestroy(s);
+    cudaFreeHost(pin);
+    cudaFree(x), cudaFree(y);
+}
+
+int main(void)
+{
+    srand(38);
+    test_limits();
+    test_host_pointers();
+    test_graphs();
+    printf("%d checks, %d failed\n", n_checks, failures);
+    return failures ? 1 : 0;
+}
