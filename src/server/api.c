@@ -352,13 +352,10 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
     return parse_score_options(root, pre, &out->opt, err);
 }
 
-static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits *lim,
-                                       fitm_rerank_request *out, fitm_err *err)
+/* The query of a rerank body: present, a string, and not only whitespace. */
+static fitm_status parse_rerank_query(const cJSON *root, fitm_rerank_request *out, fitm_err *err)
 {
     fitm_status st;
-    if (!cJSON_IsObject(root))
-        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
-
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "query");
     if (!q)
         return fitm_err_set(err, FITM_ERR_INVALID, "'query' is missing");
@@ -370,7 +367,13 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
                 out->query[i] == '\r';
     if (blank)
         return fitm_err_set(err, FITM_ERR_INVALID, "'query' is empty");
+    return FITM_OK;
+}
 
+/* The documents of a rerank body, under Cohere's 'documents' or TEI's 'texts' (one of them). */
+static fitm_status parse_rerank_documents(const cJSON *root, const fitm_api_limits *lim,
+                                          fitm_rerank_request *out, fitm_err *err)
+{
     const cJSON *docs = cJSON_GetObjectItemCaseSensitive(root, "documents");
     const cJSON *texts = cJSON_GetObjectItemCaseSensitive(root, "texts");
     if (docs && texts)
@@ -378,10 +381,14 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     if (!docs && !texts)
         return fitm_err_set(err, FITM_ERR_INVALID, "'documents' is missing");
     out->tei = texts != NULL;
-    if ((st = parse_documents(docs ? docs : texts, docs ? "documents" : "texts", lim, out, err)) !=
-        FITM_OK)
-        return st;
+    return parse_documents(docs ? docs : texts, docs ? "documents" : "texts", lim, out, err);
+}
 
+/* What a rerank answers and how it reads the documents: top_n, return_documents (or TEI's
+ * return_text), return_tokens, truncate, raw_scores and prefix_reuse. */
+static fitm_status parse_rerank_flags(const cJSON *root, fitm_rerank_request *out, fitm_err *err)
+{
+    fitm_status st;
     int64_t v;
     const cJSON *it;
     out->top_n = out->n_docs;
@@ -415,6 +422,17 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "prefix_reuse")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "prefix_reuse", &out->prefix_reuse, err)) != FITM_OK)
         return st;
+    return FITM_OK;
+}
+
+/* How a rerank runs: position_method, max_tokens_per_doc (capped by the server's), the model's
+ * name (checked when the operator asked for strict checking) and the scoring method. */
+static fitm_status parse_rerank_run(const cJSON *root, const fitm_api_limits *lim,
+                                    fitm_rerank_request *out, fitm_err *err)
+{
+    fitm_status st;
+    int64_t v;
+    const cJSON *it;
     out->position = -1; /* the server's position_method */
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "position_method")) && !cJSON_IsNull(it)) {
         int m = cJSON_IsString(it) ? fitm_position_method_parse(it->valuestring) : -1;
@@ -453,6 +471,20 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
                                 it->valuestring);
         out->method = (fitm_rerank_method)m;
     }
+    return FITM_OK;
+}
+
+static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits *lim,
+                                       fitm_rerank_request *out, fitm_err *err)
+{
+    fitm_status st;
+    if (!cJSON_IsObject(root))
+        return fitm_err_set(err, FITM_ERR_INVALID, "the request body must be a JSON object");
+    if ((st = parse_rerank_query(root, out, err)) != FITM_OK ||
+        (st = parse_rerank_documents(root, lim, out, err)) != FITM_OK ||
+        (st = parse_rerank_flags(root, out, err)) != FITM_OK ||
+        (st = parse_rerank_run(root, lim, out, err)) != FITM_OK)
+        return st;
     return parse_calibration(root, "", out, err);
 }
 
@@ -492,6 +524,42 @@ static void json_path_text(const json_path *p, char *out, size_t cap)
         snprintf(out + n, cap - n, "...");
 }
 
+/* Follows c, a character outside any string, in p: an object or array opens or closes, or a
+ * comma moves to an array's next element. */
+static void json_path_step(json_path *p, char c)
+{
+    int d = p->depth - 1;
+    bool named = d >= 0 && d < FITM_JSON_DEPTH;
+    if (c == '{' || c == '[') {
+        if (p->depth < FITM_JSON_DEPTH)
+            p->level[p->depth] = (json_level){.array = c == '['};
+        p->depth++;
+    } else if ((c == '}' || c == ']') && p->depth > 0) {
+        p->depth--;
+    } else if (c == ',' && named && p->level[d].array) {
+        p->level[d].index++;
+    }
+}
+
+/* The error for a NUL found at byte at of a string that just ended at p (is_key: an object
+ * key; raw: a NUL byte rather than a \u0000 escape). */
+static fitm_status nul_error(json_path *p, bool is_key, bool raw, size_t at, fitm_err *err)
+{
+    char where[256];
+    const char *what = raw ? "a NUL byte" : "a NUL character (\\u0000)";
+    if (is_key)
+        p->depth--; /* name the object, not the broken key */
+    json_path_text(p, where, sizeof where);
+    if (is_key)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "an object key contains %s (at byte %zu)%s%s%s", what, at,
+                            where[0] ? " in '" : "", where, where[0] ? "'" : "");
+    return where[0] ? fitm_err_set(err, FITM_ERR_INVALID, "'%s' contains %s (at byte %zu)",
+                                   where, what, at)
+                    : fitm_err_set(err, FITM_ERR_INVALID, "the body's string contains %s "
+                                   "(at byte %zu)", what, at);
+}
+
 /* The first NUL character in the text of body (valid JSON): a raw NUL byte anywhere, or a
  * \u0000 escape in a string (cJSON would cut the string there and drop the rest). Names the
  * field by its full path (`documents[3].text`), or says an object key holds it. */
@@ -501,25 +569,15 @@ static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
     const char *str = NULL; /* the string being read */
     bool nul = false, raw = false;
     size_t at = 0;
-    char where[256];
     for (size_t i = 0; i < len; i++) {
         char c = body[i];
         if (c == '\0' && !str)
             return fitm_err_set(err, FITM_ERR_INVALID, "a NUL byte at byte %zu of the body", i);
         if (!str) {
-            int d = p.depth - 1;
-            bool named = d >= 0 && d < FITM_JSON_DEPTH;
-            if (c == '"') {
+            if (c == '"')
                 str = body + i + 1;
-            } else if (c == '{' || c == '[') {
-                if (p.depth < FITM_JSON_DEPTH)
-                    p.level[p.depth] = (json_level){.array = c == '['};
-                p.depth++;
-            } else if ((c == '}' || c == ']') && p.depth > 0) {
-                p.depth--;
-            } else if (c == ',' && named && p.level[d].array) {
-                p.level[d].index++;
-            }
+            else
+                json_path_step(&p, c);
             continue;
         }
         if (c == '\0' && !nul) {
@@ -545,20 +603,8 @@ static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
             p.level[d].key = str;
             p.level[d].key_n = (size_t)(body + i - str);
         }
-        if (nul) {
-            const char *what = raw ? "a NUL byte" : "a NUL character (\\u0000)";
-            if (is_key)
-                p.depth--; /* name the object, not the broken key */
-            json_path_text(&p, where, sizeof where);
-            if (is_key)
-                return fitm_err_set(err, FITM_ERR_INVALID,
-                                    "an object key contains %s (at byte %zu)%s%s%s", what, at,
-                                    where[0] ? " in '" : "", where, where[0] ? "'" : "");
-            return where[0] ? fitm_err_set(err, FITM_ERR_INVALID, "'%s' contains %s (at byte %zu)",
-                                           where, what, at)
-                            : fitm_err_set(err, FITM_ERR_INVALID, "the body's string contains %s "
-                                           "(at byte %zu)", what, at);
-        }
+        if (nul)
+            return nul_error(&p, is_key, raw, at, err);
         str = NULL;
     }
     return FITM_OK;
@@ -859,6 +905,64 @@ static bool add_options(cJSON *meta, const fitm_score_opts *o, int32_t n_groups)
     return heads != NULL;
 }
 
+/* The "results" array of a Cohere-form rerank answer, the top_n best first; false when out of
+ * memory. */
+static bool add_rerank_results(cJSON *root, const fitm_rerank_request *req,
+                               const fitm_rerank_result *res)
+{
+    cJSON *results = cJSON_AddArrayToObject(root, "results");
+    if (!results)
+        return false;
+    int32_t n = res->n_results < req->top_n ? res->n_results : req->top_n;
+    for (int32_t i = 0; i < n; i++) {
+        const fitm_rerank_doc_result *r = &res->results[i];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(results, o))
+            return false;
+        if (!cJSON_AddNumberToObject(o, "index", r->index) ||
+            !cJSON_AddNumberToObject(o, "relevance_score", r->relevance_score))
+            return false;
+        if (req->return_documents) {
+            cJSON *d = document_json(&req->docs[r->index]);
+            if (!d || !cJSON_AddItemToObject(o, "document", d))
+                return false;
+        }
+        if (!cJSON_AddNumberToObject(o, "position", r->position) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", r->calibrated_attention) ||
+            !cJSON_AddNumberToObject(o, "attention", r->attention) ||
+            !cJSON_AddNumberToObject(o, "dummy_attention", r->dummy_attention) ||
+            (res->meta.has_opts && !cJSON_AddNumberToObject(o, "weight", r->weight)))
+            return false;
+    }
+    return true;
+}
+
+/* The "meta" object of a Cohere-form rerank answer: method, timings, layers and the options
+ * that scored it; false when out of memory. */
+static bool add_rerank_meta(cJSON *root, const fitm_rerank_result *res)
+{
+    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
+    if (!meta || !cJSON_AddStringToObject(meta, "method", fitm_rerank_method_name(res->meta.method)) ||
+        !cJSON_AddStringToObject(meta, "position_method",
+                                 fitm_position_method_name(res->meta.position)))
+        return false;
+    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
+    if (!tm || !cJSON_AddNumberToObject(tm, "queue", res->meta.queue_ms) ||
+        !cJSON_AddNumberToObject(tm, "tokenize", res->meta.tokenize_ms) ||
+        !cJSON_AddNumberToObject(tm, "forward", res->meta.forward_ms) ||
+        !cJSON_AddNumberToObject(tm, "total", res->meta.total_ms))
+        return false;
+    cJSON *layers = int_array(res->meta.layers, res->meta.n_layers);
+    if (!layers || !cJSON_AddItemToObject(meta, "layers", layers))
+        return false;
+    if (res->meta.has_opts &&
+        (!cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature) ||
+         !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
+         (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
+        return false;
+    return true;
+}
+
 char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_result *res,
                             const char *id, const char *model)
 {
@@ -874,53 +978,14 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
     if (!root || !cJSON_AddStringToObject(root, "id", id) ||
         !cJSON_AddStringToObject(root, "model", model))
         goto done;
-    cJSON *results = cJSON_AddArrayToObject(root, "results");
-    if (!results)
+    if (!add_rerank_results(root, req, res))
         goto done;
-    int32_t n = res->n_results < req->top_n ? res->n_results : req->top_n;
-    for (int32_t i = 0; i < n; i++) {
-        const fitm_rerank_doc_result *r = &res->results[i];
-        cJSON *o = cJSON_CreateObject();
-        if (!o || !cJSON_AddItemToArray(results, o))
-            goto done;
-        if (!cJSON_AddNumberToObject(o, "index", r->index) ||
-            !cJSON_AddNumberToObject(o, "relevance_score", r->relevance_score))
-            goto done;
-        if (req->return_documents) {
-            cJSON *d = document_json(&req->docs[r->index]);
-            if (!d || !cJSON_AddItemToObject(o, "document", d))
-                goto done;
-        }
-        if (!cJSON_AddNumberToObject(o, "position", r->position) ||
-            !cJSON_AddNumberToObject(o, "calibrated_attention", r->calibrated_attention) ||
-            !cJSON_AddNumberToObject(o, "attention", r->attention) ||
-            !cJSON_AddNumberToObject(o, "dummy_attention", r->dummy_attention) ||
-            (res->meta.has_opts && !cJSON_AddNumberToObject(o, "weight", r->weight)))
-            goto done;
-    }
     cJSON *usage = cJSON_AddObjectToObject(root, "usage");
     if (!usage || !cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->usage.prompt_tokens) ||
         !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->usage.forward_tokens) ||
         !cJSON_AddNumberToObject(usage, "total_tokens", (double)res->usage.total_tokens))
         goto done;
-    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
-    if (!meta || !cJSON_AddStringToObject(meta, "method", fitm_rerank_method_name(res->meta.method)) ||
-        !cJSON_AddStringToObject(meta, "position_method",
-                                 fitm_position_method_name(res->meta.position)))
-        goto done;
-    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
-    if (!tm || !cJSON_AddNumberToObject(tm, "queue", res->meta.queue_ms) ||
-        !cJSON_AddNumberToObject(tm, "tokenize", res->meta.tokenize_ms) ||
-        !cJSON_AddNumberToObject(tm, "forward", res->meta.forward_ms) ||
-        !cJSON_AddNumberToObject(tm, "total", res->meta.total_ms))
-        goto done;
-    cJSON *layers = int_array(res->meta.layers, res->meta.n_layers);
-    if (!layers || !cJSON_AddItemToObject(meta, "layers", layers))
-        goto done;
-    if (res->meta.has_opts &&
-        (!cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature) ||
-         !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
-         (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
+    if (!add_rerank_meta(root, res))
         goto done;
     if (req->return_tokens && res->n_groups > 0 && !add_tokens(root, res))
         goto done;
@@ -1087,32 +1152,11 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
     return parse_answer_options(root, out, err);
 }
 
-/* The options of the calibrated answer that /answer and the OpenAI routes share: calibrate,
- * calibration, reorder, intervention_layers and stream. */
-static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *out,
-                                        fitm_err *err)
+/* The reorder of an answer's documents: 'reorder' (a rerank method or none) and
+ * 'reorder_placement' (first or last). */
+static fitm_status parse_reorder(const cJSON *root, fitm_answer_request *out, fitm_err *err)
 {
-    fitm_status st;
     const cJSON *it;
-    int64_t v;
-    /* calibrate, reorder and reorder_placement left out: the server's defaults (the model's
-     * profile, the config), filled in by the pipeline. */
-    out->calibrate = out->reorder = out->reorder_last = FITM_ANSWER_UNSET;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it)) {
-        bool b = false;
-        if ((st = take_bool(it, "calibrate", &b, err)) != FITM_OK)
-            return st;
-        out->calibrate = b;
-    }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "ignore_eos")) && !cJSON_IsNull(it) &&
-        (st = take_bool(it, "ignore_eos", &out->ignore_eos, err)) != FITM_OK)
-        return st;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
-        if (!cJSON_IsObject(it))
-            return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
-        if ((st = parse_calibration(it, "calibration.", &out->base, err)) != FITM_OK)
-            return st;
-    }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder")) && !cJSON_IsNull(it)) {
         int m = cJSON_IsString(it) ? fitm_rerank_method_parse(it->valuestring) : -1;
         if (cJSON_IsString(it) && !strcmp(it->valuestring, "none"))
@@ -1130,6 +1174,16 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'reorder_placement' must be \"first\" or \"last\"");
     }
+    return FITM_OK;
+}
+
+/* 'intervention_layers' when given: 1 to FITM_RERANK_MAX_LAYERS layer indices. */
+static fitm_status parse_intervention_layers(const cJSON *root, fitm_answer_request *out,
+                                             fitm_err *err)
+{
+    fitm_status st;
+    const cJSON *it;
+    int64_t v;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "intervention_layers")) &&
         !cJSON_IsNull(it)) {
         int n = cJSON_IsArray(it) ? cJSON_GetArraySize(it) : 0;
@@ -1150,6 +1204,37 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
             out->intervene_layers[i] = (int32_t)v;
         }
     }
+    return FITM_OK;
+}
+
+/* The options of the calibrated answer that /answer and the OpenAI routes share: calibrate,
+ * calibration, reorder, intervention_layers and stream. */
+static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *out,
+                                        fitm_err *err)
+{
+    fitm_status st;
+    const cJSON *it;
+    /* calibrate, reorder and reorder_placement left out: the server's defaults (the model's
+     * profile, the config), filled in by the pipeline. */
+    out->calibrate = out->reorder = out->reorder_last = FITM_ANSWER_UNSET;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it)) {
+        bool b = false;
+        if ((st = take_bool(it, "calibrate", &b, err)) != FITM_OK)
+            return st;
+        out->calibrate = b;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "ignore_eos")) && !cJSON_IsNull(it) &&
+        (st = take_bool(it, "ignore_eos", &out->ignore_eos, err)) != FITM_OK)
+        return st;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibration")) && !cJSON_IsNull(it)) {
+        if (!cJSON_IsObject(it))
+            return fitm_err_set(err, FITM_ERR_INVALID, "'calibration' must be an object");
+        if ((st = parse_calibration(it, "calibration.", &out->base, err)) != FITM_OK)
+            return st;
+    }
+    if ((st = parse_reorder(root, out, err)) != FITM_OK ||
+        (st = parse_intervention_layers(root, out, err)) != FITM_OK)
+        return st;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "stream")) && !cJSON_IsNull(it) &&
         (st = take_bool(it, "stream", &out->stream, err)) != FITM_OK)
         return st;
@@ -1209,6 +1294,56 @@ static bool add_uint(cJSON *obj, const char *name, uint64_t v)
     return cJSON_AddRawToObject(obj, name, buf) != NULL;
 }
 
+/* The "meta" object of an /answer answer: the options it ran with and its timings; false when
+ * out of memory. */
+static bool add_answer_meta(cJSON *root, const fitm_answer_request *req,
+                            const fitm_answer_result *res, double queue_ms, double total_ms)
+{
+    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
+    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", res->calibrate == 1) ||
+        !cJSON_AddStringToObject(meta, "reorder",
+                                 res->reorder < 0 ? "none"
+                                                  : fitm_rerank_method_name(
+                                                        (fitm_rerank_method)res->reorder)) ||
+        !cJSON_AddStringToObject(meta, "reorder_placement",
+                                 res->reorder_last == 1 ? "last" : "first") ||
+        !cJSON_AddStringToObject(
+            meta, "position_method",
+            fitm_position_method_name((fitm_position_method)res->position_method)) ||
+        !add_uint(meta, "seed", req->seed))
+        return false;
+    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
+    if (!tm || !cJSON_AddNumberToObject(tm, "queue", queue_ms) ||
+        !cJSON_AddNumberToObject(tm, "rank", res->rank_ms) ||
+        !cJSON_AddNumberToObject(tm, "prefill", res->prefill_ms) ||
+        !cJSON_AddNumberToObject(tm, "decode", res->decode_ms) ||
+        !cJSON_AddNumberToObject(tm, "first_token", res->first_token_ms) ||
+        !cJSON_AddNumberToObject(tm, "total", total_ms))
+        return false;
+    return true;
+}
+
+/* The "tokens" object of an /answer answer: prompt and completion ids and each document's
+ * span; false when out of memory. */
+static bool add_answer_tokens(cJSON *root, const fitm_answer_result *res)
+{
+    cJSON *t = cJSON_AddObjectToObject(root, "tokens");
+    cJSON *p = int_array(res->tokens, res->prompt_tokens);
+    if (!t || !p || !cJSON_AddItemToObject(t, "prompt", p))
+        return false;
+    cJSON *c = int_array(res->tokens + res->prompt_tokens, res->completion_tokens);
+    if (!c || !cJSON_AddItemToObject(t, "completion", c))
+        return false;
+    cJSON *spans = cJSON_AddArrayToObject(t, "spans");
+    for (int32_t k = 0; spans && res->spans && k < res->n_docs; k++) {
+        int32_t se[2] = {(int32_t)res->spans[k].start, (int32_t)res->spans[k].end};
+        cJSON *sp = int_array(se, 2);
+        if (!sp || !cJSON_AddItemToArray(spans, sp))
+            return false;
+    }
+    return spans != NULL;
+}
+
 char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
                             const char *id, const char *model, double queue_ms, double total_ms,
                             bool with_answer)
@@ -1246,45 +1381,10 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
                                  (double)(res->prompt_tokens + res->completion_tokens)) ||
         !cJSON_AddNumberToObject(usage, "forward_tokens", (double)res->forward_tokens))
         goto done;
-    cJSON *meta = cJSON_AddObjectToObject(root, "meta");
-    if (!meta || !cJSON_AddBoolToObject(meta, "calibrate", res->calibrate == 1) ||
-        !cJSON_AddStringToObject(meta, "reorder",
-                                 res->reorder < 0 ? "none"
-                                                  : fitm_rerank_method_name(
-                                                        (fitm_rerank_method)res->reorder)) ||
-        !cJSON_AddStringToObject(meta, "reorder_placement",
-                                 res->reorder_last == 1 ? "last" : "first") ||
-        !cJSON_AddStringToObject(
-            meta, "position_method",
-            fitm_position_method_name((fitm_position_method)res->position_method)) ||
-        !add_uint(meta, "seed", req->seed))
+    if (!add_answer_meta(root, req, res, queue_ms, total_ms))
         goto done;
-    cJSON *tm = cJSON_AddObjectToObject(meta, "timings_ms");
-    if (!tm || !cJSON_AddNumberToObject(tm, "queue", queue_ms) ||
-        !cJSON_AddNumberToObject(tm, "rank", res->rank_ms) ||
-        !cJSON_AddNumberToObject(tm, "prefill", res->prefill_ms) ||
-        !cJSON_AddNumberToObject(tm, "decode", res->decode_ms) ||
-        !cJSON_AddNumberToObject(tm, "first_token", res->first_token_ms) ||
-        !cJSON_AddNumberToObject(tm, "total", total_ms))
+    if (req->base.return_tokens && res->tokens && !add_answer_tokens(root, res))
         goto done;
-    if (req->base.return_tokens && res->tokens) {
-        cJSON *t = cJSON_AddObjectToObject(root, "tokens");
-        cJSON *p = int_array(res->tokens, res->prompt_tokens);
-        if (!t || !p || !cJSON_AddItemToObject(t, "prompt", p))
-            goto done;
-        cJSON *c = int_array(res->tokens + res->prompt_tokens, res->completion_tokens);
-        if (!c || !cJSON_AddItemToObject(t, "completion", c))
-            goto done;
-        cJSON *spans = cJSON_AddArrayToObject(t, "spans");
-        for (int32_t k = 0; spans && res->spans && k < res->n_docs; k++) {
-            int32_t se[2] = {(int32_t)res->spans[k].start, (int32_t)res->spans[k].end};
-            cJSON *sp = int_array(se, 2);
-            if (!sp || !cJSON_AddItemToArray(spans, sp))
-                goto done;
-        }
-        if (!spans)
-            goto done;
-    }
     out = cJSON_PrintUnformatted(root);
 done:
     cJSON_Delete(root);
@@ -1480,6 +1580,51 @@ static fitm_status refuse_unsupported_openai(const cJSON *root, fitm_err *err)
     return FITM_OK;
 }
 
+/* A completion's 'prompt' (a string, or an array of one string), as the one raw message. */
+static fitm_status parse_openai_prompt(const cJSON *root, fitm_answer_request *out,
+                                       fitm_err *err)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+    if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 1)
+        it = cJSON_GetArrayItem(it, 0);
+    if (!cJSON_IsString(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'prompt' must be a string (or an array of one string)");
+    out->messages = calloc(1, sizeof *out->messages);
+    if (!out->messages)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    out->n_messages = 1;
+    out->raw_prompt = true;
+    out->messages[0].role = strdup("prompt");
+    if (!out->messages[0].role)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    return take_string(it, "prompt", &out->messages[0].content, NULL, err);
+}
+
+/* The answer's options of an OpenAI body without documents. They have no effect, but a
+ * malformed one is refused as it would be with documents: a field means one thing whatever
+ * else is sent. They are parsed into a scratch request (stream included) and only `stream`
+ * and `ignore_eos` are kept. */
+static fitm_status parse_openai_plain_options(const cJSON *root, fitm_answer_request *out,
+                                              fitm_err *err)
+{
+    fitm_status st;
+    int64_t v;
+    fitm_answer_request scratch = {0};
+    fitm_score_opts_init(&scratch.base.opt);
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
+    if (it && !cJSON_IsNull(it))
+        st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err);
+    else
+        st = FITM_OK;
+    if (st == FITM_OK)
+        st = parse_answer_options(root, &scratch, err);
+    out->stream = scratch.stream;
+    out->ignore_eos = scratch.ignore_eos;
+    fitm_answer_request_free(&scratch);
+    return st;
+}
+
 static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits *lim, bool chat,
                                        fitm_answer_request *out, bool *include_usage,
                                        fitm_err *err)
@@ -1495,23 +1640,8 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
         if ((st = parse_messages(cJSON_GetObjectItemCaseSensitive(root, "messages"), out, err)) !=
             FITM_OK)
             return st;
-    } else {
-        it = cJSON_GetObjectItemCaseSensitive(root, "prompt");
-        if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 1)
-            it = cJSON_GetArrayItem(it, 0);
-        if (!cJSON_IsString(it))
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'prompt' must be a string (or an array of one string)");
-        out->messages = calloc(1, sizeof *out->messages);
-        if (!out->messages)
-            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        out->n_messages = 1;
-        out->raw_prompt = true;
-        out->messages[0].role = strdup("prompt");
-        if (!out->messages[0].role)
-            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        if ((st = take_string(it, "prompt", &out->messages[0].content, NULL, err)) != FITM_OK)
-            return st;
+    } else if ((st = parse_openai_prompt(root, out, err)) != FITM_OK) {
+        return st;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "model")) && !cJSON_IsNull(it)) {
         if ((st = take_string(it, "model", &out->base.model, NULL, err)) != FITM_OK)
@@ -1548,23 +1678,7 @@ static fitm_status parse_openai_object(const cJSON *root, const fitm_api_limits 
     it = cJSON_GetObjectItemCaseSensitive(root, "documents");
     if (it && !cJSON_IsNull(it))
         return parse_openai_documents(root, lim, chat, out, err);
-    /* Without documents the answer's options have no effect, but a malformed one is refused
-     * as it would be with documents: a field means one thing whatever else is sent. They are
-     * parsed into a scratch request (stream included) and only `stream` and `ignore_eos`
-     * are kept. */
-    fitm_answer_request scratch = {0};
-    fitm_score_opts_init(&scratch.base.opt);
-    it = cJSON_GetObjectItemCaseSensitive(root, "max_tokens_per_doc");
-    if (it && !cJSON_IsNull(it))
-        st = take_int(it, "max_tokens_per_doc", 1, INT32_MAX, &v, err);
-    else
-        st = FITM_OK;
-    if (st == FITM_OK)
-        st = parse_answer_options(root, &scratch, err);
-    out->stream = scratch.stream;
-    out->ignore_eos = scratch.ignore_eos;
-    fitm_answer_request_free(&scratch);
-    return st;
+    return parse_openai_plain_options(root, out, err);
 }
 
 fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_limits *lim,
