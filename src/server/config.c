@@ -403,14 +403,11 @@ static void env_name(const opt *o, char *buf, size_t n)
     buf[j] = '\0';
 }
 
-fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help_out,
-                             fitm_err *err)
+/* Pass 1: finds --config (over FITM_CONFIG) and --help without applying anything else. */
+static fitm_status find_config_file(int argc, char **argv, const char **file, bool *help_out,
+                                    fitm_err *err)
 {
-    fitm_config_defaults(cfg);
-    *help_out = false;
-
-    /* Pass 1: find --config / --help without applying anything else. */
-    const char *file = getenv("FITM_CONFIG");
+    *file = getenv("FITM_CONFIG");
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             *help_out = true;
@@ -419,15 +416,18 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
         if (!strcmp(argv[i], "--config")) {
             if (i + 1 >= argc)
                 return fitm_err_set(err, FITM_ERR_INVALID, "--config needs a file name");
-            file = argv[++i];
+            *file = argv[++i];
         } else if (!strncmp(argv[i], "--config=", 9)) {
-            file = argv[i] + 9;
+            *file = argv[i] + 9;
         }
     }
-    fitm_status st = FITM_OK;
-    if (file && *file && (st = load_file(cfg, file, err)) != FITM_OK)
-        return st;
+    return FITM_OK;
+}
 
+/* Applies the FITM_<NAME> environment variables, over the file's values. */
+static fitm_status apply_env(fitm_config *cfg, fitm_err *err)
+{
+    fitm_status st;
     for (size_t i = 0; i < N_OPTS; i++) {
         char name[64], where[96];
         env_name(&opts[i], name, sizeof name);
@@ -439,7 +439,15 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
             (st = check_score_opt(&opts[i], v, where, err)) != FITM_OK)
             return st;
     }
+    return FITM_OK;
+}
 
+/* Applies the command line's --name=value and --name value flags, over the environment's;
+ * --print-config sets *help_out. */
+static fitm_status apply_flags(fitm_config *cfg, int argc, char **argv, bool *help_out,
+                               fitm_err *err)
+{
+    fitm_status st;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--config")) {
@@ -473,6 +481,23 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
             return st;
     }
     return FITM_OK;
+}
+
+fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help_out,
+                             fitm_err *err)
+{
+    fitm_config_defaults(cfg);
+    *help_out = false;
+
+    const char *file;
+    fitm_status st = find_config_file(argc, argv, &file, help_out, err);
+    if (st != FITM_OK || *help_out)
+        return st;
+    if (file && *file && (st = load_file(cfg, file, err)) != FITM_OK)
+        return st;
+    if ((st = apply_env(cfg, err)) != FITM_OK)
+        return st;
+    return apply_flags(cfg, argc, argv, help_out, err);
 }
 
 static void print_bounds(FILE *f, const opt *o)
