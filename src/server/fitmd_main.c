@@ -300,11 +300,11 @@ static fitm_status choose_backend(daemon_model *dm, int threads, char *desc, siz
     return FITM_OK;
 }
 
-static fitm_status model_load(void *ctx, fitm_err *err)
+/* Opens the model file (downloading it first when it is absent and model_url is set) and its
+ * tokenizer, and records the file /health watches. */
+static fitm_status open_model(daemon_model *dm, fitm_err *err)
 {
-    daemon_model *dm = ctx;
     const fitm_config *cfg = dm->cfg;
-    double t0 = fitm_clock_ms();
     fitm_status st;
     if ((st = cuda_wanted_and_absent(cfg, err)) != FITM_OK)
         return st;
@@ -325,6 +325,12 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         prefix_once(err, "tokenizer of", cfg->model);
         return st;
     }
+    return FITM_OK;
+}
+
+/* The compute threads: the config's, or (threads = 0) the CPUs this process may use, logged. */
+static int thread_count(const fitm_config *cfg)
+{
     int affinity = 0;
     double quota = 0;
     int threads = cfg->threads > 0 ? (int)cfg->threads : fitm_cpus_available(&affinity, &quota);
@@ -336,34 +342,41 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         FITM_LOG(FITM_LOG_INFO, NULL,
                  "threads = 0: %d threads (%d CPUs in the affinity mask, no cgroup CPU quota)",
                  threads, affinity);
-    char backend[512];
-    if ((st = choose_backend(dm, threads, backend, sizeof backend, err)) != FITM_OK)
-        return st;
+    return threads;
+}
+
+/* Sets the backend's KV cache type and chooses the /rerank path (*rerank_step), both appended
+ * to the backend's description in desc (a string of n bytes). */
+static fitm_status set_kv_and_path(daemon_model *dm, char *desc, size_t n, bool *rerank_step,
+                                   fitm_err *err)
+{
+    const fitm_config *cfg = dm->cfg;
+    fitm_status st;
     const char *kv = cfg->kv_cache_type;
     const bool half = !strcmp(kv, "f16") || (!strcmp(kv, "auto") && dm->backend->ops->kv_half);
     if ((st = fitm_backend_set_kv_half(dm->backend, half, err)) != FITM_OK) {
         fitm_err_prefix(err, "kv_cache_type %s", kv);
         return st;
     }
-    const bool rerank_step = !strcmp(cfg->rerank_path, "step") ||
-                             (!strcmp(cfg->rerank_path, "auto") &&
-                              !strcmp(dm->backend->ops->name, "cpu"));
-    size_t used = strlen(backend);
-    snprintf(backend + used, sizeof backend - used, ", %s KV cache, /rerank on the %s path",
-             half ? "fp16" : "F32", rerank_step ? "step" : "batch");
-    const fitm_model_config *mc = fitm_model_config_of(dm->model);
-    int64_t n_ctx = cfg->ctx_size;
-    if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
-        n_ctx = mc->n_ctx_train; /* positions past the trained context are not meaningful */
-    if (n_ctx == 0)
-        n_ctx = 4096;
+    *rerank_step = !strcmp(cfg->rerank_path, "step") ||
+                   (!strcmp(cfg->rerank_path, "auto") && !strcmp(dm->backend->ops->name, "cpu"));
+    size_t used = strlen(desc);
+    snprintf(desc + used, n - used, ", %s KV cache, /rerank on the %s path",
+             half ? "fp16" : "F32", *rerank_step ? "step" : "batch");
+    return FITM_OK;
+}
+
+/* Creates the scoring session over the loaded model, tokenizer and backend, with the
+ * config's defaults and the model's profile (its name into profile, n bytes). */
+static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_step,
+                                  char *profile, size_t n, fitm_err *err)
+{
+    const fitm_config *cfg = dm->cfg;
+    fitm_status st;
     fitm_score_opts defaults;
     fitm_score_opts_init(&defaults);
-    char profile[256];
     fitm_answer_defaults answer;
-    if ((st = scoring_defaults(cfg, dm->model, &defaults, &answer, profile, sizeof profile,
-                               err)) !=
-        FITM_OK) {
+    if ((st = scoring_defaults(cfg, dm->model, &defaults, &answer, profile, n, err)) != FITM_OK) {
         fitm_score_opts_free(&defaults);
         return st;
     }
@@ -384,7 +397,32 @@ static fitm_status model_load(void *ctx, fitm_err *err)
                                    cfg->position_method)};
     st = fitm_session_create(&dm->session, dm->model, dm->tok, dm->backend, &rp, err);
     fitm_score_opts_free(&defaults);
-    if (st != FITM_OK)
+    return st;
+}
+
+static fitm_status model_load(void *ctx, fitm_err *err)
+{
+    daemon_model *dm = ctx;
+    const fitm_config *cfg = dm->cfg;
+    double t0 = fitm_clock_ms();
+    fitm_status st;
+    if ((st = open_model(dm, err)) != FITM_OK)
+        return st;
+    int threads = thread_count(cfg);
+    char backend[512];
+    if ((st = choose_backend(dm, threads, backend, sizeof backend, err)) != FITM_OK)
+        return st;
+    bool rerank_step;
+    if ((st = set_kv_and_path(dm, backend, sizeof backend, &rerank_step, err)) != FITM_OK)
+        return st;
+    const fitm_model_config *mc = fitm_model_config_of(dm->model);
+    int64_t n_ctx = cfg->ctx_size;
+    if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
+        n_ctx = mc->n_ctx_train; /* positions past the trained context are not meaningful */
+    if (n_ctx == 0)
+        n_ctx = 4096;
+    char profile[256];
+    if ((st = create_session(dm, n_ctx, rerank_step, profile, sizeof profile, err)) != FITM_OK)
         return st;
     snprintf(dm->info->arch, sizeof dm->info->arch, "%s", fitm_arch_name(mc->arch));
     dm->info->n_ctx = n_ctx;
