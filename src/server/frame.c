@@ -230,49 +230,106 @@ enum {
 /* Longest chunk size line (with extensions) and trailer line accepted. */
 #define CH_MAX_LINE 4096
 
+/* The state handlers below take one byte b of the body in c->state: they return
+ * FITM_FRAME_INCOMPLETE when b is taken (the state moved on or not), FITM_FRAME_BAD to refuse. */
+
+/* A byte of a chunk size line: its hex digits, an extension, the CRLF that ends it. */
+static fitm_frame_verdict chunk_size_byte(fitm_frame_chunks *c, unsigned char b,
+                                          fitm_frame_error *e)
+{
+    switch (c->state) {
+    case CH_SIZE: {
+        int d = b >= '0' && b <= '9'   ? b - '0'
+                : b >= 'a' && b <= 'f' ? b - 'a' + 10
+                : b >= 'A' && b <= 'F' ? b - 'A' + 10
+                                       : -1;
+        if (d >= 0) {
+            if (++c->digits > 16)
+                return bad(e, 400, "a chunk size has over 16 hex digits");
+            c->left = c->left * 16 + (uint64_t)d;
+            if (c->left > (UINT64_C(1) << 60))
+                return bad(e, 413, "a chunk size is over any body this server accepts");
+        } else if (c->digits && (b == ';' || b == '\r')) {
+            c->state = b == ';' ? CH_EXT : CH_SIZE_LF;
+        } else {
+            return bad(e, 400, "a chunk size line is not hex digits ending in CRLF");
+        }
+        break;
+    }
+    case CH_EXT:
+        if (++c->line > CH_MAX_LINE)
+            return bad(e, 400, "a chunk extension is over %d bytes", CH_MAX_LINE);
+        if (b == '\r')
+            c->state = CH_SIZE_LF;
+        else if ((b < 0x20 && b != '\t') || b == 0x7f)
+            return bad(e, 400, "a chunk extension has a control character");
+        break;
+    default: /* CH_SIZE_LF */
+        if (b != '\n')
+            return bad(e, 400, "a chunk size line does not end in CRLF");
+        c->line = 0;
+        c->digits = 0;
+        c->total += c->max_total ? c->left : 0; /* total <= max_total, left <= 2^60 */
+        if (c->max_total && c->total > c->max_total)
+            return bad(e, 413, "the chunked body is over the limit of %llu bytes",
+                       (unsigned long long)c->max_total);
+        c->state = c->left ? CH_DATA : CH_TRAILER;
+        break;
+    }
+    return FITM_FRAME_INCOMPLETE;
+}
+
+/* A byte of the trailer: a field's name, its value, the CRLF of its line, or the start of the
+ * next line. */
+static fitm_frame_verdict trailer_byte(fitm_frame_chunks *c, unsigned char b, fitm_frame_error *e)
+{
+    switch (c->state) {
+    case CH_TRAILER:
+        c->line = 0;
+        if (b == '\r')
+            c->state = CH_END_LF;
+        else if (is_tchar(b))
+            c->state = CH_NAME;
+        else
+            return bad(e, 400, "a trailer line is not a header field");
+        break;
+    case CH_NAME:
+        if (++c->line > CH_MAX_LINE)
+            return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
+        if (b == ':')
+            c->state = CH_FIELD;
+        else if (!is_tchar(b))
+            return bad(e, 400, "a trailer line is not a token name followed by a colon");
+        break;
+    case CH_FIELD:
+        if (++c->line > CH_MAX_LINE)
+            return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
+        if (b == '\r')
+            c->state = CH_FIELD_LF;
+        else if ((b < 0x20 && b != '\t') || b == 0x7f)
+            return bad(e, 400, "a trailer line has a control character");
+        break;
+    default: /* CH_FIELD_LF */
+        if (b != '\n')
+            return bad(e, 400, "a trailer line does not end in CRLF");
+        c->state = CH_TRAILER;
+        break;
+    }
+    return FITM_FRAME_INCOMPLETE;
+}
+
 fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, size_t n,
                                           size_t *used, fitm_frame_error *e)
 {
     size_t i = 0;
     while (i < n) {
         unsigned char b = (unsigned char)p[i];
+        fitm_frame_verdict v = FITM_FRAME_INCOMPLETE;
         switch (c->state) {
-        case CH_SIZE: {
-            int d = b >= '0' && b <= '9'   ? b - '0'
-                    : b >= 'a' && b <= 'f' ? b - 'a' + 10
-                    : b >= 'A' && b <= 'F' ? b - 'A' + 10
-                                           : -1;
-            if (d >= 0) {
-                if (++c->digits > 16)
-                    return bad(e, 400, "a chunk size has over 16 hex digits");
-                c->left = c->left * 16 + (uint64_t)d;
-                if (c->left > (UINT64_C(1) << 60))
-                    return bad(e, 413, "a chunk size is over any body this server accepts");
-            } else if (c->digits && (b == ';' || b == '\r')) {
-                c->state = b == ';' ? CH_EXT : CH_SIZE_LF;
-            } else {
-                return bad(e, 400, "a chunk size line is not hex digits ending in CRLF");
-            }
-            break;
-        }
+        case CH_SIZE:
         case CH_EXT:
-            if (++c->line > CH_MAX_LINE)
-                return bad(e, 400, "a chunk extension is over %d bytes", CH_MAX_LINE);
-            if (b == '\r')
-                c->state = CH_SIZE_LF;
-            else if ((b < 0x20 && b != '\t') || b == 0x7f)
-                return bad(e, 400, "a chunk extension has a control character");
-            break;
         case CH_SIZE_LF:
-            if (b != '\n')
-                return bad(e, 400, "a chunk size line does not end in CRLF");
-            c->line = 0;
-            c->digits = 0;
-            c->total += c->max_total ? c->left : 0; /* total <= max_total, left <= 2^60 */
-            if (c->max_total && c->total > c->max_total)
-                return bad(e, 413, "the chunked body is over the limit of %llu bytes",
-                           (unsigned long long)c->max_total);
-            c->state = c->left ? CH_DATA : CH_TRAILER;
+            v = chunk_size_byte(c, b, e);
             break;
         case CH_DATA: {
             size_t k = n - i < c->left ? n - i : (size_t)c->left;
@@ -289,34 +346,10 @@ fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, s
             c->state = c->state == CH_DATA_CR ? CH_DATA_LF : CH_SIZE;
             break;
         case CH_TRAILER:
-            c->line = 0;
-            if (b == '\r')
-                c->state = CH_END_LF;
-            else if (is_tchar(b))
-                c->state = CH_NAME;
-            else
-                return bad(e, 400, "a trailer line is not a header field");
-            break;
         case CH_NAME:
-            if (++c->line > CH_MAX_LINE)
-                return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
-            if (b == ':')
-                c->state = CH_FIELD;
-            else if (!is_tchar(b))
-                return bad(e, 400, "a trailer line is not a token name followed by a colon");
-            break;
         case CH_FIELD:
-            if (++c->line > CH_MAX_LINE)
-                return bad(e, 400, "a trailer line is over %d bytes", CH_MAX_LINE);
-            if (b == '\r')
-                c->state = CH_FIELD_LF;
-            else if ((b < 0x20 && b != '\t') || b == 0x7f)
-                return bad(e, 400, "a trailer line has a control character");
-            break;
         case CH_FIELD_LF:
-            if (b != '\n')
-                return bad(e, 400, "a trailer line does not end in CRLF");
-            c->state = CH_TRAILER;
+            v = trailer_byte(c, b, e);
             break;
         case CH_END_LF:
             if (b != '\n')
@@ -324,6 +357,8 @@ fitm_frame_verdict fitm_frame_chunks_scan(fitm_frame_chunks *c, const char *p, s
             *used = i + 1;
             return FITM_FRAME_OK;
         }
+        if (v == FITM_FRAME_BAD)
+            return v;
         i++;
     }
     *used = n;

@@ -292,19 +292,18 @@ static bool soft_error(void)
     return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
 }
 
-/* Moves what can move on connection i, both ways, and advances its state. */
-static void pump(fitm_gate *g, int64_t i, int64_t now)
+/* Reads what the client sent into c->in, or (closing, refusing) reads and discards it.
+ * False when connection i was dropped. */
+static bool from_client(fitm_gate *g, int64_t i)
 {
     conn *c = g->conns[i];
-    c->dirty = false;
-    /* From the client. */
     if (c->st == S_CLOSING || c->st == S_REFUSING) {
         char sink[4096];
         ssize_t r = c->c_eof ? 0 : recv(c->cfd, sink, sizeof sink, MSG_DONTWAIT);
         if (r == 0 || (r < 0 && !soft_error())) {
             if (c->st == S_CLOSING) {
                 drop(g, i);
-                return;
+                return false;
             }
             c->c_eof = true;
         }
@@ -314,22 +313,36 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
             c->c_eof = true;
         } else if (r < 0 && !soft_error()) {
             drop(g, i); /* reset: the server's end is closed too, so it sees the client go */
-            return;
+            return false;
         } else if (r > 0) {
             c->in_len += (size_t)r;
         }
     }
+    return true;
+}
+
+/* Checks what the client sent; a client gone before sending a request is dropped, one gone
+ * inside a request head refused. False when connection i was dropped. */
+static bool check_client(fitm_gate *g, int64_t i, int64_t now)
+{
+    conn *c = g->conns[i];
     if (!check(g, c, now)) {
         drop(g, i);
-        return;
+        return false;
     }
     if (c->c_eof && c->st == S_HEAD && c->in_ok == c->in_len && c->mfd < 0 && !c->m_eof) {
         drop(g, i); /* gone before sending a request */
-        return;
+        return false;
     }
     if (c->c_eof && c->st == S_HEAD && holds_request(c->in + c->in_ok, c->in_len - c->in_ok))
         refuse(c, FITM_API_COND_FRAMING, "the connection ended inside the request head");
-    /* To the server. */
+    return true;
+}
+
+/* Sends the checked bytes on to the server, drops what it took from c->in, and shuts the
+ * server's request side once the client's request ends. */
+static void to_server(conn *c)
+{
     if (c->mfd >= 0 && c->in_sent < c->in_ok) {
         ssize_t r =
             send(c->mfd, c->in + c->in_sent, c->in_ok - c->in_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -353,7 +366,11 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
         shutdown(c->mfd, SHUT_WR);
         c->m_shut = true;
     }
-    /* From the server. */
+}
+
+/* Reads what the server answered into c->out; closes the server's end at its EOF. */
+static void from_server(fitm_gate *g, conn *c, int64_t now)
+{
     c->m_quiet = false;
     if (c->mfd >= 0 && !c->m_eof && c->out_len < OUT_CAP) {
         ssize_t r = recv(c->mfd, c->out + c->out_len, OUT_CAP - c->out_len, MSG_DONTWAIT);
@@ -376,20 +393,19 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
             now >= c->deadline_ns - 1000000000)
             refuse_silent_body(g, c);
     }
-    /* A refusal's answer, once the server answered every request before it. A refusal inside a
-     * body leaves its own request unanswered by the server (the body never completes), so only
-     * those before it count. */
-    const int64_t before = c->forwarded - (c->st == S_REFUSING && c->mid_body);
-    if (c->st == S_REFUSING && !c->emitted && c->completed >= before &&
-        c->out_sent == c->out_len && (c->m_quiet || c->mfd < 0))
-        emit(c);
-    /* To the client. */
+}
+
+/* Sends what c->out holds on to the client, noting since when it takes none. False when
+ * connection i was dropped. */
+static bool to_client(fitm_gate *g, int64_t i, int64_t now)
+{
+    conn *c = g->conns[i];
     if (c->out_sent < c->out_len) {
         ssize_t r = send(c->cfd, c->out + c->out_sent, c->out_len - c->out_sent,
                          MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r < 0 && !soft_error()) {
             drop(g, i);
-            return;
+            return false;
         }
         if (r > 0 || !c->stall_ns)
             c->stall_ns = now;
@@ -403,13 +419,14 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
             c->out_sent = 0;
         }
     }
-    /* A refusal waiting only for the server's last bytes to be read: look again at once (the
-     * read finds more, or nothing and the answer goes out). */
-    if (c->out_len == 0)
-        c->stall_ns = 0;
-    c->dirty = c->st == S_REFUSING && !c->emitted && c->completed >= before && c->out_len == 0;
-    /* The server closed (after Connection: close, an idle timeout, or the refusal) and
-     * everything it said is out: end the connection. */
+    return true;
+}
+
+/* The server closed (after Connection: close, an idle timeout, or the refusal) and everything
+ * it said is out: ends connection i (before: the requests a refusal waits on). */
+static void close_when_answered(fitm_gate *g, int64_t i, int64_t now, int64_t before)
+{
+    conn *c = g->conns[i];
     if (c->mfd < 0 && c->m_eof && c->out_len == 0 && c->st != S_CLOSING &&
         (c->st != S_REFUSING || c->emitted || c->completed < before)) {
         if (c->c_eof) {
@@ -422,6 +439,32 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
         c->st = S_CLOSING;
         c->deadline_ns = now + (int64_t)LINGER_MS * 1000000;
     }
+}
+
+/* Moves what can move on connection i, both ways, and advances its state. */
+static void pump(fitm_gate *g, int64_t i, int64_t now)
+{
+    conn *c = g->conns[i];
+    c->dirty = false;
+    if (!from_client(g, i) || !check_client(g, i, now))
+        return;
+    to_server(c);
+    from_server(g, c, now);
+    /* A refusal's answer, once the server answered every request before it. A refusal inside a
+     * body leaves its own request unanswered by the server (the body never completes), so only
+     * those before it count. */
+    const int64_t before = c->forwarded - (c->st == S_REFUSING && c->mid_body);
+    if (c->st == S_REFUSING && !c->emitted && c->completed >= before &&
+        c->out_sent == c->out_len && (c->m_quiet || c->mfd < 0))
+        emit(c);
+    if (!to_client(g, i, now))
+        return;
+    /* A refusal waiting only for the server's last bytes to be read: look again at once (the
+     * read finds more, or nothing and the answer goes out). */
+    if (c->out_len == 0)
+        c->stall_ns = 0;
+    c->dirty = c->st == S_REFUSING && !c->emitted && c->completed >= before && c->out_len == 0;
+    close_when_answered(g, i, now, before);
 }
 
 static void accept_all(fitm_gate *g)
@@ -521,6 +564,94 @@ static bool head_overdue(fitm_gate *g, int64_t i)
     return true;
 }
 
+/* One pass of a stopping gate: the server answered every request before the stop, and what
+ * it wrote is relayed for up to FLUSH_MS, dropping each connection once nothing of it is
+ * left. True when the gate is done. */
+static bool flush_pass(fitm_gate *g, int64_t now, int64_t *flush_until)
+{
+    if (!*flush_until)
+        *flush_until = now + (int64_t)FLUSH_MS * 1000000;
+    for (int64_t i = g->n - 1; i >= 0; i--) {
+        pump(g, i, now);
+        if (i < g->n && g->conns[i]->out_len == 0 &&
+            (g->conns[i]->mfd < 0 || g->conns[i]->m_quiet))
+            drop(g, i);
+    }
+    return g->n == 0 || now >= *flush_until;
+}
+
+/* Acts on the connections whose client stalled an answer or whose deadline passed. */
+static void enforce_deadlines(fitm_gate *g, int64_t now)
+{
+    for (int64_t i = g->n - 1; i >= 0; i--) {
+        conn *c = g->conns[i];
+        if (c->stall_ns && now - c->stall_ns >= g->p.idle_timeout_ms * 1000000) {
+            FITM_LOG(FITM_LOG_INFO, NULL,
+                     "closing a connection whose client took none of its answer for %lld ms",
+                     (long long)g->p.idle_timeout_ms);
+            drop(g, i); /* the server's end closes too: a job still streaming stops */
+            continue;
+        }
+        if (c->deadline_ns && c->deadline_ns <= now) {
+            if (c->st == S_CLOSING) {
+                drop(g, i);
+                continue;
+            }
+            if (c->st == S_HEAD && !head_overdue(g, i))
+                continue;
+            if (c->st == S_BODY || c->st == S_CHUNKS) {
+                /* Silent because the server has not read what came (it is still busy with
+                 * an earlier request, or the buffer is full): not the client's delay. */
+                if (c->completed < c->forwarded - 1 || c->in_ok > c->in_sent ||
+                    c->in_len == IN_CAP)
+                    c->deadline_ns = now + g->p.idle_timeout_ms * 1000000;
+                else
+                    refuse_silent_body(g, c);
+            }
+        }
+    }
+}
+
+/* Fills pf with what to wait for: the wake pipe, the listening socket (when listening), and
+ * each connection's two ends (their slots in at[2i], at[2i + 1], -1 for none). Lowers *next
+ * to the nearest deadline and sets *any_dirty when a connection must be pumped at once.
+ * Returns the number of pollfds. */
+static nfds_t poll_set(fitm_gate *g, struct pollfd *pf, int64_t *at, bool listening,
+                       int64_t *next, bool *any_dirty)
+{
+    nfds_t k = 0;
+    pf[k++] = (struct pollfd){.fd = g->wake[0], .events = POLLIN};
+    if (listening)
+        pf[k++] = (struct pollfd){.fd = g->p.listen_fd, .events = POLLIN};
+    for (int64_t i = 0; i < g->n; i++) {
+        conn *c = g->conns[i];
+        if (c->deadline_ns && c->deadline_ns < *next)
+            *next = c->deadline_ns;
+        if (c->stall_ns && c->stall_ns + g->p.idle_timeout_ms * 1000000 < *next)
+            *next = c->stall_ns + g->p.idle_timeout_ms * 1000000;
+        *any_dirty |= c->dirty;
+        short ce = 0, me = 0;
+        if (c->st == S_CLOSING || (!c->c_eof && (c->st == S_REFUSING || c->in_len < IN_CAP)))
+            ce |= POLLIN;
+        if (c->out_sent < c->out_len)
+            ce |= POLLOUT;
+        if (c->mfd >= 0 && !c->m_eof && c->out_len < OUT_CAP)
+            me |= POLLIN;
+        if (c->mfd >= 0 && c->in_sent < c->in_ok)
+            me |= POLLOUT;
+        at[2 * i] = at[2 * i + 1] = -1;
+        if (ce) {
+            at[2 * i] = (int64_t)k;
+            pf[k++] = (struct pollfd){.fd = c->cfd, .events = ce};
+        }
+        if (me) {
+            at[2 * i + 1] = (int64_t)k;
+            pf[k++] = (struct pollfd){.fd = c->mfd, .events = me};
+        }
+    }
+    return k;
+}
+
 static void *gate_main(void *arg)
 {
     fitm_gate *g = arg;
@@ -537,82 +668,17 @@ static void *gate_main(void *arg)
         take_done(g);
         int64_t now = fitm_clock_ns(), next = now + 1000000000;
         if (g->stop) {
-            /* The server answered every request before the stop: what it wrote is relayed
-             * for up to FLUSH_MS, dropping each connection once nothing of it is left. */
-            if (!flush_until)
-                flush_until = now + (int64_t)FLUSH_MS * 1000000;
-            for (int64_t i = g->n - 1; i >= 0; i--) {
-                pump(g, i, now);
-                if (i < g->n && g->conns[i]->out_len == 0 &&
-                    (g->conns[i]->mfd < 0 || g->conns[i]->m_quiet))
-                    drop(g, i);
-            }
-            if (g->n == 0 || now >= flush_until)
+            if (flush_pass(g, now, &flush_until))
                 break;
             next = now + 10000000;
         }
-        for (int64_t i = g->n - 1; i >= 0; i--) {
-            conn *c = g->conns[i];
-            if (c->stall_ns && now - c->stall_ns >= g->p.idle_timeout_ms * 1000000) {
-                FITM_LOG(FITM_LOG_INFO, NULL,
-                         "closing a connection whose client took none of its answer for %lld ms",
-                         (long long)g->p.idle_timeout_ms);
-                drop(g, i); /* the server's end closes too: a job still streaming stops */
-                continue;
-            }
-            if (c->deadline_ns && c->deadline_ns <= now) {
-                if (c->st == S_CLOSING) {
-                    drop(g, i);
-                    continue;
-                }
-                if (c->st == S_HEAD && !head_overdue(g, i))
-                    continue;
-                if (c->st == S_BODY || c->st == S_CHUNKS) {
-                    /* Silent because the server has not read what came (it is still busy with
-                     * an earlier request, or the buffer is full): not the client's delay. */
-                    if (c->completed < c->forwarded - 1 || c->in_ok > c->in_sent ||
-                        c->in_len == IN_CAP)
-                        c->deadline_ns = now + g->p.idle_timeout_ms * 1000000;
-                    else
-                        refuse_silent_body(g, c);
-                }
-            }
-        }
+        enforce_deadlines(g, now);
         bool any_dirty = false;
-        nfds_t k = 0;
-        pf[k++] = (struct pollfd){.fd = g->wake[0], .events = POLLIN};
         bool listening =
             !g->stop && g->p.listen_fd >= 0 && g->n < g->p.max_conns && now >= g->accept_after_ns;
         if (now < g->accept_after_ns && g->accept_after_ns < next)
             next = g->accept_after_ns;
-        if (listening)
-            pf[k++] = (struct pollfd){.fd = g->p.listen_fd, .events = POLLIN};
-        for (int64_t i = 0; i < g->n; i++) {
-            conn *c = g->conns[i];
-            if (c->deadline_ns && c->deadline_ns < next)
-                next = c->deadline_ns;
-            if (c->stall_ns && c->stall_ns + g->p.idle_timeout_ms * 1000000 < next)
-                next = c->stall_ns + g->p.idle_timeout_ms * 1000000;
-            any_dirty |= c->dirty;
-            short ce = 0, me = 0;
-            if (c->st == S_CLOSING || (!c->c_eof && (c->st == S_REFUSING || c->in_len < IN_CAP)))
-                ce |= POLLIN;
-            if (c->out_sent < c->out_len)
-                ce |= POLLOUT;
-            if (c->mfd >= 0 && !c->m_eof && c->out_len < OUT_CAP)
-                me |= POLLIN;
-            if (c->mfd >= 0 && c->in_sent < c->in_ok)
-                me |= POLLOUT;
-            at[2 * i] = at[2 * i + 1] = -1;
-            if (ce) {
-                at[2 * i] = (int64_t)k;
-                pf[k++] = (struct pollfd){.fd = c->cfd, .events = ce};
-            }
-            if (me) {
-                at[2 * i + 1] = (int64_t)k;
-                pf[k++] = (struct pollfd){.fd = c->mfd, .events = me};
-            }
-        }
+        nfds_t k = poll_set(g, pf, at, listening, &next, &any_dirty);
         int64_t wait_ms = any_dirty ? 0 : (next - now) / 1000000 + 1;
         int rc = poll(pf, k, (int)(wait_ms > 1000 ? 1000 : wait_ms));
         if (rc < 0)
