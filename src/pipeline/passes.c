@@ -1,6 +1,7 @@
 /* passes: a request's forward passes over the session's model -- where they run (its own
  * caches or the session's), on which path, through how many layers, under which position
- * method -- and running one in chunks or handing it to the engine's batch (fitm_passes.sink).
+ * method -- and running one here in chunks (a sequence of the engine's batch runs its passes
+ * through the batch's steps instead: rerank_seq.c).
  * Also what every method reads its passes with: the layers chosen and the results' order. */
 #include "pipeline/session_internal.h"
 
@@ -96,26 +97,36 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
     return FITM_OK;
 }
 
+fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
+                           const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
+                           int64_t n_logits)
+{
+    return (fitm_pass){.kv = kv,
+                       .prefix = prefix,
+                       .ids = ids,
+                       .n = n,
+                       .pos0 = pos0,
+                       .cap = cap,
+                       .n_logits = n_logits,
+                       .n_layers = n_logits ? 0 : ps->n_layers,
+                       .path = ps->path,
+                       .position = ps->position};
+}
+
+fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
+{
+    fitm_session *r = ps->s;
+    if (p->kv == r->kv && r->kv_n > p->pos0)
+        r->kv_n = p->pos0; /* rows from pos0 on are about to change */
+    return run_here(ps, p, err);
+}
+
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                             int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
                             fitm_err *err)
 {
-    fitm_session *r = ps->s;
-    if (kv == r->kv && r->kv_n > pos0)
-        r->kv_n = pos0; /* rows from pos0 on are about to change */
-    const fitm_pass p = {.kv = kv,
-                         .prefix = prefix,
-                         .ids = ids,
-                         .n = n,
-                         .pos0 = pos0,
-                         .cap = cap,
-                         .n_logits = n_logits,
-                         .n_layers = n_logits ? 0 : ps->n_layers,
-                         .path = ps->path,
-                         .position = ps->position};
-    if (ps->sink)
-        return n < 1 ? FITM_OK : ps->sink(ps->sink_arg, &p, err);
-    return run_here(ps, &p, err);
+    const fitm_pass p = fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, n_logits);
+    return fitm_passes_run_pass(ps, &p, err);
 }
 
 fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int32_t n,

@@ -64,8 +64,9 @@ const char fitm_rerank_answer_template[] =
     "Question: Where is Tamsin Hale from?\\nAnswer: Lindwick\\n\\n"
     "{documents}\\nQuestion: {question}\\nAnswer:";
 
-fitm_status fitm_rerank_run_passes(fitm_passes *ps, const fitm_rerank_request *req,
-                                   fitm_rerank_result *res, fitm_err *err)
+/* Runs req's method with its passes ps into res (zeroed, meta.method set). */
+static fitm_status run_passes(fitm_passes *ps, const fitm_rerank_request *req,
+                              fitm_rerank_result *res, fitm_err *err)
 {
     res->meta.position = ps->position;
     switch (req->method) {
@@ -97,7 +98,7 @@ fitm_status fitm_rerank_run(fitm_session *s, const fitm_rerank_request *req,
         return st;
     ps.stop = stop;
     ps.stop_arg = stop_arg;
-    return fitm_rerank_run_passes(&ps, req, res, err);
+    return run_passes(&ps, req, res, err);
 }
 
 fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *req,

@@ -175,12 +175,13 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
  * The attention methods (calibrated, attention, paper) also run as a sequence that advances
  * one batched forward call at a time beside other sequences (continuous batching,
  * server/engine.c): fitm_rerank_begin gives the request caches of its own (its prompt's and
- * one reference branch over it) and runs the method's host side -- prompts, captures,
- * calibration, exactly fitm_rerank_run's code -- on a helper thread that stops at each
- * forward pass and hands it to the sequence; each step carries a chunk of that pass
- * (fitm_rerank_seq_part), and fitm_rerank_seq_after resumes the host side when the pass is
- * complete, until it posts its next pass or finishes. The helper thread only runs while the
- * caller waits for it, so the session's thread stays the only one that computes. Scores are
+ * one reference branch over it) and starts the method's run as a state machine over each
+ * window's plan of passes (main pass, dummy passes, null pass) -- prompts, captures and
+ * calibration are exactly fitm_rerank_run's code, which drives the same machine in a loop --
+ * up to its first pass; each step carries a chunk of that pass (fitm_rerank_seq_part), and
+ * fitm_rerank_seq_after, once the pass is complete, reads its capture and readies the next
+ * pass of the plan, or calibrates and makes the result after the last. All of it runs on the
+ * session's thread, between the batch's forward calls. Scores are
  * bit-identical to fitm_rerank_run's: every pass runs on the batch path, whose rows do not
  * depend on the chunking or on what else shares the call (fitm_forward_run_batch). */
 typedef struct fitm_rerank_seq fitm_rerank_seq;
@@ -190,7 +191,7 @@ typedef struct fitm_rerank_seq fitm_rerank_seq;
 bool fitm_rerank_batches(const fitm_rerank_request *req);
 
 /* Starts req (fitm_rerank_batches) into *res (the caller frees res, also after a failure):
- * the caches, sized by req's longest possible prompt, and the host side up to its first pass.
+ * the caches, sized by req's longest possible prompt, and the run up to its first pass.
  * *out is NULL when the run already ended (a failure, or an error the method found before
  * its first pass): the return value is then its status. Otherwise FITM_OK and *out is the
  * sequence to step. stop as in fitm_rerank_run, polled by fitm_batch_step. */
@@ -198,20 +199,22 @@ fitm_status fitm_rerank_begin(fitm_session *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_rerank_seq **out, fitm_err *err);
 
-/* This step's part of q: the next at most budget rows of the pass it waits on (more only
+/* This step's part of q: the next at most budget rows of its posted pass (more only
  * when the pass's logit rows would otherwise be split over two calls), on the batch path. */
 void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *part);
 
 /* After the call that carried q's part of T rows ended with st (err its message): the pass
- * advances, and when it is complete (or st failed) the host side resumes until it posts its
- * next pass or finishes; *done then. st FITM_ERR_TIMEOUT with T = 0 stops q (its stop()). */
+ * advances, and when it is complete the run reads its capture and readies its next pass, or
+ * ends (the result made); a failed st ends the run with st. *done once the run ended. st
+ * FITM_ERR_TIMEOUT with T = 0 stops q (its stop()). */
 void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const fitm_err *err,
                            bool *done);
 
 /* Whether q's stop() asks it to end. */
 bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q);
 
-/* After q finished (done): its run's status into err, the result complete; frees q. */
+/* After q finished (done): its run's status into err, the result complete; frees q. A q not
+ * finished (shutdown) ends with FITM_ERR_TIMEOUT. */
 fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err);
 
 /* The bytes of q's own KV caches. */

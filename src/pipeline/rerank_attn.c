@@ -5,6 +5,8 @@
  *   reference the dummy passes and/or the null pass of that group
  *   calibrate A and A_ref per document (aggregate, skip_first, sinks), rel by the form,
  *             rel_scaled = rel x n_group, weight = softmax, relevance_score = sigmoid
+ *   run       a state machine over the groups' plans (fitm_attention): it hands out one pass
+ *             at a time, whoever runs it reports it done, and nothing waits in between
  * Attention is averaged uniformly over the (row, layer, head) triples whose layer sees the
  * whole document from that row (sliding windows); a document no triple sees gets A = 0. */
 #include "pipeline/rerank_methods.h"
@@ -245,45 +247,71 @@ static void collect(const fitm_session *r, const plan *pl, const int64_t *rows, 
         out[t] = count ? out[t] / (double)count : 0.0;
 }
 
-/* One pass: ids[from, T) at positions from.. on kv (a branch of prefix when non-NULL),
- * capturing rows; the attention of each of the n documents with spans sp goes to out +
- * off[j] (collect). */
-static fitm_status attend(fitm_passes *ps, const plan *pl, fitm_kv *kv, const fitm_kv *prefix,
-                          const int32_t *ids, int64_t T, int64_t from, const int64_t *rows,
-                          int32_t n_rows, const fitm_span *sp, int32_t n, const int64_t *off,
-                          double *out, fitm_err *err)
+/* One capturing pass as it is handed out to run, its capture's buffers, and where its
+ * attention goes once it has run: each of the n documents with spans sp to out + off[j]
+ * (collect). */
+typedef struct {
+    fitm_pass pass;
+    fitm_capture cap;
+    fitm_span *cs; /* (n) the counted part of each span */
+    float *buf;    /* the capture's span masses or (sink) probabilities */
+    const int64_t *rows;
+    int32_t n_rows;
+    const fitm_span *sp;
+    int32_t n;
+    const int64_t *off;
+    double *out;
+    int64_t T;
+} attend_pass;
+
+static void attend_free(attend_pass *ap)
+{
+    free(ap->cs);
+    free(ap->buf);
+    memset(ap, 0, sizeof *ap);
+}
+
+/* Readies one pass into ap: ids[from, T) at positions from.. on kv (a branch of prefix when
+ * non-NULL), capturing rows, its attention for the n documents with spans sp going to out +
+ * off[j]. kv is rebased or cut at from for it. */
+static fitm_status attend_prepare(const fitm_passes *ps, const plan *pl, fitm_kv *kv,
+                                  const fitm_kv *prefix, const int32_t *ids, int64_t T,
+                                  int64_t from, const int64_t *rows, int32_t n_rows,
+                                  const fitm_span *sp, int32_t n, const int64_t *off, double *out,
+                                  attend_pass *ap, fitm_err *err)
 {
     const fitm_session *r = ps->s;
     const size_t per = (size_t)n_rows * (size_t)r->L * (size_t)r->H;
-    fitm_span *cs = malloc((size_t)n * sizeof *cs);
-    float *buf = malloc(per * (size_t)(pl->sink ? T : n) * sizeof *buf);
-    if (!cs || !buf) {
-        free(cs);
-        free(buf);
+    *ap = (attend_pass){.rows = rows, .n_rows = n_rows, .sp = sp, .n = n, .off = off, .out = out,
+                        .T = T};
+    ap->cs = malloc((size_t)n * sizeof *ap->cs);
+    ap->buf = malloc(per * (size_t)(pl->sink ? T : n) * sizeof *ap->buf);
+    if (!ap->cs || !ap->buf)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the attention capture");
-    }
     for (int32_t j = 0; j < n; j++) { /* the counted part of each span */
         int64_t skip = pl->o.skip_first < sp[j].end - sp[j].start ? pl->o.skip_first
                                                                   : sp[j].end - sp[j].start;
-        cs[j] = (fitm_span){.start = sp[j].start + skip, .end = sp[j].end};
+        ap->cs[j] = (fitm_span){.start = sp[j].start + skip, .end = sp[j].end};
     }
-    fitm_capture cap = {.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : cs,
-                        .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : buf,
-                        .probs = pl->sink ? buf : NULL, .probs_stride = T};
+    ap->cap = (fitm_capture){.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : ap->cs,
+                             .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : ap->buf,
+                             .probs = pl->sink ? ap->buf : NULL, .probs_stride = T};
+    ap->pass = fitm_passes_pass(ps, kv, prefix, ids + from, T - from, from, &ap->cap, 0);
     /* A branch starts at from over prefix; a pass on its own cache from > 0 keeps the rows
      * [0, from) the cache holds (the caller checked they are this prompt's). */
-    fitm_status st = FITM_OK;
     if (prefix || from == 0)
-        st = fitm_kv_rebase(kv, prefix ? from : 0, err);
-    else
-        fitm_kv_truncate(kv, from);
-    if (st == FITM_OK)
-        st = fitm_passes_run(ps, kv, prefix, ids + from, T - from, from, &cap, 0, err);
-    for (int32_t j = 0; st == FITM_OK && j < n; j++)
-        collect(r, pl, rows, n_rows, buf, n, j, buf, T, sp[j], out + off[j]);
-    free(cs);
-    free(buf);
-    return st;
+        return fitm_kv_rebase(kv, prefix ? from : 0, err);
+    fitm_kv_truncate(kv, from);
+    return FITM_OK;
+}
+
+/* Once ap's pass has run: each document's attention from its capture (collect). */
+static void attend_collect(const fitm_session *r, const plan *pl, attend_pass *ap)
+{
+    for (int32_t j = 0; j < ap->n; j++)
+        collect(r, pl, ap->rows, ap->n_rows, ap->buf, ap->n, j, ap->buf, ap->T, ap->sp[j],
+                ap->out + ap->off[j]);
+    attend_free(ap);
 }
 
 /* ---- reference --------------------------------------------------------------------------- */
@@ -318,45 +346,6 @@ static fitm_status fill_dummy(const fitm_session *r, const fitm_rerank_request *
     return FITM_OK;
 }
 
-/* The paper's reference: per document j, the prompt with its body replaced by a
- * length-matched dummy, on a branch of the prompt's cache from the start the plan gives
- * (s_j with prefix_reuse) or whole. */
-static fitm_status dummy_passes(fitm_passes *ps, const fitm_rerank_request *req,
-                                const plan *pl, const group_plan *gp, const int64_t *off,
-                                double *out, fitm_rerank_tokens *tok, fitm_err *err)
-{
-    const prompt *p = &gp->p;
-    const int32_t n = gp->n;
-    const int64_t T = p->ids.n;
-    int64_t total = 0;
-    for (int32_t j = 0; j < n; j++)
-        total += p->spans[j].end - p->spans[j].start;
-    int32_t *ref = malloc((size_t)T * sizeof *ref);
-    if (tok) {
-        tok->dummy_tokens = malloc((size_t)(total > 0 ? total : 1) * sizeof(int32_t));
-        tok->dummy_offsets = calloc((size_t)n, sizeof(int64_t));
-    }
-    fitm_status st = FITM_OK;
-    if (!ref || (tok && (!tok->dummy_tokens || !tok->dummy_offsets)))
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t j = 0, doff = 0; st == FITM_OK && j < n; j++) {
-        int64_t s = p->spans[j].start, e = p->spans[j].end;
-        memcpy(ref, p->ids.v, (size_t)T * sizeof *ref);
-        if ((st = fill_dummy(ps->s, req, pl, gp->order[j], e - s, ref + s, err)) != FITM_OK)
-            break;
-        if (tok) {
-            tok->dummy_offsets[j] = doff;
-            memcpy(tok->dummy_tokens + doff, ref + s, (size_t)(e - s) * sizeof *ref);
-            doff += (int32_t)(e - s);
-        }
-        const int64_t from = gp->dummy_from[j];
-        st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, ref, T, from, p->rows,
-                    p->n_rows, &p->spans[j], 1, off + j, out, err);
-    }
-    free(ref);
-    return st;
-}
-
 /* The null pass's queries: "N/A" in both places (null_query) or in the trailing question
  * only (null_suffix). */
 static fitm_prompt_queries null_queries(const fitm_rerank_request *req, const plan *pl)
@@ -365,49 +354,6 @@ static fitm_prompt_queries null_queries(const fitm_rerank_request *req, const pl
     const size_t nl = sizeof NULL_QUERY - 1;
     return (fitm_prompt_queries){suffix ? req->query : NULL_QUERY, NULL_QUERY,
                              suffix ? req->query_len : nl, nl};
-}
-
-/* The content-free query's reference: the plan's null prompt (the query replaced by "N/A" in
- * both places, null_query, a whole pass; or in the trailing question only, null_suffix, on
- * a branch of the prompt's cache from the end of the documents when prefix_reuse). */
-static fitm_status null_pass(fitm_passes *ps, const plan *pl, group_plan *gp, const int64_t *off,
-                             double *out, fitm_rerank_tokens *tok, fitm_err *err)
-{
-    prompt *np = &gp->np;
-    const int64_t from = gp->null_from;
-    fitm_status st = attend(ps, pl, ps->branch, from > 0 ? ps->kv : NULL, np->ids.v, np->ids.n,
-                            from, np->rows, np->n_rows, np->spans, gp->n, off, out, err);
-    if (st == FITM_OK && tok) {
-        tok->null_ids = np->ids.v;
-        tok->n_null_ids = np->ids.n;
-        tok->null_spans = np->spans;
-        tok->null_question = np->question;
-        np->ids.v = NULL;
-        np->spans = NULL;
-    }
-    return st;
-}
-
-/* The reference attention (len entries at off[j] per document): the dummy passes', the null
- * pass's, or (both) their mean. */
-static fitm_status reference(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
-                             group_plan *gp, const int64_t *off, int64_t len, double *out,
-                             fitm_rerank_tokens *tok, fitm_err *err)
-{
-    double *nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *nul) : out;
-    if (!nul)
-        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    fitm_status st = FITM_OK;
-    if (pl->dummy_passes)
-        st = dummy_passes(ps, req, pl, gp, off, out, tok, err);
-    if (st == FITM_OK && pl->null_pass)
-        st = null_pass(ps, pl, gp, off, nul, tok, err);
-    if (nul != out) {
-        for (int64_t i = 0; i < len; i++)
-            out[i] = 0.5 * (out[i] + nul[i]);
-        free(nul);
-    }
-    return st;
 }
 
 /* ---- calibrate --------------------------------------------------------------------------- */
@@ -526,45 +472,6 @@ static int64_t group_tokens(const plan *pl, const group_plan *gp)
     return sum;
 }
 
-/* One group (the documents first .. first + n - 1): its plan, its pass, its reference
- * passes, calibrate. */
-static fitm_status score_group(fitm_passes *ps, const fitm_rerank_request *req, const plan *pl,
-                               int32_t first, int32_t n, scores *sc, fitm_rerank_tokens *tok,
-                               fitm_err *err)
-{
-    group_plan gp = {0};
-    int64_t *off = malloc((size_t)(n + 1) * sizeof *off);
-    double *a = NULL;
-    double t0 = fitm_clock_ms();
-    fitm_status st = off ? plan_group(ps->s, req, pl, first, n, &sc->held, &gp, err)
-                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    sc->tok_ms += fitm_clock_ms() - t0;
-    const prompt *p = &gp.p;
-    if (st == FITM_OK) {
-        sc->forward += group_tokens(pl, &gp);
-        sc->T_max = p->ids.n > sc->T_max ? p->ids.n : sc->T_max;
-        off[0] = 0;
-        for (int32_t j = 0; j < n; j++)
-            off[j + 1] = off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
-        if (!(a = calloc((size_t)off[n] * 2 + 1, sizeof *a)))
-            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    }
-    if (st == FITM_OK)
-        st = attend(ps, pl, ps->kv, NULL, p->ids.v, p->ids.n, gp.from, p->rows, p->n_rows,
-                    p->spans, n, off, a, err);
-    bool has_ref = pl->o.reference != FITM_REF_NONE;
-    if (st == FITM_OK && has_ref)
-        st = reference(ps, req, pl, &gp, off, off[n], a + off[n], tok, err);
-    if (st == FITM_OK)
-        calibrate(pl, p->spans, first, n, off, a, has_ref ? a + off[n] : NULL, sc);
-    if (st == FITM_OK && tok)
-        keep_tokens(&gp.p, first, n, tok);
-    group_plan_free(&gp);
-    free(off);
-    free(a);
-    return st;
-}
-
 /* ---- the method -------------------------------------------------------------------------- */
 
 /* weight, relevance_score and the sorted results. */
@@ -600,48 +507,281 @@ static fitm_status finish(const plan *pl, const scores *sc, int32_t K, fitm_rera
     return FITM_OK;
 }
 
+/* ---- the run: a state machine over the windows' plans ----------------------------------- */
+
+/* The method's run between two passes: the window it is at, the pass of that window's plan
+ * it is at, and what the passes so far have captured. Its owner runs each pass that
+ * fitm_attention_next hands out (here, or in the engine's batch steps) and reports it done
+ * with fitm_attention_ran. */
+struct fitm_attention {
+    fitm_passes *ps;
+    const fitm_rerank_request *req;
+    fitm_rerank_result *res;
+    double t0; /* when the run started */
+    plan pl;
+    scores sc;
+    int32_t *starts; /* (K + 1) the windows' first documents */
+    double *buf;     /* sc's arrays */
+    int32_t G, g;    /* the windows, and the one running */
+    /* window g's next pass: -1 before its plan, 0 its main pass, 1 .. n its dummy passes,
+     * n + 1 its null pass, n + 2 its calibration */
+    int32_t step;
+    group_plan gp;    /* window g's plan */
+    int64_t *off;     /* (n + 1) where each document's attention lies in att */
+    double *att;      /* the window's attention at off[j], its reference's at off[n] + off[j] */
+    double *nul;      /* the null pass's reference: its own array beside dummy passes */
+    int32_t *ref;     /* (T) a dummy pass's prompt */
+    int32_t dummy_at; /* where the next dummy pass's tokens go in the window's dummy_tokens */
+    attend_pass cur;  /* the pass handed out */
+    bool finished;    /* the result is made */
+};
+
+/* Where window g's prompts go for return_tokens (NULL: not asked for). */
+static fitm_rerank_tokens *window_tokens(const fitm_attention *a)
+{
+    return a->res->groups ? &a->res->groups[a->g] : NULL;
+}
+
+/* Releases what window g holds; the next window starts with its plan. */
+static void window_free(fitm_attention *a)
+{
+    group_plan_free(&a->gp);
+    memset(&a->gp, 0, sizeof a->gp);
+    if (a->pl.dummy_passes && a->pl.null_pass)
+        free(a->nul);
+    free(a->off);
+    free(a->att);
+    free(a->ref);
+    attend_free(&a->cur);
+    a->off = NULL;
+    a->att = a->nul = NULL;
+    a->ref = NULL;
+    a->step = -1;
+}
+
+/* Room for the dummy passes' prompt and (return_tokens) their dummy tokens. */
+static fitm_status dummy_begin(fitm_attention *a, fitm_err *err)
+{
+    const prompt *p = &a->gp.p;
+    fitm_rerank_tokens *tok = window_tokens(a);
+    int64_t total = 0;
+    for (int32_t j = 0; j < a->gp.n; j++)
+        total += p->spans[j].end - p->spans[j].start;
+    a->ref = malloc((size_t)p->ids.n * sizeof *a->ref);
+    a->dummy_at = 0;
+    if (tok) {
+        tok->dummy_tokens = malloc((size_t)(total > 0 ? total : 1) * sizeof(int32_t));
+        tok->dummy_offsets = calloc((size_t)a->gp.n, sizeof(int64_t));
+    }
+    if (!a->ref || (tok && (!tok->dummy_tokens || !tok->dummy_offsets)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    return FITM_OK;
+}
+
+/* Window g's plan (its tokenizing timed apart), and room for what its passes capture. */
+static fitm_status window_begin(fitm_attention *a, fitm_err *err)
+{
+    const plan *pl = &a->pl;
+    scores *sc = &a->sc;
+    const int32_t first = a->starts[a->g], n = a->starts[a->g + 1] - first;
+    a->off = malloc((size_t)(n + 1) * sizeof *a->off);
+    a->step = 0;
+    const double t0 = fitm_clock_ms();
+    fitm_status st = a->off ? plan_group(a->ps->s, a->req, pl, first, n, &sc->held, &a->gp, err)
+                            : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    sc->tok_ms += fitm_clock_ms() - t0;
+    if (st != FITM_OK)
+        return st;
+    const prompt *p = &a->gp.p;
+    sc->forward += group_tokens(pl, &a->gp);
+    sc->T_max = p->ids.n > sc->T_max ? p->ids.n : sc->T_max;
+    a->off[0] = 0;
+    for (int32_t j = 0; j < n; j++)
+        a->off[j + 1] = a->off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
+    const int64_t len = a->off[n];
+    if (!(a->att = calloc((size_t)len * 2 + 1, sizeof *a->att)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    a->nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *a->nul)
+                                               : a->att + len;
+    if (!a->nul)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    return pl->dummy_passes ? dummy_begin(a, err) : FITM_OK;
+}
+
+/* Dummy pass j, the paper's reference: the prompt with document j's body replaced by a
+ * length-matched dummy, on a branch of the prompt's cache from the start the plan gives (s_j
+ * with prefix_reuse) or whole. */
+static fitm_status dummy_pass(fitm_attention *a, int32_t j, fitm_err *err)
+{
+    const prompt *p = &a->gp.p;
+    const int64_t T = p->ids.n, s = p->spans[j].start, e = p->spans[j].end;
+    fitm_rerank_tokens *tok = window_tokens(a);
+    memcpy(a->ref, p->ids.v, (size_t)T * sizeof *a->ref);
+    fitm_status st = fill_dummy(a->ps->s, a->req, &a->pl, a->gp.order[j], e - s, a->ref + s, err);
+    if (st != FITM_OK)
+        return st;
+    if (tok) {
+        tok->dummy_offsets[j] = a->dummy_at;
+        memcpy(tok->dummy_tokens + a->dummy_at, a->ref + s, (size_t)(e - s) * sizeof *a->ref);
+        a->dummy_at += (int32_t)(e - s);
+    }
+    const int64_t from = a->gp.dummy_from[j];
+    fitm_passes *ps = a->ps;
+    return attend_prepare(ps, &a->pl, ps->branch, from > 0 ? ps->kv : NULL, a->ref, T, from,
+                          p->rows, p->n_rows, &p->spans[j], 1, a->off + j, a->att + a->off[a->gp.n],
+                          &a->cur, err);
+}
+
+/* Readies the pass of window g's plan at `step` (see fitm_attention): the main pass over its
+ * prompt, a dummy pass, or the content-free query's reference, the plan's null prompt (the
+ * query replaced by "N/A" in both places, null_query, a whole pass; or in the trailing
+ * question only, null_suffix, on a branch of the prompt's cache from the end of the documents
+ * when prefix_reuse). */
+static fitm_status prepare_pass(fitm_attention *a, fitm_err *err)
+{
+    fitm_passes *ps = a->ps;
+    const group_plan *gp = &a->gp;
+    const int32_t n = gp->n;
+    if (a->step == 0)
+        return attend_prepare(ps, &a->pl, ps->kv, NULL, gp->p.ids.v, gp->p.ids.n, gp->from,
+                              gp->p.rows, gp->p.n_rows, gp->p.spans, n, a->off, a->att, &a->cur,
+                              err);
+    if (a->step <= n)
+        return dummy_pass(a, a->step - 1, err);
+    const prompt *np = &gp->np;
+    const int64_t from = gp->null_from;
+    return attend_prepare(ps, &a->pl, ps->branch, from > 0 ? ps->kv : NULL, np->ids.v, np->ids.n,
+                          from, np->rows, np->n_rows, np->spans, n, a->off, a->nul, &a->cur, err);
+}
+
+/* Whether window g's plan (n documents) has a pass at `step`. */
+static bool pass_planned(const plan *pl, int32_t step, int32_t n)
+{
+    return step == 0 || (step <= n && pl->dummy_passes) || (step == n + 1 && pl->null_pass);
+}
+
+/* Window g's passes have all run: the reference (the dummy passes', the null pass's, or both's
+ * mean), calibrate, the prompts kept for return_tokens; on to the next window. */
+static void window_end(fitm_attention *a)
+{
+    const plan *pl = &a->pl;
+    group_plan *gp = &a->gp;
+    const int32_t n = gp->n;
+    const int64_t len = a->off[n];
+    double *refs = a->att + len;
+    fitm_rerank_tokens *tok = window_tokens(a);
+    if (pl->dummy_passes && pl->null_pass)
+        for (int64_t i = 0; i < len; i++)
+            refs[i] = 0.5 * (refs[i] + a->nul[i]);
+    const bool has_ref = pl->o.reference != FITM_REF_NONE;
+    calibrate(pl, gp->p.spans, gp->first, n, a->off, a->att, has_ref ? refs : NULL, &a->sc);
+    if (tok && pl->null_pass) {
+        tok->null_ids = gp->np.ids.v;
+        tok->n_null_ids = gp->np.ids.n;
+        tok->null_spans = gp->np.spans;
+        tok->null_question = gp->np.question;
+        gp->np.ids.v = NULL;
+        gp->np.spans = NULL;
+    }
+    if (tok)
+        keep_tokens(&gp->p, gp->first, n, tok);
+    window_free(a);
+    a->g++;
+}
+
+fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req,
+                                 fitm_rerank_result *res, fitm_attention **out, fitm_err *err)
+{
+    fitm_attention *a = calloc(1, sizeof *a);
+    *out = a;
+    if (!a)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    const int32_t K = req->n_docs;
+    *a = (fitm_attention){.ps = ps, .req = req, .res = res, .t0 = fitm_clock_ms(), .step = -1};
+    a->starts = malloc((size_t)(K + 1) * sizeof *a->starts);
+    a->buf = calloc((size_t)K * 4, sizeof *a->buf);
+    a->sc.position = calloc((size_t)K, sizeof *a->sc.position);
+    fitm_status st = a->starts && a->buf && a->sc.position
+                         ? make_plan(ps->s, req, &a->pl, &res->meta, err)
+                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st != FITM_OK)
+        return st;
+    double *buf = a->buf;
+    a->sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
+                     .position = a->sc.position};
+    a->G = fitm_score_groups(K, a->pl.o.window, a->starts);
+    ps->n_layers = ps->all_layers ? 0 : a->pl.n_layers; /* no pass reads a later layer */
+    res->meta.n_groups = a->G;
+    if (req->return_tokens && !(res->groups = calloc((size_t)a->G, sizeof *res->groups)))
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    res->n_groups = res->groups ? a->G : 0;
+    return st;
+}
+
+fitm_status fitm_attention_next(fitm_attention *a, const fitm_pass **pass, fitm_err *err)
+{
+    *pass = NULL;
+    fitm_status st = FITM_OK;
+    while (st == FITM_OK && a->g < a->G) {
+        const int32_t n = a->gp.n;
+        if (a->step < 0) {
+            st = window_begin(a, err);
+        } else if (a->step > n + 1) {
+            window_end(a);
+        } else if (pass_planned(&a->pl, a->step, n)) {
+            st = prepare_pass(a, err);
+            *pass = st == FITM_OK ? &a->cur.pass : NULL;
+            return st;
+        } else {
+            a->step++;
+        }
+    }
+    if (st == FITM_OK && !a->finished) {
+        a->finished = true;
+        st = finish(&a->pl, &a->sc, a->req->n_docs, a->res, err);
+    }
+    return st;
+}
+
+void fitm_attention_ran(fitm_attention *a)
+{
+    attend_collect(a->ps->s, &a->pl, &a->cur);
+    a->step++;
+}
+
+fitm_status fitm_attention_end(fitm_attention *a, fitm_status st)
+{
+    if (!a)
+        return st;
+    fitm_rerank_result *res = a->res;
+    a->ps->n_layers = 0;
+    res->usage = (fitm_rerank_usage){.prompt_tokens = a->sc.T_max,
+                                     .forward_tokens = a->sc.forward,
+                                     .total_tokens = a->sc.T_max};
+    res->meta.tokenize_ms = a->sc.tok_ms;
+    res->meta.forward_ms = fitm_clock_ms() - a->t0 - a->sc.tok_ms;
+    window_free(a);
+    fitm_score_opts_free(&a->pl.o);
+    free(a->pl.pair);
+    free(a->pl.own_dummy.v);
+    free(a->starts);
+    free(a->buf);
+    free(a->sc.position);
+    free(a->sc.held.v);
+    free(a);
+    return st;
+}
+
 fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_err *err)
 {
-    const fitm_session *r = ps->s;
-    const double t0 = fitm_clock_ms();
-    const int32_t K = req->n_docs;
-    plan pl = {0};
-    scores sc = {0};
-    int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
-    double *buf = calloc((size_t)K * 4, sizeof *buf);
-    sc.position = calloc((size_t)K, sizeof *sc.position);
-    fitm_status st = starts && buf && sc.position
-                         ? make_plan(r, req, &pl, &res->meta, err)
-                         : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    if (st == FITM_OK) {
-        sc = (scores){.A = buf, .A_ref = buf + K, .rel = buf + 2 * K, .scaled = buf + 3 * K,
-                      .position = sc.position};
-        int32_t G = fitm_score_groups(K, pl.o.window, starts);
-        ps->n_layers = ps->all_layers ? 0 : pl.n_layers; /* no pass reads a later layer */
-        res->meta.n_groups = G;
-        if (req->return_tokens && !(res->groups = calloc((size_t)G, sizeof *res->groups)))
-            st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        res->n_groups = res->groups ? G : 0;
-        for (int32_t g = 0; st == FITM_OK && g < G; g++)
-            st = score_group(ps, req, &pl, starts[g], starts[g + 1] - starts[g], &sc,
-                             res->groups ? &res->groups[g] : NULL, err);
-    }
-    ps->n_layers = 0;
-    if (st == FITM_OK)
-        st = finish(&pl, &sc, K, res, err);
-    res->usage = (fitm_rerank_usage){.prompt_tokens = sc.T_max, .forward_tokens = sc.forward,
-                                     .total_tokens = sc.T_max};
-    res->meta.tokenize_ms = sc.tok_ms;
-    res->meta.forward_ms = fitm_clock_ms() - t0 - sc.tok_ms;
-    fitm_score_opts_free(&pl.o);
-    free(pl.pair);
-    free(pl.own_dummy.v);
-    free(starts);
-    free(buf);
-    free(sc.position);
-    free(sc.held.v);
-    return st;
+    fitm_attention *a = NULL;
+    const fitm_pass *pass = NULL;
+    fitm_status st = fitm_attention_start(ps, req, res, &a, err);
+    while (st == FITM_OK && (st = fitm_attention_next(a, &pass, err)) == FITM_OK && pass)
+        if ((st = fitm_passes_run_pass(ps, pass, err)) == FITM_OK)
+            fitm_attention_ran(a);
+    return fitm_attention_end(a, st);
 }
 
 /* ---- cost -------------------------------------------------------------------------------- */

@@ -8,11 +8,32 @@
 
 #include "pipeline/session_internal.h"
 
-/* Runs req's method with its passes ps into res (zeroed, meta.method set by the caller). */
-fitm_status fitm_rerank_run_passes(fitm_passes *ps, const fitm_rerank_request *req,
-                                   fitm_rerank_result *res, fitm_err *err);
+/* The attention methods (rerank_attn.c), run as a state machine over each window's plan of
+ * passes (its main pass, its dummy passes, its null pass): fitm_attention_start plans the
+ * options; fitm_attention_next readies the next pass of the plan (planning a window when it
+ * starts, calibrating it when its passes are done, making the result after the last), which
+ * its owner runs -- here (fitm_passes_run_pass), or in the engine's batch steps -- and reports
+ * with fitm_attention_ran; fitm_attention_end fills res's usage and timings and frees. */
+typedef struct fitm_attention fitm_attention;
 
-/* The attention methods (rerank_attn.c). */
+/* Starts req's attention method on the passes ps into res (zeroed, meta.method set by the
+ * caller). *out is set even on failure (NULL when out of memory) and goes to
+ * fitm_attention_end. */
+fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req,
+                                 fitm_rerank_result *res, fitm_attention **out, fitm_err *err);
+
+/* The next pass to run (*pass, valid until fitm_attention_ran), or *pass NULL once the result
+ * is made. The pass's cache is readied for it (rebased or cut at its start). */
+fitm_status fitm_attention_next(fitm_attention *a, const fitm_pass **pass, fitm_err *err);
+
+/* The pass fitm_attention_next handed out has run: its capture is read. */
+void fitm_attention_ran(fitm_attention *a);
+
+/* Ends the run with status st (returned): res's usage and timings, a's memory freed. a may be
+ * NULL. */
+fitm_status fitm_attention_end(fitm_attention *a, fitm_status st);
+
+/* The whole run, its passes run here one after another through the same state machine. */
 fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_err *err);
 

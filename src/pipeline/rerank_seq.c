@@ -1,86 +1,57 @@
 /* rerank_seq: a /rerank of an attention method as a sequence of the engine's running batch
- * (see rerank.h). The method's code runs unchanged on a helper thread with passes whose sink
- * is this sequence: each pass it asks for is posted here and the helper waits; the engine's
- * steps carry the pass's chunks (fitm_rerank_seq_part) and, once it is complete, let the
- * helper run on to its next pass or its end (fitm_rerank_seq_after). The helper runs only
- * while the engine's thread waits for it, so one thread computes at a time. */
+ * (see rerank.h). The sequence holds the method's state machine (fitm_attention: the window,
+ * the pass of its plan, what the passes so far captured) and the pass it has posted: the
+ * engine's steps carry the pass's chunks (fitm_rerank_seq_part) and, once it is complete,
+ * fitm_rerank_seq_after hands the capture to the method and readies its next pass, or ends
+ * the run after the last. Everything runs on the engine's thread. */
 #include "pipeline/rerank_methods.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum {
-    SEQ_HOST,     /* the helper thread runs the method's host side */
-    SEQ_POSTED,   /* it waits for the posted pass */
-    SEQ_FINISHED, /* the method returned: run_st, run_err */
-} seq_phase;
-
 struct fitm_rerank_seq {
     fitm_session *s;
-    fitm_kv *kv, *branch; /* the request's own caches */
-    fitm_passes passes;   /* the request's passes: on kv and branch, sunk here */
-    const fitm_rerank_request *req;
+    fitm_kv *kv, *branch;  /* the request's own caches */
+    fitm_passes passes;    /* the request's passes: on kv and branch */
+    fitm_attention *run;   /* the method between two passes; NULL once it ended */
+    const fitm_pass *pass; /* the posted pass (the run's), while it runs */
+    int64_t done_rows;     /* how far the posted pass got */
     bool (*stop)(const void *);
     const void *stop_arg;
-    fitm_rerank_result *res;
-    pthread_t thread;
-    bool started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    seq_phase phase;     /* under mu: who runs */
-    fitm_pass pass;      /* the posted pass */
-    int64_t done_rows;   /* how far it got */
-    fitm_status pass_st; /* what the pass ended with, for the helper thread */
-    fitm_err pass_err;
     fitm_capture part_cap; /* this step's part */
     fitm_forward_opts part_opts;
-    fitm_status run_st; /* the method's status, when FINISHED */
+    fitm_status run_st; /* the method's status, once it ended */
     fitm_err run_err;
 };
 
-/* The passes' sink, on the helper thread: posts the pass, waits until the steps have run it. */
-static fitm_status post_pass(void *arg, const fitm_pass *pass, fitm_err *err)
+static fitm_status stopped(fitm_err *err)
 {
-    fitm_rerank_seq *q = arg;
-    pthread_mutex_lock(&q->mu);
-    q->pass = *pass;
-    q->done_rows = 0;
-    q->phase = SEQ_POSTED;
-    pthread_cond_broadcast(&q->cv);
-    while (q->phase == SEQ_POSTED)
-        pthread_cond_wait(&q->cv, &q->mu);
-    fitm_status st = q->pass_st;
+    return fitm_err_set(err, FITM_ERR_TIMEOUT,
+                        "stopped: the request's deadline passed or the server is shutting down");
+}
+
+/* Ends the method's run with st (err: its message when st is not FITM_OK). */
+static void run_end(fitm_rerank_seq *q, fitm_status st, const fitm_err *err)
+{
+    q->run_st = fitm_attention_end(q->run, st);
     if (st != FITM_OK)
-        *err = q->pass_err;
-    pthread_mutex_unlock(&q->mu);
-    return st;
+        q->run_err = *err;
+    q->run = NULL;
+    q->pass = NULL;
 }
 
-/* The helper thread: the method, start to end, its passes sunk into the sequence. */
-static void *seq_main(void *arg)
+/* Runs the method's host side up to its next pass with rows to compute (posted) or its end;
+ * a pass without rows is done as soon as it is planned. */
+static void advance(fitm_rerank_seq *q)
 {
-    fitm_rerank_seq *q = arg;
     fitm_err err = {{0}};
-    fitm_rerank_result *res = q->res;
-    memset(res, 0, sizeof *res);
-    fitm_score_opts_init(&res->meta.opts);
-    res->meta.method = q->req->method;
-    fitm_status st = fitm_rerank_run_passes(&q->passes, q->req, res, &err);
-    pthread_mutex_lock(&q->mu);
-    q->run_st = st;
-    q->run_err = err;
-    q->phase = SEQ_FINISHED;
-    pthread_cond_broadcast(&q->cv);
-    pthread_mutex_unlock(&q->mu);
-    return NULL;
-}
-
-/* The caller's side: waits while the helper thread runs its host side (mu held). */
-static void seq_wait_host(fitm_rerank_seq *q)
-{
-    while (q->phase == SEQ_HOST)
-        pthread_cond_wait(&q->cv, &q->mu);
+    fitm_status st;
+    while ((st = fitm_attention_next(q->run, &q->pass, &err)) == FITM_OK && q->pass &&
+           q->pass->n < 1)
+        fitm_attention_ran(q->run);
+    q->done_rows = 0;
+    if (st != FITM_OK || !q->pass)
+        run_end(q, st, &err);
 }
 
 bool fitm_rerank_batches(const fitm_rerank_request *req)
@@ -91,30 +62,20 @@ bool fitm_rerank_batches(const fitm_rerank_request *req)
 
 static void seq_free(fitm_rerank_seq *q)
 {
+    fitm_attention_end(q->run, FITM_OK);
     fitm_kv_destroy(q->kv);
     fitm_kv_destroy(q->branch);
-    pthread_cond_destroy(&q->cv);
-    pthread_mutex_destroy(&q->mu);
     free(q);
 }
 
-/* A sequence for req with its lock, and its caches of rows rows (a pass per bucket when the
- * request runs attention_buckets). */
+/* A sequence for req with its caches of rows rows (a pass per bucket when the request runs
+ * attention_buckets). */
 static fitm_status seq_create(fitm_session *s, const fitm_rerank_request *req, int64_t rows,
                               fitm_rerank_seq **out, fitm_err *err)
 {
     fitm_rerank_seq *q = calloc(1, sizeof *q);
     if (!q)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    if (pthread_mutex_init(&q->mu, NULL)) {
-        free(q);
-        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create a lock");
-    }
-    if (pthread_cond_init(&q->cv, NULL)) {
-        pthread_mutex_destroy(&q->mu);
-        free(q);
-        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot create a condition");
-    }
     *out = q;
     q->s = s;
     const fitm_position_method m =
@@ -131,6 +92,8 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
 {
     *out = NULL;
     memset(res, 0, sizeof *res);
+    fitm_score_opts_init(&res->meta.opts);
+    res->meta.method = req->method;
     if (!fitm_rerank_batches(req))
         return fitm_err_set(err, FITM_ERR_INTERNAL, "method %s does not run as a sequence",
                             fitm_rerank_method_name(req->method));
@@ -139,33 +102,21 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
     fitm_status st = fitm_attention_rows(s, req, &rows, err);
     if (st == FITM_OK)
         st = seq_create(s, req, rows, &q, err);
+    /* A position method the request may not use fails here, as a whole run's would. */
+    if (st == FITM_OK &&
+        (st = fitm_passes_init(&q->passes, s, req, q->kv, q->branch, err)) == FITM_OK) {
+        res->meta.position = q->passes.position;
+        st = fitm_attention_start(&q->passes, req, res, &q->run, err);
+    }
     if (st != FITM_OK) {
         if (q)
             seq_free(q);
         return st;
     }
-    q->req = req;
     q->stop = stop;
     q->stop_arg = stop_arg;
-    q->res = res;
-    q->phase = SEQ_HOST;
-    /* A position method the request may not use fails here, as a whole run's would. */
-    if ((st = fitm_passes_init(&q->passes, s, req, q->kv, q->branch, err)) != FITM_OK) {
-        seq_free(q);
-        return st;
-    }
-    q->passes.sink = post_pass;
-    q->passes.sink_arg = q;
-    if (pthread_create(&q->thread, NULL, seq_main, q)) {
-        seq_free(q);
-        return fitm_err_set(err, FITM_ERR_INTERNAL, "cannot start a rerank thread");
-    }
-    q->started = true;
-    pthread_mutex_lock(&q->mu);
-    seq_wait_host(q);
-    bool finished = q->phase == SEQ_FINISHED;
-    pthread_mutex_unlock(&q->mu);
-    if (finished)
+    advance(q);
+    if (!q->run)
         return fitm_rerank_end(q, err);
     *out = q;
     return FITM_OK;
@@ -173,7 +124,7 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
 
 void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *part)
 {
-    const fitm_pass *p = &q->pass;
+    const fitm_pass *p = q->pass;
     const int64_t left = p->n - q->done_rows;
     int64_t T = left;
     if (left > budget) /* the logit rows stay in the pass's last call */
@@ -196,21 +147,13 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *
 void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const fitm_err *err,
                            bool *done)
 {
-    pthread_mutex_lock(&q->mu);
-    *done = q->phase == SEQ_FINISHED;
-    if (q->phase == SEQ_POSTED) {
-        q->done_rows += st == FITM_OK ? T : 0;
-        if (st != FITM_OK || q->done_rows >= q->pass.n) {
-            q->pass_st = st;
-            if (st != FITM_OK)
-                q->pass_err = *err;
-            q->phase = SEQ_HOST;
-            pthread_cond_broadcast(&q->cv);
-            seq_wait_host(q);
-            *done = q->phase == SEQ_FINISHED;
-        }
+    if (q->run && st != FITM_OK) {
+        run_end(q, st, err);
+    } else if (q->run && (q->done_rows += T) >= q->pass->n) {
+        fitm_attention_ran(q->run);
+        advance(q);
     }
-    pthread_mutex_unlock(&q->mu);
+    *done = q->run == NULL;
 }
 
 bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q)
@@ -220,21 +163,9 @@ bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q)
 
 fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err)
 {
-    if (q->started) {
-        pthread_mutex_lock(&q->mu);
-        /* A sequence ended early (shutdown) unwinds its helper thread first. */
-        while (q->phase != SEQ_FINISHED) {
-            if (q->phase == SEQ_POSTED) {
-                q->pass_st = fitm_err_set(&q->pass_err, FITM_ERR_TIMEOUT,
-                                          "stopped: the request's deadline passed or the server "
-                                          "is shutting down");
-                q->phase = SEQ_HOST;
-                pthread_cond_broadcast(&q->cv);
-            }
-            seq_wait_host(q);
-        }
-        pthread_mutex_unlock(&q->mu);
-        pthread_join(q->thread, NULL);
+    if (q->run) { /* a sequence ended early (shutdown) */
+        fitm_err e;
+        run_end(q, stopped(&e), &e);
     }
     fitm_status st = q->run_st;
     if (st != FITM_OK)

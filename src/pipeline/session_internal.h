@@ -143,9 +143,6 @@ typedef struct {
     fitm_position_method position;
 } fitm_pass;
 
-/* Hands a pass to whoever runs it (a sequence in the engine's batch) and returns once it ran. */
-typedef fitm_status (*fitm_pass_sink)(void *arg, const fitm_pass *pass, fitm_err *err);
-
 /* A request's passes: where they run and how, built for each request (fitm_rerank_run, or a
  * sequence of the batch) and passed down to the method; nothing of it is written on the
  * session. */
@@ -157,9 +154,7 @@ typedef struct {
     /* > 0 while an attention method runs: the passes without logits stop after this many
      * layers (every layer it reads: fitm_layers_last); 0: every layer. */
     int32_t n_layers;
-    bool all_layers;     /* an answer continues the rows: every pass runs every layer */
-    fitm_pass_sink sink; /* NULL: run each pass here, in chunks; else hand it over */
-    void *sink_arg;
+    bool all_layers;   /* an answer continues the rows: every pass runs every layer */
     fitm_stop_fn stop; /* polled between forward calls (NULL: never) */
     const void *stop_arg;
 } fitm_passes;
@@ -170,11 +165,19 @@ typedef struct {
 fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank_request *req,
                              fitm_kv *kv, fitm_kv *branch, fitm_err *err);
 
-/* Runs ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL): in chunks
- * here, or handed to ps->sink. cap (may be NULL) lists rows in ascending order; each chunk
- * captures the rows it holds (span_mass and probs offset accordingly). n_logits logit rows of
- * the last chunk go to the session's logits. Without logits, only layers [0, ps->n_layers)
- * when that is set. */
+/* The pass of ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) for
+ * ps: cap (may be NULL) lists rows in ascending order; n_logits logit rows at the end; without
+ * logits, only layers [0, ps->n_layers) when that is set. */
+fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
+                           const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
+                           int64_t n_logits);
+
+/* Runs pass p here, in chunks on the session's forward: each chunk captures the rows it holds
+ * (span_mass and probs offset accordingly); the logit rows of the last chunk go to the
+ * session's logits. */
+fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *err);
+
+/* fitm_passes_run_pass of fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, n_logits). */
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                             int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
                             fitm_err *err);
