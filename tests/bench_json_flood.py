@@ -11,9 +11,7 @@ earlier commit) on the same model, same run. Asserts nothing about speed.
 import argparse
 import http.client
 import json
-import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,31 +19,9 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from bench_http_path import start  # noqa: E402  (a fitmd on a free port, once healthy)
 SMALL = json.dumps({"query": "what is golf", "documents": ["golf is a sport", "a fox"]})
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(binary, model):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
-    proc = subprocess.Popen([binary, f"--model={model}", "--host=127.0.0.1", f"--port={port}",
-                             "--log_level=warn"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if get(port, "GET", "/health")[0] == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    sys.exit(f"{binary} did not become healthy")
 
 
 def get(port, method, path, body=None, timeout=300):
