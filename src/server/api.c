@@ -282,7 +282,8 @@ static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_
     static const char *const names[] = {"rows",         "heads",      "aggregate",
                                         "skip_first",   "reference",  "dummy_source",
                                         "form",         "head_query", "sink_factor",
-                                        "window",       "score_scale", "score_bias"};
+                                        "window",       "score_scale", "score_bias",
+                                        "fuse_weight"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
         if (!it || cJSON_IsNull(it))
@@ -441,7 +442,7 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
                                 "'model' = '%.100s': this server serves '%.100s'", out->model,
                                 lim->model_name);
     }
-    out->method = FITM_RERANK_CALIBRATED;
+    out->method = (fitm_rerank_method)lim->default_method;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "method")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsString(it))
             return fitm_err_set(err, FITM_ERR_INVALID, "'method' must be a string");
@@ -449,7 +450,7 @@ static fitm_status parse_rerank_object(const cJSON *root, const fitm_api_limits 
         if (m < 0)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'method' = '%.100s': must be one of calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance, paper",
+                                "attention_sort, query_likelihood, relevance, paper, fused",
                                 it->valuestring);
         out->method = (fitm_rerank_method)m;
     }
@@ -922,6 +923,9 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
          !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
          (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
         goto done;
+    if (res->meta.method == FITM_RERANK_FUSED &&
+        !cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight))
+        goto done;
     if (req->return_tokens && res->n_groups > 0 && !add_tokens(root, res))
         goto done;
     out = cJSON_PrintUnformatted(root);
@@ -1120,7 +1124,7 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
         if (m == -1)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'reorder' must be one of none, calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance, paper");
+                                "attention_sort, query_likelihood, relevance, paper, fused");
         out->reorder = m < 0 ? -1 : m;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder_placement")) && !cJSON_IsNull(it)) {

@@ -388,6 +388,8 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return st;
     snprintf(dm->info->arch, sizeof dm->info->arch, "%s", fitm_arch_name(mc->arch));
     dm->info->n_ctx = n_ctx;
+    dm->info->rerank_method = answer.rerank_method >= 0 ? answer.rerank_method
+                                                        : FITM_RERANK_CALIBRATED;
     FITM_LOG(FITM_LOG_INFO, NULL,
              "model loaded: %s (%s, L %d, C %d, V %d), context %lld, template %s, profile %s, "
              "%s, in %.0f ms",
