@@ -416,7 +416,7 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
         out += ["An answer counts when it contains the gold answer string (case-insensitive); "
                 f"greedy, max_tokens {r0['max_tokens']}.", ""]
     out += ["Methods and modes (request fields as sent):", ""]
-    out += [f"- `{label}`: `{json.dumps(fields)}`" if fields or answer_mode else
+    out += [f"- `{label}`: `{json.dumps(fields)}`" if fields or answer_mode or label != "bm25" else
             f"- `{label}`: BM25 (k1 1.2, b 0.75, the request's K documents as the collection), "
             "computed by the tool" for label, fields in specs]
     for variant in variants:
