@@ -5,12 +5,13 @@
  *   QL_k   = ln(query_likelihood's relevance_score_k)   mean log-probability of the question
  *   z_k    = (rel_k - mean rel) / sd rel over the K documents (0 when sd = 0), rel the
  *            calibrated method's calibrated_attention
- *   score_k = QL_k + fuse_weight x z_k                   relevance_score = exp(score_k)
+ *   score_k = QL_k + fuse_weight x z_k                   relevance_score = raw_score = score_k
  *
  * A document query likelihood ranks well below another cannot be lifted over it by attention
  * alone (z moves a score by at most fuse_weight x sqrt(K - 1)), while attention orders the
  * documents whose question likelihoods are close. Each result keeps the calibrated run's
- * attention fields and weight; raw_score is score_k. */
+ * attention fields and weight. The score stays on the log scale: its exp would overflow for a
+ * large weight. */
 #include "pipeline/rerank_methods.h"
 
 #include <math.h>
@@ -66,8 +67,7 @@ fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
         for (int32_t i = 0; i < K; i++) {
             fitm_rerank_doc_result *d = &res->results[i];
             double z = sd > 0 ? (d->calibrated_attention - mean) / sd : 0;
-            d->raw_score = ql[d->index] + w * z;
-            d->relevance_score = exp(d->raw_score);
+            d->relevance_score = d->raw_score = ql[d->index] + w * z;
         }
         fitm_results_sort(res->results, K);
         res->usage.forward_tokens += qr.usage.forward_tokens;
