@@ -308,12 +308,15 @@ def parse_answer(text: str) -> dict:
     return answer
 
 
-def answer_lines(answer: dict) -> list:
-    """A profile's /answer defaults (answer_<key> = value), from parse_answer's dict."""
+def answer_lines(answer: dict, reorder_follows: bool = False) -> list:
+    """A profile's /answer defaults (answer_<key> = value), from parse_answer's dict;
+    reorder_follows: the reorder was set to rerank_method after that choice."""
     if not answer:
         return []
     lines = ["", "# /answer defaults for requests that leave them out (the request fields of "
                  "the same names, chosen with tests/quality/quality.py --answer on the dev split)"]
+    if reorder_follows:
+        lines.append("# answer_reorder: since chosen, rerank_method's, the default ranking")
     for k in ANSWER_KEYS:
         if k in answer:
             v = answer[k]
@@ -351,7 +354,7 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
                   f"fuse_weight = {fmt_value(float(chosen['fuse_weight']))}"]
         if "answer_reorder" in chosen:
             answer = {**(answer or {}), "reorder": chosen["answer_reorder"]}
-    lines += answer_lines(answer)
+    lines += answer_lines(answer, bool(chosen and "answer_reorder" in chosen))
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 

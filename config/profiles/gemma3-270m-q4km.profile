@@ -34,6 +34,7 @@ rerank_method = fused
 fuse_weight = 0.1
 
 # /answer defaults for requests that leave them out (the request fields of the same names, chosen with tests/quality/quality.py --answer on the dev split)
+# answer_reorder: since chosen, rerank_method's, the default ranking
 answer_calibrate = false
 answer_reorder = fused
 answer_reorder_placement = last
