@@ -252,8 +252,8 @@ README_QUERY = "What is the capital of Zorvania?"
 def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # noqa: F811
     """The shipped profile fits the default model, and a bare fitmd on that model (no
     --profile, no file beside it: README's users) picks it from the binary; README's examples:
-    the rerank ranks the Miltrek document first and /answer names Miltrek, at most 2.2 passes'
-    cost."""
+    the rerank ranks the Miltrek document first and /answer names Miltrek; the default method is
+    the profile's `fused`, which costs exactly its two components' passes."""
     kw = {"profile": profile} if profile else {}
     d = Daemon(fitmd_bin, GEMMA, tmp_path, **kw)
     try:
@@ -262,15 +262,88 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         want = str(SHIPPED) if profile else "built-in gemma3-270m-q4km.profile"
         assert j["meta"]["profile"] == want
         assert j["results"][0]["index"] == 2, j["results"]
-        T = len(j["tokens"]["prompt"])
-        assert j["usage"]["forward_tokens"] <= 2.2 * T
+        assert (j["meta"]["method"], j["meta"]["fuse_weight"]) == ("fused", 0.1)
+        parts = [post(d, {"query": README_QUERY, "documents": README_DOCS, **m}).json()
+                 for m in ({"method": "query_likelihood"}, {"method": "calibrated"})]
+        assert j["usage"]["forward_tokens"] == sum(p["usage"]["forward_tokens"] for p in parts)
         a = post(d, {"query": README_QUERY, "documents": README_DOCS, "max_tokens": 32,
                      "stop": ["\n"]}, "/answer").json()
         assert "Miltrek" in a["answer"], a
-        # The profile's /answer recipe (docs/scoring-profile.md): the documents in calibrated
-        # order, the most relevant last, no intervention.
+        # The profile's /answer recipe (docs/scoring-profile.md): the documents in the default
+        # method's order, the most relevant last, no intervention.
         assert (a["meta"]["reorder"], a["meta"]["reorder_placement"], a["meta"]["calibrate"]) \
-            == ("calibrated", "last", False)
+            == ("fused", "last", False)
         assert a["documents"][2]["position"] == 2
     finally:
         assert d.terminate() == 0
+
+
+def fused_reference(ql: list, cal: list, w: float) -> dict:
+    """Method fused's scores by index from its two components' separate responses:
+    ln(query_likelihood's relevance_score) + w x the z-score of calibrated_attention over K."""
+    q = {x["index"]: math.log(x["relevance_score"]) for x in ql}
+    a = {x["index"]: x["calibrated_attention"] for x in cal}
+    mean = sum(a.values()) / len(a)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in a.values()) / len(a))
+    return {i: q[i] + w * ((a[i] - mean) / sd if sd > 0 else 0.0) for i in q}
+
+
+@pytest.mark.parametrize("w", [0.0, 0.1, 0.7, 1e6])
+def test_fused_is_query_likelihood_plus_weighted_attention(daemon, w):
+    body = {"query": "which sport uses a club", "documents": docs(7, 23) + ["golf uses a club"]}
+    ql = post(daemon, {**body, "method": "query_likelihood"}).json()
+    cal = post(daemon, {**body, "method": "calibrated", "window": 1}).json()
+    j = post(daemon, {**body, "method": "fused", "fuse_weight": w}).json()
+    ref = fused_reference(ql["results"], cal["results"], w)
+    got = {x["index"]: x for x in j["results"]}
+    assert set(got) == set(ref)
+    for i, s in ref.items():
+        assert math.isclose(got[i]["relevance_score"], s, rel_tol=1e-9, abs_tol=1e-9)
+    cal_by = {x["index"]: x for x in cal["results"]}
+    for i, x in got.items():  # the calibrated run's fields are kept
+        assert math.isclose(x["calibrated_attention"], cal_by[i]["calibrated_attention"],
+                            rel_tol=1e-12, abs_tol=1e-15)
+    order = [x["index"] for x in j["results"]]
+    assert order == sorted(ref, key=lambda i: (-ref[i], i))
+    assert j["usage"]["forward_tokens"] == \
+        ql["usage"]["forward_tokens"] + cal["usage"]["forward_tokens"]
+    assert (j["meta"]["method"], j["meta"]["fuse_weight"], j["meta"]["window"]) == ("fused", w, 1)
+
+
+def test_fused_does_not_depend_on_the_order(daemon):
+    d = docs(5, 31) + ["golf uses a club"]
+    a = post(daemon, {"query": "which sport uses a club", "documents": d, "method": "fused"})
+    b = post(daemon, {"query": "which sport uses a club", "documents": d[::-1],
+                      "method": "fused"})
+    sa = {x["index"]: x["relevance_score"] for x in a.json()["results"]}
+    sb = {len(d) - 1 - x["index"]: x["relevance_score"] for x in b.json()["results"]}
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert math.isclose(sa[i], sb[i], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-0.5, "much"])
+def test_fused_bad_weight(daemon, bad):
+    r = post(daemon, {"query": "q", "documents": ["a", "b"], "method": "fused",
+                      "fuse_weight": bad})
+    assert_error(r, 400, mentions="'fuse_weight'")
+
+
+def test_rerank_method_default_from_config_and_profile(fitmd_bin, models, tmp_path):  # noqa: F811
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--rerank_method=best")
+    assert rc != 0 and "rerank_method = 'best'" in out and "fused" in out, out
+    prof = tmp_path / "p.profile"
+    write_profile(prof, {**identity(models["small"]), "fitted_on": "a test set",
+                         "fitted_metrics": "none", "rerank_method": "query_likelihood"})
+    body = {"query": "what is golf", "documents": docs(3, 6)}
+    for flags, want in (({"profile": prof}, "query_likelihood"),
+                        ({"profile": prof, "rerank_method": "fused"}, "fused")):
+        d = Daemon(fitmd_bin, models["small"], tmp_path, **flags)
+        try:
+            assert post(d, body).json()["meta"]["method"] == want
+            assert post(d, {**body, "method": "calibrated"}).json()["meta"]["method"] == \
+                "calibrated"
+            r = post(d, {"text_1": "what is golf", "text_2": ["golf", "tea"]}, "/v1/score")
+            assert r.status_code == 200, r.text
+        finally:
+            assert d.terminate() == 0

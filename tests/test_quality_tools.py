@@ -189,10 +189,12 @@ def test_shipped_profile_is_what_the_writer_writes(tmp_path):
     out = tmp_path / "p.profile"
     fit_profile.write_profile(out, ident, {k: kv[k] for k in ("fitted_on", "fitted_metrics")},
                               opts, heads, float(kv["score_scale"]), float(kv["score_bias"]),
-                              answer)
+                              answer, {k: kv[k] for k in ("rerank_method", "fuse_weight",
+                                                          "answer_reorder")})
     assert out.read_text() == shipped.read_text()
     assert (kv["answer_reorder"], kv["answer_reorder_placement"], kv["answer_calibrate"]) == \
-        ("calibrated", "last", "false")
+        ("fused", "last", "false")
+    assert (kv["rerank_method"], kv["fuse_weight"]) == ("fused", "0.1")
     with pytest.raises(SystemExit, match="unknown field"):
         fit_profile.parse_answer('{"reorder": "calibrated", "stream": true}')
 

@@ -308,12 +308,15 @@ def parse_answer(text: str) -> dict:
     return answer
 
 
-def answer_lines(answer: dict) -> list:
-    """A profile's /answer defaults (answer_<key> = value), from parse_answer's dict."""
+def answer_lines(answer: dict, reorder_follows: bool = False) -> list:
+    """A profile's /answer defaults (answer_<key> = value), from parse_answer's dict;
+    reorder_follows: the reorder was set to rerank_method after that choice."""
     if not answer:
         return []
     lines = ["", "# /answer defaults for requests that leave them out (the request fields of "
                  "the same names, chosen with tests/quality/quality.py --answer on the dev split)"]
+    if reorder_follows:
+        lines.append("# answer_reorder: since chosen, rerank_method's, the default ranking")
     for k in ANSWER_KEYS:
         if k in answer:
             v = answer[k]
@@ -322,7 +325,10 @@ def answer_lines(answer: dict) -> list:
 
 
 def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads: list,
-                  scale: float, bias: float, answer: dict = None):
+                  scale: float, bias: float, answer: dict = None, chosen: dict = None):
+    """chosen: what was chosen after the fit, on the dev splits with tests/quality/quality.py
+    (docs/rerank-results.md): rerank_method (/rerank's method for requests that name none),
+    fuse_weight (method fused's w) and answer_reorder (/answer's reorder, over the fit's)."""
     n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]
@@ -341,7 +347,14 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
               f"score_scale = {scale:.6g}", f"score_bias = {bias:.6g}"]
     if "temperature" in opts:  # weight = softmax(rel_scaled / temperature), for /answer
         lines.append(f"temperature = {fmt_value(float(opts['temperature']))}")
-    lines += answer_lines(answer)
+    if chosen:
+        lines += ["", "# /rerank's method for requests that name none, and fused's weight (chosen on the trap,",
+                  "# plain and hard dev splits with tests/quality/quality.py's fuse mode, docs/rerank-results.md)",
+                  f"rerank_method = {chosen['rerank_method']}",
+                  f"fuse_weight = {fmt_value(float(chosen['fuse_weight']))}"]
+        if "answer_reorder" in chosen:
+            answer = {**(answer or {}), "reorder": chosen["answer_reorder"]}
+    lines += answer_lines(answer, bool(chosen and "answer_reorder" in chosen))
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -427,7 +440,8 @@ def daemon_fit(a) -> int:
     print(f"{len(items)} items: score_scale {scale:.6g}, score_bias {bias:.6g}")
     print(cells_md(metrics))
     if a.out:
-        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias, a.answer)
+        write_profile(pathlib.Path(a.out), ident, prov, opts, heads, scale, bias, a.answer,
+                      json.loads(a.chosen) if a.chosen else None)
         print(f"wrote {a.out}")
     return 0
 
@@ -471,6 +485,9 @@ def main() -> int:
     ap.add_argument("--answer", metavar="JSON",
                     help="/answer defaults to write into the profile, as /answer request "
                          "fields: calibrate, reorder, reorder_placement")
+    ap.add_argument("--chosen", metavar="JSON",
+                    help="choices made after the fit to write into the profile: rerank_method, "
+                         "fuse_weight, answer_reorder (over --answer's reorder)")
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)
@@ -554,7 +571,7 @@ def main() -> int:
                              f"numpy oracle float32; {cmd}",
                 "fitted_metrics": f"{a.split}: " + cells_md(ev["cells"])}
         write_profile(pathlib.Path(a.out), identity(a.model), prov, best, heads, scale, bias,
-                      a.answer)
+                      a.answer, json.loads(a.chosen) if a.chosen else None)
         print(f"wrote {a.out}")
     return 0
 

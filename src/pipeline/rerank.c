@@ -1,6 +1,6 @@
 /* rerank: POST /rerank's pipeline (see rerank.h): the request and result, the prompt frames
  * and answer template every method and /answer build on, and the dispatch of a request to
- * its method (rerank_attn.c, rerank_sort.c, rerank_per_doc.c) with its passes on the
+ * its method (rerank_attn.c, rerank_sort.c, rerank_per_doc.c, rerank_fused.c) with its passes on the
  * session's own caches, or its cost. */
 #include "pipeline/rerank_methods.h"
 
@@ -79,6 +79,8 @@ static fitm_status run_passes(fitm_passes *ps, const fitm_rerank_request *req,
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
         return fitm_per_doc_run(ps, req, res, err);
+    case FITM_RERANK_FUSED:
+        return fitm_fused_run(ps, req, res, err);
     case FITM_RERANK_METHOD_COUNT:
         break;
     }
@@ -115,6 +117,8 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
         return fitm_per_doc_cost(s, req, tokens, err);
+    case FITM_RERANK_FUSED:
+        return fitm_fused_cost(s, req, any_order, tokens, err);
     case FITM_RERANK_METHOD_COUNT:
         break;
     }

@@ -1,6 +1,7 @@
 /* rerank_methods: each rerank method's run and cost, for rerank.c's dispatch and the batch
  * sequence (rerank_seq.c). rerank_attn.c: calibrated, attention, paper; rerank_sort.c:
- * attention_sort; rerank_per_doc.c: query_likelihood, relevance. A run takes the request's
+ * attention_sort; rerank_per_doc.c: query_likelihood, relevance; rerank_fused.c: fused (the
+ * two before it combined). A run takes the request's
  * passes (fitm_passes: where they run) and fills the result; a cost reads only the session.
  * Not for other modules: they use rerank.h. */
 #ifndef FITM_RERANK_METHODS_H
@@ -60,5 +61,11 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
                              fitm_rerank_result *res, fitm_err *err);
 fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *tokens, fitm_err *err);
+
+/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c). */
+fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
+                           fitm_rerank_result *res, fitm_err *err);
+fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
+                            bool any_order, int64_t *tokens, fitm_err *err);
 
 #endif

@@ -43,6 +43,7 @@ static const key_def keys[] = {
     {"temperature", KEY_REAL, OFF(temperature), NULL, NULL, 1e-12, 1e6},
     {"score_scale", KEY_REAL, OFF(score_scale), NULL, NULL, -1e12, 1e12},
     {"score_bias", KEY_REAL, OFF(score_bias), NULL, NULL, -1e12, 1e12},
+    {"fuse_weight", KEY_REAL, OFF(fuse_weight), NULL, NULL, 0, 1e6},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
 
@@ -93,6 +94,7 @@ static const char *method_names[FITM_RERANK_METHOD_COUNT] = {
     [FITM_RERANK_QUERY_LIKELIHOOD] = "query_likelihood",
     [FITM_RERANK_RELEVANCE] = "relevance",
     [FITM_RERANK_PAPER] = "paper",
+    [FITM_RERANK_FUSED] = "fused",
 };
 
 const char *fitm_rerank_method_name(fitm_rerank_method m)
@@ -112,13 +114,14 @@ int fitm_rerank_method_parse(const char *s)
 
 void fitm_answer_defaults_init(fitm_answer_defaults *d)
 {
-    *d = (fitm_answer_defaults){FITM_ANSWER_UNSET, FITM_ANSWER_UNSET, FITM_ANSWER_UNSET};
+    *d = (fitm_answer_defaults){FITM_ANSWER_UNSET, FITM_ANSWER_UNSET, FITM_ANSWER_UNSET,
+                                FITM_ANSWER_UNSET};
 }
 
 bool fitm_answer_defaults_is_key(const char *name)
 {
     return !strcmp(name, "answer_calibrate") || !strcmp(name, "answer_reorder") ||
-           !strcmp(name, "answer_reorder_placement");
+           !strcmp(name, "answer_reorder_placement") || !strcmp(name, "rerank_method");
 }
 
 fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, const char *text,
@@ -127,6 +130,7 @@ fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, 
     int32_t *field = !strcmp(name, "answer_calibrate")           ? &d->calibrate
                      : !strcmp(name, "answer_reorder")           ? &d->reorder
                      : !strcmp(name, "answer_reorder_placement") ? &d->reorder_last
+                     : !strcmp(name, "rerank_method")            ? &d->rerank_method
                                                                  : NULL;
     if (!field)
         return fitm_err_set(err, FITM_ERR_NOT_FOUND, "'%.100s' is not an /answer default", name);
@@ -140,11 +144,16 @@ fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, 
     if (field == &d->calibrate) {
         v = !strcmp(text, "true") ? 1 : !strcmp(text, "false") ? 0 : BAD;
         choices = "true, false";
+    } else if (field == &d->rerank_method) {
+        int m = fitm_rerank_method_parse(text);
+        v = m >= 0 ? m : BAD;
+        choices = "calibrated, attention, attention_sort, query_likelihood, relevance, paper, "
+                  "fused";
     } else if (field == &d->reorder) {
         int m = fitm_rerank_method_parse(text);
         v = !strcmp(text, "none") ? -1 : m >= 0 ? m : BAD;
         choices = "none, calibrated, attention, attention_sort, query_likelihood, relevance, "
-                  "paper";
+                  "paper, fused";
     } else {
         v = !strcmp(text, "last") ? 1 : !strcmp(text, "first") ? 0 : BAD;
         choices = "first, last";
@@ -164,6 +173,8 @@ void fitm_answer_defaults_overlay(fitm_answer_defaults *dst, const fitm_answer_d
         dst->reorder = src->reorder;
     if (src->reorder_last != FITM_ANSWER_UNSET)
         dst->reorder_last = src->reorder_last;
+    if (src->rerank_method != FITM_ANSWER_UNSET)
+        dst->rerank_method = src->rerank_method;
 }
 
 bool fitm_score_is_key(const char *name)
@@ -176,7 +187,8 @@ void fitm_score_opts_init(fitm_score_opts *o)
     *o = (fitm_score_opts){.rows = -1, .aggregate = -1, .skip_first = -1, .reference = -1,
                            .dummy_source = -1, .form = -1, .head_query = -1,
                            .sink_factor = NAN, .window = -1,
-                           .temperature = NAN, .score_scale = NAN, .score_bias = NAN};
+                           .temperature = NAN, .score_scale = NAN, .score_bias = NAN,
+                           .fuse_weight = NAN};
 }
 
 void fitm_score_opts_free(fitm_score_opts *o)
@@ -220,6 +232,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
     OVER_INT(rows) OVER_INT(aggregate) OVER_INT(skip_first) OVER_INT(reference)
     OVER_INT(dummy_source) OVER_INT(form) OVER_INT(head_query) OVER_INT(window)
     OVER_REAL(sink_factor) OVER_REAL(temperature) OVER_REAL(score_scale) OVER_REAL(score_bias)
+    OVER_REAL(fuse_weight)
 #undef OVER_INT
 #undef OVER_REAL
     return FITM_OK;
@@ -249,6 +262,7 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     o->temperature = 0.05;
     o->score_scale = 1.0 / o->temperature;
     o->score_bias = 0;
+    o->fuse_weight = FITM_FUSE_WEIGHT;
     return FITM_OK;
 }
 

@@ -33,6 +33,9 @@ typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
  * prompt) or "N/A", so that the trailing question's rows find it only in the documents. */
 typedef enum { FITM_HEAD_QUERY = 0, FITM_HEAD_NULL } fitm_score_head_query;
 
+/* Method fused's built-in w (docs/scoring.md, chosen on the dev split). */
+#define FITM_FUSE_WEIGHT 0.1
+
 /* Longest `layers` or `heads` list. */
 #define FITM_SCORE_MAX_LIST 512
 /* eps of the log_ratio form. */
@@ -56,6 +59,7 @@ typedef struct {
     double temperature;   /* > 0: weight = softmax(rel_scaled / temperature)               */
     double score_scale;   /* relevance_score = sigmoid(score_scale * rel_scaled + bias)   */
     double score_bias;
+    double fuse_weight;   /* >= 0: method fused's w (rerank_fused.c)                      */
 } fitm_score_opts;
 
 /* Every option unset. */
@@ -73,7 +77,8 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
  * layers at 28-44% of the depth (5, 6, 7 of 18), sum, skip_first 0, null_query, fixed
  * dummy, difference, the query as the head's question, no sinks, no windows, temperature
  * 0.05, and score_scale = 1 /
- * temperature, score_bias 0 (so relevance_score orders exactly like weight). */
+ * temperature, score_bias 0 (so relevance_score orders exactly like weight), fuse_weight
+ * FITM_FUSE_WEIGHT. */
 fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err);
 
 /* Whether name is one of the option keys ("rows", "layers", ...). */
@@ -110,6 +115,7 @@ typedef enum {
     FITM_RERANK_RELEVANCE,      /* yes/no prompting                                        */
     FITM_RERANK_PAPER,          /* the paper's recipe: last row, K dummy passes, mean,
                                    difference, alpha = softmax(rel / t)                    */
+    FITM_RERANK_FUSED,          /* query likelihood + fuse_weight x z(calibrated)          */
     FITM_RERANK_METHOD_COUNT
 } fitm_rerank_method;
 
@@ -120,21 +126,24 @@ const char *fitm_rerank_method_name(fitm_rerank_method m);
 int fitm_rerank_method_parse(const char *s);
 
 /* /answer's server defaults for the options a request leaves out (answer.h's calibrate,
- * reorder, reorder_placement): the profile's under the config's, FITM_ANSWER_UNSET where
- * neither says; the session fills what is still unset with the built-in ones (calibrate,
- * no reorder, first). */
+ * reorder, reorder_placement), and /rerank's method for a request that names none: the
+ * profile's under the config's, FITM_ANSWER_UNSET where neither says; the session fills what
+ * is still unset with the built-in ones (calibrate, no reorder, first; the server: method
+ * calibrated). */
 #define FITM_ANSWER_UNSET (-2)
 typedef struct {
     int32_t calibrate;    /* 1 | 0                                           */
     int32_t reorder;      /* -1: none; else a fitm_rerank_method             */
     int32_t reorder_last; /* 1: the most relevant last; 0: first             */
+    int32_t rerank_method; /* a fitm_rerank_method                            */
 } fitm_answer_defaults;
 
 /* Every default unset. */
 void fitm_answer_defaults_init(fitm_answer_defaults *d);
 
 /* Whether name is one of their config and profile keys: answer_calibrate (true | false),
- * answer_reorder (none | a /rerank method), answer_reorder_placement (first | last). */
+ * answer_reorder (none | a /rerank method), answer_reorder_placement (first | last),
+ * rerank_method (a /rerank method). */
 bool fitm_answer_defaults_is_key(const char *name);
 
 /* Sets key `name` from its text; the empty text unsets it. FITM_ERR_INVALID names the key,

@@ -282,7 +282,8 @@ static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_
     static const char *const names[] = {"rows",         "heads",      "aggregate",
                                         "skip_first",   "reference",  "dummy_source",
                                         "form",         "head_query", "sink_factor",
-                                        "window",       "score_scale", "score_bias"};
+                                        "window",       "score_scale", "score_bias",
+                                        "fuse_weight"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
         if (!it || cJSON_IsNull(it))
@@ -459,7 +460,7 @@ static fitm_status parse_rerank_run(const cJSON *root, const fitm_api_limits *li
                                 "'model' = '%.100s': this server serves '%.100s'", out->model,
                                 lim->model_name);
     }
-    out->method = FITM_RERANK_CALIBRATED;
+    out->method = (fitm_rerank_method)lim->default_method;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "method")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsString(it))
             return fitm_err_set(err, FITM_ERR_INVALID, "'method' must be a string");
@@ -467,7 +468,7 @@ static fitm_status parse_rerank_run(const cJSON *root, const fitm_api_limits *li
         if (m < 0)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'method' = '%.100s': must be one of calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance, paper",
+                                "attention_sort, query_likelihood, relevance, paper, fused",
                                 it->valuestring);
         out->method = (fitm_rerank_method)m;
     }
@@ -960,6 +961,9 @@ static bool add_rerank_meta(cJSON *root, const fitm_rerank_result *res)
          !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
          (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
         return false;
+    if (res->meta.method == FITM_RERANK_FUSED &&
+        !cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight))
+        return false;
     return true;
 }
 
@@ -1164,7 +1168,7 @@ static fitm_status parse_reorder(const cJSON *root, fitm_answer_request *out, fi
         if (m == -1)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "'reorder' must be one of none, calibrated, attention, "
-                                "attention_sort, query_likelihood, relevance, paper");
+                                "attention_sort, query_likelihood, relevance, paper, fused");
         out->reorder = m < 0 ? -1 : m;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder_placement")) && !cJSON_IsNull(it)) {

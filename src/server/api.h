@@ -54,6 +54,7 @@ typedef struct {
     bool strict_model;      /* a request's `model`, when given, must equal model_name */
     int32_t max_answer_tokens; /* most max_tokens an /answer or OpenAI request may ask for */
     int64_t max_json_members;  /* most object members and array elements in a body; 0: any */
+    int32_t default_method;    /* a fitm_rerank_method: /rerank's when a request names none */
 } fitm_api_limits;
 
 /* Parses and validates a /rerank body (Cohere/Jina shape, or TEI's with `texts`) into *out,

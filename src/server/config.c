@@ -189,6 +189,13 @@ static const opt opts[] = {
      "empty = the profile's, else 1 / temperature"},
     {"score_bias", STR(score_bias), "", 0, 0, NULL,
      "scoring default: see score_scale; empty = the profile's, else 0"},
+    {"fuse_weight", STR(fuse_weight), "", 0, 0, NULL,
+     "scoring default: method fused's w >= 0, score = ln(query likelihood) + w x z-scored "
+     "calibrated attention (docs/scoring.md); empty = the profile's, else 0.1"},
+    {"rerank_method", STR(rerank_method), "", 0, 0, NULL,
+     "method of /rerank and /v1/score requests that name none: calibrated, attention, "
+     "attention_sort, query_likelihood, relevance, paper or fused (docs/scoring.md); empty = "
+     "the profile's, else calibrated"},
     {"answer_calibrate", STR(answer_calibrate), "", 0, 0, NULL,
      "/answer default: true|false, intervene with the calibrated weights; empty = the "
      "profile's, else true"},

@@ -367,7 +367,8 @@ static fitm_status set_kv_and_path(daemon_model *dm, char *desc, size_t n, bool 
 }
 
 /* Creates the scoring session over the loaded model, tokenizer and backend, with the
- * config's defaults and the model's profile (its name into profile, n bytes). */
+ * config's defaults and the model's profile (its name into profile, n bytes), and sets the
+ * method of /rerank requests that name none. */
 static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_step,
                                   char *profile, size_t n, fitm_err *err)
 {
@@ -397,6 +398,8 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
                                    cfg->position_method)};
     st = fitm_session_create(&dm->session, dm->model, dm->tok, dm->backend, &rp, err);
     fitm_score_opts_free(&defaults);
+    dm->info->rerank_method = answer.rerank_method >= 0 ? answer.rerank_method
+                                                        : FITM_RERANK_CALIBRATED;
     return st;
 }
 

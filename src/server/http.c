@@ -428,8 +428,10 @@ static enum MHD_Result submit_suspended(request *r)
 static enum MHD_Result start_rerank(request *r)
 {
     fitm_err err = {{0}};
-    fitm_status st = fitm_api_parse_rerank(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
-                                           &r->req, &err);
+    fitm_api_limits lim = r->h->limits;
+    lim.default_method = r->h->p.model->rerank_method;
+    fitm_status st = fitm_api_parse_rerank(r->body.p ? r->body.p : "", r->body.len, &lim, &r->req,
+                                           &err);
     fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
@@ -470,8 +472,10 @@ static enum MHD_Result finish_rerank(request *r)
 static enum MHD_Result start_score(request *r)
 {
     fitm_err err = {{0}};
-    fitm_status st = fitm_api_parse_score(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
-                                          &r->req, &err);
+    fitm_api_limits lim = r->h->limits;
+    lim.default_method = r->h->p.model->rerank_method;
+    fitm_status st = fitm_api_parse_score(r->body.p ? r->body.p : "", r->body.len, &lim, &r->req,
+                                          &err);
     fitm_buf_free(&r->body);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);

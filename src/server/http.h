@@ -32,11 +32,13 @@ typedef struct {
 bool fitm_file_id_of(const char *path, fitm_file_id *id);
 
 /* Model facts for /v1/models and responses. name is fixed at start; arch and n_ctx are
- * written by the loader before the engine becomes READY and read only after. */
+ * (and rerank_method) written by the loader before the engine becomes READY and read only after. */
 typedef struct {
     char name[128];
     char arch[32];
     int64_t n_ctx;
+    int32_t rerank_method; /* a fitm_rerank_method: /rerank's and /v1/score's when a request
+                              names none (the profile's under the config's), written like arch */
     int64_t created_s; /* file mtime */
     /* The model file as loaded (written by the loader, like arch): /health compares the file
      * on disk with it and reports the server unhealthy once it differs ("": not watched). */

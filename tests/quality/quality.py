@@ -11,6 +11,14 @@ Methods: `bm25` (computed here), a server method name (`calibrated`, `attention`
 unchanged, e.g.
     --method paper calibrated query_likelihood bm25 \\
     --method 'icr={"method": "calibrated", "rows": "question", "reference": "null_query"}'
+A spec whose JSON has `fuse` is computed here from two server rankings of the same request,
+`{"method": "query_likelihood"}` and `{"method": "calibrated", "window": 1}` (each document in a
+prompt of its own, as the default model's profile scores them), each requested once per item:
+score_k = QL_k + w x z(calibrated_attention)_k, QL the query likelihood's mean log-probability
+(the log of its relevance_score), z the z-score over
+the K documents (`"fuse": {"w": 0.1}`; `"form": "z"` z-scores QL too; `"form": "attention"` leaves QL out: the
+default's own order when its windows are of 1), e.g.
+    --method 'fuse-0.1={"fuse": {"w": 0.1}}'
 Answer modes are LABEL=JSON bodies for /answer (default: vanilla = {"calibrate": false,
 "reorder": "none"}, plain generation; calibrated = the same with calibrate true; default = {},
 the server's own defaults, which the model's profile may set). A method or mode the server rejects (an option it does not know yet, say)
@@ -149,8 +157,52 @@ class Cell:
         self.error = None
 
 
+FUSE_PARTS = {"ql": {"method": "query_likelihood"}, "default": {"method": "calibrated", "window": 1}}
+_fuse_cache = {}
+
+
+def zscores(xs: list) -> list:
+    """xs as z-scores over the list (all 0 when they do not vary)."""
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return [(x - m) / sd if sd > 0 else 0.0 for x in xs]
+
+
+def fuse(url, headers, item, fields):
+    """A fused ranking (the module's doc) from the two component requests, each made once per
+    item and kept for the other fused specs of the run; forward tokens and seconds are both
+    requests'."""
+    key = (item["id"], item["gold_pos"], item["k"], item["variant"])
+    if key not in _fuse_cache:
+        got = {}
+        for part, f in FUSE_PARTS.items():
+            body = {"query": item["query"], "documents": item["documents"], **f}
+            t = time.perf_counter()
+            r = requests.post(url + "/rerank", headers=headers, timeout=3600, json=body)
+            dt = time.perf_counter() - t
+            if r.status_code != 200:
+                return f"HTTP {r.status_code}: {r.text[:200]}"
+            js = r.json()
+            got[part] = ({x["index"]: x for x in js["results"]},
+                         js.get("usage", {}).get("forward_tokens", 0),
+                         js.get("usage", {}).get("prompt_tokens", 0), dt)
+        _fuse_cache[key] = got
+    got = _fuse_cache[key]
+    spec = fields["fuse"]
+    k = len(item["documents"])
+    ql = [math.log(max(got["ql"][0][i]["relevance_score"], 1e-300)) for i in range(k)]
+    att = zscores([got["default"][0][i]["calibrated_attention"] for i in range(k)])
+    base = {"z": zscores(ql), "attention": [0.0] * k}.get(spec.get("form"), ql)
+    s = [base[i] + spec.get("w", 0.0) * att[i] for i in range(k)]
+    order = sorted(range(k), key=lambda i: (-s[i], i))
+    return (order, sum(g[1] for g in got.values()), max(g[2] for g in got.values()),
+            sum(g[3] for g in got.values()))
+
+
 def rank(url, headers, item, label, fields):
     """(order of document indices, forward tokens, prompt tokens, seconds) or an error str."""
+    if "fuse" in fields:
+        return fuse(url, headers, item, fields)
     if label == "bm25" and not fields:
         t = time.perf_counter()
         s = bm25(item["query"], item["documents"])
@@ -190,6 +242,8 @@ def select(a) -> list:
     if trap_variants:
         its += traps.items(a.split, min(a.groups, traps.GROUPS), variants=trap_variants,
                            ks=[k for k in a.k if k in traps.KS])
+    if getattr(a, "first_only", False):
+        return [it for it in its if it["gold_pos"] == 1]
     extra = [dataset.moved(it, p) for it in its if it["gold_pos"] == 1
              for p in sorted(set(getattr(a, "positions", None) or ())) if p <= it["k"]
              and p not in dataset.positions(it["k"])]
@@ -362,7 +416,7 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
         out += ["An answer counts when it contains the gold answer string (case-insensitive); "
                 f"greedy, max_tokens {r0['max_tokens']}.", ""]
     out += ["Methods and modes (request fields as sent):", ""]
-    out += [f"- `{label}`: `{json.dumps(fields)}`" if fields or answer_mode else
+    out += [f"- `{label}`: `{json.dumps(fields)}`" if fields or answer_mode or label != "bm25" else
             f"- `{label}`: BM25 (k1 1.2, b 0.75, the request's K documents as the collection), "
             "computed by the tool" for label, fields in specs]
     for variant in variants:
@@ -471,6 +525,9 @@ def main() -> int:
     ap.add_argument("--positions", type=int, nargs="+", default=None,
                     help="more gold positions (1-based) besides first / middle / last: the "
                          "gold-first items with the gold document moved there")
+    ap.add_argument("--first-only", action="store_true",
+                    help="only the gold-first items (enough to compare methods that score each "
+                         "document alone, whose ranking does not depend on the order)")
     ap.add_argument("--method", nargs="+", action="extend", default=None,
                     help="methods to rank with; `none` for only /answer (with --answer)")
     ap.add_argument("--answer", action="store_true", help="also measure /answer")
