@@ -157,10 +157,11 @@ TOWN_SUFFIX = {"dev": ["ford", "holm", "wick"], "test": ["bury", "stead", "mouth
 
 
 class Namer:
-    """Fresh names from a split's syllables; never the same name twice in one group."""
+    """Fresh names from a split's syllables (this module's, or those given); never the same
+    name twice in one group."""
 
-    def __init__(self, rnd: random.Random, split: str):
-        self.rnd, self.syl, self.used = rnd, SYLLABLES[split], set()
+    def __init__(self, rnd: random.Random, split: str, syllables: dict | None = None):
+        self.rnd, self.syl, self.used = rnd, (syllables or SYLLABLES)[split], set()
 
     def word(self, n: int) -> str:
         while True:

@@ -36,8 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import pathlib
 import re
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import dataset  # noqa: E402
 
 SEED = 39
 GROUPS = 50
@@ -111,18 +115,11 @@ WORDING = {
 NEGATED_TITLE = {"dev": "A story about {x}", "test": "What is said of {x}"}
 
 
-class Namer:
-    """Fresh words from a split's syllables; never the same word twice in one group."""
+class Namer(dataset.Namer):
+    """dataset's namer on this module's syllables; a person is one string."""
 
     def __init__(self, rnd: random.Random, split: str):
-        self.rnd, self.syl, self.used = rnd, SYLLABLES[split], set()
-
-    def word(self, n: int) -> str:
-        while True:
-            w = "".join(self.rnd.choice(self.syl) for _ in range(n)).capitalize()
-            if w not in self.used:
-                self.used.add(w)
-                return w
+        super().__init__(rnd, split, SYLLABLES)
 
     def person(self) -> str:
         return f"{self.word(2)} {self.word(3)}"
