@@ -157,6 +157,18 @@ class Cell:
         self.error = None
 
 
+def post_rerank(url, headers, item, fields):
+    """POST /rerank of item's query and documents with fields: (the JSON answer, or an error
+    str, and the seconds it took)."""
+    body = {"query": item["query"], "documents": item["documents"], **fields}
+    t = time.perf_counter()
+    r = requests.post(url + "/rerank", headers=headers, timeout=3600, json=body)
+    dt = time.perf_counter() - t
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:200]}", dt
+    return r.json(), dt
+
+
 FUSE_PARTS = {"ql": {"method": "query_likelihood"}, "default": {"method": "calibrated", "window": 1}}
 _fuse_cache = {}
 
@@ -176,13 +188,9 @@ def fuse(url, headers, item, fields):
     if key not in _fuse_cache:
         got = {}
         for part, f in FUSE_PARTS.items():
-            body = {"query": item["query"], "documents": item["documents"], **f}
-            t = time.perf_counter()
-            r = requests.post(url + "/rerank", headers=headers, timeout=3600, json=body)
-            dt = time.perf_counter() - t
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}: {r.text[:200]}"
-            js = r.json()
+            js, dt = post_rerank(url, headers, item, f)
+            if isinstance(js, str):
+                return js
             got[part] = ({x["index"]: x for x in js["results"]},
                          js.get("usage", {}).get("forward_tokens", 0),
                          js.get("usage", {}).get("prompt_tokens", 0), dt)
@@ -208,13 +216,9 @@ def rank(url, headers, item, label, fields):
         s = bm25(item["query"], item["documents"])
         order = sorted(range(len(s)), key=lambda i: (-s[i], i))
         return order, 0, 0, time.perf_counter() - t
-    body = {"query": item["query"], "documents": item["documents"], **fields}
-    t = time.perf_counter()
-    r = requests.post(url + "/rerank", headers=headers, timeout=3600, json=body)
-    dt = time.perf_counter() - t
-    if r.status_code != 200:
-        return f"HTTP {r.status_code}: {r.text[:200]}"
-    js = r.json()
+    js, dt = post_rerank(url, headers, item, fields)
+    if isinstance(js, str):
+        return js
     u = js.get("usage", {})
     return ([x["index"] for x in js["results"]], u.get("forward_tokens", 0),
             u.get("prompt_tokens", 0), dt)
