@@ -36,6 +36,20 @@ static fitm_status calibrated_request(const fitm_rerank_request *req, fitm_reran
     return st;
 }
 
+/* The mean and (population) standard deviation of the K results' calibrated_attention. */
+static void attention_moments(const fitm_rerank_doc_result *r, int32_t K, double *mean,
+                              double *sd)
+{
+    double m = 0, var = 0;
+    for (int32_t i = 0; i < K; i++)
+        m += r[i].calibrated_attention;
+    m /= K;
+    for (int32_t i = 0; i < K; i++)
+        var += (r[i].calibrated_attention - m) * (r[i].calibrated_attention - m);
+    *mean = m;
+    *sd = sqrt(var / K);
+}
+
 fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
                            fitm_rerank_result *res, fitm_err *err)
 {
@@ -55,15 +69,8 @@ fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
     if (st == FITM_OK) {
         for (int32_t i = 0; i < K; i++)
             ql[qr.results[i].index] = log(qr.results[i].relevance_score);
-        double mean = 0, var = 0;
-        for (int32_t i = 0; i < K; i++)
-            mean += res->results[i].calibrated_attention;
-        mean /= K;
-        for (int32_t i = 0; i < K; i++) {
-            double d = res->results[i].calibrated_attention - mean;
-            var += d * d;
-        }
-        double sd = sqrt(var / K);
+        double mean, sd;
+        attention_moments(res->results, K, &mean, &sd);
         for (int32_t i = 0; i < K; i++) {
             fitm_rerank_doc_result *d = &res->results[i];
             double z = sd > 0 ? (d->calibrated_attention - mean) / sd : 0;
