@@ -56,7 +56,9 @@ typedef struct {
     int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
     int32_t reorder_last;      /* 1: the reorder puts the most relevant last (by the query)   */
     int32_t top_n;             /* >= 1: only the top_n first of the reorder (else of the
-                                  documents as sent) enter the prompt; 0: every document     */
+                                  documents as sent) enter the prompt; 0: every document.
+                                  Send 0 for plain generation on a server whose default
+                                  keeps fewer                                                */
     bool ignore_eos;           /* generate past end-of-generation tokens (load tests)         */
     int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
     int32_t n_intervene_layers;

@@ -1173,7 +1173,7 @@ static fitm_status parse_reorder(const cJSON *root, fitm_answer_request *out, fi
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_n")) && !cJSON_IsNull(it)) {
         int64_t v = 0;
-        fitm_status st = take_int(it, "top_n", 1, FITM_ANSWER_MAX_TOP_N, &v, err);
+        fitm_status st = take_int(it, "top_n", 0, FITM_ANSWER_MAX_TOP_N, &v, err);
         if (st != FITM_OK)
             return st;
         out->top_n = (int32_t)v;
