@@ -83,6 +83,9 @@ def sse_events(resp):
     ({"reorder": 1}, "'reorder'"),
     ({"reorder_placement": "middle"}, "'reorder_placement'"),
     ({"reorder_placement": True}, "'reorder_placement'"),
+    ({"top_n": -2}, "'top_n'"),
+    ({"top_n": 1.5}, "'top_n'"),
+    ({"top_n": "2"}, "'top_n'"),
     ({"intervention_layers": []}, "'intervention_layers'"),
     ({"stream": "yes"}, "'stream'"),
     ({"model": 7}, "'model'"),
@@ -275,6 +278,45 @@ def test_disconnect_mid_stream_frees_engine(daemon):
     assert completion_total() - before <= 4
     ended = re.findall(r"answer stream ended \(cancelled\) after (\d+) tokens", daemon.log_text())
     assert ended and int(ended[-1]) < 400, daemon.log_text()
+
+
+def test_top_n_keeps_the_best(daemon):
+    """top_n keeps the n most relevant documents of the reorder, in the reorder's order (the best
+    where reorder_placement puts it), and the rest have no place, weight or span. The answer is
+    the one of a request that sends only those documents, in that order, with no reorder: the
+    same prompt, ids, answer and weights (the intervention's too, scored on the kept ones)."""
+    b = body(documents=docs(6, 8) + [{"text": "golf hotel", "title": "Golf"}])
+    ranked = [x["index"] for x in post(daemon, {"query": QUERY, "documents": b["documents"],
+                                                 "method": "attention"}).json()["results"]]
+    for placement, calibrate in (("first", False), ("last", False), ("last", True)):
+        r = answer(daemon, {**b, "reorder": "attention", "reorder_placement": placement,
+                            "top_n": 3, "calibrate": calibrate, "return_tokens": True})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert j["meta"]["top_n"] == 3
+        kept = ranked[:3] if placement == "first" else ranked[:3][::-1]
+        pos = {d["index"]: d["position"] for d in j["documents"]}
+        assert [i for p, i in sorted((p, i) for i, p in pos.items() if p is not None)] == kept
+        left = [d for d in j["documents"] if d["position"] is None]
+        assert len(left) == len(b["documents"]) - 3
+        assert all(d["weight"] == 0 for d in left)
+        assert all(j["tokens"]["spans"][d["index"]] is None for d in left)
+        assert abs(sum(d["weight"] for d in j["documents"]) - 1) < 1e-6
+        alone = answer(daemon, {**b, "documents": [b["documents"][i] for i in kept],
+                                "reorder": "none", "calibrate": calibrate,
+                                "return_tokens": True}).json()
+        assert j["tokens"]["prompt"] == alone["tokens"]["prompt"]
+        assert j["tokens"]["completion"] == alone["tokens"]["completion"]
+        assert j["answer"] == alone["answer"]
+        assert [j["documents"][i]["weight"] for i in kept] == \
+            [d["weight"] for d in alone["documents"]]
+    # Without a reorder: the first n as sent; top_n at or over K keeps every document.
+    j = answer(daemon, {**b, "reorder": "none", "top_n": 2}).json()
+    assert [d["position"] for d in j["documents"]] == [0, 1] + [None] * (len(b["documents"]) - 2)
+    for n in (0, 50):  # 0: every document, as a number at or over K
+        j = answer(daemon, {**b, "reorder": "none", "top_n": n}).json()
+        assert [d["position"] for d in j["documents"]] == list(range(len(b["documents"])))
+        assert j["meta"]["top_n"] == n
 
 
 @pytest.fixture(scope="module")

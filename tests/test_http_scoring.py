@@ -179,6 +179,8 @@ def run_fitmd(fitmd_bin, *args):  # noqa: F811
     ({"colour": "blue"}, "colour = blue"),
     ({"rows": "diagonal"}, "diagonal"),
     ({"answer_reorder": "bm25"}, "answer_reorder = 'bm25'"),
+    ({"answer_top_n": "three"}, "answer_top_n = 'three'"),
+    ({"answer_top_n": -1}, "answer_top_n = '-1'"),
 ])
 def test_profile_refused(fitmd_bin, models, tmp_path, edit, mentions):  # noqa: F811
     prof = tmp_path / "bad.profile"
@@ -194,6 +196,8 @@ def test_config_scoring_defaults(fitmd_bin, models, tmp_path):  # noqa: F811
     assert rc != 0 and "answer_template" in out
     rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--answer_calibrate=maybe")
     assert rc != 0 and "answer_calibrate = 'maybe'" in out and "true, false" in out, out
+    rc, out = run_fitmd(fitmd_bin, f"--model={models['small']}", "--answer_top_n=1.5")
+    assert rc != 0 and "answer_top_n = '1.5'" in out and "0 (every document)" in out, out
     d = Daemon(fitmd_bin, models["small"], tmp_path, reference="dummy", temperature="0.5",
                heads="0:1,1:0")
     try:

@@ -190,11 +190,11 @@ def test_shipped_profile_is_what_the_writer_writes(tmp_path):
     fit_profile.write_profile(out, ident, {k: kv[k] for k in ("fitted_on", "fitted_metrics")},
                               opts, heads, float(kv["score_scale"]), float(kv["score_bias"]),
                               answer, {k: kv[k] for k in ("rerank_method", "fuse_weight",
-                                                          "answer_reorder")})
+                                                          "answer_reorder", "answer_top_n")})
     assert out.read_text() == shipped.read_text()
     assert (kv["answer_reorder"], kv["answer_reorder_placement"], kv["answer_calibrate"]) == \
         ("fused", "last", "false")
-    assert (kv["rerank_method"], kv["fuse_weight"]) == ("fused", "0.1")
+    assert (kv["rerank_method"], kv["fuse_weight"], kv["answer_top_n"]) == ("fused", "0.1", "3")
     with pytest.raises(SystemExit, match="unknown field"):
         fit_profile.parse_answer('{"reorder": "calibrated", "stream": true}')
 

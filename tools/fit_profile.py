@@ -328,7 +328,8 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
                   scale: float, bias: float, answer: dict = None, chosen: dict = None):
     """chosen: what was chosen after the fit, on the dev splits with tests/quality/quality.py
     (docs/rerank-results.md): rerank_method (/rerank's method for requests that name none),
-    fuse_weight (method fused's w) and answer_reorder (/answer's reorder, over the fit's)."""
+    fuse_weight (method fused's w), answer_reorder (/answer's reorder, over the fit's) and
+    answer_top_n (how many of the reordered documents /answer's prompt keeps)."""
     n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]
@@ -355,6 +356,9 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
         if "answer_reorder" in chosen:
             answer = {**(answer or {}), "reorder": chosen["answer_reorder"]}
     lines += answer_lines(answer, bool(chosen and "answer_reorder" in chosen))
+    if chosen and "answer_top_n" in chosen:
+        lines += ["# answer_top_n: chosen after the fit, on the trap dev splits (docs/answer-results.md)",
+                  f"answer_top_n = {int(chosen['answer_top_n'])}"]
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -487,7 +491,7 @@ def main() -> int:
                          "fields: calibrate, reorder, reorder_placement")
     ap.add_argument("--chosen", metavar="JSON",
                     help="choices made after the fit to write into the profile: rerank_method, "
-                         "fuse_weight, answer_reorder (over --answer's reorder)")
+                         "fuse_weight, answer_reorder (over --answer's reorder), answer_top_n")
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)

@@ -38,3 +38,5 @@ fuse_weight = 0.1
 answer_calibrate = false
 answer_reorder = fused
 answer_reorder_placement = last
+# answer_top_n: chosen after the fit, on the trap dev splits (docs/answer-results.md)
+answer_top_n = 3

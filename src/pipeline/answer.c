@@ -105,6 +105,8 @@ static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answe
         q.reorder = d->reorder;
     if (q.reorder_last == FITM_ANSWER_UNSET)
         q.reorder_last = d->reorder_last;
+    if (q.top_n == FITM_ANSWER_UNSET)
+        q.top_n = d->top_n;
     if (!q.has_stop && !q.ignore_eos && q.base.n_docs > 0) {
         char *const *stop;
         q.n_stop = fitm_session_answer_stop(r, &stop);
@@ -173,6 +175,7 @@ fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
     res->calibrate = req->calibrate;
     res->reorder = req->reorder;
     res->reorder_last = req->reorder_last;
+    res->top_n = req->top_n;
     *out = q;
     /* Plain generation (the OpenAI routes without documents) has nothing to order. */
     const bool plain = req->base.n_docs == 0;

@@ -51,10 +51,14 @@ typedef struct {
     double top_p;              /* (0, 1]                                                      */
     uint64_t seed;             /* the sampler's seed                                          */
     bool has_seed;             /* the request gave it (else the HTTP layer picks one)         */
-    /* FITM_ANSWER_UNSET in the next three: the server's default (fitm_answer_defaults). */
+    /* FITM_ANSWER_UNSET in the next four: the server's default (fitm_answer_defaults). */
     int32_t calibrate;         /* 1: intervene with the calibrated alpha; 0: not              */
     int32_t reorder;           /* -1: none; else a fitm_rerank_method to order documents by   */
     int32_t reorder_last;      /* 1: the reorder puts the most relevant last (by the query)   */
+    int32_t top_n;             /* >= 1: only the top_n first of the reorder (else of the
+                                  documents as sent) enter the prompt; 0: every document.
+                                  Send 0 for plain generation on a server whose default
+                                  keeps fewer                                                */
     bool ignore_eos;           /* generate past end-of-generation tokens (load tests)         */
     int32_t *intervene_layers; /* (n_intervene_layers) owned; NULL: the last half          */
     int32_t n_intervene_layers;
@@ -74,7 +78,8 @@ const char *fitm_answer_finish_name(fitm_answer_finish f);
 
 typedef struct {
     int32_t index;               /* the document's index in the request                 */
-    int32_t position;            /* 0-based place in the prompt (after any reorder)      */
+    int32_t position;            /* 0-based place in the prompt (after any reorder); -1:
+                                    left out by top_n                                    */
     double weight;               /* alpha_k (1/K without calibration)                    */
     double calibrated_attention; /* rel = A - A_dum (0 without calibration)              */
 } fitm_answer_doc;
@@ -88,10 +93,11 @@ typedef struct {
     int64_t prompt_tokens, completion_tokens, forward_tokens;
     double rank_ms, prefill_ms, decode_ms, first_token_ms, total_ms;
     int32_t position_method;     /* the fitm_position_method the passes used              */
-    int32_t calibrate, reorder, reorder_last; /* the request's options as run (defaults in) */
+    int32_t calibrate, reorder, reorder_last, top_n; /* the options as run (defaults in) */
     int32_t *tokens; /* (n_tokens) owned: prompt ids then generated ids; always kept */
     int64_t n_tokens;
-    fitm_span *spans; /* (n_docs) owned: each document's body in the prompt, request order */
+    fitm_span *spans; /* (n_docs) owned: each document's body in the prompt, request order
+                         ({0, 0} for one top_n left out) */
 } fitm_answer_result;
 
 /* Releases what res owns and zeroes it. NULL is a no-op. */

@@ -221,6 +221,7 @@ fitm_status fitm_answer_prompt(const fitm_session *s, const fitm_answer_request 
     const int64_t n_ctx = fitm_session_n_ctx(s);
     fitm_rerank_request rq = req->base;
     rq.docs = pl->docs;
+    rq.n_docs = pl->K; /* the documents top_n kept, in their order */
     fitm_status st = plain ? fitm_answer_plain_prompt(s, req, &pl->T, res, err)
                            : fitm_rerank_prompt(s, &rq, fitm_session_answer_frame(s), NULL,
                                                 &res->tokens, &pl->T, pl->spans, err);
@@ -233,7 +234,7 @@ fitm_status fitm_answer_prompt(const fitm_session *s, const fitm_answer_request 
     /* Every generated token but the last needs a KV row. */
     pl->max_gen = req->max_tokens < n_ctx - pl->T + 1 ? req->max_tokens : n_ctx - pl->T + 1;
     int32_t *grown = realloc(res->tokens, (size_t)(pl->T + pl->max_gen) * sizeof *grown);
-    res->spans = plain ? NULL : malloc((size_t)pl->K * sizeof *res->spans);
+    res->spans = plain ? NULL : calloc((size_t)res->n_docs, sizeof *res->spans);
     if (grown)
         res->tokens = grown;
     if (!grown || (!plain && !res->spans))

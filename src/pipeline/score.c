@@ -115,13 +115,29 @@ int fitm_rerank_method_parse(const char *s)
 void fitm_answer_defaults_init(fitm_answer_defaults *d)
 {
     *d = (fitm_answer_defaults){FITM_ANSWER_UNSET, FITM_ANSWER_UNSET, FITM_ANSWER_UNSET,
-                                FITM_ANSWER_UNSET};
+                                FITM_ANSWER_UNSET, FITM_ANSWER_UNSET};
 }
 
 bool fitm_answer_defaults_is_key(const char *name)
 {
     return !strcmp(name, "answer_calibrate") || !strcmp(name, "answer_reorder") ||
-           !strcmp(name, "answer_reorder_placement") || !strcmp(name, "rerank_method");
+           !strcmp(name, "answer_reorder_placement") || !strcmp(name, "answer_top_n") ||
+           !strcmp(name, "rerank_method");
+}
+
+/* answer_top_n's text: 0 (every document) or a count of documents. */
+static fitm_status top_n_set(int32_t *field, const char *name, const char *text, fitm_err *err)
+{
+    char *end = NULL;
+    errno = 0;
+    long n = strtol(text, &end, 10);
+    if (errno || end == text || *end || n < 0 || n > FITM_ANSWER_MAX_TOP_N)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "%s = '%.100s': must be 0 (every document) or a count of documents, "
+                            "1 to %d",
+                            name, text, FITM_ANSWER_MAX_TOP_N);
+    *field = (int32_t)n;
+    return FITM_OK;
 }
 
 fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, const char *text,
@@ -130,6 +146,7 @@ fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, 
     int32_t *field = !strcmp(name, "answer_calibrate")           ? &d->calibrate
                      : !strcmp(name, "answer_reorder")           ? &d->reorder
                      : !strcmp(name, "answer_reorder_placement") ? &d->reorder_last
+                     : !strcmp(name, "answer_top_n")             ? &d->top_n
                      : !strcmp(name, "rerank_method")            ? &d->rerank_method
                                                                  : NULL;
     if (!field)
@@ -141,6 +158,8 @@ fitm_status fitm_answer_defaults_set(fitm_answer_defaults *d, const char *name, 
     const int BAD = -3;
     int v;
     const char *choices;
+    if (field == &d->top_n)
+        return top_n_set(field, name, text, err);
     if (field == &d->calibrate) {
         v = !strcmp(text, "true") ? 1 : !strcmp(text, "false") ? 0 : BAD;
         choices = "true, false";
@@ -175,6 +194,8 @@ void fitm_answer_defaults_overlay(fitm_answer_defaults *dst, const fitm_answer_d
         dst->reorder_last = src->reorder_last;
     if (src->rerank_method != FITM_ANSWER_UNSET)
         dst->rerank_method = src->rerank_method;
+    if (src->top_n != FITM_ANSWER_UNSET)
+        dst->top_n = src->top_n;
 }
 
 bool fitm_score_is_key(const char *name)

@@ -126,16 +126,17 @@ const char *fitm_rerank_method_name(fitm_rerank_method m);
 int fitm_rerank_method_parse(const char *s);
 
 /* /answer's server defaults for the options a request leaves out (answer.h's calibrate,
- * reorder, reorder_placement), and /rerank's method for a request that names none: the
+ * reorder, reorder_placement, top_n), and /rerank's method for a request that names none: the
  * profile's under the config's, FITM_ANSWER_UNSET where neither says; the session fills what
- * is still unset with the built-in ones (calibrate, no reorder, first; the server: method
- * calibrated). */
+ * is still unset with the built-in ones (calibrate, no reorder, first, every document; the
+ * server: method calibrated). */
 #define FITM_ANSWER_UNSET (-2)
 typedef struct {
     int32_t calibrate;    /* 1 | 0                                           */
     int32_t reorder;      /* -1: none; else a fitm_rerank_method             */
     int32_t reorder_last; /* 1: the most relevant last; 0: first             */
     int32_t rerank_method; /* a fitm_rerank_method                            */
+    int32_t top_n;        /* >= 1: answer from the top_n best documents; 0: all */
 } fitm_answer_defaults;
 
 /* Every default unset. */
@@ -143,7 +144,9 @@ void fitm_answer_defaults_init(fitm_answer_defaults *d);
 
 /* Whether name is one of their config and profile keys: answer_calibrate (true | false),
  * answer_reorder (none | a /rerank method), answer_reorder_placement (first | last),
- * rerank_method (a /rerank method). */
+ * answer_top_n (0 = every document, else 1 .. FITM_ANSWER_MAX_TOP_N), rerank_method (a /rerank
+ * method). */
+#define FITM_ANSWER_MAX_TOP_N 100000
 bool fitm_answer_defaults_is_key(const char *name);
 
 /* Sets key `name` from its text; the empty text unsets it. FITM_ERR_INVALID names the key,

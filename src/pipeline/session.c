@@ -110,7 +110,8 @@ static fitm_status resolve_defaults(fitm_session *r, const fitm_session_params *
         !isnan(p->defaults->temperature))
         r->defaults.score_scale = 1.0 / r->defaults.temperature; /* still orders like weight */
     r->paper_temperature = p->paper_temperature > 0 ? p->paper_temperature : 5e-5;
-    r->answer = (fitm_answer_defaults){.calibrate = 1, .reorder = -1, .reorder_last = 0};
+    r->answer = (fitm_answer_defaults){.calibrate = 1, .reorder = -1, .reorder_last = 0,
+                                       .top_n = 0};
     if (p->answer)
         fitm_answer_defaults_overlay(&r->answer, p->answer);
     return st;

@@ -1156,8 +1156,8 @@ static fitm_status parse_answer_object(const cJSON *root, const fitm_api_limits 
     return parse_answer_options(root, out, err);
 }
 
-/* The reorder of an answer's documents: 'reorder' (a rerank method or none) and
- * 'reorder_placement' (first or last). */
+/* The reorder of an answer's documents: 'reorder' (a rerank method or none),
+ * 'reorder_placement' (first or last) and 'top_n' (how many of them the prompt keeps). */
 static fitm_status parse_reorder(const cJSON *root, fitm_answer_request *out, fitm_err *err)
 {
     const cJSON *it;
@@ -1170,6 +1170,13 @@ static fitm_status parse_reorder(const cJSON *root, fitm_answer_request *out, fi
                                 "'reorder' must be one of none, calibrated, attention, "
                                 "attention_sort, query_likelihood, relevance, paper, fused");
         out->reorder = m < 0 ? -1 : m;
+    }
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_n")) && !cJSON_IsNull(it)) {
+        int64_t v = 0;
+        fitm_status st = take_int(it, "top_n", 0, FITM_ANSWER_MAX_TOP_N, &v, err);
+        if (st != FITM_OK)
+            return st;
+        out->top_n = (int32_t)v;
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "reorder_placement")) && !cJSON_IsNull(it)) {
         bool first = cJSON_IsString(it) && !strcmp(it->valuestring, "first");
@@ -1220,7 +1227,7 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
     const cJSON *it;
     /* calibrate, reorder and reorder_placement left out: the server's defaults (the model's
      * profile, the config), filled in by the pipeline. */
-    out->calibrate = out->reorder = out->reorder_last = FITM_ANSWER_UNSET;
+    out->calibrate = out->reorder = out->reorder_last = out->top_n = FITM_ANSWER_UNSET;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "calibrate")) && !cJSON_IsNull(it)) {
         bool b = false;
         if ((st = take_bool(it, "calibrate", &b, err)) != FITM_OK)
@@ -1311,6 +1318,7 @@ static bool add_answer_meta(cJSON *root, const fitm_answer_request *req,
                                                         (fitm_rerank_method)res->reorder)) ||
         !cJSON_AddStringToObject(meta, "reorder_placement",
                                  res->reorder_last == 1 ? "last" : "first") ||
+        !cJSON_AddNumberToObject(meta, "top_n", res->top_n) ||
         !cJSON_AddStringToObject(
             meta, "position_method",
             fitm_position_method_name((fitm_position_method)res->position_method)) ||
@@ -1341,11 +1349,33 @@ static bool add_answer_tokens(cJSON *root, const fitm_answer_result *res)
     cJSON *spans = cJSON_AddArrayToObject(t, "spans");
     for (int32_t k = 0; spans && res->spans && k < res->n_docs; k++) {
         int32_t se[2] = {(int32_t)res->spans[k].start, (int32_t)res->spans[k].end};
-        cJSON *sp = int_array(se, 2);
+        cJSON *sp = res->docs[k].position >= 0 ? int_array(se, 2) : cJSON_CreateNull();
         if (!sp || !cJSON_AddItemToArray(spans, sp))
             return false;
     }
     return spans != NULL;
+}
+
+/* The field `documents` of /answer's answer and the OpenAI routes' extension: each document's
+ * index, position (null when top_n left it out), weight and calibrated attention. */
+static bool add_answer_docs(cJSON *root, const fitm_answer_result *res)
+{
+    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
+    for (int32_t k = 0; docs && k < res->n_docs; k++) {
+        const fitm_answer_doc *d = &res->docs[k];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(docs, o)) {
+            cJSON_Delete(o);
+            return false;
+        }
+        if (!cJSON_AddNumberToObject(o, "index", d->index) ||
+            !(d->position >= 0 ? cJSON_AddNumberToObject(o, "position", d->position)
+                               : cJSON_AddNullToObject(o, "position")) ||
+            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
+            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
+            return false;
+    }
+    return docs != NULL;
 }
 
 char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_result *res,
@@ -1365,19 +1395,8 @@ char *fitm_api_write_answer(const fitm_answer_request *req, const fitm_answer_re
     }
     if (!cJSON_AddStringToObject(root, "finish_reason", fitm_answer_finish_name(res->finish)))
         goto done;
-    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
-    if (!docs)
+    if (!add_answer_docs(root, res))
         goto done;
-    for (int32_t k = 0; k < res->n_docs; k++) {
-        const fitm_answer_doc *d = &res->docs[k];
-        cJSON *o = cJSON_CreateObject();
-        if (!o || !cJSON_AddItemToArray(docs, o) ||
-            !cJSON_AddNumberToObject(o, "index", d->index) ||
-            !cJSON_AddNumberToObject(o, "position", d->position) ||
-            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
-            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
-            goto done;
-    }
     cJSON *usage = cJSON_AddObjectToObject(root, "usage");
     if (!usage || !cJSON_AddNumberToObject(usage, "prompt_tokens", (double)res->prompt_tokens) ||
         !cJSON_AddNumberToObject(usage, "completion_tokens", (double)res->completion_tokens) ||
@@ -1699,27 +1718,6 @@ fitm_status fitm_api_parse_openai(const char *body, size_t len, const fitm_api_l
     st = parse_openai_object(root, lim, chat, out, include_usage, err);
     cJSON_Delete(root);
     return st;
-}
-
-/* The extension field `documents`: each document's index, position, weight and calibrated
- * attention (as /answer's). */
-static bool add_answer_docs(cJSON *root, const fitm_answer_result *res)
-{
-    cJSON *docs = cJSON_AddArrayToObject(root, "documents");
-    for (int32_t k = 0; docs && k < res->n_docs; k++) {
-        const fitm_answer_doc *d = &res->docs[k];
-        cJSON *o = cJSON_CreateObject();
-        if (!o || !cJSON_AddItemToArray(docs, o)) {
-            cJSON_Delete(o);
-            return false;
-        }
-        if (!cJSON_AddNumberToObject(o, "index", d->index) ||
-            !cJSON_AddNumberToObject(o, "position", d->position) ||
-            !cJSON_AddNumberToObject(o, "weight", d->weight) ||
-            !cJSON_AddNumberToObject(o, "calibrated_attention", d->calibrated_attention))
-            return false;
-    }
-    return docs != NULL;
 }
 
 static bool add_openai_usage(cJSON *root, const fitm_answer_result *res)

@@ -205,6 +205,10 @@ static const opt opts[] = {
     {"answer_reorder_placement", STR(answer_reorder_placement), "", 0, 0, NULL,
      "/answer default: first|last, where the reorder puts the most relevant document; empty = "
      "the profile's, else first"},
+    {"answer_top_n", STR(answer_top_n), "", 0, 0, NULL,
+     "/answer default: how many of the documents the prompt keeps, the most relevant by the "
+     "reorder (without one: the first as sent); 0 = every document; empty = the profile's, "
+     "else 0"},
     {"answer_template", STR(answer_template), "", 0, 0, NULL,
      "/answer's prompt for models without a chat template: text with {documents} once and "
      "{question} after it, \\n for newlines; empty = the built-in template (two "

@@ -68,7 +68,7 @@ typedef struct {
     char fuse_weight[32];
     /* /answer's defaults (score.h's fitm_answer_defaults keys); "" = the profile's, else
      * the built-in default. */
-    char answer_calibrate[8], answer_reorder[24], answer_reorder_placement[8];
+    char answer_calibrate[8], answer_reorder[24], answer_reorder_placement[8], answer_top_n[8];
     char rerank_method[24]; /* the method of /rerank requests that name none */
     char answer_template[FITM_CONFIG_STR_BYTES * 2]; /* "" = the built-in template */
     char answer_stop[72];                  /* the template's end of answer; "" = its default */
