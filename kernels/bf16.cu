@@ -21,8 +21,7 @@ extern "C" int fitm_cuda_to_bf16(const float *x, int64_t rows, int64_t n, int64_
                                  uint16_t *dst, void *stream)
 {
     if (rows < 0 || n < 0 || rows_out < rows || (rows > 0 && n > 0 && !x) ||
-        (rows_out > 0 && n > 0 && !dst) || (x && !fitm_aligned16(x)) ||
-        (dst && !fitm_aligned16(dst)))
+        (rows_out > 0 && n > 0 && !dst) || ((uintptr_t)x & 3u) || ((uintptr_t)dst & 1u))
         return (int)cudaErrorInvalidValue;
     const int64_t n_out = rows_out * n;
     if (n_out == 0)

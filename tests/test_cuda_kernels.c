@@ -772,20 +772,25 @@ static void fill_bf16_cases(float *x, int64_t n)
     }
 }
 
-/* fitm_cuda_to_bf16 on (rows, n) into (rows_out, n): every element bit for bit the definition
+/* fitm_cuda_to_bf16 on (rows, n), starting off floats into its buffer (rows of a call start
+ * anywhere in the activations), into (rows_out, n): every element bit for bit the definition
  * (NaN for NaN), the padding rows +0, nothing outside the output written. */
-static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out)
+static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out, int64_t off)
 {
     char what[96];
-    snprintf(what, sizeof what, "to_bf16 %lldx%lld -> %lld rows", (long long)rows, (long long)n,
-             (long long)rows_out);
+    snprintf(what, sizeof what, "to_bf16 %lldx%lld -> %lld rows (+%lld)", (long long)rows,
+             (long long)n, (long long)rows_out, (long long)off);
     const int64_t ni = rows * n, no = rows_out * n;
-    float *x = xmalloc((size_t)ni * sizeof(float));
+    float *x = xmalloc((size_t)(ni + off) * sizeof(float));
     uint16_t *got = xmalloc((size_t)no * sizeof(uint16_t));
-    fill_bf16_cases(x, ni);
-    dbuf dx = dbuf_from(x, (size_t)ni * sizeof(float));
+    fill_bf16_cases(x + off, ni);
+    for (int64_t i = 0; i < off; i++)
+        x[i] = 1.0f;
+    dbuf dx = dbuf_from(x, (size_t)(ni + off) * sizeof(float));
     dbuf dy = dbuf_new((size_t)no * sizeof(uint16_t));
-    bool ok = launched(what, fitm_cuda_to_bf16(dx.p, rows, n, rows_out, dy.p, stream));
+    bool ok =
+        launched(what, fitm_cuda_to_bf16((float *)dx.p + off, rows, n, rows_out, dy.p, stream));
+    x += off;
     int64_t bad = 0;
     if (ok) {
         dbuf_get(got, &dy);
@@ -803,7 +808,7 @@ static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out)
     printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
     CHECK(ok, "%s: %lld elements wrong", what, (long long)bad);
     dbuf_free(&dx), dbuf_free(&dy);
-    free(x), free(got);
+    free(x - off), free(got);
 }
 
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
@@ -854,9 +859,9 @@ static void test_contracts(void)
     CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
     CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
     uint16_t *b16 = (uint16_t *)(fake + 2048);
-    CHECK(fitm_cuda_to_bf16(f, 3, 8, 2, b16, NULL) == inval);     /* rows_out < rows */
-    CHECK(fitm_cuda_to_bf16(f + 1, 1, 8, 1, b16, NULL) == inval); /* misaligned x */
-    CHECK(fitm_cuda_to_bf16(f, 1, 8, 1, b16 + 1, NULL) == inval); /* misaligned dst */
+    CHECK(fitm_cuda_to_bf16(f, 3, 8, 2, b16, NULL) == inval); /* rows_out < rows */
+    CHECK(fitm_cuda_to_bf16((float *)(fake + 2), 1, 8, 1, b16, NULL) == inval); /* x: 2 bytes */
+    CHECK(fitm_cuda_to_bf16(f, 1, 8, 1, (uint16_t *)(fake + 2049), NULL) == inval);
     CHECK(fitm_cuda_to_bf16(NULL, 1, 8, 1, b16, NULL) == inval);
     CHECK(fitm_cuda_to_bf16(f, -1, 8, 1, b16, NULL) == inval);
     CHECK(fitm_cuda_to_bf16(f, 0, 8, 0, b16, NULL) == 0);
@@ -1005,11 +1010,12 @@ int main(int argc, char **argv)
     }
 
     if (want("bf16")) {
-        test_to_bf16(1, 40, 1);     /* the fixed cases alone */
-        test_to_bf16(5, 640, 64);   /* a chunk of activations, padded to the GEMM's rows */
-        test_to_bf16(64, 33, 64);   /* a whole chunk, an odd row length */
-        test_to_bf16(0, 16, 3);     /* padding only */
-        test_to_bf16(1, 100003, 1); /* a weight as one row */
+        test_to_bf16(1, 40, 1, 0);     /* the fixed cases alone */
+        test_to_bf16(5, 640, 64, 0);   /* a chunk of activations, padded to the GEMM's rows */
+        test_to_bf16(64, 33, 64, 0);   /* a whole chunk, an odd row length */
+        test_to_bf16(3, 37, 64, 37);   /* rows starting at an odd float of the activations */
+        test_to_bf16(0, 16, 3, 0);     /* padding only */
+        test_to_bf16(1, 100003, 1, 0); /* a weight as one row */
     }
 
     CUDA_OK(cudaStreamDestroy(stream));
