@@ -435,6 +435,49 @@ static void test_model_bf16(fitm_backend *cpu, fitm_backend *gpu32, fitm_backend
     free(buf);
 }
 
+/* Rows across the GEMMs' 64-row chunks, in bfloat16: a 70-token pass (two chunks, the second
+ * padded) against branches at 9 and at 60 that recompute its suffix (rows moving from the
+ * second chunk to the first, and to other places in it), the last rows' logits bit for bit. */
+static void test_bf16_chunks(fitm_backend *gpu16)
+{
+    enum { TL = 70, NLL = 8 };
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_LLAMA, FITM_DTYPE_Q4_K, &buf);
+    const fitm_forward_params fp = {TL, TL, TL};
+    fitm_forward *f = NULL;
+    fitm_kv *kv = NULL, *kv2 = NULL;
+    fitm_err err = {{0}};
+    const fitm_model_config *c = m ? fitm_model_config_of(m) : NULL;
+    bool ok = m && fitm_forward_create(&f, m, gpu16, &fp, &err) == FITM_OK &&
+              fitm_kv_create(&kv, gpu16, c, TL, &err) == FITM_OK &&
+              fitm_kv_create(&kv2, gpu16, c, TL, &err) == FITM_OK;
+    CHECK(ok, "bf16 chunk test setup: %s", err.msg);
+    const int64_t V = ok ? c->n_vocab : 1;
+    int32_t ids[TL];
+    for (int i = 0; i < TL; i++)
+        ids[i] = (int32_t)((i * 613 + 29) % V);
+    float *full = malloc(sizeof(float) * NLL * V), *part = malloc(sizeof(float) * NLL * V);
+    fitm_forward_opts o = {.n_logits = NLL, .logits = full, .path = FITM_PATH_BATCH};
+    ok = ok && fitm_forward_run(f, kv, ids, TL, 0, &o, &err) == FITM_OK;
+    CHECK(ok, "70-token pass: %s", err.msg);
+    const int64_t at[] = {9, 60};
+    for (size_t i = 0; i < sizeof at / sizeof at[0] && ok; i++) {
+        fitm_kv_rebase(kv2, at[i], &err);
+        fitm_forward_opts ob = {
+            .prefix = kv, .n_logits = NLL, .logits = part, .path = FITM_PATH_BATCH};
+        CHECK(fitm_forward_run(f, kv2, ids + at[i], TL - at[i], at[i], &ob, &err) == FITM_OK, "%s",
+              err.msg);
+        CHECK(memcmp(full, part, sizeof(float) * NLL * V) == 0,
+              "bf16: a branch at %lld differs from the 70-token pass", (long long)at[i]);
+    }
+    free(full), free(part);
+    fitm_kv_destroy(kv);
+    fitm_kv_destroy(kv2);
+    fitm_forward_destroy(f);
+    fitm_model_close(m);
+    free(buf);
+}
+
 /* A conversion to bfloat16 that fails at prepare (an injected launch failure) fails the
  * forward's creation with the weight's name and the way out; the next prepare converts them
  * all. */
@@ -650,6 +693,7 @@ int main(int argc, char **argv)
             if (argc < 2 ||
                 strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
                 test_model_bf16(cpu, gpu, gpu16, (fitm_gen_arch)a, types[i]);
+    test_bf16_chunks(gpu16);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
     test_graphs(gpu);
