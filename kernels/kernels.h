@@ -198,6 +198,17 @@ int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream);
 int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev, int n,
                              void *stream);
 
+/* ---- bfloat16 operands (kernels/bf16.cu) ---- */
+
+/* dst (rows_out, n) = x (rows, n) rounded to bfloat16 (round to nearest even; bits in
+ * uint16_t; overflow to +-inf, NaN stays NaN), rows [rows, rows_out) of dst set to 0: the BATCH
+ * class's tensor-core operands, a weight (dequantized to F32 first) or a chunk of activations
+ * zero-padded to the GEMM's fixed row count. rows_out >= rows; x and dst must not overlap.
+ * Unlike the other launchers, x and dst need only their elements' alignment (4 and 2 bytes):
+ * a call's rows may start anywhere in the forward's activations. */
+int fitm_cuda_to_bf16(const float *x, int64_t rows, int64_t n, int64_t rows_out, uint16_t *dst,
+                      void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,19 +5,27 @@
  * the residual sums (everything after them drifts), or the attention outputs' RoPE (keys and
  * queries rotated wrong: probabilities move, logits too). A perturbation of 1e-2 stands for a
  * broken kernel (a lost barrier or a wrong lane is larger); one of 1e-7 relative is float
- * rounding, which a correct GPU differs by, and must pass. */
+ * rounding, which a correct GPU differs by, and must pass.
+ *
+ * With FITM_CHECK_PRODUCTS_BF16 (the CUDA backend's gpu_weights = bf16) the wrapper stands in
+ * for such a GPU: its BATCH products round both operands to bfloat16 and sum in float
+ * (PERTURB_BF16), which the bfloat16 bounds must pass (and which moves the logits by more than
+ * float rounding: the check sees it), while a perturbation of the residual sums by a third
+ * (a conversion gone wrong) fails them. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "compute/quant.h"
 #include "gen_model.h"
 #include "gguf/gguf_writer.h"
 #include "model/backend_check.h"
 #include "model/genmodel.h"
 
-typedef enum { PERTURB_NONE, PERTURB_ADD, PERTURB_ROPE, PERTURB_FAIL } perturb;
+typedef enum { PERTURB_NONE, PERTURB_ADD, PERTURB_ROPE, PERTURB_FAIL, PERTURB_BF16 } perturb;
 
 typedef struct {
     fitm_backend base;
@@ -69,10 +77,46 @@ static void w_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids, i
 {
     wr(b)->cpu->ops->embed(wr(b)->cpu, w, ids, T, s, x);
 }
+static float round_bf16(float f) /* nearest, ties to even; f finite */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + (u >> 16 & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Each o[j].y (T, N) = x (T, K) . W^T (+ bias) with W's values and x rounded to bfloat16, the
+ * products summed in float: a GPU's bfloat16 BATCH product, on host memory. */
+static void bf16_matmul(const float *x, int64_t T, const fitm_mm_out *o, int n)
+{
+    for (int j = 0; j < n; j++) {
+        const fitm_weight *w = o[j].w;
+        const int64_t N = w->n_rows, K = w->n_cols;
+        float *row = malloc((size_t)K * sizeof(float));
+        for (int64_t r = 0; r < N && row; r++) {
+            fitm_dequant_row(w->type, (const char *)w->data + r * w->row_bytes, row, K);
+            for (int64_t k = 0; k < K; k++)
+                row[k] = round_bf16(row[k]);
+            const float bias = o[j].bias ? ((const float *)o[j].bias->data)[r] : 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; k++)
+                    acc = fmaf(row[k], round_bf16(x[t * K + k]), acc);
+                o[j].y[t * N + r] = acc + bias;
+            }
+        }
+        free(row);
+    }
+}
+
 static void w_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *o, int n,
                      bool batched)
 {
-    wr(b)->cpu->ops->matmul(wr(b)->cpu, x, T, o, n, batched);
+    if (batched && wr(b)->what == PERTURB_BF16)
+        bf16_matmul(x, T, o, n);
+    else
+        wr(b)->cpu->ops->matmul(wr(b)->cpu, x, T, o, n, batched);
 }
 static void w_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w, int64_t r,
                       int64_t n, float eps)
@@ -160,7 +204,7 @@ static void test_arch(fitm_backend *cpu, fitm_gen_arch arch, fitm_dtype type)
     /* a second CPU backend with another thread count: correct, passes */
     fitm_backend *other = NULL;
     CHECK(fitm_backend_cpu_create(&other, 3, &err) == FITM_OK);
-    fitm_status s = fitm_backend_check(m, cpu, other, &rep, &err);
+    fitm_status s = fitm_backend_check(m, cpu, other, FITM_CHECK_PRODUCTS_F32, &rep, &err);
     CHECK(s == FITM_OK, "%s: %s", name, err.msg);
     CHECK(rep.logit_err <= 1e-5 && rep.prob_err <= 1e-5, "%s: %g %g", name, rep.logit_err,
           rep.prob_err);
@@ -180,7 +224,7 @@ static void test_arch(fitm_backend *cpu, fitm_gen_arch arch, fitm_dtype type)
         CHECK(p != NULL);
         if (!p)
             continue;
-        s = fitm_backend_check(m, cpu, p, &rep, &err);
+        s = fitm_backend_check(m, cpu, p, FITM_CHECK_PRODUCTS_F32, &rep, &err);
         printf("%-6s case %zu: logits %.2e (tol %.0e) attention %.2e (tol %.0e): %s\n", name, i,
                rep.logit_err, rep.logit_tol, rep.prob_err, rep.prob_tol,
                s == FITM_OK ? "pass" : err.msg);
@@ -193,6 +237,31 @@ static void test_arch(fitm_backend *cpu, fitm_gen_arch arch, fitm_dtype type)
         if (cases[i].what == PERTURB_ROPE && !cases[i].pass)
             CHECK(rep.prob_err > rep.prob_tol, "%s: rope error not seen in attention: %g", name,
                   rep.prob_err);
+        fitm_backend_destroy(p);
+    }
+
+    /* bfloat16 products: within their bounds, and seen; a gross error still fails */
+    const struct {
+        perturb what;
+        float rel;
+        bool pass;
+    } bf16_cases[] = {{PERTURB_BF16, 0, true}, {PERTURB_ADD, 0.3f, false}};
+    for (size_t i = 0; i < sizeof bf16_cases / sizeof bf16_cases[0]; i++) {
+        fitm_backend *p = make_wrapped(bf16_cases[i].what, bf16_cases[i].rel);
+        CHECK(p != NULL);
+        if (!p)
+            continue;
+        s = fitm_backend_check(m, cpu, p, FITM_CHECK_PRODUCTS_BF16, &rep, &err);
+        printf("%-6s bf16 case %zu: logits %.2e (tol %.0e) attention %.2e (tol %.0e): %s\n", name,
+               i, rep.logit_err, rep.logit_tol, rep.prob_err, rep.prob_tol,
+               s == FITM_OK ? "pass" : err.msg);
+        CHECK(rep.logit_tol == 1e-1 && rep.prob_tol == 1e-1);
+        if (bf16_cases[i].pass) {
+            CHECK(s == FITM_OK, "%s bf16 case %zu: %s", name, i, err.msg);
+            CHECK(rep.logit_err > 1e-4, "%s: bfloat16 products not seen (%g)", name, rep.logit_err);
+        } else {
+            CHECK(s == FITM_ERR_BACKEND, "%s bf16 case %zu: status %d", name, i, (int)s);
+        }
         fitm_backend_destroy(p);
     }
     fitm_model_close(m);

@@ -3,10 +3,10 @@
  * captured span masses and the logits of intervened passes, plain, with Ms-PoE (an
  * attention mixture: the position methods' path) and with Attention Buckets (passes whose
  * captures are summed: ops->capture_add); and on the CUDA backend alone,
- * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count)
- * bit-identical to a full pass, STEP-class steps (the warp-per-output kernel) within the
- * logit tolerance of it, and decode steps with CUDA graphs (the default) bit-identical to
- * steps without.
+ * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count,
+ * F32 and bfloat16) bit-identical to a full pass, STEP-class steps (the warp-per-output
+ * kernel) within the logit tolerance of it, and decode steps with CUDA graphs (the default)
+ * bit-identical to steps without.
  *
  * Runs on a CUDA device, or on the emulator of tests/cuda_emu (test_backend_cuda_emu); exits
  * 77 (skip) without a device.
@@ -27,7 +27,18 @@
  * of K = 256 such roundings with random signs that is about sqrt(256)/254 = 6e-2 of a typical
  * term, a few 1e-2 of the largest logit (measured up to 1.5e-2): quantized heads get 5e-2.
  * The layers below the head are still held to 2e-4 there, through the captured span masses,
- * which match to about 3e-6 for every type. */
+ * which match to about 3e-6 for every type.
+ * Those bounds hold the F32 products (gpu_weights f32). The default, bfloat16 products, rounds
+ * both operands of every weight product to 8 significant bits (unit roundoff 2^-8): each term
+ * moves by up to 2^-7 of itself, about 3e-3 rms, so a dot product carries about 3e-3 of its own
+ * size whatever K, 2000 times the F32 products' error, carried through the same layers. Measured
+ * on these models: 5e-3..2.4e-2 of the largest logit (the quantized heads' Q8 rounding
+ * included) and 2e-3..1.7e-2 on span masses (the most on gemma3's six layers); the bounds,
+ * 7e-2 and 5e-2 (LOGIT_RTOL_BF16, MASS_ATOL_BF16), leave a factor of about 3 over those for a
+ * device's other summation order and stay below what a conversion in the wrong layout or type
+ * gives (logits off by their own size, masses by 1e-1 and more).
+ * What bfloat16 must keep exactly, it is held to exactly: prefix reuse and single-token BATCH
+ * steps against the full pass, memcmp. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +60,8 @@
 #define LOGIT_RTOL 2e-4
 #define LOGIT_RTOL_Q8 5e-2
 #define MASS_ATOL 2e-4
+#define LOGIT_RTOL_BF16 7e-2
+#define MASS_ATOL_BF16 5e-2
 
 static const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                    FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
@@ -300,11 +313,199 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
     /* fitmd's start-up self-test passes on this model (its bounds, backend_check.c, are looser
      * than the ones above: they must hold for 30-layer models too) */
     fitm_backend_check_report rep;
-    CHECK(fitm_backend_check(m, cpu, gpu, &rep, &err) == FITM_OK, "%s: %s", what, err.msg);
+    CHECK(fitm_backend_check(m, cpu, gpu, FITM_CHECK_PRODUCTS_F32, &rep, &err) == FITM_OK, "%s: %s",
+          what, err.msg);
     printf("%-16s start-up check: logits %.2e  attention %.2e\n", what, rep.logit_err,
            rep.prob_err);
     fitm_model_close(m);
     free(buf);
+}
+
+/* Device bytes of the bfloat16 copies of m's layer matrices: 2 per weight. */
+static size_t bf16_bytes_of(const fitm_model *m)
+{
+    size_t n = 0;
+    for (int32_t l = 0; l < fitm_model_config_of(m)->n_layer; l++) {
+        const fitm_layer *ly = fitm_model_layer(m, l);
+        const fitm_weight *w[] = {&ly->wq,     &ly->wk,   &ly->wv,    &ly->wo,
+                                  &ly->w_gate, &ly->w_up, &ly->w_down};
+        for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+            n += w[i]->data ? (size_t)(w[i]->n_rows * w[i]->n_cols) * 2 : 0;
+    }
+    return n;
+}
+
+/* The BATCH class in bfloat16 (gpu16, the backend's default) on model (arch, t): the copies
+ * made at prepare are the layer matrices' size; a branch over [0, 9) recomputing [9, T) and
+ * (for Q4_K) single-token steps give the full pass's rows bit for bit, as in F32; the rows
+ * differ from the F32 path's (gpu32: the bfloat16 products are what ran); against the CPU,
+ * logits and captured span masses of an intervened pass within LOGIT_RTOL_BF16 and
+ * MASS_ATOL_BF16 (derived above); fitmd's start-up check with its bfloat16 bounds passes. */
+static void test_model_bf16(fitm_backend *cpu, fitm_backend *gpu32, fitm_backend *gpu16,
+                            fitm_gen_arch arch, fitm_dtype t)
+{
+    void *buf = NULL;
+    fitm_model *m = gen_model(arch, t, &buf);
+    runner rc, r32, rg;
+    bool ok =
+        m && runner_open(&rc, cpu, m) && runner_open(&r32, gpu32, m) && runner_open(&rg, gpu16, m);
+    CHECK(ok, "bf16 runners");
+    if (!ok) {
+        fitm_model_close(m);
+        free(buf);
+        return;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "%s %s bf16", fitm_gen_arch_name(arch),
+             fitm_dtype_info_of(t)->name);
+    CHECK(fitm_backend_cuda_bf16_bytes(gpu16) == bf16_bytes_of(m),
+          "%s: bfloat16 copies of %zu bytes, the layer matrices hold %zu weights", what,
+          fitm_backend_cuda_bf16_bytes(gpu16), bf16_bytes_of(m) / 2);
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab, L = c->n_layer, H = c->n_head;
+    int32_t ids[T];
+    for (int i = 0; i < T; i++)
+        ids[i] = (int32_t)((i * 7919 + 13 * (int)t + 5) % V);
+    float *lc = malloc(sizeof(float) * T * V), *lg = malloc(sizeof(float) * T * V);
+    float *lg2 = malloc(sizeof(float) * T * V), *l32 = malloc(sizeof(float) * T * V);
+    const fitm_span spans[2] = {{2, 7}, {8, 15}};
+    const float alpha[2] = {1.7f, 0.3f};
+    const int64_t rows[2] = {4, T - 1};
+    const int64_t nm = 2 * L * H * 2;
+    float *mc = calloc((size_t)nm, sizeof(float)), *mg = calloc((size_t)nm, sizeof(float));
+    fitm_capture cc = {.rows = rows,
+                       .n_rows = 2,
+                       .spans = spans,
+                       .n_spans = 2,
+                       .span_mass = mc,
+                       .after_intervention = true};
+    fitm_capture cg = cc;
+    cg.span_mass = mg;
+    const fitm_intervention iv = {.spans = spans, .n_spans = 2, .alpha = alpha, .from_pos = 15};
+    double e_iv = INFINITY, e_mass = INFINITY;
+    if (run(&rc, ids, lc, &cc, &iv) && run(&rg, ids, lg, &cg, &iv)) {
+        e_iv = logit_err(lg, lc, NL, V);
+        e_mass = abs_err(mg, mc, nm);
+    }
+    /* the plain pass on both paths: bfloat16 must differ from F32 (else it did not run) */
+    bool plain = run(&r32, ids, l32, NULL, NULL) && run(&rg, ids, lg, NULL, NULL);
+    const double e_f32 = plain ? logit_err(lg, l32, NL, V) : 0;
+    printf("%-21s intervened logits %.2e  span mass %.2e  (from the F32 path %.2e)\n", what, e_iv,
+           e_mass, e_f32);
+    const double rtol = fitm_dtype_info_of(t)->block_elems > 1
+                            ? fmax(LOGIT_RTOL_Q8, LOGIT_RTOL_BF16)
+                            : LOGIT_RTOL_BF16;
+    CHECK(e_iv <= rtol, "%s: intervened logits off by %.3g of the largest", what, e_iv);
+    CHECK(e_mass <= MASS_ATOL_BF16, "%s: captured span mass off by %.3g", what, e_mass);
+    CHECK(plain && e_f32 > 0, "%s: the bfloat16 path gave the F32 path's logits", what);
+
+    fitm_err err;
+    if (plain) {
+        fitm_kv_rebase(rg.kv2, 9, &err);
+        fitm_forward_opts ob = {
+            .prefix = rg.kv, .n_logits = NL, .logits = lg2, .path = FITM_PATH_BATCH};
+        CHECK(fitm_forward_run(rg.f, rg.kv2, ids + 9, T - 9, 9, &ob, &err) == FITM_OK, "%s",
+              err.msg);
+        CHECK(memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
+              "%s: prefix reuse differs from the full pass", what);
+    }
+    if (plain && t == FITM_DTYPE_Q4_K) { /* one type: slow emulated */
+        fitm_kv_rebase(rg.kv2, 0, &err);
+        memset(lg2, 0, sizeof(float) * NL * V);
+        for (int64_t i = 0; i < T; i++) {
+            fitm_forward_opts o1 = {.n_logits = i >= T - NL,
+                                    .logits = i >= T - NL ? lg2 + (i - (T - NL)) * V : NULL,
+                                    .path = FITM_PATH_BATCH};
+            CHECK(fitm_forward_run(rg.f, rg.kv2, ids + i, 1, i, &o1, &err) == FITM_OK, "%s",
+                  err.msg);
+        }
+        CHECK(memcmp(lg, lg2, sizeof(float) * NL * V) == 0,
+              "%s: single-token steps (BATCH) differ from the full pass", what);
+    }
+    free(lc), free(lg), free(lg2), free(l32), free(mc), free(mg);
+    runner_close(&rc);
+    runner_close(&r32);
+    runner_close(&rg);
+    fitm_backend_check_report rep;
+    CHECK(fitm_backend_check(m, cpu, gpu16, FITM_CHECK_PRODUCTS_BF16, &rep, &err) == FITM_OK,
+          "%s: %s", what, err.msg);
+    printf("%-21s start-up check: logits %.2e (tol %.0e)  attention %.2e (tol %.0e)\n", what,
+           rep.logit_err, rep.logit_tol, rep.prob_err, rep.prob_tol);
+    fitm_model_close(m);
+    free(buf);
+}
+
+/* Rows across the GEMMs' 64-row chunks, in bfloat16: a 70-token pass (two chunks, the second
+ * padded) against branches at 9 and at 60 that recompute its suffix (rows moving from the
+ * second chunk to the first, and to other places in it), the last rows' logits bit for bit. */
+static void test_bf16_chunks(fitm_backend *gpu16)
+{
+    enum { TL = 70, NLL = 8 };
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_LLAMA, FITM_DTYPE_Q4_K, &buf);
+    const fitm_forward_params fp = {TL, TL, TL};
+    fitm_forward *f = NULL;
+    fitm_kv *kv = NULL, *kv2 = NULL;
+    fitm_err err = {{0}};
+    const fitm_model_config *c = m ? fitm_model_config_of(m) : NULL;
+    bool ok = m && fitm_forward_create(&f, m, gpu16, &fp, &err) == FITM_OK &&
+              fitm_kv_create(&kv, gpu16, c, TL, &err) == FITM_OK &&
+              fitm_kv_create(&kv2, gpu16, c, TL, &err) == FITM_OK;
+    CHECK(ok, "bf16 chunk test setup: %s", err.msg);
+    const int64_t V = ok ? c->n_vocab : 1;
+    int32_t ids[TL];
+    for (int i = 0; i < TL; i++)
+        ids[i] = (int32_t)((i * 613 + 29) % V);
+    float *full = malloc(sizeof(float) * NLL * V), *part = malloc(sizeof(float) * NLL * V);
+    fitm_forward_opts o = {.n_logits = NLL, .logits = full, .path = FITM_PATH_BATCH};
+    ok = ok && fitm_forward_run(f, kv, ids, TL, 0, &o, &err) == FITM_OK;
+    CHECK(ok, "70-token pass: %s", err.msg);
+    const int64_t at[] = {9, 60};
+    for (size_t i = 0; i < sizeof at / sizeof at[0] && ok; i++) {
+        fitm_kv_rebase(kv2, at[i], &err);
+        fitm_forward_opts ob = {
+            .prefix = kv, .n_logits = NLL, .logits = part, .path = FITM_PATH_BATCH};
+        CHECK(fitm_forward_run(f, kv2, ids + at[i], TL - at[i], at[i], &ob, &err) == FITM_OK, "%s",
+              err.msg);
+        CHECK(memcmp(full, part, sizeof(float) * NLL * V) == 0,
+              "bf16: a branch at %lld differs from the 70-token pass", (long long)at[i]);
+    }
+    free(full), free(part);
+    fitm_kv_destroy(kv);
+    fitm_kv_destroy(kv2);
+    fitm_forward_destroy(f);
+    fitm_model_close(m);
+    free(buf);
+}
+
+/* A conversion to bfloat16 that fails at prepare (an injected launch failure) fails the
+ * forward's creation with the weight's name and the way out; the next prepare converts them
+ * all. */
+static void test_bf16_prepare_error(void)
+{
+#ifdef FITM_CUDA_EMU
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_LLAMA, FITM_DTYPE_Q8_0, &buf);
+    fitm_backend *b = NULL;
+    fitm_forward *f = NULL;
+    fitm_err err = {{0}};
+    if (!m || fitm_backend_cuda_create(&b, 0, &err) != FITM_OK) {
+        CHECK(false, "bf16 prepare error setup: %s", err.msg);
+        return;
+    }
+    const fitm_forward_params fp = {T, T, T};
+    fitm_emu_inject_error("launch", cudaErrorInvalidConfiguration);
+    CHECK(fitm_forward_create(&f, m, b, &fp, &err) == FITM_ERR_BACKEND && !f);
+    CHECK(strstr(err.msg, "converting 'blk.0.attn_q.weight' to bfloat16") &&
+              strstr(err.msg, "gpu_weights f32") && strstr(err.msg, "InvalidConfiguration"),
+          "%s", err.msg);
+    CHECK(fitm_forward_create(&f, m, b, &fp, &err) == FITM_OK, "%s", err.msg);
+    CHECK(fitm_backend_cuda_bf16_bytes(b) == bf16_bytes_of(m));
+    fitm_forward_destroy(f);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    free(buf);
+#endif
 }
 
 /* A failed launch becomes FITM_ERR_BACKEND for that call and the next call works. */
@@ -355,6 +556,7 @@ static void test_graphs(fitm_backend *gpu)
         return;
     }
     fitm_backend_cuda_set_graphs(plain, false);
+    fitm_backend_cuda_set_weights(plain, FITM_CUDA_WEIGHTS_F32); /* as gpu's */
     enum { B = 3, PROMPT = 5, STEPS = 6, K = 8 };
     const fitm_model_config *c = fitm_model_config_of(m);
     const int64_t V = c->n_vocab;
@@ -471,18 +673,29 @@ int main(int argc, char **argv)
         printf("no CUDA device: skipped\n");
         return 77;
     }
-    fitm_backend *cpu = NULL, *gpu = NULL;
+    fitm_backend *cpu = NULL, *gpu = NULL, *gpu16 = NULL;
     fitm_err err;
-    if (fitm_backend_cpu_create(&cpu, 2, &err) || fitm_backend_cuda_create(&gpu, 0, &err)) {
+    if (fitm_backend_cpu_create(&cpu, 2, &err) || fitm_backend_cuda_create(&gpu, 0, &err) ||
+        fitm_backend_cuda_create(&gpu16, 0, &err)) {
         fprintf(stderr, "backend: %s\n", err.msg);
         return 1;
     }
+    /* gpu: the F32 products, held to the CPU's float rounding; gpu16: the default, bfloat16 */
+    fitm_backend_cuda_set_weights(gpu, FITM_CUDA_WEIGHTS_F32);
     /* argv[1]: only the types whose name starts with it (for quick runs by hand) */
     for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
         for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
             if (argc < 2 ||
                 strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
                 test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
+    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+        for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+            if (argc < 2 ||
+                strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
+                test_model_bf16(cpu, gpu, gpu16, (fitm_gen_arch)a, types[i]);
+    test_bf16_chunks(gpu16);
+    fitm_backend_destroy(gpu16);
+    test_bf16_prepare_error();
     test_graphs(gpu);
     test_error_channel(gpu);
     test_lost_context(gpu);

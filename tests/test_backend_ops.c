@@ -9,7 +9,14 @@
  * Tolerances: ops whose reference is the same formula in float get 1e-5 relative; products
  * get a bound relative to sum |w||x| (float rounding for the BATCH path and float weights,
  * the Q8 activation rounding, about 1/127 of each term, for the STEP path on quantized
- * weights). */
+ * weights). The CUDA backend's BATCH path in bfloat16 (its default, gpu_weights = bf16) is
+ * held against a reference that rounds both operands to bfloat16 and sums in double: a
+ * product of two bfloat16 values (8 significant bits each) is exact in float, so what is left
+ * is the float accumulation of K terms (plus the bias), within gamma_(K+1) ~ (K + 1) u of
+ * sum |w x| + |bias| (u = 2^-24) for any order of round-to-nearest adds; tensor cores may
+ * align and truncate inside their adds instead of rounding, up to twice that, hence
+ * (2K + 4) u. Operands rounded the wrong way (truncated, or one left in F32) move each term
+ * by up to 2^-8 of itself, hundreds of times that bound. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -171,7 +178,39 @@ static void test_embed(fitm_backend *b, fitm_dtype t, int64_t V, int64_t C)
     free_weight(&tw);
 }
 
-/* Two outputs sharing x, the second with a bias, on the BATCH and the STEP path. */
+#ifdef FITM_TEST_BACKEND_CUDA
+/* f rounded to bfloat16 (nearest, ties to even; f finite) and back to float. */
+static float round_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + (u >> 16 & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The product's reference with both operands rounded to bfloat16: want (T, N) in double and
+ * bound = sum |w x| + |bias| (what the tolerance is relative to). */
+static void bf16_reference(const float *deq, const float *x, const float *bias, int64_t T,
+                           int64_t K, int64_t N, double *want, double *bound)
+{
+    for (int64_t i = 0; i < T; i++)
+        for (int64_t n = 0; n < N; n++) {
+            double s = bias ? bias[n] : 0, mag = bias ? fabs(bias[n]) : 0;
+            for (int64_t k = 0; k < K; k++) {
+                const double p = (double)round_bf16(deq[n * K + k]) * round_bf16(x[i * K + k]);
+                s += p;
+                mag += fabs(p);
+            }
+            want[i * N + n] = s;
+            bound[i * N + n] = mag + 1e-30;
+        }
+}
+#endif
+
+/* Two outputs sharing x, the second with a bias, on the STEP path (pass 0), the BATCH path
+ * (pass 1: in F32 on the CUDA backend) and, on the CUDA backend, the BATCH path in bfloat16
+ * (pass 2). */
 static void test_matmul(fitm_backend *b, fitm_dtype t, int64_t T, int64_t K, int64_t N0, int64_t N1)
 {
     test_weight w0 = make_weight(t, N0, K), w1 = make_weight(t, N1, K);
@@ -201,27 +240,49 @@ static void test_matmul(fitm_backend *b, fitm_dtype t, int64_t T, int64_t K, int
         }
     }
     bool quantized = fitm_quant_vec_dtype(t) != FITM_DTYPE_F32;
-    for (int batched = 0; batched < 2; batched++) {
+#ifdef FITM_TEST_BACKEND_CUDA
+    const int n_passes = 3;
+    double *want16_0 = malloc((size_t)(T * N0) * sizeof(double)),
+           *bound16_0 = malloc((size_t)(T * N0) * sizeof(double));
+    double *want16_1 = malloc((size_t)(T * N1) * sizeof(double)),
+           *bound16_1 = malloc((size_t)(T * N1) * sizeof(double));
+    bf16_reference(w0.deq, xh, NULL, T, K, N0, want16_0, bound16_0);
+    bf16_reference(w1.deq, xh, bias, T, K, N1, want16_1, bound16_1);
+#else
+    const int n_passes = 2;
+#endif
+    for (int pass = 0; pass < n_passes; pass++) {
+        const bool batched = pass > 0, bf16 = pass == 2;
+        const double *w0_want = want0, *w0_bound = bound0, *w1_want = want1, *w1_bound = bound1;
+#ifdef FITM_TEST_BACKEND_CUDA
+        fitm_backend_cuda_set_weights(b, bf16 ? FITM_CUDA_WEIGHTS_BF16 : FITM_CUDA_WEIGHTS_F32);
+        if (bf16)
+            w0_want = want16_0, w0_bound = bound16_0, w1_want = want16_1, w1_bound = bound16_1;
+#endif
         float *y0 = to_dev(b, NULL, T * N0), *y1 = to_dev(b, NULL, T * N1);
         fitm_mm_out outs[2] = {{&w0.w, NULL, y0}, {&w1.w, &bw, y1}};
         b->ops->matmul(b, x, T, outs, 2, batched);
         float *g0 = to_host(b, y0, T * N0), *g1 = to_host(b, y1, T * N1);
         double tol = !batched && quantized ? 1.0 / 64 : 1e-5;
+        if (bf16)
+            tol = (2.0 * (double)K + 4) * 0x1p-24;
+        const char *path = bf16 ? "batch bf16" : batched ? "batch" : "step";
         char what[96];
         snprintf(what, sizeof what, "matmul %s %s T %lld K %lld N %lld (out 0)",
-                 fitm_dtype_info_of(t)->name, batched ? "batch" : "step", (long long)T,
-                 (long long)K, (long long)N0);
-        check_close(what, g0, want0, T * N0, bound0, tol);
+                 fitm_dtype_info_of(t)->name, path, (long long)T, (long long)K, (long long)N0);
+        check_close(what, g0, w0_want, T * N0, w0_bound, tol);
         snprintf(what, sizeof what, "matmul %s %s T %lld K %lld N %lld (out 1, bias)",
-                 fitm_dtype_info_of(t)->name, batched ? "batch" : "step", (long long)T,
-                 (long long)K, (long long)N1);
-        check_close(what, g1, want1, T * N1, bound1, tol);
+                 fitm_dtype_info_of(t)->name, path, (long long)T, (long long)K, (long long)N1);
+        check_close(what, g1, w1_want, T * N1, w1_bound, tol);
         free(g0);
         free(g1);
         b->ops->free(b, y0);
         b->ops->free(b, y1);
     }
     free(want0), free(want1), free(bound0), free(bound1);
+#ifdef FITM_TEST_BACKEND_CUDA
+    free(want16_0), free(want16_1), free(bound16_0), free(bound16_1);
+#endif
     free(xh), free(bias);
     b->ops->free(b, x);
     free_weight(&w0);

@@ -10,7 +10,9 @@
  * beta and the final add add a few u more. The bound is (k + 4) u (|alpha| sum |a_i b_i| +
  * |beta c|) plus 1e-30, which a wrong transpose, leading dimension or element type exceeds by
  * orders of magnitude (it reads other elements). 16BF inputs are rounded on the host and the
- * reference uses the rounded values, so the bound is the same. */
+ * reference uses the rounded values, so the bound is the same. A and B of different types are
+ * refused (CUBLAS_STATUS_NOT_SUPPORTED), as a leading dimension below the minimum is
+ * (CUBLAS_STATUS_INVALID_VALUE). */
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -158,6 +160,11 @@ int main(void)
     st = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 2, 3, &one, d, CUDA_R_32F, 3, d, CUDA_R_32F,
                       3, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     CHECK(st == CUBLAS_STATUS_INVALID_VALUE, "lda 3 < m 4 accepted: %s", cublasGetStatusName(st));
+    /* A and B of different types: a combination cuBLAS does not implement */
+    st = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 2, 3, &one, d, CUDA_R_16BF, 4, d, CUDA_R_32F,
+                      3, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    CHECK(st == CUBLAS_STATUS_NOT_SUPPORTED, "16BF times 32F accepted: %s",
+          cublasGetStatusName(st));
     cudaFree(d);
     cublasDestroy(h);
     printf("%d checks, %d failed\n", n_checks, failures);

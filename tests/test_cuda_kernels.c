@@ -11,6 +11,7 @@
  * The launcher argument checks and the status helpers run first and need no device; the
  * kernels need one, and without one the test exits 77 (skip). */
 #include <cuda_runtime_api.h>
+#include <float.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -710,6 +711,106 @@ static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels
     free(x), free(ref), free(gv), free(gi);
 }
 
+/* ---- bfloat16 ---- */
+
+static uint32_t f2u(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float u2f(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* bfloat16 of f by the definition, not by bit tricks: bfloat16 keeps float's exponent range
+ * and 8 significant bits, so a value of exponent e (f = m 2^e, m in [0.5, 1)) is a multiple of
+ * 2^(e - 8), and below the normal range of 2^-133; f / quantum rounded to the nearest integer,
+ * ties to even (rint in the default rounding mode), times the quantum, and a magnitude of
+ * 2^128 or more is infinite. NaN is any NaN (the caller checks NaN-ness alone). */
+static uint16_t bf16_by_definition(float f)
+{
+    if (isnan(f))
+        return 0x7fc0;
+    if (isinf(f) || f == 0.0f)
+        return (uint16_t)(f2u(f) >> 16);
+    int e = 0;
+    frexp(f, &e);
+    const int q = e - 8 < -133 ? -133 : e - 8;
+    const double v = ldexp(rint(ldexp((double)f, -q)), q);
+    const float r = fabs(v) > FLT_MAX ? copysignf(INFINITY, f) : (float)v;
+    return (uint16_t)(f2u(r) >> 16);
+}
+
+/* Values that test the rounding: exact ties with an even and an odd last kept bit (must stay
+ * and must round up), one unit below and above each tie, values already bfloat16, the largest
+ * finite ones (rounding to infinity at the tie), subnormals, signed zeros, infinities, NaN;
+ * then uniform random values over many magnitudes and random bit patterns. */
+static void fill_bf16_cases(float *x, int64_t n)
+{
+    static const uint32_t fixed[] = {
+        0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3f818001u, 0x3f817fffu,
+        0xbf808000u, 0xbf818000u, 0x3f800000u, 0x7f7f7fffu, 0x7f7f8000u, 0x7f7fffffu,
+        0xff7f8000u, 0x00008000u, 0x00018000u, 0x00000001u, 0x807fffffu, 0x00000000u,
+        0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xff812345u, 0x7f7f0000u,
+    };
+    const int64_t nf = (int64_t)(sizeof fixed / sizeof fixed[0]);
+    for (int64_t i = 0; i < n; i++) {
+        if (i < nf) {
+            x[i] = u2f(fixed[i]);
+        } else if (i % 3 == 0) { /* random bits: every exponent, NaN and inf now and then */
+            x[i] = u2f((uint32_t)(rng_u64() >> 32));
+        } else if (i % 3 == 1) { /* a tie of a random value */
+            x[i] = u2f((f2u(rng_uniform(-8.0f, 8.0f)) & 0xffff0000u) | 0x8000u);
+        } else {
+            x[i] = ldexpf(rng_uniform(-1.0f, 1.0f), (int)(rng_u64() % 80) - 40);
+        }
+    }
+}
+
+/* fitm_cuda_to_bf16 on (rows, n), starting off floats into its buffer (rows of a call start
+ * anywhere in the activations), into (rows_out, n): every element bit for bit the definition
+ * (NaN for NaN), the padding rows +0, nothing outside the output written. */
+static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out, int64_t off)
+{
+    char what[96];
+    snprintf(what, sizeof what, "to_bf16 %lldx%lld -> %lld rows (+%lld)", (long long)rows,
+             (long long)n, (long long)rows_out, (long long)off);
+    const int64_t ni = rows * n, no = rows_out * n;
+    float *x = xmalloc((size_t)(ni + off) * sizeof(float));
+    uint16_t *got = xmalloc((size_t)no * sizeof(uint16_t));
+    fill_bf16_cases(x + off, ni);
+    for (int64_t i = 0; i < off; i++)
+        x[i] = 1.0f;
+    dbuf dx = dbuf_from(x, (size_t)(ni + off) * sizeof(float));
+    dbuf dy = dbuf_new((size_t)no * sizeof(uint16_t));
+    bool ok =
+        launched(what, fitm_cuda_to_bf16((float *)dx.p + off, rows, n, rows_out, dy.p, stream));
+    x += off;
+    int64_t bad = 0;
+    if (ok) {
+        dbuf_get(got, &dy);
+        for (int64_t i = 0; i < no; i++) {
+            const uint16_t want = i < ni ? bf16_by_definition(x[i]) : 0;
+            const bool nan = i < ni && isnan(x[i]);
+            const bool good = nan ? isnan(u2f((uint32_t)got[i] << 16)) : got[i] == want;
+            if (!good && bad++ < MAX_REPORT)
+                fprintf(stderr, "  %s: [%lld] x %.9g (0x%08x) want 0x%04x got 0x%04x\n", what,
+                        (long long)i, i < ni ? (double)x[i] : 0.0, i < ni ? f2u(x[i]) : 0u, want,
+                        got[i]);
+        }
+        ok = values_and_guards_ok(bad == 0, &dy, what);
+    }
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok, "%s: %lld elements wrong", what, (long long)bad);
+    dbuf_free(&dx), dbuf_free(&dy);
+    free(x - off), free(got);
+}
+
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
  * sizes, accepted) before anything is launched. */
 static void test_contracts(void)
@@ -757,6 +858,13 @@ static void test_contracts(void)
     CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
     CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
     CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
+    uint16_t *b16 = (uint16_t *)(fake + 2048);
+    CHECK(fitm_cuda_to_bf16(f, 3, 8, 2, b16, NULL) == inval); /* rows_out < rows */
+    CHECK(fitm_cuda_to_bf16((float *)(fake + 2), 1, 8, 1, b16, NULL) == inval); /* x: 2 bytes */
+    CHECK(fitm_cuda_to_bf16(f, 1, 8, 1, (uint16_t *)(fake + 2049), NULL) == inval);
+    CHECK(fitm_cuda_to_bf16(NULL, 1, 8, 1, b16, NULL) == inval);
+    CHECK(fitm_cuda_to_bf16(f, -1, 8, 1, b16, NULL) == inval);
+    CHECK(fitm_cuda_to_bf16(f, 0, 8, 0, b16, NULL) == 0);
 
     fitm_err err;
     strcpy(err.msg, "untouched");
@@ -773,7 +881,7 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk (the ThreadSanitizer and mutant builds of tests/meson.build run a
+ * softmax, rope, glu, topk, bf16 (the ThreadSanitizer and mutant builds of tests/meson.build run a
  * few), or every group without an argument. With "small" in the list, the groups run only
  * their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
@@ -899,6 +1007,15 @@ int main(int argc, char **argv)
             test_topk(1, 262144, 262144, 64, 0); /* Gemma 3's vocabulary: 64 chunks */
             test_topk(2, 100003, 100003, 1, 0);
         }
+    }
+
+    if (want("bf16")) {
+        test_to_bf16(1, 40, 1, 0);     /* the fixed cases alone */
+        test_to_bf16(5, 640, 64, 0);   /* a chunk of activations, padded to the GEMM's rows */
+        test_to_bf16(64, 33, 64, 0);   /* a whole chunk, an odd row length */
+        test_to_bf16(3, 37, 64, 37);   /* rows starting at an odd float of the activations */
+        test_to_bf16(0, 16, 3, 0);     /* padding only */
+        test_to_bf16(1, 100003, 1, 0); /* a weight as one row */
     }
 
     CUDA_OK(cudaStreamDestroy(stream));

@@ -2,9 +2,13 @@
 against tests/cuda_emu, whose "GPU" runs the real kernels/*.cu on the CPU), against the CPU
 fitmd on the same `fitm mkmodel` models:
 
-- /rerank gives the same ranking, its attention masses within 2e-4 (the bound
-  tests/test_backend_cuda.c derives for span masses), and /answer the same greedy answer and
-  the same sampled answers for a given seed (temperature, top_p; also /v1/completions);
+- with gpu_weights f32, /rerank gives the same ranking, its attention masses within 2e-4 (the
+  bound tests/test_backend_cuda.c derives for span masses), and /answer the same greedy answer
+  and the same sampled answers for a given seed (temperature, top_p; also /v1/completions);
+- with gpu_weights bf16 (the default: prompts multiply bfloat16 operands), the start-up log
+  states the copies' memory and both checks, and /rerank's masses stay within 5e-2 (the
+  bfloat16 bound of tests/test_backend_cuda.c), the ranking the same where the CPU's scores
+  are further apart than that; /answer answers;
 - backend selection: auto takes the device when it exists and passes the start-up check,
   else the CPU with one log line saying why; backend=cuda without a device, or failing the
   check, is a start-up error; a fitmd built without CUDA refuses backend=cuda;
@@ -34,6 +38,7 @@ def post(d, body, path="/rerank"):
     fiber, and a shared CI machine may give the daemon a fraction of a core."""
     return http_post(d, body, path=path, timeout=600)
 MASS_ATOL = 2e-4
+MASS_ATOL_BF16 = 5e-2
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +124,10 @@ def answer_body():
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2_q8"])
 def test_same_results_as_cpu(emu_bin, fitmd_bin, models, tmp_path, name):
     cpu = start(fitmd_bin, models[name], tmp_path, backend="cpu", **OPTS)
-    gpu = start(emu_bin, models[name], tmp_path, backend="cuda", **OPTS)
+    gpu = start(emu_bin, models[name], tmp_path, backend="cuda", gpu_weights="f32", **OPTS)
     try:
         assert "cuda backend on fitm CUDA emulator" in gpu.log_text(), gpu.log_text()
+        assert "prompt products in F32" in gpu.log_text(), gpu.log_text()
         assert "cpu backend with 1 threads" in cpu.log_text()
         rc, rg = post(cpu, rerank_body()).json(), post(gpu, rerank_body()).json()
         assert [x["index"] for x in rg["results"]] == [x["index"] for x in rc["results"]], (rc, rg)
@@ -151,6 +157,30 @@ def test_same_results_as_cpu(emu_bin, fitmd_bin, models, tmp_path, name):
             og = post(gpu, body, path="/v1/completions")
             assert oc.status_code == 200 and og.status_code == 200, (oc.text, og.text)
             assert og.json()["choices"][0]["text"] == oc.json()["choices"][0]["text"]
+    finally:
+        assert cpu.terminate() == 0, cpu.log_text()
+        assert gpu.terminate(timeout=120) == 0, gpu.log_text()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_q8"])
+def test_bf16_prompts_within_their_bound(emu_bin, fitmd_bin, models, tmp_path, name):
+    cpu = start(fitmd_bin, models[name], tmp_path, backend="cpu", **OPTS)
+    gpu = start(emu_bin, models[name], tmp_path, backend="cuda", **OPTS)  # bf16: the default
+    try:
+        log = gpu.log_text()
+        assert "prompt products in bfloat16: weight copies" in log, log
+        assert "start-up check against the CPU: logits within" in log, log
+        rc, rg = post(cpu, rerank_body()).json(), post(gpu, rerank_body()).json()
+        for a in rc["results"]:
+            b = next(x for x in rg["results"] if x["index"] == a["index"])
+            for k in ("attention", "dummy_attention", "calibrated_attention"):
+                assert abs(a[k] - b[k]) <= MASS_ATOL_BF16, (k, a, b)
+        scores = sorted(x["calibrated_attention"] for x in rc["results"])
+        if all(hi - lo > 2 * MASS_ATOL_BF16 for lo, hi in zip(scores, scores[1:])):
+            assert [x["index"] for x in rg["results"]] == [x["index"] for x in rc["results"]]
+        ag = post(gpu, answer_body(), path="/answer")
+        assert ag.status_code == 200, ag.text
+        assert ag.json()["usage"]["completion_tokens"] > 0
     finally:
         assert cpu.terminate() == 0, cpu.log_text()
         assert gpu.terminate(timeout=120) == 0, gpu.log_text()

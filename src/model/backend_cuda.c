@@ -7,11 +7,15 @@
  * table holds one model: preparing another releases the previous model's copies.
  * Products, by the driver's numerics class (backend.h, matmul): STEP calls (decode steps) run
  * every row as one warp-per-output dot product over the stored weight (fitm_cuda_matmul_rows).
- * BATCH calls (prefill, reference passes) dequantize the weight to F32 in a device scratch
- * buffer and multiply with cuBLAS (below, gemm_rows), F32 in and out with F32 pedantic compute
- * (no TF32, no F16: Gemma's activations overflow half). Attention: fitm_cuda_attention, one
- * block per (row, head), with capture results downloaded per captured row into the caller's
- * host arrays.
+ * BATCH calls (prefill, reference passes) multiply with cuBLAS in calls of a fixed row count
+ * (below, gemm_rows), by fitm_backend_cuda_set_weights: BF16 (the default) multiplies bfloat16
+ * operands with F32 accumulation on the tensor cores, each layer matrix rounded to bfloat16
+ * once at prepare (kept beside the stored copy: 2 bytes per weight, bf16_bytes) and each chunk
+ * of activations rounded in scratch (bfloat16 keeps F32's exponent range: Gemma's activations,
+ * which overflow half, fit); F32 dequantizes the weight to F32 in a device scratch buffer per
+ * call and multiplies F32 in and out with F32 pedantic compute (no TF32).
+ * Attention: fitm_cuda_attention, one block per (row, head), with capture results downloaded
+ * per captured row into the caller's host arrays.
  *
  * Launches: the ops enqueue work without waiting, and the host waits where it needs a result
  * (a download, the status). Between two waits the stream is captured into a CUDA graph
@@ -43,6 +47,8 @@
 typedef struct {
     const void *host; /* the view's data address: the key */
     void *dev;
+    uint16_t *bf16; /* with FITM_CUDA_WEIGHTS_BF16, a matrix of the BATCH class: (N, K) rounded
+                       to bfloat16 at prepare; else NULL */
 } dev_weight;
 
 typedef struct {
@@ -93,6 +99,12 @@ typedef struct {
     } add;
     graph_slot slots[GRAPH_SLOTS];
     uint64_t clock;      /* of the slots' last use */
+    /* the BATCH class's operands (fitm_backend_cuda_set_weights): what it multiplies in, the
+     * prepared model's bfloat16 copies' bytes, and the scratch of a weight without a copy (wb)
+     * and of a chunk of activations (xb), both bfloat16 */
+    fitm_cuda_weights weights;
+    size_t bf16_bytes;
+    grow_buf wb, xb;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -406,15 +418,73 @@ static fitm_status add_weight(cuda_backend *c, const fitm_weight *w, size_t cap,
         snprintf(what, sizeof what, "uploading '%s'", w->name ? w->name : "?");
         return fitm_cuda_status(rc, err, what);
     }
-    c->w[c->n_w++] = (dev_weight){w->data, dev};
+    c->w[c->n_w++] = (dev_weight){w->data, dev, NULL};
     return FITM_OK;
 }
 
 static void release_weights(cuda_backend *c)
 {
-    for (size_t i = 0; i < c->n_w; i++)
+    for (size_t i = 0; i < c->n_w; i++) {
         cudaFree(c->w[i].dev);
+        if (c->w[i].bf16)
+            cudaFree(c->w[i].bf16);
+    }
     c->n_w = 0;
+    c->bf16_bytes = 0;
+}
+
+static bool to_bf16(cuda_backend *c, const fitm_weight *w, const void *W, uint16_t *dst);
+
+/* The bfloat16 copy of the resident weight w (its (N, K) values dequantized to F32 in scratch,
+ * then rounded), kept beside the stored one; synchronous, counted in bf16_bytes. */
+static fitm_status add_bf16(cuda_backend *c, const fitm_weight *w, fitm_err *err)
+{
+    dev_weight *d = NULL;
+    for (size_t i = 0; i < c->n_w && !d; i++) /* the table is not sorted yet */
+        if (c->w[i].host == w->data)
+            d = &c->w[i];
+    if (!d || d->bf16)
+        return FITM_OK; /* absent (an optional view), or a second view of one matrix */
+    const size_t n = (size_t)(w->n_rows * w->n_cols) * sizeof(uint16_t);
+    int rc = (int)cudaMalloc((void **)&d->bf16, n ? n : 1);
+    if (rc == 0 &&
+        (!to_bf16(c, w, d->dev, d->bf16) || cudaStreamSynchronize(c->stream) != cudaSuccess)) {
+        rc = c->rc ? c->rc : (int)cudaGetLastError();
+        if (!c->sticky) /* reported here, not by the next pass's status */
+            c->rc = 0, c->what[0] = 0;
+    }
+    if (rc != 0) {
+        cudaFree(d->bf16);
+        d->bf16 = NULL;
+        char what[160];
+        snprintf(what, sizeof what,
+                 "CUDA backend: converting '%s' to bfloat16 (gpu_weights f32 keeps no copies)",
+                 w->name ? w->name : "?");
+        return fitm_cuda_status(rc, err, what);
+    }
+    c->bf16_bytes += n;
+    return FITM_OK;
+}
+
+/* With FITM_CUDA_WEIGHTS_BF16, the bfloat16 copies of every matrix the BATCH class multiplies
+ * by: each layer's projections (the output head is always a STEP product). */
+static fitm_status add_bf16_layers(cuda_backend *c, const fitm_model *m, fitm_err *err)
+{
+    if (c->weights != FITM_CUDA_WEIGHTS_BF16)
+        return FITM_OK;
+    fitm_status s = FITM_OK;
+    for (int32_t l = 0; l < fitm_model_config_of(m)->n_layer && !s; l++) {
+        const fitm_layer *ly = fitm_model_layer(m, l);
+        const fitm_weight *mats[] = {&ly->wq,     &ly->wk,   &ly->wv,    &ly->wo,
+                                     &ly->w_gate, &ly->w_up, &ly->w_down};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0] && !s; i++)
+            if (mats[i]->data)
+                s = add_bf16(c, mats[i], err);
+    }
+    if (c->wf.p) /* the conversion's F32 staging: the BF16 path does not use it */
+        cudaFree(c->wf.p);
+    c->wf = (grow_buf){0};
+    return s;
 }
 
 /* Uploads every weight of m (releasing the previous model's). */
@@ -433,6 +503,8 @@ static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *
     fitm_status s = FITM_OK;
     for (size_t i = 0; i < cap && !s; i++)
         s = add_weight(c, fitm_model_weight_at(m, (int64_t)i), cap, err);
+    if (s == FITM_OK)
+        s = add_bf16_layers(c, m, err);
     qsort(c->w, c->n_w, sizeof *c->w, cmp_weight);
     return s;
 }
@@ -519,6 +591,8 @@ static void cuda_destroy(fitm_backend *b)
                         &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
+    free_buf(&c->wb);
+    free_buf(&c->xb);
     if (c->blas)
         cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
@@ -586,18 +660,44 @@ static bool blas_ok(cuda_backend *c, cublasStatus_t st, const char *what)
               w);
 }
 
-/* y (T, N) = x (T, K) . Wf^T, Wf (N, K) F32 on the device, in calls of GEMM_ROWS rows. */
-static void gemm_rows(cuda_backend *c, const float *Wf, int64_t N, int64_t K, const float *x,
-                      int64_t T, float *y)
+/* One GEMM_ROWS-row product, column-major view: y^T (N, GEMM_ROWS) = W (K, N)^T . x^T (K,
+ * GEMM_ROWS). F32: W and x F32, pedantic F32 compute (no TF32). BF16: W and x bfloat16,
+ * F32 compute with the tensor cores allowed (products of two bfloat16 values are exact in
+ * F32; the sums are F32). */
+static bool gemm_chunk(cuda_backend *c, bool bf16, const void *W, int64_t N, int64_t K,
+                       const void *x, float *y)
 {
     const float one = 1.0f, zero = 0.0f;
+    const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    return blas_ok(c,
+                   cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, GEMM_ROWS, (int)K, &one,
+                                W, t, (int)K, x, t, (int)K, &zero, y, CUDA_R_32F, (int)N,
+                                bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
+                                CUBLAS_GEMM_DEFAULT),
+                   bf16 ? "matmul (cuBLAS GEMM, bfloat16)" : "matmul (cuBLAS GEMM)");
+}
+
+/* y (T, N) = x (T, K) . W^T, W (N, K) on the device (F32, or bfloat16 when bf16), in calls of
+ * GEMM_ROWS rows. With bf16 each chunk of x is rounded to bfloat16 in scratch, the tail's
+ * missing rows zero; in F32 the tail goes through zero-padded scratch. Either way every call
+ * has the same shape. */
+static void gemm_rows(cuda_backend *c, bool bf16, const void *W, int64_t N, int64_t K,
+                      const float *x, int64_t T, float *y)
+{
     for (int64_t t0 = 0; t0 < T && c->rc == 0; t0 += GEMM_ROWS) {
         const int64_t n = T - t0 < GEMM_ROWS ? T - t0 : GEMM_ROWS;
-        const float *xs = x + t0 * K;
+        const void *xs = x + t0 * K;
         float *ys = y + t0 * N;
-        if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
+        if (n < GEMM_ROWS && !grow(c, &c->ypad, (size_t)(GEMM_ROWS * N) * 4))
+            return;
+        if (bf16) {
+            if (!grow(c, &c->xb, (size_t)(GEMM_ROWS * K) * sizeof(uint16_t)) ||
+                !ok(c, fitm_cuda_to_bf16(xs, n, K, GEMM_ROWS, c->xb.p, c->stream),
+                    "matmul (activations to bfloat16)"))
+                return;
+            xs = c->xb.p;
+        } else if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
             if (!grow(c, &c->xpad, (size_t)(GEMM_ROWS * K) * 4) ||
-                !grow(c, &c->ypad, (size_t)(GEMM_ROWS * N) * 4) ||
                 !ok(c,
                     (int)cudaMemcpyAsync(c->xpad.p, xs, (size_t)(n * K) * 4,
                                          cudaMemcpyDeviceToDevice, c->stream),
@@ -608,39 +708,59 @@ static void gemm_rows(cuda_backend *c, const float *Wf, int64_t N, int64_t K, co
                     "matmul padding"))
                 return;
             xs = c->xpad.p;
-            ys = c->ypad.p;
         }
-        /* column-major view: y^T (N, rows) = W (K, N)^T . x^T (K, rows) */
-        if (!blas_ok(c,
-                     cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, GEMM_ROWS, (int)K,
-                                  &one, Wf, CUDA_R_32F, (int)K, xs, CUDA_R_32F, (int)K, &zero, ys,
-                                  CUDA_R_32F, (int)N, CUBLAS_COMPUTE_32F_PEDANTIC,
-                                  CUBLAS_GEMM_DEFAULT),
-                     "matmul (cuBLAS GEMM)"))
+        if (!gemm_chunk(c, bf16, W, N, K, xs, n < GEMM_ROWS ? c->ypad.p : ys))
             return;
         if (n < GEMM_ROWS)
             ok(c,
-               (int)cudaMemcpyAsync(y + t0 * N, c->ypad.p, (size_t)(n * N) * 4,
-                                    cudaMemcpyDeviceToDevice, c->stream),
+               (int)cudaMemcpyAsync(ys, c->ypad.p, (size_t)(n * N) * 4, cudaMemcpyDeviceToDevice,
+                                    c->stream),
                "matmul padding");
     }
 }
 
-/* The BATCH class: the weight as F32 (itself when stored so, else dequantized into scratch),
- * then gemm_rows. */
+/* The weight w (stored as W on the device) as F32: itself when stored so, else dequantized
+ * into the scratch wf. NULL on an error (recorded). */
+static const float *weight_f32(cuda_backend *c, const fitm_weight *w, const void *W)
+{
+    const int64_t N = w->n_rows, K = w->n_cols;
+    if (w->type == FITM_DTYPE_F32)
+        return W;
+    if (!grow(c, &c->wf, (size_t)(N * K) * 4) ||
+        !ok(c, fitm_cuda_dequant_f32(w->type, W, c->wf.p, N * K, c->stream), "matmul (dequantize)"))
+        return NULL;
+    return c->wf.p;
+}
+
+/* dst (N, K) = w's values (stored as W on the device) rounded to bfloat16. */
+static bool to_bf16(cuda_backend *c, const fitm_weight *w, const void *W, uint16_t *dst)
+{
+    const float *Wf = weight_f32(c, w, W);
+    return Wf && ok(c, fitm_cuda_to_bf16(Wf, w->n_rows, w->n_cols, w->n_rows, dst, c->stream),
+                    "matmul (weight to bfloat16)");
+}
+
+/* The BATCH class. F32: the weight as F32 (weight_f32), then gemm_rows in F32. BF16: the
+ * weight's bfloat16 copy from prepare (a weight without one, as tests hand in, is converted
+ * into scratch for the call: the same values), then gemm_rows in bfloat16. */
 static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W, const float *x,
                            int64_t T, float *y)
 {
     const int64_t N = w->n_rows, K = w->n_cols;
-    const float *Wf = W;
-    if (w->type != FITM_DTYPE_F32) {
-        if (!grow(c, &c->wf, (size_t)(N * K) * 4) ||
-            !ok(c, fitm_cuda_dequant_f32(w->type, W, c->wf.p, N * K, c->stream),
-                "matmul (dequantize)"))
-            return;
-        Wf = c->wf.p;
+    if (c->weights == FITM_CUDA_WEIGHTS_BF16) {
+        const dev_weight *d = find_weight(c, w->data);
+        const uint16_t *Wb = d ? d->bf16 : NULL;
+        if (!Wb) {
+            if (!grow(c, &c->wb, (size_t)(N * K) * sizeof(uint16_t)) || !to_bf16(c, w, W, c->wb.p))
+                return;
+            Wb = c->wb.p;
+        }
+        gemm_rows(c, true, Wb, N, K, x, T, y);
+        return;
     }
-    gemm_rows(c, Wf, N, K, x, T, y);
+    const float *Wf = weight_f32(c, w, W);
+    if (Wf)
+        gemm_rows(c, false, Wf, N, K, x, T, y);
 }
 
 /* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through cuBLAS (not
@@ -1021,6 +1141,7 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the CUDA backend");
     c->base.ops = &cuda_ops;
     c->graphs = true;
+    c->weights = FITM_CUDA_WEIGHTS_BF16;
     rc = (int)cudaStreamCreate(&c->stream);
     if (rc != 0) {
         free(c);
@@ -1052,4 +1173,14 @@ int fitm_backend_cuda_device_count(void)
 const char *fitm_backend_cuda_device(const fitm_backend *b)
 {
     return ((const cuda_backend *)b)->device;
+}
+
+void fitm_backend_cuda_set_weights(fitm_backend *b, fitm_cuda_weights w)
+{
+    cu(b)->weights = w;
+}
+
+size_t fitm_backend_cuda_bf16_bytes(const fitm_backend *b)
+{
+    return ((const cuda_backend *)b)->bf16_bytes;
 }

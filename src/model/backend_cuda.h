@@ -15,6 +15,21 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
  * only the number of submissions changes. For tests and benchmarks that compare the two. */
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
 
+/* What the BATCH class (prefill, reference passes) multiplies in. BF16: bfloat16 weights and
+ * activations, F32 accumulation (the tensor cores), each layer matrix converted once when a
+ * forward prepares the model; F32: weights dequantized to F32 per call, F32 products, as
+ * the CPU backend's BATCH path (within float rounding of it). Each computes every row
+ * bit-identically whatever T and the row's place in the call. */
+typedef enum { FITM_CUDA_WEIGHTS_BF16, FITM_CUDA_WEIGHTS_F32 } fitm_cuda_weights;
+
+/* Sets what b's BATCH products multiply in (FITM_CUDA_WEIGHTS_BF16 by default), from the next
+ * product on. The bfloat16 copies are made by a prepare (fitm_forward_create) under BF16: set
+ * it before creating the forwards, else each product converts its weight into scratch. */
+void fitm_backend_cuda_set_weights(fitm_backend *b, fitm_cuda_weights w);
+
+/* Device bytes of the bfloat16 weight copies the last prepare made (0 under F32). */
+size_t fitm_backend_cuda_bf16_bytes(const fitm_backend *b);
+
 /* Usable CUDA devices: 0 without a driver or a device. */
 int fitm_backend_cuda_device_count(void);
 

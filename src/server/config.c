@@ -64,6 +64,13 @@ static const opt opts[] = {
      "start-up check against the CPU on the loaded model (else fitmd exits); auto = cuda when a "
      "device is there and passes, else the CPU with one log line saying why "
      "(docs/cuda-backend.md)"},
+    {"gpu_weights", ENUM(gpu_weights), "bf16", 0, 0, "bf16|f32",
+     "what the cuda backend's prompt products (prefill, /rerank passes) multiply in: bf16 = "
+     "weights and activations rounded to bfloat16, float sums, on the tensor cores (each layer "
+     "matrix converted once at start: 2 bytes per weight on the device beside the stored "
+     "model, logged at start); f32 = weights dequantized to F32 per product, F32 sums, within "
+     "float rounding of the CPU (docs/cuda-backend.md); decode steps multiply the stored "
+     "weights either way"},
     {"threads", INT(threads), "0", 0, 1024, NULL,
      "CPU compute threads; 0 = the CPUs this process may use (affinity mask, cgroup CPU quota)"},
     {"http_threads", INT(http_threads), "4", 1, 256, NULL, "HTTP connection threads"},

@@ -27,6 +27,7 @@ typedef struct {
     int64_t port;
     int64_t probe_port;                    /* /health and /metrics only; 0 = none      */
     char backend[16];                      /* auto | cpu | cuda                        */
+    char gpu_weights[8];                   /* bf16 | f32                               */
     int64_t threads;                       /* CPU compute threads; 0 = all cores       */
     int64_t http_threads;
     int64_t http_idle_timeout_s;           /* close connections idle this long         */

@@ -268,19 +268,37 @@ static fitm_status choose_backend(daemon_model *dm, int threads, char *desc, siz
         return FITM_OK;
 #if FITMD_CUDA
     fitm_backend *gpu = NULL;
-    fitm_backend_check_report rep;
+    fitm_backend_check_report rep, rep16 = {0};
     fitm_err why = {{0}};
     bool checked = false;
+    const bool bf16 = !strcmp(dm->cfg->gpu_weights, "bf16");
     st = fitm_backend_cuda_create(&gpu, 0, &why);
     if (st == FITM_OK) {
         checked = true;
-        st = fitm_backend_check(dm->model, dm->backend, gpu, &rep, &why);
+        /* every kernel against the CPU within float rounding (F32 products), then, when the
+         * prompts are to run in bfloat16, those products within their own bounds */
+        fitm_backend_cuda_set_weights(gpu, FITM_CUDA_WEIGHTS_F32);
+        st = fitm_backend_check(dm->model, dm->backend, gpu, FITM_CHECK_PRODUCTS_F32, &rep, &why);
+        if (st == FITM_OK && bf16) {
+            fitm_backend_cuda_set_weights(gpu, FITM_CUDA_WEIGHTS_BF16);
+            st = fitm_backend_check(dm->model, dm->backend, gpu, FITM_CHECK_PRODUCTS_BF16, &rep16,
+                                    &why);
+            if (st != FITM_OK)
+                fitm_err_prefix(&why, "with bfloat16 products (gpu_weights bf16)");
+        }
     }
     if (st == FITM_OK) {
+        char weights[160] = "prompt products in F32";
+        if (bf16)
+            snprintf(weights, sizeof weights,
+                     "prompt products in bfloat16: weight copies %.1f MiB, logits within %.2g, "
+                     "attention within %.2g",
+                     (double)fitm_backend_cuda_bf16_bytes(gpu) / (1 << 20), rep16.logit_err,
+                     rep16.prob_err);
         snprintf(desc, n,
                  "cuda backend on %s (start-up check against the CPU: logits within %.2g, "
-                 "attention within %.2g)",
-                 fitm_backend_cuda_device(gpu), rep.logit_err, rep.prob_err);
+                 "attention within %.2g; %s)",
+                 fitm_backend_cuda_device(gpu), rep.logit_err, rep.prob_err, weights);
         fitm_backend_destroy(dm->backend);
         dm->backend = gpu;
         return FITM_OK;

@@ -3,13 +3,20 @@
  *
  * Matrices are column-major as in cuBLAS: C (m, n) = alpha op(A) (m, k) op(B) (k, n) + beta C,
  * op(X) = X or X^T, leading dimensions as in BLAS. Inputs are 32F or 16BF (A and B of one
- * type), the output and the scalars 32F, computed in 32F: every element is one float sum over
- * k in increasing order (fused multiply-adds), so an element's value depends on its own row of
- * op(A) and column of op(B) alone, never on m or n. beta 0 does not read C (NaN stays out). A
+ * type), the output and the scalars 32F, computed in 32F (CUBLAS_COMPUTE_32F, which lets a
+ * device use its tensor cores for 16BF, or CUBLAS_COMPUTE_32F_PEDANTIC): every element is one
+ * float sum over k in increasing order (fused multiply-adds; a product of two 16BF values is
+ * exact in float), so an element's value depends on its own row of op(A) and column of op(B)
+ * alone, never on m or n. Combinations outside this subset (A and B of different types, a C
+ * that is not 32F, another compute type) are refused with CUBLAS_STATUS_NOT_SUPPORTED, the
+ * status cuBLAS gives a combination it does not implement (it does not implement mixed A and
+ * B types); argument values out of range (a leading dimension below the minimum) with
+ * CUBLAS_STATUS_INVALID_VALUE. beta 0 does not read C (NaN stays out). A
  * launch failure injected into the emulated runtime (fitm_emu_inject_error "launch", or
  * FITM_CUDA_EMU_FAIL_LAUNCH_IF) fails the call with CUBLAS_STATUS_EXECUTION_FAILED and sets
  * the runtime's error, as a kernel failing inside a real cuBLAS call would. An operand (A, B
- * or C) that is not device memory (cuda_runtime_api.h) loses the context with
+ * or C) that is not device memory (cuda_runtime_api.h), or runs past the end of its allocation
+ * (its last element, by m, n, k and the leading dimension), loses the context with
  * cudaErrorIllegalAddress. On a stream being captured into a graph, the product is recorded
  * and runs at each replay. */
 #ifndef FITM_CUDA_EMU_CUBLAS_V2_H

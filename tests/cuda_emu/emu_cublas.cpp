@@ -1,8 +1,10 @@
 /* cuda_emu: the cuBLAS calls fitm uses, on the CPU (contract in cublas_v2.h). */
 #include <math.h>
-#include <stdio.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+
+#include <vector>
 
 #include "cublas_v2.h"
 #include "cuda_runtime.h"
@@ -30,8 +32,8 @@ float elem(const void *X, cudaDataType t, int ld, bool trans, int r, int c)
 /* sum_i a[i * sa] * b[i * sb] for i = 0..k-1 in order, one fused multiply-add per term, as
  * the GPU's FMA chain: the same values with or without the instruction (fmaf is exact), the
  * instruction only saving a libm call per term. */
-__attribute__((target("fma"))) float dot_fma(const float *a, int64_t sa, const float *b,
-                                             int64_t sb, int k)
+__attribute__((target("fma"))) float dot_fma(const float *a, int64_t sa, const float *b, int64_t sb,
+                                             int k)
 {
     float acc = 0.0f;
     for (int i = 0; i < k; i++)
@@ -54,6 +56,20 @@ __attribute__((target("fma"))) void dot8_fma(const float *a, int64_t lda, const 
     memcpy(out, acc, sizeof acc);
 }
 
+/* X (rows, cols) column-major with leading dimension ld, stored as 16BF, widened to F32 in the
+ * same layout (exact: every bfloat16 is a float). */
+std::vector<float> widen(const void *X, int rows, int cols, int ld)
+{
+    const size_t n = cols > 0 ? (size_t)(cols - 1) * ld + rows : 0;
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; i++) {
+        __nv_bfloat16 b;
+        memcpy(&b.bits, (const uint16_t *)X + i, 2);
+        f[i] = __bfloat162float(b);
+    }
+    return f;
+}
+
 /* The product itself (the call's checks done). */
 void run_gemm(bool tA, bool tB, int m, int n, int k, float a, const void *A, cudaDataType at,
               int lda, const void *B, cudaDataType bt, int ldb, float b, float *C, int ldc)
@@ -65,6 +81,14 @@ void run_gemm(bool tA, bool tB, int m, int n, int k, float a, const void *A, cud
     /* F32 operands on a CPU with the FMA instruction: op(A)[r, i] and op(B)[i, c] as strided
      * vectors, 8 rows at a time; otherwise element by element through libm's fmaf */
     static const bool hw_fma = __builtin_cpu_supports("fma");
+    if (hw_fma && at == CUDA_R_16BF && bt == CUDA_R_16BF) {
+        /* the same products and the same chains on the widened operands */
+        const std::vector<float> Af = widen(A, tA ? k : m, tA ? m : k, lda),
+                                 Bf = widen(B, tB ? n : k, tB ? k : n, ldb);
+        run_gemm(tA, tB, m, n, k, a, Af.data(), CUDA_R_32F, lda, Bf.data(), CUDA_R_32F, ldb, b, C,
+                 ldc);
+        return;
+    }
     const bool fast = hw_fma && at == CUDA_R_32F && bt == CUDA_R_32F;
     const int64_t sa = tA ? 1 : lda, sb = tB ? ldb : 1;
     for (int c = 0; c < n; c++) {
@@ -107,17 +131,28 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
     if (m == 0 || n == 0)
         return CUBLAS_STATUS_SUCCESS;
     const float a = *alpha, b = *beta;
-    /* the operands' first elements must be device memory, as the GEMM kernel would find */
-    auto dev = [](const void *p) { return p && fitm_emu_device_accessible(p); };
-    if (!dev(C) || (k > 0 && (!dev(A) || !dev(B)))) {
-        const void *bad = !dev(C) ? (const void *)C : !dev(A) ? A : B;
-        return fitm_emu_enqueue(h->stream, [bad]() {
-                   fprintf(stderr,
-                           "cuda_emu: illegal address: a cuBLAS operand (%p) is not device "
-                           "memory; the context is lost\n",
-                           bad);
-                   return fitm_emu_lose_context(cudaErrorIllegalAddress);
-               }) == cudaSuccess
+    /* every element an operand spans (from its first to its last, with the leading
+     * dimension's gaps) must be device memory of one allocation, as the GEMM kernel reads or
+     * writes them all */
+    const size_t ea = at == CUDA_R_16BF ? 2 : 4, eb = bt == CUDA_R_16BF ? 2 : 4;
+    auto span = [](int rows, int cols, int ld, size_t e) {
+        return ((size_t)(cols - 1) * (size_t)ld + (size_t)rows) * e;
+    };
+    auto dev = [](const void *p, size_t bytes) { return p && fitm_emu_device_range(p, bytes); };
+    const bool a_ok = k == 0 || dev(A, span(tA ? k : m, tA ? m : k, lda, ea)),
+               b_ok = k == 0 || dev(B, span(tB ? n : k, tB ? k : n, ldb, eb)),
+               c_ok = dev(C, span(m, n, ldc, 4));
+    if (!a_ok || !b_ok || !c_ok) {
+        const void *bad = !c_ok ? (const void *)C : !a_ok ? A : B;
+        return fitm_emu_enqueue(
+                   h->stream,
+                   [bad]() {
+                       fprintf(stderr,
+                               "cuda_emu: illegal address: a cuBLAS operand (%p) is not device "
+                               "memory (or runs past its allocation); the context is lost\n",
+                               bad);
+                       return fitm_emu_lose_context(cudaErrorIllegalAddress);
+                   }) == cudaSuccess
                    ? CUBLAS_STATUS_SUCCESS
                    : CUBLAS_STATUS_EXECUTION_FAILED;
     }

@@ -315,6 +315,9 @@ cudaError_t fitm_emu_enqueue(cudaStream_t st, std::function<cudaError_t()> op);
 /* True when p is NULL or lies in a device allocation or pinned host memory. */
 bool fitm_emu_device_accessible(const void *p);
 
+/* True when the n bytes from p (n >= 1) lie in one device allocation or in pinned host memory. */
+bool fitm_emu_device_range(const void *p, size_t n);
+
 template <typename... P> struct fitm_emu_launcher {
     void (*kernel)(P...);
     dim3 grid, block;

@@ -633,6 +633,11 @@ bool fitm_emu_device_accessible(const void *p)
     return !p || accessible(p, 0);
 }
 
+bool fitm_emu_device_range(const void *p, size_t n)
+{
+    return p && accessible(p, n);
+}
+
 void fitm_emu_args_check::ptr(const void *p)
 {
     if (p && bad_arg < 0 && !accessible(p, 0)) {

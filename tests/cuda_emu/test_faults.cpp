@@ -204,6 +204,21 @@ static void test_host_pointers(void)
     CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x, 4, &zero, host, 4) ==
           CUBLAS_STATUS_EXECUTION_FAILED);
     expect_lost("cuBLAS C");
+    /* 16BF operands (the BATCH class's tensor-core products): device memory passes, host
+     * memory or an operand running past its allocation loses the context */
+    CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 4, 4, 8, &one, x, CUDA_R_16BF, 8, x + 16,
+                       CUDA_R_16BF, 8, &zero, y, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "16BF gemm on device memory");
+    CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 4, 4, 8, &one, host, CUDA_R_16BF, 8, x,
+                       CUDA_R_16BF, 8, &zero, y, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_EXECUTION_FAILED);
+    expect_lost("cuBLAS 16BF A");
+    /* B: 64 columns of 8 bfloat16 (1024 bytes) from 800 bytes into x's 1200 */
+    CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 4, 64, 8, &one, x, CUDA_R_16BF, 8, x + 200,
+                       CUDA_R_16BF, 8, &zero, y, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_EXECUTION_FAILED);
+    expect_lost("cuBLAS 16BF B past its allocation");
     cublasDestroy(h);
 
     /* the device side of copies and memsets */
