@@ -187,13 +187,14 @@ static bool doc_next_pass(per_doc_run *d)
     const int64_t head = d->pd.ql ? d->ids.n - d->pd.q.n - 1 : d->T;
     if (d->at >= d->T)
         return false;
-    int64_t n = d->T - d->at, n_logits = 1;
-    if (d->at < head)
-        n = head, n_logits = d->pd.ql ? 0 : 1;
-    else if (n > r->logit_rows)
-        n = n_logits = r->logit_rows;
-    else
+    int64_t n, n_logits;
+    if (d->at < head) { /* the prompt up to the question (relevance: all of it) */
+        n = head - d->at;
+        n_logits = d->pd.ql ? 0 : 1;
+    } else { /* the question's rows, logit_rows at a time */
+        n = d->T - d->at < r->logit_rows ? d->T - d->at : r->logit_rows;
         n_logits = n;
+    }
     d->pass = fitm_passes_pass(d->ps, d->ps->kv, NULL, d->ids.v + d->at, n, d->at, NULL, n_logits,
                                d->logits);
     return true;
