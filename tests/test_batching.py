@@ -376,9 +376,10 @@ def test_queue_beyond_running_limit(daemon):
 
 
 def rerank_bodies():
-    """/rerank requests over every way the attention methods run their passes (a whole
-    reference pass, branches of the prompt's cache from each document or from the question,
-    windows, per-token sink capture), plus the methods that still run whole between steps."""
+    """/rerank requests over every way the methods run their passes: the attention methods' (a
+    whole reference pass, branches of the prompt's cache from each document or from the
+    question, windows, per-token sink capture), the per-document methods' logit passes, fused's
+    two machines in turn, plus attention_sort, which runs whole between steps."""
     opts = [{}, {"reference": "dummy", "prefix_reuse": True},
             {"reference": "dummy", "prefix_reuse": False, "dummy_source": "documents"},
             {"reference": "null_suffix", "prefix_reuse": True},
@@ -386,7 +387,9 @@ def rerank_bodies():
             {"sink_factor": 2.0, "reference": "dummy"},
             {"method": "paper"}, {"method": "attention", "rows": "last"},
             {"position_method": "ms_poe", "reference": "null_suffix"},
-            {"method": "query_likelihood"}, {"method": "attention_sort"}]
+            {"method": "query_likelihood"}, {"method": "attention_sort"},
+            {"method": "fused"}, {"method": "relevance"}, {"method": "fused", "fuse_weight": 0.5},
+            {"method": "query_likelihood", "position_method": "ms_poe"}]
     return [{"query": f"where is the golf hotel {i}", "documents": docs(3 + i % 4, 8 + i, shift=i),
              "return_tokens": i % 2 == 0, **o} for i, o in enumerate(opts)]
 
@@ -432,6 +435,86 @@ def test_concurrent_reranks_match_one_at_a_time(daemon):
     steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
     seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
     assert steps > 0 and seqs > steps
+
+
+def test_batched_reranks_rank_as_the_whole_run(fitmd_bin, tmp_path_factory):  # noqa: F811
+    """The per-document methods and fused as sequences of the batch rank the
+    documents exactly as their whole run does: an /answer's reorder runs the method whole
+    (fitm_rerank_run, between two steps), a /rerank as a sequence, here all at once beside a
+    stream; both on the batch path (rerank_path = batch, the answers' path), so the documents'
+    positions after the reorder are the /rerank's order."""
+    dm = start(fitmd_bin, tmp_path_factory, rerank_path="batch")
+    try:
+        work, kinds = [], []
+        for i, method in enumerate(["fused", "query_likelihood", "relevance"] * 3):
+            d = docs(5 + i % 3, 6 + i, shift=i) + [{"text": f"golf hotel {i}", "title": "G"}]
+            q = f"where is the golf hotel {i}"
+            work.append(("/rerank", {"query": q, "documents": d, "method": method,
+                                     "calibration": {"window": 1}, "return_documents": False}))
+            work.append(("/answer-order", {"query": q, "documents": d, "reorder": method,
+                                           "calibration": {"window": 1}, "calibrate": False,
+                                           "reorder_placement": "first", "max_tokens": 1}))
+            kinds.append(method)
+        work.append(("/answer", {"query": "where is golf", "documents": docs(3, 9),
+                                 "max_tokens": 120, "calibrate": False, "stream": True}))
+        got = [None] * len(work)
+
+        def client(k):
+            route, body = work[k]
+            if route != "/answer-order":
+                got[k] = run_one(dm, route, body)
+                return
+            r = requests.post(dm.url("/answer"), json=body, headers=AUTH, timeout=600)
+            assert r.status_code == 200, r.text
+            got[k] = [x["index"] for x in sorted(r.json()["documents"],
+                                                 key=lambda x: x["position"])]
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+        for i, method in enumerate(kinds):
+            batched, whole = got[2 * i], got[2 * i + 1]
+            assert [k for k, _ in batched] == whole, (method, batched, whole)
+        assert len(set(kinds)) == 3 and got[-1] is not None
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
+def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  # noqa: F811
+    """A /rerank of the default model's default method (fused) that arrives while a stream
+    decodes shares the engine's steps with it: the daemon prefills 2 prompt rows a step while
+    a stream decodes, so the rerank's forward tokens take at least forward_tokens / 2 steps,
+    and every one of them also carried the stream's decode row (the step counters show one
+    extra sequence per such step); run whole between two steps, it would carry none. The
+    stream is still running when the rerank has answered, and it got tokens meanwhile."""
+    dm = start(fitmd_bin, tmp_path_factory, batch_prefill_tokens=2, max_answer_tokens=1000)
+    try:
+        running, started = [], threading.Event()
+        t_run = threading.Thread(target=stream_times,
+                                 args=(dm, "the golf hotel is", 990, running, started))
+        t_run.start()
+        assert started.wait(120)
+        before = metrics(dm)
+        sent = time.perf_counter()
+        # a few hundred forward tokens: a few hundred steps, well inside the stream's 990
+        body = {"query": "where is the golf hotel", "documents": docs(3, 8),
+                "method": "fused", "return_documents": False}
+        r = requests.post(dm.url("/rerank"), json=body, headers=AUTH, timeout=600)
+        done = time.perf_counter()
+        assert r.status_code == 200, r.text
+        after = metrics(dm)
+        forward = r.json()["usage"]["forward_tokens"]
+        t_run.join()
+        steps = after["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+        seqs = after["fitm_batch_step_sequences_total"] - \
+            before["fitm_batch_step_sequences_total"]
+        assert running[-1] > done, "the stream ended before the rerank: no overlap to see"
+        assert forward >= 200 and seqs - steps >= forward // 2, (steps, seqs, forward)
+        assert any(sent < t < done for t in running)
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
 
 
 def test_deadline_mid_batch_ends_only_that_stream(fitmd_bin, tmp_path):  # noqa: F811

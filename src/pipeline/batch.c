@@ -78,7 +78,7 @@ static void add_part(const fitm_batch_seq *m, int32_t i, bool decoding, step_par
         return;
     fitm_forward_seq *part = &sp->parts[sp->n_parts];
     if (m->rerank) {
-        fitm_rerank_seq_part(m->rerank, want, part);
+        fitm_rerank_seq_part(m->rerank, want, sp->logit_room, part);
         if (part->T > sp->room || part->opts->n_logits > sp->logit_room)
             return; /* its logit rows do not fit this call */
     } else {

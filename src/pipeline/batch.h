@@ -2,7 +2,7 @@
  * (fitm_forward_run_batch) carrying a part of every member that fits: a decode step of each
  * decoding answer, then prompt chunks of answers and chunks of rerank passes in the members'
  * order, under a prompt budget while a stream decodes (docs/design.md, "A request's path").
- * Members are answers (answer.h) and reranks of the attention methods (rerank.h); the
+ * Members are answers (answer.h) and reranks of every method but attention_sort (rerank.h); the
  * scheduler only asks each for its part and hands it the call's outcome, whatever its kind.
  * On the engine's thread. */
 #ifndef FITM_BATCH_H

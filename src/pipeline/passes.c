@@ -69,8 +69,8 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
             return fitm_err_set(err, FITM_ERR_TIMEOUT,
                                 "stopped: the request's deadline passed or the server is "
                                 "shutting down");
-        int64_t len = p->n - off < r->chunk ? p->n - off : r->chunk;
-        bool last_call = off + len == p->n;
+        int64_t len = p->n - off < r->chunk ? p->n - off : r->chunk, at = 0;
+        const int64_t n_logits = fitm_pass_logit_rows(p, off, len, &at);
         fitm_capture part;
         /* Never AUTO: a reference pass's last chunk may be one token, and its rows must be
          * computed exactly as the original pass's were. */
@@ -78,8 +78,8 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
                                .position = p->position,
                                .capture =
                                    fitm_passes_capture_part(r, p->cap, p->pos0 + off, len, &part),
-                               .n_logits = last_call ? p->n_logits : 0,
-                               .logits = last_call && p->n_logits ? r->logits : NULL,
+                               .n_logits = n_logits,
+                               .logits = n_logits ? p->logits + at * r->V : NULL,
                                .path = p->path,
                                .n_layers = p->n_layers};
         st = fitm_forward_run(r->fwd, p->kv, p->ids + off, len, p->pos0 + off, &o, err);
@@ -99,7 +99,7 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
 
 fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                           int64_t n_logits)
+                           int64_t n_logits, float *logits)
 {
     return (fitm_pass){.kv = kv,
                        .prefix = prefix,
@@ -108,6 +108,7 @@ fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *pr
                        .pos0 = pos0,
                        .cap = cap,
                        .n_logits = n_logits,
+                       .logits = logits,
                        .n_layers = n_logits ? 0 : ps->n_layers,
                        .path = ps->path,
                        .position = ps->position};
@@ -122,11 +123,27 @@ fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *
 }
 
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
-                            int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
-                            fitm_err *err)
+                            int64_t n, int64_t pos0, const fitm_capture *cap, fitm_err *err)
 {
-    const fitm_pass p = fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, n_logits);
+    const fitm_pass p = fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, NULL);
     return fitm_passes_run_pass(ps, &p, err);
+}
+
+fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, fitm_err *err)
+{
+    const fitm_pass *pass = NULL;
+    while (st == FITM_OK && (st = m->next(m->run, &pass, err)) == FITM_OK && pass)
+        if ((st = fitm_passes_run_pass(ps, pass, err)) == FITM_OK)
+            m->ran(m->run);
+    return m->end(m->run, st);
+}
+
+int64_t fitm_pass_logit_rows(const fitm_pass *p, int64_t from, int64_t n, int64_t *at)
+{
+    const int64_t first = p->n - p->n_logits; /* the logit rows are the pass's last */
+    const int64_t lo = from > first ? from : first;
+    *at = lo - first;
+    return from + n > lo ? from + n - lo : 0;
 }
 
 fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int32_t n,

@@ -5,7 +5,7 @@
  * passes -> calibrate, with the scoring options of score.h; rerank_sort.c attention_sort;
  * rerank_per_doc.c query_likelihood and relevance; rerank_fused.c fused (the two combined);
  * passes.c runs their forward passes;
- * rerank_seq.c makes an attention method a sequence of the engine's batch.
+ * rerank_seq.c makes a method's run a sequence of the engine's batch.
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
  * releases them. A result likewise owns its arrays; fitm_rerank_result_free releases them.
@@ -173,22 +173,25 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
                              bool any_order, int64_t *tokens, fitm_err *err);
 
 /* ---- a /rerank in the running batch ------------------------------------------------------
- * The attention methods (calibrated, attention, paper) also run as a sequence that advances
- * one batched forward call at a time beside other sequences (continuous batching,
- * server/engine.c): fitm_rerank_begin gives the request caches of its own (its prompt's and
- * one reference branch over it) and starts the method's run as a state machine over each
- * window's plan of passes (main pass, dummy passes, null pass) -- prompts, captures and
- * calibration are exactly fitm_rerank_run's code, which drives the same machine in a loop --
- * up to its first pass; each step carries a chunk of that pass (fitm_rerank_seq_part), and
- * fitm_rerank_seq_after, once the pass is complete, reads its capture and readies the next
- * pass of the plan, or calibrates and makes the result after the last. All of it runs on the
- * session's thread, between the batch's forward calls. Scores are
- * bit-identical to fitm_rerank_run's: every pass runs on the batch path, whose rows do not
- * depend on the chunking or on what else shares the call (fitm_forward_run_batch). */
+ * Every method but attention_sort (whose second pass depends on the first's order) also runs
+ * as a sequence that advances one batched forward call at a time beside other sequences
+ * (continuous batching, server/engine.c): fitm_rerank_begin gives the request caches of its
+ * own (its prompt's and, for a method with reference passes, one branch over it) and starts
+ * the method's run as a state machine of passes -- an attention method's over each window's
+ * plan (main pass, dummy passes, null pass); query_likelihood's and relevance's over the
+ * documents (a prompt's rows without logits, then its logit rows); fused's the calibrated
+ * machine followed by query_likelihood's, combined at the end. Prompts, captures, logits and
+ * scores are exactly fitm_rerank_run's code, which drives the same machine in a loop -- up to
+ * its first pass; each step carries a chunk of that pass (fitm_rerank_seq_part), and
+ * fitm_rerank_seq_after, once the pass is complete, hands its capture or logits to the
+ * method and readies the next pass, or makes the result after the last. All of it runs on
+ * the session's thread, between the batch's forward calls. Scores are bit-identical to
+ * fitm_rerank_run's: every pass runs on the path the whole run takes, whose rows and logits
+ * do not depend on the chunking or on what else shares the call (fitm_forward_run_batch). */
 typedef struct fitm_rerank_seq fitm_rerank_seq;
 
-/* Whether req runs as a sequence (its method is an attention method); the others run whole
- * with fitm_rerank_run. */
+/* Whether req runs as a sequence (every method but attention_sort, which runs whole with
+ * fitm_rerank_run). */
 bool fitm_rerank_batches(const fitm_rerank_request *req);
 
 /* Starts req (fitm_rerank_batches) into *res (the caller frees res, also after a failure):
@@ -200,9 +203,11 @@ fitm_status fitm_rerank_begin(fitm_session *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_rerank_seq **out, fitm_err *err);
 
-/* This step's part of q: the next at most budget rows of its posted pass (more only
- * when the pass's logit rows would otherwise be split over two calls), on the batch path. */
-void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *part);
+/* This step's part of q: the next at most budget rows of its posted pass, of which at most
+ * logit_room (>= 1) are the pass's logit rows (they end the pass, so a part holding some ends
+ * with them). */
+void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, int64_t logit_room,
+                          fitm_forward_seq *part);
 
 /* After the call that carried q's part of T rows ended with st (err its message): the pass
  * advances, and when it is complete the run reads its capture and readies its next pass, or

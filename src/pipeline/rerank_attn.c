@@ -296,7 +296,7 @@ static fitm_status attend_prepare(const fitm_passes *ps, const plan *pl, fitm_kv
     ap->cap = (fitm_capture){.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : ap->cs,
                              .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : ap->buf,
                              .probs = pl->sink ? ap->buf : NULL, .probs_stride = T};
-    ap->pass = fitm_passes_pass(ps, kv, prefix, ids + from, T - from, from, &ap->cap, 0);
+    ap->pass = fitm_passes_pass(ps, kv, prefix, ids + from, T - from, from, &ap->cap, 0, NULL);
     /* A branch starts at from over prefix; a pass on its own cache from > 0 keeps the rows
      * [0, from) the cache holds (the caller checked they are this prompt's). */
     if (prefix || from == 0)
@@ -772,16 +772,36 @@ fitm_status fitm_attention_end(fitm_attention *a, fitm_status st)
     return st;
 }
 
+static fitm_status machine_next(void *a, const fitm_pass **pass, fitm_err *err)
+{
+    return fitm_attention_next(a, pass, err);
+}
+
+static void machine_ran(void *a)
+{
+    fitm_attention_ran(a);
+}
+
+static fitm_status machine_end(void *a, fitm_status st)
+{
+    return fitm_attention_end(a, st);
+}
+
+fitm_status fitm_attention_machine(fitm_passes *ps, const fitm_rerank_request *req,
+                                   fitm_rerank_result *res, fitm_machine *m, fitm_err *err)
+{
+    fitm_attention *a = NULL;
+    fitm_status st = fitm_attention_start(ps, req, res, &a, err);
+    *m = (fitm_machine){.run = a, .next = machine_next, .ran = machine_ran, .end = machine_end};
+    return st;
+}
+
 fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_err *err)
 {
-    fitm_attention *a = NULL;
-    const fitm_pass *pass = NULL;
-    fitm_status st = fitm_attention_start(ps, req, res, &a, err);
-    while (st == FITM_OK && (st = fitm_attention_next(a, &pass, err)) == FITM_OK && pass)
-        if ((st = fitm_passes_run_pass(ps, pass, err)) == FITM_OK)
-            fitm_attention_ran(a);
-    return fitm_attention_end(a, st);
+    fitm_machine m;
+    fitm_status st = fitm_attention_machine(ps, req, res, &m, err);
+    return fitm_machine_run(ps, &m, st, err);
 }
 
 /* ---- cost -------------------------------------------------------------------------------- */

@@ -50,44 +50,119 @@ static void attention_moments(const fitm_rerank_doc_result *r, int32_t K, double
     *sd = sqrt(var / K);
 }
 
+/* The fused scores into res (the calibrated run's results) from qr (query_likelihood's):
+ * score_k = ln(QL_k) + w x z_k over the K documents, sorted. ql: (K) scratch. */
+static void combine(fitm_rerank_result *res, const fitm_rerank_result *qr, int32_t K, double w,
+                    double *ql)
+{
+    for (int32_t i = 0; i < K; i++)
+        ql[qr->results[i].index] = log(qr->results[i].relevance_score);
+    double mean, sd;
+    attention_moments(res->results, K, &mean, &sd);
+    for (int32_t i = 0; i < K; i++) {
+        fitm_rerank_doc_result *d = &res->results[i];
+        double z = sd > 0 ? (d->calibrated_attention - mean) / sd : 0;
+        d->relevance_score = d->raw_score = ql[d->index] + w * z;
+    }
+    fitm_results_sort(res->results, K);
+}
+
+/* The run between two passes: the component running (calibrated into res, then
+ * query_likelihood into qr) as a machine of its own. */
+typedef struct {
+    fitm_passes *ps;
+    fitm_rerank_result *res;
+    fitm_rerank_request c, q; /* the components' requests (c's options its own) */
+    fitm_rerank_result qr;
+    fitm_machine part; /* the component running; end NULL once it ended */
+    bool ql;           /* part is query_likelihood's */
+    double w;
+} fused_run;
+
+/* The component running has made its result: it ends; after calibrated, query_likelihood
+ * starts; after query_likelihood, the two are combined (*over). */
+static fitm_status part_done(fused_run *f, bool *over, fitm_err *err)
+{
+    fitm_status st = f->part.end(f->part.run, FITM_OK);
+    f->part = (fitm_machine){0};
+    *over = st != FITM_OK || f->ql;
+    if (st == FITM_OK && !f->ql) {
+        f->ql = true;
+        return fitm_per_doc_start(f->ps, &f->q, &f->qr, &f->part, err);
+    }
+    double *ql = st == FITM_OK ? malloc((size_t)f->q.n_docs * sizeof *ql) : NULL;
+    if (st == FITM_OK && !ql)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st == FITM_OK)
+        combine(f->res, &f->qr, f->q.n_docs, f->w, ql);
+    free(ql);
+    return st;
+}
+
+static fitm_status fused_next(void *run, const fitm_pass **pass, fitm_err *err)
+{
+    fused_run *f = run;
+    *pass = NULL;
+    fitm_status st = FITM_OK;
+    bool over = f->part.end == NULL;
+    while (st == FITM_OK && !over && (st = f->part.next(f->part.run, pass, err)) == FITM_OK &&
+           !*pass)
+        st = part_done(f, &over, err);
+    return st;
+}
+
+static void fused_ran(void *run)
+{
+    fused_run *f = run;
+    f->part.ran(f->part.run);
+}
+
+static fitm_status fused_end(void *run, fitm_status st)
+{
+    fused_run *f = run;
+    if (!f)
+        return st;
+    if (f->part.end)
+        st = f->part.end(f->part.run, st);
+    fitm_rerank_result *res = f->res;
+    if (st == FITM_OK) {
+        res->usage.forward_tokens += f->qr.usage.forward_tokens;
+        if (f->qr.usage.prompt_tokens > res->usage.prompt_tokens)
+            res->usage.prompt_tokens = res->usage.total_tokens = f->qr.usage.prompt_tokens;
+        res->meta.tokenize_ms += f->qr.meta.tokenize_ms;
+        res->meta.forward_ms += f->qr.meta.forward_ms;
+        res->meta.opts.fuse_weight = f->w;
+    }
+    free(f->qr.results); /* all a query_likelihood run allocates */
+    fitm_score_opts_free(&f->c.opt);
+    free(f);
+    return st;
+}
+
+fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
+                             fitm_rerank_result *res, fitm_machine *m, fitm_err *err)
+{
+    fused_run *f = calloc(1, sizeof *f);
+    *m = (fitm_machine){.run = f, .next = fused_next, .ran = fused_ran, .end = fused_end};
+    if (!f)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    f->ps = ps;
+    f->res = res;
+    f->w = fuse_weight(ps->s, req);
+    f->q = *req;
+    f->q.method = FITM_RERANK_QUERY_LIKELIHOOD;
+    fitm_status st = calibrated_request(req, &f->c, err);
+    if (st == FITM_OK)
+        st = fitm_attention_machine(ps, &f->c, res, &f->part, err);
+    return st;
+}
+
 fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
                            fitm_rerank_result *res, fitm_err *err)
 {
-    const int32_t K = req->n_docs;
-    const double w = fuse_weight(ps->s, req);
-    fitm_rerank_request q = *req, c;
-    q.method = FITM_RERANK_QUERY_LIKELIHOOD;
-    fitm_rerank_result qr = {0};
-    fitm_status st = calibrated_request(req, &c, err);
-    if (st == FITM_OK)
-        st = fitm_attention_run(ps, &c, res, err);
-    if (st == FITM_OK)
-        st = fitm_per_doc_run(ps, &q, &qr, err);
-    double *ql = st == FITM_OK ? malloc((size_t)K * sizeof *ql) : NULL;
-    if (st == FITM_OK && !ql)
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    if (st == FITM_OK) {
-        for (int32_t i = 0; i < K; i++)
-            ql[qr.results[i].index] = log(qr.results[i].relevance_score);
-        double mean, sd;
-        attention_moments(res->results, K, &mean, &sd);
-        for (int32_t i = 0; i < K; i++) {
-            fitm_rerank_doc_result *d = &res->results[i];
-            double z = sd > 0 ? (d->calibrated_attention - mean) / sd : 0;
-            d->relevance_score = d->raw_score = ql[d->index] + w * z;
-        }
-        fitm_results_sort(res->results, K);
-        res->usage.forward_tokens += qr.usage.forward_tokens;
-        if (qr.usage.prompt_tokens > res->usage.prompt_tokens)
-            res->usage.prompt_tokens = res->usage.total_tokens = qr.usage.prompt_tokens;
-        res->meta.tokenize_ms += qr.meta.tokenize_ms;
-        res->meta.forward_ms += qr.meta.forward_ms;
-        res->meta.opts.fuse_weight = w;
-    }
-    free(ql);
-    free(qr.results); /* all a query_likelihood run allocates */
-    fitm_score_opts_free(&c.opt);
-    return st;
+    fitm_machine m;
+    fitm_status st = fitm_fused_start(ps, req, res, &m, err);
+    return fitm_machine_run(ps, &m, st, err);
 }
 
 fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
@@ -103,5 +178,21 @@ fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *re
         st = fitm_per_doc_cost(r, &q, &tq, err);
     fitm_score_opts_free(&c.opt);
     *tokens = tq + tc;
+    return st;
+}
+
+fitm_status fitm_fused_rows(const fitm_session *r, const fitm_rerank_request *req,
+                            int64_t *rows, fitm_err *err)
+{
+    fitm_rerank_request q = *req, c;
+    q.method = FITM_RERANK_QUERY_LIKELIHOOD;
+    int64_t rq = 0, rc = 0;
+    fitm_status st = calibrated_request(req, &c, err);
+    if (st == FITM_OK)
+        st = fitm_attention_rows(r, &c, &rc, err);
+    if (st == FITM_OK)
+        st = fitm_per_doc_rows(r, &q, &rq, err);
+    fitm_score_opts_free(&c.opt);
+    *rows = rq > rc ? rq : rc;
     return st;
 }

@@ -1,7 +1,8 @@
 /* rerank_methods: each rerank method's run and cost, for rerank.c's dispatch and the batch
  * sequence (rerank_seq.c). rerank_attn.c: calibrated, attention, paper; rerank_sort.c:
  * attention_sort; rerank_per_doc.c: query_likelihood, relevance; rerank_fused.c: fused (the
- * two before it combined). A run takes the request's
+ * two before it combined). Every method but attention_sort runs as a state machine of passes
+ * (fitm_machine), whole here or as a sequence of the engine's batch. A run takes the request's
  * passes (fitm_passes: where they run) and fills the result; a cost reads only the session.
  * Not for other modules: they use rerank.h. */
 #ifndef FITM_RERANK_METHODS_H
@@ -34,6 +35,10 @@ void fitm_attention_ran(fitm_attention *a);
  * NULL. */
 fitm_status fitm_attention_end(fitm_attention *a, fitm_status st);
 
+/* fitm_attention_start as a fitm_machine. */
+fitm_status fitm_attention_machine(fitm_passes *ps, const fitm_rerank_request *req,
+                                   fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
+
 /* The whole run, its passes run here one after another through the same state machine. */
 fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_err *err);
@@ -56,16 +61,31 @@ fitm_status fitm_attention_sort_run(fitm_passes *ps, const fitm_rerank_request *
 fitm_status fitm_attention_sort_cost(const fitm_session *r, const fitm_rerank_request *req,
                                      int64_t *tokens, fitm_err *err);
 
-/* query_likelihood and relevance (rerank_per_doc.c). */
+/* query_likelihood and relevance (rerank_per_doc.c): a state machine over the documents,
+ * each one's prompt on ps->kv rebased at 0: query_likelihood's rows up to its question
+ * without logits, then the question's rows with logits, at most logit_rows a pass (their
+ * log-probabilities added in row order); relevance's whole prompt, its last row's logits.
+ * The whole run drives the same machine (fitm_machine_run). */
+fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
+                               fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
 fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
                              fitm_rerank_result *res, fitm_err *err);
 fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *tokens, fitm_err *err);
+/* The most rows a document's pass of req has (a sequence's cache size). */
+fitm_status fitm_per_doc_rows(const fitm_session *r, const fitm_rerank_request *req,
+                              int64_t *rows, fitm_err *err);
 
-/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c). */
+/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c): the
+ * calibrated machine, then query_likelihood's, on the same passes, combined at the end. */
+fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
+                             fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
 fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
                            fitm_rerank_result *res, fitm_err *err);
 fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
                             bool any_order, int64_t *tokens, fitm_err *err);
+/* The most rows any pass of req's two components has (a sequence's cache size). */
+fitm_status fitm_fused_rows(const fitm_session *r, const fitm_rerank_request *req,
+                            int64_t *rows, fitm_err *err);
 
 #endif

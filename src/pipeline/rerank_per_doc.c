@@ -103,42 +103,6 @@ static fitm_status relevance_prompt(const fitm_session *r, const fitm_rerank_req
     return st;
 }
 
-/* query_likelihood's score of a prompt of T fed tokens whose question starts at n_pre: the
- * geometric-mean probability of the question's tokens, logit_rows at a time. */
-static fitm_status ql_score(fitm_passes *ps, const per_doc *pd, const fitm_ids *ids, int64_t n_pre,
-                            int64_t T, double *score, fitm_err *err)
-{
-    const fitm_session *r = ps->s;
-    int64_t head = n_pre - 1; /* rows head .. T - 1 predict the question's tokens */
-    fitm_status st = FITM_OK;
-    if (head > 0)
-        st = fitm_passes_run(ps, ps->kv, NULL, ids->v, head, 0, NULL, 0, err);
-    double sum = 0;
-    for (int64_t p = head; st == FITM_OK && p < T; p += r->logit_rows) {
-        int64_t n = T - p < r->logit_rows ? T - p : r->logit_rows;
-        st = fitm_passes_run(ps, ps->kv, NULL, ids->v + p, n, p, NULL, n, err);
-        for (int64_t i = 0; st == FITM_OK && i < n; i++)
-            sum += log_prob(r->logits + i * r->V, r->V, ids->v[p + i + 1]);
-    }
-    *score = exp(sum / (double)pd->q.n);
-    return st;
-}
-
-/* relevance's score: P(yes) / (P(yes) + P(no)) after the whole prompt. */
-static fitm_status relevance_score(fitm_passes *ps, const per_doc *pd, const fitm_ids *ids,
-                                   double *score, fitm_err *err)
-{
-    const fitm_session *r = ps->s;
-    fitm_status st = fitm_passes_run(ps, ps->kv, NULL, ids->v, ids->n, 0, NULL, 1, err);
-    double py = 0, pn = 0;
-    for (int i = 0; st == FITM_OK && i < pd->n_yes; i++)
-        py += exp(log_prob(r->logits, r->V, pd->yes[i]));
-    for (int i = 0; st == FITM_OK && i < pd->n_no; i++)
-        pn += exp(log_prob(r->logits, r->V, pd->no[i]));
-    *score = py + pn > 0 ? py / (py + pn) : 0.5;
-    return st;
-}
-
 static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request *req, per_doc *pd,
                                 fitm_err *err)
 {
@@ -178,69 +142,206 @@ static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *re
     return st;
 }
 
+/* ---- the run: a state machine over the documents ------------------------------------------ */
+
+/* The run between two passes: the document it is at, how far its passes got, and what its
+ * logit rows so far added up to. */
+typedef struct {
+    fitm_passes *ps;
+    const fitm_rerank_request *req;
+    fitm_rerank_result *res;
+    per_doc pd;
+    double t0, tok_ms; /* when the run started; its tokenizing */
+    int64_t forward, T_max;
+    int32_t k;      /* the document running */
+    fitm_ids ids;   /* its prompt */
+    int64_t T, at;  /* its fed tokens; the next pass's first row (-1: not begun) */
+    double sum;     /* query_likelihood: its question's log-probabilities so far; relevance: its
+                     * score */
+    float *logits;  /* (rows, V) the logit passes': rows = the most logit rows of one pass */
+    fitm_pass pass; /* the pass handed out */
+} per_doc_run;
+
+/* Document k's prompt (doc_pass, timed apart) and its cache rebased at 0. */
+static fitm_status doc_begin(per_doc_run *d, fitm_err *err)
+{
+    const double t0 = fitm_clock_ms();
+    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, d->k, &d->ids, &d->T, err);
+    d->tok_ms += fitm_clock_ms() - t0;
+    if (st == FITM_OK)
+        st = fitm_kv_rebase(d->ps->kv, 0, err);
+    d->T_max = d->T > d->T_max ? d->T : d->T_max;
+    d->forward += d->T;
+    d->at = 0;
+    d->sum = 0;
+    return st;
+}
+
+/* Document k's next pass from row at, or false when its passes have all run. query_likelihood:
+ * rows [0, head) without logits, then the question's rows head .. T - 1 (each predicts the
+ * next token) with logits, at most logit_rows a pass; relevance: the whole prompt, the last
+ * row's logits. */
+static bool doc_next_pass(per_doc_run *d)
+{
+    const fitm_session *r = d->ps->s;
+    const int64_t head = d->pd.ql ? d->ids.n - d->pd.q.n - 1 : d->T;
+    if (d->at >= d->T)
+        return false;
+    int64_t n, n_logits;
+    if (d->at < head) { /* the prompt up to the question (relevance: all of it) */
+        n = head - d->at;
+        n_logits = d->pd.ql ? 0 : 1;
+    } else { /* the question's rows, logit_rows at a time */
+        n = d->T - d->at < r->logit_rows ? d->T - d->at : r->logit_rows;
+        n_logits = n;
+    }
+    d->pass = fitm_passes_pass(d->ps, d->ps->kv, NULL, d->ids.v + d->at, n, d->at, NULL, n_logits,
+                               d->logits);
+    return true;
+}
+
+/* Document k's score once its passes ran; on to the next document. */
+static void doc_end(per_doc_run *d)
+{
+    const double score = d->pd.ql ? exp(d->sum / (double)d->pd.q.n) : d->sum;
+    d->res->results[d->k] = (fitm_rerank_doc_result){
+        .index = d->k, .position = d->k, .relevance_score = score, .raw_score = score};
+    d->k++;
+    d->at = -1;
+}
+
+static fitm_status per_doc_next(void *run, const fitm_pass **pass, fitm_err *err)
+{
+    per_doc_run *d = run;
+    *pass = NULL;
+    fitm_status st = FITM_OK;
+    while (st == FITM_OK && d->k < d->req->n_docs) {
+        if (d->at < 0)
+            st = doc_begin(d, err);
+        else if (doc_next_pass(d))
+            break;
+        else
+            doc_end(d);
+    }
+    if (st == FITM_OK && d->k < d->req->n_docs)
+        *pass = &d->pass;
+    return st;
+}
+
+/* The pass handed out has run: its logit rows read. query_likelihood: each row's
+ * log-probability of the token after it, added in row order; relevance: P(yes) / (P(yes) +
+ * P(no)) of its last row, over the first tokens of "Yes"/"yes" and "No"/"no". */
+static void per_doc_ran(void *run)
+{
+    per_doc_run *d = run;
+    const fitm_pass *p = &d->pass;
+    const fitm_session *r = d->ps->s;
+    if (d->pd.ql) {
+        for (int64_t i = 0; i < p->n_logits; i++) {
+            const int64_t row = p->pos0 + p->n - p->n_logits + i;
+            d->sum += log_prob(d->logits + i * r->V, r->V, d->ids.v[row + 1]);
+        }
+    } else {
+        double py = 0, pn = 0;
+        for (int i = 0; i < d->pd.n_yes; i++)
+            py += exp(log_prob(d->logits, r->V, d->pd.yes[i]));
+        for (int i = 0; i < d->pd.n_no; i++)
+            pn += exp(log_prob(d->logits, r->V, d->pd.no[i]));
+        d->sum = py + pn > 0 ? py / (py + pn) : 0.5;
+    }
+    d->at = p->pos0 + p->n;
+}
+
+static fitm_status per_doc_end(void *run, fitm_status st)
+{
+    per_doc_run *d = run;
+    if (!d)
+        return st;
+    fitm_rerank_result *res = d->res;
+    if (st == FITM_OK)
+        fitm_results_sort(res->results, d->req->n_docs);
+    res->usage = (fitm_rerank_usage){
+        .prompt_tokens = d->T_max, .forward_tokens = d->forward, .total_tokens = d->T_max};
+    res->meta.tokenize_ms = d->tok_ms;
+    res->meta.forward_ms = fitm_clock_ms() - d->t0 - d->tok_ms;
+    free(d->ids.v);
+    free(d->pd.q.v);
+    free(d->logits);
+    free(d);
+    return st;
+}
+
 /* query_likelihood (LongLLMLingua's r_k): per document, the mean log-probability of
  * " {query} We can get the answer to this question in the given documents." after
  * "{text}\n\nQuestion:"; relevance_score = exp of it (the tokens' geometric-mean probability).
  * relevance: per document, "Document: {text}\n\nQuestion: {query}\n\nIs the document relevant
  * to the question? Answer Yes or No." in the chat template; relevance_score = P(yes) /
- * (P(yes) + P(no)) over the first tokens of "Yes"/"yes" and "No"/"no". One pass per document
- * on a cache of its own prompt (no shared prefix to reuse). */
+ * (P(yes) + P(no)). One prompt per document on a cache of its own (no shared prefix to
+ * reuse). */
+fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
+                               fitm_rerank_result *res, fitm_machine *m, fitm_err *err)
+{
+    per_doc_run *d = calloc(1, sizeof *d);
+    *m = (fitm_machine){.run = d, .next = per_doc_next, .ran = per_doc_ran, .end = per_doc_end};
+    if (!d)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    const fitm_session *r = ps->s;
+    const int32_t K = req->n_docs;
+    *d = (per_doc_run){.ps = ps,
+                       .req = req,
+                       .res = res,
+                       .t0 = fitm_clock_ms(),
+                       .at = -1,
+                       .pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD}};
+    res->results = calloc((size_t)K, sizeof *res->results);
+    res->n_results = res->results ? K : 0;
+    fitm_status st = res->results ? per_doc_init(r, req, &d->pd, err)
+                                  : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st != FITM_OK)
+        return st;
+    const int64_t rows = !d->pd.ql ? 1 : d->pd.q.n < r->logit_rows ? d->pd.q.n : r->logit_rows;
+    d->logits = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)(uint32_t)r->V * sizeof *d->logits);
+    return d->logits ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+}
+
 fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
                              fitm_rerank_result *res, fitm_err *err)
 {
-    const fitm_session *r = ps->s;
-    double t0 = fitm_clock_ms(), tok_ms = 0;
-    const int32_t K = req->n_docs;
+    fitm_machine m;
+    fitm_status st = fitm_per_doc_start(ps, req, res, &m, err);
+    return fitm_machine_run(ps, &m, st, err);
+}
+
+/* Each document's pass (doc_pass), as the run takes them: their fed tokens in all and the
+ * most of one. */
+static fitm_status doc_passes(const fitm_session *r, const fitm_rerank_request *req, int64_t *sum,
+                              int64_t *most, fitm_err *err)
+{
     per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
     fitm_ids ids = {0};
-    int64_t forward = 0, T_max = 0;
-    res->results = calloc((size_t)K, sizeof *res->results);
-    fitm_status st = res->results ? per_doc_init(r, req, &pd, err)
-                                  : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    res->n_results = res->results ? K : 0;
-    for (int32_t k = 0; st == FITM_OK && k < K; k++) {
-        double tt = fitm_clock_ms(), score = 0;
+    *sum = *most = 0;
+    fitm_status st = per_doc_init(r, req, &pd, err);
+    for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
         int64_t T = 0;
         st = doc_pass(r, req, &pd, k, &ids, &T, err);
-        tok_ms += fitm_clock_ms() - tt;
-        if (st == FITM_OK)
-            st = fitm_kv_rebase(ps->kv, 0, err);
-        if (st == FITM_OK)
-            st = pd.ql ? ql_score(ps, &pd, &ids, ids.n - pd.q.n, T, &score, err)
-                       : relevance_score(ps, &pd, &ids, &score, err);
-        T_max = T > T_max ? T : T_max;
-        forward += T;
-        res->results[k] =
-            (fitm_rerank_doc_result){.index = k, .position = k, .relevance_score = score,
-                                     .raw_score = score};
+        *sum += T;
+        *most = T > *most ? T : *most;
     }
-    if (st == FITM_OK)
-        fitm_results_sort(res->results, K);
-    res->usage = (fitm_rerank_usage){
-        .prompt_tokens = T_max, .forward_tokens = forward, .total_tokens = T_max};
-    res->meta.tokenize_ms = tok_ms;
-    res->meta.forward_ms = fitm_clock_ms() - t0 - tok_ms;
     free(ids.v);
     free(pd.q.v);
     return st;
 }
 
-/* query_likelihood and relevance: each document's pass (doc_pass), as fitm_per_doc_run runs
- * them. */
 fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *tokens, fitm_err *err)
 {
-    per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
-    fitm_ids ids = {0};
+    int64_t most = 0;
+    return doc_passes(r, req, tokens, &most, err);
+}
+
+fitm_status fitm_per_doc_rows(const fitm_session *r, const fitm_rerank_request *req, int64_t *rows,
+                              fitm_err *err)
+{
     int64_t sum = 0;
-    fitm_status st = per_doc_init(r, req, &pd, err);
-    for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
-        int64_t T = 0;
-        st = doc_pass(r, req, &pd, k, &ids, &T, err);
-        sum += T;
-    }
-    free(ids.v);
-    free(pd.q.v);
-    *tokens = sum;
-    return st;
+    return doc_passes(r, req, &sum, rows, err);
 }

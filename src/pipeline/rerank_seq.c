@@ -1,9 +1,11 @@
-/* rerank_seq: a /rerank of an attention method as a sequence of the engine's running batch
- * (see rerank.h). The sequence holds the method's state machine (fitm_attention: the window,
- * the pass of its plan, what the passes so far captured) and the pass it has posted: the
- * engine's steps carry the pass's chunks (fitm_rerank_seq_part) and, once it is complete,
- * fitm_rerank_seq_after hands the capture to the method and readies its next pass, or ends
- * the run after the last. Everything runs on the engine's thread. */
+/* rerank_seq: a /rerank as a sequence of the engine's running batch (see rerank.h). The
+ * sequence holds the method's state machine (fitm_machine: for an attention method the
+ * window, the pass of its plan and what the passes so far captured; for a per-document
+ * method the document and its logit rows so far; for fused the component running) and the
+ * pass it has posted: the engine's steps carry the pass's chunks (fitm_rerank_seq_part) and,
+ * once it is complete, fitm_rerank_seq_after hands the capture or logits to the method and
+ * readies its next pass, or ends the run after the last. Everything runs on the engine's
+ * thread. */
 #include "pipeline/rerank_methods.h"
 
 #include <stdlib.h>
@@ -13,7 +15,7 @@ struct fitm_rerank_seq {
     fitm_session *s;
     fitm_kv *kv, *branch;  /* the request's own caches */
     fitm_passes passes;    /* the request's passes: on kv and branch */
-    fitm_attention *run;   /* the method between two passes; NULL once it ended */
+    fitm_machine run;      /* the method between two passes; end NULL once it ended */
     const fitm_pass *pass; /* the posted pass (the run's), while it runs */
     int64_t done_rows;     /* how far the posted pass got */
     bool (*stop)(const void *);
@@ -33,10 +35,10 @@ static fitm_status stopped(fitm_err *err)
 /* Ends the method's run with st (err: its message when st is not FITM_OK). */
 static void run_end(fitm_rerank_seq *q, fitm_status st, const fitm_err *err)
 {
-    q->run_st = fitm_attention_end(q->run, st);
+    q->run_st = q->run.end(q->run.run, st);
     if (st != FITM_OK)
         q->run_err = *err;
-    q->run = NULL;
+    q->run = (fitm_machine){0};
     q->pass = NULL;
 }
 
@@ -46,9 +48,8 @@ static void advance(fitm_rerank_seq *q)
 {
     fitm_err err = {{0}};
     fitm_status st;
-    while ((st = fitm_attention_next(q->run, &q->pass, &err)) == FITM_OK && q->pass &&
-           q->pass->n < 1)
-        fitm_attention_ran(q->run);
+    while ((st = q->run.next(q->run.run, &q->pass, &err)) == FITM_OK && q->pass && q->pass->n < 1)
+        q->run.ran(q->run.run);
     q->done_rows = 0;
     if (st != FITM_OK || !q->pass)
         run_end(q, st, &err);
@@ -56,13 +57,60 @@ static void advance(fitm_rerank_seq *q)
 
 bool fitm_rerank_batches(const fitm_rerank_request *req)
 {
-    return req->method == FITM_RERANK_CALIBRATED || req->method == FITM_RERANK_ATTENTION ||
-           req->method == FITM_RERANK_PAPER;
+    return req->method != FITM_RERANK_ATTENTION_SORT;
+}
+
+/* Whether req's method reads the attention of reference passes on a branch cache. */
+static bool has_branch(const fitm_rerank_request *req)
+{
+    return req->method != FITM_RERANK_QUERY_LIKELIHOOD && req->method != FITM_RERANK_RELEVANCE;
+}
+
+/* The most rows any pass of req has: its caches' size. */
+static fitm_status seq_rows(const fitm_session *s, const fitm_rerank_request *req, int64_t *rows,
+                            fitm_err *err)
+{
+    if (req->method == FITM_RERANK_FUSED)
+        return fitm_fused_rows(s, req, rows, err);
+    if (!has_branch(req))
+        return fitm_per_doc_rows(s, req, rows, err);
+    return fitm_attention_rows(s, req, rows, err);
+}
+
+/* The end of a method that never started. */
+static fitm_status no_machine_end(void *run, fitm_status st)
+{
+    (void)run;
+    return st;
+}
+
+/* Starts req's method on ps into res as *m, which goes to m->end even on failure. */
+static fitm_status machine_start(fitm_passes *ps, const fitm_rerank_request *req,
+                                 fitm_rerank_result *res, fitm_machine *m, fitm_err *err)
+{
+    switch (req->method) {
+    case FITM_RERANK_QUERY_LIKELIHOOD:
+    case FITM_RERANK_RELEVANCE:
+        return fitm_per_doc_start(ps, req, res, m, err);
+    case FITM_RERANK_FUSED:
+        return fitm_fused_start(ps, req, res, m, err);
+    case FITM_RERANK_CALIBRATED:
+    case FITM_RERANK_ATTENTION:
+    case FITM_RERANK_PAPER:
+        return fitm_attention_machine(ps, req, res, m, err);
+    case FITM_RERANK_ATTENTION_SORT:
+    case FITM_RERANK_METHOD_COUNT:
+        break;
+    }
+    *m = (fitm_machine){.end = no_machine_end};
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "method %s has no state machine",
+                        fitm_rerank_method_name(req->method));
 }
 
 static void seq_free(fitm_rerank_seq *q)
 {
-    fitm_attention_end(q->run, FITM_OK);
+    if (q->run.end)
+        q->run.end(q->run.run, FITM_OK);
     fitm_kv_destroy(q->kv);
     fitm_kv_destroy(q->branch);
     free(q);
@@ -81,7 +129,7 @@ static fitm_status seq_create(fitm_session *s, const fitm_rerank_request *req, i
     const fitm_position_method m =
         req->position < 0 ? s->position_default : (fitm_position_method)req->position;
     fitm_status st = fitm_session_kv_create(s, m, rows > 0 ? rows : 1, &q->kv, err);
-    if (st == FITM_OK)
+    if (st == FITM_OK && has_branch(req))
         st = fitm_session_kv_create(s, m, rows > 0 ? rows : 1, &q->branch, err);
     return st;
 }
@@ -99,14 +147,14 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
                             fitm_rerank_method_name(req->method));
     int64_t rows = 0;
     fitm_rerank_seq *q = NULL;
-    fitm_status st = fitm_attention_rows(s, req, &rows, err);
+    fitm_status st = seq_rows(s, req, &rows, err);
     if (st == FITM_OK)
         st = seq_create(s, req, rows, &q, err);
     /* A position method the request may not use fails here, as a whole run's would. */
     if (st == FITM_OK &&
         (st = fitm_passes_init(&q->passes, s, req, q->kv, q->branch, err)) == FITM_OK) {
         res->meta.position = q->passes.position;
-        st = fitm_attention_start(&q->passes, req, res, &q->run, err);
+        st = machine_start(&q->passes, req, res, &q->run, err);
     }
     if (st != FITM_OK) {
         if (q)
@@ -116,28 +164,31 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
     q->stop = stop;
     q->stop_arg = stop_arg;
     advance(q);
-    if (!q->run)
+    if (!q->run.end)
         return fitm_rerank_end(q, err);
     *out = q;
     return FITM_OK;
 }
 
-void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *part)
+void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, int64_t logit_room,
+                          fitm_forward_seq *part)
 {
     const fitm_pass *p = q->pass;
     const int64_t left = p->n - q->done_rows;
-    int64_t T = left;
-    if (left > budget) /* the logit rows stay in the pass's last call */
-        T = left - p->n_logits >= 1 ? (budget < left - p->n_logits ? budget : left - p->n_logits)
-                                    : left;
+    /* the rows before the pass's logit rows, then as many of those as the call has room for */
+    const int64_t plain = p->n - p->n_logits - q->done_rows;
+    const int64_t most = (plain > 0 ? plain : 0) + (logit_room > 0 ? logit_room : 0);
+    int64_t T = left < budget ? left : budget;
+    T = T < most ? T : most;
     T = T < 1 ? 1 : T;
-    const bool last = q->done_rows + T == p->n;
+    int64_t at = 0;
+    const int64_t n_logits = fitm_pass_logit_rows(p, q->done_rows, T, &at);
     const int64_t pos = p->pos0 + q->done_rows;
     q->part_opts =
         (fitm_forward_opts){.prefix = p->prefix,
                             .capture = fitm_passes_capture_part(q->s, p->cap, pos, T, &q->part_cap),
-                            .n_logits = last ? p->n_logits : 0,
-                            .logits = NULL,
+                            .n_logits = n_logits,
+                            .logits = n_logits ? p->logits + at * q->s->V : NULL,
                             .position = p->position,
                             .path = p->path,
                             .n_layers = p->n_layers};
@@ -147,13 +198,13 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, fitm_forward_seq *
 void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const fitm_err *err,
                            bool *done)
 {
-    if (q->run && st != FITM_OK) {
+    if (q->run.end && st != FITM_OK) {
         run_end(q, st, err);
-    } else if (q->run && (q->done_rows += T) >= q->pass->n) {
-        fitm_attention_ran(q->run);
+    } else if (q->run.end && (q->done_rows += T) >= q->pass->n) {
+        q->run.ran(q->run.run);
         advance(q);
     }
-    *done = q->run == NULL;
+    *done = q->run.end == NULL;
 }
 
 bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q)
@@ -163,7 +214,7 @@ bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q)
 
 fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err)
 {
-    if (q->run) { /* a sequence ended early (shutdown) */
+    if (q->run.end) { /* a sequence ended early (shutdown) */
         fitm_err e;
         run_end(q, stopped(&e), &e);
     }
@@ -176,5 +227,5 @@ fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err)
 
 size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q)
 {
-    return fitm_kv_bytes(q->kv) + fitm_kv_bytes(q->branch);
+    return fitm_kv_bytes(q->kv) + (q->branch ? fitm_kv_bytes(q->branch) : 0);
 }

@@ -23,7 +23,6 @@ void fitm_session_destroy(fitm_session *r)
     fitm_forward_destroy(r->fwd);
     fitm_score_opts_free(&r->defaults);
     free(r->dummy);
-    free(r->logits);
     free(r->kv_ids);
     free(r->answer_text);
     free(r->answer_stop[0]);
@@ -142,10 +141,9 @@ fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const f
     fitm_forward_params fp = {
         .max_tokens = r->chunk, .max_ctx = r->n_ctx, .max_logits = r->logit_rows};
     fitm_status st;
-    r->logits = malloc((size_t)r->logit_rows * (size_t)(uint32_t)r->V * sizeof *r->logits);
     r->kv_ids = malloc((size_t)r->n_ctx * sizeof *r->kv_ids);
-    if (!r->logits || !r->kv_ids) {
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for logits");
+    if (!r->kv_ids) {
+        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
         goto fail;
     }
     r->moice = p->moice;

@@ -43,8 +43,7 @@ struct fitm_session {
     int32_t *dummy; /* default dummy ids (" " + dummy_text) */
     int64_t n_dummy;
     int32_t L, H, V;
-    int64_t logit_rows;          /* min(FITM_LOGIT_ROWS, chunk) */
-    float *logits;               /* (logit_rows, V) host scratch of the whole runs' logit passes */
+    int64_t logit_rows;          /* min(FITM_LOGIT_ROWS, chunk): most logit rows per call */
     fitm_score_opts defaults;    /* every option set: built-in < params->defaults */
     fitm_answer_defaults answer; /* every one set: built-in < params->answer */
     double paper_temperature;
@@ -130,7 +129,8 @@ typedef bool (*fitm_stop_fn)(const void *);
 
 /* One forward pass of a rerank, as the method asks for it: ids at positions [pos0, pos0 + n)
  * on kv (a branch of prefix when non-NULL), capturing cap's rows, n_logits logit rows at the
- * end, on path, running layers [0, n_layers) (0: all) under method position. */
+ * end into logits ((n_logits, V) host, the method's), on path, running layers [0, n_layers)
+ * (0: all) under method position. */
 typedef struct {
     fitm_kv *kv;
     const fitm_kv *prefix;
@@ -138,6 +138,7 @@ typedef struct {
     int64_t n, pos0;
     const fitm_capture *cap;
     int64_t n_logits;
+    float *logits;
     int32_t n_layers;
     fitm_forward_path path;
     fitm_position_method position;
@@ -166,21 +167,42 @@ fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank
                              fitm_kv *kv, fitm_kv *branch, fitm_err *err);
 
 /* The pass of ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) for
- * ps: cap (may be NULL) lists rows in ascending order; n_logits logit rows at the end; without
- * logits, only layers [0, ps->n_layers) when that is set. */
+ * ps: cap (may be NULL) lists rows in ascending order; n_logits (at most the session's
+ * logit_rows) logit rows at the end into logits; without logits, only layers
+ * [0, ps->n_layers) when that is set. */
 fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                           int64_t n_logits);
+                           int64_t n_logits, float *logits);
 
 /* Runs pass p here, in chunks on the session's forward: each chunk captures the rows it holds
- * (span_mass and probs offset accordingly); the logit rows of the last chunk go to the
- * session's logits. */
+ * (span_mass and probs offset accordingly) and writes the logits of the logit rows it holds
+ * into p->logits. */
 fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *err);
 
-/* fitm_passes_run_pass of fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, n_logits). */
+/* fitm_passes_run_pass of fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, NULL). */
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
-                            int64_t n, int64_t pos0, const fitm_capture *cap, int64_t n_logits,
-                            fitm_err *err);
+                            int64_t n, int64_t pos0, const fitm_capture *cap, fitm_err *err);
+
+/* A method's run as a state machine of passes, whatever the method (the attention methods,
+ * query_likelihood, relevance, fused: rerank_methods.h): next readies the next pass (*pass,
+ * valid until ran; NULL once the result is made), which its owner runs -- here
+ * (fitm_machine_run), or chunk by chunk in the engine's batch steps (rerank_seq.c) -- and
+ * reports with ran; end (exactly once, also after a failed start) fills the result's usage
+ * and timings, frees, and returns st. */
+typedef struct {
+    void *run;
+    fitm_status (*next)(void *run, const fitm_pass **pass, fitm_err *err);
+    void (*ran)(void *run);
+    fitm_status (*end)(void *run, fitm_status st);
+} fitm_machine;
+
+/* A whole run: m's passes run here one after another, then m ends with the status. st: how
+ * m's start went. */
+fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, fitm_err *err);
+
+/* The logit rows of pass p among its rows [from, from + n): how many (they end the part), and
+ * where the first one's logits go in p->logits (*at). */
+int64_t fitm_pass_logit_rows(const fitm_pass *p, int64_t from, int64_t n, int64_t *at);
 
 /* The sub-capture of cap for the rows in [pos0, pos0 + n) (NULL when none are). */
 const fitm_capture *fitm_passes_capture_part(const fitm_session *s, const fitm_capture *cap,

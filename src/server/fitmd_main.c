@@ -532,8 +532,8 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
 }
 
 /* Continuous batching: an /answer joins the running batch once its documents are ordered
- * (fitm_answer_begin), a /rerank of an attention method once its caches are made
- * (fitm_rerank_begin); the other /rerank methods and /tokenize run whole between two steps. */
+ * (fitm_answer_begin), a /rerank once its caches are made (fitm_rerank_begin); attention_sort
+ * and /tokenize run whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
 {
     daemon_model *dm = ctx;
