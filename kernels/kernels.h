@@ -162,6 +162,15 @@ int fitm_cuda_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int32_t 
 int fitm_cuda_matmul_rows(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x,
                           int64_t T, float *y, void *stream);
 
+#define FITM_CUDA_MM_MAX_OUTS 3
+
+/* n (1 to FITM_CUDA_MM_MAX_OUTS) products of one input in one launch: y[i] (T, N[i]) = x (T,
+ * K) . W[i]^T, each as fitm_cuda_matmul_rows computes it (bit for bit those n launches): a
+ * decode step's Q, K and V. Every W[i] of type t with K columns; the other conditions are
+ * fitm_cuda_matmul_rows's, for each. */
+int fitm_cuda_matmul_rows_n(fitm_dtype t, int n, const void *const *W, const int64_t *N, int64_t K,
+                            const float *x, int64_t T, float *const *y, void *stream);
+
 /* The feed-forward block's gate and up products and its gated activation in one launch: y (T,
  * N) = act(x . Wg^T) * (x . Wu^T), act gelu_tanh (gelu != 0) or silu, each product as
  * fitm_cuda_matmul_rows computes it and the activation as fitm_cuda_geglu / fitm_cuda_swiglu:

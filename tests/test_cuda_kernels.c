@@ -426,6 +426,57 @@ static void test_matmul_rows(fitm_dtype t, int64_t N, int64_t K, int64_t T)
     free(one);
 }
 
+/* A decode step's Q, K and V products in one launch (fitm_cuda_matmul_rows_n) against one
+ * fitm_cuda_matmul_rows launch per weight on the same input: bit for bit equal, for n = 1 to
+ * 3 weights of different row counts (the blocks of one weight end inside a block of rows).
+ * The values themselves are test_matvec's. */
+static void test_matmul_rows_n(fitm_dtype t, int n, int64_t K, int64_t T)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[96];
+    snprintf(what, sizeof what, "matmul_rows_n %s n=%d K=%lld T=%lld", tn, n, (long long)K,
+             (long long)T);
+    const int64_t Ns[3] = {13, 6, 9};
+    const size_t row_bytes = fitm_dtype_row_bytes(t, K);
+    float *x = xmalloc((size_t)(T * K) * sizeof(float));
+    fill_uniform(x, T * K, -1.0f, 1.0f);
+    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    dbuf dW[3], d1[3], dn[3];
+    const void *W[3];
+    float *y[3];
+    bool ok = true;
+    for (int i = 0; i < n; i++) {
+        uint8_t *w = make_weights(t, Ns[i] * K, false);
+        dW[i] = dbuf_from(w, (size_t)Ns[i] * row_bytes);
+        free(w);
+        d1[i] = dbuf_new((size_t)(T * Ns[i]) * sizeof(float));
+        dn[i] = dbuf_new((size_t)(T * Ns[i]) * sizeof(float));
+        W[i] = dW[i].p, y[i] = dn[i].p;
+        ok = ok &&
+             launched(what, fitm_cuda_matmul_rows(t, dW[i].p, Ns[i], K, dx.p, T, d1[i].p, stream));
+    }
+    ok = ok && launched(what, fitm_cuda_matmul_rows_n(t, n, W, Ns, K, dx.p, T, y, stream));
+    for (int i = 0; i < n; i++) {
+        const size_t bytes = (size_t)(T * Ns[i]) * sizeof(float);
+        float *one = xmalloc(bytes), *all = xmalloc(bytes);
+        if (ok) {
+            dbuf_get(one, &d1[i]);
+            dbuf_get(all, &dn[i]);
+            ok = dbuf_guards_ok(&dn[i], what);
+        }
+        if (ok && memcmp(one, all, bytes) != 0) {
+            fprintf(stderr, "  %s: output %d differs from its own launch\n", what, i);
+            ok = false;
+        }
+        free(one), free(all);
+        dbuf_free(&dW[i]), dbuf_free(&d1[i]), dbuf_free(&dn[i]);
+    }
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok);
+    dbuf_free(&dx);
+    free(x);
+}
+
 /* The decode step's gate and up products with the GLU in one launch (fitm_cuda_matmul_glu)
  * against the three launches it replaces, run on the same inputs: bit for bit equal (the
  * backend's decode steps use it where they would run the three). And against the CPU: the
@@ -887,6 +938,15 @@ static void test_contracts(void)
     CHECK(fitm_cuda_matvec(FITM_DTYPE_Q8_K, fake, 4, 256, f, f, NULL) == inval);
     CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, -1, 8, f, f, NULL) == inval);
     CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, 0, 8, f, f, NULL) == 0);
+    {
+        const void *W3[3] = {fake, fake, NULL};
+        const int64_t N3[3] = {4, 4, 4};
+        float *y3[3] = {f, f, f};
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 4, W3, N3, 32, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 3, W3, N3, 32, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 2, W3, N3, 33, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 2, W3, N3, 32, f, 0, y3, NULL) == 0);
+    }
     CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, NULL, 4, 32, f, 1, 0, f, NULL) == inval);
     CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, fake + 2, 4, 32, f, 1, 0, f, NULL) == inval);
     CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, fake, 4, 32, f, 0, 1, f, NULL) == 0);
@@ -987,6 +1047,9 @@ int main(int argc, char **argv)
         test_matvec(t, 1, be > 1 ? be : 8, false);
         test_matvec(t, 37, 768, false);
         test_matmul_rows(t, 9, 256, 19); /* three groups of rows, the last partial */
+        test_matmul_rows_n(t, 3, 256, 1);
+        test_matmul_rows_n(t, 3, 256, 11);
+        test_matmul_rows_n(t, 2, 256, 3);
         test_matmul_glu(t, 9, 256, 1, t == FITM_DTYPE_Q4_K);
         test_matmul_glu(t, 7, 256, 11, t != FITM_DTYPE_Q4_K); /* two groups, the last partial */
         if (small)
@@ -1003,6 +1066,7 @@ int main(int argc, char **argv)
             test_matvec(t, 3, 7, false);
             test_matmul_rows(t, 13, 1001, 10);
             test_matmul_glu(t, 5, 1001, 3, true); /* K % 8 != 0 */
+            test_matmul_rows_n(t, 3, 1001, 2);
         }
     }
 

@@ -644,6 +644,37 @@ static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W,
     gemm_rows(c, Wf, N, K, x, T, y);
 }
 
+/* The STEP products of outs (without their biases) as one launch, when there are several
+ * (a layer's Q, K and V), fusion is on, and their weights are resident and of one type
+ * (fitm_cuda_matmul_rows_n: the bits of one launch each). False: nothing launched. */
+static bool step_outs_fused(cuda_backend *c, const float *x, int64_t T, const fitm_mm_out *outs,
+                            int n_outs)
+{
+    if (!c->fuse || n_outs < 2 || n_outs > FITM_CUDA_MM_MAX_OUTS)
+        return false;
+    const void *W[FITM_CUDA_MM_MAX_OUTS];
+    int64_t N[FITM_CUDA_MM_MAX_OUTS];
+    float *y[FITM_CUDA_MM_MAX_OUTS];
+    for (int i = 0; i < n_outs; i++) {
+        const dev_weight *d = find_weight(c, outs[i].w->data);
+        if (!d || outs[i].w->type != outs[0].w->type || outs[i].w->n_cols != outs[0].w->n_cols)
+            return false;
+        W[i] = d->dev, N[i] = outs[i].w->n_rows, y[i] = outs[i].y;
+    }
+    const fitm_weight *w = outs[0].w;
+    for (int64_t t0 = 0; t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
+        const int64_t n = T - t0 < MM_ROWS_PER_LAUNCH ? T - t0 : MM_ROWS_PER_LAUNCH;
+        float *yt[FITM_CUDA_MM_MAX_OUTS];
+        for (int i = 0; i < n_outs; i++)
+            yt[i] = y[i] + t0 * N[i];
+        ok(c,
+           fitm_cuda_matmul_rows_n(w->type, n_outs, W, N, w->n_cols, x + t0 * w->n_cols, n, yt,
+                                   c->stream),
+           "matmul");
+    }
+    return true;
+}
+
 /* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through cuBLAS (not
  * captured), the STEP class through the warp-per-output kernel. */
 static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
@@ -654,10 +685,11 @@ static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_m
         capture_off(c);
     else
         capture_on(c);
+    const bool one_launch = !batched && step_outs_fused(c, x, T, outs, n_outs);
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;
-        const void *W = weight_dev(c, w, 0);
+        const void *W = one_launch ? NULL : weight_dev(c, w, 0);
         if (W && batched)
             matmul_batched(c, w, W, x, T, outs[i].y);
         for (int64_t t0 = 0; W && !batched && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {

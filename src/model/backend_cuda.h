@@ -16,8 +16,9 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
 
 /* Whether b runs neighbouring ops of a step as one kernel (on by default): the residual add
- * with the next rmsnorm, the query and key heads' norms with their RoPE (ops->qk_rope), a
- * decode step's gate and up products with the GLU (ops->matmul_glu). The results are the same
+ * with the next rmsnorm, a decode step's products of one input (Q, K, V) as one launch, the
+ * query and key heads' norms with their RoPE (ops->qk_rope), a decode step's gate and up
+ * products with the GLU (ops->matmul_glu). The results are the same
  * bit for bit, only the number of launches changes. For tests and benchmarks that compare
  * the two. */
 void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on);
