@@ -26,6 +26,12 @@
  * ops. Replay runs the same operations in the same order on the same data, so results are
  * bit for bit those of the uncaptured path (fitm_backend_cuda_set_graphs turns it off).
  *
+ * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
+ * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
+ * add with the next rmsnorm (kept pending until that arrives), a STEP call's products of one
+ * input (Q, K, V) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and
+ * up products with the GLU (matmul_glu).
+ *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
  * it, unless the error is sticky (the context is lost): then every later status call fails. */
