@@ -348,9 +348,9 @@ static void test_error_channel(fitm_backend *gpu)
  * llama one (no per-head norms, SiLU): prompts of different lengths (the BATCH class, whose
  * cuBLAS products end a capture early), then decode steps of three and of two sequences in
  * turn (two shapes, so graphs are both updated with new arguments and kept per shape), logits
- * and top-k of every step bit for bit equal. On the emulator, the steps after the first of
- * each shape must be submitted as graphs: no kernel launched directly, at least one graph
- * launch a step; with GRAPHS the same kernels run as without graphs, with FUSION at least
+ * and top-k of every step bit for bit equal, and last a pass of both classes at once. On the
+ * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
+ * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as without graphs, with FUSION at least
  * the launches a layer the fused kernels save fewer (2 for Q, K and V in one launch; 2 for the
  * GLU; 3 for norms and RoPE with per-head norms, else 1). */
 enum { GRAPHS, FUSION };
@@ -447,6 +447,20 @@ static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
                   g[1].launches - g[0].launches, g[1].graph_launches - g[0].graph_launches);
 #endif
     }
+    /* One pass of both classes (continuous batching: a decode step beside a prompt's rows),
+     * where the fused gate/up/GLU runs the STEP rows and the BATCH rows go through cuBLAS and
+     * the GLU apart: sequence 0 decodes one token, sequence 2 appends two on the BATCH path. */
+    for (int i = 0; i < 2 && ready; i++) {
+        fitm_forward_opts o[2] = {
+            {.n_logits = 1, .logits = lg[i]},
+            {.n_logits = 2, .logits = lg[i] + V, .path = FITM_PATH_BATCH},
+        };
+        fitm_forward_seq seq[2] = {{kv[i][0], &ids[0][pos[0]], 1, pos[0], &o[0]},
+                                   {kv[i][2], &ids[2][pos[2]], 2, pos[2], &o[1]}};
+        CHECK(fitm_forward_run_batch(f[i], seq, 2, &err) == FITM_OK, "mixed pass: %s", err.msg);
+    }
+    CHECK(!ready || memcmp(lg[0], lg[1], sizeof(float) * 3 * V) == 0,
+          "a pass of both classes: logits with %s differ from those without", way);
     for (int i = 0; i < 2; i++) {
         for (int q = 0; q < B; q++)
             fitm_kv_destroy(kv[i][q]);
