@@ -53,6 +53,30 @@ __device__ __forceinline__ float fitm_warp_max(float v)
     return v;
 }
 
+/* The element-wise expressions that more than one kernel applies, written once so that a
+ * fused kernel computes the very same bits as the separate kernels it replaces. */
+
+/* RoPE of one pair (v[a], v[b]) of a head vector by the angle whose cosine is c, sine s. */
+__device__ __forceinline__ void fitm_rope_pair(float *v, int64_t a, int64_t b, float c, float s)
+{
+    const float x0 = v[a], x1 = v[b];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+}
+
+/* silu(g) * u */
+__device__ __forceinline__ float fitm_swiglu1(float g, float u)
+{
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* gelu_tanh(g) * u */
+__device__ __forceinline__ float fitm_geglu1(float g, float u)
+{
+    const float k = 0.7978845608028654f; /* sqrt(2/pi) */
+    return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g))) * u;
+}
+
 /* Sum (or max) of v over the whole block, returned to every thread. blockDim.x must be a
  * multiple of 32 (at most 1024); shm holds 32 floats. Contains __syncthreads, so every thread
  * of the block must call it, and it may be called repeatedly with the same shm. */

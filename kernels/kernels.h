@@ -86,6 +86,16 @@ int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float w_offset, 
 int fitm_cuda_add_rmsnorm(float *y, float *x, const float *r, const float *w, float w_offset,
                           int64_t T, int64_t C, float eps, void *stream);
 
+/* Attention's heads before the scores, in place, in one launch: each head vector of q (T, H,
+ * D) and of k (T, Hkv, D) normed as fitm_cuda_rmsnorm norms a row of D with q_w (D) and k_w
+ * (D) (+ w_offset), where that weight is not NULL (Gemma 3's per-head norms; NULL: no norm),
+ * then RoPE'd as fitm_cuda_rope_table with row t of cs (T, n_rot/2, {cos, sin}): bit for bit
+ * those separate launches. n_rot even, in [2, D]; T * (H + Hkv) <= INT32_MAX. q and k must not
+ * overlap. */
+int fitm_cuda_qk_norm_rope(float *q, float *k, const float *q_w, const float *k_w, float w_offset,
+                           int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t n_rot,
+                           const float *cs, int neox, float eps, void *stream);
+
 /* In place, each of n_rows rows of x: x[r*ld + 0 .. n) = softmax(that row), as
  * fitm_ops_softmax. ld >= n; elements [n, ld) of a row are not touched. -inf entries are
  * masked (probability 0); a row that is all -inf becomes NaN, as in the reference. */
@@ -151,6 +161,23 @@ int fitm_cuda_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int32_t 
  * not depend on T). Same conditions as fitm_cuda_matvec; T <= 65535. */
 int fitm_cuda_matmul_rows(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x,
                           int64_t T, float *y, void *stream);
+
+#define FITM_CUDA_MM_MAX_OUTS 3
+
+/* n (1 to FITM_CUDA_MM_MAX_OUTS) products of one input in one launch: y[i] (T, N[i]) = x (T,
+ * K) . W[i]^T, each as fitm_cuda_matmul_rows computes it (bit for bit those n launches): a
+ * decode step's Q, K and V. Every W[i] of type t with K columns; the other conditions are
+ * fitm_cuda_matmul_rows's, for each. */
+int fitm_cuda_matmul_rows_n(fitm_dtype t, int n, const void *const *W, const int64_t *N, int64_t K,
+                            const float *x, int64_t T, float *const *y, void *stream);
+
+/* The feed-forward block's gate and up products and its gated activation in one launch: y (T,
+ * N) = act(x . Wg^T) * (x . Wu^T), act gelu_tanh (gelu != 0) or silu, each product as
+ * fitm_cuda_matmul_rows computes it and the activation as fitm_cuda_geglu / fitm_cuda_swiglu:
+ * bit for bit those three launches. Wg and Wu have the same type and shape (N, K); the other
+ * conditions are fitm_cuda_matmul_rows's. y must not overlap x, Wg or Wu. */
+int fitm_cuda_matmul_glu(fitm_dtype t, const void *Wg, const void *Wu, int64_t N, int64_t K,
+                         const float *x, int64_t T, int gelu, float *y, void *stream);
 
 /* ---- attention (kernels/attention.cu) ---- */
 

@@ -8,32 +8,18 @@
 #define FITM_MV_THREADS (FITM_MV_WARPS * FITM_WARP)
 #define FITM_MV_BATCH 8 /* batch rows per block: a weight chunk is decoded once for all of them */
 
-/* One warp per row n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of blockIdx.y's
- * group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W (N, K) stored,
- * x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it to every row
- * of its group, so a step of R rows reads the weights once, as one row does.
+/* One warp's dot products of weight row w (K elements of type T, as stored) with the nt
+ * batch rows of x (R, K) into acc[0..nt), not yet reduced across the warp's lanes.
  * CHUNKED: lanes take chunks of 8 elements in turn, so a warp reads 256 consecutive elements
  * per step (one K-quant super-block, eight 32-blocks, or 512 B of F16) and x as float4 pairs.
  * Needs K % 8 == 0 (always true for the block types). Otherwise (float types with odd K) lanes
  * take single elements.
- * Each batch row has its own accumulator, fed in the same order (lane, chunk, element) and
- * reduced by the same shuffle tree whatever R and n_x are: a row's result does not depend on
- * the rows beside it (test_cuda_kernels: matmul_rows). */
+ * Each batch row has its own accumulator, fed in the same order (lane, chunk, element)
+ * whatever R and nt are. */
 template <int T, bool CHUNKED, int R>
-__global__ void __launch_bounds__(FITM_MV_THREADS)
-    fitm_matvec_rows(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t N, int64_t K,
-                     const float *__restrict__ x, int64_t n_x, float *__restrict__ y)
+__device__ __forceinline__ void fitm_matvec_acc(const uint8_t *w, int64_t K, const float *x, int nt,
+                                                int lane, float acc[R])
 {
-    const int lane = threadIdx.x % FITM_WARP;
-    const int64_t row = (int64_t)blockIdx.x * FITM_MV_WARPS + threadIdx.x / FITM_WARP;
-    if (row >= N)
-        return; /* uniform per warp: the shuffles below see whole warps */
-    const int64_t t0 = (int64_t)blockIdx.y * R;
-    const int nt = n_x - t0 < R ? (int)(n_x - t0) : R; /* uniform per block */
-    x += t0 * K;
-    y += t0 * N;
-    const uint8_t *w = W + row * row_bytes;
-    float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
         acc[r] = 0.0f;
@@ -70,52 +56,145 @@ __global__ void __launch_bounds__(FITM_MV_THREADS)
             }
         }
     }
+}
+
+/* The warp's sums acc[0..nt) reduced by the one shuffle tree every product uses, lane 0
+ * writing row r's at y[r * ld]. */
+template <int R>
+__device__ __forceinline__ void fitm_matvec_put(const float acc[R], int nt, int lane, float *y,
+                                                int64_t ld)
+{
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r >= nt)
             break;
         const float s = fitm_warp_sum(acc[r]);
         if (lane == 0)
-            y[r * N + row] = s;
+            y[r * ld] = s;
     }
 }
 
+/* One warp per row n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of blockIdx.y's
+ * group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W (N, K) stored,
+ * x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it to every row
+ * of its group, so a step of R rows reads the weights once, as one row does. Each row's sum is
+ * fitm_matvec_acc's, reduced by the same shuffle tree whatever R and n_x are: a row's result
+ * does not depend on the rows beside it (test_cuda_kernels: matmul_rows).
+ * GLU: Wu (same type and shape as W) is the up projection and W the gate: the warp computes
+ * both sums of its row, each exactly as above, and writes act(gate) * up (gelu: gelu_tanh,
+ * else silu) with the element-wise expression of fitm_cuda_swiglu / fitm_cuda_geglu, so the
+ * fused launch gives the bits of the three it replaces (test_cuda_kernels: matmul_glu). */
+template <int T, bool CHUNKED, int R, bool GLU>
+__global__ void __launch_bounds__(FITM_MV_THREADS)
+    fitm_matvec_rows(const uint8_t *__restrict__ W, const uint8_t *__restrict__ Wu,
+                     int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
+                     int64_t n_x, float *__restrict__ y, int gelu)
+{
+    const int lane = threadIdx.x % FITM_WARP;
+    const int64_t row = (int64_t)blockIdx.x * FITM_MV_WARPS + threadIdx.x / FITM_WARP;
+    if (row >= N)
+        return; /* uniform per warp: the shuffles below see whole warps */
+    const int64_t t0 = (int64_t)blockIdx.y * R;
+    const int nt = n_x - t0 < R ? (int)(n_x - t0) : R; /* uniform per block */
+    x += t0 * K;
+    y += t0 * N;
+    float acc[R];
+    fitm_matvec_acc<T, CHUNKED, R>(W + row * row_bytes, K, x, nt, lane, acc);
+    if constexpr (!GLU) {
+        fitm_matvec_put<R>(acc, nt, lane, y + row, N);
+    } else {
+        float up[R];
+        fitm_matvec_acc<T, CHUNKED, R>(Wu + row * row_bytes, K, x, nt, lane, up);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r >= nt)
+                break;
+            const float g = fitm_warp_sum(acc[r]), u = fitm_warp_sum(up[r]);
+            if (lane == 0)
+                y[r * N + row] = gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
+        }
+    }
+}
+
+/* Up to three products of one input in one launch (a layer's Q, K and V): the blocks of
+ * blockIdx.x below b1 compute rows of W0 into y0, those below b2 rows of W1 into y1, the rest
+ * rows of W2 into y2, each row exactly as fitm_matvec_rows computes it alone, so the launch
+ * gives the bits of one launch per weight. Weights of one type and K; Wi NULL past the
+ * last. */
+template <int T, bool CHUNKED, int R>
+__global__ void __launch_bounds__(FITM_MV_THREADS)
+    fitm_matvec_rows3(const uint8_t *__restrict__ W0, const uint8_t *__restrict__ W1,
+                      const uint8_t *__restrict__ W2, int64_t row_bytes, int64_t N0, int64_t N1,
+                      int64_t N2, unsigned b1, unsigned b2, int64_t K, const float *__restrict__ x,
+                      int64_t n_x, float *__restrict__ y0, float *__restrict__ y1,
+                      float *__restrict__ y2)
+{
+    const int which = blockIdx.x < b1 ? 0 : blockIdx.x < b2 ? 1 : 2; /* uniform per block */
+    const unsigned bx = blockIdx.x - (which == 0 ? 0 : which == 1 ? b1 : b2);
+    const uint8_t *W = which == 0 ? W0 : which == 1 ? W1 : W2;
+    const int64_t N = which == 0 ? N0 : which == 1 ? N1 : N2;
+    float *y = which == 0 ? y0 : which == 1 ? y1 : y2;
+    const int lane = threadIdx.x % FITM_WARP;
+    const int64_t row = (int64_t)bx * FITM_MV_WARPS + threadIdx.x / FITM_WARP;
+    if (row >= N)
+        return; /* uniform per warp */
+    const int64_t t0 = (int64_t)blockIdx.y * R;
+    const int nt = n_x - t0 < R ? (int)(n_x - t0) : R;
+    float acc[R];
+    fitm_matvec_acc<T, CHUNKED, R>(W + row * row_bytes, K, x + t0 * K, nt, lane, acc);
+    fitm_matvec_put<R>(acc, nt, lane, y + t0 * N + row, N);
+}
+
 /* R = 1 for a single row (no registers held for rows that are not there), else groups of
- * FITM_MV_BATCH rows; both sum every row alike. */
-template <int T, bool CHUNKED>
-static void fitm_matvec_go(const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K,
-                           const float *x, int64_t n_x, float *y, cudaStream_t st)
+ * FITM_MV_BATCH rows; both sum every row alike. wu NULL: the plain product. */
+template <int T, bool CHUNKED, bool GLU>
+static void fitm_matvec_go(const uint8_t *w, const uint8_t *wu, int64_t row_bytes, int64_t N,
+                           int64_t K, const float *x, int64_t n_x, float *y, int gelu,
+                           cudaStream_t st)
 {
     const unsigned gx = (unsigned)((N + FITM_MV_WARPS - 1) / FITM_MV_WARPS);
     if (n_x == 1)
-        FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, 1>)
-    (w, row_bytes, N, K, x, n_x, y);
+        FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, 1, GLU>)
+    (w, wu, row_bytes, N, K, x, n_x, y, gelu);
     else FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
-                     FITM_MV_THREADS, 0, st,
-                     fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH>)(w, row_bytes, N, K, x, n_x, y);
+                     FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH, GLU>)(
+        w, wu, row_bytes, N, K, x, n_x, y, gelu);
+}
+
+template <int T, bool CHUNKED>
+static void fitm_matvec_pick(const uint8_t *w, const uint8_t *wu, int64_t row_bytes, int64_t N,
+                             int64_t K, const float *x, int64_t n_x, float *y, int gelu,
+                             cudaStream_t st)
+{
+    if (wu)
+        fitm_matvec_go<T, CHUNKED, true>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
+    else
+        fitm_matvec_go<T, CHUNKED, false>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
 }
 
 template <int T>
-static int fitm_matvec_launch(const void *W, int64_t N, int64_t K, const float *x, int64_t n_x,
-                              float *y, cudaStream_t st)
+static int fitm_matvec_launch(const void *W, const void *Wu, int64_t N, int64_t K, const float *x,
+                              int64_t n_x, float *y, int gelu, cudaStream_t st)
 {
     const int64_t row_bytes = K / fitm_qtraits<T>::BE * fitm_qtraits<T>::BB;
-    const uint8_t *w = (const uint8_t *)W;
+    const uint8_t *w = (const uint8_t *)W, *wu = (const uint8_t *)Wu;
     if (K % 8 == 0)
-        fitm_matvec_go<T, true>(w, row_bytes, N, K, x, n_x, y, st);
+        fitm_matvec_pick<T, true>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
     else if constexpr (fitm_qtraits<T>::BE == 1)
-        fitm_matvec_go<T, false>(w, row_bytes, N, K, x, n_x, y, st);
+        fitm_matvec_pick<T, false>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
     else
         return (int)cudaErrorInvalidValue; /* unreachable: K is a multiple of the block */
     return (int)cudaGetLastError();
 }
 
-/* y (n_x, N) = x (n_x, K) . W^T after the checks of fitm_cuda_matvec. */
-static int fitm_matvec_any(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x,
-                           int64_t n_x, float *y, void *stream)
+/* y (n_x, N) = x (n_x, K) . W^T after the checks of fitm_cuda_matvec; with Wu, y = act(that)
+ * * x . Wu^T (fitm_cuda_matmul_glu). */
+static int fitm_matvec_any(fitm_dtype t, const void *W, const void *Wu, int64_t N, int64_t K,
+                           const float *x, int64_t n_x, float *y, int gelu, void *stream)
 {
     if (!fitm_cuda_dequant_supported(t) || N < 0 || K < 0 || K % fitm_qblock_elems(t) != 0 || !W ||
-        !x || !y || !fitm_aligned16(W) || !fitm_aligned16(x) || n_x < 0 || n_x > 65535)
+        !x || !y || !fitm_aligned16(W) || (Wu && !fitm_aligned16(Wu)) || !fitm_aligned16(x) ||
+        n_x < 0 || n_x > 65535)
         return (int)cudaErrorInvalidValue;
     if ((N + FITM_MV_WARPS - 1) / FITM_MV_WARPS > INT32_MAX)
         return (int)cudaErrorInvalidValue;
@@ -124,15 +203,82 @@ static int fitm_matvec_any(fitm_dtype t, const void *W, int64_t N, int64_t K, co
     cudaStream_t st = fitm_stream(stream);
     // clang-format off
     switch (t) {
-    case FITM_DTYPE_F32: return fitm_matvec_launch<FITM_DTYPE_F32>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_F16: return fitm_matvec_launch<FITM_DTYPE_F16>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_BF16: return fitm_matvec_launch<FITM_DTYPE_BF16>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q4_0: return fitm_matvec_launch<FITM_DTYPE_Q4_0>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q5_0: return fitm_matvec_launch<FITM_DTYPE_Q5_0>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q8_0: return fitm_matvec_launch<FITM_DTYPE_Q8_0>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q4_K: return fitm_matvec_launch<FITM_DTYPE_Q4_K>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q5_K: return fitm_matvec_launch<FITM_DTYPE_Q5_K>(W, N, K, x, n_x, y, st);
-    case FITM_DTYPE_Q6_K: return fitm_matvec_launch<FITM_DTYPE_Q6_K>(W, N, K, x, n_x, y, st);
+    case FITM_DTYPE_F32: return fitm_matvec_launch<FITM_DTYPE_F32>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_F16: return fitm_matvec_launch<FITM_DTYPE_F16>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_BF16: return fitm_matvec_launch<FITM_DTYPE_BF16>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q4_0: return fitm_matvec_launch<FITM_DTYPE_Q4_0>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q5_0: return fitm_matvec_launch<FITM_DTYPE_Q5_0>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q8_0: return fitm_matvec_launch<FITM_DTYPE_Q8_0>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q4_K: return fitm_matvec_launch<FITM_DTYPE_Q4_K>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q5_K: return fitm_matvec_launch<FITM_DTYPE_Q5_K>(W, Wu, N, K, x, n_x, y, gelu, st);
+    case FITM_DTYPE_Q6_K: return fitm_matvec_launch<FITM_DTYPE_Q6_K>(W, Wu, N, K, x, n_x, y, gelu, st);
+    default: return (int)cudaErrorInvalidValue;
+    }
+    // clang-format on
+}
+
+template <int T, bool CHUNKED>
+static void fitm_matvec3_go(const uint8_t *const *w, int64_t row_bytes, const int64_t *N, int64_t K,
+                            const float *x, int64_t n_x, float *const *y, cudaStream_t st)
+{
+    unsigned b[3];
+    for (int i = 0; i < 3; i++)
+        b[i] = (unsigned)((N[i] + FITM_MV_WARPS - 1) / FITM_MV_WARPS);
+    const unsigned gx = b[0] + b[1] + b[2], b1 = b[0], b2 = b[0] + b[1];
+    if (n_x == 1)
+        FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows3<T, CHUNKED, 1>)
+    (w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
+    else FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
+                     FITM_MV_THREADS, 0, st, fitm_matvec_rows3<T, CHUNKED, FITM_MV_BATCH>)(
+        w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
+}
+
+template <int T>
+static int fitm_matvec3_launch(const uint8_t *const *w, const int64_t *N, int64_t K, const float *x,
+                               int64_t n_x, float *const *y, cudaStream_t st)
+{
+    const int64_t row_bytes = K / fitm_qtraits<T>::BE * fitm_qtraits<T>::BB;
+    if (K % 8 == 0)
+        fitm_matvec3_go<T, true>(w, row_bytes, N, K, x, n_x, y, st);
+    else if constexpr (fitm_qtraits<T>::BE == 1)
+        fitm_matvec3_go<T, false>(w, row_bytes, N, K, x, n_x, y, st);
+    else
+        return (int)cudaErrorInvalidValue; /* unreachable: K is a multiple of the block */
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_matmul_rows_n(fitm_dtype t, int n, const void *const *W, const int64_t *N,
+                                       int64_t K, const float *x, int64_t T, float *const *y,
+                                       void *stream)
+{
+    if (n < 1 || n > FITM_CUDA_MM_MAX_OUTS || !W || !N || !y || !fitm_cuda_dequant_supported(t) ||
+        K < 0 || K % fitm_qblock_elems(t) != 0 || !x || !fitm_aligned16(x) || T < 0 || T > 65535)
+        return (int)cudaErrorInvalidValue;
+    const uint8_t *w[3] = {NULL, NULL, NULL};
+    int64_t nn[3] = {0, 0, 0}, blocks = 0;
+    float *yy[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < n; i++) {
+        if (!W[i] || !y[i] || N[i] < 0 || !fitm_aligned16(W[i]))
+            return (int)cudaErrorInvalidValue;
+        w[i] = (const uint8_t *)W[i], nn[i] = N[i], yy[i] = y[i];
+        blocks += (N[i] + FITM_MV_WARPS - 1) / FITM_MV_WARPS;
+    }
+    if (blocks > INT32_MAX)
+        return (int)cudaErrorInvalidValue;
+    if (blocks == 0 || T == 0)
+        return 0;
+    cudaStream_t st = fitm_stream(stream);
+    // clang-format off
+    switch (t) {
+    case FITM_DTYPE_F32: return fitm_matvec3_launch<FITM_DTYPE_F32>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_F16: return fitm_matvec3_launch<FITM_DTYPE_F16>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_BF16: return fitm_matvec3_launch<FITM_DTYPE_BF16>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q4_0: return fitm_matvec3_launch<FITM_DTYPE_Q4_0>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q5_0: return fitm_matvec3_launch<FITM_DTYPE_Q5_0>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q8_0: return fitm_matvec3_launch<FITM_DTYPE_Q8_0>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q4_K: return fitm_matvec3_launch<FITM_DTYPE_Q4_K>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q5_K: return fitm_matvec3_launch<FITM_DTYPE_Q5_K>(w, nn, K, x, T, yy, st);
+    case FITM_DTYPE_Q6_K: return fitm_matvec3_launch<FITM_DTYPE_Q6_K>(w, nn, K, x, T, yy, st);
     default: return (int)cudaErrorInvalidValue;
     }
     // clang-format on
@@ -141,11 +287,20 @@ static int fitm_matvec_any(fitm_dtype t, const void *W, int64_t N, int64_t K, co
 extern "C" int fitm_cuda_matvec(fitm_dtype t, const void *W, int64_t N, int64_t K, const float *x,
                                 float *y, void *stream)
 {
-    return fitm_matvec_any(t, W, N, K, x, 1, y, stream);
+    return fitm_matvec_any(t, W, NULL, N, K, x, 1, y, 0, stream);
 }
 
 extern "C" int fitm_cuda_matmul_rows(fitm_dtype t, const void *W, int64_t N, int64_t K,
                                      const float *x, int64_t T, float *y, void *stream)
 {
-    return fitm_matvec_any(t, W, N, K, x, T, y, stream);
+    return fitm_matvec_any(t, W, NULL, N, K, x, T, y, 0, stream);
+}
+
+extern "C" int fitm_cuda_matmul_glu(fitm_dtype t, const void *Wg, const void *Wu, int64_t N,
+                                    int64_t K, const float *x, int64_t T, int gelu, float *y,
+                                    void *stream)
+{
+    if (!Wu)
+        return (int)cudaErrorInvalidValue;
+    return fitm_matvec_any(t, Wg, Wu, N, K, x, T, y, gelu ? 1 : 0, stream);
 }

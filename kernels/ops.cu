@@ -38,21 +38,16 @@ __global__ void fitm_rope_pairs(float *x, int64_t T, int64_t H, int64_t D, int64
 __global__ void fitm_swiglu_elems(float *y, const float *g, const float *u, int64_t n)
 {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gi = g[i];
-        y[i] = gi / (1.0f + expf(-gi)) * u[i];
-    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = fitm_swiglu1(g[i], u[i]);
 }
 
 /* y = gelu_tanh(g) * u.   (n) */
 __global__ void fitm_geglu_elems(float *y, const float *g, const float *u, int64_t n)
 {
-    const float k = 0.7978845608028654f; /* sqrt(2/pi) */
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float xg = g[i];
-        y[i] = 0.5f * xg * (1.0f + tanhf(k * (xg + 0.044715f * xg * xg * xg))) * u[i];
-    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = fitm_geglu1(g[i], u[i]);
 }
 
 extern "C" int fitm_cuda_rope(float *x, int64_t T, int64_t H, int64_t D, int64_t ld, int64_t n_rot,
@@ -218,11 +213,7 @@ __global__ void fitm_rope_table_pairs(float *x, int64_t T, int64_t H, int64_t D,
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
         const int64_t i = idx % half, th = idx / half, t = th / H;
         const float c = cs[t * n_rot + 2 * i], s = cs[t * n_rot + 2 * i + 1];
-        float *v = x + th * D;
-        const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-        const float x0 = v[a], x1 = v[b];
-        v[a] = x0 * c - x1 * s;
-        v[b] = x0 * s + x1 * c;
+        fitm_rope_pair(x + th * D, neox ? i : 2 * i, neox ? i + half : 2 * i + 1, c, s);
     }
 }
 

@@ -10,12 +10,19 @@ runtime (not a table of known cards):
   memory bandwidth = 2 x memory clock x bus width  (decode reads every weight once per token:
                      weight bytes x tok/s / bandwidth; weight bytes = the model file's size,
                      which the tokenizer inflates by a few percent)
-  FP32 FLOP/s      = SMs x FP32 lanes per SM x 2 x SM clock  (prefill multiplies in F32
-                     through cuBLAS: achieved GFLOP/s from bench_forward / that)
+  FP32 FLOP/s      = SMs x FP32 lanes per SM x 2 x SM clock
+  BF16 FLOP/s      = SMs x dense BF16 tensor-core FLOP per SM per clock x SM clock (F32
+                     accumulate, no sparsity; per compute capability, below; none before sm_80)
+The prefill row prints its achieved GFLOP/s (from bench_forward) against both and says which
+one bounds it: the FP32 lanes where the BATCH products multiply F32 weights (gpu_weights = f32,
+CUBLAS_COMPUTE_32F_PEDANTIC), the BF16 tensor cores where they multiply BF16 operands
+(gpu_weights = bf16). --gpu-weights names the one the run uses (default f32; bench_forward
+runs the backend as fitmd's default configuration does).
 and, for /rerank, the time the forward tokens it reports would take at the measured prefill
 rate (1.0 = no overhead beyond prefill).
 
   tests/bench_cuda.py [--model GGUF] [--build build-cuda] [--k 10] [--repeat 3]
+                      [--gpu-weights f32|bf16]
 
 Without a CUDA device (no libcudart, no driver, or no GPU) it prints one line and exits 77,
 the test harness's "skipped"."""
@@ -38,6 +45,12 @@ ATTR = {"clock_khz": 13, "sms": 16, "mem_clock_khz": 36, "bus_bits": 37, "major"
 # FP32 lanes per SM by compute capability (CUDA C Programming Guide, arithmetic throughput)
 FP32_LANES = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128, (8, 9): 128,
               (9, 0): 128}
+# Dense BF16 tensor-core FLOP per SM per clock with F32 accumulation (NVIDIA's architecture
+# whitepapers: A100 312 TFLOP/s = 108 SMs x 2048 x 1.41 GHz; A10 / A40 (sm_86) and L4 / L40S
+# (sm_89) 1024, where GeForce cards of those generations accumulate F32 at half that; H100 SXM
+# 989 TFLOP/s = 132 SMs x 4096 x 1.83 GHz). sm_70 and sm_75 have no BF16 tensor cores. A
+# capability not listed prints no BF16 limit rather than a guessed one.
+BF16_TC = {(8, 0): 2048, (8, 6): 1024, (8, 7): 1024, (8, 9): 1024, (9, 0): 4096}
 
 
 def device_limits():
@@ -64,12 +77,28 @@ def device_limits():
         a[k] = v.value
     cc = (a["major"], a["minor"])
     lanes = FP32_LANES.get(cc, 128)
+    tc = BF16_TC.get(cc)
     return {
         "cc": cc,
         "bandwidth": 2.0 * a["mem_clock_khz"] * 1e3 * a["bus_bits"] / 8,  # bytes/s
         "fp32": a["sms"] * lanes * 2.0 * a["clock_khz"] * 1e3,  # FLOP/s
+        "bf16": a["sms"] * tc * a["clock_khz"] * 1e3 if tc else None,  # FLOP/s, or unknown
         "sms": a["sms"],
     }
+
+
+def prefill_line(pp, tps, gflops, lim, weights):
+    """The prefill row: tok/s and GFLOP/s as fractions of the FP32 and BF16 tensor-core peaks,
+    the one that bounds this run (weights: the BATCH products' operands) marked."""
+    fp32 = f"{gflops * 1e9 / lim['fp32']:.3f} of FP32 peak"
+    bf16 = (f"{gflops * 1e9 / lim['bf16']:.4f} of BF16 tensor-core peak" if lim["bf16"]
+            else f"BF16 tensor-core peak unknown for sm_{lim['cc'][0]}{lim['cc'][1]}")
+    mark = " (bounds it: gpu_weights = {})".format(weights)
+    if weights == "bf16":
+        bf16 += mark
+    else:
+        fp32 += mark
+    return f"prefill pp{pp}: {tps:9.1f} tok/s  {gflops:9.1f} GFLOP/s = {fp32}; {bf16}"
 
 
 def forward_bench(build, model, pp, tg, reps):
@@ -125,21 +154,25 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gpu-weights", choices=["f32", "bf16"], default="f32",
+                    help="the BATCH products' operands in this build and configuration: which "
+                         "peak bounds the prefill row")
     a = ap.parse_args()
     lim = device_limits()
     if lim is None:
         print("bench_cuda: no CUDA device (libcudart, driver or GPU missing): skipped")
         sys.exit(77)
+    bf16 = (f"{lim['bf16'] / 1e12:.0f} TFLOP/s BF16 tensor cores (dense, F32 accumulate)"
+            if lim["bf16"] else "BF16 tensor-core rate not known for this capability")
     print(f"device: sm_{lim['cc'][0]}{lim['cc'][1]}, {lim['sms']} SMs, "
-          f"{lim['bandwidth'] / 1e9:.0f} GB/s, {lim['fp32'] / 1e12:.1f} TFLOP/s FP32 "
+          f"{lim['bandwidth'] / 1e9:.0f} GB/s, {lim['fp32'] / 1e12:.1f} TFLOP/s FP32, {bf16} "
           f"(from the device's clocks and widths)")
     weight_bytes = os.path.getsize(a.model)
     row, batched, raw = forward_bench(a.build, a.model, a.pp, a.tg, a.reps)
     print(raw.splitlines()[0])
     pp_tps, _, pp_gflops = row["pp"]
     tg_tps = row["tg"][0]
-    print(f"prefill pp{a.pp}: {pp_tps:9.1f} tok/s  {pp_gflops:9.1f} GFLOP/s = "
-          f"{pp_gflops * 1e9 / lim['fp32']:.3f} of FP32 peak")
+    print(prefill_line(a.pp, pp_tps, pp_gflops, lim, a.gpu_weights))
     print(f"decode  tg{a.tg}: {tg_tps:9.1f} tok/s  {weight_bytes * tg_tps / 1e9:9.1f} GB/s "
           f"= {weight_bytes * tg_tps / lim['bandwidth']:.3f} of memory bandwidth "
           f"(roofline {lim['bandwidth'] / weight_bytes:.0f} tok/s)")

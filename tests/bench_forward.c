@@ -13,7 +13,7 @@
  * bench_forward_cuda_emu is this program on the CUDA emulator of tests/cuda_emu (-b cuda runs
  * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a decode
  * step asks of the device, from the emulator's counters, with the backend's CUDA graphs off
- * and on side by side: kernel launches, cuBLAS calls, copies and memsets, graph launches (the
+ * and on and its fused kernels off and on, side by side: kernel launches, cuBLAS calls, copies and memsets, graph launches (the
  * host's submissions; a launch costs a real device a few microseconds of host time and leaves
  * it idle between kernels), kernels run, and host waits, each per step, for one sequence and
  * for each -B.
@@ -173,9 +173,10 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
 }
 
 #ifdef FITM_BENCH_CUDA_EMU
-/* Prints one row per batch size: what one decode step of B sequences (n steps from a
+/* Prints four rows per batch size: what one decode step of B sequences (n steps from a
  * warmed-up state, each sequence at its own position) asks of the emulated device, per step,
- * with the backend's graphs off and on. */
+ * with the backend's fused kernels off and on (fitm_backend_cuda_set_fusion) and its graphs
+ * off and on. */
 static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
                                      const fitm_model_config *c, const int32_t *ids, long n_ids,
                                      const int *batches, int n_batches, fitm_err *err)
@@ -184,20 +185,22 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
     printf("\nwhat a decode step asks of the device (emulator counters, per step, mean of %d "
            "steps)\n",
            STEPS);
-    printf("| seqs | graphs | launches | cuBLAS | copies | graph launches | submissions | "
-           "kernels run | host waits |\n");
-    printf("| ---: | ------ | -------: | -----: | -----: | -------------: | ----------: | "
-           "----------: | ---------: |\n");
+    printf("| seqs | fusion | graphs | launches | cuBLAS | copies | graph launches | submissions "
+           "| kernels run | host waits |\n");
+    printf("| ---: | ------ | ------ | -------: | -----: | -----: | -------------: | ----------: "
+           "| ----------: | ---------: |\n");
     fitm_status s = FITM_OK;
     int sizes[9] = {1};
     int n_sizes = 1;
     for (int i = 0; i < n_batches; i++)
         if (batches[i] != 1)
             sizes[n_sizes++] = batches[i];
-    double subs[9][2] = {{0}};
+    double subs[9][4] = {{0}}, ran[9][4] = {{0}}; /* [size][fusion + 2 * graphs] */
     for (int i = 0; i < n_sizes && !s; i++) {
         const int B = sizes[i];
-        for (int g = 0; g < 2 && !s; g++) {
+        for (int v = 0; v < 4 && !s; v++) {
+            const int fu = v % 2, g = v / 2;
+            fitm_backend_cuda_set_fusion(b, fu == 1);
             fitm_backend_cuda_set_graphs(b, g == 1);
             fitm_kv *kv[FITM_FORWARD_MAX_SEQS] = {0};
             fitm_forward_seq seq[FITM_FORWARD_MAX_SEQS];
@@ -224,18 +227,23 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
             if (s)
                 break;
 #define PER(f) ((double)(after.f - before.f) / STEPS)
-            subs[i][g] = PER(launches) + PER(blas_calls) + PER(copies) + PER(graph_launches);
-            printf("| %4d | %-6s | %8.1f | %6.1f | %6.1f | %14.1f | %11.1f | %11.1f | %10.1f |\n",
-                   B, g ? "on" : "off", PER(launches), PER(blas_calls), PER(copies),
-                   PER(graph_launches), subs[i][g], PER(kernels_run), PER(host_waits));
+            subs[i][v] = PER(launches) + PER(blas_calls) + PER(copies) + PER(graph_launches);
+            ran[i][v] = PER(kernels_run);
+            printf("| %4d | %-6s | %-6s | %8.1f | %6.1f | %6.1f | %14.1f | %11.1f | %11.1f | "
+                   "%10.1f |\n",
+                   B, fu ? "on" : "off", g ? "on" : "off", PER(launches), PER(blas_calls),
+                   PER(copies), PER(graph_launches), subs[i][v], ran[i][v], PER(host_waits));
 #undef PER
         }
     }
+    fitm_backend_cuda_set_fusion(b, true);
     fitm_backend_cuda_set_graphs(b, true);
     for (int i = 0; i < n_sizes && !s; i++)
-        printf("%d sequence%s: %.1f submissions a step without graphs, %.1f with (%.0fx fewer)\n",
-               sizes[i], sizes[i] > 1 ? "s" : "", subs[i][0], subs[i][1],
-               subs[i][1] > 0 ? subs[i][0] / subs[i][1] : 0.0);
+        printf("%d sequence%s: %.1f submissions a step without graphs, %.1f with (%.0fx fewer); "
+               "%.1f kernels a step without fusion, %.1f with (%.2fx fewer)\n",
+               sizes[i], sizes[i] > 1 ? "s" : "", subs[i][1], subs[i][3],
+               subs[i][3] > 0 ? subs[i][1] / subs[i][3] : 0.0, ran[i][0], ran[i][1],
+               ran[i][1] > 0 ? ran[i][0] / ran[i][1] : 0.0);
     return s;
 }
 #endif

@@ -17,6 +17,13 @@ to gain); then each server's N-stream figures against its single stream, and fit
 llama-server.
 
   tests/bench_load.py --model MODEL.gguf [--n 1 2 4 8] [--llama-server PATH] [--repeat R]
+                      [--backend cuda [--cuda-build build-cuda]]
+
+With --backend cuda a second fitmd, the CUDA build's (--cuda-build, default build-cuda) with
+backend = cuda on device 0, runs every round beside the CPU one (rows "fitmd-cuda", its /rerank
+rounds too, and its figures against the CPU fitmd's in the ratios). Without a CUDA device, or
+without that build's fitmd, it says so in one line and the rounds run without that column;
+the exit status stays 0.
 
 With --repeat R every N runs R rounds, the Ns in turn, and the ratios are taken between each
 figure's median over its rounds (one machine's load varies by tens of percent from minute to
@@ -257,6 +264,35 @@ def fmt_gen(name, n, m):
             f"{m['lat99']:>7.2f} {m['rss']:>7.1f}")
 
 
+def cuda_device_present():
+    """Whether the CUDA runtime reports a device (bench_cuda.py's query, by ctypes)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from bench_cuda import device_limits
+    return device_limits() is not None
+
+
+def start_fitmd_cuda(a):
+    """fitmd of the CUDA build with backend = cuda beside the CPU one, or None (said why)."""
+    exe = pathlib.Path(a.cuda_build) / "src" / "fitmd"
+    if not exe.is_file():
+        print(f"--backend cuda: no {exe} (build the CUDA configuration): "
+              "the fitmd-cuda column is skipped")
+        return None
+    if not cuda_device_present():
+        print("--backend cuda: no CUDA device (libcudart, driver or GPU missing): "
+              "the fitmd-cuda column is skipped")
+        return None
+    try:
+        proc, url = start_daemon(a.model, a.cuda_build, [f"--max-running={max(a.n)}",
+                                                         f"--threads={a.threads}",
+                                                         "--backend=cuda"])
+    except SystemExit as e:  # wait_healthy: fitmd exited (its log says why) or never got there
+        print(f"--backend cuda: {e}: the fitmd-cuda column is skipped")
+        return None
+    return Server("fitmd-cuda", proc, url,
+                  stream_fitmd if a.route == "answer" else stream_fitmd_completion, rerank_fitmd)
+
+
 def benchmark(a, headers):
     servers = []
     proc, url = start_daemon(a.model, a.build, [f"--max-running={max(a.n)}",
@@ -265,6 +301,8 @@ def benchmark(a, headers):
                           stream_fitmd if a.route == "answer" else stream_fitmd_completion,
                           rerank_fitmd))
     try:
+        if "cuda" in a.backend and (cuda := start_fitmd_cuda(a)):
+            servers.append(cuda)
         if a.llama_server:
             servers.append(start_llama(a.llama_server, a.model, max(a.n),
                                        a.prompt_tokens + a.gen_tokens + 256, a.threads))
@@ -301,10 +339,15 @@ def benchmark(a, headers):
         print(f"\n/rerank, K = {a.k} (~{a.rerank_words} words each), {a.rerank_reps} requests per "
               f"client\n{'server':<13} {'N':>3} {'req/s':>7} {'lat50 s':>8} {'lat99 s':>8} "
               f"{'CPU s/req':>9} {'cores':>5} {'RSS MiB':>8}")
+        fitmds = [s for s in servers if s.rerank]
+        for s in fitmds:
+            rr[s.name] = {}
         for n in a.n:
-            rr[n] = m = rerank_round(servers[0], headers, n, a, rnd)
-            print(f"{'fitmd':<13} {n:>3} {m['req_s']:>7.3f} {m['lat50']:>8.2f} {m['lat99']:>8.2f} "
-                  f"{m['cpu_req']:>9.3f} {m['cores']:>5.2f} {m['rss']:>8.1f}", flush=True)
+            for s in fitmds:
+                rr[s.name][n] = m = rerank_round(s, headers, n, a, rnd)
+                print(f"{s.name:<13} {n:>3} {m['req_s']:>7.3f} {m['lat50']:>8.2f} "
+                      f"{m['lat99']:>8.2f} {m['cpu_req']:>9.3f} {m['cores']:>5.2f} "
+                      f"{m['rss']:>8.1f}", flush=True)
         print("\nratios")
         n1 = min(a.n)
         for s in servers:
@@ -315,12 +358,24 @@ def benchmark(a, headers):
                 print(f"  {s.name}: tok/s N={n} / N={n1} = {g[n]['tok_s'] / g[n1]['tok_s']:.2f}x, "
                       f"decode-only tok/s {g[n]['dec_s'] / g[n1]['dec_s']:.2f}x, "
                       f"gap p99 N={n} / N={n1} = {g[n]['gap99'] / g[n1]['gap99']:.2f}x")
-        for n in a.n:
-            if n != n1 and rr[n1]["req_s"] > 0:  # --rerank-reps 0: no /rerank round
-                print(f"  fitmd /rerank req/s N={n} / N={n1} = "
-                      f"{rr[n]['req_s'] / rr[n1]['req_s']:.2f}x, CPU per request "
-                      f"{rr[n]['cpu_req'] / rr[n1]['cpu_req']:.2f}x")
-        if len(servers) > 1:
+        for s in fitmds:
+            r = rr[s.name]
+            for n in a.n:
+                if n != n1 and r[n1]["req_s"] > 0:  # --rerank-reps 0: no /rerank round
+                    print(f"  {s.name} /rerank req/s N={n} / N={n1} = "
+                          f"{r[n]['req_s'] / r[n1]['req_s']:.2f}x, CPU per request "
+                          f"{r[n]['cpu_req'] / r[n1]['cpu_req']:.2f}x")
+        if "fitmd-cuda" in gen:
+            for n in a.n:
+                c, f = gen["fitmd-cuda"][n], gen["fitmd"][n]
+                line = (f"  fitmd-cuda / fitmd at N={n}: tok/s {c['tok_s'] / f['tok_s']:.2f}x, "
+                        f"TTFT p50 {c['ttft50'] / f['ttft50']:.2f}x, "
+                        f"gap p99 {c['gap99'] / f['gap99']:.2f}x")
+                if rr["fitmd"][n]["req_s"] > 0:
+                    line += (f", /rerank req/s "
+                             f"{rr['fitmd-cuda'][n]['req_s'] / rr['fitmd'][n]['req_s']:.2f}x")
+                print(line)
+        if "llama-server" in gen:
             for n in a.n:
                 f, lc = gen["fitmd"][n], gen["llama-server"][n]
                 print(f"  fitmd / llama-server at N={n}: tok/s {f['tok_s'] / lc['tok_s']:.2f}x, "
@@ -508,6 +563,12 @@ def main():
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--build", default=os.environ.get("FITM_BUILD_DIR", str(ROOT / "build")))
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server")
+    ap.add_argument("--backend", nargs="+", choices=["cpu", "cuda"], default=["cpu"],
+                    help="cuda: also a fitmd on the CUDA backend, beside the CPU one "
+                         "(the benchmark rounds; not --soak or --mixed)")
+    ap.add_argument("--cuda-build", default=os.environ.get("FITM_CUDA_BUILD_DIR",
+                                                           str(ROOT / "build-cuda")),
+                    help="build directory of the CUDA configuration (its src/fitmd)")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--route", choices=["completions", "answer"], default="completions",
                     help="fitmd's generations: /v1/completions with llama-server's exact prompt "

@@ -123,6 +123,19 @@ MUTANTS = [
            "float fitm_warp_sum(float v)\n{\n    for (int o = FITM_WARP / 2; o > 0; o >>= 1)\n"
            "        v += __shfl_xor_sync(0xffffffffu, v, o - 1);",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-qk-rope-no-barrier",
+           "the fused per-head norm + RoPE rotates pairs before the other threads normed them",
+           "        __syncthreads(); /* a pair's elements were normed by other threads */\n", "",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-matmul-glu-swapped",
+           "the fused gate/up product applies the activation to the up projection",
+           "gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u)",
+           "gelu ? fitm_geglu1(u, g) : fitm_swiglu1(u, g)",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-matmul-rows-n-overlap",
+           "the one-launch Q/K/V product starts the third weight's blocks one block early",
+           "b2 = b[0] + b[1];", "b2 = b[0] + b[1] - 1;",
+           meson=["cuda_kernels_emu"]),
 ]
 
 

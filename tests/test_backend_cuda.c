@@ -5,8 +5,8 @@
  * captures are summed: ops->capture_add); and on the CUDA backend alone,
  * prefix reuse and single-token steps of the BATCH class (cuBLAS GEMMs of a fixed row count,
  * F32 and bfloat16) bit-identical to a full pass, STEP-class steps (the warp-per-output
- * kernel) within the logit tolerance of it, and decode steps with CUDA graphs (the default)
- * bit-identical to steps without.
+ * kernel) within the logit tolerance of it, and decode steps with CUDA graphs and with fused
+ * kernels (the defaults) bit-identical to steps without.
  *
  * Runs on a CUDA device, or on the emulator of tests/cuda_emu (test_backend_cuda_emu); exits
  * 77 (skip) without a device.
@@ -537,26 +537,40 @@ static void test_error_channel(fitm_backend *gpu)
 #endif
 }
 
-/* CUDA graphs (the backend's default: the work between two waits captured and replayed as
- * one submission) against the same backend with them off, through the forward driver on a
- * gemma3 model (local and global layers): prompts of different lengths (the BATCH class, whose
+/* Two ways of running the same steps that must give the same bits, through the forward
+ * driver: the same backend with one of them turned off as the reference.
+ * GRAPHS: CUDA graphs (the backend's default: the work between two waits captured and
+ * replayed as one submission) against none.
+ * FUSION: fused kernels (the default: the residual add with the next norm, a decode step's Q,
+ * K and V products as one launch, the per-head norms with RoPE, a decode step's gate and up
+ * products with the GLU) against each op on its own;
+ * every fused kernel keeps the arithmetic of the ones it replaces, so bit for bit again.
+ * On a gemma3 model (local and global layers, per-head norms, GELU) and for FUSION also a
+ * llama one (no per-head norms, SiLU): prompts of different lengths (the BATCH class, whose
  * cuBLAS products end a capture early), then decode steps of three and of two sequences in
  * turn (two shapes, so graphs are both updated with new arguments and kept per shape), logits
- * and top-k of every step bit for bit equal. On the emulator, the steps after the first of
- * each shape must be submitted as graphs: no kernel launched directly, at least one graph
- * launch a step, and the same kernels run as without graphs. */
-static void test_graphs(fitm_backend *gpu)
+ * and top-k of every step bit for bit equal, and last a pass of both classes at once. On the
+ * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
+ * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as without graphs, with FUSION at least
+ * the launches a layer the fused kernels save fewer (2 for Q, K and V in one launch; 2 for the
+ * GLU; 3 for norms and RoPE with per-head norms, else 1). */
+enum { GRAPHS, FUSION };
+static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
 {
     void *buf = NULL;
-    fitm_model *m = gen_model(FITM_GEN_ARCH_GEMMA3, FITM_DTYPE_Q5_0, &buf);
+    fitm_model *m = gen_model(arch, FITM_DTYPE_Q5_0, &buf);
     fitm_backend *plain = NULL;
     fitm_err err = {{0}};
+    const char *way = mode == GRAPHS ? "graphs" : "fusion";
     if (!m || fitm_backend_cuda_create(&plain, 0, &err) != FITM_OK) {
-        CHECK(false, "graph test setup: %s", err.msg);
+        CHECK(false, "%s test setup: %s", way, err.msg);
         return;
     }
-    fitm_backend_cuda_set_graphs(plain, false);
     fitm_backend_cuda_set_weights(plain, FITM_CUDA_WEIGHTS_F32); /* as gpu's */
+    if (mode == GRAPHS)
+        fitm_backend_cuda_set_graphs(plain, false);
+    else
+        fitm_backend_cuda_set_fusion(plain, false);
     enum { B = 3, PROMPT = 5, STEPS = 6, K = 8 };
     const fitm_model_config *c = fitm_model_config_of(m);
     const int64_t V = c->n_vocab;
@@ -572,7 +586,7 @@ static void test_graphs(fitm_backend *gpu)
         for (int q = 0; q < B && ready; q++)
             ready = fitm_kv_create(&kv[i][q], bk[i], c, T, &err) == FITM_OK;
     }
-    CHECK(ready, "graph test: %s", err.msg);
+    CHECK(ready, "%s test: %s", way, err.msg);
     int32_t ids[B][PROMPT + STEPS];
     for (int q = 0; q < B; q++)
         for (int t = 0; t < PROMPT + STEPS; t++)
@@ -586,7 +600,7 @@ static void test_graphs(fitm_backend *gpu)
                   "prompt: %s", err.msg);
         }
         CHECK(memcmp(lg[0], lg[1], sizeof(float) * 2 * V) == 0,
-              "prompt %d: logits with graphs differ from those without", q);
+              "prompt %d: logits with %s differ from those without", q, way);
     }
     for (int t = 0; t < STEPS && ready; t++) {
         const int nb = t % 2 ? B - 1 : B;
@@ -613,20 +627,42 @@ static void test_graphs(fitm_backend *gpu)
         for (int q = 0; q < nb; q++)
             pos[q]++;
         CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)(nb * V)) == 0,
-              "step %d: logits with graphs differ from those without", t);
+              "step %d: logits with %s differ from those without", t, way);
         CHECK(memcmp(top[0], top[1], sizeof(fitm_top) * (size_t)(nb * K)) == 0,
-              "step %d: top entries with graphs differ from those without", t);
+              "step %d: top entries with %s differ from those without", t, way);
 #ifdef FITM_CUDA_EMU
         const fitm_emu_stats *a = st[0], *g = st[1];
-        CHECK(g[1].kernels_run - g[0].kernels_run == a[1].kernels_run - a[0].kernels_run &&
-                  a[1].launches - a[0].launches == a[1].kernels_run - a[0].kernels_run,
-              "step %d: the same kernels run with and without graphs", t);
+        const unsigned long long ran_a = a[1].kernels_run - a[0].kernels_run,
+                                 ran_g = g[1].kernels_run - g[0].kernels_run;
+        const unsigned long long saved = (unsigned long long)c->n_layer * (c->qk_norm ? 7 : 5);
+        if (mode == GRAPHS)
+            CHECK(ran_g == ran_a && a[1].launches - a[0].launches == ran_a,
+                  "step %d: the same kernels run with and without graphs", t);
+        else
+            CHECK(ran_g + saved <= ran_a,
+                  "step %d: %llu kernels fused, %llu not (%llu fewer "
+                  "expected at least)",
+                  t, ran_g, ran_a, saved);
         if (t >= 2)
             CHECK(g[1].launches == g[0].launches && g[1].graph_launches > g[0].graph_launches,
                   "step %d: %llu kernels launched directly, %llu graph launches", t,
                   g[1].launches - g[0].launches, g[1].graph_launches - g[0].graph_launches);
 #endif
     }
+    /* One pass of both classes (continuous batching: a decode step beside a prompt's rows),
+     * where the fused gate/up/GLU runs the STEP rows and the BATCH rows go through cuBLAS and
+     * the GLU apart: sequence 0 decodes one token, sequence 2 appends two on the BATCH path. */
+    for (int i = 0; i < 2 && ready; i++) {
+        fitm_forward_opts o[2] = {
+            {.n_logits = 1, .logits = lg[i]},
+            {.n_logits = 2, .logits = lg[i] + V, .path = FITM_PATH_BATCH},
+        };
+        fitm_forward_seq seq[2] = {{kv[i][0], &ids[0][pos[0]], 1, pos[0], &o[0]},
+                                   {kv[i][2], &ids[2][pos[2]], 2, pos[2], &o[1]}};
+        CHECK(fitm_forward_run_batch(f[i], seq, 2, &err) == FITM_OK, "mixed pass: %s", err.msg);
+    }
+    CHECK(!ready || memcmp(lg[0], lg[1], sizeof(float) * 3 * V) == 0,
+          "a pass of both classes: logits with %s differ from those without", way);
     for (int i = 0; i < 2; i++) {
         for (int q = 0; q < B; q++)
             fitm_kv_destroy(kv[i][q]);
@@ -696,7 +732,9 @@ int main(int argc, char **argv)
     test_bf16_chunks(gpu16);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
-    test_graphs(gpu);
+    test_same_steps(gpu, FITM_GEN_ARCH_GEMMA3, GRAPHS);
+    test_same_steps(gpu, FITM_GEN_ARCH_GEMMA3, FUSION);
+    test_same_steps(gpu, FITM_GEN_ARCH_LLAMA, FUSION);
     test_error_channel(gpu);
     test_lost_context(gpu);
     fitm_backend_destroy(cpu);

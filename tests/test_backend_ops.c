@@ -377,6 +377,135 @@ static void test_elementwise(fitm_backend *b, int64_t n)
     b->ops->free(b, g), b->ops->free(b, u), b->ops->free(b, y);
 }
 
+/* ops->qk_rope (optional): the per-head norms (where given) and RoPE of q and k in one op,
+ * bit for bit the backend's own rmsnorm and rope calls on the same inputs, and within the
+ * rmsnorm and rope tolerances of a double-precision reference. */
+static void test_qk_rope(fitm_backend *b, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         int64_t n_rot, bool neox, bool norms)
+{
+    if (!b->ops->qk_rope)
+        return;
+    const int64_t nq = T * H * D, nk = T * Hkv * D;
+    float *qh = rand_vec(nq, -2, 2), *kh = rand_vec(nk, -2, 2);
+    float *qwh = rand_vec(D, 0.5f, 1.5f), *kwh = rand_vec(D, 0.5f, 1.5f);
+    fitm_weight qw = f32_vector(qwh, D), kw = f32_vector(kwh, D);
+    float *cs = malloc((size_t)(T * n_rot) * sizeof *cs);
+    for (int64_t t = 0; t < T; t++)
+        fitm_ops_rope_table(cs + t * n_rot, n_rot, 3 + 29 * t, 10000.0f, 1.0f);
+    float *cs_dev = to_dev(b, cs, T * n_rot);
+    float *q1 = to_dev(b, qh, nq), *k1 = to_dev(b, kh, nk);
+    float *q2 = to_dev(b, qh, nq), *k2 = to_dev(b, kh, nk);
+    if (norms) {
+        b->ops->rmsnorm(b, q1, q1, &qw, T * H, D, 1e-6f);
+        b->ops->rmsnorm(b, k1, k1, &kw, T * Hkv, D, 1e-6f);
+    }
+    b->ops->rope(b, q1, T, H, D, n_rot, cs_dev, neox);
+    b->ops->rope(b, k1, T, Hkv, D, n_rot, cs_dev, neox);
+    b->ops->qk_rope(b, q2, k2, T, H, Hkv, D, n_rot, cs_dev, neox, norms ? &qw : NULL,
+                    norms ? &kw : NULL, 1e-6f);
+    float *s[2] = {to_host(b, q1, nq), to_host(b, k1, nk)};
+    float *got[2] = {to_host(b, q2, nq), to_host(b, k2, nk)};
+    const float *in[2] = {qh, kh}, *wh[2] = {qwh, kwh};
+    const int64_t heads[2] = {H, Hkv};
+    char what[96];
+    for (int i = 0; i < 2; i++) {
+        const int64_t n = T * heads[i] * D;
+        snprintf(what, sizeof what, "qk_rope %s T %lld D %lld rot %lld %s%s", i ? "k" : "q",
+                 (long long)T, (long long)D, (long long)n_rot, neox ? "neox" : "normal",
+                 norms ? " normed" : "");
+        CHECK(memcmp(s[i], got[i], (size_t)n * sizeof(float)) == 0,
+              "%s: differs from the backend's rmsnorm and rope", what);
+        double *want = malloc((size_t)n * sizeof *want), *v = malloc((size_t)D * sizeof *v);
+        for (int64_t r = 0; r < T * heads[i]; r++) {
+            const int64_t t = r / heads[i];
+            double ss = 0;
+            for (int64_t d = 0; d < D; d++)
+                ss += (double)in[i][r * D + d] * in[i][r * D + d];
+            const double inv = norms ? 1.0 / sqrt(ss / (double)D + 1e-6) : 1.0;
+            for (int64_t d = 0; d < D; d++)
+                v[d] = in[i][r * D + d] * inv * (norms ? wh[i][d] : 1.0f);
+            double *o = want + r * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = v[d];
+            for (int64_t j = 0; j < n_rot / 2; j++) {
+                const int64_t a = neox ? j : 2 * j, c = neox ? j + n_rot / 2 : 2 * j + 1;
+                const double cos_ = cs[t * n_rot + 2 * j], sin_ = cs[t * n_rot + 2 * j + 1];
+                o[a] = v[a] * cos_ - v[c] * sin_;
+                o[c] = v[a] * sin_ + v[c] * cos_;
+            }
+        }
+        check_close(what, got[i], want, n, NULL, 1e-5);
+        free(want), free(v), free(s[i]), free(got[i]);
+    }
+    free(qh), free(kh), free(qwh), free(kwh), free(cs);
+    b->ops->free(b, cs_dev), b->ops->free(b, q1), b->ops->free(b, k1), b->ops->free(b, q2),
+        b->ops->free(b, k2);
+}
+
+/* ops->matmul_glu (optional): a decode step's gate and up products and the GLU in one op,
+ * bit for bit the backend's own STEP matmul and glu calls, and within the STEP product's
+ * tolerance (test_matmul's, times the activation's slope) of a double reference. Gate and up
+ * of the same type, and of two types (which a backend may run as the separate ops). */
+static void test_matmul_glu(fitm_backend *b, fitm_dtype tg, fitm_dtype tu, int64_t T, int64_t K,
+                            int64_t F)
+{
+    if (!b->ops->matmul_glu)
+        return;
+    test_weight wg = make_weight(tg, F, K), wu = make_weight(tu, F, K);
+    float *xh = rand_vec(T * K, -2, 2);
+    float *x = to_dev(b, xh, T * K);
+    const bool quantized =
+        fitm_quant_vec_dtype(tg) != FITM_DTYPE_F32 || fitm_quant_vec_dtype(tu) != FITM_DTYPE_F32;
+    const double rtol = quantized ? 1.0 / 64 : 1e-5;
+    for (int act = 0; act < 2; act++) {
+        const fitm_act a = act ? FITM_ACT_GELU : FITM_ACT_SILU;
+        float *g1 = to_dev(b, NULL, T * F), *u1 = to_dev(b, NULL, T * F);
+        float *g2 = to_dev(b, NULL, T * F), *u2 = to_dev(b, NULL, T * F);
+        const fitm_mm_out sep[2] = {{&wg.w, NULL, g1}, {&wu.w, NULL, u1}};
+        const fitm_mm_out one[2] = {{&wg.w, NULL, g2}, {&wu.w, NULL, u2}};
+        b->ops->matmul(b, x, T, sep, 2, false);
+        b->ops->glu(b, g1, g1, u1, T * F, a);
+        b->ops->matmul_glu(b, x, T, one, a);
+        float *s = to_host(b, g1, T * F), *got = to_host(b, g2, T * F);
+        char what[96];
+        snprintf(what, sizeof what, "matmul_glu %s/%s T %lld K %lld F %lld %s",
+                 fitm_dtype_info_of(tg)->name, fitm_dtype_info_of(tu)->name, (long long)T,
+                 (long long)K, (long long)F, act ? "gelu" : "silu");
+        CHECK(memcmp(s, got, (size_t)(T * F) * sizeof(float)) == 0,
+              "%s: differs from the backend's matmul and glu", what);
+        double *want = malloc((size_t)(T * F) * sizeof *want);
+        double *bound = malloc((size_t)(T * F) * sizeof *bound);
+        for (int64_t i = 0; i < T; i++)
+            for (int64_t n = 0; n < F; n++) {
+                double sg = 0, su = 0, mg = 0, mu = 0;
+                for (int64_t k = 0; k < K; k++) {
+                    sg += (double)wg.deq[n * K + k] * xh[i * K + k];
+                    su += (double)wu.deq[n * K + k] * xh[i * K + k];
+                    mg += fabs((double)wg.deq[n * K + k] * xh[i * K + k]);
+                    mu += fabs((double)wu.deq[n * K + k] * xh[i * K + k]);
+                }
+                const double ag =
+                    act ? 0.5 * sg * (1 + tanh(0.7978845608028654 * (sg + 0.044715 * sg * sg * sg)))
+                        : sg / (1 + exp(-sg));
+                want[i * F + n] = ag * su;
+                /* check_close allows rtol times this: each product off by up to rtol times
+                 * its magnitude (test_matmul's bound), carried through act (slope <= 1.13)
+                 * times |up| and through |act(g)| <= |g| times the up product's error, plus
+                 * the activation's own rounding */
+                bound[i * F + n] = 1.13 * (fabs(su) + rtol * mu + 1e-3) * (mg + 1e-3) +
+                                   (fabs(sg) + rtol * mg + 1e-3) * (mu + 1e-3) +
+                                   fmax(1.0, fabs(want[i * F + n]));
+            }
+        check_close(what, got, want, T * F, bound, rtol);
+        free(s), free(got), free(want), free(bound);
+        b->ops->free(b, g1), b->ops->free(b, u1), b->ops->free(b, g2), b->ops->free(b, u2);
+    }
+    free(xh);
+    b->ops->free(b, x);
+    free_weight(&wg);
+    free_weight(&wu);
+}
+
 /* to_half / from_half (a backend with fp16 KV caches): n values over fp16's range and past
  * it -- ties halfway between two halves, subnormals, overflow to inf, signed zeros, inf and
  * NaN -- each rounded as fitm_fp32_to_fp16 rounds (the portable reference), back exactly. */
@@ -877,6 +1006,13 @@ int main(int argc, char **argv)
     test_rope(b, 5, 3, 16, 16, false);
     test_rope(b, 3, 2, 24, 16, true);
     test_elementwise(b, 1001);
+    test_qk_rope(b, 3, 4, 1, 32, 32, true, true);
+    test_qk_rope(b, 5, 3, 3, 24, 16, false, true);
+    test_qk_rope(b, 4, 6, 2, 16, 16, false, false);
+    test_matmul_glu(b, FITM_DTYPE_Q8_0, FITM_DTYPE_Q8_0, 1, 64, 9);
+    test_matmul_glu(b, FITM_DTYPE_Q4_K, FITM_DTYPE_Q4_K, 11, 256, 7);
+    test_matmul_glu(b, FITM_DTYPE_F32, FITM_DTYPE_F32, 3, 37, 5);
+    test_matmul_glu(b, FITM_DTYPE_Q4_K, FITM_DTYPE_Q6_K, 2, 256, 6); /* two types */
     /* fp16 KV caches: where the backend has them (with the two conversions), else refused */
     CHECK(fitm_backend_set_kv_half(b, true, &err) ==
               (b->ops->kv_half ? FITM_OK : FITM_ERR_UNSUPPORTED),

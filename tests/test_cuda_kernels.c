@@ -427,6 +427,132 @@ static void test_matmul_rows(fitm_dtype t, int64_t N, int64_t K, int64_t T)
     free(one);
 }
 
+/* A decode step's Q, K and V products in one launch (fitm_cuda_matmul_rows_n) against one
+ * fitm_cuda_matmul_rows launch per weight on the same input: bit for bit equal, for n = 1 to
+ * 3 weights of different row counts (the blocks of one weight end inside a block of rows).
+ * The values themselves are test_matvec's. */
+static void test_matmul_rows_n(fitm_dtype t, int n, int64_t K, int64_t T)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[96];
+    snprintf(what, sizeof what, "matmul_rows_n %s n=%d K=%lld T=%lld", tn, n, (long long)K,
+             (long long)T);
+    const int64_t Ns[3] = {13, 6, 9};
+    const size_t row_bytes = fitm_dtype_row_bytes(t, K);
+    float *x = xmalloc((size_t)(T * K) * sizeof(float));
+    fill_uniform(x, T * K, -1.0f, 1.0f);
+    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    dbuf dW[3], d1[3], dn[3];
+    const void *W[3];
+    float *y[3];
+    bool ok = true;
+    for (int i = 0; i < n; i++) {
+        uint8_t *w = make_weights(t, Ns[i] * K, false);
+        dW[i] = dbuf_from(w, (size_t)Ns[i] * row_bytes);
+        free(w);
+        d1[i] = dbuf_new((size_t)(T * Ns[i]) * sizeof(float));
+        dn[i] = dbuf_new((size_t)(T * Ns[i]) * sizeof(float));
+        W[i] = dW[i].p, y[i] = dn[i].p;
+        ok = ok &&
+             launched(what, fitm_cuda_matmul_rows(t, dW[i].p, Ns[i], K, dx.p, T, d1[i].p, stream));
+    }
+    ok = ok && launched(what, fitm_cuda_matmul_rows_n(t, n, W, Ns, K, dx.p, T, y, stream));
+    for (int i = 0; i < n; i++) {
+        const size_t bytes = (size_t)(T * Ns[i]) * sizeof(float);
+        float *one = xmalloc(bytes), *all = xmalloc(bytes);
+        if (ok) {
+            dbuf_get(one, &d1[i]);
+            dbuf_get(all, &dn[i]);
+            ok = dbuf_guards_ok(&dn[i], what);
+        }
+        if (ok && memcmp(one, all, bytes) != 0) {
+            fprintf(stderr, "  %s: output %d differs from its own launch\n", what, i);
+            ok = false;
+        }
+        free(one), free(all);
+        dbuf_free(&dW[i]), dbuf_free(&d1[i]), dbuf_free(&dn[i]);
+    }
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok);
+    dbuf_free(&dx);
+    free(x);
+}
+
+/* The decode step's gate and up products with the GLU in one launch (fitm_cuda_matmul_glu)
+ * against the three launches it replaces, run on the same inputs: bit for bit equal (the
+ * backend's decode steps use it where they would run the three). And against the CPU: the
+ * double-precision dots of the dequantized rows (tolerance per product as test_matvec's)
+ * through fitm_ops_swiglu / fitm_ops_geglu, allowing each product's tolerance times the
+ * activation's slope (|act'(g)| <= 1.13, and |act(g)| <= |g|) plus the activation's own 1e-5. */
+static void test_matmul_glu(fitm_dtype t, int64_t N, int64_t K, int64_t T, bool gelu)
+{
+    const char *tn = fitm_dtype_info_of((int)t)->name;
+    char what[112];
+    snprintf(what, sizeof what, "matmul_glu %s N=%lld K=%lld T=%lld %s", tn, (long long)N,
+             (long long)K, (long long)T, gelu ? "gelu" : "silu");
+    const size_t row_bytes = fitm_dtype_row_bytes(t, K);
+    const size_t ybytes = (size_t)(T * N) * sizeof(float);
+    uint8_t *Wg = make_weights(t, N * K, false), *Wu = make_weights(t, N * K, false);
+    float *x = xmalloc((size_t)(T * K) * sizeof(float)), *wrow = xmalloc((size_t)K * sizeof(float));
+    float *rg = xmalloc(ybytes), *ru = xmalloc(ybytes), *ref = xmalloc(ybytes);
+    float *sep = xmalloc(ybytes), *got = xmalloc(ybytes);
+    double *tg = xmalloc((size_t)(T * N) * sizeof(double)),
+           *tu = xmalloc((size_t)(T * N) * sizeof(double));
+    double *tol = xmalloc((size_t)(T * N) * sizeof(double));
+    fill_uniform(x, T * K, -1.0f, 1.0f);
+    for (int64_t r = 0; r < T; r++) /* rows of different scale */
+        for (int64_t k = 0; k < K; k++)
+            x[r * K + k] *= 0.25f + 0.5f * (float)(r % 5);
+    for (int w = 0; w < 2; w++)
+        for (int64_t n = 0; n < N; n++) {
+            fitm_dequant_row(t, (w ? Wu : Wg) + n * row_bytes, wrow, K);
+            for (int64_t r = 0; r < T; r++) {
+                double sum = 0.0, sa = 0.0;
+                for (int64_t k = 0; k < K; k++) {
+                    sum += (double)wrow[k] * x[r * K + k];
+                    sa += fabs((double)wrow[k] * x[r * K + k]);
+                }
+                (w ? ru : rg)[r * N + n] = (float)sum;
+                (w ? tu : tg)[r * N + n] = 1e-5 + 2e-6 * sa;
+            }
+        }
+    if (gelu)
+        fitm_ops_geglu(ref, rg, ru, T * N);
+    else
+        fitm_ops_swiglu(ref, rg, ru, T * N);
+    for (int64_t i = 0; i < T * N; i++)
+        tol[i] = 1e-5 + 1.13 * fabs((double)ru[i]) * tg[i] + fabs((double)rg[i]) * tu[i];
+
+    dbuf dg = dbuf_from(Wg, (size_t)N * row_bytes), du = dbuf_from(Wu, (size_t)N * row_bytes);
+    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    dbuf yg = dbuf_new(ybytes), yu = dbuf_new(ybytes), dy = dbuf_new(ybytes);
+    bool ok =
+        launched(what, fitm_cuda_matmul_rows(t, dg.p, N, K, dx.p, T, yg.p, stream)) &&
+        launched(what, fitm_cuda_matmul_rows(t, du.p, N, K, dx.p, T, yu.p, stream)) &&
+        launched(what, gelu ? fitm_cuda_geglu(yg.p, yg.p, yu.p, T * N, stream)
+                            : fitm_cuda_swiglu(yg.p, yg.p, yu.p, T * N, stream)) &&
+        launched(what, fitm_cuda_matmul_glu(t, dg.p, du.p, N, K, dx.p, T, gelu, dy.p, stream));
+    if (ok) {
+        dbuf_get(sep, &yg);
+        dbuf_get(got, &dy);
+        ok = dbuf_guards_ok(&yg, what) && dbuf_guards_ok(&yu, what);
+    }
+    if (ok && memcmp(sep, got, ybytes) != 0) {
+        int64_t n_diff = 0;
+        for (int64_t i = 0; i < T * N; i++)
+            n_diff += memcmp(&sep[i], &got[i], sizeof(float)) != 0;
+        fprintf(stderr, "  %s: %lld of %lld differ from matmul_rows x 2 + glu\n", what,
+                (long long)n_diff, (long long)(T * N));
+        ok = false;
+    }
+    if (ok)
+        ok = values_and_guards_ok(check_close_tol(what, ref, got, T * N, 0.0, 0.0, tol), &dy, what);
+    CHECK(ok);
+    dbuf_free(&dg), dbuf_free(&du), dbuf_free(&dx), dbuf_free(&yg), dbuf_free(&yu), dbuf_free(&dy);
+    free(Wg), free(Wu), free(x), free(wrow), free(rg), free(ru), free(ref), free(sep), free(got);
+    free(tg), free(tu), free(tol);
+}
+
 /* ---- rmsnorm ---- */
 
 /* Float tree sum vs the reference's double sum, then an IEEE sqrt and divide: well under
@@ -617,6 +743,83 @@ static void test_rope(int64_t T, int64_t H, int64_t D, int64_t ld, int64_t n_rot
     free(ref);
     free(got);
     free(pos);
+}
+
+/* The per-head norms and RoPE of attention's queries and keys in one launch
+ * (fitm_cuda_qk_norm_rope) against the launches it replaces (fitm_cuda_rmsnorm over the head
+ * vectors of q and of k, then fitm_cuda_rope_table on each) on the same inputs: bit for bit
+ * equal. And against the CPU: fitm_ops_rmsnorm then fitm_ops_rope_apply with the same table,
+ * within the rmsnorm tolerance (1e-5), the rotation adding a few ulp. Without weights
+ * (models without per-head norms) only the rotation runs. */
+static void test_qk_norm_rope(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t n_rot, int neox,
+                              bool norms)
+{
+    char what[112];
+    snprintf(what, sizeof what, "qk_norm_rope T=%lld H=%lld Hkv=%lld D=%lld rot=%lld %s%s",
+             (long long)T, (long long)H, (long long)Hkv, (long long)D, (long long)n_rot,
+             neox ? "neox" : "norm", norms ? " normed" : "");
+    const int64_t nq = T * H * D, nk = T * Hkv * D;
+    float *q = xmalloc((size_t)nq * sizeof(float)), *k = xmalloc((size_t)nk * sizeof(float));
+    float *qw = xmalloc((size_t)D * sizeof(float)), *kw = xmalloc((size_t)D * sizeof(float));
+    float *cs = xmalloc((size_t)(T * n_rot) * sizeof(float));
+    float *rq = xmalloc((size_t)nq * sizeof(float)), *rk = xmalloc((size_t)nk * sizeof(float));
+    float *sq = xmalloc((size_t)nq * sizeof(float)), *sk = xmalloc((size_t)nk * sizeof(float));
+    float *gq = xmalloc((size_t)nq * sizeof(float)), *gk = xmalloc((size_t)nk * sizeof(float));
+    fill_uniform(q, nq, -3.0f, 3.0f);
+    fill_uniform(k, nk, -3.0f, 3.0f);
+    fill_uniform(qw, D, 0.2f, 1.8f);
+    fill_uniform(kw, D, 0.2f, 1.8f);
+    for (int64_t t = 0; t < T; t++)
+        fitm_ops_rope_table(cs + t * n_rot, n_rot, (int64_t)(rng_u64() % 100000), 10000.0f, 1.0f);
+    memcpy(rq, q, (size_t)nq * sizeof(float));
+    memcpy(rk, k, (size_t)nk * sizeof(float));
+    if (norms) {
+        fitm_ops_rmsnorm(rq, rq, qw, 0.0f, T * H, D, 1e-6f);
+        fitm_ops_rmsnorm(rk, rk, kw, 0.0f, T * Hkv, D, 1e-6f);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < H; h++)
+            fitm_ops_rope_apply(rq + (t * H + h) * D, cs + t * n_rot, n_rot, neox);
+        for (int64_t h = 0; h < Hkv; h++)
+            fitm_ops_rope_apply(rk + (t * Hkv + h) * D, cs + t * n_rot, n_rot, neox);
+    }
+
+    dbuf dq1 = dbuf_from(q, (size_t)nq * sizeof(float)),
+         dk1 = dbuf_from(k, (size_t)nk * sizeof(float));
+    dbuf dq2 = dbuf_from(q, (size_t)nq * sizeof(float)),
+         dk2 = dbuf_from(k, (size_t)nk * sizeof(float));
+    dbuf dqw = dbuf_from(qw, (size_t)D * sizeof(float)),
+         dkw = dbuf_from(kw, (size_t)D * sizeof(float));
+    dbuf dcs = dbuf_from(cs, (size_t)(T * n_rot) * sizeof(float));
+    bool ok = true;
+    if (norms)
+        ok =
+            launched(what, fitm_cuda_rmsnorm(dq1.p, dq1.p, dqw.p, 0.0f, T * H, D, 1e-6f, stream)) &&
+            launched(what, fitm_cuda_rmsnorm(dk1.p, dk1.p, dkw.p, 0.0f, T * Hkv, D, 1e-6f, stream));
+    ok = ok && launched(what, fitm_cuda_rope_table(dq1.p, T, H, D, n_rot, dcs.p, neox, stream)) &&
+         launched(what, fitm_cuda_rope_table(dk1.p, T, Hkv, D, n_rot, dcs.p, neox, stream)) &&
+         launched(what,
+                  fitm_cuda_qk_norm_rope(dq2.p, dk2.p, norms ? dqw.p : NULL, norms ? dkw.p : NULL,
+                                         0.0f, T, H, Hkv, D, n_rot, dcs.p, neox, 1e-6f, stream));
+    if (ok) {
+        dbuf_get(sq, &dq1), dbuf_get(sk, &dk1), dbuf_get(gq, &dq2), dbuf_get(gk, &dk2);
+        ok = dbuf_guards_ok(&dq1, what) && dbuf_guards_ok(&dk1, what);
+    }
+    if (ok && (memcmp(sq, gq, (size_t)nq * sizeof(float)) != 0 ||
+               memcmp(sk, gk, (size_t)nk * sizeof(float)) != 0)) {
+        fprintf(stderr, "  %s: differs from rmsnorm + rope_table\n", what);
+        ok = false;
+    }
+    if (ok) {
+        const bool okq = check_close(what, rq, gq, nq, 1e-5, 1e-5);
+        const bool okk = check_close(what, rk, gk, nk, 1e-5, 1e-5);
+        ok = values_and_guards_ok(okq, &dq2, what) && values_and_guards_ok(okk, &dk2, what);
+    }
+    CHECK(ok);
+    dbuf_free(&dq1), dbuf_free(&dk1), dbuf_free(&dq2), dbuf_free(&dk2), dbuf_free(&dqw),
+        dbuf_free(&dkw), dbuf_free(&dcs);
+    free(q), free(k), free(qw), free(kw), free(cs), free(rq), free(rk), free(sq), free(sk),
+        free(gq), free(gk);
 }
 
 /* ---- gated activations ---- */
@@ -836,6 +1039,18 @@ static void test_contracts(void)
     CHECK(fitm_cuda_matvec(FITM_DTYPE_Q8_K, fake, 4, 256, f, f, NULL) == inval);
     CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, -1, 8, f, f, NULL) == inval);
     CHECK(fitm_cuda_matvec(FITM_DTYPE_F16, fake, 0, 8, f, f, NULL) == 0);
+    {
+        const void *W3[3] = {fake, fake, NULL};
+        const int64_t N3[3] = {4, 4, 4};
+        float *y3[3] = {f, f, f};
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 4, W3, N3, 32, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 3, W3, N3, 32, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 2, W3, N3, 33, f, 1, y3, NULL) == inval);
+        CHECK(fitm_cuda_matmul_rows_n(FITM_DTYPE_Q8_0, 2, W3, N3, 32, f, 0, y3, NULL) == 0);
+    }
+    CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, NULL, 4, 32, f, 1, 0, f, NULL) == inval);
+    CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, fake + 2, 4, 32, f, 1, 0, f, NULL) == inval);
+    CHECK(fitm_cuda_matmul_glu(FITM_DTYPE_Q8_0, fake, fake, 4, 32, f, 0, 1, f, NULL) == 0);
 
     CHECK(fitm_cuda_rmsnorm(f, f, NULL, 0.0f, 1, 8, 1e-6f, NULL) == inval);
     CHECK(fitm_cuda_rmsnorm(f, f, f, 0.0f, -1, 8, 1e-6f, NULL) == inval);
@@ -846,6 +1061,11 @@ static void test_contracts(void)
     CHECK(fitm_cuda_rope(f, 1, 2, 8, 16, 10, NULL, 0, 1e4f, 1, 0, NULL) == inval); /* > D */
     CHECK(fitm_cuda_rope(f, 1, 2, 8, 15, 8, NULL, 0, 1e4f, 1, 0, NULL) == inval);  /* ld < H*D */
     CHECK(fitm_cuda_rope(f, 0, 2, 8, 16, 8, NULL, 0, 1e4f, 1, 0, NULL) == 0);
+    CHECK(fitm_cuda_qk_norm_rope(f, f, NULL, NULL, 0, 1, 2, 1, 8, 7, f, 0, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_qk_norm_rope(f, f, NULL, NULL, 0, 1, 2, 1, 8, 10, f, 0, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_qk_norm_rope(f, f, f, f, 0, 1, 2, 1, 8, 8, NULL, 0, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_qk_norm_rope(NULL, f, f, f, 0, 1, 2, 1, 8, 8, f, 0, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_qk_norm_rope(f, f, f, f, 0, 0, 2, 1, 8, 8, f, 0, 1e-6f, NULL) == 0);
     CHECK(fitm_cuda_swiglu(f, NULL, f, 8, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, -1, NULL) == inval);
     CHECK(fitm_cuda_geglu(f, f, f, 0, NULL) == 0);
@@ -935,6 +1155,11 @@ int main(int argc, char **argv)
         test_matvec(t, 1, be > 1 ? be : 8, false);
         test_matvec(t, 37, 768, false);
         test_matmul_rows(t, 9, 256, 19); /* three groups of rows, the last partial */
+        test_matmul_rows_n(t, 3, 256, 1);
+        test_matmul_rows_n(t, 3, 256, 11);
+        test_matmul_rows_n(t, 2, 256, 3);
+        test_matmul_glu(t, 9, 256, 1, t == FITM_DTYPE_Q4_K);
+        test_matmul_glu(t, 7, 256, 11, t != FITM_DTYPE_Q4_K); /* two groups, the last partial */
         if (small)
             continue;
         test_matvec(t, 130, 4096, false); /* N not a multiple of the rows per block */
@@ -948,6 +1173,8 @@ int main(int argc, char **argv)
             test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
             test_matvec(t, 3, 7, false);
             test_matmul_rows(t, 13, 1001, 10);
+            test_matmul_glu(t, 5, 1001, 3, true); /* K % 8 != 0 */
+            test_matmul_rows_n(t, 3, 1001, 2);
         }
     }
 
@@ -984,6 +1211,11 @@ int main(int argc, char **argv)
                   5); /* Gemma 3: D 256, scaled */
         test_rope(64, 8, 128, 8 * 128, 128, 500000.0f, 1.0f, 1, false, 0);
         test_rope(9, 2, 64, 2 * 64 + 16, 64, 10000.0f, 0.25f, 0, true, 3);
+        test_qk_norm_rope(3, 4, 1, 256, 256, 1, true); /* Gemma 3: D 256, per-head norms */
+        test_qk_norm_rope(9, 4, 1, 256, 256, 1, true); /* two sequences' worth of rows */
+        test_qk_norm_rope(2, 3, 3, 300, 128, 0, true); /* D above the block, partial rotation */
+        test_qk_norm_rope(4, 6, 2, 64, 64, 0, false);  /* llama: rotation only */
+        test_qk_norm_rope(5, 2, 1, 40, 32, 1, false);
     }
 
     if (want("glu")) {

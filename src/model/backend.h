@@ -160,6 +160,19 @@ typedef struct {
     /* y (n) = act(g) * u */
     void (*glu)(fitm_backend *b, float *y, const float *g, const float *u, int64_t n,
                 fitm_act act);
+    /* Optional: a layer's query and key heads before attention, in place: each head vector of
+     * q (T, H, D) and k (T, Hkv, D) normed as rmsnorm(b, x, x, norm, rows, D, eps) where its
+     * norm (D, F32) is not NULL (Gemma 3's per-head norms), then rotated as rope(b, x, T, heads,
+     * D, n_rot, cs, neox): the values of those calls, as one op (a backend may fuse them). */
+    void (*qk_rope)(fitm_backend *b, float *q, float *k, int64_t T, int64_t H, int64_t Hkv,
+                    int64_t D, int64_t n_rot, const float *cs, bool neox, const fitm_weight *q_norm,
+                    const fitm_weight *k_norm, float eps);
+    /* Optional, the STEP class only: gu[0].y (T, F) = act(x . Wgate^T) * (x . Wup^T) for gate
+     * gu[0] and up gu[1] (no biases): the values of matmul(b, x, T, gu, 2, false) followed by
+     * glu(b, gu[0].y, gu[0].y, gu[1].y, T * F, act), as one op (a backend may fuse them);
+     * gu[1].y is scratch it may or may not write. */
+    void (*matmul_glu)(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out gu[2],
+                       fitm_act act);
     /* y (n) += x */
     void (*add)(fitm_backend *b, float *y, const float *x, int64_t n);
     /* x (n) = cap * tanh(x / cap) */

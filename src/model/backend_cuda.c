@@ -30,6 +30,12 @@
  * ops. Replay runs the same operations in the same order on the same data, so results are
  * bit for bit those of the uncaptured path (fitm_backend_cuda_set_graphs turns it off).
  *
+ * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
+ * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
+ * add with the next rmsnorm (kept pending until that arrives), a STEP call's products of one
+ * input (Q, K, V) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and
+ * up products with the GLU (matmul_glu).
+ *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
  * it, unless the error is sticky (the context is lost): then every later status call fails. */
@@ -88,6 +94,7 @@ typedef struct {
     uint8_t *pin; /* pinned staging of the small host arrays an op hands the device (stage) */
     size_t pin_cap, pin_used;
     bool graphs;         /* capture the work between two waits and replay it (capture_on) */
+    bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
     int cap;             /* CAP_IDLE, CAP_ON or CAP_OFF */
     bool busy;           /* work may have been enqueued since the last wait */
     /* a residual add not launched yet (n 0: none): y += x, fused into the next rmsnorm of y
@@ -763,6 +770,37 @@ static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W,
         gemm_rows(c, false, Wf, N, K, x, T, y);
 }
 
+/* The STEP products of outs (without their biases) as one launch, when there are several
+ * (a layer's Q, K and V), fusion is on, and their weights are resident and of one type
+ * (fitm_cuda_matmul_rows_n: the bits of one launch each). False: nothing launched. */
+static bool step_outs_fused(cuda_backend *c, const float *x, int64_t T, const fitm_mm_out *outs,
+                            int n_outs)
+{
+    if (!c->fuse || n_outs < 2 || n_outs > FITM_CUDA_MM_MAX_OUTS)
+        return false;
+    const void *W[FITM_CUDA_MM_MAX_OUTS];
+    int64_t N[FITM_CUDA_MM_MAX_OUTS];
+    float *y[FITM_CUDA_MM_MAX_OUTS];
+    for (int i = 0; i < n_outs; i++) {
+        const dev_weight *d = find_weight(c, outs[i].w->data);
+        if (!d || outs[i].w->type != outs[0].w->type || outs[i].w->n_cols != outs[0].w->n_cols)
+            return false;
+        W[i] = d->dev, N[i] = outs[i].w->n_rows, y[i] = outs[i].y;
+    }
+    const fitm_weight *w = outs[0].w;
+    for (int64_t t0 = 0; t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
+        const int64_t n = T - t0 < MM_ROWS_PER_LAUNCH ? T - t0 : MM_ROWS_PER_LAUNCH;
+        float *yt[FITM_CUDA_MM_MAX_OUTS];
+        for (int i = 0; i < n_outs; i++)
+            yt[i] = y[i] + t0 * N[i];
+        ok(c,
+           fitm_cuda_matmul_rows_n(w->type, n_outs, W, N, w->n_cols, x + t0 * w->n_cols, n, yt,
+                                   c->stream),
+           "matmul");
+    }
+    return true;
+}
+
 /* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through cuBLAS (not
  * captured), the STEP class through the warp-per-output kernel. */
 static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
@@ -773,10 +811,11 @@ static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_m
         capture_off(c);
     else
         capture_on(c);
+    const bool one_launch = !batched && step_outs_fused(c, x, T, outs, n_outs);
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;
-        const void *W = weight_dev(c, w, 0);
+        const void *W = one_launch ? NULL : weight_dev(c, w, 0);
         if (W && batched)
             matmul_batched(c, w, W, x, T, outs[i].y);
         for (int64_t t0 = 0; W && !batched && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
@@ -818,6 +857,27 @@ static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_w
         ok(c, fitm_cuda_rmsnorm(y, x, wd, 0.0f, rows, n, eps, c->stream), "rmsnorm");
 }
 
+/* A layer's query and key heads, in place: per-head norms where given, then RoPE, as one
+ * kernel (fitm_cuda_qk_norm_rope: the values of the rmsnorm and rope ops). */
+static void cuda_qk_rope(fitm_backend *b, float *q, float *k, int64_t T, int64_t H, int64_t Hkv,
+                         int64_t D, int64_t n_rot, const float *cs, bool neox,
+                         const fitm_weight *q_norm, const fitm_weight *k_norm, float eps)
+{
+    cuda_backend *c = cu(b);
+    capture_on(c);
+    if ((q_norm && q_norm->type != FITM_DTYPE_F32) || (k_norm && k_norm->type != FITM_DTYPE_F32)) {
+        ok(c, (int)cudaErrorInvalidValue, "rmsnorm weight is not F32");
+        return;
+    }
+    const void *qw = q_norm ? weight_dev(c, q_norm, 0) : NULL;
+    const void *kw = k_norm ? weight_dev(c, k_norm, 1) : NULL;
+    if (c->rc == 0 && (qw || !q_norm) && (kw || !k_norm))
+        ok(c,
+           fitm_cuda_qk_norm_rope(q, k, qw, kw, 0.0f, T, H, Hkv, D, n_rot, cs, neox, eps,
+                                  c->stream),
+           "qk norm + rope");
+}
+
 /* RoPE in place on x (T, n_heads, D) with the driver's table cs (device memory). */
 static void cuda_rope(fitm_backend *b, float *x, int64_t T, int64_t n_heads, int64_t D,
                       int64_t n_rot, const float *cs, bool neox)
@@ -841,6 +901,32 @@ static void cuda_glu(fitm_backend *b, float *y, const float *g, const float *u, 
            "glu");
 }
 
+/* A decode step's gate and up products and the GLU as one kernel where both weights have one
+ * type and shape (fitm_cuda_matmul_glu: the values of the three launches), else as those. */
+static void cuda_matmul_glu(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out gu[2],
+                            fitm_act act)
+{
+    cuda_backend *c = cu(b);
+    const fitm_weight *wg = gu[0].w, *wu = gu[1].w;
+    if (wg->type != wu->type || wg->n_rows != wu->n_rows || wg->n_cols != wu->n_cols ||
+        gu[0].bias || gu[1].bias) {
+        cuda_matmul(b, x, T, gu, 2, false);
+        cuda_glu(b, gu[0].y, gu[0].y, gu[1].y, T * wg->n_rows, act);
+        return;
+    }
+    capture_on(c);
+    const int64_t N = wg->n_rows, K = wg->n_cols;
+    const void *G = weight_dev(c, wg, 0);
+    const void *U = G ? weight_dev(c, wu, 1) : NULL;
+    for (int64_t t0 = 0; U && t0 < T && c->rc == 0; t0 += MM_ROWS_PER_LAUNCH) {
+        const int64_t n = T - t0 < MM_ROWS_PER_LAUNCH ? T - t0 : MM_ROWS_PER_LAUNCH;
+        ok(c,
+           fitm_cuda_matmul_glu(wg->type, G, U, N, K, x + t0 * K, n, act == FITM_ACT_GELU,
+                                gu[0].y + t0 * N, c->stream),
+           "matmul + glu");
+    }
+}
+
 /* Launches the pending residual add, if any. */
 static void add_flush(cuda_backend *c)
 {
@@ -861,6 +947,8 @@ static void cuda_add(fitm_backend *b, float *y, const float *x, int64_t n)
         c->add.y = y;
         c->add.x = x;
         c->add.n = n;
+        if (!c->fuse)
+            add_flush(c);
     }
 }
 
@@ -1123,9 +1211,45 @@ static const fitm_backend_ops cuda_ops = {
     .topk = cuda_topk,
     .attention = cuda_attention,
     .attention_many = cuda_attention_many,
+    .qk_rope = cuda_qk_rope,
+    .matmul_glu = cuda_matmul_glu,
     .attention_mix = true,
     .capture_add = true,
 };
+
+/* The same without the fused slots: the driver then runs the ops they replace one by one. */
+static const fitm_backend_ops cuda_ops_unfused = {
+    .name = "cuda",
+    .destroy = cuda_destroy,
+    .reserve = cuda_reserve,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .copy = cuda_copy,
+    .prepare = cuda_prepare,
+    .status = cuda_status,
+    .embed = cuda_embed,
+    .matmul = cuda_matmul,
+    .rmsnorm = cuda_rmsnorm,
+    .rope = cuda_rope,
+    .glu = cuda_glu,
+    .add = cuda_add,
+    .softcap = cuda_softcap,
+    .topk = cuda_topk,
+    .attention = cuda_attention,
+    .attention_many = cuda_attention_many,
+    .attention_mix = true,
+    .capture_add = true,
+};
+
+void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on)
+{
+    cuda_backend *c = cu(b);
+    add_flush(c);
+    c->fuse = on;
+    c->base.ops = on ? &cuda_ops : &cuda_ops_unfused;
+}
 
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err)
 {
@@ -1142,6 +1266,7 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
     c->base.ops = &cuda_ops;
     c->graphs = true;
     c->weights = FITM_CUDA_WEIGHTS_BF16;
+    c->fuse = true;
     rc = (int)cudaStreamCreate(&c->stream);
     if (rc != 0) {
         free(c);

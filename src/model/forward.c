@@ -470,7 +470,14 @@ static void attention_block(const pass *p, int32_t l)
     matmul_paths(p, f->xn, c->n_embd, qkv, 3);
     int64_t r0[2], n[2];
     const int runs = layer_runs(p, r0, n);
-    for (int i = 0; i < runs && c->qk_norm; i++) {
+    /* The per-head norms and RoPE as one op where the backend has it, unless Ms-PoE's
+     * statistics read the normed heads before their rotation. */
+    const bool fused = o->qk_rope && !f->stat_host;
+    for (int i = 0; i < runs && fused; i++)
+        o->qk_rope(b, f->q + r0[i] * H * D, f->k + r0[i] * Hkv * D, n[i], H, Hkv, D, n_rot,
+                   cs + r0[i] * n_rot, c->rope_neox, c->qk_norm ? &ly->q_norm : NULL,
+                   c->qk_norm ? &ly->k_norm : NULL, c->norm_eps);
+    for (int i = 0; i < runs && !fused && c->qk_norm; i++) {
         o->rmsnorm(b, f->q + r0[i] * H * D, f->q + r0[i] * H * D, &ly->q_norm, n[i] * H, D,
                    c->norm_eps);
         o->rmsnorm(b, f->k + r0[i] * Hkv * D, f->k + r0[i] * Hkv * D, &ly->k_norm, n[i] * Hkv,
@@ -478,7 +485,7 @@ static void attention_block(const pass *p, int32_t l)
     }
     if (f->stat_host)
         fitm_position_ms_poe_stats(p, l);
-    for (int i = 0; i < runs; i++) {
+    for (int i = 0; i < runs && !fused; i++) {
         o->rope(b, f->q + r0[i] * H * D, n[i], H, D, n_rot, cs + r0[i] * n_rot, c->rope_neox);
         o->rope(b, f->k + r0[i] * Hkv * D, n[i], Hkv, D, n_rot, cs + r0[i] * n_rot,
                 c->rope_neox);
@@ -538,11 +545,23 @@ static void ffn_block(const pass *p, int32_t l)
 
     norm_rows(p, &ly->ffn_norm);
     const fitm_mm_out gu[2] = {{&ly->w_gate, NULL, f->g}, {&ly->w_up, NULL, f->u}};
-    matmul_paths(p, f->xn, c->n_embd, gu, 2);
-    int64_t r0[2], n[2];
-    for (int i = 0, runs = layer_runs(p, r0, n); i < runs; i++)
-        f->b->ops->glu(f->b, f->g + r0[i] * F, f->g + r0[i] * F, f->u + r0[i] * F, n[i] * F,
-                       c->act);
+    fitm_backend *b = f->b;
+    if (b->ops->matmul_glu && p->act[0] > 0) {
+        /* the STEP rows (first in the pass) as one op, the BATCH rows as below */
+        b->ops->matmul_glu(b, f->xn, p->act[0], gu, c->act);
+        const int64_t r0 = p->n_step, nr = p->act[1];
+        if (nr > 0) {
+            const fitm_mm_out part[2] = {{gu[0].w, NULL, f->g + r0 * F},
+                                         {gu[1].w, NULL, f->u + r0 * F}};
+            b->ops->matmul(b, f->xn + r0 * c->n_embd, nr, part, 2, true);
+            b->ops->glu(b, part[0].y, part[0].y, part[1].y, nr * F, c->act);
+        }
+    } else {
+        matmul_paths(p, f->xn, c->n_embd, gu, 2);
+        int64_t r0[2], n[2];
+        for (int i = 0, runs = layer_runs(p, r0, n); i < runs; i++)
+            b->ops->glu(b, f->g + r0[i] * F, f->g + r0[i] * F, f->u + r0[i] * F, n[i] * F, c->act);
+    }
     const fitm_mm_out down = {&ly->w_down, NULL, f->tmp};
     matmul_paths(p, f->g, F, &down, 1);
     add_block(p, &ly->post_ffn_norm);
