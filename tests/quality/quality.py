@@ -412,7 +412,8 @@ def markdown(runs: list, results: dict, answer_mode: bool, specs: list, variants
            "`traps_untitled`: tests/quality/traps.py, biographies where 2 (titled) or 3 "
            "(untitled) distractors name the asked person and state the asked attribute of "
            "someone else: a correspondent, a relative, a namesake, a place named after the "
-           "person, a denied claim). Cells: proportion with "
+           "person, a denied claim; `traps_long`: untitled, 3 such distractors, the gold and "
+           "the unrelated biographies seven sentences long). Cells: proportion with "
            "its Wilson 95% interval. Forward tokens: usage.forward_tokens per request, and its "
            "ratio to one pass over the whole prompt (the longest usage.prompt_tokens of the "
            "table's methods: a windowed method's own prompts are shorter). Wall time: one request at a time.", ""]

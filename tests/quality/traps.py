@@ -19,8 +19,12 @@ subject, so whatever is asked, the trap repeats the question's words. The rest a
 biographies in the gold's shape. No value the question asks appears in any document but the
 gold.
 
-Variants: `traps` (titled: a document's title is its subject's name, 2 traps) and
-`traps_untitled` (every title empty, 3 traps). K = 10 and 20; each group's gold document is
+Variants: `traps` (titled: a document's title is its subject's name, 2 traps),
+`traps_untitled` (every title empty, 3 traps) and `traps_long` (untitled, 3 traps, the gold and
+the unrelated biographies seven sentences long: the asked attribute is one sentence among
+others about the person's life, while each trap is two short sentences of the asked person's
+name and the attribute's words, the shape that favours a trap for a signal that measures how
+much of a document the question's words cover). K = 10 and 20; each group's gold document is
 placed first, in the middle ((K + 1) // 2) and last, the other documents keeping their order
 (paired positions, as in dataset.py). Splits `dev` and `test` share no name syllable, city
 suffix, profession, prize word, document sentence or question wording.
@@ -46,8 +50,8 @@ import dataset  # noqa: E402
 SEED = 39
 GROUPS = 50
 KS = (10, 20)
-VARIANTS = ("traps", "traps_untitled")
-N_TRAPS = {"traps": 2, "traps_untitled": 3}
+VARIANTS = ("traps", "traps_untitled", "traps_long")
+N_TRAPS = {"traps": 2, "traps_untitled": 3, "traps_long": 3}
 FORMS = ("correspondence", "relative", "namesake", "place", "negated")
 ATTRIBUTES = ("city", "year", "profession", "prize")
 
@@ -72,6 +76,15 @@ WORDING = {
         "bio": ["The parish book notes that {n} was born in the city of {city} in {year}.",
                 "{n} worked for many years as a {profession}.",
                 "In middle age {n} was awarded the {prize} for that work."],
+        "bio_long": ["{n} grew up in a family of millers and learned to read under a village "
+                     "priest.",
+                     "The parish book notes that {n} was born in the city of {city} in {year}.",
+                     "As a young adult {n} spent two winters copying maps for a merchant house.",
+                     "{n} worked for many years as a {profession}.",
+                     "Friends remembered {n} as quiet, stubborn and generous with money.",
+                     "In middle age {n} was awarded the {prize} for that work.",
+                     "{n} died after a short illness, leaving notebooks and drawings to a "
+                     "nephew."],
         "correspondence": ["{x} corresponded for years with the {profession} {n}; the two "
                            "first met in {city}, where {n} was born in {year}.",
                            "{n} worked as a {profession} and was awarded the {prize}."],
@@ -93,6 +106,13 @@ WORDING = {
         "bio": ["Records give {year} as the year {n} came into the world, in {city}.",
                 "By trade {n} was a {profession}.",
                 "Late in life {n} received the {prize}."],
+        "bio_long": ["Raised by an aunt near the harbour, {n} showed an early gift for numbers.",
+                     "Records give {year} as the year {n} came into the world, in {city}.",
+                     "Later {n} travelled widely, keeping careful diaries of each journey.",
+                     "By trade {n} was a {profession}.",
+                     "Neighbours described {n} as cheerful, restless and fond of music.",
+                     "Late in life {n} received the {prize}.",
+                     "{n} passed away peacefully at home, survived by three children."],
         "correspondence": ["{x} wrote letters for decades to {n}, a {profession} living in "
                            "{city}, where {n} came into the world in {year}.",
                            "By trade {n} was a {profession}, and {n} received the {prize}."],
@@ -149,7 +169,8 @@ def make_group(rnd: random.Random, split: str, variant: str, k: int) -> dict:
     x = namer.person()
     gold_attrs = attributes(rnd, namer, split)
     titled = variant == "traps"
-    docs = [{"title": x if titled else "", "text": fill(w["bio"], n=x, **gold_attrs)}]
+    bio = w["bio_long"] if variant == "traps_long" else w["bio"]
+    docs = [{"title": x if titled else "", "text": fill(bio, n=x, **gold_attrs)}]
     forms = rnd.sample(FORMS, N_TRAPS[variant])
     others = []
     for form in forms:
@@ -163,7 +184,7 @@ def make_group(rnd: random.Random, split: str, variant: str, k: int) -> dict:
     while len(others) < k - 1:
         y = namer.person()
         a = attributes(rnd, namer, split, gold_attrs)
-        others.append(({"title": y if titled else "", "text": fill(w["bio"], n=y, **a)}, None))
+        others.append(({"title": y if titled else "", "text": fill(bio, n=y, **a)}, None))
     rnd.shuffle(others)
     return {"query": w["questions"][attr].format(x=x), "entity": x,
             "documents": docs + [d for d, _ in others], "forms": [f for _, f in others],
