@@ -16,8 +16,8 @@ runtime (not a table of known cards):
 The prefill row prints its achieved GFLOP/s (from bench_forward) against both and says which
 one bounds it: the FP32 lanes where the BATCH products multiply F32 weights (gpu_weights = f32,
 CUBLAS_COMPUTE_32F_PEDANTIC), the BF16 tensor cores where they multiply BF16 operands
-(gpu_weights = bf16). --gpu-weights names the one the run uses (default f32; bench_forward
-runs the backend as fitmd's default configuration does).
+(gpu_weights = bf16). --gpu-weights picks the one the run uses, in bench_forward and in fitmd
+(default bf16, fitmd's default; run it once with f32 beside it for the F32 path's figures).
 and, for /rerank, the time the forward tokens it reports would take at the measured prefill
 rate (1.0 = no overhead beyond prefill).
 
@@ -101,10 +101,11 @@ def prefill_line(pp, tps, gflops, lim, weights):
     return f"prefill pp{pp}: {tps:9.1f} tok/s  {gflops:9.1f} GFLOP/s = {fp32}; {bf16}"
 
 
-def forward_bench(build, model, pp, tg, reps):
+def forward_bench(build, model, pp, tg, reps, gpu_weights):
     exe = pathlib.Path(build) / "tests" / "bench_forward"
     out = subprocess.run([str(exe), "-m", model, "-b", "cuda", "-p", str(pp), "-n", str(tg),
-                          "-r", str(reps), "-B", "2", "-B", "4", "-B", "8"],
+                          "-r", str(reps), "-B", "2", "-B", "4", "-B", "8",
+                          "--gpu-weights", gpu_weights],
                          capture_output=True, text=True, check=True).stdout
     row, batched = {}, {}
     for line in out.splitlines():
@@ -117,13 +118,13 @@ def forward_bench(build, model, pp, tg, reps):
     return row, batched, out
 
 
-def rerank_bench(build, model, k, repeat):
+def rerank_bench(build, model, k, repeat, gpu_weights):
     import requests
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "tests" / "quality"))
     from bench_rerank import make_docs
     from quality import start_daemon
-    proc, url = start_daemon(model, build, ["--backend=cuda"])
+    proc, url = start_daemon(model, build, ["--backend=cuda", f"--gpu_weights={gpu_weights}"])
     try:
         body = {"query": "Which document mentions the copper lantern by the harbor?",
                 "documents": make_docs(k, 75, seed=k)}
@@ -154,9 +155,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--gpu-weights", choices=["f32", "bf16"], default="f32",
-                    help="the BATCH products' operands in this build and configuration: which "
-                         "peak bounds the prefill row")
+    ap.add_argument("--gpu-weights", choices=["f32", "bf16"], default="bf16",
+                    help="the BATCH products' operands (bench_forward --gpu-weights, fitmd's "
+                         "gpu_weights): which peak bounds the prefill row")
     a = ap.parse_args()
     lim = device_limits()
     if lim is None:
@@ -168,7 +169,7 @@ def main():
           f"{lim['bandwidth'] / 1e9:.0f} GB/s, {lim['fp32'] / 1e12:.1f} TFLOP/s FP32, {bf16} "
           f"(from the device's clocks and widths)")
     weight_bytes = os.path.getsize(a.model)
-    row, batched, raw = forward_bench(a.build, a.model, a.pp, a.tg, a.reps)
+    row, batched, raw = forward_bench(a.build, a.model, a.pp, a.tg, a.reps, a.gpu_weights)
     print(raw.splitlines()[0])
     pp_tps, _, pp_gflops = row["pp"]
     tg_tps = row["tg"][0]
@@ -179,7 +180,7 @@ def main():
     for n, tps in sorted(batched.items()):  # one read of the weights serves n tokens
         print(f"decode  tg{a.tg} x {n} seqs: {tps:9.1f} tok/s = {tps / tg_tps:.2f}x one sequence "
               f"(weights read once per step: at most {n}x)")
-    for name, (t, u) in rerank_bench(a.build, a.model, a.k, a.repeat).items():
+    for name, (t, u) in rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights).items():
         at_pp = u["forward_tokens"] / pp_tps
         print(f"/rerank K={a.k} {name:<20} {t * 1e3:8.1f} ms  {u['forward_tokens']:6d} forward "
               f"tokens  prefill-rate time / latency = {at_pp / t:.2f}")

@@ -253,6 +253,7 @@ int main(int argc, char **argv)
     const char *path = NULL, *backend = "cpu";
     int threads = 2, reps = 3;
     bool kv_half = false;
+    const char *gpu_weights = "bf16"; /* the CUDA backend's BATCH operands (config gpu_weights) */
     long n_pp = 512, n_tg = 128, ctx0 = 0;
     double ref_pp = 0.0, ref_tg = 0.0;
     int batches[8], n_batches = 0;
@@ -270,6 +271,9 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--kv") && i + 1 < argc &&
                  (!strcmp(argv[i + 1], "f16") || !strcmp(argv[i + 1], "f32")))
             kv_half = !strcmp(argv[++i], "f16");
+        else if (!strcmp(argv[i], "--gpu-weights") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "bf16") || !strcmp(argv[i + 1], "f32")))
+            gpu_weights = argv[++i];
         else if (!strcmp(argv[i], "-c") && i + 1 < argc)
             ctx0 = atol(argv[++i]);
         else if (!strcmp(argv[i], "-r") && i + 1 < argc)
@@ -284,6 +288,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "usage: bench_forward -m MODEL [-b cpu|cuda] [-t THREADS] [-p 512] "
                             "[-n 128] [-r 3] [-B B (up to 8 times)] [-c CTX (each -B sequence's "
                             "context before it decodes, default 0)] [--kv f32|f16] "
+                            "[--gpu-weights bf16|f32 (cuda: the prefill products' operands)] "
                             "[--ref-pp TOK_S] "
                             "[--ref-tg TOK_S]\n");
             return 2;
@@ -318,11 +323,16 @@ int main(int argc, char **argv)
     if (!s && !strcmp(backend, "cpu"))
         s = fitm_backend_cpu_create(&b, threads, &err);
 #if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
-    else if (!s && !strcmp(backend, "cuda"))
+    else if (!s && !strcmp(backend, "cuda")) {
         s = fitm_backend_cuda_create(&b, 0, &err);
+        if (!s) /* before the forward's prepare, which makes the bfloat16 copies */
+            fitm_backend_cuda_set_weights(b, !strcmp(gpu_weights, "f32") ? FITM_CUDA_WEIGHTS_F32
+                                                                         : FITM_CUDA_WEIGHTS_BF16);
+    }
 #endif
     else if (!s)
         s = fitm_err_set(&err, FITM_ERR_INVALID, "backend '%s' is not in this build", backend);
+    (void)gpu_weights; /* a build without the CUDA backend takes the flag and has no use for it */
     if (!s)
         s = fitm_backend_set_kv_half(b, kv_half, &err);
     if (!s)
