@@ -125,10 +125,10 @@ fitm_status fitm_answer_render(const fitm_session *r, const fitm_answer_request 
  * scheduler (batch.h, fitm_batch_step) carries like a rerank sequence's (attention_sort's
  * reorder alone runs whole, on the session's prompt cache); once it ended, the answer builds
  * its prompt and gets a KV cache of its own, seeded with the prompt rows the session's prompt
- * cache holds (where the ranking's last run left its rows, as a whole run would). Each call advances a begun
- * answer by one part -- a chunk of a ranking pass, a prompt chunk or a decode step
- * (fitm_answer_seq_part, then fitm_answer_seq_after); fitm_answer_end completes the result
- * and frees the sequence.
+ * cache holds (where the ranking's last run left its rows, as a whole run would). Each call
+ * advances a begun answer by one part -- a chunk of a ranking pass, a prompt chunk or a decode
+ * step (fitm_answer_seq_part, then fitm_answer_seq_after); fitm_answer_end completes the
+ * result and frees the sequence.
  * Tokens, text and logits are the same as fitm_answer_run's, whatever ran beside them
  * (fitm_forward_run_batch's batching rule). All on the session's thread. */
 typedef struct fitm_answer_seq fitm_answer_seq;

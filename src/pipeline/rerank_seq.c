@@ -24,7 +24,7 @@ struct fitm_rerank_seq {
     fitm_forward_opts part_opts;
     fitm_status run_st; /* the method's status, once it ended */
     fitm_err run_err;
-    int32_t *kv_ids;    /* (kv's rows) the ids of kv's rows an answer may continue: [0, kv_n) */
+    int32_t *kv_ids; /* (kv's rows) the ids of kv's rows an answer may continue: [0, kv_n) */
     int64_t kv_n;
 };
 
