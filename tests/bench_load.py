@@ -39,11 +39,12 @@ run) is printed.
 
   tests/bench_load.py --model MODEL.gguf --soak 600 [--clients 8]
 
-Mixed mode (--mixed): one stream decodes while --clients clients each send one /rerank; prints
-the stream's gaps while the reranks ran against its gaps before (how long a rerank stalls a
-running stream).
+Mixed mode (--mixed): one stream decodes while --clients clients each send one /rerank (or,
+with --mixed-route answer, one default /answer of --mixed-answer-tokens tokens: its ranking by
+the server's defaults, then its own prompt and decode); prints the stream's gaps while those
+ran against its gaps before (how long a rerank or an answer stalls a running stream).
 
-  tests/bench_load.py --model MODEL.gguf --mixed --clients 1
+  tests/bench_load.py --model MODEL.gguf --mixed --clients 1 [--mixed-route answer]
 
 Prints figures only; it asserts nothing about speed. Exit status 1 when the soak finds a lost
 or duplicated answer."""
@@ -181,6 +182,18 @@ def rerank_fitmd(url, headers, docs):
                       headers=headers, timeout=3600)
     if r.status_code != 200:
         raise RuntimeError(f"/rerank -> {r.status_code}: {r.text[:300]}")
+    return time.perf_counter() - t0
+
+
+def answer_fitmd(url, headers, docs, gen_tokens):
+    """The latency of one /answer with the server's defaults (its ranking, its prompt and
+    gen_tokens tokens)."""
+    t0 = time.perf_counter()
+    r = requests.post(url + "/answer", json={"query": QUESTION, "documents": docs,
+                                             "max_tokens": gen_tokens},
+                      headers=headers, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"/answer -> {r.status_code}: {r.text[:300]}")
     return time.perf_counter() - t0
 
 
@@ -390,8 +403,9 @@ def benchmark(a, headers):
 
 def mixed(a):
     """One streamed /answer decoding; once it streams, --clients clients each send one /rerank
-    of K = --k documents. Prints the reranks' latency and the stream's gaps while they ran,
-    against its gaps before: how much a rerank stalls a running stream."""
+    (or one default /answer: --mixed-route) of K = --k documents. Prints their latency and the
+    stream's gaps while they ran, against its gaps before: how much each stalls a running
+    stream."""
     proc, url = start_daemon(a.model, a.build, [f"--max-running={a.clients + 1}",
                                                 f"--threads={a.threads}"])
     rnd = random.Random(a.seed)
@@ -414,17 +428,25 @@ def mixed(a):
         time.sleep(2)
         work = [make_docs(a.k, a.rerank_words, rnd) for _ in range(a.clients)]
         t0 = time.perf_counter()
+        if a.mixed_route == "answer":
+            def one(d):
+                return answer_fitmd(url, {}, d, a.mixed_answer_tokens)
+            what = f"/answer ({a.mixed_answer_tokens} tokens, the server's defaults)"
+        else:
+            def one(d):
+                return rerank_fitmd(url, {}, d)
+            what = "/rerank (the server's default method)"
         with cf.ThreadPoolExecutor(a.clients) as ex:
-            lat = list(ex.map(lambda d: rerank_fitmd(url, {}, d), work))
+            lat = list(ex.map(one, work))
         t1 = time.perf_counter()
         if ended.is_set():
-            print("the stream ended before the reranks did: raise its length")
+            print("the stream ended before the requests did: raise its length")
         while not ended.is_set() and times[-1] < t1:  # the gap the reranks' end falls in
             time.sleep(0.01)
         # every gap that overlaps the reranks: a stall that ends only when they do counts too
         during = [b - x for x, b in zip(times, times[1:]) if b > t0 and x < t1]
         before = [b - x for x, b in zip(times, times[1:]) if b < t0]
-        print(f"{a.clients} /rerank (K = {a.k}, the server's default method) beside one stream: "
+        print(f"{a.clients} {what}, K = {a.k}, beside one stream: "
               f"latency p50 {pct(lat, 50):.2f} s, all done after {t1 - t0:.2f} s; the stream's "
               f"{len(during)} gaps meanwhile: p50 {pct(during, 50):.3f} s, "
               f"p99 {pct(during, 99):.3f} s, max {max(during, default=float('nan')):.3f} s "
@@ -591,6 +613,10 @@ def main():
     ap.add_argument("--soak-words", type=int, default=60, help="most words per soak document")
     ap.add_argument("--mixed", action="store_true",
                     help="one stream while --clients reranks run (stalls), instead")
+    ap.add_argument("--mixed-route", choices=["rerank", "answer"], default="rerank",
+                    help="--mixed: what the clients send beside the stream")
+    ap.add_argument("--mixed-answer-tokens", type=int, default=8,
+                    help="--mixed-route answer: the tokens each /answer generates")
     a = ap.parse_args()
     if a.repeat < 1:
         ap.error("--repeat must be at least 1")

@@ -89,6 +89,12 @@ MUTANTS = [
            "/answer's intervention starts one row after the last document",
            ".from_pos = pl->spans[pl->K - 1].end}", ".from_pos = pl->spans[pl->K - 1].end + 1}",
            pytest=["tests/test_http_answer.py"]),
+    Mutant("answer-ranked-rows-dropped",
+           "an /answer ranked in the batch leaves its ranking's rows out of the prompt cache, so "
+           "its prompt recomputes them (forward tokens not a whole run's)",
+           "(st = fitm_rerank_seq_keep_rows(q->rank, err)) == FITM_OK)",
+           "true)",
+           pytest=["tests/test_http_answer.py", "-k", "intervention_matches_oracle"]),
     Mutant("sample-temperature-squared",
            "the sampler divides the logits by the temperature squared",
            "p[i] = exp(((double)c[i].logit - c[0].logit) / t);",

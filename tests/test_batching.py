@@ -437,12 +437,91 @@ def test_concurrent_reranks_match_one_at_a_time(daemon):
     assert steps > 0 and seqs > steps
 
 
+def answer_bodies():
+    """/answer requests over the ways its ranking runs: no ranking, the calibration alone, a
+    reorder by each kind of machine (calibrated, whose scores may be the weights; fused's two
+    machines; query_likelihood's logit passes) with the calibration of the documents kept or
+    without it, top_n 0, 1 and 3, the best placed first or last, streamed or not."""
+    opts = []
+    for i, (reorder, calibrate, top_n, placement) in enumerate([
+            ("none", True, 0, "first"), ("none", False, 3, "first"), ("none", True, 1, "last"),
+            ("calibrated", True, 0, "last"), ("calibrated", True, 3, "first"),
+            ("calibrated", False, 1, "last"), ("fused", True, 3, "last"),
+            ("fused", False, 0, "first"), ("fused", True, 1, "first"),
+            ("query_likelihood", True, 3, "first"), ("query_likelihood", False, 1, "last"),
+            ("query_likelihood", True, 0, "last")]):
+        opts.append({"reorder": reorder, "calibrate": calibrate, "top_n": top_n,
+                     "reorder_placement": placement, "stream": i % 3 == 1})
+    opts.append({"reorder": "calibrated", "calibration": {"window": 1}})  # scores are weights
+    return [{"query": f"where is the golf hotel {i}",
+             "documents": docs(3 + i % 3, 6 + i % 4, shift=i) + [{"text": "golf hotel",
+                                                                  "title": "G"}],
+             "max_tokens": 12, "return_tokens": True, **o} for i, o in enumerate(opts)]
+
+
+def answer_full(d, body):
+    """An /answer's every field that its ranking decides: the text, the documents' positions,
+    weights and calibrated attention, the tokens and the forward tokens."""
+    r = requests.post(d.url("/answer"), json=body, headers=AUTH, timeout=600,
+                      stream=bool(body.get("stream")))
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        ev = [ln[6:].decode() for ln in r.iter_lines() if ln.startswith(b"data: ")]
+        assert ev[-1] == "[DONE]"
+        j = json.loads(ev[-2])
+        j["answer"] = "".join(json.loads(e)["delta"] for e in ev[:-2])
+    else:
+        j = r.json()
+    return (j["answer"], j["finish_reason"], j["usage"]["forward_tokens"],
+            [(x["position"], x["weight"], x.get("calibrated_attention"))
+             for x in j["documents"]], j.get("tokens"))
+
+
+def test_concurrent_answers_match_one_at_a_time(daemon):
+    """/answers rank in the running batch (their reorder's and calibration's passes are
+    sequences' parts): all at once, beside a stream, each equals its answer run alone -- the
+    text, every document's position, weight and calibrated attention, the prompt and the
+    forward tokens (the rows its ranking left in the prompt cache are the ones it continues)."""
+    bodies = answer_bodies()
+    ref = [answer_full(daemon, b) for b in bodies]
+    assert len({tuple(p for p, _, _ in r[3]) for r in ref}) > 3  # the orders differ
+    stream = {"query": "where is golf", "documents": docs(3, 9), "max_tokens": 60,
+              "calibrate": False, "reorder": "none", "stream": True}
+    ref_stream = run_one(daemon, "/answer", stream)
+    before = metrics(daemon)
+    got, errors = [None] * (len(bodies) + 1), []
+
+    def client(k):
+        try:
+            got[k] = (answer_full(daemon, bodies[k]) if k < len(bodies)
+                      else run_one(daemon, "/answer", stream))
+        except Exception as e:  # reported below with the request that failed
+            errors.append((k, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies) + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    for k, b in enumerate(bodies):
+        if b["reorder"] == "none" and not b.get("calibrate", True):
+            # no ranking: its prompt continues the rows the ranking that ended last left in the
+            # prompt cache, which differs with the order the others end in
+            got[k], ref[k] = got[k][:2] + got[k][3:], ref[k][:2] + ref[k][3:]
+        assert got[k] == ref[k], b
+    assert got[-1] == ref_stream
+    m = metrics(daemon)
+    steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+    seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
+    assert steps > 0 and seqs > steps
+
+
 def test_batched_reranks_rank_as_the_whole_run(fitmd_bin, tmp_path_factory):  # noqa: F811
-    """The per-document methods and fused as sequences of the batch rank the
-    documents exactly as their whole run does: an /answer's reorder runs the method whole
-    (fitm_rerank_run, between two steps), a /rerank as a sequence, here all at once beside a
-    stream; both on the batch path (rerank_path = batch, the answers' path), so the documents'
-    positions after the reorder are the /rerank's order."""
+    """The per-document methods and fused as sequences of the batch rank the documents
+    exactly as their whole run does: an /answer's reorder and a /rerank, each a sequence of
+    the batch, here all at once beside a stream, on the batch path (rerank_path = batch, the
+    answers' path), so the documents' positions after the reorder are the /rerank's order."""
     dm = start(fitmd_bin, tmp_path_factory, rerank_path="batch")
     try:
         work, kinds = [], []
@@ -512,6 +591,45 @@ def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  #
             before["fitm_batch_step_sequences_total"]
         assert running[-1] > done, "the stream ended before the rerank: no overlap to see"
         assert forward >= 200 and seqs - steps >= forward // 2, (steps, seqs, forward)
+        assert any(sent < t < done for t in running)
+    finally:
+        assert dm.terminate() == 0, dm.log_text()
+
+
+def test_stream_decodes_while_answer_ranks(fitmd_bin, tmp_path_factory):  # noqa: F811
+    """An /answer whose ranking is the default model's default (reorder fused, the three best
+    kept, calibrated) that arrives while a stream decodes ranks in the engine's steps beside
+    it: at 2 prompt rows a step, every row the answer computes but its decode rows -- its
+    ranking's and its prompt's, forward_tokens - completion + 1 of them -- takes a step that
+    also carried the stream's decode row (one extra sequence each), and its decode steps too;
+    ranked whole between two steps, the ranking's rows (most of them) would carry none."""
+    dm = start(fitmd_bin, tmp_path_factory, batch_prefill_tokens=2, max_answer_tokens=1000)
+    try:
+        running, started = [], threading.Event()
+        t_run = threading.Thread(target=stream_times,
+                                 args=(dm, "the golf hotel is", 990, running, started))
+        t_run.start()
+        assert started.wait(120)
+        before = metrics(dm)
+        body = {"query": "where is the golf hotel", "documents": docs(5, 8), "reorder": "fused",
+                "top_n": 3, "calibrate": True, "max_tokens": 4, "ignore_eos": True,
+                "return_tokens": True}
+        sent = time.perf_counter()
+        r = requests.post(dm.url("/answer"), json=body, headers=AUTH, timeout=600)
+        done = time.perf_counter()
+        assert r.status_code == 200, r.text
+        after = metrics(dm)
+        j = r.json()
+        t_run.join()
+        forward, n = j["usage"]["forward_tokens"], len(j["tokens"]["completion"])
+        prompt = len(j["tokens"]["prompt"])
+        steps = after["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
+        seqs = after["fitm_batch_step_sequences_total"] - \
+            before["fitm_batch_step_sequences_total"]
+        assert running[-1] > done, "the stream ended before the answer: no overlap to see"
+        # the ranking is most of the answer's rows, far more than its own prompt
+        assert forward - prompt - n >= 2 * prompt and forward >= 300, (forward, prompt)
+        assert seqs - steps >= (forward - n + 1) // 2 + n - 1, (steps, seqs, forward)
         assert any(sent < t < done for t in running)
     finally:
         assert dm.terminate() == 0, dm.log_text()

@@ -1,8 +1,10 @@
 /* answer: POST /answer's pipeline (see answer.h): the request and result, the sampler, and an
- * answer's life as a sequence -- begin (step 1, the order: answer_order.c; step 2, the prompt
- * and the intervention: answer_prompt.c; its own cache seeded from the prompt cache), one
- * part per engine step (a prompt chunk or a decode step), decoding after each call that gave
- * its logits (step 3: sample, text, stop strings: answer_stream.c), end -- and its cost. */
+ * answer's life as a sequence -- begin; step 1, the ranking (answer_order.c's phases, each a
+ * rerank sequence whose passes the engine's steps carry, or attention_sort's whole run); step
+ * 2, the prompt and the intervention (answer_prompt.c) and its own cache, seeded with the
+ * prompt rows the session's prompt cache holds (the ranking's last); then one part per
+ * engine step (a prompt chunk or a decode step), decoding after each call that gave its
+ * logits (step 3: sample, text, stop strings: answer_stream.c); end -- and its cost. */
 #include "pipeline/answer_internal.h"
 
 #include <math.h>
@@ -83,6 +85,9 @@ struct fitm_answer_seq {
     fitm_answer_on_delta on_delta;
     void *delta_arg;
     answer_state s;
+    fitm_answer_ranking rk;      /* step 1's phase                                  */
+    fitm_rerank_seq *rank;       /* the phase's ranking, while it runs in the batch  */
+    fitm_rerank_result rank_res; /* its result                                       */
     fitm_kv *kv;         /* [0, T + max_gen - 1) rows: the prompt, then the generated */
     int64_t pos;         /* the next position to compute                              */
     int64_t n_done;      /* tokens generated                                          */
@@ -117,13 +122,14 @@ static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answe
 
 size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *q)
 {
-    return q->kv ? fitm_kv_bytes(q->kv) : 0;
+    return (q->kv ? fitm_kv_bytes(q->kv) : 0) + (q->rank ? fitm_rerank_seq_kv_bytes(q->rank) : 0);
 }
 
 /* The answer's own cache, seeded with the rows of its prompt the session's prompt cache
- * already holds (rows before the intervention are the same with or without it); the
- * remaining rows run in the engine's steps, with the intervention. Also the text buffer,
- * with room for typical pieces up front so the token loop rarely grows it. */
+ * already holds (its ranking left its rows there; rows before the intervention are the same
+ * with or without it); the remaining rows run in the engine's steps, with the intervention.
+ * Also the text buffer, with room for typical pieces up front so the token loop rarely grows
+ * it. */
 static fitm_status prefill_setup(fitm_answer_seq *q, fitm_err *err)
 {
     fitm_session *r = q->r;
@@ -158,6 +164,71 @@ static fitm_status use_position(fitm_answer_seq *q, fitm_err *err)
     return st;
 }
 
+/* Step 2 once the ranking is done: the prompt, and the cache seeded for its prefill. */
+static fitm_status prompt_ready(fitm_answer_seq *q, bool plain, fitm_err *err)
+{
+    q->res->rank_ms = now_ms() - q->t0;
+    q->t_prefill = now_ms();
+    fitm_status st = fitm_answer_prompt(q->r, q->req, plain, &q->s.pl, q->res, err);
+    if (st == FITM_OK)
+        st = prefill_setup(q, err);
+    return st;
+}
+
+/* Takes the ranking of the phase that ended (rank_res; its status st) and frees it. */
+static fitm_status took(fitm_answer_seq *q, fitm_status st)
+{
+    if (st == FITM_OK)
+        fitm_answer_rank_took(q->r, q->req, &q->s.pl, &q->rk, &q->rank_res, q->res);
+    else
+        q->res->forward_tokens += q->rank_res.usage.forward_tokens;
+    fitm_rerank_result_free(&q->rank_res);
+    return st;
+}
+
+/* Runs the ranking on from its current phase: each phase that batches joins the engine's
+ * steps as q->rank (returns with it posted); attention_sort's runs whole here; once no phase
+ * is left, step 2. */
+static fitm_status rank_on(fitm_answer_seq *q, fitm_err *err)
+{
+    fitm_status st = FITM_OK;
+    while (st == FITM_OK && q->rk.phase != FITM_ANSWER_RANK_DONE) {
+        if (!fitm_rerank_batches(&q->rk.q)) {
+            st = took(q, fitm_rerank_run(q->r, &q->rk.q, q->stop, q->stop_arg, &q->rank_res,
+                                         err));
+            continue;
+        }
+        st = fitm_rerank_begin(q->r, &q->rk.q, q->stop, q->stop_arg, &q->rank_res, &q->rank,
+                               err);
+        if (st == FITM_OK && q->rank)
+            return FITM_OK;
+        st = took(q, st); /* it ended before a pass */
+    }
+    if (st == FITM_OK)
+        st = prompt_ready(q, false, err);
+    return st;
+}
+
+/* After the call that carried a part of the phase's ranking: once that ranking ended, its
+ * result taken, then the next phase, or step 2 with the rows the ranking left. */
+static fitm_status rank_after(fitm_answer_seq *q, int64_t T, fitm_status st, fitm_err *err)
+{
+    bool ended = false;
+    fitm_rerank_seq_after(q->rank, T, st, err, &ended);
+    if (!ended)
+        return FITM_OK;
+    st = took(q, fitm_rerank_seq_status(q->rank, err));
+    if (st == FITM_OK && q->rk.phase == FITM_ANSWER_RANK_DONE &&
+        (st = fitm_rerank_seq_keep_rows(q->rank, err)) == FITM_OK)
+        st = prompt_ready(q, false, err);
+    fitm_err e;
+    fitm_rerank_end(q->rank, &e);
+    q->rank = NULL;
+    if (st == FITM_OK && q->rk.phase != FITM_ANSWER_RANK_DONE)
+        st = rank_on(q, err);
+    return st;
+}
+
 fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_answer_on_delta on_delta, void *delta_arg,
@@ -171,6 +242,7 @@ fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
     *q = (fitm_answer_seq){.r = r, .resolved = with_defaults(r, req), .res = res, .stop = stop,
                            .stop_arg = stop_arg, .on_delta = on_delta, .delta_arg = delta_arg,
                            .t0 = now_ms()};
+    q->t_prefill = q->t0;
     req = q->req = &q->resolved;
     res->calibrate = req->calibrate;
     res->reorder = req->reorder;
@@ -186,20 +258,20 @@ fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
     q->s.sm = (sampler){.req = req, .k = req->temperature > 0 ? k : 1, .rng = req->seed};
     if (st == FITM_OK)
         st = fitm_answer_plan_init(r, req, &q->s.pl, res, err);
-    if (st == FITM_OK && !plain)
-        st = fitm_answer_order(r, req, &q->s.pl, stop, stop_arg, res, err);
-    res->rank_ms = now_ms() - q->t0;
-    q->t_prefill = now_ms();
-    if (st == FITM_OK)
-        st = fitm_answer_prompt(r, req, plain, &q->s.pl, res, err);
-    if (st == FITM_OK)
-        st = prefill_setup(q, err);
-    return st;
+    if (st != FITM_OK || plain)
+        return st == FITM_OK ? prompt_ready(q, plain, err) : st;
+    fitm_answer_rank_start(req, &q->s.pl, &q->rk, res);
+    return rank_on(q, err);
 }
 
-void fitm_answer_seq_part(fitm_answer_seq *q, int64_t budget, fitm_forward_seq *part)
+void fitm_answer_seq_part(fitm_answer_seq *q, int64_t budget, int64_t logit_room,
+                          fitm_forward_seq *part)
 {
     answer_state *s = &q->s;
+    if (q->rank) {
+        fitm_rerank_seq_part(q->rank, budget, logit_room, part);
+        return;
+    }
     int64_t T = 1;
     if (!q->decoding)
         T = s->pl.T - q->pos < budget ? s->pl.T - q->pos : budget;
@@ -264,6 +336,11 @@ fitm_status fitm_answer_seq_after(fitm_answer_seq *q, int64_t T, fitm_status st,
                                   fitm_err *err)
 {
     *done = false;
+    if (q->rank) {
+        st = rank_after(q, T, st, err);
+        *done = st != FITM_OK;
+        return st;
+    }
     if (st != FITM_OK) {
         *done = true;
         return st;
@@ -313,6 +390,11 @@ fitm_status fitm_answer_end(fitm_answer_seq *q, fitm_status st, fitm_err *err)
         s->text.v = NULL;
     }
     res->total_ms = now_ms() - q->t0;
+    if (q->rank) { /* ended (stopped, failed) while it ranked */
+        fitm_err e;
+        fitm_rerank_end(q->rank, &e);
+    }
+    fitm_rerank_result_free(&q->rank_res);
     fitm_answer_plan_free(&s->pl);
     free(s->text.v);
     fitm_kv_destroy(q->kv);
@@ -321,7 +403,7 @@ fitm_status fitm_answer_end(fitm_answer_seq *q, fitm_status st, fitm_err *err)
 }
 
 /* The ranking's forward tokens: the reorder's, and the calibration's unless it takes the
- * reorder's scores (fitm_answer_order). */
+ * reorder's scores (fitm_answer_rank_took). */
 static fitm_status ranking_cost(const fitm_session *r, const fitm_answer_request *req,
                                 int64_t *sum, fitm_err *err)
 {

@@ -120,12 +120,15 @@ fitm_status fitm_answer_render(const fitm_session *r, const fitm_answer_request 
 
 /* ---- batched generation ------------------------------------------------------------------
  * An answer as a sequence that advances one batched forward call at a time together with
- * other answers (continuous batching, server/engine.c): fitm_answer_begin runs what does not
- * batch (ranking for the order and the calibrated weights, on the session's prompt cache)
- * and gives the answer a KV cache of its own, seeded with the prompt rows the prompt cache
- * already holds; the scheduler (batch.h, fitm_batch_step) then advances any set of begun
- * answers by one call -- a prompt chunk or a decode step each (fitm_answer_seq_part, then
- * fitm_answer_seq_after); fitm_answer_end completes the result and frees the sequence.
+ * other answers and reranks (continuous batching, server/engine.c): fitm_answer_begin starts
+ * its ranking (the reorder, then the calibration of the documents kept), whose passes the
+ * scheduler (batch.h, fitm_batch_step) carries like a rerank sequence's (attention_sort's
+ * reorder alone runs whole, on the session's prompt cache); once it ended, the answer builds
+ * its prompt and gets a KV cache of its own, seeded with the prompt rows the session's prompt
+ * cache holds (where the ranking's last run left its rows, as a whole run would). Each call
+ * advances a begun answer by one part -- a chunk of a ranking pass, a prompt chunk or a decode
+ * step (fitm_answer_seq_part, then fitm_answer_seq_after); fitm_answer_end completes the
+ * result and frees the sequence.
  * Tokens, text and logits are the same as fitm_answer_run's, whatever ran beside them
  * (fitm_forward_run_batch's batching rule). All on the session's thread. */
 typedef struct fitm_answer_seq fitm_answer_seq;
@@ -138,12 +141,16 @@ fitm_status fitm_answer_begin(fitm_session *r, const fitm_answer_request *req,
                               fitm_answer_on_delta on_delta, void *delta_arg,
                               fitm_answer_result *res, fitm_answer_seq **out, fitm_err *err);
 
-/* This step's part of seq: the next prompt chunk (at most budget tokens, on the path the
- * server's answer_prompt_path names) or the next decode step. */
-void fitm_answer_seq_part(fitm_answer_seq *seq, int64_t budget, fitm_forward_seq *part);
+/* This step's part of seq: while it ranks, the ranking pass's next rows (as
+ * fitm_rerank_seq_part, at most budget rows of which at most logit_room are logit rows);
+ * then the next prompt chunk (at most budget tokens, on the path the server's
+ * answer_prompt_path names) or the next decode step. */
+void fitm_answer_seq_part(fitm_answer_seq *seq, int64_t budget, int64_t logit_room,
+                          fitm_forward_seq *part);
 
-/* After the call that carried seq's part of T rows ended with st: the prompt advances, or
- * (a call that gave its logits) the next token is sampled and its text handed out. *done
+/* After the call that carried seq's part of T rows ended with st: the ranking advances (to
+ * its next phase, or to the prompt once it ended), the prompt advances, or (a call that gave
+ * its logits) the next token is sampled and its text handed out. *done
  * when the answer is complete or failed; returns its status then (err its message). */
 fitm_status fitm_answer_seq_after(fitm_answer_seq *seq, int64_t T, fitm_status st, bool *done,
                                   fitm_err *err);
@@ -161,7 +168,8 @@ bool fitm_answer_seq_first_after(const fitm_answer_seq *seq, int64_t ns);
  * answer's status. NULL seq returns st. */
 fitm_status fitm_answer_end(fitm_answer_seq *seq, fitm_status st, fitm_err *err);
 
-/* The bytes of seq's own KV cache (0 before it has one). */
+/* The bytes of seq's own KV caches: its ranking's while it ranks, then its own (0 before it
+ * has one). */
 size_t fitm_answer_seq_kv_bytes(const fitm_answer_seq *seq);
 
 

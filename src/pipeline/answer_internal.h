@@ -59,11 +59,33 @@ void fitm_answer_plan_free(fitm_answer_plan *pl);
 fitm_rerank_request fitm_answer_rank_request(const fitm_answer_request *req, fitm_rerank_method m,
                                              const fitm_rerank_doc *docs);
 
-/* Step 1, order: the documents reordered by req->reorder, then the intervention's weights
- * from the calibrated scores of the reordered documents (answer_order.c). */
-fitm_status fitm_answer_order(fitm_session *s, const fitm_answer_request *req, fitm_answer_plan *pl,
-                              bool (*stop)(const void *), const void *stop_arg,
-                              fitm_answer_result *res, fitm_err *err);
+/* Step 1, order, as phases: the reorder by req->reorder (when set), then the calibration of
+ * the documents kept (when wanted and the reorder's scores are not already its weights). */
+typedef enum {
+    FITM_ANSWER_RANK_REORDER,
+    FITM_ANSWER_RANK_CALIBRATE,
+    FITM_ANSWER_RANK_DONE
+} fitm_answer_rank_phase;
+
+/* An answer's ranking between two phases: the phase that runs next and its ranking request
+ * (a shallow copy borrowing the answer request's documents, or the plan's once reordered). */
+typedef struct {
+    fitm_answer_rank_phase phase;
+    fitm_rerank_request q; /* the phase's ranking, while phase is not DONE */
+    bool scored;           /* the reorder's calibrated scores are the weights */
+} fitm_answer_ranking;
+
+/* Starts req's ranking on pl (from fitm_answer_plan_init): the first phase with a ranking to
+ * run, or, with neither a reorder nor a calibration, the plan's order as sent and DONE. */
+void fitm_answer_rank_start(const fitm_answer_request *req, fitm_answer_plan *pl,
+                            fitm_answer_ranking *rk, fitm_answer_result *res);
+
+/* Takes rr, the successful run of rk->q (wherever it ran), into pl and res, and moves rk to
+ * its next phase: after the reorder, the order, top_n's documents kept, and the calibration
+ * of those (or DONE); after the calibration, the weights, and DONE. */
+void fitm_answer_rank_took(const fitm_session *s, const fitm_answer_request *req,
+                           fitm_answer_plan *pl, fitm_answer_ranking *rk,
+                           const fitm_rerank_result *rr, fitm_answer_result *res);
 
 /* Plain generation's prompt (no documents): the rendered messages tokenized into
  * res->tokens, *T its length (answer_prompt.c). */

@@ -1,6 +1,8 @@
 /* answer_order: step 1 of an /answer with documents: their order (an optional reorder by a
- * rerank method) and the intervention's weights alpha (the calibrated method's weights of the
- * documents in that order), both from rerank runs on the session: an answer's scoring. */
+ * rerank method, then top_n's documents kept) and the intervention's weights alpha (the
+ * calibrated method's weights of the documents in that order), from rankings run by the
+ * caller (answer.c: in the engine's batch steps, or attention_sort's whole run) and taken
+ * here phase by phase: an answer's scoring. */
 #include "pipeline/answer_internal.h"
 
 #include <stdlib.h>
@@ -58,17 +60,6 @@ fitm_rerank_request fitm_answer_rank_request(const fitm_answer_request *req, fit
     return q;
 }
 
-/* Ranks with method on docs in order (NULL: request order) and returns the shallow request
- * copy's result in *out. */
-static fitm_status rank(fitm_session *s, const fitm_answer_request *req, fitm_rerank_method m,
-                        const fitm_rerank_doc *docs, int32_t n_docs, bool (*stop)(const void *),
-                        const void *stop_arg, fitm_rerank_result *out, fitm_err *err)
-{
-    fitm_rerank_request q = fitm_answer_rank_request(req, m, docs);
-    q.n_docs = q.top_n = n_docs;
-    return fitm_rerank_run(s, &q, stop, stop_arg, out, err);
-}
-
 /* top_n: the plan keeps the n most relevant (the reorder's first n, the best still where
  * reorder_last puts it; without a reorder the first n as sent); the documents left out have
  * no place in the prompt and no weight. */
@@ -89,54 +80,81 @@ static void keep_top(const fitm_answer_request *req, fitm_answer_plan *pl,
     pl->K = n;
 }
 
-/* The documents reordered by req->reorder (most relevant first, or last with reorder_last,
- * where a model that favours what it read last finds it), the top_n of them kept, then the
- * intervention's weights from the calibrated scores of the documents kept, in that order. */
-fitm_status fitm_answer_order(fitm_session *s, const fitm_answer_request *req, fitm_answer_plan *pl,
-                              bool (*stop)(const void *), const void *stop_arg,
-                              fitm_answer_result *res, fitm_err *err)
+/* The plan's documents in its order, their positions in the answer and, when the weights are
+ * the reorder's scores (rk->scored), alpha by position; then the ranking's next phase: the
+ * calibration of the documents kept, unless the weights are already scored or not wanted. */
+static void arrange(const fitm_answer_request *req, fitm_answer_plan *pl,
+                    fitm_answer_ranking *rk, fitm_answer_result *res)
 {
-    fitm_rerank_result rr = {0};
-    fitm_status st = FITM_OK;
-    /* Scores of documents that each had a prompt of their own (windows of 1) do not depend on
-     * the order: the reorder's calibrated scores are the reordered prompt's. */
-    bool scored = false;
-    if (req->reorder >= 0) {
-        st = rank(s, req, (fitm_rerank_method)req->reorder, req->base.docs, pl->K, stop,
-                  stop_arg, &rr, err);
-        for (int32_t p = 0; st == FITM_OK && p < pl->K; p++)
-            pl->order[p] = rr.results[req->reorder_last ? pl->K - 1 - p : p].index;
-        res->forward_tokens += rr.usage.forward_tokens;
-        fitm_rerank_request q =
-            fitm_answer_rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
-        /* with documents left out the weights are the kept ones' own, scored below */
-        scored = st == FITM_OK && req->calibrate && req->reorder == FITM_RERANK_CALIBRATED &&
-                 !(req->top_n >= 1 && req->top_n < pl->K) && fitm_rerank_scores_alone(s, &q);
-        for (int32_t i = 0; scored && i < pl->K; i++) {
-            const fitm_rerank_doc_result *d = &rr.results[i];
-            res->docs[d->index].weight = d->weight;
-            res->docs[d->index].calibrated_attention = d->calibrated_attention;
-        }
-        fitm_rerank_result_free(&rr);
-    }
-    if (st == FITM_OK)
-        keep_top(req, pl, res);
-    for (int32_t p = 0; st == FITM_OK && p < pl->K; p++) {
+    keep_top(req, pl, res);
+    for (int32_t p = 0; p < pl->K; p++) {
         pl->docs[p] = req->base.docs[pl->order[p]];
         res->docs[pl->order[p]].position = p;
-        if (scored)
+        if (rk->scored)
             pl->alpha[p] = (float)res->docs[pl->order[p]].weight;
     }
-    if (st == FITM_OK && req->calibrate && !scored) {
-        st = rank(s, req, FITM_RERANK_CALIBRATED, pl->docs, pl->K, stop, stop_arg, &rr, err);
-        for (int32_t i = 0; st == FITM_OK && i < pl->K; i++) {
-            int32_t p = rr.results[i].index; /* the reordered request's index = position */
-            pl->alpha[p] = (float)rr.results[i].weight;
-            res->docs[pl->order[p]].weight = rr.results[i].weight;
-            res->docs[pl->order[p]].calibrated_attention = rr.results[i].calibrated_attention;
-        }
-        res->forward_tokens += rr.usage.forward_tokens;
-        fitm_rerank_result_free(&rr);
+    rk->phase = FITM_ANSWER_RANK_DONE;
+    if (req->calibrate && !rk->scored) {
+        rk->phase = FITM_ANSWER_RANK_CALIBRATE;
+        rk->q = fitm_answer_rank_request(req, FITM_RERANK_CALIBRATED, pl->docs);
+        rk->q.n_docs = rk->q.top_n = pl->K;
     }
-    return st;
+}
+
+void fitm_answer_rank_start(const fitm_answer_request *req, fitm_answer_plan *pl,
+                            fitm_answer_ranking *rk, fitm_answer_result *res)
+{
+    *rk = (fitm_answer_ranking){.phase = FITM_ANSWER_RANK_REORDER};
+    if (req->reorder < 0) {
+        arrange(req, pl, rk, res);
+        return;
+    }
+    rk->q = fitm_answer_rank_request(req, (fitm_rerank_method)req->reorder, req->base.docs);
+    rk->q.n_docs = rk->q.top_n = pl->K;
+}
+
+/* The reorder's ranking rr: the documents most relevant first (or last, reorder_last), and
+ * its weights when they are the calibration's own. */
+static void took_reorder(const fitm_session *s, const fitm_answer_request *req,
+                         fitm_answer_plan *pl, fitm_answer_ranking *rk,
+                         const fitm_rerank_result *rr, fitm_answer_result *res)
+{
+    for (int32_t p = 0; p < pl->K; p++)
+        pl->order[p] = rr->results[req->reorder_last ? pl->K - 1 - p : p].index;
+    /* Scores of documents that each had a prompt of their own (windows of 1) do not depend on
+     * the order: the reorder's calibrated scores are the reordered prompt's. With documents
+     * left out the weights are the kept ones' own, scored by the calibration. */
+    fitm_rerank_request cal = fitm_answer_rank_request(req, FITM_RERANK_CALIBRATED, req->base.docs);
+    rk->scored = req->calibrate && req->reorder == FITM_RERANK_CALIBRATED &&
+                 !(req->top_n >= 1 && req->top_n < pl->K) && fitm_rerank_scores_alone(s, &cal);
+    for (int32_t i = 0; rk->scored && i < pl->K; i++) {
+        const fitm_rerank_doc_result *d = &rr->results[i];
+        res->docs[d->index].weight = d->weight;
+        res->docs[d->index].calibrated_attention = d->calibrated_attention;
+    }
+    arrange(req, pl, rk, res);
+}
+
+/* The calibration's ranking rr of the kept documents in the plan's order: their weights. */
+static void took_calibration(fitm_answer_plan *pl, fitm_answer_ranking *rk,
+                             const fitm_rerank_result *rr, fitm_answer_result *res)
+{
+    for (int32_t i = 0; i < pl->K; i++) {
+        int32_t p = rr->results[i].index; /* the reordered request's index = position */
+        pl->alpha[p] = (float)rr->results[i].weight;
+        res->docs[pl->order[p]].weight = rr->results[i].weight;
+        res->docs[pl->order[p]].calibrated_attention = rr->results[i].calibrated_attention;
+    }
+    rk->phase = FITM_ANSWER_RANK_DONE;
+}
+
+void fitm_answer_rank_took(const fitm_session *s, const fitm_answer_request *req,
+                           fitm_answer_plan *pl, fitm_answer_ranking *rk,
+                           const fitm_rerank_result *rr, fitm_answer_result *res)
+{
+    res->forward_tokens += rr->usage.forward_tokens;
+    if (rk->phase == FITM_ANSWER_RANK_REORDER)
+        took_reorder(s, req, pl, rk, rr, res);
+    else if (rk->phase == FITM_ANSWER_RANK_CALIBRATE)
+        took_calibration(pl, rk, rr, res);
 }

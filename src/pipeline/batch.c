@@ -77,13 +77,12 @@ static void add_part(const fitm_batch_seq *m, int32_t i, bool decoding, step_par
     if (want < 1)
         return;
     fitm_forward_seq *part = &sp->parts[sp->n_parts];
-    if (m->rerank) {
+    if (m->rerank)
         fitm_rerank_seq_part(m->rerank, want, sp->logit_room, part);
-        if (part->T > sp->room || part->opts->n_logits > sp->logit_room)
-            return; /* its logit rows do not fit this call */
-    } else {
-        fitm_answer_seq_part(m->answer, want, part);
-    }
+    else
+        fitm_answer_seq_part(m->answer, want, sp->logit_room, part);
+    if (part->T > sp->room || part->opts->n_logits > sp->logit_room)
+        return; /* its logit rows do not fit this call */
     sp->room -= part->T;
     sp->logit_room -= part->opts->n_logits;
     sp->budget -= decoding ? 0 : part->T;

@@ -52,7 +52,7 @@ const fitm_capture *fitm_passes_capture_part(const fitm_session *r, const fitm_c
 }
 
 /* Runs pass p here, chunk by chunk, on the session's forward; keeps the session's record of
- * the prompt cache's ids up to date when p computes rows a later request may continue. */
+ * the prompt cache's ids up to date (fitm_pass_record). */
 static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
 {
     fitm_session *r = ps->s;
@@ -61,9 +61,6 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
         (st = fitm_kv_passes(p->kv, FITM_BUCKETS, p->pos0 + p->n - fitm_kv_pos_base(p->kv), err)) !=
             FITM_OK)
         return st;
-    /* Rows a later /answer may continue (fitm_session_cached): every layer's, computed as its
-     * prompt would be. A pass that stops early leaves the later layers without its rows. */
-    const bool reusable = p->n_layers == 0 && p->path == r->answer_path;
     for (int64_t off = 0; off < p->n; off += r->chunk) {
         if (ps->stop && ps->stop(ps->stop_arg))
             return fitm_err_set(err, FITM_ERR_TIMEOUT,
@@ -89,12 +86,25 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
         }
         if (st != FITM_OK)
             return st;
-        if (p->kv == r->kv && r->kv_n == p->pos0 + off && p->prefix == NULL && reusable) {
-            memcpy(r->kv_ids + p->pos0 + off, p->ids + off, (size_t)len * sizeof *p->ids);
-            r->kv_n = p->pos0 + off + len;
-        }
+        if (p->kv == r->kv)
+            fitm_pass_record(r, p, off, len, r->kv_ids, &r->kv_n);
     }
     return FITM_OK;
+}
+
+void fitm_pass_record(const fitm_session *s, const fitm_pass *p, int64_t from, int64_t n,
+                      int32_t *ids, int64_t *n_ids)
+{
+    const int64_t at = p->pos0 + from;
+    if (*n_ids > at)
+        *n_ids = at; /* rows from here on were just recomputed */
+    /* Rows a later /answer may continue: every layer's, computed as its prompt would be. A
+     * pass that stops early leaves the later layers without its rows. */
+    const bool reusable = p->n_layers == 0 && p->path == s->answer_path && p->prefix == NULL;
+    if (reusable && *n_ids == at) {
+        memcpy(ids + at, p->ids + from, (size_t)n * sizeof *p->ids);
+        *n_ids = at + n;
+    }
 }
 
 fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,

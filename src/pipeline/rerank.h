@@ -226,6 +226,16 @@ fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err);
 /* The bytes of q's own KV caches. */
 size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q);
 
+/* Once q's run ended (*done) and before fitm_rerank_end: its status (err its message when it
+ * failed); the result is complete and q's caches are still there. */
+fitm_status fitm_rerank_seq_status(const fitm_rerank_seq *q, fitm_err *err);
+
+/* After q's run ended (*done), for an /answer whose ranking q ran: the session's prompt cache
+ * takes the rows of q's prompt cache that a later prompt may continue (fitm_session_cached:
+ * rows its passes computed for every layer on the answer path), as a whole run on the
+ * session's caches would have left them there. */
+fitm_status fitm_rerank_seq_keep_rows(const fitm_rerank_seq *q, fitm_err *err);
+
 /* ---- the prompt, for /answer ------------------------------------------------------------ */
 
 /* The prompt for req in frame f (NULL: the default frame) exactly as the attention methods

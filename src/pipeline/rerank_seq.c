@@ -24,6 +24,8 @@ struct fitm_rerank_seq {
     fitm_forward_opts part_opts;
     fitm_status run_st; /* the method's status, once it ended */
     fitm_err run_err;
+    int32_t *kv_ids; /* (kv's rows) the ids of kv's rows an answer may continue: [0, kv_n) */
+    int64_t kv_n;
 };
 
 static fitm_status stopped(fitm_err *err)
@@ -113,6 +115,7 @@ static void seq_free(fitm_rerank_seq *q)
         q->run.end(q->run.run, FITM_OK);
     fitm_kv_destroy(q->kv);
     fitm_kv_destroy(q->branch);
+    free(q->kv_ids);
     free(q);
 }
 
@@ -126,6 +129,9 @@ static fitm_status seq_create(fitm_session *s, const fitm_rerank_request *req, i
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     *out = q;
     q->s = s;
+    q->kv_ids = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *q->kv_ids);
+    if (!q->kv_ids)
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     const fitm_position_method m =
         req->position < 0 ? s->position_default : (fitm_position_method)req->position;
     fitm_status st = fitm_session_kv_create(s, m, rows > 0 ? rows : 1, &q->kv, err);
@@ -200,7 +206,12 @@ void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const 
 {
     if (q->run.end && st != FITM_OK) {
         run_end(q, st, err);
-    } else if (q->run.end && (q->done_rows += T) >= q->pass->n) {
+        *done = true;
+        return;
+    }
+    if (q->run.end && q->pass->kv == q->kv)
+        fitm_pass_record(q->s, q->pass, q->done_rows, T, q->kv_ids, &q->kv_n);
+    if (q->run.end && (q->done_rows += T) >= q->pass->n) {
         q->run.ran(q->run.run);
         advance(q);
     }
@@ -228,4 +239,34 @@ fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err)
 size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q)
 {
     return fitm_kv_bytes(q->kv) + (q->branch ? fitm_kv_bytes(q->branch) : 0);
+}
+
+fitm_status fitm_rerank_seq_status(const fitm_rerank_seq *q, fitm_err *err)
+{
+    if (q->run_st != FITM_OK)
+        *err = q->run_err;
+    return q->run_st;
+}
+
+fitm_status fitm_rerank_seq_keep_rows(const fitm_rerank_seq *q, fitm_err *err)
+{
+    fitm_session *s = q->s;
+    s->kv_n = 0; /* until the rows are there */
+    fitm_status st = fitm_session_cache_method(s, q->passes.position, err);
+    const int32_t n_passes = fitm_kv_n_passes(q->kv);
+    if (st == FITM_OK && fitm_kv_n_passes(s->kv) < n_passes)
+        st = fitm_kv_passes(s->kv, n_passes, 0, err);
+    if (st == FITM_OK)
+        st = fitm_kv_rebase(s->kv, 0, err);
+    if (st == FITM_OK && (st = fitm_kv_copy(s->kv, q->kv, q->kv_n, err)) != FITM_OK) {
+        fitm_err_prefix(err, "keeping ranked rows");
+        return FITM_ERR_INTERNAL;
+    }
+    if (st == FITM_OK && s->b->ops->status)
+        st = s->b->ops->status(s->b, err);
+    if (st != FITM_OK)
+        return st;
+    memcpy(s->kv_ids, q->kv_ids, (size_t)q->kv_n * sizeof *q->kv_ids);
+    s->kv_n = q->kv_n;
+    return FITM_OK;
 }

@@ -25,8 +25,9 @@ typedef struct {
 
 /* What lives as long as the daemon: the model and what serves it, the prompt cache and the
  * options every request starts from. A request never writes here; only whole runs on the
- * session's own caches (fitm_rerank_run) update what those caches hold (kv_ids, kv_n,
- * kv_position). */
+ * session's own caches (fitm_rerank_run) and an /answer's ranking once it ended
+ * (fitm_rerank_seq_keep_rows: the rows its whole run would have left) update what those
+ * caches hold (kv_ids, kv_n, kv_position). */
 struct fitm_session {
     const fitm_model *m;
     const fitm_tokenizer *tok;
@@ -203,6 +204,13 @@ fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, f
 /* The logit rows of pass p among its rows [from, from + n): how many (they end the part), and
  * where the first one's logits go in p->logits (*at). */
 int64_t fitm_pass_logit_rows(const fitm_pass *p, int64_t from, int64_t n, int64_t *at);
+
+/* Keeps the record of a cache's rows (ids[0..*n_ids): the ids of the rows [0, *n_ids) a later
+ * /answer may continue, fitm_session_cached) true after p's rows [from, from + n) ran on that
+ * cache: the rows from there on are p's, and they are recorded when p computes every layer on
+ * the answer path without a prefix and continues the recorded rows. ids has room for p's. */
+void fitm_pass_record(const fitm_session *s, const fitm_pass *p, int64_t from, int64_t n,
+                      int32_t *ids, int64_t *n_ids);
 
 /* The sub-capture of cap for the rows in [pos0, pos0 + n) (NULL when none are). */
 const fitm_capture *fitm_passes_capture_part(const fitm_session *s, const fitm_capture *cap,

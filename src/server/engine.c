@@ -155,13 +155,14 @@ static void step_running(fitm_engine *e, running_set *rs)
     e->batch.last_step_ms = ms;
     pthread_mutex_unlock(&e->mu);
     int32_t kept = 0;
+    rs->kv_bytes = 0; /* the step may have changed what a job holds (hooks.step) */
     for (int32_t i = 0; i < rs->n; i++) {
         fitm_job *job = rs->jobs[i];
         if (!done[i]) {
             rs->jobs[kept++] = job;
+            rs->kv_bytes += job->kv_bytes;
             continue;
         }
-        rs->kv_bytes -= job->kv_bytes;
         end_job(e, job, stop_reason(job, st[i]));
     }
     rs->n = kept;

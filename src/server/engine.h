@@ -42,7 +42,8 @@ struct fitm_job {
     /* Set by the engine at submit: the job's estimated cost (hooks.cost; 0 without one). */
     int64_t cost;
     /* Set by hooks.begin when the job joins the running batch: the memory it holds while it
-     * runs (its KV cache), counted against hooks.kv_budget. */
+     * runs (its KV caches), counted against hooks.kv_budget; hooks.step updates it when what
+     * the job holds changes (an /answer's ranking caches, then its own). */
     int64_t kv_bytes;
     /* Set by the engine before on_done. */
     fitm_status status;
@@ -72,7 +73,8 @@ typedef struct {
      * *joined true puts it in the running batch, where it advances only through step; false
      * means it is complete with the returned status, as from run. step advances every running
      * job by one batched forward call and sets, for each i, done[i] when jobs[i] finished,
-     * with st[i] (and jobs[i]->err). Between two steps the engine starts at most one waiting
+     * with st[i] (and jobs[i]->err), and updates jobs[i]->kv_bytes of a job still running
+     * whose memory changed. Between two steps the engine starts at most one waiting
      * job, while fewer than max_running run and (unless none runs) the running ones hold
      * less than kv_budget bytes; beyond that, requests wait in the queue. */
     fitm_status (*begin)(void *ctx, fitm_job *job, bool *joined, fitm_err *err);

@@ -531,9 +531,9 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
     return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
 }
 
-/* Continuous batching: an /answer joins the running batch once its documents are ordered
+/* Continuous batching: an /answer joins the running batch with its ranking started
  * (fitm_answer_begin), a /rerank once its caches are made (fitm_rerank_begin); attention_sort
- * and /tokenize run whole between two steps. */
+ * (a rerank's, or an /answer's reorder) and /tokenize run whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
 {
     daemon_model *dm = ctx;
@@ -581,6 +581,8 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
      * running stream) takes while new prompts are prefilled beside the running answers. */
     fitm_batch_step(dm->session, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
     for (int32_t i = 0; i < n; i++) {
+        if (!done[i] && seqs[i].answer) /* its ranking's caches, then its own */
+            jobs[i]->kv_bytes = (int64_t)fitm_answer_seq_kv_bytes(seqs[i].answer);
         if (!done[i])
             continue;
         if (seqs[i].rerank) {
