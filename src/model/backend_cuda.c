@@ -95,6 +95,7 @@ typedef struct {
     size_t pin_cap, pin_used;
     bool graphs;         /* capture the work between two waits and replay it (capture_on) */
     bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
+    fitm_backend_ops ops; /* cuda_ops, less the fused slots when fuse is off */
     int cap;             /* CAP_IDLE, CAP_ON or CAP_OFF */
     bool busy;           /* work may have been enqueued since the last wait */
     /* a residual add not launched yet (n 0: none): y += x, fused into the next rmsnorm of y
@@ -1217,38 +1218,18 @@ static const fitm_backend_ops cuda_ops = {
     .capture_add = true,
 };
 
-/* The same without the fused slots: the driver then runs the ops they replace one by one. */
-static const fitm_backend_ops cuda_ops_unfused = {
-    .name = "cuda",
-    .destroy = cuda_destroy,
-    .reserve = cuda_reserve,
-    .alloc = cuda_alloc,
-    .free = cuda_free,
-    .upload = cuda_upload,
-    .download = cuda_download,
-    .copy = cuda_copy,
-    .prepare = cuda_prepare,
-    .status = cuda_status,
-    .embed = cuda_embed,
-    .matmul = cuda_matmul,
-    .rmsnorm = cuda_rmsnorm,
-    .rope = cuda_rope,
-    .glu = cuda_glu,
-    .add = cuda_add,
-    .softcap = cuda_softcap,
-    .topk = cuda_topk,
-    .attention = cuda_attention,
-    .attention_many = cuda_attention_many,
-    .attention_mix = true,
-    .capture_add = true,
-};
-
 void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on)
 {
     cuda_backend *c = cu(b);
     add_flush(c);
     c->fuse = on;
-    c->base.ops = on ? &cuda_ops : &cuda_ops_unfused;
+    /* without the fused slots the driver runs the ops they replace one by one */
+    c->ops = cuda_ops;
+    if (!on) {
+        c->ops.qk_rope = NULL;
+        c->ops.matmul_glu = NULL;
+    }
+    c->base.ops = &c->ops;
 }
 
 fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *err)
@@ -1263,7 +1244,8 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
     cuda_backend *c = calloc(1, sizeof *c);
     if (!c)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory for the CUDA backend");
-    c->base.ops = &cuda_ops;
+    c->ops = cuda_ops;
+    c->base.ops = &c->ops;
     c->graphs = true;
     c->weights = FITM_CUDA_WEIGHTS_BF16;
     c->fuse = true;
