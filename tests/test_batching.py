@@ -29,13 +29,14 @@ RERANK_FRAME = (r"Write a high-quality answer for the given question using only 
                 r"\n\n{documents}\nQuestion: {question}\nAnswer:")
 
 
-def start(fitmd_bin, tmp_path_factory, **extra):  # noqa: F811
+def start(fitmd_bin, tmp_path_factory, ctx=1024, **extra):  # noqa: F811
     extra = {"max_answer_tokens": 200, "batch_prefill_tokens": 24, "answer_template": RERANK_FRAME,
              **extra}
     d = tmp_path_factory.mktemp("batching")
     model = d / "q4k.gguf"
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--arch", "llama", "--type",
-                    "Q4_K", "--seed", "3", "-q", "-o", str(model)], check=True)
+                    "Q4_K", "--seed", "3", "--ctx", str(ctx), "-q", "-o", str(model)],
+                   check=True)
     return Daemon(fitmd_bin, model, d, api_keys="test-key-1", max_documents=16, http_threads=32,
                   queue_depth=64, max_running=4, **extra)
 
@@ -298,9 +299,10 @@ def concurrent_matches_one_at_a_time(daemon):
     return reference
 
 
-def stream_times(d, prompt, max_tokens, times, started=None):
+def stream_times(d, prompt, max_tokens, times, started=None, stop=None):
     """Streams a greedy /v1/completions of prompt past end-of-generation; appends the time of
-    each text event to times, and sets started (if given) after the third. Returns the usage."""
+    each text event to times, and sets started (if given) after the third; hangs up once stop
+    (if given) is set. Returns the usage."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     usage = None
@@ -316,6 +318,8 @@ def stream_times(d, prompt, max_tokens, times, started=None):
                 if started and len(times) == 3:
                     started.set()
             usage = ev.get("usage") or usage
+            if stop is not None and stop.is_set():
+                break
     return usage
 
 
@@ -568,16 +572,17 @@ def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  #
     and every one of them also carried the stream's decode row (the step counters show one
     extra sequence per such step); run whole between two steps, it would carry none. The
     stream is still running when the rerank has answered, and it got tokens meanwhile."""
-    dm = start(fitmd_bin, tmp_path_factory, batch_prefill_tokens=2, max_answer_tokens=1000)
+    dm = start(fitmd_bin, tmp_path_factory, ctx=8192, batch_prefill_tokens=2,
+               max_answer_tokens=8000)
     try:
-        running, started = [], threading.Event()
+        running, started, hang_up = [], threading.Event(), threading.Event()
         t_run = threading.Thread(target=stream_times,
-                                 args=(dm, "the golf hotel is", 990, running, started))
+                                 args=(dm, "the golf hotel is", 7990, running, started, hang_up))
         t_run.start()
         assert started.wait(120)
         before = metrics(dm)
         sent = time.perf_counter()
-        # a few hundred forward tokens: a few hundred steps, well inside the stream's 990
+        # a few hundred forward tokens: a few hundred steps, far inside the stream's 7990
         body = {"query": "where is the golf hotel", "documents": docs(3, 8),
                 "method": "fused", "return_documents": False}
         r = requests.post(dm.url("/rerank"), json=body, headers=AUTH, timeout=600)
@@ -585,6 +590,7 @@ def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  #
         assert r.status_code == 200, r.text
         after = metrics(dm)
         forward = r.json()["usage"]["forward_tokens"]
+        hang_up.set()
         t_run.join()
         steps = after["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
         seqs = after["fitm_batch_step_sequences_total"] - \
@@ -603,14 +609,16 @@ def test_stream_decodes_while_answer_ranks(fitmd_bin, tmp_path_factory):  # noqa
     ranking's and its prompt's, forward_tokens - completion + 1 of them -- takes a step that
     also carried the stream's decode row (one extra sequence each), and its decode steps too;
     ranked whole between two steps, the ranking's rows (most of them) would carry none."""
-    dm = start(fitmd_bin, tmp_path_factory, batch_prefill_tokens=2, max_answer_tokens=1000)
+    dm = start(fitmd_bin, tmp_path_factory, ctx=8192, batch_prefill_tokens=2,
+               max_answer_tokens=8000)
     try:
-        running, started = [], threading.Event()
+        running, started, hang_up = [], threading.Event(), threading.Event()
         t_run = threading.Thread(target=stream_times,
-                                 args=(dm, "the golf hotel is", 990, running, started))
+                                 args=(dm, "the golf hotel is", 7990, running, started, hang_up))
         t_run.start()
         assert started.wait(120)
         before = metrics(dm)
+        # about a thousand steps at 2 prompt rows a step, far inside the stream's 7990
         body = {"query": "where is the golf hotel", "documents": docs(5, 8), "reorder": "fused",
                 "top_n": 3, "calibrate": True, "max_tokens": 4, "ignore_eos": True,
                 "return_tokens": True}
@@ -620,6 +628,7 @@ def test_stream_decodes_while_answer_ranks(fitmd_bin, tmp_path_factory):  # noqa
         assert r.status_code == 200, r.text
         after = metrics(dm)
         j = r.json()
+        hang_up.set()
         t_run.join()
         forward, n = j["usage"]["forward_tokens"], len(j["tokens"]["completion"])
         prompt = len(j["tokens"]["prompt"])
