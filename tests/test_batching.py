@@ -565,6 +565,18 @@ def test_batched_reranks_rank_as_the_whole_run(fitmd_bin, tmp_path_factory):  # 
         assert dm.terminate() == 0, dm.log_text()
 
 
+def long_stream(dm):
+    """A 7990-token stream on dm (an 8192-context model), running once it gave its third
+    token: (its token times, the Event that hangs it up, its thread). Its length leaves
+    thousands of steps of margin to a request measured beside it."""
+    running, started, hang_up = [], threading.Event(), threading.Event()
+    t_run = threading.Thread(target=stream_times,
+                             args=(dm, "the golf hotel is", 7990, running, started, hang_up))
+    t_run.start()
+    assert started.wait(120)
+    return running, hang_up, t_run
+
+
 def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  # noqa: F811
     """A /rerank of the default model's default method (fused) that arrives while a stream
     decodes shares the engine's steps with it: the daemon prefills 2 prompt rows a step while
@@ -575,11 +587,7 @@ def test_stream_decodes_while_fused_rerank_runs(fitmd_bin, tmp_path_factory):  #
     dm = start(fitmd_bin, tmp_path_factory, ctx=8192, batch_prefill_tokens=2,
                max_answer_tokens=8000)
     try:
-        running, started, hang_up = [], threading.Event(), threading.Event()
-        t_run = threading.Thread(target=stream_times,
-                                 args=(dm, "the golf hotel is", 7990, running, started, hang_up))
-        t_run.start()
-        assert started.wait(120)
+        running, hang_up, t_run = long_stream(dm)
         before = metrics(dm)
         sent = time.perf_counter()
         # a few hundred forward tokens: a few hundred steps, far inside the stream's 7990
@@ -612,11 +620,7 @@ def test_stream_decodes_while_answer_ranks(fitmd_bin, tmp_path_factory):  # noqa
     dm = start(fitmd_bin, tmp_path_factory, ctx=8192, batch_prefill_tokens=2,
                max_answer_tokens=8000)
     try:
-        running, started, hang_up = [], threading.Event(), threading.Event()
-        t_run = threading.Thread(target=stream_times,
-                                 args=(dm, "the golf hotel is", 7990, running, started, hang_up))
-        t_run.start()
-        assert started.wait(120)
+        running, hang_up, t_run = long_stream(dm)
         before = metrics(dm)
         # about a thousand steps at 2 prompt rows a step, far inside the stream's 7990
         body = {"query": "where is the golf hotel", "documents": docs(5, 8), "reorder": "fused",
