@@ -1451,7 +1451,14 @@ int main(int argc, char **argv)
              .i0 = 0,
              .i1 = 18},
         };
-        for (size_t i = 0; i < sizeof tiles / sizeof tiles[0]; i++)
+        /* small: the ring of scores wrapping (300 keys), a window cutting a block's rows */
+        static const tile_case small_tiles[] = {
+            {.T = 5, .pos0 = 300, .own_base = 290, .H = 4, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
+            {.T = 9, .pos0 = 20, .window = 7, .H = 2, .Hkv = 2, .D = 12, .i0 = 1, .i1 = 9},
+        };
+        for (size_t i = 0; i < sizeof small_tiles / sizeof small_tiles[0]; i++)
+            test_attention_tiled(&small_tiles[i]);
+        for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
             test_attention_tiled(&tiles[i]);
     }
 
