@@ -406,7 +406,8 @@ static size_t fitm_att_tile_shm(int D)
                             (size_t)FITM_ATT_TILE_KEYS * FITM_ATT_TILE_RH + 2 * FITM_ATT_TILE_RH);
 }
 
-/* Rows of one tile: the pairs' heads per row. */
+/* Heads a block takes of one KV group: all G = H / Hkv of them, or 16 at a time; the block's
+ * rows are then 16 / that many. */
 __host__ __device__ __forceinline__ int fitm_att_tile_heads(const fitm_cuda_attn &a)
 {
     const int G = a.n_head / a.n_head_kv;
