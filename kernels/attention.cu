@@ -13,7 +13,12 @@
  * Every sum has one fixed order (no atomics), so a row's result does not depend on T.
  * A mixture (the position methods, mix_n > 0): pass 1 runs once per expert the row weighs
  * (its own queries and keys), and p_j = sum_e w_e softmax_e(j) in expert order replaces the
- * plain probability in every later pass, as the CPU backend's attn_mix_probs. */
+ * plain probability in every later pass, as the CPU backend's attn_mix_probs.
+ *
+ * The tiled kernel (fitm_attention_tiles) computes plain rows (no capture, no intervention,
+ * no mixture: a prompt's bulk) bit for bit as fitm_attention_rows does, with each key and
+ * value read from global memory once per block of consecutive rows and the heads of one KV
+ * group instead of once per (row, head): below, "Tiled rows". */
 #include "common.cuh"
 #include "kernels.h"
 
@@ -25,6 +30,77 @@ struct fitm_att_row {
     int64_t i, p, v0; /* row in the call, its position, first visible key */
     int h, g;
 };
+
+/* ---- The arithmetic both kernels apply, written once: a row's bits must not depend on
+ * which kernel computed it. The roundings are explicit (__fmul_rn, __fsub_rn, __fadd_rn,
+ * __fdiv_rn) where nvcc could otherwise contract a product and a sum into one fused
+ * multiply-add in one kernel and not in the other; fmaf where the chain is fused on purpose.
+ * A score: fitm_att_scaled of the chain s = fmaf(q[d], k[d], s) over d in order from 0. */
+
+/* First key visible from position p (causal, and within a window > 0). */
+__device__ __forceinline__ int64_t fitm_att_v0(const fitm_cuda_attn &a, int64_t p)
+{
+    return a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
+}
+
+__device__ __forceinline__ float fitm_att_scaled(float dot, float scale)
+{
+    return __fmul_rn(dot, scale);
+}
+
+/* exp(s - m): a score's weight against the running (or final) maximum m */
+__device__ __forceinline__ float fitm_att_exp(float s, float m)
+{
+    return expf(__fsub_rn(s, m));
+}
+
+/* The online denominator after a 128-key tile: l rescaled from the old maximum mx to the new
+ * m_new, plus the tile's sum of fitm_att_exp(s, m_new). */
+__device__ __forceinline__ float fitm_att_rescale(float l, float mx, float m_new, float sum)
+{
+    return __fadd_rn(__fmul_rn(l, fitm_att_exp(mx, m_new)), sum);
+}
+
+__device__ __forceinline__ float fitm_att_inv(float l)
+{
+    return __fdiv_rn(1.0f, l);
+}
+
+/* A plain probability: exp(s - mx) / l */
+__device__ __forceinline__ float fitm_att_p(float s, float mx, float inv_l)
+{
+    return __fmul_rn(fitm_att_exp(s, mx), inv_l);
+}
+
+/* The second level of fitm_block_reduce over a block of FITM_ATT_THREADS (4 warps): given the
+ * warps' butterfly results w0..w3, lane 0's value of the butterfly over lanes holding w0..w3
+ * and the identity (0 for a sum, -inf for a max) in the other 28 (every lane ends with the
+ * same bits: each step combines the same two values, in either order). Step by step: at
+ * offsets 16, 8 and 4 lane k < 4 meets the identity, at 2 lane k + 2, at 1 lane k + 1. */
+__device__ __forceinline__ float fitm_att_reduce4(float w0, float w1, float w2, float w3,
+                                                  bool is_max)
+{
+    const float id = is_max ? -INFINITY : 0.0f;
+    float w[4] = {w0, w1, w2, w3};
+    for (int k = 0; k < 4; k++)
+        for (int o = 0; o < 3; o++)
+            w[k] = is_max ? fmaxf(w[k], id) : __fadd_rn(w[k], id);
+    const float a = is_max ? fmaxf(w[0], w[2]) : __fadd_rn(w[0], w[2]);
+    const float b = is_max ? fmaxf(w[1], w[3]) : __fadd_rn(w[1], w[3]);
+    return is_max ? fmaxf(a, b) : __fadd_rn(a, b);
+}
+
+/* Sum (or max) over the block of v, one value per thread, key j0 + threadIdx.x: each warp's
+ * butterfly, then fitm_att_reduce4 of the four in every thread (red: 4 floats, reusable). */
+__device__ __forceinline__ float fitm_att_block_reduce(float v, float *red, bool is_max)
+{
+    v = is_max ? fitm_warp_max(v) : fitm_warp_sum(v);
+    __syncthreads(); /* red may still be read by a previous call */
+    if (threadIdx.x % FITM_WARP == 0)
+        red[threadIdx.x / FITM_WARP] = v;
+    __syncthreads();
+    return fitm_att_reduce4(red[0], red[1], red[2], red[3], is_max);
+}
 
 __device__ __forceinline__ const float *fitm_att_kv(const fitm_cuda_attn &a, const float *pre,
                                                     const float *own, int64_t j, int g)
@@ -41,7 +117,7 @@ __device__ __forceinline__ float fitm_att_score(const fitm_cuda_attn &a, const f
     float s = 0.0f;
     for (int d = 0; d < a.head_dim; d++)
         s = fmaf(q[d], k[d], s);
-    return s * a.scale;
+    return fitm_att_scaled(s, a.scale);
 }
 
 /* Expert e's score of key j: its own query row and keys (position j at row j). */
@@ -55,7 +131,7 @@ __device__ __forceinline__ float fitm_att_score_mix(const fitm_cuda_attn &a, con
     float s = 0.0f;
     for (int d = 0; d < D; d++)
         s = fmaf(q[d], k[d], s);
-    return s * a.scale;
+    return fitm_att_scaled(s, a.scale);
 }
 
 /* A row's softmax: the plain one (q, mx, inv_l), or a mixture's per-expert maxima and inverse
@@ -91,12 +167,12 @@ __device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const fi
 {
     float pj;
     if (s.n_mix == 0) {
-        pj = expf(fitm_att_score(a, s.q, j, r.g) - s.mx) * s.inv_l;
+        pj = fitm_att_p(fitm_att_score(a, s.q, j, r.g), s.mx, s.inv_l);
     } else {
         pj = 0.0f;
         for (int e = 0; e < s.n_mix; e++)
             if (s.w[e] != 0.0f)
-                pj += s.w[e] * (expf(fitm_att_score_mix(a, r, e, j) - s.mmx[e]) * s.minv[e]);
+                pj += s.w[e] * fitm_att_p(fitm_att_score_mix(a, r, e, j), s.mmx[e], s.minv[e]);
     }
     if (factor) {
         const int k = fitm_att_span_of(a, j);
@@ -145,18 +221,18 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
         const float s = j > r.p  ? -INFINITY
                         : e < 0 ? fitm_att_score(a, q, j, r.g)
                                  : fitm_att_score_mix(a, r, e, j);
-        const float tmx = fitm_block_reduce(s, red, true);
+        const float tmx = fitm_att_block_reduce(s, red, true);
         const float m_new = fmaxf(mx, tmx);
-        const float ex = j <= r.p ? expf(s - m_new) : 0.0f;
-        l = l * expf(mx - m_new) + fitm_block_reduce(ex, red, false);
+        const float ex = j <= r.p ? fitm_att_exp(s, m_new) : 0.0f;
+        l = fitm_att_rescale(l, mx, m_new, fitm_att_block_reduce(ex, red, false));
         mx = m_new;
     }
     *mx_out = mx;
-    *inv_l_out = 1.0f / l;
+    *inv_l_out = fitm_att_inv(l);
 }
 
-/* Row blockIdx.x, head blockIdx.y of the call a. */
-__device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a)
+/* Row i, head blockIdx.y of the call a. */
+__device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int64_t i)
 {
     __shared__ float q[FITM_ATT_MAX_D];
     __shared__ float tile[FITM_ATT_THREADS];
@@ -166,11 +242,11 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a)
     FITM_DYNAMIC_SHARED(float, factor); /* (iv_n_spans) */
     const int tid = threadIdx.x, D = a.head_dim;
     fitm_att_row r;
-    r.i = blockIdx.x;
+    r.i = i;
     r.h = blockIdx.y;
     r.g = r.h / (a.n_head / a.n_head_kv);
     r.p = a.pos0 + r.i;
-    r.v0 = a.window > 0 && r.p - a.window + 1 > 0 ? r.p - a.window + 1 : 0;
+    r.v0 = fitm_att_v0(a, r.p);
     const float *qg = a.q + (r.i * a.n_head + r.h) * D;
     for (int d = tid; d < D; d += FITM_ATT_THREADS)
         q[d] = qg[d];
@@ -262,9 +338,11 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a)
         o[d] = acc[c];
 }
 
-__global__ void __launch_bounds__(FITM_ATT_THREADS) fitm_attention_rows(fitm_cuda_attn a)
+/* Rows i0 + blockIdx.x of the call a. */
+__global__ void __launch_bounds__(FITM_ATT_THREADS)
+    fitm_attention_rows(fitm_cuda_attn a, int64_t i0)
 {
-    fitm_attention_row(a);
+    fitm_attention_row(a, i0 + blockIdx.x);
 }
 
 /* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. */
@@ -274,7 +352,284 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
     const fitm_cuda_attn &a = args[blockIdx.z]; /* read where used: a copy would spill */
     if ((int64_t)blockIdx.x >= a.T)
         return; /* uniform per block, before any barrier */
-    fitm_attention_row(a);
+    fitm_attention_row(a, blockIdx.x);
+}
+
+/* ---- Tiled rows ----
+ *
+ * fitm_attention_tiles: one block of FITM_ATT_THREADS per tile of FITM_ATT_TILE_RH (row, head)
+ * pairs: hb heads of one KV group (all G = H / Hkv of them, or FITM_ATT_TILE_RH at a time when
+ * G is larger) times FITM_ATT_TILE_RH / hb consecutive rows. Keys and values go through shared
+ * memory FITM_ATT_TILE_KEYS at a time, each row of them loaded by one warp (coalesced), into
+ * rows padded to fitm_att_tile_ld floats (a multiple of 32 plus 4, so the float4 reads of 8
+ * consecutive keys hit distinct banks). For each pair the kernel does what fitm_attention_row
+ * does for a plain row, in the same order on the same values:
+ *   pass 1: every score of the staged keys into a ring of FITM_ATT_RING per pair; when a
+ *           pair's current 128-key tile (from its own first visible key v0, which differs
+ *           between rows under a window) is complete, one warp reduces it: lane l holds keys
+ *           l, 32 + l, 64 + l, 96 + l of the tile, each group of 32 is reduced by the warp's
+ *           butterfly (the old kernel's warp w holds keys 32w + l), and fitm_att_reduce4 gives
+ *           the tile's max and sum as fitm_att_block_reduce gives them; the online update is
+ *           fitm_att_rescale;
+ *   pass 2: the scores again, their probabilities fitm_att_p into shared memory, then
+ *           out = fmaf(p_j, v_j, out) over the visible keys in order, each thread owning head
+ *           dims tid and tid + 128 of every pair.
+ * A score is the same fmaf chain over d in order (read four dims at a time, applied one by
+ * one), so it has the bits of fitm_att_score. */
+
+#define FITM_ATT_TILE_RH 16   /* (row, head) pairs per block */
+#define FITM_ATT_TILE_KEYS 32 /* keys staged per step: RH x KEYS scores = 4 per thread */
+#define FITM_ATT_RING 256     /* scores kept per pair: a tile's 128 and a step's more fit */
+#define FITM_ATT_RING_LD (FITM_ATT_RING + 8) /* pairs 2 apart 16 banks apart */
+
+/* Floats per staged row of head_dim D: a multiple of 32, plus 4. */
+__host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
+{
+    return (D + FITM_WARP - 1) / FITM_WARP * FITM_WARP + 4;
+}
+
+/* Floats of the larger of the score ring (pass 1) and the staged values (pass 2). */
+__host__ __device__ __forceinline__ int fitm_att_tile_big(int D)
+{
+    const int ring = FITM_ATT_TILE_RH * FITM_ATT_RING_LD;
+    const int vals = FITM_ATT_TILE_KEYS * fitm_att_tile_ld(D);
+    return ring > vals ? ring : vals;
+}
+
+/* Dynamic shared memory of a tiled block: queries, keys, ring/values, probabilities, and
+ * each pair's max and inverse denominator. */
+static size_t fitm_att_tile_shm(int D)
+{
+    const int ld = fitm_att_tile_ld(D);
+    return sizeof(float) * ((size_t)FITM_ATT_TILE_RH * ld + (size_t)FITM_ATT_TILE_KEYS * ld +
+                            (size_t)fitm_att_tile_big(D) +
+                            (size_t)FITM_ATT_TILE_KEYS * FITM_ATT_TILE_RH + 2 * FITM_ATT_TILE_RH);
+}
+
+/* Heads a block takes of one KV group: all G = H / Hkv of them, or 16 at a time; the block's
+ * rows are then 16 / that many. */
+__host__ __device__ __forceinline__ int fitm_att_tile_heads(const fitm_cuda_attn &a)
+{
+    const int G = a.n_head / a.n_head_kv;
+    return G < FITM_ATT_TILE_RH ? G : FITM_ATT_TILE_RH;
+}
+
+/* dst[kk][d] = row c0 + kk of K (or V) of group g, for kk < nk: warp w takes rows w, w + 4.. */
+__device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const float *pre,
+                                               const float *own, int g, int64_t c0, int nk,
+                                               float *dst, int ld)
+{
+    const int lane = threadIdx.x % FITM_WARP;
+    for (int kk = threadIdx.x / FITM_WARP; kk < nk; kk += FITM_ATT_THREADS / FITM_WARP) {
+        const float *src = fitm_att_kv(a, pre, own, c0 + kk, g);
+        for (int d = lane; d < a.head_dim; d += FITM_WARP)
+            dst[kk * ld + d] = src[d];
+    }
+}
+
+/* The thread's four scores of the staged keys: pairs r0, r0 + 1 against keys kk0, kk0 + 16,
+ * s[pair][key], each fitm_att_score's chain. */
+__device__ __forceinline__ void fitm_att_tile_scores(const fitm_cuda_attn &a, const float *qs,
+                                                     const float *ks, int ld, int r0, int kk0,
+                                                     float s[2][2])
+{
+    const float *q0 = qs + r0 * ld, *q1 = q0 + ld;
+    const float *k0 = ks + kk0 * ld, *k1 = k0 + 16 * ld;
+    float s00 = 0.0f, s01 = 0.0f, s10 = 0.0f, s11 = 0.0f;
+    const int D = a.head_dim;
+    int d = 0;
+    for (; d + 4 <= D; d += 4) {
+        const float4 x0 = *(const float4 *)(q0 + d), x1 = *(const float4 *)(q1 + d);
+        const float4 y0 = *(const float4 *)(k0 + d), y1 = *(const float4 *)(k1 + d);
+        s00 = fmaf(x0.x, y0.x, s00), s01 = fmaf(x0.x, y1.x, s01);
+        s10 = fmaf(x1.x, y0.x, s10), s11 = fmaf(x1.x, y1.x, s11);
+        s00 = fmaf(x0.y, y0.y, s00), s01 = fmaf(x0.y, y1.y, s01);
+        s10 = fmaf(x1.y, y0.y, s10), s11 = fmaf(x1.y, y1.y, s11);
+        s00 = fmaf(x0.z, y0.z, s00), s01 = fmaf(x0.z, y1.z, s01);
+        s10 = fmaf(x1.z, y0.z, s10), s11 = fmaf(x1.z, y1.z, s11);
+        s00 = fmaf(x0.w, y0.w, s00), s01 = fmaf(x0.w, y1.w, s01);
+        s10 = fmaf(x1.w, y0.w, s10), s11 = fmaf(x1.w, y1.w, s11);
+    }
+    for (; d < D; d++) {
+        s00 = fmaf(q0[d], k0[d], s00), s01 = fmaf(q0[d], k1[d], s01);
+        s10 = fmaf(q1[d], k0[d], s10), s11 = fmaf(q1[d], k1[d], s11);
+    }
+    s[0][0] = fitm_att_scaled(s00, a.scale), s[0][1] = fitm_att_scaled(s01, a.scale);
+    s[1][0] = fitm_att_scaled(s10, a.scale), s[1][1] = fitm_att_scaled(s11, a.scale);
+}
+
+/* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread (D <= 128:
+ * 1, else 2). Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
+template <int ND>
+__global__ void __launch_bounds__(FITM_ATT_THREADS)
+    fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
+{
+    constexpr int RH = FITM_ATT_TILE_RH, KC = FITM_ATT_TILE_KEYS, NW = FITM_ATT_THREADS / FITM_WARP;
+    FITM_DYNAMIC_SHARED(float4, shm4);
+    const int tid = threadIdx.x, lane = tid % FITM_WARP, warp = tid / FITM_WARP;
+    const int D = a.head_dim, ld = fitm_att_tile_ld(D);
+    const int G = a.n_head / a.n_head_kv, hb = fitm_att_tile_heads(a), R = RH / hb;
+    const int n_hc = (G + hb - 1) / hb;
+    const int g = blockIdx.y / n_hc, hc = blockIdx.y % n_hc;
+    const int h0 = g * G + hc * hb, nh = G - hc * hb < hb ? G - hc * hb : hb;
+    const int64_t i0 = i_begin + (int64_t)blockIdx.x * R;
+    const int nr = i_end - i0 < R ? (int)(i_end - i0) : R;
+    const int64_t P0 = a.pos0 + i0; /* the tile's first position; pair r is row r / hb */
+    const int64_t k_lo = fitm_att_v0(a, P0), k_hi = P0 + nr - 1;
+    const int64_t v0_last = fitm_att_v0(a, k_hi);
+    float *qs = (float *)shm4, *ks = qs + RH * ld, *big = ks + KC * ld;
+    float *ps = big + fitm_att_tile_big(D), *st_mx = ps + KC * RH, *st_inv = st_mx + RH;
+
+    /* the pairs' queries; a pair past the tile's rows or the group's heads holds zeros */
+    for (int r = warp; r < RH; r += NW) {
+        const bool on = r / hb < nr && r % hb < nh;
+        const float *qg = a.q + ((i0 + r / hb) * a.n_head + h0 + r % hb) * D;
+        for (int d = lane; d < ld; d += FITM_WARP)
+            qs[r * ld + d] = on && d < D ? qg[d] : 0.0f;
+    }
+    /* this thread's scores: pairs r0, r0 + 1, keys kk0, kk0 + 16 of each step */
+    const int r0 = 2 * (2 * warp + lane / 16), kk0 = lane % 16;
+
+    /* pass 1: warp w keeps pairs w, w + 4, w + 8, w + 12 (the same value in every lane) */
+    float mx[RH / NW], l[RH / NW];
+    int64_t ts[RH / NW]; /* the pair's current tile's first key */
+#pragma unroll
+    for (int k = 0; k < RH / NW; k++) {
+        mx[k] = -INFINITY, l[k] = 0.0f;
+        ts[k] = fitm_att_v0(a, P0 + (warp + NW * k) / hb);
+    }
+    for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
+        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
+        __syncthreads(); /* ks free */
+        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
+        __syncthreads();
+        float s[2][2];
+        fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+#pragma unroll
+        for (int x = 0; x < 2; x++)
+#pragma unroll
+            for (int y = 0; y < 2; y++)
+                if (kk0 + 16 * y < nk)
+                    big[(r0 + x) * FITM_ATT_RING_LD + ((c0 + kk0 + 16 * y) & (FITM_ATT_RING - 1))] =
+                        s[x][y];
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < RH / NW; k++) {
+            const int r = warp + NW * k;
+            const int64_t p = P0 + r / hb;
+            if (r / hb >= nr || r % hb >= nh)
+                continue;
+            const float *ring = big + r * FITM_ATT_RING_LD;
+            /* each tile of the pair's that this step completed (a full one and the short last
+             * one may end in the same step); uniform per warp */
+            for (;;) {
+                const int64_t end =
+                    ts[k] + FITM_ATT_THREADS - 1 < p ? ts[k] + FITM_ATT_THREADS - 1 : p;
+                if (ts[k] > p || end >= c0 + nk)
+                    break;
+                float v[4], e[4];
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    const int64_t j = ts[k] + FITM_WARP * w + lane;
+                    v[w] = j <= p ? ring[j & (FITM_ATT_RING - 1)] : -INFINITY;
+                }
+                const float tmx = fitm_att_reduce4(fitm_warp_max(v[0]), fitm_warp_max(v[1]),
+                                                   fitm_warp_max(v[2]), fitm_warp_max(v[3]), true);
+                const float m_new = fmaxf(mx[k], tmx);
+#pragma unroll
+                for (int w = 0; w < 4; w++)
+                    e[w] = ts[k] + FITM_WARP * w + lane <= p ? fitm_att_exp(v[w], m_new) : 0.0f;
+                const float sum = fitm_att_reduce4(fitm_warp_sum(e[0]), fitm_warp_sum(e[1]),
+                                                   fitm_warp_sum(e[2]), fitm_warp_sum(e[3]), false);
+                l[k] = fitm_att_rescale(l[k], mx[k], m_new, sum);
+                mx[k] = m_new;
+                ts[k] += FITM_ATT_THREADS;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RH / NW; k++)
+        if (lane == 0) {
+            st_mx[warp + NW * k] = mx[k];
+            st_inv[warp + NW * k] = fitm_att_inv(l[k]);
+        }
+
+    /* pass 2: the output; thread tid owns dims tid (and tid + 128) of every pair */
+    float acc[RH][ND];
+#pragma unroll
+    for (int r = 0; r < RH; r++)
+#pragma unroll
+        for (int c = 0; c < ND; c++)
+            acc[r][c] = 0.0f;
+    /* the thread's dims, clamped into the row: a dim past D computes a value never written */
+    const int d0 = tid < D ? tid : D - 1;
+    const int d1 = tid + FITM_ATT_THREADS < D ? tid + FITM_ATT_THREADS : D - 1;
+    for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
+        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
+        __syncthreads(); /* ks, big and ps free; st_mx and st_inv written */
+        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
+        fitm_att_stage(a, a.v_pre, a.v_own, g, c0, nk, big, ld);
+        __syncthreads();
+        float s[2][2];
+        fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+#pragma unroll
+        for (int x = 0; x < 2; x++)
+#pragma unroll
+            for (int y = 0; y < 2; y++) {
+                const int r = r0 + x, kk = kk0 + 16 * y;
+                const int64_t j = c0 + kk, p = P0 + r / hb;
+                const bool vis =
+                    r / hb < nr && r % hb < nh && kk < nk && j >= fitm_att_v0(a, p) && j <= p;
+                ps[kk * RH + r] = vis ? fitm_att_p(s[x][y], st_mx[r], st_inv[r]) : 0.0f;
+            }
+        __syncthreads();
+        /* every key of the step visible from every row: no test per key */
+        const bool all = c0 >= v0_last && c0 + nk - 1 <= P0;
+        for (int kk = 0; kk < nk; kk++) {
+            const float4 *p4 = (const float4 *)(ps + kk * RH);
+            float pr[RH];
+#pragma unroll
+            for (int q = 0; q < RH / 4; q++) {
+                const float4 t = p4[q];
+                pr[4 * q] = t.x, pr[4 * q + 1] = t.y, pr[4 * q + 2] = t.z, pr[4 * q + 3] = t.w;
+            }
+            float v[ND];
+            v[0] = big[kk * ld + d0];
+            if (ND > 1)
+                v[ND - 1] = big[kk * ld + d1];
+            if (all) {
+#pragma unroll
+                for (int r = 0; r < RH; r++)
+#pragma unroll
+                    for (int c = 0; c < ND; c++)
+                        acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
+            } else {
+                /* the pairs that see key j: rows from j - P0 (causal) to j + window - 1 - P0 */
+                const int64_t j = c0 + kk;
+                const int64_t lo = j - P0 > 0 ? j - P0 : 0;
+                int64_t hi = nr - 1;
+                if (a.window > 0 && j + a.window - 1 - P0 < hi)
+                    hi = j + a.window - 1 - P0;
+                const int64_t r_lo = lo * hb, r_hi = (hi + 1) * hb;
+#pragma unroll
+                for (int r = 0; r < RH; r++)
+                    if (r >= r_lo && r < r_hi)
+#pragma unroll
+                        for (int c = 0; c < ND; c++)
+                            acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RH; r++) {
+        if (r / hb >= nr || r % hb >= nh)
+            continue;
+        float *o = a.out + ((i0 + r / hb) * a.n_head + h0 + r % hb) * D;
+#pragma unroll
+        for (int c = 0; c < ND; c++)
+            if (tid + FITM_ATT_THREADS * c < D)
+                o[tid + FITM_ATT_THREADS * c] = acc[r][c];
+    }
 }
 
 /* Arguments a launch refuses (cudaErrorInvalidValue). */
@@ -290,17 +645,65 @@ static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
                              a->n_head % a->mix_k_heads != 0));
 }
 
-extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
+extern "C" int fitm_cuda_attention_rows(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
+                                        void *stream)
 {
-    if (fitm_attn_args_bad(a))
+    if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T)
         return (int)cudaErrorInvalidValue;
-    if (a->T == 0)
+    if (i1 == i0)
         return 0;
     const size_t shm = (size_t)a->iv_n_spans * sizeof(float);
-    FITM_LAUNCH(dim3((unsigned)a->T, (unsigned)a->n_head), FITM_ATT_THREADS, shm,
+    FITM_LAUNCH(dim3((unsigned)(i1 - i0), (unsigned)a->n_head), FITM_ATT_THREADS, shm,
                 fitm_stream(stream), fitm_attention_rows)
-    (*a);
+    (*a, i0);
     return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream)
+{
+    return fitm_cuda_attention_rows(a, 0, a ? a->T : 0, stream);
+}
+
+extern "C" int fitm_cuda_attention_tile_rows(int32_t n_head, int32_t n_head_kv)
+{
+    if (n_head < 1 || n_head_kv < 1 || n_head % n_head_kv != 0)
+        return 0;
+    fitm_cuda_attn a = {};
+    a.n_head = n_head;
+    a.n_head_kv = n_head_kv;
+    return FITM_ATT_TILE_RH / fitm_att_tile_heads(a);
+}
+
+template <int ND>
+static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
+                                       cudaStream_t stream)
+{
+    const size_t shm = fitm_att_tile_shm(a->head_dim);
+    if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
+        const cudaError_t e = cudaFuncSetAttribute(
+            fitm_attention_tiles<ND>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+        if (e != cudaSuccess)
+            return (int)e;
+    }
+    const int hb = fitm_att_tile_heads(*a), R = FITM_ATT_TILE_RH / hb;
+    const int G = a->n_head / a->n_head_kv;
+    const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),
+                    (unsigned)(a->n_head_kv * ((G + hb - 1) / hb)));
+    FITM_LAUNCH(grid, FITM_ATT_THREADS, shm, stream, fitm_attention_tiles<ND>)(*a, i0, i1);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
+                                         void *stream)
+{
+    if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 || a->cap_index ||
+        (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos))
+        return (int)cudaErrorInvalidValue;
+    if (i1 == i0)
+        return 0;
+    return a->head_dim > FITM_ATT_THREADS
+               ? fitm_attention_tiles_launch<2>(a, i0, i1, fitm_stream(stream))
+               : fitm_attention_tiles_launch<1>(a, i0, i1, fitm_stream(stream));
 }
 
 extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev,

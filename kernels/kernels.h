@@ -216,7 +216,25 @@ typedef struct {
 
 #define FITM_CUDA_ATTN_MAX_MIX 64
 
+/* Every row of the call: fitm_cuda_attention_rows(a, 0, a->T, stream). */
 int fitm_cuda_attention(const fitm_cuda_attn *a, void *stream);
+
+/* Rows [i0, i1) of the call a (0 <= i0 <= i1 <= T), one block of 128 threads per (row, head),
+ * whatever the row asks (capture, intervention, mixture). The other rows are not touched. */
+int fitm_cuda_attention_rows(const fitm_cuda_attn *a, int64_t i0, int64_t i1, void *stream);
+
+/* Rows [i0, i1) of the call a, which must all be plain: no capture (cap_index NULL), no
+ * mixture, and no intervened row (pos0 + i1 <= iv_from_pos when iv_n_spans > 0); anything else
+ * is refused with cudaErrorInvalidValue. Each row's output is bit for bit the one
+ * fitm_cuda_attention_rows gives it, computed by blocks of consecutive rows and the heads of
+ * one KV group that read each key and value once per block (kernels/attention.cu, "Tiled
+ * rows"); which of the two computed a row never shows. */
+int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, int64_t i1, void *stream);
+
+/* Rows per block of fitm_cuda_attention_tiled for a model of these head counts (16 (row,
+ * head) pairs: 4 rows of Gemma 3's 4 query heads per KV head, 16 rows without GQA); a run of
+ * plain rows shorter than this fills its block only partly. 0 for head counts a call refuses. */
+int fitm_cuda_attention_tile_rows(int32_t n_head, int32_t n_head_kv);
 
 /* The n calls a[0..n) (host copies, checked as fitm_cuda_attention checks one) as one launch,
  * each block reading its call from a_dev (the same n structs in device memory): the

@@ -122,6 +122,19 @@ MUTANTS = [
            "the attention kernel counts a span's end key as inside the span",
            "else if (j >= a.iv_spans[2 * mid + 1])", "else if (j > a.iv_spans[2 * mid + 1])",
            meson=["backend_ops_cuda_emu"]),
+    Mutant("cuda-attention-tiles-v0-off-by-one",
+           "the tiled attention starts a row's 128-key tiles one key after its first visible key",
+           "ts[k] = fitm_att_v0(a, P0 + (warp + NW * k) / hb);",
+           "ts[k] = fitm_att_v0(a, P0 + (warp + NW * k) / hb) + 1;",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-attention-tiles-sum-order",
+           "the tiled attention adds a tile's four warp sums in another order: a rounding "
+           "difference only, which a tolerance lets through and memcmp does not",
+           "fitm_att_reduce4(fitm_warp_sum(e[0]), fitm_warp_sum(e[1]),\n"
+           "                                                   fitm_warp_sum(e[2]),",
+           "fitm_att_reduce4(fitm_warp_sum(e[0]), fitm_warp_sum(e[2]),\n"
+           "                                                   fitm_warp_sum(e[1]),",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-warp-sum-wrong-lane",
            "the warp sum's butterfly exchanges with lane o - 1 instead of o",
            "float fitm_warp_sum(float v)\n{\n    for (int o = FITM_WARP / 2; o > 0; o >>= 1)\n"

@@ -1016,6 +1016,141 @@ static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out, int64_t off)
 
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
  * sizes, accepted) before anything is launched. */
+/* ---- attention: the tiled kernel against the one-block-per-(row, head) kernel ---- */
+
+typedef struct {
+    int64_t T, pos0, own_base, window;
+    int32_t H, Hkv, D;
+    int64_t i0, i1; /* the rows handed to the tiled kernel */
+    bool intervene; /* an intervention from pos0 + i1 on: the tiled rows are below it */
+} tile_case;
+
+/* Double-precision attention of row i, head h (keys below own_base from kp, others from ko). */
+static void ref_attention_row(const tile_case *c, const float *q, const float *kp, const float *vp,
+                              const float *ko, const float *vo, int64_t i, int32_t h, double *s,
+                              float *out)
+{
+    const int64_t D = c->D, HkvD = (int64_t)c->Hkv * D, p = c->pos0 + i;
+    const int64_t v0 = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+    const int32_t g = h / (c->H / c->Hkv);
+    const float *qh = q + (i * c->H + h) * D;
+    double mx = -INFINITY, z = 0.0;
+    for (int64_t j = v0; j <= p; j++) {
+        const float *k = (j < c->own_base ? kp + j * HkvD : ko + (j - c->own_base) * HkvD) + g * D;
+        double d = 0.0;
+        for (int64_t e = 0; e < D; e++)
+            d += (double)qh[e] * k[e];
+        s[j] = d / sqrt((double)D);
+        mx = fmax(mx, s[j]);
+    }
+    for (int64_t j = v0; j <= p; j++)
+        z += s[j] = exp(s[j] - mx);
+    for (int64_t e = 0; e < D; e++) {
+        double o = 0.0;
+        for (int64_t j = v0; j <= p; j++) {
+            const float *v =
+                (j < c->own_base ? vp + j * HkvD : vo + (j - c->own_base) * HkvD) + g * D;
+            o += s[j] / z * v[e];
+        }
+        out[(i * c->H + h) * D + e] = (float)o;
+    }
+}
+
+/* fitm_cuda_attention_tiled on rows [i0, i1) of fresh random data: each row's output bit for
+ * bit fitm_cuda_attention's (memcmp), the rows outside untouched, the guards intact, and both
+ * within 1e-5 of a double reference. */
+static void test_attention_tiled(const tile_case *c)
+{
+    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
+    const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
+    const int64_t n_pre = c->own_base > 0 ? c->own_base * HkvD : 1;
+    float *qh = xmalloc((size_t)(T * HD) * sizeof(float));
+    float *kph = xmalloc((size_t)n_pre * sizeof(float)), *vph = xmalloc((size_t)n_pre * 4);
+    float *koh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    float *voh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    fill_uniform(qh, T * HD, -1.5f, 1.5f);
+    fill_uniform(kph, n_pre, -1.5f, 1.5f);
+    fill_uniform(vph, n_pre, -1.0f, 1.0f);
+    fill_uniform(koh, own_rows * HkvD, -1.5f, 1.5f);
+    fill_uniform(voh, own_rows * HkvD, -1.0f, 1.0f);
+    dbuf q = dbuf_from(qh, (size_t)(T * HD) * sizeof(float));
+    dbuf kp = dbuf_from(kph, (size_t)n_pre * sizeof(float));
+    dbuf vp = dbuf_from(vph, (size_t)n_pre * sizeof(float));
+    dbuf ko = dbuf_from(koh, (size_t)(own_rows * HkvD) * sizeof(float));
+    dbuf vo = dbuf_from(voh, (size_t)(own_rows * HkvD) * sizeof(float));
+    dbuf out_rows = dbuf_new((size_t)(T * HD) * sizeof(float));
+    dbuf out_tiles = dbuf_new((size_t)(T * HD) * sizeof(float));
+    const int64_t spans_h[2] = {0, n_keys / 2};
+    const float alpha_h = 1.0f;
+    dbuf spans = dbuf_from(spans_h, sizeof spans_h), alpha = dbuf_from(&alpha_h, sizeof alpha_h);
+    fitm_cuda_attn a = {
+        .T = T,
+        .pos0 = c->pos0,
+        .own_base = c->own_base,
+        .window = c->window,
+        .n_head = c->H,
+        .n_head_kv = c->Hkv,
+        .head_dim = c->D,
+        .scale = 1.0f / sqrtf((float)D),
+        .q = q.p,
+        .out = out_rows.p,
+        .k_pre = c->own_base > 0 ? kp.p : NULL,
+        .v_pre = c->own_base > 0 ? vp.p : NULL,
+        .k_own = ko.p,
+        .v_own = vo.p,
+    };
+    if (c->intervene) {
+        a.iv_spans = spans.p, a.iv_alpha = alpha.p, a.iv_n_spans = 1;
+        a.iv_from_pos = c->pos0 + c->i1;
+    }
+    char what[160];
+    snprintf(what, sizeof what,
+             "attention tiled rows [%lld, %lld) of T %lld pos0 %lld own_base %lld window %lld "
+             "H %d Hkv %d D %d%s",
+             (long long)c->i0, (long long)c->i1, (long long)T, (long long)c->pos0,
+             (long long)c->own_base, (long long)c->window, (int)c->H, (int)c->Hkv, (int)c->D,
+             c->intervene ? " intervene" : "");
+    bool ok = launched(what, fitm_cuda_attention(&a, stream));
+    a.out = out_tiles.p;
+    ok = ok && launched(what, fitm_cuda_attention_tiled(&a, c->i0, c->i1, stream));
+    float *rows = xmalloc((size_t)(T * HD) * sizeof(float));
+    float *tiles = xmalloc((size_t)(T * HD) * sizeof(float));
+    dbuf_get(rows, &out_rows);
+    dbuf_get(tiles, &out_tiles);
+    float *want = xmalloc((size_t)(T * HD) * sizeof(float));
+    double *s = xmalloc((size_t)n_keys * sizeof(double));
+    for (int64_t i = c->i0; i < c->i1; i++)
+        for (int32_t h = 0; h < c->H; h++)
+            ref_attention_row(c, qh, kph, vph, koh, voh, i, h, s, want);
+    const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
+    bool same = memcmp(rows + lo, tiles + lo, (size_t)n * sizeof(float)) == 0;
+    for (int64_t e = 0; e < n && !same; e++)
+        if (memcmp(rows + lo + e, tiles + lo + e, sizeof(float)) != 0) {
+            fprintf(stderr, "  %s: first difference at row %lld head %lld dim %lld: %.9g != %.9g\n",
+                    what, (long long)((lo + e) / HD), (long long)((lo + e) % HD / D),
+                    (long long)((lo + e) % D), (double)rows[lo + e], (double)tiles[lo + e]);
+            break;
+        }
+    bool untouched = true; /* the rows outside [i0, i1) keep dbuf_new's all-ones bytes */
+    for (int64_t e = 0; e < T * HD; e++)
+        if ((e < lo || e >= lo + n) && !isnan(tiles[e]))
+            untouched = false;
+    if (!untouched)
+        fprintf(stderr, "  %s: a row outside the range was written\n", what);
+    printf("%-56s %s  bit for bit\n", what, same && untouched ? "ok  " : "FAIL");
+    CHECK(ok && same && untouched, "%s", what);
+    char w2[200];
+    snprintf(w2, sizeof w2, "%s vs double", what);
+    CHECK(values_and_guards_ok(check_close(w2, want + lo, tiles + lo, n, 1e-5, 1e-5), &out_tiles,
+                               what),
+          "%s", w2);
+    CHECK(dbuf_guards_ok(&out_rows, what));
+    free(qh), free(kph), free(vph), free(koh), free(voh), free(rows), free(tiles), free(want);
+    free(s);
+    dbuf_free(&q), dbuf_free(&kp), dbuf_free(&vp), dbuf_free(&ko), dbuf_free(&vo);
+    dbuf_free(&out_rows), dbuf_free(&out_tiles), dbuf_free(&spans), dbuf_free(&alpha);
+}
+
 static void test_contracts(void)
 {
     static _Alignas(16) uint8_t fake[4096];
@@ -1085,6 +1220,36 @@ static void test_contracts(void)
     CHECK(fitm_cuda_to_bf16(NULL, 1, 8, 1, b16, NULL) == inval);
     CHECK(fitm_cuda_to_bf16(f, -1, 8, 1, b16, NULL) == inval);
     CHECK(fitm_cuda_to_bf16(f, 0, 8, 0, b16, NULL) == 0);
+    {
+        /* the tiled attention takes plain rows only, within the call */
+        const fitm_cuda_attn at = {.T = 4,
+                                   .n_head = 4,
+                                   .n_head_kv = 1,
+                                   .head_dim = 8,
+                                   .q = f,
+                                   .out = f,
+                                   .k_own = f,
+                                   .v_own = f};
+        fitm_cuda_attn bad = at;
+        CHECK(fitm_cuda_attention_tiled(&at, 2, 5, NULL) == inval); /* past T */
+        CHECK(fitm_cuda_attention_tiled(&at, 3, 2, NULL) == inval);
+        CHECK(fitm_cuda_attention_rows(&at, -1, 2, NULL) == inval);
+        CHECK(fitm_cuda_attention_tiled(&at, 2, 2, NULL) == 0);
+        bad.cap_index = id; /* a capture */
+        CHECK(fitm_cuda_attention_tiled(&bad, 0, 4, NULL) == inval);
+        bad = at; /* a mixture */
+        bad.mix_n = 1, bad.mix_k_heads = 1, bad.mix_q = bad.mix_k = bad.mix_w = f;
+        CHECK(fitm_cuda_attention_tiled(&bad, 0, 4, NULL) == inval);
+        bad = at; /* an intervention from row 2: rows [0, 2) only */
+        bad.iv_n_spans = 1, bad.iv_spans = (const int64_t *)fake, bad.iv_alpha = f;
+        bad.iv_from_pos = 2;
+        CHECK(fitm_cuda_attention_tiled(&bad, 0, 3, NULL) == inval);
+        CHECK(fitm_cuda_attention_tiled(&bad, 0, 0, NULL) == 0);
+        CHECK(fitm_cuda_attention_tile_rows(4, 1) == 4);
+        CHECK(fitm_cuda_attention_tile_rows(2, 2) == 16);
+        CHECK(fitm_cuda_attention_tile_rows(64, 2) == 1);
+        CHECK(fitm_cuda_attention_tile_rows(4, 3) == 0);
+    }
 
     fitm_err err;
     strcpy(err.msg, "untouched");
@@ -1101,9 +1266,9 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk, bf16 (the ThreadSanitizer and mutant builds of tests/meson.build run a
- * few), or every group without an argument. With "small" in the list, the groups run only
- * their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
+ * softmax, rope, glu, topk, attention, bf16 (the ThreadSanitizer and mutant builds of
+ * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
+ * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
 static const char *groups;
 
@@ -1239,6 +1404,62 @@ int main(int argc, char **argv)
             test_topk(1, 262144, 262144, 64, 0); /* Gemma 3's vocabulary: 64 chunks */
             test_topk(2, 100003, 100003, 1, 0);
         }
+    }
+
+    if (want("attention")) {
+        static const tile_case tiles[] = {
+            /* Gemma 3's heads (4 query heads on 1 KV head: 4 rows a block), the last block
+             * partial, and a range starting inside the call */
+            {.T = 37, .H = 4, .Hkv = 1, .D = 256, .i0 = 0, .i1 = 37},
+            {.T = 37, .H = 4, .Hkv = 1, .D = 256, .i0 = 3, .i1 = 30},
+            /* prefix rows and three 128-key tiles per row, a window of 260 (so each row's v0
+             * differs inside a block, and its last 4-key tile may end in the same step as the
+             * tile before), rows below an intervention */
+            {.T = 21,
+             .pos0 = 400,
+             .own_base = 350,
+             .window = 260,
+             .H = 4,
+             .Hkv = 1,
+             .D = 72,
+             .i0 = 0,
+             .i1 = 13,
+             .intervene = true},
+            /* no GQA (16 rows a block), odd head dims, a prefix, a window inside the call */
+            {.T = 35, .pos0 = 5, .own_base = 3, .H = 3, .Hkv = 3, .D = 40, .i0 = 0, .i1 = 35},
+            {.T = 40,
+             .pos0 = 150,
+             .own_base = 150,
+             .window = 19,
+             .H = 2,
+             .Hkv = 1,
+             .D = 33,
+             .i0 = 1,
+             .i1 = 40},
+            /* 7 heads a group (pairs past the rows' heads idle), more heads than a block */
+            {.T = 9, .pos0 = 2, .H = 14, .Hkv = 2, .D = 16, .i0 = 0, .i1 = 9},
+            {.T = 5, .H = 32, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
+            /* one row after 130 cached keys; D 256 without GQA (two dims a thread) */
+            {.T = 1, .pos0 = 130, .own_base = 130, .H = 4, .Hkv = 1, .D = 256, .i0 = 0, .i1 = 1},
+            {.T = 18,
+             .pos0 = 120,
+             .own_base = 100,
+             .window = 64,
+             .H = 2,
+             .Hkv = 2,
+             .D = 256,
+             .i0 = 0,
+             .i1 = 18},
+        };
+        /* small: the ring of scores wrapping (300 keys), a window cutting a block's rows */
+        static const tile_case small_tiles[] = {
+            {.T = 5, .pos0 = 300, .own_base = 290, .H = 4, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
+            {.T = 9, .pos0 = 20, .window = 7, .H = 2, .Hkv = 2, .D = 12, .i0 = 1, .i1 = 9},
+        };
+        for (size_t i = 0; i < sizeof small_tiles / sizeof small_tiles[0]; i++)
+            test_attention_tiled(&small_tiles[i]);
+        for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
+            test_attention_tiled(&tiles[i]);
     }
 
     if (want("bf16")) {

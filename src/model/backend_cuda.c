@@ -14,8 +14,11 @@
  * of activations rounded in scratch (bfloat16 keeps F32's exponent range: Gemma's activations,
  * which overflow half, fit); F32 dequantizes the weight to F32 in a device scratch buffer per
  * call and multiplies F32 in and out with F32 pedantic compute (no TF32).
- * Attention: fitm_cuda_attention, one block per (row, head), with capture results downloaded
- * per captured row into the caller's host arrays.
+ * Attention: runs of plain rows (no capture, no intervention, no mixture: a prompt's bulk) of
+ * at least a tile's rows go to fitm_cuda_attention_tiled (blocks of rows and a KV group's
+ * heads reading each key and value once), the other rows to fitm_cuda_attention_rows (one
+ * block per (row, head)); both give a row the same bits, so which ran it never shows. Capture
+ * results are downloaded per captured row into the caller's host arrays.
  *
  * Launches: the ops enqueue work without waiting, and the host waits where it needs a result
  * (a download, the status). Between two waits the stream is captured into a CUDA graph
@@ -1070,6 +1073,57 @@ static fitm_cuda_attn attn_kernel_args(const fitm_attn_args *a)
     return k;
 }
 
+/* Whether row i of the call a is plain: not captured, not intervened, no mixture. */
+static bool attn_row_plain(const fitm_attn_args *a, int64_t i)
+{
+    const fitm_capture *cap = a->capture;
+    const fitm_intervention *iv = a->intervention;
+    return !a->mix && !(cap && cap->n_rows > 0 && a->cap_index[i] >= 0) &&
+           !(iv && iv->n_spans > 0 && a->pos0 + i >= iv->from_pos);
+}
+
+/* The first run of plain rows from row i on that fills a tiled block (at least min rows),
+ * as [*s, *e); *s = T when there is none. */
+static void attn_plain_run(const fitm_attn_args *a, int64_t i, int64_t min, int64_t *s,
+                           int64_t *e)
+{
+    for (*s = i; *s < a->T; *s = *e) {
+        while (*s < a->T && !attn_row_plain(a, *s))
+            ++*s;
+        for (*e = *s; *e < a->T && attn_row_plain(a, *e);)
+            ++*e;
+        if (*e - *s >= min)
+            return;
+    }
+    *s = *e = a->T;
+}
+
+/* The kernels for the call a (arguments k): each run of plain rows long enough for a tiled
+ * block to fitm_cuda_attention_tiled, the rows between to fitm_cuda_attention_rows. A captured
+ * or intervened suffix (a /rerank pass's query rows, an /answer's rows after its documents)
+ * makes two launches; a call with a mixture, or too short, one launch of the old kernel. */
+static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fitm_cuda_attn *k)
+{
+    const int64_t min = fitm_cuda_attention_tile_rows(a->n_head, a->n_head_kv);
+    fitm_cuda_attn kt = *k; /* the tiled rows' arguments: their capture is no part of them */
+    kt.cap_index = NULL;
+    kt.cap_spans = NULL;
+    kt.cap_n_spans = 0;
+    kt.cap_mass = kt.cap_probs = NULL;
+    kt.cap_probs_stride = 0;
+    for (int64_t i = 0; i < a->T;) {
+        int64_t s = a->T, e = a->T;
+        if (min > 0)
+            attn_plain_run(a, i, min, &s, &e);
+        if (s > i && !ok(c, fitm_cuda_attention_rows(k, i, s, c->stream), "attention"))
+            return false;
+        if (e > s && !ok(c, fitm_cuda_attention_tiled(&kt, s, e, c->stream), "attention"))
+            return false;
+        i = e;
+    }
+    return true;
+}
+
 /* One call's attention (backend.h); its captured rows are downloaded (a wait) into the
  * caller's arrays. */
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
@@ -1104,7 +1158,7 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
         k.iv_n_spans = iv->n_spans;
         k.iv_from_pos = iv->from_pos;
     }
-    if (c->rc || !ok(c, fitm_cuda_attention(&k, c->stream), "attention"))
+    if (c->rc || !attention_launch(c, a, &k))
         return;
     if (k.cap_index) /* the staged arguments live in the pinned area: no wait otherwise */
         download_capture(c, a);
@@ -1118,10 +1172,22 @@ static void *buf_at(const grow_buf *g, size_t off)
     return (char *)g->p + off;
 }
 
+/* Whether the call a has a run of plain rows that fills a tiled block (a prompt chunk). */
+static bool attn_tiles(const fitm_attn_args *a)
+{
+    const int64_t min = fitm_cuda_attention_tile_rows(a->n_head, a->n_head_kv);
+    int64_t s, e;
+    if (min <= 0)
+        return false;
+    attn_plain_run(a, 0, min, &s, &e);
+    return s < a->T;
+}
+
 /* A step's sequences as one launch (fitm_cuda_attention_many), their intervention arrays and
  * the kernel arguments staged side by side in one device buffer. Calls with a capture
  * (prefill and /rerank passes: their rows are downloaded per call) go one by one, as do more
- * calls than one launch stages or calls of different head counts. */
+ * calls than one launch stages or calls of different head counts; so do prompt chunks with
+ * rows for the tiled kernel, while the step's decode rows stay in the one launch. */
 static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
 {
     cuda_backend *c = cu(b);
@@ -1131,6 +1197,19 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
     if (!together) {
         for (int s = 0; s < n; s++)
             cuda_attention(b, &a[s]);
+        return;
+    }
+    fitm_attn_args rest[ATTN_MANY_MAX];
+    int n_rest = 0;
+    for (int s = 0; s < n; s++) {
+        if (attn_tiles(&a[s]))
+            cuda_attention(b, &a[s]);
+        else
+            rest[n_rest++] = a[s];
+    }
+    if (n_rest < n) {
+        if (n_rest > 0)
+            cuda_attention_many(b, rest, n_rest);
         return;
     }
     capture_on(c);

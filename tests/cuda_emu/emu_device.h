@@ -133,6 +133,25 @@ static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 3
     return fitm_emu_shfl_t(mask, v, s < lane / width * width ? -1 : s);
 }
 
+/* The intrinsics that round each operation on its own (no contraction into a fused
+ * multiply-add; the emulator's sources are built with -ffp-contract=off besides). */
+static inline float __fadd_rn(float a, float b)
+{
+    return a + b;
+}
+static inline float __fsub_rn(float a, float b)
+{
+    return a - b;
+}
+static inline float __fmul_rn(float a, float b)
+{
+    return a * b;
+}
+static inline float __fdiv_rn(float a, float b)
+{
+    return a / b;
+}
+
 template <typename T> static inline T __ldg(const T *p)
 {
     return *p;
