@@ -1078,6 +1078,12 @@ static void test_contracts(void)
     CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
     CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
     CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
+    double *lp = (double *)(fake + 3584);
+    CHECK(fitm_cuda_logprob(f, 1, 8, id, 0, lp, NULL) == inval);                  /* no picks */
+    CHECK(fitm_cuda_logprob(f, 1, 8, id, FITM_CUDA_PICK_MAX + 1, lp, NULL) == inval);
+    CHECK(fitm_cuda_logprob(f, 1, 0, id, 1, lp, NULL) == inval);                  /* n 0 */
+    CHECK(fitm_cuda_logprob(f, 1, 8, NULL, 1, lp, NULL) == inval);
+    CHECK(fitm_cuda_logprob(f, 0, 8, id, 1, lp, NULL) == 0);
     uint16_t *b16 = (uint16_t *)(fake + 2048);
     CHECK(fitm_cuda_to_bf16(f, 3, 8, 2, b16, NULL) == inval); /* rows_out < rows */
     CHECK(fitm_cuda_to_bf16((float *)(fake + 2), 1, 8, 1, b16, NULL) == inval); /* x: 2 bytes */
