@@ -155,6 +155,18 @@ size_t fitm_cuda_topk_scratch(int64_t rows, int64_t n, int32_t k);
 int fitm_cuda_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int32_t k, void *scratch,
                    float *val, int32_t *id, void *stream);
 
+/* ---- log-probabilities (kernels/logprob.cu) ---- */
+
+#define FITM_CUDA_PICK_MAX 16
+
+/* lp (rows, n_pick) (device) = fitm_ops_logprob of each row of x (rows, n) at its ids pick
+ * (rows, n_pick) (device, each in [0, n)): the same maximum, the sum of exponentials in
+ * double in another order, so each value is within (2n + 8) 2^-53 + 2^-50 (|lp| + ln n) of
+ * the host's (Gemma 3's n = 262144: about 6e-11). 1 <= n_pick <= FITM_CUDA_PICK_MAX,
+ * 1 <= n < 2^31, rows < 2^31. */
+int fitm_cuda_logprob(const float *x, int64_t rows, int64_t n, const int32_t *pick,
+                      int32_t n_pick, double *lp, void *stream);
+
 /* ---- matrix products (kernels/matvec.cu) ---- */
 
 /* y (T, N) = x (T, K) . W^T, each row as fitm_cuda_matvec computes it (so a row's result does

@@ -12,14 +12,27 @@ Documents are synthetic, about --doc-words words each (roughly 100 tokens at the
   tests/bench_rerank.py --url http://127.0.0.1:8080 [--key KEY] ...   uses a running one
 
 Requests are sequential (the engine runs one at a time), so throughput = 1 / mean latency;
---concurrency N also measures N clients at once (requests/s over the batch)."""
+--concurrency N also measures N clients at once (requests/s over the batch).
+
+  tests/bench_rerank.py --model MODEL.gguf --baseline OTHER_BUILD [--k 20] [--repeat 5]
+
+compares this build's scored methods (the default, fused, and its query_likelihood part, and
+relevance) with another build's, side by side: two daemons on the same model, their requests
+interleaved so both see the same load; mean latency of each and the ratio, the CPU seconds
+each daemon spent per request (steadier than latency on a shared machine), and the bytes of
+logits the scored rows send from the backend to the host: a whole row of V floats each where
+the rows leave the backend, n_pick doubles each where their log-probabilities are computed
+there (query_likelihood's rows: K times its question's tokens; relevance: K rows of the
+answer ids; fused: query_likelihood's)."""
 import argparse
 import concurrent.futures as cf
 import os
 import pathlib
 import random
+import re
 import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -49,6 +62,81 @@ def one(url, headers, body):
     return dt, r.json()
 
 
+RESTRICT = " We can get the answer to this question in the given documents."
+ANSWERS = ((" Yes", "Yes", " yes", "yes"), (" No", "No", " no", "no"))  # relevance's picks
+
+
+def cpu_seconds(proc):
+    """User + system CPU time the process has used so far (Linux /proc): on a shared machine a
+    request's CPU seconds move far less with the load than its wall time."""
+    fields = pathlib.Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def vocab_size(build, model):
+    out = subprocess.run([str(pathlib.Path(build) / "src" / "fitm"), "inspect", model],
+                         capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"vocab=(\d+)", out).group(1))
+
+
+def scored_rows(url, headers, query, k, method):
+    """(rows, picks per row) of one /rerank's scored logit rows."""
+    def ids(text):
+        r = requests.post(url + "/tokenize", json={"content": text, "add_special": False},
+                          headers=headers)
+        return r.json()["tokens"]
+
+    if method == "relevance":  # the first token of each spelling, deduplicated per answer
+        return k, sum(len({ids(w)[0] for w in words}) for words in ANSWERS)
+    return k * len(ids(" " + query + RESTRICT)), 1
+
+
+def compare(a, headers):
+    """This build against --baseline, side by side on one model."""
+    procs, urls = [], []
+    try:
+        for build in (a.build, a.baseline):
+            p, u = start_daemon(a.model, build, [])
+            procs.append(p)
+            urls.append(u)
+        V = vocab_size(a.build, a.model)
+        print(f"this build {a.build} against {a.baseline}, {a.repeat} requests each, "
+              f"interleaved; V = {V}\n")
+        print(f"{'K':>3} {'method':<17} {'this s':>8} {'base s':>8} {'base/this':>9} "
+              f"{'this cpu s':>10} {'base cpu s':>10} {'rows':>5} {'bytes before':>13} "
+              f"{'bytes now':>10}")
+        for k in a.k:
+            docs = make_docs(k, a.doc_words, seed=k)
+            base = {"query": "Which document mentions the copper lantern by the harbor?",
+                    "documents": docs}
+            for name, extra in (("fused (default)", {}),
+                                ("query_likelihood", {"method": "query_likelihood"}),
+                                ("relevance", {"method": "relevance"})):
+                body = {**base, **extra}
+                for u in urls:
+                    one(u, headers, body)  # warm-up
+                times, cpu = [[], []], [[], []]
+                scores = [None, None]
+                for r in range(a.repeat):  # each build first in every other round
+                    for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                        c0 = cpu_seconds(procs[i])
+                        dt, j = one(urls[i], headers, body)
+                        cpu[i].append(cpu_seconds(procs[i]) - c0)
+                        times[i].append(dt)
+                        scores[i] = [(d["index"], d["relevance_score"]) for d in j["results"]]
+                m = [statistics.mean(t) for t in times]
+                mc = [statistics.mean(c) for c in cpu]
+                rows, picks = scored_rows(urls[0], headers, base["query"], k, extra.get("method"))
+                same = "same scores" if scores[0] == scores[1] else "SCORES DIFFER"
+                print(f"{k:>3} {name:<17} {m[0]:>8.3f} {m[1]:>8.3f} {m[1] / m[0]:>8.2f}x "
+                      f"{mc[0]:>10.2f} {mc[1]:>10.2f} {rows:>5} {rows * V * 4:>13} "
+                      f"{rows * picks * 8:>10}  {same}")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait(60)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model")
@@ -59,9 +147,16 @@ def main():
     ap.add_argument("--doc-words", type=int, default=75)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=0)
+    ap.add_argument("--baseline", help="another build directory to compare the scored methods "
+                    "with, side by side (needs --model)")
     a = ap.parse_args()
     if not a.model and not a.url:
         ap.error("give --model or --url")
+    if a.baseline:
+        if not a.model:
+            ap.error("--baseline needs --model")
+        compare(a, {"Authorization": f"Bearer {a.key}"} if a.key else {})
+        return
     proc = None
     url = a.url
     if a.model:
@@ -77,7 +172,7 @@ def main():
             base = {"query": "Which document mentions the copper lantern by the harbor?",
                     "documents": docs}
             variants = [("attention (1 pass)", {"method": "attention"}),
-                        ("calibrated", {}),
+                        ("calibrated", {"method": "calibrated"}),
                         ("paper", {"method": "paper"}),
                         ("paper, no reuse", {"method": "paper", "prefix_reuse": False})]
             one(url, headers, {**base, "method": "attention"})  # warm-up
@@ -96,7 +191,8 @@ def main():
             if a.concurrency:
                 t = time.perf_counter()
                 with cf.ThreadPoolExecutor(a.concurrency) as ex:
-                    list(ex.map(lambda _: one(url, headers, base), range(a.concurrency)))
+                    calibrated = {**base, "method": "calibrated"}
+                    list(ex.map(lambda _: one(url, headers, calibrated), range(a.concurrency)))
                 dt = time.perf_counter() - t
                 print(f"{k:>3} {'calibrated x' + str(a.concurrency) + ' concurrent':<22} "
                       f"{'':>6} {'':>8} {dt:>8.3f} {'':>8} {a.concurrency / dt:>7.3f}")

@@ -177,6 +177,7 @@ static fitm_backend *make_wrapped(perturb what, float rel)
     w->ops.matmul = w_matmul, w->ops.rmsnorm = w_rmsnorm, w->ops.rope = w_rope;
     w->ops.glu = w_glu, w->ops.add = w_add, w->ops.softcap = w_softcap;
     w->ops.topk = w_topk, w->ops.attention = w_attention, w->ops.attention_many = NULL;
+    w->ops.logprob = NULL; /* the driver's host path: the CPU's op would take w for its own */
     w->base.ops = &w->ops;
     return &w->base;
 }

@@ -599,6 +599,65 @@ static void test_topk(fitm_backend *b, int64_t rows, int64_t n, int32_t k, int l
     b->ops->free(b, x);
 }
 
+/* ---- logprob ------------------------------------------------------------------------------ */
+
+/* rows of n values drawn by kind (0: uniform in [-30, 30]; 1: magnitudes from 1e-30 to 3e38
+ * of both signs with -inf entries, so exponents underflow and the maximum dwarfs the rest;
+ * 2: all equal but one), n_pick ids per row with 0 and n - 1 among them. Each value against
+ * an independent reference (long double log-sum-exp) within the bound of a sum of n terms in
+ * double in any order, (2n + 8) 2^-53 + 2^-50 (|lp| + ln n); the CPU backend must moreover
+ * give fitm_ops_logprob's bits (the host path's), a device backend be within that bound of
+ * them (kernels/logprob.cu). */
+static void test_logprob(fitm_backend *b, int64_t rows, int64_t n, int32_t n_pick, int kind)
+{
+    float *xh = rand_vec(rows * n, -30, 30);
+    for (int64_t i = 0; kind == 1 && i < rows * n; i++) {
+        const double u = urand();
+        xh[i] = u < 0.02 ? -INFINITY
+                         : (float)((urand() < 0.5 ? -1 : 1) * pow(10.0, -30.0 + 68.5 * u));
+    }
+    for (int64_t i = 0; kind == 2 && i < rows * n; i++)
+        xh[i] = i % n == n / 2 ? 4.0f : -1.5f;
+    int32_t *pick = malloc((size_t)(rows * n_pick) * sizeof *pick);
+    double *got = malloc((size_t)(rows * n_pick) * sizeof *got);
+    double *host = malloc((size_t)(rows * n_pick) * sizeof *host);
+    for (int64_t i = 0; i < rows * n_pick; i++)
+        pick[i] = i % n_pick == 0 ? 0 : i % n_pick == 1 ? (int32_t)(n - 1)
+                                                         : (int32_t)(urand() * (double)n);
+    float *x = to_dev(b, xh, rows * n);
+    b->ops->logprob(b, x, rows, n, pick, n_pick, got);
+    const bool exact = strcmp(b->ops->name, "cpu") == 0;
+    int64_t bad = -1;
+    double want_bad = 0, host_bad = 0;
+    for (int64_t r = 0; r < rows && bad < 0; r++) {
+        const float *row = xh + r * n;
+        fitm_ops_logprob(row, n, pick + r * n_pick, n_pick, host + r * n_pick);
+        long double m = -INFINITY, z = 0;
+        for (int64_t v = 0; v < n; v++)
+            m = row[v] > m ? row[v] : m;
+        for (int64_t v = 0; v < n; v++)
+            z += expl((long double)row[v] - m);
+        for (int32_t j = 0; j < n_pick && bad < 0; j++) {
+            const int64_t i = r * n_pick + j;
+            const double want = (double)((long double)row[pick[i]] - m - logl(z));
+            const double tol = (2.0 * (double)n + 8.0) * 0x1p-53 +
+                               0x1p-50 * (fabs(want) + log((double)n));
+            const bool same = got[i] == want || fabs(got[i] - want) <= tol;
+            const bool as_host = exact ? !memcmp(&got[i], &host[i], sizeof(double))
+                                       : got[i] == host[i] || fabs(got[i] - host[i]) <= tol;
+            if (!same || !as_host)
+                bad = i, want_bad = want, host_bad = host[i];
+        }
+    }
+    CHECK(bad < 0,
+          "logprob (rows %lld, n %lld, picks %d, kind %d) on %s: value %lld (id %d) is %.17g, "
+          "reference %.17g, host %.17g",
+          (long long)rows, (long long)n, (int)n_pick, kind, b->ops->name, (long long)bad,
+          bad < 0 ? 0 : (int)pick[bad], bad < 0 ? 0.0 : got[bad], want_bad, host_bad);
+    free(xh), free(pick), free(got), free(host);
+    b->ops->free(b, x);
+}
+
 /* ---- attention ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1032,6 +1091,15 @@ int main(int argc, char **argv)
     test_topk(b, 3, 4099, 64, 0);
     test_topk(b, 2, 70001, 1, 2);
     test_topk(b, 8, 4099, 40, 1); /* a decode step of 8 sequences: rows over the threads */
+    /* Gemma 3's vocabulary, one-entry rows, rows over the threads, relevance's 8 answers */
+    CHECK(b->ops->logprob != NULL, "the %s backend has no logprob", b->ops->name);
+    if (b->ops->logprob) {
+        test_logprob(b, 3, 262144, FITM_PICK_MAX, 0);
+        test_logprob(b, 2, 1, 2, 0);
+        test_logprob(b, 4, 5003, 8, 1);
+        test_logprob(b, 2, 300, 3, 2);
+        test_logprob(b, 33, 777, 1, 0);
+    }
 attention:;
     static const attn_case cases[] = {
         {.T = 9, .pos0 = 0, .own_base = 0, .window = 0, .H = 4, .Hkv = 2, .D = 16},

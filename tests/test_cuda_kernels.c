@@ -914,6 +914,49 @@ static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels
     free(x), free(ref), free(gv), free(gi);
 }
 
+/* ---- logprob: against fitm_ops_logprob within the kernel's bound ---- */
+
+/* rows of n values in [-spread, spread], n_pick ids per row with 0 and n - 1 among them; each
+ * value within (2n + 8) 2^-53 + 2^-50 (|lp| + ln n) of the host's (kernels.h), and no write
+ * outside lp (its guards). */
+static void test_logprob(int64_t rows, int64_t n, int32_t n_pick, float spread)
+{
+    char what[96];
+    snprintf(what, sizeof what, "logprob rows=%lld n=%lld picks=%d spread=%g", (long long)rows,
+             (long long)n, (int)n_pick, (double)spread);
+    float *x = xmalloc((size_t)(rows * n) * sizeof *x);
+    fill_uniform(x, rows * n, -spread, spread);
+    int32_t *pick = xmalloc((size_t)(rows * n_pick) * sizeof *pick);
+    for (int64_t i = 0; i < rows * n_pick; i++)
+        pick[i] = i % n_pick == 0 ? 0 : i % n_pick == 1 ? (int32_t)(n - 1)
+                                                         : (int32_t)((i * 7919) % n);
+    double *ref = xmalloc((size_t)(rows * n_pick) * sizeof *ref);
+    for (int64_t r = 0; r < rows; r++)
+        fitm_ops_logprob(x + r * n, n, pick + r * n_pick, n_pick, ref + r * n_pick);
+    dbuf dx = dbuf_from(x, (size_t)(rows * n) * sizeof *x);
+    dbuf dp = dbuf_from(pick, (size_t)(rows * n_pick) * sizeof *pick);
+    dbuf dl = dbuf_new((size_t)(rows * n_pick) * sizeof(double));
+    bool ok = launched(what, fitm_cuda_logprob(dx.p, rows, n, dp.p, n_pick, dl.p, stream));
+    double *got = xmalloc(dl.bytes);
+    dbuf_get(got, &dl);
+    int64_t bad = 0;
+    for (int64_t i = 0; ok && i < rows * n_pick; i++) {
+        const double tol = (2.0 * (double)n + 8.0) * 0x1p-53 +
+                           0x1p-50 * (fabs(ref[i]) + log((double)n));
+        if (fabs(got[i] - ref[i]) <= tol)
+            continue;
+        if (bad++ < MAX_REPORT)
+            fprintf(stderr, "  %s: [%lld] ref %.17g got %.17g\n", what, (long long)i, ref[i],
+                    got[i]);
+    }
+    ok = ok && bad == 0;
+    ok = dbuf_guards_ok(&dl, what) && ok;
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok, "%s", what);
+    dbuf_free(&dx), dbuf_free(&dp), dbuf_free(&dl);
+    free(x), free(pick), free(ref), free(got);
+}
+
 /* ---- bfloat16 ---- */
 
 static uint32_t f2u(float f)
@@ -1213,6 +1256,12 @@ static void test_contracts(void)
     CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
     CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
     CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
+    double *lp = (double *)(fake + 3584);
+    CHECK(fitm_cuda_logprob(f, 1, 8, id, 0, lp, NULL) == inval);                  /* no picks */
+    CHECK(fitm_cuda_logprob(f, 1, 8, id, FITM_CUDA_PICK_MAX + 1, lp, NULL) == inval);
+    CHECK(fitm_cuda_logprob(f, 1, 0, id, 1, lp, NULL) == inval);                  /* n 0 */
+    CHECK(fitm_cuda_logprob(f, 1, 8, NULL, 1, lp, NULL) == inval);
+    CHECK(fitm_cuda_logprob(f, 0, 8, id, 1, lp, NULL) == 0);
     uint16_t *b16 = (uint16_t *)(fake + 2048);
     CHECK(fitm_cuda_to_bf16(f, 3, 8, 2, b16, NULL) == inval); /* rows_out < rows */
     CHECK(fitm_cuda_to_bf16((float *)(fake + 2), 1, 8, 1, b16, NULL) == inval); /* x: 2 bytes */
@@ -1266,7 +1315,7 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk, attention, bf16 (the ThreadSanitizer and mutant builds of
+ * softmax, rope, glu, topk, attention, logprob, bf16 (the ThreadSanitizer and mutant builds of
  * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
  * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
@@ -1460,6 +1509,14 @@ int main(int argc, char **argv)
             test_attention_tiled(&small_tiles[i]);
         for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
             test_attention_tiled(&tiles[i]);
+    }
+
+    if (want("logprob")) {
+        test_logprob(1, 1, 1, 1.0f);
+        test_logprob(3, 300, 8, 30.0f);  /* fewer entries than the block's threads */
+        test_logprob(2, 4099, 16, 80.0f); /* most exponentials underflow */
+        if (!small)
+            test_logprob(2, 262144, 2, 20.0f); /* Gemma 3's vocabulary */
     }
 
     if (want("bf16")) {

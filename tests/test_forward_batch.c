@@ -14,6 +14,7 @@
  *
  * Inputs are fresh random each run (the seed is printed; FITM_TEST_SEED=<n> repeats a run). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,10 +78,14 @@ typedef struct {
     bool use_cap, use_iv;
     fitm_position_method position; /* Ms-PoE now and then; branches never (their prefix has none) */
     int32_t top_k;                 /* 0 (none), 1 (greedy), 3 or FITM_TOP_MAX               */
-    bool no_logits;                /* the batched call asks for top lists only (the solo one
-                                      always for logits too: its lists come from them)      */
+    bool no_logits;                /* the batched call asks for top lists or picks only (the
+                                      solo one always for logits too: its lists and picks
+                                      come from them)                                       */
+    int32_t n_pick;                /* 0 (none), 1 (query likelihood), 2, FITM_PICK_MAX       */
+    int32_t pick[MAX_T * FITM_PICK_MAX]; /* ids with 0 and V - 1 among them                 */
     float *logits[2], *mass[2], *probs[2]; /* [0] batched, [1] solo */
     fitm_top *top[2];
+    double *lp[2];
 } seq;
 
 static void fill_part(seq *s, const fitm_model_config *c, bool decode)
@@ -94,6 +99,12 @@ static void fill_part(seq *s, const fitm_model_config *c, bool decode)
     static const int32_t ks[] = {0, 1, 1, 3, FITM_TOP_MAX};
     s->top_k = ks[uniform(0, 4)];
     s->top_k = s->top_k > c->n_vocab ? c->n_vocab : s->top_k;
+    static const int32_t picks[] = {0, 1, 2, FITM_PICK_MAX};
+    s->n_pick = picks[uniform(0, 3)];
+    for (int64_t i = 0; i < s->n_logits * s->n_pick; i++) {
+        const int64_t u = uniform(0, 5);
+        s->pick[i] = u == 0 ? 0 : u == 1 ? c->n_vocab - 1 : (int32_t)uniform(0, c->n_vocab - 1);
+    }
     s->use_cap = uniform(0, 1);
     s->use_iv = s->pos >= 4 && uniform(0, 1);
     s->position = !s->prefix && uniform(0, 2) == 0 ? FITM_POSITION_MS_POE : FITM_POSITION_NONE;
@@ -125,10 +136,28 @@ static fitm_forward_opts opts_of(seq *s, int which, fitm_capture *cap)
         .logits = which == 0 && s->no_logits ? NULL : s->logits[which],
         .top_k = s->top_k,
         .top = s->top[which],
+        .n_pick = s->n_pick,
+        .pick = s->pick,
+        .logprob = s->lp[which],
         .capture = s->use_cap ? cap : NULL,
         .intervention = s->use_iv ? &s->iv : NULL,
         .position = s->position,
     };
+}
+
+/* Whether lp (rows, n_pick) is fitm_ops_logprob of each row of logits (rows, V) at its picks,
+ * bit for bit: the values /rerank's scores on the CPU were computed from before the
+ * backends computed them. */
+static bool picks_of_rows(const float *logits, int64_t rows, int64_t V, const int32_t *pick,
+                          int32_t n_pick, const double *lp)
+{
+    double want[FITM_PICK_MAX];
+    for (int64_t i = 0; i < rows; i++) {
+        fitm_ops_logprob(logits + i * V, V, pick + i * n_pick, n_pick, want);
+        if (memcmp(want, lp + i * n_pick, sizeof(double) * (size_t)n_pick))
+            return false;
+    }
+    return true;
 }
 
 static bool same_rows(const seq *s, const fitm_model_config *c)
@@ -174,7 +203,8 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
             S[i].mass[w] = malloc(sizeof(float) * (size_t)(2 * L * H * 3));
             S[i].probs[w] = malloc(sizeof(float) * (size_t)(2 * L * H * CTX));
             S[i].top[w] = malloc(sizeof(fitm_top) * (size_t)(MAX_T * FITM_TOP_MAX));
-            ok = S[i].logits[w] && S[i].mass[w] && S[i].probs[w] && S[i].top[w];
+            S[i].lp[w] = malloc(sizeof(double) * (size_t)(MAX_T * FITM_PICK_MAX));
+            ok = S[i].logits[w] && S[i].mass[w] && S[i].probs[w] && S[i].top[w] && S[i].lp[w];
         }
     }
     CHECK(ok);
@@ -228,7 +258,7 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
             fill_part(s, c, round % 2 == 0 || uniform(0, 1));
             if (shared_k)
                 s->top_k = shared_k > c->n_vocab ? (int32_t)c->n_vocab : shared_k;
-            s->no_logits = s->top_k > 0 && (shared_k || uniform(0, 1));
+            s->no_logits = (s->top_k > 0 || s->n_pick > 0) && (shared_k || uniform(0, 1));
             if (total + s->T > MAX_T)
                 continue;
             total += s->T;
@@ -239,7 +269,17 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
         }
         if (n == 0)
             continue;
+        /* log-probabilities from the backend's logprob and from the driver's host path (a
+         * backend without the slot: the rows the call downloads, or its own download when it
+         * asked for none) must both be fitm_ops_logprob of the rows: rounds 0 and 2 run the
+         * slot in both calls, round 1 the slot batched and the host path solo, round 3 the
+         * host path in both */
+        const fitm_backend_ops *own = b->ops;
+        fitm_backend_ops host_lp = *own;
+        host_lp.logprob = NULL;
+        b->ops = round == 3 ? &host_lp : own;
         CHECK(fitm_forward_run_batch(fw, in, n, &err) == FITM_OK, " %s", err.msg);
+        b->ops = round % 2 ? &host_lp : own;
         for (int32_t k = 0; k < n; k++) {
             seq *s = &S[idx[k]];
             CHECK(fitm_forward_run(fw, s->solo, s->ids + s->pos, s->T, s->pos, &opts[idx[k]][1],
@@ -252,6 +292,11 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
             else if (memcmp(s->top[0], s->top[1],
                             sizeof(fitm_top) * (size_t)(s->n_logits * s->top_k)))
                 what = "top-k lists";
+            else if (memcmp(s->lp[0], s->lp[1],
+                            sizeof(double) * (size_t)(s->n_logits * s->n_pick)))
+                what = "log-probabilities";
+            else if (!picks_of_rows(s->logits[1], s->n_logits, V, s->pick, s->n_pick, s->lp[1]))
+                what = "log-probabilities of the downloaded rows";
             else if (s->use_cap &&
                      memcmp(s->mass[0], s->mass[1],
                             sizeof(float) * (size_t)(s->cap.n_rows * L * H * 3)))
@@ -269,6 +314,7 @@ static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
                   (long long)s->T, (long long)s->pos, (int)n, what);
             s->pos += s->T;
         }
+        b->ops = own;
     }
 
     /* Bad calls fail whole and leave every cache as it was. */
@@ -297,6 +343,7 @@ out:
             free(S[i].mass[w]);
             free(S[i].probs[w]);
             free(S[i].top[w]);
+            free(S[i].lp[w]);
         }
     }
     fitm_kv_destroy(prefix);
@@ -304,6 +351,94 @@ out:
     fitm_backend_destroy(b);
     fitm_model_close(m);
     free(buf);
+}
+
+/* Picked log-probabilities where the rows are not the output head's plain product: a gemma3
+ * model without a sliding window whose file sets a final softcap (the logits are capped on the
+ * backend before anything is picked), and Attention Buckets (the rows are log p^, made on the
+ * host from every pass). Each call asks for the rows and the picks; the picks must be
+ * fitm_ops_logprob of those rows, bit for bit, and a call asking for the picks alone must give
+ * the same. */
+static void test_picks(void)
+{
+    fitm_gen_config cfg;
+    fitm_gen_defaults(&cfg, FITM_GEN_ARCH_GEMMA3);
+    cfg.type = FITM_DTYPE_Q8_0;
+    cfg.n_layer = 2;
+    const float cap = 0.75f; /* below the model's largest logits: the cap must bite */
+    fitm_gguf_writer *w = NULL;
+    fitm_err err = {{0}};
+    void *buf = NULL;
+    size_t nb = 0;
+    fitm_gguf *g = NULL;
+    fitm_model *m = NULL;
+    CHECK(fitm_gen_build(&cfg, &w, &err) == FITM_OK &&
+              fitm_gguf_writer_set_u32(w, "gemma3.attention.sliding_window", 0, &err) == FITM_OK &&
+              fitm_gguf_writer_set_f32(w, "gemma3.final_logit_softcapping", cap, &err) == FITM_OK &&
+              fitm_gguf_writer_write_memory(w, &buf, &nb, &err) == FITM_OK &&
+              fitm_gguf_open_memory(&g, buf, nb, &err) == FITM_OK &&
+              fitm_model_from_gguf(&m, g, &err) == FITM_OK,
+          " softcapped model: %s", err.msg);
+    fitm_gguf_writer_destroy(w);
+    if (!m) {
+        free(buf);
+        return;
+    }
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab, T = 12, NL = 5, NP = 3;
+    CHECK(c->final_softcap == cap, " the file's softcap was not read (%g)", c->final_softcap);
+    fitm_backend *b = NULL;
+    fitm_forward *fw = NULL;
+    fitm_kv *kv = NULL;
+    fitm_forward_params fp = {MAX_T, CTX, MAX_T};
+    float *logits = malloc(sizeof(float) * (size_t)(NL * V));
+    double *lp = malloc(sizeof(double) * (size_t)(NL * NP)), *lp2 = malloc(sizeof *lp2 * NL * NP);
+    int32_t ids[12], pick[5 * 3];
+    for (int64_t t = 0; t < T; t++)
+        ids[t] = (int32_t)uniform(0, V - 1);
+    for (int64_t i = 0; i < NL * NP; i++)
+        pick[i] = i == 0 ? 0 : i == 1 ? (int32_t)(V - 1) : (int32_t)uniform(0, V - 1);
+    bool ok = logits && lp && lp2 && fitm_backend_cpu_create(&b, 2, &err) == FITM_OK &&
+              fitm_forward_create(&fw, m, b, &fp, &err) == FITM_OK &&
+              fitm_forward_positions(fw, NULL, &err) == FITM_OK &&
+              fitm_kv_create(&kv, b, c, CTX, &err) == FITM_OK;
+    CHECK(ok, " %s", err.msg);
+    for (int method = 0; ok && method < 2; method++) {
+        const fitm_position_method pm = method ? FITM_POSITION_BUCKETS : FITM_POSITION_NONE;
+        CHECK(fitm_kv_passes(kv, method ? FITM_BUCKETS : 1, 0, &err) == FITM_OK, " %s", err.msg);
+        fitm_forward_opts o = {.n_logits = NL, .logits = logits, .n_pick = (int32_t)NP,
+                               .pick = pick, .logprob = lp, .position = pm};
+        CHECK(fitm_forward_run(fw, kv, ids, T, 0, &o, &err) == FITM_OK, " %s", err.msg);
+        float most = 0.0f;
+        for (int64_t i = 0; i < NL * V; i++)
+            most = fabsf(logits[i]) > most ? fabsf(logits[i]) : most;
+        CHECK(method || (most <= cap && most > 0.5f * cap),
+              " softcap %g: largest logit %g (the cap does not bite)", cap, most);
+        CHECK(picks_of_rows(logits, NL, V, pick, (int32_t)NP, lp),
+              " %s: picks are not the log-probabilities of the rows",
+              fitm_position_method_name(pm));
+        o.logits = NULL;
+        o.logprob = lp2;
+        CHECK(fitm_forward_run(fw, kv, ids, T, 0, &o, &err) == FITM_OK, " %s", err.msg);
+        CHECK(!memcmp(lp, lp2, sizeof(double) * (size_t)(NL * NP)),
+              " %s: picks without the rows differ", fitm_position_method_name(pm));
+    }
+    /* bad picks fail the call and leave the cache */
+    const int64_t end = fitm_kv_pos_end(kv);
+    int32_t bad = (int32_t)V;
+    fitm_forward_opts o = {.n_logits = 1, .n_pick = 1, .pick = &bad, .logprob = lp};
+    CHECK(!ok || fitm_forward_run(fw, kv, ids, 1, end, &o, &err) == FITM_ERR_INVALID);
+    o.pick = pick, o.n_pick = FITM_PICK_MAX + 1;
+    CHECK(!ok || fitm_forward_run(fw, kv, ids, 1, end, &o, &err) == FITM_ERR_INVALID);
+    o.n_pick = 1, o.logprob = NULL;
+    CHECK(!ok || fitm_forward_run(fw, kv, ids, 1, end, &o, &err) == FITM_ERR_INVALID);
+    CHECK(!ok || fitm_kv_pos_end(kv) == end);
+    fitm_kv_destroy(kv);
+    fitm_forward_destroy(fw);
+    fitm_backend_destroy(b);
+    fitm_model_close(m);
+    free(buf);
+    free(logits), free(lp), free(lp2);
 }
 
 /* One sequence of test_layers: a cache, its capture and logits. */
@@ -505,6 +640,8 @@ int main(void)
                 test_model((fitm_gen_arch)a, types[t], half);
                 test_layers((fitm_gen_arch)a, types[t], half);
             }
+    rng = fitm_rng_mix(seed ^ 0x9c);
+    test_picks();
     if (failures) {
         fprintf(stderr, "test_forward_batch: %d of %d checks failed\n", failures, n_checks);
         return 1;

@@ -18,6 +18,7 @@ fitmd on the same `fitm mkmodel` models:
 
 The emulator's environment: FITM_CUDA_EMU_DEVICES (0: no device) and
 FITM_CUDA_EMU_FAIL_LAUNCH_IF (a file whose existence fails the next launch)."""
+import math
 import os
 import pathlib
 import subprocess
@@ -134,6 +135,22 @@ def test_same_results_as_cpu(emu_bin, fitmd_bin, models, tmp_path, name):
         for a, b in zip(rc["results"], rg["results"]):
             for k in ("attention", "dummy_attention", "calibrated_attention"):
                 assert abs(a[k] - b[k]) <= MASS_ATOL, (k, a, b)
+        # the scored methods' log-probabilities come from the device (kernels/logprob.cu):
+        # the CPU's scores up to the products' F32 rounding, far below what a wrong id or row
+        # would move them (query_likelihood's score is the exp of a mean log-probability). Float
+        # weights only: on quantized ones the CPU's output head rounds its activations to Q8.
+        for method in ("query_likelihood", "relevance") if name != "qwen2_q8" else ():
+            body = dict(rerank_body(), method=method)
+            sc, sg = post(cpu, body), post(gpu, body)
+            assert sg.status_code == sc.status_code, (method, sc.text, sg.text)
+            if sc.status_code != 200:  # relevance: a vocabulary that cannot spell Yes/No
+                continue
+            want = {x["index"]: x["relevance_score"] for x in sc.json()["results"]}
+            got = {x["index"]: x["relevance_score"] for x in sg.json()["results"]}
+            for i, w in want.items():
+                diff = (abs(math.log(got[i]) - math.log(w)) if method == "query_likelihood"
+                        else abs(got[i] - w))
+                assert diff <= 1e-3, (method, i, w, got[i])
         if name != "qwen2_q8":  # quantized: the CPU's decode steps round activations to Q8
             ac, ag = post(cpu, answer_body(), path="/answer"), post(gpu, answer_body(),
                                                                    path="/answer")

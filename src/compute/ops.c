@@ -163,6 +163,19 @@ static bool top_before(float v, int32_t i, const fitm_top *t)
     return v > t->logit || (v == t->logit && i < t->id);
 }
 
+void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_pick, double *lp)
+{
+    float mx = x[0];
+    for (int64_t v = 1; v < n; v++)
+        mx = x[v] > mx ? x[v] : mx;
+    double z = 0;
+    for (int64_t v = 0; v < n; v++)
+        z += exp((double)x[v] - (double)mx);
+    const double lz = log(z);
+    for (int32_t j = 0; j < n_pick; j++)
+        lp[j] = (double)x[pick[j]] - (double)mx - lz;
+}
+
 void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top)
 {
     int32_t have = 0;

@@ -77,6 +77,17 @@ typedef struct {
  * 1 <= k <= min(n, FITM_TOP_MAX), n < 2^31; x holds no NaN. */
 void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
 
+/* Most ids fitm_ops_logprob's callers pick per row (the forward driver's opts.n_pick). */
+#define FITM_PICK_MAX 16
+
+/* lp (n_pick) = log softmax(x)[pick[j]] for the ids pick (n_pick, each in [0, n)) of one row
+ * x (n): the maximum m in float, z = sum_v exp((double)x[v] - (double)m) in index order in
+ * double, then lp[j] = (double)x[pick[j]] - (double)m - log(z). The one definition of a
+ * scored row's log-probabilities (/rerank's query likelihood and relevance): the CPU backend
+ * and the forward driver's host path compute exactly this; a device may sum z in another
+ * order (backend.h, logprob). n >= 1. */
+void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_pick, double *lp);
+
 /* fitm_ops_topk in parts: adds x[i0, i1) to the list top of *have entries (0 to start with)
  * built from x[0, i0), updating *have (at most k). Once *have == k, x[i] enters only if it is
  * greater than top[k - 1].logit (an equal value has a lower index already in the list), so a

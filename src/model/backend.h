@@ -182,6 +182,15 @@ typedef struct {
      * instead of n (Gemma 3: 64 of 262144). */
     void (*topk)(fitm_backend *b, const float *x, int64_t rows, int64_t n, int32_t k,
                  fitm_top *top);
+    /* Optional: lp (rows, n_pick) host = fitm_ops_logprob of each row of x (rows, n) at its
+     * n_pick ids, pick (rows, n_pick) host, each in [0, n), 1 <= n_pick <= FITM_PICK_MAX: a
+     * scored row's log-probabilities, so rows * n_pick doubles leave the backend instead of
+     * rows * n floats (Gemma 3: 8 bytes of a 1 MiB row for a query-likelihood token). The CPU
+     * backend gives fitm_ops_logprob's values bit for bit; a device may sum the exponentials
+     * in another order, within the bound its backend states. NULL: the forward driver
+     * downloads the rows and runs fitm_ops_logprob on the host. */
+    void (*logprob)(fitm_backend *b, const float *x, int64_t rows, int64_t n,
+                    const int32_t *pick, int32_t n_pick, double *lp);
     void (*attention)(fitm_backend *b, const fitm_attn_args *a);
     /* The n calls attention(b, &a[i]) of one layer of a step of several sequences, with the
      * same results, as one job (optional: NULL, and the driver makes the n calls). No two

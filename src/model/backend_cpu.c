@@ -595,6 +595,31 @@ static void cpu_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, i
     fitm_pool_run(cpu(b)->pool, rows, topk_task, &j);
 }
 
+typedef struct {
+    const float *x;
+    int64_t n;
+    const int32_t *pick;
+    int32_t n_pick;
+    double *lp;
+} logprob_job;
+
+static void logprob_task(void *ctx, int64_t r, int thread)
+{
+    (void)thread;
+    const logprob_job *j = ctx;
+    fitm_ops_logprob(j->x + r * j->n, j->n, j->pick + r * j->n_pick, j->n_pick,
+                     j->lp + r * j->n_pick);
+}
+
+/* A row per task, each row summed in index order by one thread: fitm_ops_logprob's values bit
+ * for bit, the rows of a scored pass (a query-likelihood chunk: up to 32) over the threads. */
+static void cpu_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t n,
+                        const int32_t *pick, int32_t n_pick, double *lp)
+{
+    logprob_job j = {x, n, pick, n_pick, lp};
+    fitm_pool_run(cpu(b)->pool, rows, logprob_task, &j);
+}
+
 /* e^x for VW floats: x = n ln2 + r (|r| <= ln2/2, ln2 split in two for exactness), e^r by a
  * degree-6 polynomial, 2^n through the exponent bits; about 2 ulp over the range softmax
  * and the activations use. Inputs below -87 give 0, above 88 give +inf. */
@@ -1487,6 +1512,7 @@ static const fitm_backend_ops cpu_ops = {
     .add = cpu_add,
     .softcap = cpu_softcap,
     .topk = cpu_topk,
+    .logprob = cpu_logprob,
     .attention = cpu_attention,
     .attention_many = cpu_attention_many,
     .attention_mix = true,

@@ -90,7 +90,7 @@ typedef struct {
     dev_weight *w;    /* sorted by host */
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
-        cap_probs, top, top_scratch, many;
+        cap_probs, top, top_scratch, many, picks, lp;
     void *host;     /* host scratch: the top entries' values then indices, unpacked into the
                        caller's array; capture rows added into the caller's (capture->add) */
     size_t host_cap;
@@ -599,7 +599,8 @@ static void cuda_destroy(fitm_backend *b)
         cudaFreeHost(c->pin);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
-                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many};
+                        &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many,
+                        &c->picks,    &c->lp};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     free_buf(&c->wb);
@@ -1002,6 +1003,27 @@ static void cuda_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, 
         top[i] = (fitm_top){hv[i], hi[i]};
 }
 
+_Static_assert(FITM_PICK_MAX <= FITM_CUDA_PICK_MAX, "the driver's picks fit the kernel's");
+
+/* The rows' log-probabilities on the device (kernels/logprob.cu, one block per row) and one
+ * copy of rows * n_pick doubles: 8 bytes per query-likelihood row where the row is 1 MiB for
+ * Gemma 3. The picks go up through the staging area; the values come down into lp at once
+ * (no unpacking, so no host scratch). */
+static void cuda_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t n,
+                         const int32_t *pick, int32_t n_pick, double *lp)
+{
+    cuda_backend *c = cu(b);
+    const size_t vals = (size_t)(rows * n_pick);
+    capture_on(c);
+    if (c->rc || rows == 0 || !grow(c, &c->lp, vals * sizeof(double)))
+        return;
+    const int32_t *dpick = stage(c, &c->picks, pick, vals * sizeof(int32_t));
+    if (!dpick ||
+        !ok(c, fitm_cuda_logprob(x, rows, n, dpick, n_pick, c->lp.p, c->stream), "logprob"))
+        return;
+    to_host(c, lp, c->lp.p, vals * sizeof(double), "log-probabilities download");
+}
+
 /* Copies n floats of a captured row from the device to dst, or adds them to it (capture->add:
  * the passes of Attention Buckets summed in the caller's arrays; the keys a row does not see
  * are 0 on the device, so adding every entry adds what the CPU backend adds). */
@@ -1289,6 +1311,7 @@ static const fitm_backend_ops cuda_ops = {
     .add = cuda_add,
     .softcap = cuda_softcap,
     .topk = cuda_topk,
+    .logprob = cuda_logprob,
     .attention = cuda_attention,
     .attention_many = cuda_attention_many,
     .qk_rope = cuda_qk_rope,

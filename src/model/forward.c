@@ -19,6 +19,9 @@ static void free_scratch(fitm_forward *f)
     free(f->cs_host);
     free(f->cap_index);
     free(f->top);
+    free(f->pick);
+    free(f->lp);
+    free(f->lp_row);
     free(f->ids);
     b->ops->free(b, f->q_mix);
     b->ops->free(b, f->k_mix);
@@ -92,7 +95,12 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     f->cap_index = malloc((size_t)Tm * sizeof(int32_t));
     f->top = malloc((size_t)(p->max_logits * FITM_TOP_MAX + 1) * sizeof(fitm_top));
     f->ids = malloc((size_t)Tm * sizeof(int32_t));
-    if (!ok || !f->cs_host || !f->cap_index || !f->top || !f->ids) {
+    const size_t picks = (size_t)(p->max_logits * FITM_PICK_MAX + 1);
+    f->pick = malloc(picks * sizeof *f->pick);
+    f->lp = malloc(picks * sizeof *f->lp);
+    f->lp_row = malloc((size_t)c->n_vocab * sizeof *f->lp_row);
+    if (!ok || !f->cs_host || !f->cap_index || !f->top || !f->ids || !f->pick || !f->lp ||
+        !f->lp_row) {
         fitm_forward_destroy(f);
         return fitm_err_set(err, FITM_ERR_NOMEM, "cannot allocate forward scratch for %lld tokens",
                             (long long)Tm);
@@ -567,8 +575,46 @@ static void ffn_block(const pass *p, int32_t l)
     add_block(p, &ly->post_ffn_norm);
 }
 
+/* The log-probabilities of sequences [s, e)'s logit rows (adjacent in f->logits from
+ * p->seq[s]'s first, each sequence picking n_pick ids per row) into each one's
+ * opts->logprob: computed on the backend (ops->logprob) over all their rows at once, or, on
+ * a backend without it, by fitm_ops_logprob of each row on the host (the row a sequence
+ * downloaded into opts->logits, else a download of its own). */
+static void pick_rows(const pass *p, int32_t s, int32_t e, int32_t n_pick)
+{
+    fitm_forward *f = p->f;
+    fitm_backend *b = f->b;
+    const int64_t V = fitm_model_config_of(f->m)->n_vocab, lrow0 = p->seq[s].lrow0;
+    if (!b->ops->logprob) {
+        for (int32_t t = s; t < e; t++) {
+            const fitm_forward_opts *o = p->seq[t].opts;
+            for (int64_t i = 0; i < o->n_logits; i++) {
+                const float *row = o->logits ? o->logits + i * V : f->lp_row;
+                if (!o->logits)
+                    b->ops->download(b, f->lp_row, f->logits + (p->seq[t].lrow0 + i) * V,
+                                     (size_t)V * sizeof(float));
+                fitm_ops_logprob(row, V, o->pick + i * n_pick, n_pick, o->logprob + i * n_pick);
+            }
+        }
+        return;
+    }
+    int64_t rows = 0;
+    for (int32_t t = s; t < e; t++) {
+        const fitm_forward_opts *o = p->seq[t].opts;
+        memcpy(f->pick + rows * n_pick, o->pick, (size_t)(o->n_logits * n_pick) * sizeof(int32_t));
+        rows += o->n_logits;
+    }
+    b->ops->logprob(b, f->logits + lrow0 * V, rows, V, f->pick, n_pick, f->lp);
+    for (int32_t t = s; t < e; t++) {
+        const fitm_forward_opts *o = p->seq[t].opts;
+        memcpy(o->logprob, f->lp + (p->seq[t].lrow0 - lrow0) * n_pick,
+               (size_t)(o->n_logits * n_pick) * sizeof(double));
+    }
+}
+
 /* Each sequence's last n_logits rows' logits into its opts->logits and/or their top entries
- * into opts->top (selected by the backend, so only those leave it): the rows are gathered
+ * into opts->top and/or their log-probabilities at its picks into opts->logprob (selected or
+ * computed by the backend, so only those leave it): the rows are gathered
  * (normed) into one block so the output head's weights are read once (always the STEP
  * products, so a row's logits do not depend on the rows beside it). */
 static void output_head(const pass *p)
@@ -612,6 +658,17 @@ static void output_head(const pass *p)
         for (int32_t t = s; t < e; t++)
             memcpy(p->seq[t].opts->top, f->top + (p->seq[t].lrow0 - q->lrow0) * k,
                    (size_t)(p->seq[t].opts->n_logits * k) * sizeof(fitm_top));
+    }
+    /* Log-probabilities: the same grouping, by n_pick (the rerank passes of a step's
+     * sequences in one backend call). */
+    for (int32_t s = 0, e; s < p->n_seqs; s = e) {
+        const int32_t k = p->seq[s].opts->n_pick;
+        e = s + 1;
+        if (k <= 0 || p->seq[s].opts->n_logits == 0)
+            continue;
+        while (e < p->n_seqs && p->seq[e].opts->n_pick == k && p->seq[e].opts->n_logits > 0)
+            e++;
+        pick_rows(p, s, e, k);
     }
 }
 

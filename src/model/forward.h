@@ -85,11 +85,20 @@ typedef struct {
     const fitm_kv *prefix;
     int64_t n_logits;        /* logits for the last n_logits rows of this call, in [0, T]  */
     float *logits;           /* (n_logits, V) host; may be NULL when n_logits is 0 or top_k
-                                is set                                                     */
+                                or n_pick is set                                           */
     int32_t top_k;           /* > 0: each of those rows' top_k largest logits into top, in
                                 fitm_ops_topk's order (at most FITM_TOP_MAX, at most V);
                                 only top_k entries per row leave the backend, not V        */
     fitm_top *top;           /* (n_logits, top_k) host, when top_k > 0                     */
+    int32_t n_pick;          /* > 0: each of those rows' log-probabilities at n_pick ids
+                                (at most FITM_PICK_MAX) into logprob: fitm_ops_logprob of
+                                the row the logits would hold (after the softcap; BUCKETS:
+                                of log p^), computed on the backend where it has
+                                ops->logprob, so only n_pick doubles per row leave it; the
+                                CUDA backend's differ from the host's by its sum's order
+                                (docs/cuda-backend.md)                                     */
+    const int32_t *pick;     /* (n_logits, n_pick) host ids, each in [0, V)                */
+    double *logprob;         /* (n_logits, n_pick) host, when n_pick > 0                   */
     const fitm_capture *capture;           /* NULL: none */
     const fitm_intervention *intervention; /* NULL: none */
     fitm_forward_path path;                /* numerics class; AUTO unless a caller needs

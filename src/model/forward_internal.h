@@ -37,6 +37,9 @@ struct fitm_forward {
     float *cs_host;     /* (T, n_rot) */
     int32_t *cap_index; /* (T)        */
     fitm_top *top;      /* (max_logits, FITM_TOP_MAX): several sequences' top-k in one call */
+    int32_t *pick;      /* (max_logits, FITM_PICK_MAX) several sequences' picked ids        */
+    double *lp;         /* (max_logits, FITM_PICK_MAX) their log-probabilities              */
+    float *lp_row;      /* (V) a logit row, on a backend without ops->logprob               */
     int32_t *ids;       /* (T) the call's tokens, in row order */
     /* position methods (params.positions; docs/position-methods.md) */
     int32_t n_mix;      /* expert slots: max(H, MoICE N); 0 = no position methods        */
@@ -104,13 +107,14 @@ static inline float *alloc_floats(fitm_backend *b, int64_t n, bool *ok)
     return p;
 }
 
-/* Where a call's logits go: n_logits rows into logits and/or their top_k entries into top. */
+/* Where a call's logits go: n_logits rows into logits and/or their top_k entries into top
+ * and/or their log-probabilities at n_pick ids into logprob. */
 static inline fitm_status check_output(const fitm_forward *f, int64_t T, const fitm_forward_opts *opts,
                                 fitm_err *err)
 {
     const fitm_model_config *c = fitm_model_config_of(f->m);
     if (opts->n_logits < 0 || opts->n_logits > T || opts->n_logits > f->p.max_logits ||
-        (opts->n_logits > 0 && !opts->logits && opts->top_k <= 0))
+        (opts->n_logits > 0 && !opts->logits && opts->top_k <= 0 && opts->n_pick <= 0))
         return fitm_err_set(err, FITM_ERR_INVALID, "%lld logit rows asked for (T %lld, limit %lld)",
                             (long long)opts->n_logits, (long long)T, (long long)f->p.max_logits);
     if (opts->top_k < 0 || opts->top_k > FITM_TOP_MAX || opts->top_k > c->n_vocab ||
@@ -118,6 +122,18 @@ static inline fitm_status check_output(const fitm_forward *f, int64_t T, const f
         return fitm_err_set(err, FITM_ERR_INVALID, "top %d of the logits asked for (limit %d)",
                             (int)opts->top_k,
                             (int)(c->n_vocab < FITM_TOP_MAX ? c->n_vocab : FITM_TOP_MAX));
+    if (opts->n_pick < 0 || opts->n_pick > FITM_PICK_MAX ||
+        (opts->n_pick > 0 && opts->n_logits > 0 && (!opts->pick || !opts->logprob)))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "%d log-probabilities per logit row asked for (limit %d)",
+                            (int)opts->n_pick, FITM_PICK_MAX);
+    for (int64_t i = 0; opts->n_pick > 0 && i < opts->n_logits * opts->n_pick; i++)
+        if (opts->pick[i] < 0 || opts->pick[i] >= c->n_vocab)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "log-probability of id %d asked for (logit row %lld), not in "
+                                "[0, %d)",
+                                (int)opts->pick[i], (long long)(i / opts->n_pick),
+                                (int)c->n_vocab);
     return FITM_OK;
 }
 

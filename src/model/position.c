@@ -236,6 +236,9 @@ static void expand_pass(fitm_forward *f, const fitm_forward_seq *in, int32_t b, 
     f->bk_opts[n].logits = NULL;
     f->bk_opts[n].top_k = 0;
     f->bk_opts[n].top = NULL;
+    f->bk_opts[n].n_pick = 0;
+    f->bk_opts[n].pick = NULL;
+    f->bk_opts[n].logprob = NULL;
     if (o->prefix)
         f->bk_opts[n].prefix = fitm_kv_pass(o->prefix, b);
     if (o->capture) {
@@ -334,8 +337,10 @@ void fitm_position_bucket_add(const pass *p, const seq_part *q)
 }
 
 /* A bucket sequence's output after all its passes ran: logits log p^ (p^ = sum a_b p_b /
- * sum a_b) into opts->logits and/or their top entries into opts->top; its captures divided
- * by the number of passes (the mean of the passes' probabilities and masses). */
+ * sum a_b) into opts->logits and/or their top entries into opts->top and/or their
+ * log-probabilities at opts->pick into opts->logprob (on the host, from those float rows);
+ * its captures divided by the number of passes (the mean of the passes' probabilities and
+ * masses). */
 static void bucket_finish(fitm_forward *f, const fitm_forward_seq *in, const seq_role *role)
 {
     const fitm_forward_opts *o = in->opts;
@@ -348,6 +353,9 @@ static void bucket_finish(fitm_forward *f, const fitm_forward_seq *in, const seq
             row[v] = (float)(role->n_pass == 1 ? acc[v] : log(acc[v] / sum));
         if (o->top_k > 0)
             fitm_ops_topk(row, V, o->top_k, o->top + i * o->top_k);
+        if (o->n_pick > 0)
+            fitm_ops_logprob(row, V, o->pick + i * o->n_pick, o->n_pick,
+                             o->logprob + i * o->n_pick);
     }
     const fitm_capture *cap = o->capture;
     if (!cap || role->n_pass < 2)

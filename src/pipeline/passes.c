@@ -76,7 +76,9 @@ static fitm_status run_here(fitm_passes *ps, const fitm_pass *p, fitm_err *err)
                                .capture =
                                    fitm_passes_capture_part(r, p->cap, p->pos0 + off, len, &part),
                                .n_logits = n_logits,
-                               .logits = n_logits ? p->logits + at * r->V : NULL,
+                               .n_pick = p->n_pick,
+                               .pick = n_logits ? p->pick + at * p->n_pick : NULL,
+                               .logprob = n_logits ? p->logprob + at * p->n_pick : NULL,
                                .path = p->path,
                                .n_layers = p->n_layers};
         st = fitm_forward_run(r->fwd, p->kv, p->ids + off, len, p->pos0 + off, &o, err);
@@ -109,7 +111,8 @@ void fitm_pass_record(const fitm_session *s, const fitm_pass *p, int64_t from, i
 
 fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                           int64_t n_logits, float *logits)
+                           int64_t n_logits, int32_t n_pick, const int32_t *pick,
+                           double *logprob)
 {
     return (fitm_pass){.kv = kv,
                        .prefix = prefix,
@@ -118,7 +121,9 @@ fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *pr
                        .pos0 = pos0,
                        .cap = cap,
                        .n_logits = n_logits,
-                       .logits = logits,
+                       .n_pick = n_pick,
+                       .pick = pick,
+                       .logprob = logprob,
                        .n_layers = n_logits ? 0 : ps->n_layers,
                        .path = ps->path,
                        .position = ps->position};
@@ -135,7 +140,7 @@ fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                             int64_t n, int64_t pos0, const fitm_capture *cap, fitm_err *err)
 {
-    const fitm_pass p = fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, NULL);
+    const fitm_pass p = fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, 0, NULL, NULL);
     return fitm_passes_run_pass(ps, &p, err);
 }
 

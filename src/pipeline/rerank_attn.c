@@ -296,7 +296,8 @@ static fitm_status attend_prepare(const fitm_passes *ps, const plan *pl, fitm_kv
     ap->cap = (fitm_capture){.rows = rows, .n_rows = n_rows, .spans = pl->sink ? NULL : ap->cs,
                              .n_spans = pl->sink ? 0 : n, .span_mass = pl->sink ? NULL : ap->buf,
                              .probs = pl->sink ? ap->buf : NULL, .probs_stride = T};
-    ap->pass = fitm_passes_pass(ps, kv, prefix, ids + from, T - from, from, &ap->cap, 0, NULL);
+    ap->pass = fitm_passes_pass(ps, kv, prefix, ids + from, T - from, from, &ap->cap, 0, 0, NULL,
+                                NULL);
     /* A branch starts at from over prefix; a pass on its own cache from > 0 keeps the rows
      * [0, from) the cache holds (the caller checked they are this prompt's). */
     if (prefix || from == 0)

@@ -10,18 +10,6 @@
 
 #include "base/clock.h"
 
-/* log of the softmax of row (V) at id. */
-static double log_prob(const float *row, int32_t V, int32_t id)
-{
-    float mx = row[0];
-    for (int32_t v = 1; v < V; v++)
-        mx = row[v] > mx ? row[v] : mx;
-    double z = 0;
-    for (int32_t v = 0; v < V; v++)
-        z += exp((double)row[v] - (double)mx);
-    return (double)row[id] - (double)mx - log(z);
-}
-
 /* The first token of each spelling, deduplicated, into ids (at most 4). */
 static int answer_ids(const fitm_tokenizer *tok, const char *const *words, int32_t *ids)
 {
@@ -49,8 +37,8 @@ static const char ASK[] = "\n\nIs the document relevant to the question? Answer 
 typedef struct {
     bool ql;    /* query_likelihood, else relevance */
     fitm_ids q; /* query_likelihood: " {query}" + RESTRICT, the scored tokens */
-    int32_t yes[4], no[4];
-    int n_yes, n_no; /* relevance: first tokens of Yes/yes and No/no */
+    int32_t answers[8]; /* relevance: first tokens of Yes/yes (n_yes), then of No/no (n_no) */
+    int n_yes, n_no;
 } per_doc;
 
 /* query_likelihood's prompt for document k: BOS, its text, "\n\nQuestion:", then the scored
@@ -119,8 +107,8 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
         free(buf);
         return st;
     }
-    pd->n_yes = answer_ids(r->tok, YES, pd->yes);
-    pd->n_no = answer_ids(r->tok, NO, pd->no);
+    pd->n_yes = answer_ids(r->tok, YES, pd->answers);
+    pd->n_no = answer_ids(r->tok, NO, pd->answers + pd->n_yes);
     if (!pd->n_yes || !pd->n_no)
         return fitm_err_set(err, FITM_ERR_UNSUPPORTED,
                             "'method' = 'relevance': the vocabulary cannot spell Yes/No");
@@ -158,7 +146,9 @@ typedef struct {
     int64_t T, at;  /* its fed tokens; the next pass's first row (-1: not begun) */
     double sum;     /* query_likelihood: its question's log-probabilities so far; relevance: its
                      * score */
-    float *logits;  /* (rows, V) the logit passes': rows = the most logit rows of one pass */
+    double *lp;     /* (rows, n_pick) the logit rows' log-probabilities: rows = the most
+                     * logit rows of one pass; query_likelihood picks each row's next token,
+                     * relevance the answer ids */
     fitm_pass pass; /* the pass handed out */
 } per_doc_run;
 
@@ -195,8 +185,12 @@ static bool doc_next_pass(per_doc_run *d)
         n = d->T - d->at < r->logit_rows ? d->T - d->at : r->logit_rows;
         n_logits = n;
     }
+    /* query_likelihood's row i picks the token after it, ids[at + i + 1]: the question's
+     * ids from the second on, as they stand in the prompt */
+    const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
+    const int32_t *pick = d->pd.ql ? d->ids.v + d->at + 1 : d->pd.answers;
     d->pass = fitm_passes_pass(d->ps, d->ps->kv, NULL, d->ids.v + d->at, n, d->at, NULL, n_logits,
-                               d->logits);
+                               n_pick, pick, d->lp);
     return true;
 }
 
@@ -235,18 +229,15 @@ static void per_doc_ran(void *run)
 {
     per_doc_run *d = run;
     const fitm_pass *p = &d->pass;
-    const fitm_session *r = d->ps->s;
     if (d->pd.ql) {
-        for (int64_t i = 0; i < p->n_logits; i++) {
-            const int64_t row = p->pos0 + p->n - p->n_logits + i;
-            d->sum += log_prob(d->logits + i * r->V, r->V, d->ids.v[row + 1]);
-        }
+        for (int64_t i = 0; i < p->n_logits; i++)
+            d->sum += d->lp[i];
     } else {
         double py = 0, pn = 0;
         for (int i = 0; i < d->pd.n_yes; i++)
-            py += exp(log_prob(d->logits, r->V, d->pd.yes[i]));
+            py += exp(d->lp[i]);
         for (int i = 0; i < d->pd.n_no; i++)
-            pn += exp(log_prob(d->logits, r->V, d->pd.no[i]));
+            pn += exp(d->lp[d->pd.n_yes + i]);
         d->sum = py + pn > 0 ? py / (py + pn) : 0.5;
     }
     d->at = p->pos0 + p->n;
@@ -266,7 +257,7 @@ static fitm_status per_doc_end(void *run, fitm_status st)
     res->meta.forward_ms = fitm_clock_ms() - d->t0 - d->tok_ms;
     free(d->ids.v);
     free(d->pd.q.v);
-    free(d->logits);
+    free(d->lp);
     free(d);
     return st;
 }
@@ -299,9 +290,12 @@ fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
                                   : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     if (st != FITM_OK)
         return st;
-    const int64_t rows = !d->pd.ql ? 1 : d->pd.q.n < r->logit_rows ? d->pd.q.n : r->logit_rows;
-    d->logits = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)(uint32_t)r->V * sizeof *d->logits);
-    return d->logits ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    /* relevance: one row of n_yes + n_no picks; query_likelihood: a pass's rows, one each */
+    const int64_t n_lp = !d->pd.ql ? d->pd.n_yes + d->pd.n_no
+                         : d->pd.q.n < r->logit_rows ? d->pd.q.n
+                                                     : r->logit_rows;
+    d->lp = malloc((size_t)(n_lp > 0 ? n_lp : 1) * sizeof *d->lp);
+    return d->lp ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
 }
 
 fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,

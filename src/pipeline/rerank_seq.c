@@ -194,7 +194,9 @@ void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, int64_t logit_room
         (fitm_forward_opts){.prefix = p->prefix,
                             .capture = fitm_passes_capture_part(q->s, p->cap, pos, T, &q->part_cap),
                             .n_logits = n_logits,
-                            .logits = n_logits ? p->logits + at * q->s->V : NULL,
+                            .n_pick = p->n_pick,
+                            .pick = n_logits ? p->pick + at * p->n_pick : NULL,
+                            .logprob = n_logits ? p->logprob + at * p->n_pick : NULL,
                             .position = p->position,
                             .path = p->path,
                             .n_layers = p->n_layers};

@@ -130,8 +130,9 @@ typedef bool (*fitm_stop_fn)(const void *);
 
 /* One forward pass of a rerank, as the method asks for it: ids at positions [pos0, pos0 + n)
  * on kv (a branch of prefix when non-NULL), capturing cap's rows, n_logits logit rows at the
- * end into logits ((n_logits, V) host, the method's), on path, running layers [0, n_layers)
- * (0: all) under method position. */
+ * end, each row's log-probabilities at its n_pick ids (pick, (n_logits, n_pick) host) into
+ * logprob ((n_logits, n_pick) host, the method's; computed on the backend: no logit row
+ * leaves it), on path, running layers [0, n_layers) (0: all) under method position. */
 typedef struct {
     fitm_kv *kv;
     const fitm_kv *prefix;
@@ -139,7 +140,9 @@ typedef struct {
     int64_t n, pos0;
     const fitm_capture *cap;
     int64_t n_logits;
-    float *logits;
+    int32_t n_pick;
+    const int32_t *pick;
+    double *logprob;
     int32_t n_layers;
     fitm_forward_path path;
     fitm_position_method position;
@@ -169,18 +172,21 @@ fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank
 
 /* The pass of ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) for
  * ps: cap (may be NULL) lists rows in ascending order; n_logits (at most the session's
- * logit_rows) logit rows at the end into logits; without logits, only layers
- * [0, ps->n_layers) when that is set. */
+ * logit_rows) logit rows at the end, their log-probabilities at n_pick (at most
+ * FITM_PICK_MAX) ids each, pick, into logprob; without logits, only layers [0, ps->n_layers)
+ * when that is set. */
 fitm_pass fitm_passes_pass(const fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
                            const int32_t *ids, int64_t n, int64_t pos0, const fitm_capture *cap,
-                           int64_t n_logits, float *logits);
+                           int64_t n_logits, int32_t n_pick, const int32_t *pick,
+                           double *logprob);
 
 /* Runs pass p here, in chunks on the session's forward: each chunk captures the rows it holds
- * (span_mass and probs offset accordingly) and writes the logits of the logit rows it holds
- * into p->logits. */
+ * (span_mass and probs offset accordingly) and writes the log-probabilities of the logit rows
+ * it holds into p->logprob. */
 fitm_status fitm_passes_run_pass(fitm_passes *ps, const fitm_pass *p, fitm_err *err);
 
-/* fitm_passes_run_pass of fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, NULL). */
+/* fitm_passes_run_pass of fitm_passes_pass(ps, kv, prefix, ids, n, pos0, cap, 0, 0, NULL,
+ * NULL). */
 fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix, const int32_t *ids,
                             int64_t n, int64_t pos0, const fitm_capture *cap, fitm_err *err);
 
@@ -202,7 +208,7 @@ typedef struct {
 fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, fitm_err *err);
 
 /* The logit rows of pass p among its rows [from, from + n): how many (they end the part), and
- * where the first one's logits go in p->logits (*at). */
+ * which of p's logit rows the first one is (*at: its picks at p->pick + *at * p->n_pick). */
 int64_t fitm_pass_logit_rows(const fitm_pass *p, int64_t from, int64_t n, int64_t *at);
 
 /* Keeps the record of a cache's rows (ids[0..*n_ids): the ids of the rows [0, *n_ids) a later
