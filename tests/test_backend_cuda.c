@@ -435,9 +435,10 @@ static void test_model_bf16(fitm_backend *cpu, fitm_backend *gpu32, fitm_backend
     free(buf);
 }
 
-/* Rows across the GEMMs' 64-row chunks, in bfloat16: a 70-token pass (two chunks, the second
- * padded) against branches at 9 and at 60 that recompute its suffix (rows moving from the
- * second chunk to the first, and to other places in it), the last rows' logits bit for bit. */
+/* Rows across the bfloat16 GEMM's 64-row tiles: a 70-token pass (two row tiles, the second
+ * mostly zero padding) against branches at 9 and at 60 that recompute its suffix (rows moving
+ * from the second tile to the first, and to other places in it), the last rows' logits bit for
+ * bit. */
 static void test_bf16_chunks(fitm_backend *gpu16)
 {
     enum { TL = 70, NLL = 8 };
