@@ -36,8 +36,9 @@
  * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
  * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
  * add with the next rmsnorm (kept pending until that arrives), a STEP call's products of one
- * input (Q, K, V) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and
- * up products with the GLU (matmul_glu).
+ * input (Q, K, V) as one launch, a bfloat16 BATCH call's products of one input (Q, K, V; gate
+ * and up) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and up
+ * products with the GLU (matmul_glu).
  *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
