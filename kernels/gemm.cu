@@ -26,11 +26,11 @@
 #include "common.cuh"
 #include "kernels.h"
 
-#define GEMM_BM 64                 /* rows of x (and y) per block */
-#define GEMM_BN 64                 /* rows of W (columns of y) per block */
-#define GEMM_BK 32                 /* K per staging step */
-#define GEMM_LDS (GEMM_BK + 8)     /* bfloat16 elements per staged row */
-#define GEMM_LDC (GEMM_BN + 4)     /* floats per row of the staged output tile */
+#define GEMM_BM 64             /* rows of x (and y) per block */
+#define GEMM_BN 64             /* rows of W (columns of y) per block */
+#define GEMM_BK 32             /* K per staging step */
+#define GEMM_LDS (GEMM_BK + 8) /* bfloat16 elements per staged row */
+#define GEMM_LDC (GEMM_BN + 4) /* floats per row of the staged output tile */
 #define GEMM_THREADS 128
 #define GEMM_ROWS_PER_LAUNCH ((int64_t)65535 * GEMM_BM) /* grid.y's limit */
 
@@ -67,9 +67,9 @@ __global__ void __launch_bounds__(GEMM_THREADS)
     const int64_t m0 = t0 + (int64_t)blockIdx.y * GEMM_BM;
     const __nv_bfloat16 *__restrict__ W = fitm_gemm_pick(o.W, blockIdx.z);
     FITM_DYNAMIC_SHARED(__align__(128) unsigned char, shared);
-    __nv_bfloat16 *xs = (__nv_bfloat16 *)shared;        /* (64, GEMM_LDS) */
-    __nv_bfloat16 *ws = xs + GEMM_BM * GEMM_LDS;         /* (64, GEMM_LDS) */
-    float *ys = (float *)shared;                         /* (64, GEMM_LDC), after the K loop */
+    __nv_bfloat16 *xs = (__nv_bfloat16 *)shared; /* (64, GEMM_LDS) */
+    __nv_bfloat16 *ws = xs + GEMM_BM * GEMM_LDS; /* (64, GEMM_LDS) */
+    float *ys = (float *)shared;                 /* (64, GEMM_LDC), after the K loop */
     const int tid = threadIdx.x, warp = tid / FITM_WARP;
     const int wm = warp / 2 * 32, wn = warp % 2 * 32; /* the warp's quarter of the tile */
     const __nv_bfloat16 zero = fitm_to_bf16(0.0f);

@@ -556,9 +556,9 @@ static void test_error_channel(fitm_backend *gpu)
  * turn (two shapes, so graphs are both updated with new arguments and kept per shape), logits
  * and top-k of every step bit for bit equal, and last a pass of both classes at once. On the
  * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
- * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as without graphs, with FUSION at least
- * the launches a layer the fused kernels save fewer (2 for Q, K and V in one launch; 2 for the
- * GLU; 3 for norms and RoPE with per-head norms, else 1). */
+ * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as
+ * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
+ * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1). */
 enum { GRAPHS, FUSION };
 static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {

@@ -1049,8 +1049,8 @@ static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_
         dy[i] = dbuf_new((size_t)(T * N[i]) * sizeof(float));
         wd[i] = dw[i].p, yd[i] = dy[i].p;
     }
-    bool ok = launched(what, fitm_cuda_gemm_bf16(n, wd, N, K, (const float *)dx.p + off, T, yd,
-                                                 stream));
+    bool ok =
+        launched(what, fitm_cuda_gemm_bf16(n, wd, N, K, (const float *)dx.p + off, T, yd, stream));
     const float *xr = x + off;
     for (int i = 0; i < n && ok; i++) {
         float *got = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
@@ -1061,9 +1061,9 @@ static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_
             for (int64_t j = 0; j < N[i]; j++) {
                 double sum = 0.0, mag = 0.0;
                 for (int64_t k = 0; k < K; k++) {
-                    const double p = (double)u2f((uint32_t)bf16_by_definition(xr[t * K + k])
-                                                 << 16) *
-                                     (double)u2f((uint32_t)w[i][j * K + k] << 16);
+                    const double p =
+                        (double)u2f((uint32_t)bf16_by_definition(xr[t * K + k]) << 16) *
+                        (double)u2f((uint32_t)w[i][j * K + k] << 16);
                     sum += p;
                     mag += fabs(p);
                 }
@@ -1072,8 +1072,8 @@ static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_
             }
         char out[160];
         snprintf(out, sizeof out, "%s y[%d]", what, i);
-        ok = values_and_guards_ok(check_close_tol(out, ref, got, T * N[i], 0.0, 0.0, tol),
-                                  &dy[i], out);
+        ok = values_and_guards_ok(check_close_tol(out, ref, got, T * N[i], 0.0, 0.0, tol), &dy[i],
+                                  out);
         CHECK(ok, "%s", out);
         free(got), free(ref), free(tol);
     }
@@ -1109,7 +1109,8 @@ static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
     bool ok = launched(what, fitm_cuda_gemm_bf16(1, &wd, &N, K, dx.p, T, &yd, stream));
     if (ok)
         dbuf_get(all, &dy);
-    const int64_t calls[][2] = {{0, 1}, {T - 1, 1}, {5, 7}, {60, 9}, {1, T - 1}, {T / 2, T - T / 2}};
+    const int64_t calls[][2] = {{0, 1},  {T - 1, 1}, {5, 7},
+                                {60, 9}, {1, T - 1}, {T / 2, T - T / 2}};
     int64_t bad = 0;
     for (size_t c = 0; ok && c < sizeof calls / sizeof calls[0]; c++) {
         const int64_t r0 = calls[c][0], len = calls[c][1];
@@ -1123,8 +1124,9 @@ static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
         dbuf_get(part, &dy);
         if (memcmp(part + r0 * N, all + r0 * N, (size_t)(len * N) * sizeof(float)) != 0 &&
             bad++ < MAX_REPORT)
-            fprintf(stderr, "  %s: rows [%lld, %lld) of a %lld-row call differ from those rows "
-                            "alone\n",
+            fprintf(stderr,
+                    "  %s: rows [%lld, %lld) of a %lld-row call differ from those rows "
+                    "alone\n",
                     what, (long long)r0, (long long)(r0 + len), (long long)T);
         for (int64_t i = 0; i < T * N && ok; i++) /* nothing outside the call's rows written */
             if ((i < r0 * N || i >= (r0 + len) * N) && f2u(part[i]) != 0xffffffffu) {
@@ -1244,8 +1246,8 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk, bf16, gemm (the ThreadSanitizer and mutant builds of tests/meson.build run a
- * few), or every group without an argument. With "small" in the list, the groups run only
+ * softmax, rope, glu, topk, bf16, gemm (the ThreadSanitizer and mutant builds of tests/meson.build
+ * run a few), or every group without an argument. With "small" in the list, the groups run only
  * their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
 static const char *groups;
@@ -1395,10 +1397,10 @@ int main(int argc, char **argv)
 
     if (want("gemm")) {
         const int64_t one[] = {1}, odd[] = {37}, three[] = {65, 17, 130}, two[] = {129, 64};
-        test_gemm_bf16(1, one, 1, 1, 0);       /* one element: every tail at once */
-        test_gemm_bf16(1, odd, 45, 1, 1);      /* T = 1, odd N and K, x at an odd float */
-        test_gemm_bf16(3, three, 77, 67, 0);   /* Q/K/V-like outputs of three widths, tails */
-        test_gemm_bf16(2, two, 96, 130, 3);    /* three row tiles, K a multiple of 32 */
+        test_gemm_bf16(1, one, 1, 1, 0);     /* one element: every tail at once */
+        test_gemm_bf16(1, odd, 45, 1, 1);    /* T = 1, odd N and K, x at an odd float */
+        test_gemm_bf16(3, three, 77, 67, 0); /* Q/K/V-like outputs of three widths, tails */
+        test_gemm_bf16(2, two, 96, 130, 3);  /* three row tiles, K a multiple of 32 */
         test_gemm_bf16_rows(70, 50, 140);
         if (!small) {
             const int64_t gemma[] = {64};

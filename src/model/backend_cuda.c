@@ -30,8 +30,9 @@
  * allocation, a copy from pageable memory, a wait) first submits what was captured, and the
  * rest of the pass runs uncaptured: with F32 products a prefill's first BATCH product ends its
  * capture after a few ops; the bfloat16 GEMM is an ordinary launch, so with BF16 a prefill is
- * captured up to its first wait. Replay runs the same operations in the same order on the same data, so results are
- * bit for bit those of the uncaptured path (fitm_backend_cuda_set_graphs turns it off).
+ * captured up to its first wait. Replay runs the same operations in the same order on the
+ * same data, so results are bit for bit those of the uncaptured path
+ * (fitm_backend_cuda_set_graphs turns it off).
  *
  * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
  * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
@@ -681,9 +682,8 @@ static bool gemm_chunk(cuda_backend *c, const float *W, int64_t N, int64_t K, co
     const float one = 1.0f, zero = 0.0f;
     return blas_ok(c,
                    cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, GEMM_ROWS, (int)K, &one,
-                                W, CUDA_R_32F, (int)K, x, CUDA_R_32F, (int)K, &zero, y,
-                                CUDA_R_32F, (int)N, CUBLAS_COMPUTE_32F_PEDANTIC,
-                                CUBLAS_GEMM_DEFAULT),
+                                W, CUDA_R_32F, (int)K, x, CUDA_R_32F, (int)K, &zero, y, CUDA_R_32F,
+                                (int)N, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
                    "matmul (cuBLAS GEMM)");
 }
 
@@ -832,8 +832,8 @@ static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_m
         capture_off(c);
     else
         capture_on(c);
-    const bool one_launch = batched ? batch_outs_fused(c, x, T, outs, n_outs)
-                                    : step_outs_fused(c, x, T, outs, n_outs);
+    const bool one_launch =
+        batched ? batch_outs_fused(c, x, T, outs, n_outs) : step_outs_fused(c, x, T, outs, n_outs);
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;

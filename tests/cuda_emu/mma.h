@@ -87,8 +87,8 @@ static inline float widen(float v)
  * (see the header); false (the fault recorded) when it must not touch memory. */
 template <typename T> static inline bool tile_ok(int op, const T *p, unsigned ldm)
 {
-    fitm_emu_warp_collective((uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ull ^
-                             (uint64_t)ldm << 8 ^ (uint64_t)op);
+    fitm_emu_warp_collective((uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ull ^ (uint64_t)ldm << 8 ^
+                             (uint64_t)op);
     const unsigned per_128_bits = 16 / sizeof(T);
     char what[128];
     if ((uintptr_t)p % 32 != 0 || ldm % per_128_bits != 0) {
@@ -152,8 +152,7 @@ static inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &c,
     const int lane = fitm_emu_lane();
     const bool ok = emu::tile_ok(3, p, ldm);
     for (int i = 0; i < 8; i++)
-        c.x[i] = ok ? emu::at(p, ldm, layout == mem_row_major, 2 * i + lane / 16, lane % 16)
-                    : 0.0f;
+        c.x[i] = ok ? emu::at(p, ldm, layout == mem_row_major, 2 * i + lane / 16, lane % 16) : 0.0f;
 }
 
 static inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &c,

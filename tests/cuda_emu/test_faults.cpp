@@ -12,11 +12,11 @@
  *   of structs of fitm_cuda_attention_many, as a cuBLAS operand, as the device side of an
  *   asynchronous copy and of a memset;
  * - warp matrix functions (mma.h), as a device faults (sticky): a load or store pointer not
- *   32-byte aligned or an ldm not a multiple of 8 bfloat16 or 4 floats (cudaErrorMisalignedAddress),
- *   a tile past its allocation's end or past the launch's dynamic shared memory
- *   (cudaErrorIllegalAddress), a lane skipping a collective (cudaErrorLaunchFailure); valid
- *   tiles from device and from dynamic shared memory multiply within the bound of a double
- *   reference;
+ *   32-byte aligned or an ldm not a multiple of 8 bfloat16 or 4 floats
+ *   (cudaErrorMisalignedAddress), a tile past its allocation's end or past the launch's
+ *   dynamic shared memory (cudaErrorIllegalAddress), a lane skipping a collective
+ *   (cudaErrorLaunchFailure); valid tiles from device and from dynamic shared memory multiply
+ *   within the bound of a double reference;
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
  *   breaks it;
@@ -92,8 +92,8 @@ static void expect_lost_with(cudaError_t e, const char *what)
 /* One warp: c (16 x 16, row-major, ldc) = a (16 x 16, row-major, lda) . b (16 x 16 stored as
  * its columns, ldb). stage: a is first copied (16 rows of lda) into dynamic shared memory and
  * loaded from there. Lane skip (>= 0) does not load b. */
-__global__ void wmma_tile(float *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b,
-                          unsigned lda, unsigned ldb, unsigned ldc, int stage, int skip)
+__global__ void wmma_tile(float *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b, unsigned lda,
+                          unsigned ldb, unsigned ldc, int stage, int skip)
 {
     namespace wmma = nvcuda::wmma;
     FITM_DYNAMIC_SHARED(__align__(128) unsigned char, shared);
@@ -131,8 +131,8 @@ static void test_wmma(void)
         bh[i] = __float2bfloat16_rn((float)(rand() % 2001 - 1000) / 256.0f);
     }
     /* one spare row of slack: tiles at 16 bytes past the start still end inside */
-    __nv_bfloat16 *a = (__nv_bfloat16 *)dev_alloc(17 * ld * 2), *b = (__nv_bfloat16 *)dev_alloc(
-                                                                    17 * ld * 2);
+    __nv_bfloat16 *a = (__nv_bfloat16 *)dev_alloc(17 * ld * 2),
+                  *b = (__nv_bfloat16 *)dev_alloc(17 * ld * 2);
     float *c = (float *)dev_alloc(16 * 20 * 4);
     cudaMemcpy(a, ah, sizeof ah, cudaMemcpyHostToDevice);
     cudaMemcpy(b, bh, sizeof bh, cudaMemcpyHostToDevice);
@@ -147,7 +147,8 @@ static void test_wmma(void)
             for (int n = 0; n < 16; n++) {
                 double ref = 0.0, mag = 0.0;
                 for (int k = 0; k < 16; k++) {
-                    const double p = (double)bf16_value(ah[r * ld + k]) * bf16_value(bh[n * ld + k]);
+                    const double p =
+                        (double)bf16_value(ah[r * ld + k]) * bf16_value(bh[n * ld + k]);
                     ref += p, mag += fabs(p);
                 }
                 bad += fabs(ch[r * 20 + n] - ref) > (2 * 16 + 4) * ldexp(1.0, -24) * mag;
