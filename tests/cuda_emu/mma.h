@@ -24,8 +24,8 @@
  * with cudaErrorIllegalAddress (the emulator cannot see static __shared__ arrays, which are
  * host statics here: kernels stage WMMA tiles in dynamic shared memory). Load, store and mma
  * are warp collectives: every lane must call each one with the same pointer and ldm, else the
- * launch fails with cudaErrorLaunchFailure at the block's end. Faulting calls touch no
- * memory. */
+ * launch loses the context with cudaErrorLaunchFailure at the block's end. Faulting calls
+ * touch no memory. */
 #ifndef FITM_CUDA_EMU_MMA_H
 #define FITM_CUDA_EMU_MMA_H
 
