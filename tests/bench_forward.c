@@ -11,12 +11,13 @@
  * limits see tests/bench_cuda.py, which runs this.
  *
  * bench_forward_cuda_emu is this program on the CUDA emulator of tests/cuda_emu (-b cuda runs
- * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a decode
- * step asks of the device, from the emulator's counters, with the backend's CUDA graphs off
- * and on and its fused kernels off and on, side by side: kernel launches, cuBLAS calls, copies and memsets, graph launches (the
- * host's submissions; a launch costs a real device a few microseconds of host time and leaves
- * it idle between kernels), kernels run, and host waits, each per step, for one sequence and
- * for each -B.
+ * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a prefill
+ * of -p tokens and what a decode step ask of the device, from the emulator's counters (the
+ * step with the backend's CUDA graphs off and on and its fused kernels off and on, side by
+ * side): kernel launches, cuBLAS calls, copies and memsets, graph launches (the host's
+ * submissions; a launch costs a real device a few microseconds of host time and leaves it idle
+ * between kernels), kernels run, and host waits, for the prefill and per step, for one
+ * sequence and for each -B.
  *
  * Prints best and median tok/s over the REPS runs (llama-bench prints mean +- stddev) in a
  * table; never fails on speed (benchmarks measure, tests assert). */
