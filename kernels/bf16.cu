@@ -1,5 +1,6 @@
 /* bf16: F32 rows rounded to bfloat16 for the tensor-core products of the BATCH class
- * (backend_cuda.c): a weight once at load, a chunk of activations per product.
+ * (backend_cuda.c): a weight once at load (the GEMM of kernels/gemm.cu rounds its activations
+ * itself, with the same helper, fitm_to_bf16).
  * CPU reference: round to nearest even on the top 16 bits of the float (tests/test_cuda_kernels.c
  * has its own, written from the definition). */
 #include <cuda_bf16.h>
@@ -14,7 +15,7 @@ __global__ void fitm_to_bf16_rows(const float *__restrict__ x, __nv_bfloat16 *__
 {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_out; i += stride)
-        dst[i] = __float2bfloat16_rn(i < n_in ? x[i] : 0.0f);
+        dst[i] = fitm_to_bf16(i < n_in ? x[i] : 0.0f);
 }
 
 extern "C" int fitm_cuda_to_bf16(const float *x, int64_t rows, int64_t n, int64_t rows_out,

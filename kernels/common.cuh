@@ -2,6 +2,7 @@
 #ifndef FITM_KERNELS_COMMON_CUH
 #define FITM_KERNELS_COMMON_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -62,6 +63,14 @@ __device__ __forceinline__ void fitm_rope_pair(float *v, int64_t a, int64_t b, f
     const float x0 = v[a], x1 = v[b];
     v[a] = x0 * c - x1 * s;
     v[b] = x0 * s + x1 * c;
+}
+
+/* v rounded to bfloat16, to nearest even (overflow to +-inf, NaN stays NaN): the one rounding
+ * of the BATCH class's tensor-core operands, whether a weight's copy (fitm_cuda_to_bf16) or
+ * activations staged by the GEMM (kernels/gemm.cu). */
+__device__ __forceinline__ __nv_bfloat16 fitm_to_bf16(float v)
+{
+    return __float2bfloat16_rn(v);
 }
 
 /* silu(g) * u */

@@ -11,12 +11,13 @@
  * limits see tests/bench_cuda.py, which runs this.
  *
  * bench_forward_cuda_emu is this program on the CUDA emulator of tests/cuda_emu (-b cuda runs
- * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a decode
- * step asks of the device, from the emulator's counters, with the backend's CUDA graphs off
- * and on and its fused kernels off and on, side by side: kernel launches, cuBLAS calls, copies and memsets, graph launches (the
- * host's submissions; a launch costs a real device a few microseconds of host time and leaves
- * it idle between kernels), kernels run, and host waits, each per step, for one sequence and
- * for each -B.
+ * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a prefill
+ * of -p tokens and what a decode step ask of the device, from the emulator's counters (the
+ * step with the backend's CUDA graphs off and on and its fused kernels off and on, side by
+ * side): kernel launches, cuBLAS calls, copies and memsets, graph launches (the host's
+ * submissions; a launch costs a real device a few microseconds of host time and leaves it idle
+ * between kernels), kernels run, and host waits, for the prefill and per step, for one
+ * sequence and for each -B.
  *
  * Prints best and median tok/s over the REPS runs (llama-bench prints mean +- stddev) in a
  * table; never fails on speed (benchmarks measure, tests assert). */
@@ -173,6 +174,37 @@ static fitm_status bench_batched_decode(fitm_forward *fw, fitm_backend *b,
 }
 
 #ifdef FITM_BENCH_CUDA_EMU
+/* Prints what one prefill of the n_pp tokens ids with the options o (after a warm-up prefill
+ * of the same size) asks of the emulated device, with the default fusion and graphs. */
+static fitm_status bench_prefill_submissions(fitm_forward *fw, fitm_kv *kv, const int32_t *ids,
+                                             long n_pp, fitm_forward_opts *o, fitm_err *err)
+{
+    fitm_emu_stats before = {0}, after = {0};
+    fitm_status s = FITM_OK;
+    for (int r = 0; r < 2 && !s; r++) { /* run 0 warms up (allocations, graphs) */
+        fitm_kv_rebase(kv, 0, NULL);
+        fitm_emu_get_stats(&before);
+        s = fitm_forward_run(fw, kv, ids, n_pp, 0, o, err);
+        fitm_emu_get_stats(&after);
+    }
+    if (s)
+        return s;
+#define D(f) (after.f - before.f)
+    printf("\nwhat a prefill of %ld tokens asks of the device (emulator counters, fusion and "
+           "graphs on)\n",
+           n_pp);
+    printf("| launches | cuBLAS | copies | graph launches | submissions | kernels run | host waits "
+           "|\n");
+    printf("| -------: | -----: | -----: | -------------: | ----------: | ----------: | ---------: "
+           "|\n");
+    printf("| %8llu | %6llu | %6llu | %14llu | %11llu | %11llu | %10llu |\n", D(launches),
+           D(blas_calls), D(copies), D(graph_launches),
+           D(launches) + D(blas_calls) + D(copies) + D(graph_launches), D(kernels_run),
+           D(host_waits));
+#undef D
+    return FITM_OK;
+}
+
 /* Prints four rows per batch size: what one decode step of B sequences (n steps from a
  * warmed-up state, each sequence at its own position) asks of the emulated device, per step,
  * with the backend's fused kernels off and on (fitm_backend_cuda_set_fusion) and its graphs
@@ -457,7 +489,9 @@ int main(int argc, char **argv)
         threads, gfn, 100.0, "-");
 #ifdef FITM_BENCH_CUDA_EMU
     if (!strcmp(backend, "cuda")) {
-        s = bench_submissions(fw, b, c, ids, (long)n_ctx, batches, n_batches, &err);
+        s = bench_prefill_submissions(fw, kv, ids, n_pp, &o, &err);
+        if (!s)
+            s = bench_submissions(fw, b, c, ids, (long)n_ctx, batches, n_batches, &err);
         if (s) {
             fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
             return 1;

@@ -435,9 +435,10 @@ static void test_model_bf16(fitm_backend *cpu, fitm_backend *gpu32, fitm_backend
     free(buf);
 }
 
-/* Rows across the GEMMs' 64-row chunks, in bfloat16: a 70-token pass (two chunks, the second
- * padded) against branches at 9 and at 60 that recompute its suffix (rows moving from the
- * second chunk to the first, and to other places in it), the last rows' logits bit for bit. */
+/* Rows across the bfloat16 GEMM's 64-row tiles: a 70-token pass (two row tiles, the second
+ * mostly zero padding) against branches at 9 and at 60 that recompute its suffix (rows moving
+ * from the second tile to the first, and to other places in it), the last rows' logits bit for
+ * bit. */
 static void test_bf16_chunks(fitm_backend *gpu16)
 {
     enum { TL = 70, NLL = 8 };
@@ -546,16 +547,20 @@ static void test_error_channel(fitm_backend *gpu)
  * products with the GLU) against each op on its own;
  * every fused kernel keeps the arithmetic of the ones it replaces, so bit for bit again.
  * On a gemma3 model (local and global layers, per-head norms, GELU) and for FUSION also a
- * llama one (no per-head norms, SiLU): prompts of different lengths (the BATCH class, whose
- * cuBLAS products end a capture early), then decode steps of three and of two sequences in
+ * llama one (no per-head norms, SiLU), with the BATCH class in F32 (weights w) and on gemma3
+ * in bfloat16 too: prompts of different lengths (the BATCH class, whose cuBLAS products in F32
+ * end a capture early, while the bfloat16 GEMM is captured with the rest, and with FUSION runs
+ * Q, K and V, and gate and up, as one launch each; on the emulator, with bfloat16, GRAPHS sees
+ * the prompts after the first submitted with no cuBLAS call and no kernel launched outside a
+ * graph), then decode steps of three and of two sequences in
  * turn (two shapes, so graphs are both updated with new arguments and kept per shape), logits
  * and top-k of every step bit for bit equal, and last a pass of both classes at once. On the
  * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
- * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as without graphs, with FUSION at least
- * the launches a layer the fused kernels save fewer (2 for Q, K and V in one launch; 2 for the
- * GLU; 3 for norms and RoPE with per-head norms, else 1). */
+ * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as
+ * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
+ * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1). */
 enum { GRAPHS, FUSION };
-static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
+static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {
     void *buf = NULL;
     fitm_model *m = gen_model(arch, FITM_DTYPE_Q5_0, &buf);
@@ -566,7 +571,7 @@ static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
         CHECK(false, "%s test setup: %s", way, err.msg);
         return;
     }
-    fitm_backend_cuda_set_weights(plain, FITM_CUDA_WEIGHTS_F32); /* as gpu's */
+    fitm_backend_cuda_set_weights(plain, w); /* as gpu's */
     if (mode == GRAPHS)
         fitm_backend_cuda_set_graphs(plain, false);
     else
@@ -596,8 +601,23 @@ static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
         pos[q] = PROMPT - (B - 1 - q);
         for (int i = 0; i < 2; i++) {
             fitm_forward_opts o = {.n_logits = 2, .logits = lg[i]};
+#ifdef FITM_CUDA_EMU
+            fitm_emu_stats st[2];
+            fitm_emu_get_stats(&st[0]);
+#endif
             CHECK(fitm_forward_run(f[i], kv[i][q], ids[q], pos[q], 0, &o, &err) == FITM_OK,
                   "prompt: %s", err.msg);
+#ifdef FITM_CUDA_EMU
+            fitm_emu_get_stats(&st[1]);
+            /* the first prompt grows the backend's scratch: allocations end its capture */
+            if (i == 1 && q > 0 && mode == GRAPHS && w == FITM_CUDA_WEIGHTS_BF16)
+                CHECK(st[1].blas_calls == st[0].blas_calls && st[1].launches == st[0].launches &&
+                          st[1].graph_launches > st[0].graph_launches,
+                      "prompt %d in bfloat16: %llu cuBLAS calls, %llu kernels launched outside "
+                      "a graph, %llu graph launches",
+                      q, st[1].blas_calls - st[0].blas_calls, st[1].launches - st[0].launches,
+                      st[1].graph_launches - st[0].graph_launches);
+#endif
         }
         CHECK(memcmp(lg[0], lg[1], sizeof(float) * 2 * V) == 0,
               "prompt %d: logits with %s differ from those without", q, way);
@@ -650,8 +670,9 @@ static void test_same_steps(fitm_backend *gpu, fitm_gen_arch arch, int mode)
 #endif
     }
     /* One pass of both classes (continuous batching: a decode step beside a prompt's rows),
-     * where the fused gate/up/GLU runs the STEP rows and the BATCH rows go through cuBLAS and
-     * the GLU apart: sequence 0 decodes one token, sequence 2 appends two on the BATCH path. */
+     * where the fused gate/up/GLU runs the STEP rows and the BATCH rows go through the BATCH
+     * products (cuBLAS, or the bfloat16 GEMM) and the GLU apart: sequence 0 decodes one
+     * token, sequence 2 appends two on the BATCH path. */
     for (int i = 0; i < 2 && ready; i++) {
         fitm_forward_opts o[2] = {
             {.n_logits = 1, .logits = lg[i]},
@@ -730,11 +751,13 @@ int main(int argc, char **argv)
                 strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
                 test_model_bf16(cpu, gpu, gpu16, (fitm_gen_arch)a, types[i]);
     test_bf16_chunks(gpu16);
+    test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, GRAPHS);
+    test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, FUSION);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
-    test_same_steps(gpu, FITM_GEN_ARCH_GEMMA3, GRAPHS);
-    test_same_steps(gpu, FITM_GEN_ARCH_GEMMA3, FUSION);
-    test_same_steps(gpu, FITM_GEN_ARCH_LLAMA, FUSION);
+    test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, GRAPHS);
+    test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, FUSION);
+    test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_LLAMA, FUSION);
     test_error_channel(gpu);
     test_lost_context(gpu);
     fitm_backend_destroy(cpu);

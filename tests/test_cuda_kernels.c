@@ -1057,6 +1057,135 @@ static void test_to_bf16(int64_t rows, int64_t n, int64_t rows_out, int64_t off)
     free(x - off), free(got);
 }
 
+/* ---- the BATCH class's bfloat16 GEMM ---- */
+
+/* Random bfloat16 bits of values spread over [-1, 1) times 2^[-4, 4). */
+static void fill_bf16_weights(uint16_t *w, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        w[i] = bf16_by_definition(ldexpf(rng_uniform(-1.0f, 1.0f), (int)(rng_u64() % 8) - 4));
+}
+
+/* fitm_cuda_gemm_bf16 with n outputs of N[i] rows each, K, T rows of x starting at float off
+ * of their buffer (only 4-byte aligned when off is odd): every element against a double sum of
+ * the bfloat16-rounded operands (x rounded by bf16_by_definition), within (2K + 4) 2^-24 of the
+ * sum of |products| (each product of two bfloat16 values is exact in float; K additions in
+ * float, in whatever order the tensor cores take, each lose at most 2^-24 of the partial sum,
+ * itself at most that sum; twice for slack), outputs between guard bytes. */
+static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_t off)
+{
+    char what[128];
+    snprintf(what, sizeof what, "gemm_bf16 %d outputs N %lld.. K %lld T %lld (+%lld)", n,
+             (long long)N[0], (long long)K, (long long)T, (long long)off);
+    float *x = xmalloc((size_t)(T * K + off + 1) * sizeof(float));
+    for (int64_t i = 0; i < T * K + off; i++) /* activations of Gemma's range: up to 2^8 */
+        x[i] = ldexpf(rng_uniform(-1.0f, 1.0f), (int)(rng_u64() % 12) - 4);
+    dbuf dx = dbuf_from(x, (size_t)(T * K + off) * sizeof(float));
+    uint16_t *w[FITM_CUDA_MM_MAX_OUTS];
+    dbuf dw[FITM_CUDA_MM_MAX_OUTS], dy[FITM_CUDA_MM_MAX_OUTS];
+    const uint16_t *wd[FITM_CUDA_MM_MAX_OUTS];
+    float *yd[FITM_CUDA_MM_MAX_OUTS];
+    for (int i = 0; i < n; i++) {
+        w[i] = xmalloc((size_t)(N[i] * K + 1) * sizeof(uint16_t));
+        fill_bf16_weights(w[i], N[i] * K);
+        dw[i] = dbuf_from(w[i], (size_t)(N[i] * K) * sizeof(uint16_t));
+        dy[i] = dbuf_new((size_t)(T * N[i]) * sizeof(float));
+        wd[i] = dw[i].p, yd[i] = dy[i].p;
+    }
+    bool ok =
+        launched(what, fitm_cuda_gemm_bf16(n, wd, N, K, (const float *)dx.p + off, T, yd, stream));
+    const float *xr = x + off;
+    for (int i = 0; i < n && ok; i++) {
+        float *got = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
+        float *ref = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
+        double *tol = xmalloc((size_t)(T * N[i] + 1) * sizeof(double));
+        dbuf_get(got, &dy[i]);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < N[i]; j++) {
+                double sum = 0.0, mag = 0.0;
+                for (int64_t k = 0; k < K; k++) {
+                    const double p =
+                        (double)u2f((uint32_t)bf16_by_definition(xr[t * K + k]) << 16) *
+                        (double)u2f((uint32_t)w[i][j * K + k] << 16);
+                    sum += p;
+                    mag += fabs(p);
+                }
+                ref[t * N[i] + j] = (float)sum;
+                tol[t * N[i] + j] = (2.0 * (double)K + 4.0) * ldexp(1.0, -24) * mag;
+            }
+        char out[160];
+        snprintf(out, sizeof out, "%s y[%d]", what, i);
+        ok = values_and_guards_ok(check_close_tol(out, ref, got, T * N[i], 0.0, 0.0, tol), &dy[i],
+                                  out);
+        CHECK(ok, "%s", out);
+        free(got), free(ref), free(tol);
+    }
+    for (int i = 0; i < n; i++) {
+        dbuf_free(&dw[i]), dbuf_free(&dy[i]);
+        free(w[i]);
+    }
+    dbuf_free(&dx);
+    free(x);
+}
+
+/* Row invariance of fitm_cuda_gemm_bf16: the rows [r0, r0 + len) of a T-row call are bit for
+ * bit those of a call of just those rows (x and y offset by r0 rows), for calls that start
+ * anywhere in a tile, cross tiles, or hold one row: a row's result depends on nothing but its
+ * row of x and the weight (the prefix-reuse promise; memcmp, so the device run checks it on
+ * the tensor cores too). */
+static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
+{
+    char what[96];
+    snprintf(what, sizeof what, "gemm_bf16 rows alike in calls of any size N %lld K %lld T %lld",
+             (long long)N, (long long)K, (long long)T);
+    float *x = xmalloc((size_t)(T * K) * sizeof(float));
+    fill_uniform(x, T * K, -4.0f, 4.0f);
+    uint16_t *w = xmalloc((size_t)(N * K) * sizeof(uint16_t));
+    fill_bf16_weights(w, N * K);
+    float *all = xmalloc((size_t)(T * N) * sizeof(float));
+    float *part = xmalloc((size_t)(T * N) * sizeof(float));
+    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    dbuf dw = dbuf_from(w, (size_t)(N * K) * sizeof(uint16_t));
+    dbuf dy = dbuf_new((size_t)(T * N) * sizeof(float));
+    const uint16_t *wd = dw.p;
+    float *yd = dy.p;
+    bool ok = launched(what, fitm_cuda_gemm_bf16(1, &wd, &N, K, dx.p, T, &yd, stream));
+    if (ok)
+        dbuf_get(all, &dy);
+    const int64_t calls[][2] = {{0, 1},  {T - 1, 1}, {5, 7},
+                                {60, 9}, {1, T - 1}, {T / 2, T - T / 2}};
+    int64_t bad = 0;
+    for (size_t c = 0; ok && c < sizeof calls / sizeof calls[0]; c++) {
+        const int64_t r0 = calls[c][0], len = calls[c][1];
+        CUDA_OK(cudaMemset(dy.p, 0xFF, dy.bytes));
+        CUDA_OK(cudaDeviceSynchronize());
+        float *yr = (float *)dy.p + r0 * N;
+        ok = launched(what, fitm_cuda_gemm_bf16(1, &wd, &N, K, (const float *)dx.p + r0 * K, len,
+                                                &yr, stream));
+        if (!ok)
+            break;
+        dbuf_get(part, &dy);
+        if (memcmp(part + r0 * N, all + r0 * N, (size_t)(len * N) * sizeof(float)) != 0 &&
+            bad++ < MAX_REPORT)
+            fprintf(stderr,
+                    "  %s: rows [%lld, %lld) of a %lld-row call differ from those rows "
+                    "alone\n",
+                    what, (long long)r0, (long long)(r0 + len), (long long)T);
+        for (int64_t i = 0; i < T * N && ok; i++) /* nothing outside the call's rows written */
+            if ((i < r0 * N || i >= (r0 + len) * N) && f2u(part[i]) != 0xffffffffu) {
+                fprintf(stderr, "  %s: element %lld outside rows [%lld, %lld) written\n", what,
+                        (long long)i, (long long)r0, (long long)(r0 + len));
+                bad++;
+                break;
+            }
+    }
+    ok = ok && bad == 0 && dbuf_guards_ok(&dy, what);
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
+    CHECK(ok, "%s", what);
+    dbuf_free(&dx), dbuf_free(&dw), dbuf_free(&dy);
+    free(x), free(w), free(all), free(part);
+}
+
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
  * sizes, accepted) before anything is launched. */
 /* ---- attention: the tiled kernel against the one-block-per-(row, head) kernel ---- */
@@ -1206,6 +1335,22 @@ static void test_contracts(void)
         CHECK(fitm_cuda_dequant_supported(weight_types[i]));
 
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_K, fake, f, 256, NULL) == inval);
+    {
+        const uint16_t *w[4] = {(const uint16_t *)fake, (const uint16_t *)fake,
+                                (const uint16_t *)fake, (const uint16_t *)fake};
+        float *y[4] = {f, f, f, f};
+        const int64_t N[4] = {8, 8, 8, 8};
+        CHECK(fitm_cuda_gemm_bf16(0, w, N, 8, f, 2, y, NULL) == inval); /* no output */
+        CHECK(fitm_cuda_gemm_bf16(4, w, N, 8, f, 2, y, NULL) == inval); /* over the maximum */
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, (float *)(fake + 2), 2, y, NULL) == inval);
+        const uint16_t *w_odd[1] = {(const uint16_t *)(fake + 1)};
+        CHECK(fitm_cuda_gemm_bf16(1, w_odd, N, 8, f, 2, y, NULL) == inval);
+        const int64_t N_neg[1] = {-1};
+        CHECK(fitm_cuda_gemm_bf16(1, w, N_neg, 8, f, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, NULL, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, -1, f, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, f, 0, y, NULL) == 0); /* no rows: nothing */
+    }
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q4_K, fake, f, 255, NULL) == inval);
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_0, fake, f, 48, NULL) == inval);
     CHECK(fitm_cuda_dequant_f16(FITM_DTYPE_Q8_0, fake + 2, (uint16_t *)fake, 32, NULL) == inval);
@@ -1315,7 +1460,7 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk, attention, logprob, bf16 (the ThreadSanitizer and mutant builds of
+ * softmax, rope, glu, topk, attention, logprob, bf16, gemm (the ThreadSanitizer and mutant builds of
  * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
  * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
@@ -1526,6 +1671,19 @@ int main(int argc, char **argv)
         test_to_bf16(3, 37, 64, 37);   /* rows starting at an odd float of the activations */
         test_to_bf16(0, 16, 3, 0);     /* padding only */
         test_to_bf16(1, 100003, 1, 0); /* a weight as one row */
+    }
+
+    if (want("gemm")) {
+        const int64_t one[] = {1}, odd[] = {37}, three[] = {65, 17, 130}, two[] = {129, 64};
+        test_gemm_bf16(1, one, 1, 1, 0);     /* one element: every tail at once */
+        test_gemm_bf16(1, odd, 45, 1, 1);    /* T = 1, odd N and K, x at an odd float */
+        test_gemm_bf16(3, three, 77, 67, 0); /* Q/K/V-like outputs of three widths, tails */
+        test_gemm_bf16(2, two, 96, 130, 3);  /* three row tiles, K a multiple of 32 */
+        test_gemm_bf16_rows(70, 50, 140);
+        if (!small) {
+            const int64_t gemma[] = {64};
+            test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 20 staging steps */
+        }
     }
 
     CUDA_OK(cudaStreamDestroy(stream));

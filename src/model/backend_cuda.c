@@ -7,13 +7,15 @@
  * table holds one model: preparing another releases the previous model's copies.
  * Products, by the driver's numerics class (backend.h, matmul): STEP calls (decode steps) run
  * every row as one warp-per-output dot product over the stored weight (fitm_cuda_matmul_rows).
- * BATCH calls (prefill, reference passes) multiply with cuBLAS in calls of a fixed row count
- * (below, gemm_rows), by fitm_backend_cuda_set_weights: BF16 (the default) multiplies bfloat16
- * operands with F32 accumulation on the tensor cores, each layer matrix rounded to bfloat16
- * once at prepare (kept beside the stored copy: 2 bytes per weight, bf16_bytes) and each chunk
- * of activations rounded in scratch (bfloat16 keeps F32's exponent range: Gemma's activations,
- * which overflow half, fit); F32 dequantizes the weight to F32 in a device scratch buffer per
- * call and multiplies F32 in and out with F32 pedantic compute (no TF32).
+ * BATCH calls (prefill, reference passes), by fitm_backend_cuda_set_weights: BF16 (the default)
+ * multiplies bfloat16 operands with F32 accumulation on the tensor cores in one launch of the
+ * project's GEMM per call (fitm_cuda_gemm_bf16: every row, and a layer's Q, K and V or gate and
+ * up side by side), each layer matrix rounded to bfloat16 once at prepare (kept beside the
+ * stored copy: 2 bytes per weight, bf16_bytes) and the activations rounded by the kernel as it
+ * stages them (bfloat16 keeps F32's exponent range: Gemma's activations, which overflow half,
+ * fit); F32 dequantizes the weight to F32 in a device scratch buffer per call and multiplies
+ * F32 in and out with cuBLAS in calls of a fixed row count (below, gemm_rows) with F32 pedantic
+ * compute (no TF32).
  * Attention: runs of plain rows (no capture, no intervention, no mixture: a prompt's bulk) of
  * at least a tile's rows go to fitm_cuda_attention_tiled (blocks of rows and a KV group's
  * heads reading each key and value once), the other rows to fitm_cuda_attention_rows (one
@@ -29,15 +31,18 @@
  * positions, cache rows and staged addresses change every step, the kernels do not); a shape
  * not seen before is instantiated. An op that cannot be captured (a cuBLAS product, an
  * allocation, a copy from pageable memory, a wait) first submits what was captured, and the
- * rest of the pass runs uncaptured: a prefill's BATCH products end its capture after a few
- * ops. Replay runs the same operations in the same order on the same data, so results are
- * bit for bit those of the uncaptured path (fitm_backend_cuda_set_graphs turns it off).
+ * rest of the pass runs uncaptured: with F32 products a prefill's first BATCH product ends its
+ * capture after a few ops; the bfloat16 GEMM is an ordinary launch, so with BF16 a prefill is
+ * captured up to its first wait. Replay runs the same operations in the same order on the
+ * same data, so results are bit for bit those of the uncaptured path
+ * (fitm_backend_cuda_set_graphs turns it off).
  *
  * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
  * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
  * add with the next rmsnorm (kept pending until that arrives), a STEP call's products of one
- * input (Q, K, V) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and
- * up products with the GLU (matmul_glu).
+ * input (Q, K, V) as one launch, a bfloat16 BATCH call's products of one input (Q, K, V; gate
+ * and up) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and up
+ * products with the GLU (matmul_glu).
  *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
@@ -111,11 +116,11 @@ typedef struct {
     graph_slot slots[GRAPH_SLOTS];
     uint64_t clock;      /* of the slots' last use */
     /* the BATCH class's operands (fitm_backend_cuda_set_weights): what it multiplies in, the
-     * prepared model's bfloat16 copies' bytes, and the scratch of a weight without a copy (wb)
-     * and of a chunk of activations (xb), both bfloat16 */
+     * prepared model's bfloat16 copies' bytes, and the bfloat16 scratch of a weight without a
+     * copy (wb) */
     fitm_cuda_weights weights;
     size_t bf16_bytes;
-    grow_buf wb, xb;
+    grow_buf wb;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -604,7 +609,6 @@ static void cuda_destroy(fitm_backend *b)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     free_buf(&c->wb);
-    free_buf(&c->xb);
     if (c->blas)
         cublasDestroy(c->blas);
     cudaStreamDestroy(c->stream);
@@ -646,15 +650,17 @@ static void cuda_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids
 
 #define MM_ROWS_PER_LAUNCH 65535
 
-/* Rows of every cuBLAS call of the BATCH class. cuBLAS picks its kernel (tiles, split-K) by
- * the shape, so a row of a 7-row call and the same row of a 300-row call could be summed in
- * different orders; every call here has exactly GEMM_ROWS rows (the last chunk zero-padded in
- * scratch), the same N and K, and 256-byte aligned operands, so every chunk runs the same
- * kernel, which reduces K in the same order for each output: a row's result does not depend on
- * T or on where the row falls in it. cuBLAS does not document that promise; the CUDA build's
- * test_backend_cuda checks it on the device (prefix reuse bit-identical to a full pass). 64
- * rows keep the padding of short calls (reference passes of a few tokens) cheap while the
- * weight, read once per chunk, is reused 64 times. */
+/* Rows of every cuBLAS call of the BATCH class in F32 (gpu_weights = f32). cuBLAS picks its
+ * kernel (tiles, split-K) by the shape, so a row of a 7-row call and the same row of a 300-row
+ * call could be summed in different orders; every call here has exactly GEMM_ROWS rows (the
+ * last chunk zero-padded in scratch), the same N and K, and 256-byte aligned operands, so every
+ * chunk runs the same kernel, which reduces K in the same order for each output: a row's result
+ * does not depend on T or on where the row falls in it. cuBLAS does not document that promise;
+ * the CUDA build's test_backend_cuda checks it on the device (prefix reuse bit-identical to a
+ * full pass). 64 rows keep the padding of short calls (reference passes of a few tokens) cheap
+ * while the weight, read once per chunk, is reused 64 times. The bfloat16 path needs none of
+ * this: its own kernel (fitm_cuda_gemm_bf16) keeps a row's result independent of T by
+ * construction and takes every row in one launch. */
 #define GEMM_ROWS 64
 
 static bool blas_ok(cuda_backend *c, cublasStatus_t st, const char *what)
@@ -673,42 +679,30 @@ static bool blas_ok(cuda_backend *c, cublasStatus_t st, const char *what)
 }
 
 /* One GEMM_ROWS-row product, column-major view: y^T (N, GEMM_ROWS) = W (K, N)^T . x^T (K,
- * GEMM_ROWS). F32: W and x F32, pedantic F32 compute (no TF32). BF16: W and x bfloat16,
- * F32 compute with the tensor cores allowed (products of two bfloat16 values are exact in
- * F32; the sums are F32). */
-static bool gemm_chunk(cuda_backend *c, bool bf16, const void *W, int64_t N, int64_t K,
-                       const void *x, float *y)
+ * GEMM_ROWS), W and x F32, pedantic F32 compute (no TF32). */
+static bool gemm_chunk(cuda_backend *c, const float *W, int64_t N, int64_t K, const float *x,
+                       float *y)
 {
     const float one = 1.0f, zero = 0.0f;
-    const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
     return blas_ok(c,
                    cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, GEMM_ROWS, (int)K, &one,
-                                W, t, (int)K, x, t, (int)K, &zero, y, CUDA_R_32F, (int)N,
-                                bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
-                                CUBLAS_GEMM_DEFAULT),
-                   bf16 ? "matmul (cuBLAS GEMM, bfloat16)" : "matmul (cuBLAS GEMM)");
+                                W, CUDA_R_32F, (int)K, x, CUDA_R_32F, (int)K, &zero, y, CUDA_R_32F,
+                                (int)N, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+                   "matmul (cuBLAS GEMM)");
 }
 
-/* y (T, N) = x (T, K) . W^T, W (N, K) on the device (F32, or bfloat16 when bf16), in calls of
- * GEMM_ROWS rows. With bf16 each chunk of x is rounded to bfloat16 in scratch, the tail's
- * missing rows zero; in F32 the tail goes through zero-padded scratch. Either way every call
- * has the same shape. */
-static void gemm_rows(cuda_backend *c, bool bf16, const void *W, int64_t N, int64_t K,
-                      const float *x, int64_t T, float *y)
+/* y (T, N) = x (T, K) . W^T, W (N, K) F32 on the device, in calls of GEMM_ROWS rows; the tail
+ * goes through zero-padded scratch, so every call has the same shape. */
+static void gemm_rows(cuda_backend *c, const float *W, int64_t N, int64_t K, const float *x,
+                      int64_t T, float *y)
 {
     for (int64_t t0 = 0; t0 < T && c->rc == 0; t0 += GEMM_ROWS) {
         const int64_t n = T - t0 < GEMM_ROWS ? T - t0 : GEMM_ROWS;
-        const void *xs = x + t0 * K;
+        const float *xs = x + t0 * K;
         float *ys = y + t0 * N;
         if (n < GEMM_ROWS && !grow(c, &c->ypad, (size_t)(GEMM_ROWS * N) * 4))
             return;
-        if (bf16) {
-            if (!grow(c, &c->xb, (size_t)(GEMM_ROWS * K) * sizeof(uint16_t)) ||
-                !ok(c, fitm_cuda_to_bf16(xs, n, K, GEMM_ROWS, c->xb.p, c->stream),
-                    "matmul (activations to bfloat16)"))
-                return;
-            xs = c->xb.p;
-        } else if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
+        if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
             if (!grow(c, &c->xpad, (size_t)(GEMM_ROWS * K) * 4) ||
                 !ok(c,
                     (int)cudaMemcpyAsync(c->xpad.p, xs, (size_t)(n * K) * 4,
@@ -721,7 +715,7 @@ static void gemm_rows(cuda_backend *c, bool bf16, const void *W, int64_t N, int6
                 return;
             xs = c->xpad.p;
         }
-        if (!gemm_chunk(c, bf16, W, N, K, xs, n < GEMM_ROWS ? c->ypad.p : ys))
+        if (!gemm_chunk(c, W, N, K, xs, n < GEMM_ROWS ? c->ypad.p : ys))
             return;
         if (n < GEMM_ROWS)
             ok(c,
@@ -752,9 +746,10 @@ static bool to_bf16(cuda_backend *c, const fitm_weight *w, const void *W, uint16
                     "matmul (weight to bfloat16)");
 }
 
-/* The BATCH class. F32: the weight as F32 (weight_f32), then gemm_rows in F32. BF16: the
- * weight's bfloat16 copy from prepare (a weight without one, as tests hand in, is converted
- * into scratch for the call: the same values), then gemm_rows in bfloat16. */
+/* The BATCH class. F32: the weight as F32 (weight_f32), then gemm_rows through cuBLAS. BF16:
+ * the weight's bfloat16 copy from prepare (a weight without one, as tests hand in, is
+ * converted into scratch for the call: the same values), then every row in one launch of
+ * fitm_cuda_gemm_bf16, which rounds x to bfloat16 as it reads it. */
 static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W, const float *x,
                            int64_t T, float *y)
 {
@@ -767,12 +762,36 @@ static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W,
                 return;
             Wb = c->wb.p;
         }
-        gemm_rows(c, true, Wb, N, K, x, T, y);
+        ok(c, fitm_cuda_gemm_bf16(1, &Wb, &N, K, x, T, &y, c->stream), "matmul (bfloat16 GEMM)");
         return;
     }
     const float *Wf = weight_f32(c, w, W);
     if (Wf)
-        gemm_rows(c, false, Wf, N, K, x, T, y);
+        gemm_rows(c, Wf, N, K, x, T, y);
+}
+
+/* The BATCH products of outs (without their biases) as one launch of fitm_cuda_gemm_bf16, when
+ * the products are bfloat16, there are several (a layer's Q, K and V; gate and up), fusion is
+ * on and every weight has its bfloat16 copy: output i is computed as its own launch computes
+ * it. False: nothing launched. */
+static bool batch_outs_fused(cuda_backend *c, const float *x, int64_t T, const fitm_mm_out *outs,
+                             int n_outs)
+{
+    if (c->weights != FITM_CUDA_WEIGHTS_BF16 || !c->fuse || n_outs < 2 ||
+        n_outs > FITM_CUDA_MM_MAX_OUTS)
+        return false;
+    const uint16_t *W[FITM_CUDA_MM_MAX_OUTS];
+    int64_t N[FITM_CUDA_MM_MAX_OUTS];
+    float *y[FITM_CUDA_MM_MAX_OUTS];
+    for (int i = 0; i < n_outs; i++) {
+        const dev_weight *d = find_weight(c, outs[i].w->data);
+        if (!d || !d->bf16 || outs[i].w->n_cols != outs[0].w->n_cols)
+            return false;
+        W[i] = d->bf16, N[i] = outs[i].w->n_rows, y[i] = outs[i].y;
+    }
+    ok(c, fitm_cuda_gemm_bf16(n_outs, W, N, outs[0].w->n_cols, x, T, y, c->stream),
+       "matmul (bfloat16 GEMM)");
+    return true;
 }
 
 /* The STEP products of outs (without their biases) as one launch, when there are several
@@ -806,17 +825,19 @@ static bool step_outs_fused(cuda_backend *c, const float *x, int64_t T, const fi
     return true;
 }
 
-/* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through cuBLAS (not
- * captured), the STEP class through the warp-per-output kernel. */
+/* Each outs[i].y (T, N) = x (T, K) . W^T (+ bias): the BATCH class through the bfloat16 GEMM
+ * kernel (captured like any launch) or, with F32 products, cuBLAS (not captured); the STEP
+ * class through the warp-per-output kernel. */
 static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_mm_out *outs,
                         int n_outs, bool batched)
 {
     cuda_backend *c = cu(b);
-    if (batched)
+    if (batched && c->weights != FITM_CUDA_WEIGHTS_BF16)
         capture_off(c);
     else
         capture_on(c);
-    const bool one_launch = !batched && step_outs_fused(c, x, T, outs, n_outs);
+    const bool one_launch =
+        batched ? batch_outs_fused(c, x, T, outs, n_outs) : step_outs_fused(c, x, T, outs, n_outs);
     for (int i = 0; i < n_outs && c->rc == 0; i++) {
         const fitm_weight *w = outs[i].w;
         const int64_t N = w->n_rows, K = w->n_cols;

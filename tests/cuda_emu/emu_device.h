@@ -36,6 +36,7 @@
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) alignas(n)
 
 struct dim3 {
     unsigned x, y, z;
@@ -85,6 +86,16 @@ cudaError_t fitm_emu_take_launch_failure(void);
 cudaError_t fitm_emu_set_error(cudaError_t e);
 /* Loses the context: e, sticky, is what every later call returns. */
 cudaError_t fitm_emu_lose_context(cudaError_t e);
+/* For stand-ins of device features that run inside a kernel (mma.h): records a fault of the
+ * running launch (the first one, described by what); when its blocks have run, the launch
+ * loses the context with e, as a device's faulting kernel does. */
+void fitm_emu_kernel_fault(cudaError_t e, const char *what);
+/* True when the n bytes from p lie in the running launch's dynamic shared memory. */
+bool fitm_emu_shared_range(const void *p, size_t n);
+/* Notes that the calling thread made a warp collective call whose arguments hash to sig:
+ * when its block ends, a thread whose calls differ from lane 0's of its warp in number or
+ * arguments faults the launch with cudaErrorLaunchFailure. */
+void fitm_emu_warp_collective(uint64_t sig);
 
 #define __syncthreads() fitm_emu_syncthreads()
 #define __syncwarp(...) ((void)0)
@@ -243,6 +254,14 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f)
         b.bits = (uint16_t)(u >> 16 | 0x40u);
     else
         b.bits = (uint16_t)((u + 0x7fffu + (u >> 16 & 1u)) >> 16);
+    return b;
+}
+/* float -> bfloat16, rounded toward zero (the low 16 bits dropped); NaN stays NaN. */
+static inline __nv_bfloat16 __float2bfloat16_rz(float f)
+{
+    const uint32_t u = __float_as_uint(f);
+    __nv_bfloat16 b;
+    b.bits = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? u >> 16 | 0x40u : u >> 16);
     return b;
 }
 static inline __nv_bfloat16 __float2bfloat16(float f)

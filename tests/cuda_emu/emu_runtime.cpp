@@ -153,6 +153,58 @@ cudaError_t take_injected(cudaError_t *slot)
 
 const int MAX_THREADS = 1024;
 
+/* A launch's dynamic shared memory, 128-byte aligned as a device's shared window is (WMMA
+ * loads and stores need 32 bytes): filled with 0xA5 so reads of unwritten bytes show. */
+struct dyn_shared_buf {
+    std::vector<char> bytes;
+    char *p = nullptr;
+    size_t n = 0;
+    void assign(size_t size)
+    {
+        bytes.assign(size + 128, (char)0xA5);
+        p = bytes.data() + (128 - (uintptr_t)bytes.data() % 128) % 128;
+        n = size;
+    }
+};
+
+/* What the threads of the running block asked of warp collectives (WMMA's load, store and
+ * mma): per thread a count and a running signature of the calls' arguments. At the block's
+ * end every lane of a warp must have made the same calls (collective_check). */
+struct collective_log {
+    unsigned n[MAX_THREADS];
+    uint64_t sig[MAX_THREADS];
+    void reset(int threads)
+    {
+        memset(n, 0, sizeof n[0] * (size_t)threads);
+        memset(sig, 0, sizeof sig[0] * (size_t)threads);
+    }
+    void add(int i, uint64_t s)
+    {
+        n[i]++;
+        sig[i] = sig[i] * 0x100000001b3ull ^ s;
+    }
+};
+
+void kernel_fault(cudaError_t e, const char *what);
+
+/* Faults the launch when some lane of a warp of this block (threads, uint3 at: its index)
+ * made other collective calls than lane 0 of its warp. */
+void collective_check(const collective_log &log, int threads, uint3 at)
+{
+    for (int i = 0; i < threads; i++) {
+        const int first = i / 32 * 32;
+        if (log.n[i] != log.n[first] || log.sig[i] != log.sig[first]) {
+            char what[256];
+            snprintf(what, sizeof what,
+                     "block (%u,%u,%u): thread %d made %u warp collective calls, lane 0 of its "
+                     "warp %u or with other arguments (every lane must call each one alike)",
+                     at.x, at.y, at.z, i, log.n[i], log.n[first]);
+            kernel_fault(cudaErrorLaunchFailure, what);
+            return;
+        }
+    }
+}
+
 } // namespace
 
 #ifndef FITM_CUDA_EMU_THREADS
@@ -184,7 +236,8 @@ struct warp_state {
 struct block_runner {
     fiber fibers[MAX_THREADS]; /* never moves: started fibers point into their stacks */
     warp_state warps[MAX_THREADS / 32];
-    std::vector<char> dyn_shared;
+    dyn_shared_buf dyn_shared;
+    collective_log collectives;
     jmp_buf sched;
     int n, live;
     unsigned sync_gen, sync_arrived;
@@ -274,6 +327,7 @@ bool run_block(block_runner *r)
         r->warps[w].gen = r->warps[w].arrived = 0;
     r->live = r->n;
     r->sync_gen = r->sync_arrived = 0;
+    r->collectives.reset(r->n);
     /* The lowest-numbered ready fiber runs next. A fiber's readiness changes only when a barrier
      * or a shuffle completes (progress), so while none does, every fiber below the last one
      * picked stays unready and the search resumes where it stopped: one pass per barrier
@@ -299,6 +353,7 @@ bool run_block(block_runner *r)
         resume(r, f);
         from = r->progress == before ? pick : first;
     }
+    collective_check(r->collectives, r->n, fitm_emu_block_idx);
     return true;
 }
 
@@ -310,7 +365,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
         runner = new block_runner();
     block_runner *r = runner;
     r->n = (int)(block.x * block.y * block.z);
-    r->dyn_shared.assign(dyn_shared, (char)0xA5);
+    r->dyn_shared.assign(dyn_shared);
     r->entry = entry;
     r->entry_ctx = ctx;
     fitm_emu_block_dim = block;
@@ -371,7 +426,19 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 
 void *fitm_emu_dynamic_shared(void)
 {
-    return runner->dyn_shared.data();
+    return runner->dyn_shared.p;
+}
+
+bool fitm_emu_shared_range(const void *p, size_t n)
+{
+    const char *a = (const char *)p, *base = runner->dyn_shared.p;
+    const size_t size = runner->dyn_shared.n;
+    return a >= base && n <= size && (size_t)(a - base) <= size - n;
+}
+
+void fitm_emu_warp_collective(uint64_t sig)
+{
+    runner->collectives.add((int)(current() - runner->fibers), sig);
 }
 
 #else /* FITM_CUDA_EMU_THREADS: one OS thread per CUDA thread */
@@ -407,7 +474,8 @@ struct thread_pool {
     unsigned long start_gen[MAX_THREADS]; /* block_gen when each worker was created */
     uint3 block_idx;
     dim3 block_dim, grid_dim;
-    std::vector<char> dyn_shared;
+    dyn_shared_buf dyn_shared;
+    collective_log collectives; /* each thread writes its own entry; read after the block */
     void (*entry)(void *);
     void *ctx;
     pthread_mutex_t bar_mu;
@@ -477,7 +545,7 @@ void *worker_main(void *arg)
         fitm_emu_block_idx = pool.block_idx;
         fitm_emu_block_dim = pool.block_dim;
         fitm_emu_grid_dim = pool.grid_dim;
-        worker_dyn_shared = pool.dyn_shared.data();
+        worker_dyn_shared = pool.dyn_shared.p;
         worker_block_n = pool.n;
         void (*entry)(void *) = pool.entry;
         void *ctx = pool.ctx;
@@ -500,7 +568,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
     pthread_once(&pool_once, pool_init);
     const int n = (int)(block.x * block.y * block.z);
     pthread_mutex_lock(&pool.mu);
-    pool.dyn_shared.assign(dyn_shared, (char)0xA5);
+    pool.dyn_shared.assign(dyn_shared);
     pool.entry = entry;
     pool.ctx = ctx;
     pool.block_dim = block;
@@ -525,6 +593,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
                 pool.block_idx = *at = {x, y, z};
                 pool.n = n;
                 pool.done = 0;
+                pool.collectives.reset(n);
                 pthread_mutex_lock(&pool.bar_mu);
                 pool.live = n;
                 pool.sync_gen = pool.sync_arrived = 0;
@@ -538,6 +607,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
                 pthread_cond_broadcast(&pool.cv);
                 while (pool.done < n)
                     wait_on(&pool.cv, &pool.mu);
+                collective_check(pool.collectives, n, *at);
             }
     pool.n = 0;
     pthread_mutex_unlock(&pool.mu);
@@ -586,6 +656,18 @@ void *fitm_emu_dynamic_shared(void)
     return worker_dyn_shared;
 }
 
+bool fitm_emu_shared_range(const void *p, size_t n)
+{
+    const char *a = (const char *)p, *base = (const char *)worker_dyn_shared;
+    const size_t size = pool.dyn_shared.n; /* not written while the block runs */
+    return a >= base && n <= size && (size_t)(a - base) <= size - n;
+}
+
+void fitm_emu_warp_collective(uint64_t sig)
+{
+    pool.collectives.add(worker_index, sig);
+}
+
 void fitm_emu_atomic_lock(void)
 {
     pthread_mutex_lock(&pool.atomic_mu);
@@ -611,6 +693,27 @@ bool launch_fails_by_file(void)
 cudaError_t fitm_emu_set_error(cudaError_t e)
 {
     return set_error(e);
+}
+
+namespace
+{
+cudaError_t launch_fault = cudaSuccess; /* the running launch's first fault (state_lock) */
+
+void kernel_fault(cudaError_t e, const char *what)
+{
+    pthread_mutex_lock(&state_lock);
+    const bool first = launch_fault == cudaSuccess;
+    if (first)
+        launch_fault = e;
+    pthread_mutex_unlock(&state_lock);
+    if (first)
+        fprintf(stderr, "cuda_emu: %s: %s; the context is lost\n", cudaGetErrorName(e), what);
+}
+} // namespace
+
+void fitm_emu_kernel_fault(cudaError_t e, const char *what)
+{
+    kernel_fault(e, what);
 }
 
 cudaError_t fitm_emu_lose_context(cudaError_t e)
@@ -709,11 +812,21 @@ void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
     }
     count(&fitm_emu_stats::kernels_run);
     pthread_mutex_lock(&launch_lock);
+    pthread_mutex_lock(&state_lock);
+    launch_fault = cudaSuccess;
+    pthread_mutex_unlock(&state_lock);
     uint3 at = {0, 0, 0};
     const bool ok = run_grid(
         grid, block, dyn_shared, [](void *p) { (*(const std::function<void()> *)p)(); },
         (void *)&body, &at);
+    pthread_mutex_lock(&state_lock);
+    const cudaError_t fault = launch_fault;
+    pthread_mutex_unlock(&state_lock);
     pthread_mutex_unlock(&launch_lock);
+    if (fault != cudaSuccess) {
+        lose_context(fault);
+        return;
+    }
     if (!ok) {
         fprintf(stderr,
                 "cuda_emu: deadlock in block (%u,%u,%u): a barrier or shuffle not "

@@ -11,6 +11,12 @@
  *   argument, inside a struct argument (fitm_cuda_attention's queries), inside the device array
  *   of structs of fitm_cuda_attention_many, as a cuBLAS operand, as the device side of an
  *   asynchronous copy and of a memset;
+ * - warp matrix functions (mma.h), as a device faults (sticky): a load or store pointer not
+ *   32-byte aligned or an ldm not a multiple of 8 bfloat16 or 4 floats
+ *   (cudaErrorMisalignedAddress), a tile past its allocation's end or past the launch's
+ *   dynamic shared memory (cudaErrorIllegalAddress), a lane skipping a collective
+ *   (cudaErrorLaunchFailure); valid tiles from device and from dynamic shared memory multiply
+ *   within the bound of a double reference;
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
  *   breaks it;
@@ -20,7 +26,9 @@
 #include <string.h>
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include "check.h"
 #include "kernels.h"
@@ -69,6 +77,108 @@ static void expect_lost(const char *what)
     CHECK(cudaMalloc(&p, 64) == cudaErrorIllegalAddress && !p, "%s: malloc after", what);
     fitm_emu_reset_device();
     CHECK(cudaGetLastError() == cudaSuccess, "%s: reset", what);
+}
+
+/* As expect_lost, for a fault of error e. */
+static void expect_lost_with(cudaError_t e, const char *what)
+{
+    CHECK(cudaDeviceSynchronize() == e, "%s: sync", what);
+    CHECK(cudaGetLastError() == e, "%s: last error", what);
+    CHECK(cudaGetLastError() == e, "%s: still (sticky)", what);
+    fitm_emu_reset_device();
+    CHECK(cudaGetLastError() == cudaSuccess, "%s: reset", what);
+}
+
+/* One warp: c (16 x 16, row-major, ldc) = a (16 x 16, row-major, lda) . b (16 x 16 stored as
+ * its columns, ldb). stage: a is first copied (16 rows of lda) into dynamic shared memory and
+ * loaded from there. Lane skip (>= 0) does not load b. */
+__global__ void wmma_tile(float *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b, unsigned lda,
+                          unsigned ldb, unsigned ldc, int stage, int skip)
+{
+    namespace wmma = nvcuda::wmma;
+    FITM_DYNAMIC_SHARED(__align__(128) unsigned char, shared);
+    const __nv_bfloat16 *as = a;
+    if (stage) {
+        __nv_bfloat16 *s = (__nv_bfloat16 *)shared;
+        for (unsigned i = threadIdx.x; i < 16 * lda; i += 32)
+            s[i] = a[i];
+        __syncthreads();
+        as = s;
+    }
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    wmma::fill_fragment(fb, __float2bfloat16_rn(0.0f));
+    wmma::load_matrix_sync(fa, as, lda);
+    if ((int)threadIdx.x != skip)
+        wmma::load_matrix_sync(fb, b, ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+    wmma::store_matrix_sync(c, acc, ldc, wmma::mem_row_major);
+}
+
+static float bf16_value(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
+
+static void test_wmma(void)
+{
+    const unsigned ld = 24; /* elements: a multiple of 8, rows 48 bytes apart */
+    __nv_bfloat16 ah[16 * ld], bh[16 * ld];
+    for (unsigned i = 0; i < 16 * ld; i++) {
+        ah[i] = __float2bfloat16_rn((float)(rand() % 2001 - 1000) / 256.0f);
+        bh[i] = __float2bfloat16_rn((float)(rand() % 2001 - 1000) / 256.0f);
+    }
+    /* one spare row of slack: tiles at 16 bytes past the start still end inside */
+    __nv_bfloat16 *a = (__nv_bfloat16 *)dev_alloc(17 * ld * 2),
+                  *b = (__nv_bfloat16 *)dev_alloc(17 * ld * 2);
+    float *c = (float *)dev_alloc(16 * 20 * 4);
+    cudaMemcpy(a, ah, sizeof ah, cudaMemcpyHostToDevice);
+    cudaMemcpy(b, bh, sizeof bh, cudaMemcpyHostToDevice);
+    for (int stage = 0; stage < 2; stage++) {
+        cudaMemset(c, 0xFF, 16 * 20 * 4);
+        FITM_LAUNCH(dim3(1), dim3(32), stage ? 16 * ld * 2 : 0, NULL, wmma_tile)
+        (c, a, b, ld, ld, 20, stage, -1);
+        float ch[16 * 20];
+        CHECK(cudaMemcpy(ch, c, sizeof ch, cudaMemcpyDeviceToHost) == cudaSuccess, "wmma run");
+        int bad = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 16; n++) {
+                double ref = 0.0, mag = 0.0;
+                for (int k = 0; k < 16; k++) {
+                    const double p =
+                        (double)bf16_value(ah[r * ld + k]) * bf16_value(bh[n * ld + k]);
+                    ref += p, mag += fabs(p);
+                }
+                bad += fabs(ch[r * 20 + n] - ref) > (2 * 16 + 4) * ldexp(1.0, -24) * mag;
+            }
+        CHECK(bad == 0, "wmma tile (%s): %d of 256 elements off the reference",
+              stage ? "from shared memory" : "from device memory", bad);
+    }
+
+    /* a tile 16 bytes past its allocation's start: not 32-byte aligned */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a + 8, b, ld, ld, 20, 0, -1);
+    expect_lost_with(cudaErrorMisalignedAddress, "wmma load at 16 bytes");
+    /* ldm 20 bfloat16 (40 bytes): not a multiple of 8 elements */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a, b, ld, 20, 20, 0, -1);
+    expect_lost_with(cudaErrorMisalignedAddress, "wmma load with ldm 20");
+    /* a float store with ldm 18: not a multiple of 4 */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a, b, ld, ld, 18, 0, -1);
+    expect_lost_with(cudaErrorMisalignedAddress, "wmma store with ldm 18");
+    /* ldm 40: the tile's 16th row ends past the allocation (17 rows of 24) */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a, b, ld, 40, 20, 0, -1);
+    expect_lost_with(cudaErrorIllegalAddress, "wmma load past the allocation");
+    /* staged a of 16 rows of 24, the dynamic shared memory one row short */
+    FITM_LAUNCH(dim3(1), dim3(32), 15 * ld * 2, NULL, wmma_tile)(c, a, b, ld, ld, 20, 1, -1);
+    expect_lost_with(cudaErrorIllegalAddress, "wmma load past the dynamic shared memory");
+    /* lane 5 skips the load of b */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a, b, ld, ld, 20, 0, 5);
+    expect_lost_with(cudaErrorLaunchFailure, "wmma load skipped by a lane");
+    /* the device runs again afterwards */
+    FITM_LAUNCH(dim3(1), dim3(32), 0, NULL, wmma_tile)(c, a, b, ld, ld, 20, 0, -1);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "wmma after the faults");
+    cudaFree(a), cudaFree(b), cudaFree(c);
 }
 
 static void test_limits(void)
@@ -373,6 +483,7 @@ int main(void)
     srand(38);
     test_limits();
     test_host_pointers();
+    test_wmma();
     test_graphs();
     printf("%d checks, %d failed\n", n_checks, failures);
     return failures ? 1 : 0;
