@@ -19,8 +19,9 @@
  * Attention: runs of plain rows (no capture, no intervention, no mixture: a prompt's bulk) of
  * at least a tile's rows go to fitm_cuda_attention_tiled (blocks of rows and a KV group's
  * heads reading each key and value once), the other rows to fitm_cuda_attention_rows (one
- * block per (row, head)); both give a row the same bits, so which ran it never shows. Capture
- * results are downloaded per captured row into the caller's host arrays.
+ * block per (row, head)); both give a row the same bits, so which ran it never shows. Captured
+ * rows are copied on the stream into a pinned area and reach the caller's host arrays at the
+ * next wait (fetch_late), so a captured pass waits no more than a plain one.
  *
  * Launches: the ops enqueue work without waiting, and the host waits where it needs a result
  * (a download, the status). Between two waits the stream is captured into a CUDA graph
@@ -97,10 +98,21 @@ typedef struct {
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
         cap_probs, top, top_scratch, many, picks, lp;
     void *host;     /* host scratch: the top entries' values then indices, unpacked into the
-                       caller's array; capture rows added into the caller's (capture->add) */
+                       caller's array */
     size_t host_cap;
     uint8_t *pin; /* pinned staging of the small host arrays an op hands the device (stage) */
     size_t pin_cap, pin_used;
+    /* captured rows on their way to the caller's arrays (fetch_late): copied into the pinned
+     * area dl in stream order, then into (or onto) their destinations by the next wait */
+    uint8_t *dl;
+    size_t dl_cap, dl_used;
+    struct late_copy {
+        float *dst;
+        size_t off; /* in dl */
+        int64_t n;  /* floats */
+        bool add;   /* added to dst (capture->add), else copied */
+    } *late;
+    size_t n_late, late_cap;
     bool graphs;         /* capture the work between two waits and replay it (capture_on) */
     bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
     fitm_backend_ops ops; /* cuda_ops, less the fused slots when fuse is off */
@@ -301,11 +313,37 @@ void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
 /* Waits for the stream's work (what a capture under way holds is submitted first). Every
  * staged copy is then done, so the whole pinned staging area is free again (stage), and the
  * next op may start a capture. */
+static void late_drop(cuda_backend *c)
+{
+    c->n_late = 0;
+    c->dl_used = 0;
+}
+
+/* Puts the captured rows that arrived in dl into the caller's arrays, in the order they were
+ * asked for (so rows added onto others, capture->add, are summed as one copy after the other
+ * would have summed them). Only after the stream's work is done. */
+static void late_flush(cuda_backend *c)
+{
+    for (size_t i = 0; i < c->n_late; i++) {
+        const struct late_copy *l = &c->late[i];
+        const float *src = (const float *)(c->dl + l->off);
+        if (l->add)
+            for (int64_t j = 0; j < l->n; j++)
+                l->dst[j] += src[j];
+        else
+            memcpy(l->dst, src, (size_t)l->n * sizeof(float));
+    }
+    late_drop(c);
+}
+
 static bool sync_stream(cuda_backend *c, const char *what)
 {
     capture_off(c);
-    if (!ok(c, (int)cudaStreamSynchronize(c->stream), what))
+    if (!ok(c, (int)cudaStreamSynchronize(c->stream), what)) {
+        late_drop(c); /* the pass failed: its captures are not delivered */
         return false;
+    }
+    late_flush(c);
     c->pin_used = 0;
     c->cap = CAP_IDLE;
     c->busy = false;
@@ -602,6 +640,9 @@ static void cuda_destroy(fitm_backend *b)
     free(c->host);
     if (c->pin)
         cudaFreeHost(c->pin);
+    if (c->dl)
+        cudaFreeHost(c->dl);
+    free(c->late);
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
                         &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many,
@@ -1045,26 +1086,58 @@ static void cuda_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t 
     to_host(c, lp, c->lp.p, vals * sizeof(double), "log-probabilities download");
 }
 
-/* Copies n floats of a captured row from the device to dst, or adds them to it (capture->add:
- * the passes of Attention Buckets summed in the caller's arrays; the keys a row does not see
- * are 0 on the device, so adding every entry adds what the CPU backend adds). */
-static void capture_to_host(cuda_backend *c, float *dst, const float *src, int64_t n, bool add)
+#define DL_MIN_BYTES (1u << 20)
+
+/* n floats at the device address src into dst (or added onto it, add: the passes of Attention
+ * Buckets summed in the caller's arrays; the keys a row does not see are 0 on the device, so
+ * adding every entry adds what the CPU backend adds) at the next wait, not
+ * now: the copy goes on the stream into the pinned area dl (capturable, so a pass's captured
+ * rows ride in its graph) and late_flush moves it to dst once the stream is done. The caller's
+ * arrays of a forward call are read only after the call's status, which waits; a pass with
+ * captures thus waits once, where a download per captured row and layer waited each time. An
+ * area too small for what is pending waits first (and grows, nothing being in flight then). */
+static bool fetch_late(cuda_backend *c, float *dst, const float *src, int64_t n, bool add)
 {
-    const size_t bytes = (size_t)n * sizeof(float);
-    if (!add) {
-        to_host(c, dst, src, bytes, "capture download");
-        return;
+    const size_t bytes = (size_t)n * sizeof(float), need = align64(bytes);
+    if (n == 0 || c->rc)
+        return c->rc == 0;
+    if (c->dl_used + need > c->dl_cap) {
+        if (c->n_late > 0 && !sync_stream(c, "capture download"))
+            return false;
+        if (need > c->dl_cap - c->dl_used) { /* empty now, and still too small */
+            const size_t cap = need > 2 * c->dl_cap ? need : 2 * c->dl_cap;
+            if (c->dl)
+                cudaFreeHost(c->dl);
+            c->dl = NULL;
+            c->dl_cap = 0;
+            if (!ok(c,
+                    (int)cudaMallocHost((void **)&c->dl, cap > DL_MIN_BYTES ? cap : DL_MIN_BYTES),
+                    "pinned download allocation"))
+                return false;
+            c->dl_cap = cap > DL_MIN_BYTES ? cap : DL_MIN_BYTES;
+        }
     }
-    if (!grow_host(c, bytes, "host buffer for the capture") ||
-        !to_host(c, c->host, src, bytes, "capture download"))
-        return;
-    const float *h = c->host;
-    for (int64_t i = 0; i < n; i++)
-        dst[i] += h[i];
+    if (c->n_late == c->late_cap) {
+        const size_t lc = c->late_cap ? 2 * c->late_cap : 64;
+        struct late_copy *l = realloc(c->late, lc * sizeof *l);
+        if (!l)
+            return ok(c, (int)cudaErrorMemoryAllocation, "capture download list");
+        c->late = l;
+        c->late_cap = lc;
+    }
+    capture_on(c);
+    if (!ok(c,
+            (int)cudaMemcpyAsync(c->dl + c->dl_used, src, bytes, cudaMemcpyDeviceToHost,
+                                 c->stream),
+            "capture download"))
+        return false;
+    c->late[c->n_late++] = (struct late_copy){dst, c->dl_used, n, add};
+    c->dl_used += need;
+    return true;
 }
 
 /* Copies (or adds) the captured rows of this call from the device buffers to the caller's
- * arrays. */
+ * arrays, at the next wait (fetch_late). */
 static void download_capture(cuda_backend *c, const fitm_attn_args *a)
 {
     const fitm_capture *cap = a->capture;
@@ -1075,11 +1148,11 @@ static void download_capture(cuda_backend *c, const fitm_attn_args *a)
             continue;
         const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * H;
         if (cap->span_mass && cap->n_spans > 0)
-            capture_to_host(c, cap->span_mass + slot * cap->n_spans,
+            fetch_late(c, cap->span_mass + slot * cap->n_spans,
                             (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans,
                             H * cap->n_spans, cap->add);
         if (cap->probs)
-            capture_to_host(c, cap->probs + slot * cap->probs_stride,
+            fetch_late(c, cap->probs + slot * cap->probs_stride,
                             (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
                             H * cap->probs_stride, cap->add);
     }
@@ -1167,8 +1240,8 @@ static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fit
     return true;
 }
 
-/* One call's attention (backend.h); its captured rows are downloaded (a wait) into the
- * caller's arrays. */
+/* One call's attention (backend.h); its captured rows reach the caller's arrays at the next
+ * wait (download_capture). */
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cuda_backend *c = cu(b);
@@ -1203,7 +1276,7 @@ static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
     }
     if (c->rc || !attention_launch(c, a, &k))
         return;
-    if (k.cap_index) /* the staged arguments live in the pinned area: no wait otherwise */
+    if (k.cap_index)
         download_capture(c, a);
 }
 
@@ -1228,7 +1301,7 @@ static bool attn_tiles(const fitm_attn_args *a)
 
 /* A step's sequences as one launch (fitm_cuda_attention_many), their intervention arrays and
  * the kernel arguments staged side by side in one device buffer. Calls with a capture
- * (prefill and /rerank passes: their rows are downloaded per call) go one by one, as do more
+ * (prefill and /rerank passes: their rows are copied out per call) go one by one, as do more
  * calls than one launch stages or calls of different head counts; so do prompt chunks with
  * rows for the tiled kernel, while the step's decode rows stay in the one launch. */
 static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
@@ -1305,6 +1378,7 @@ static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
     fitm_status s = fitm_cuda_status(c->rc, err, what);
     capture_drop(c); /* the failed pass's captured work, if it failed mid-capture */
     c->add.n = 0;    /* and its pending add */
+    late_drop(c);    /* and the captured rows it was to deliver */
     if (!c->sticky) {
         c->rc = 0, c->what[0] = 0;
         /* an error a replayed graph left (not returned by a launch) must not fail the next */
