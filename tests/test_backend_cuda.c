@@ -214,8 +214,8 @@ static void test_model(fitm_backend *cpu, fitm_backend *gpu, fitm_gen_arch arch,
         fitm_emu_get_stats(&st[0]);
         const bool ran = again && run(&rg, ids, lg2, &ca, &iv);
         fitm_emu_get_stats(&st[1]);
-        CHECK(ran && st[1].host_waits - st[0].host_waits == 1,
-              "a captured pass waited %llu times", st[1].host_waits - st[0].host_waits);
+        CHECK(ran && st[1].host_waits - st[0].host_waits == 1, "a captured pass waited %llu times",
+              st[1].host_waits - st[0].host_waits);
         CHECK(ran && memcmp(again, mg, sizeof(float) * (size_t)nm) == 0,
               "captured masses of the same pass differ");
         free(again);

@@ -80,6 +80,15 @@ typedef struct {
 
 #define GRAPH_SLOTS 8
 
+/* A captured row on its way to the caller's array dst: n floats at off floats into the pinned
+ * download area, added onto dst (capture->add) or copied. */
+typedef struct {
+    float *dst;
+    size_t off;
+    int64_t n;
+    bool add;
+} late_copy;
+
 /* Capture states: the stream is not captured and the next capturable op starts a capture
  * (IDLE), is captured (ON), or is not captured until the next wait (OFF: some op of this
  * pass could not be). */
@@ -97,21 +106,16 @@ typedef struct {
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
         cap_probs, top, top_scratch, many, picks, lp;
-    void *host;     /* host scratch: the top entries' values then indices, unpacked into the
-                       caller's array */
+    void *host; /* host scratch: the top entries' values then indices, unpacked into the
+                   caller's array */
     size_t host_cap;
     uint8_t *pin; /* pinned staging of the small host arrays an op hands the device (stage) */
     size_t pin_cap, pin_used;
     /* captured rows on their way to the caller's arrays (fetch_late): copied into the pinned
      * area dl in stream order, then into (or onto) their destinations by the next wait */
-    uint8_t *dl;
-    size_t dl_cap, dl_used;
-    struct late_copy {
-        float *dst;
-        size_t off; /* in dl */
-        int64_t n;  /* floats */
-        bool add;   /* added to dst (capture->add), else copied */
-    } *late;
+    float *dl;
+    size_t dl_cap, dl_used; /* floats */
+    late_copy *late;
     size_t n_late, late_cap;
     bool graphs;         /* capture the work between two waits and replay it (capture_on) */
     bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
@@ -325,8 +329,8 @@ static void late_drop(cuda_backend *c)
 static void late_flush(cuda_backend *c)
 {
     for (size_t i = 0; i < c->n_late; i++) {
-        const struct late_copy *l = &c->late[i];
-        const float *src = (const float *)(c->dl + l->off);
+        const late_copy *l = &c->late[i];
+        const float *src = c->dl + l->off;
         if (l->add)
             for (int64_t j = 0; j < l->n; j++)
                 l->dst[j] += src[j];
@@ -1086,7 +1090,7 @@ static void cuda_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t 
     to_host(c, lp, c->lp.p, vals * sizeof(double), "log-probabilities download");
 }
 
-#define DL_MIN_BYTES (1u << 20)
+#define DL_MIN_FLOATS ((size_t)1 << 18)
 
 /* n floats at the device address src into dst (or added onto it, add: the passes of Attention
  * Buckets summed in the caller's arrays; the keys a row does not see are 0 on the device, so
@@ -1098,28 +1102,30 @@ static void cuda_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t 
  * area too small for what is pending waits first (and grows, nothing being in flight then). */
 static bool fetch_late(cuda_backend *c, float *dst, const float *src, int64_t n, bool add)
 {
-    const size_t bytes = (size_t)n * sizeof(float), need = align64(bytes);
+    const size_t bytes = (size_t)n * sizeof(float), need = align64(bytes) / sizeof(float);
     if (n == 0 || c->rc)
         return c->rc == 0;
     if (c->dl_used + need > c->dl_cap) {
-        if (c->n_late > 0 && !sync_stream(c, "capture download"))
+        /* every copy into the area done and delivered (a failed pass's too) before reuse;
+         * and no capture under way where the area is allocated */
+        if (!(c->dl ? sync_stream(c, "capture download") : capture_off(c)))
             return false;
-        if (need > c->dl_cap - c->dl_used) { /* empty now, and still too small */
-            const size_t cap = need > 2 * c->dl_cap ? need : 2 * c->dl_cap;
+        if (need > c->dl_cap) { /* empty now, and still too small */
+            size_t cap = need > 2 * c->dl_cap ? need : 2 * c->dl_cap;
+            cap = cap > DL_MIN_FLOATS ? cap : DL_MIN_FLOATS;
             if (c->dl)
                 cudaFreeHost(c->dl);
             c->dl = NULL;
             c->dl_cap = 0;
-            if (!ok(c,
-                    (int)cudaMallocHost((void **)&c->dl, cap > DL_MIN_BYTES ? cap : DL_MIN_BYTES),
+            if (!ok(c, (int)cudaMallocHost((void **)&c->dl, cap * sizeof(float)),
                     "pinned download allocation"))
                 return false;
-            c->dl_cap = cap > DL_MIN_BYTES ? cap : DL_MIN_BYTES;
+            c->dl_cap = cap;
         }
     }
     if (c->n_late == c->late_cap) {
         const size_t lc = c->late_cap ? 2 * c->late_cap : 64;
-        struct late_copy *l = realloc(c->late, lc * sizeof *l);
+        late_copy *l = realloc(c->late, lc * sizeof *l);
         if (!l)
             return ok(c, (int)cudaErrorMemoryAllocation, "capture download list");
         c->late = l;
@@ -1127,11 +1133,10 @@ static bool fetch_late(cuda_backend *c, float *dst, const float *src, int64_t n,
     }
     capture_on(c);
     if (!ok(c,
-            (int)cudaMemcpyAsync(c->dl + c->dl_used, src, bytes, cudaMemcpyDeviceToHost,
-                                 c->stream),
+            (int)cudaMemcpyAsync(c->dl + c->dl_used, src, bytes, cudaMemcpyDeviceToHost, c->stream),
             "capture download"))
         return false;
-    c->late[c->n_late++] = (struct late_copy){dst, c->dl_used, n, add};
+    c->late[c->n_late++] = (late_copy){dst, c->dl_used, n, add};
     c->dl_used += need;
     return true;
 }
@@ -1149,12 +1154,12 @@ static void download_capture(cuda_backend *c, const fitm_attn_args *a)
         const int64_t slot = ((int64_t)r * a->n_layer + a->layer) * H;
         if (cap->span_mass && cap->n_spans > 0)
             fetch_late(c, cap->span_mass + slot * cap->n_spans,
-                            (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans,
-                            H * cap->n_spans, cap->add);
+                       (float *)c->cap_mass.p + (int64_t)r * H * cap->n_spans, H * cap->n_spans,
+                       cap->add);
         if (cap->probs)
             fetch_late(c, cap->probs + slot * cap->probs_stride,
-                            (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
-                            H * cap->probs_stride, cap->add);
+                       (float *)c->cap_probs.p + (int64_t)r * H * cap->probs_stride,
+                       H * cap->probs_stride, cap->add);
     }
 }
 
@@ -1203,13 +1208,18 @@ static bool attn_row_plain(const fitm_attn_args *a, int64_t i)
 static void attn_plain_run(const fitm_attn_args *a, int64_t i, int64_t min, int64_t *s,
                            int64_t *e)
 {
-    for (*s = i; *s < a->T; *s = *e) {
-        while (*s < a->T && !attn_row_plain(a, *s))
-            ++*s;
-        for (*e = *s; *e < a->T && attn_row_plain(a, *e);)
-            ++*e;
-        if (*e - *s >= min)
+    int64_t at = i;
+    while (at < a->T) {
+        int64_t run = at, end;
+        while (run < a->T && !attn_row_plain(a, run))
+            run++;
+        for (end = run; end < a->T && attn_row_plain(a, end);)
+            end++;
+        if (end - run >= min) {
+            *s = run, *e = end;
             return;
+        }
+        at = end;
     }
     *s = *e = a->T;
 }
