@@ -182,21 +182,6 @@ __device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const fi
     return pj;
 }
 
-/* Block-wide double sum, returned to every thread (FITM_ATT_THREADS threads). */
-__device__ double fitm_att_sum_d(double v, double *shm)
-{
-    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (threadIdx.x % FITM_WARP == 0)
-        shm[threadIdx.x / FITM_WARP] = v;
-    __syncthreads();
-    double r = 0.0;
-    for (int w = 0; w < FITM_ATT_THREADS / FITM_WARP; w++)
-        r += shm[w];
-    return r;
-}
-
 /* Sum of the probabilities over keys [lo, hi) clipped to the visible [v0, p], in key order. */
 __device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r,
                                 const fitm_att_soft &s, int64_t lo, int64_t hi,
@@ -283,8 +268,8 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
                 Z += (double)(a.iv_spans[2 * k + 1] - a.iv_spans[2 * k]) * (double)a.iv_alpha[k];
             }
         }
-        S = fitm_att_sum_d(S, redd);
-        Z = fitm_att_sum_d(Z, redd);
+        S = fitm_block_sum_d(S, redd, FITM_ATT_THREADS / FITM_WARP);
+        Z = fitm_block_sum_d(Z, redd, FITM_ATT_THREADS / FITM_WARP);
         const double C = Z > 0.0 ? S / Z : 0.0;
         for (int k = tid; k < a.iv_n_spans; k += FITM_ATT_THREADS) {
             const double m = factor[k]; /* written by this thread above */

@@ -102,4 +102,22 @@ __device__ __forceinline__ float fitm_block_reduce(float v, float *shm, bool is_
     return is_max ? fitm_warp_max(r) : fitm_warp_sum(r);
 }
 
+/* Sum of v over the whole block of n_warps warps (the launch's block size over 32, a constant
+ * of the caller's kernel) in double, returned to every thread: each warp's butterfly, then the
+ * warps' sums added in warp order. shm holds n_warps doubles. Contains __syncthreads, so every
+ * thread of the block must call it, and it may be called repeatedly with the same shm. */
+__device__ __forceinline__ double fitm_block_sum_d(double v, double *shm, int n_warps)
+{
+    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads(); /* shm may still hold what an earlier call reads */
+    if (threadIdx.x % FITM_WARP == 0)
+        shm[threadIdx.x / FITM_WARP] = v;
+    __syncthreads();
+    double r = 0.0;
+    for (int w = 0; w < n_warps; w++)
+        r += shm[w];
+    return r;
+}
+
 #endif

@@ -2,22 +2,15 @@
  * query-likelihood token, relevance's yes/no ids), so n_pick doubles of a row leave the
  * device instead of the row. CPU reference (src/compute/ops.c): fitm_ops_logprob. The
  * maximum is the same float; the sum of exponentials is the same terms in double added in
- * another order (each thread its strided entries, then the warp and block trees), each term
- * within an ulp of the host's exp: two sums of n positive terms agree to a relative
- * (2n + 2) 2^-53 (recursive summation bounds (n - 1) 2^-53 for any order, plus the terms'
- * own 2^-52 each way), and with log's and the subtractions' roundings a log-probability is
- * within (2n + 8) 2^-53 + 2^-50 (|lp| + ln n) of the host's (kernels.h). */
+ * another order (each thread its strided entries, then fitm_block_sum_d), each term within an
+ * ulp of the host's exp: two sums of n positive terms agree to a relative (2n + 2) 2^-53
+ * (recursive summation bounds (n - 1) 2^-53 for any order, plus the terms' own 2^-52 each
+ * way), and with log's and the subtractions' roundings a log-probability is within
+ * (2n + 8) 2^-53 + 2^-50 (|lp| + ln n) of the host's (kernels.h). */
 #include "common.cuh"
 #include "kernels.h"
 
 #define FITM_LOGPROB_THREADS 256
-
-__device__ __forceinline__ double fitm_warp_sum_d(double v)
-{
-    for (int o = FITM_WARP / 2; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 /* One block per row (blockIdx.x) of x (rows, n): the row's maximum m (float), z = sum of
  * exp((double)x - m) in double, then lp[row, j] = (double)x[pick[row, j]] - m - log(z). */
@@ -36,14 +29,7 @@ __global__ void fitm_logprob_rows(const float *__restrict__ x, int64_t n,
     double z = 0.0;
     for (int64_t e = threadIdx.x; e < n; e += blockDim.x)
         z += exp((double)xr[e] - (double)m);
-    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
-    z = fitm_warp_sum_d(z);
-    if (lane == 0)
-        sz[warp] = z;
-    __syncthreads();
-    z = lane < (int)(blockDim.x / FITM_WARP) ? sz[lane] : 0.0;
-    z = fitm_warp_sum_d(z);
-    const double lz = log(z);
+    const double lz = log(fitm_block_sum_d(z, sz, FITM_LOGPROB_THREADS / FITM_WARP));
     for (int32_t j = threadIdx.x; j < n_pick; j += blockDim.x)
         lp[row * n_pick + j] = (double)xr[pick[row * n_pick + j]] - (double)m - lz;
 }
