@@ -175,26 +175,25 @@ def stream_llama(url, headers, docs, gen_tokens):
             tm.get("prompt_n", final.get("tokens_evaluated", 0)), times)
 
 
-def rerank_fitmd(url, headers, docs):
+def timed_post(url, headers, route, body):
+    """The latency of one POST of body to route, which must answer 200."""
     t0 = time.perf_counter()
-    r = requests.post(url + "/rerank", json={"query": QUESTION, "documents": docs,
-                                             "return_documents": False},
-                      headers=headers, timeout=3600)
+    r = requests.post(url + route, json=body, headers=headers, timeout=3600)
     if r.status_code != 200:
-        raise RuntimeError(f"/rerank -> {r.status_code}: {r.text[:300]}")
+        raise RuntimeError(f"{route} -> {r.status_code}: {r.text[:300]}")
     return time.perf_counter() - t0
+
+
+def rerank_fitmd(url, headers, docs):
+    return timed_post(url, headers, "/rerank",
+                      {"query": QUESTION, "documents": docs, "return_documents": False})
 
 
 def answer_fitmd(url, headers, docs, gen_tokens):
     """The latency of one /answer with the server's defaults (its ranking, its prompt and
     gen_tokens tokens)."""
-    t0 = time.perf_counter()
-    r = requests.post(url + "/answer", json={"query": QUESTION, "documents": docs,
-                                             "max_tokens": gen_tokens},
-                      headers=headers, timeout=3600)
-    if r.status_code != 200:
-        raise RuntimeError(f"/answer -> {r.status_code}: {r.text[:300]}")
-    return time.perf_counter() - t0
+    return timed_post(url, headers, "/answer",
+                      {"query": QUESTION, "documents": docs, "max_tokens": gen_tokens})
 
 
 # ---- servers ---------------------------------------------------------------------------------

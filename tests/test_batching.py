@@ -219,19 +219,29 @@ def test_answer_scoring_path(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
         assert dm.terminate() == 0, dm.log_text()
 
 
-def at_once(d, work):
-    """run_one of every (route, body) of work, all at once, each on a thread of its own."""
-    got = [None] * len(work)
+def together(calls, timeout=900):
+    """Every call of calls (no arguments) at once, each on a thread of its own: their results,
+    in order; a call that raised fails the test with the others' errors."""
+    got, errors = [None] * len(calls), []
 
     def client(k):
-        got[k] = run_one(d, *work[k])
+        try:
+            got[k] = calls[k]()
+        except Exception as e:  # reported below with the call that failed
+            errors.append((k, repr(e)))
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(timeout)
+    assert not errors, errors
     return got
+
+
+def at_once(d, work):
+    """run_one of every (route, body) of work, all at once, each on a thread of its own."""
+    return together([lambda w=w: run_one(d, *w) for w in work], 600)
 
 
 def test_f32_kv_cache(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
@@ -417,21 +427,8 @@ def test_concurrent_reranks_match_one_at_a_time(daemon):
     ref = [full(b) for b in bodies]
     ref_answer = run_one(daemon, "/answer", answer)
     before = metrics(daemon)
-    got = [None] * (len(bodies) + 1)
-    errors = []
-
-    def client(k):
-        try:
-            got[k] = full(bodies[k]) if k < len(bodies) else run_one(daemon, "/answer", answer)
-        except Exception as e:  # reported below with the request that failed
-            errors.append((k, repr(e)))
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies) + 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
-    assert not errors, errors
+    got = together([lambda b=b: full(b) for b in bodies] +
+                   [lambda: run_one(daemon, "/answer", answer)])
     for k, b in enumerate(bodies):
         assert got[k] == ref[k], b
     assert got[-1] == ref_answer
@@ -493,21 +490,8 @@ def test_concurrent_answers_match_one_at_a_time(daemon):
               "calibrate": False, "reorder": "none", "stream": True}
     ref_stream = run_one(daemon, "/answer", stream)
     before = metrics(daemon)
-    got, errors = [None] * (len(bodies) + 1), []
-
-    def client(k):
-        try:
-            got[k] = (answer_full(daemon, bodies[k]) if k < len(bodies)
-                      else run_one(daemon, "/answer", stream))
-        except Exception as e:  # reported below with the request that failed
-            errors.append((k, repr(e)))
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(bodies) + 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
-    assert not errors, errors
+    got = together([lambda b=b: answer_full(daemon, b) for b in bodies] +
+                   [lambda: run_one(daemon, "/answer", stream)])
     for k, b in enumerate(bodies):
         if b["reorder"] == "none" and not b.get("calibrate", True):
             # no ranking: its prompt continues the rows the ranking that ended last left in the
@@ -540,23 +524,15 @@ def test_batched_reranks_rank_as_the_whole_run(fitmd_bin, tmp_path_factory):  # 
             kinds.append(method)
         work.append(("/answer", {"query": "where is golf", "documents": docs(3, 9),
                                  "max_tokens": 120, "calibrate": False, "stream": True}))
-        got = [None] * len(work)
 
-        def client(k):
-            route, body = work[k]
+        def client(route, body):
             if route != "/answer-order":
-                got[k] = run_one(dm, route, body)
-                return
+                return run_one(dm, route, body)
             r = requests.post(dm.url("/answer"), json=body, headers=AUTH, timeout=600)
             assert r.status_code == 200, r.text
-            got[k] = [x["index"] for x in sorted(r.json()["documents"],
-                                                 key=lambda x: x["position"])]
+            return [x["index"] for x in sorted(r.json()["documents"], key=lambda x: x["position"])]
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(900)
+        got = together([lambda w=w: client(*w) for w in work])
         for i, method in enumerate(kinds):
             batched, whole = got[2 * i], got[2 * i + 1]
             assert [k for k, _ in batched] == whole, (method, batched, whole)
