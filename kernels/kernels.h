@@ -86,6 +86,17 @@ int fitm_cuda_rmsnorm(float *y, const float *x, const float *w, float w_offset, 
 int fitm_cuda_add_rmsnorm(float *y, float *x, const float *r, const float *w, float w_offset,
                           int64_t T, int64_t C, float eps, void *stream);
 
+/* A block's post-norm, the residual add and the next norm in one launch (Gemma 3): p (T, C)
+ * = rmsnorm(o (T, C)) * (w_post (C) + w_offset), then x (T, C) += p, then y (ny, C) =
+ * rmsnorm(x rows [y0, y0 + ny)) * (w (C) + w_offset): bit for bit fitm_cuda_rmsnorm (p, o)
+ * followed by fitm_cuda_add (x, p) and fitm_cuda_rmsnorm (y, x + y0 * C) (that is,
+ * fitm_cuda_add_rmsnorm (y, x, p) when the rows are all T). 0 <= y0 <= y0 + ny <= T; with ny
+ * 0, y and w are not used. p may equal o and y may equal x + y0 * C; no other two of o, p, x
+ * and y may overlap. */
+int fitm_cuda_norm_add_rmsnorm(float *p, const float *o, const float *w_post, float *x, float *y,
+                               const float *w, float w_offset, int64_t T, int64_t y0, int64_t ny,
+                               int64_t C, float eps, void *stream);
+
 /* Attention's heads before the scores, in place, in one launch: each head vector of q (T, H,
  * D) and of k (T, Hkv, D) normed as fitm_cuda_rmsnorm norms a row of D with q_w (D) and k_w
  * (D) (+ w_offset), where that weight is not NULL (Gemma 3's per-head norms; NULL: no norm),

@@ -5,6 +5,22 @@
 
 #define FITM_ROW_THREADS 256
 
+/* 1 / sqrt(mean of squares + eps) from a row's sum of squares ss over C elements. */
+__device__ __forceinline__ float fitm_rms_scale(float ss, int64_t C, float eps)
+{
+    return 1.0f / sqrtf(ss / (float)C + eps);
+}
+
+/* A normed element, x * scale * (w + w_offset), with both products rounded on their own: a
+ * kernel that adds the result to something (fitm_norm_add_rmsnorm_rows) must not let nvcc
+ * contract the last product and that sum into one fused multiply-add, or its values would
+ * differ from the norm kernel's followed by the add kernel's. Every norm kernel here calls it,
+ * so all of them round alike whatever the compiler does with the code around. */
+__device__ __forceinline__ float fitm_norm_elem(float x, float scale, float w, float w_offset)
+{
+    return __fmul_rn(__fmul_rn(x, scale), w + w_offset);
+}
+
 /* y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * (w + w_offset).   x, y (T, C); block t.
  * The reference sums in double; float here, reduced as a tree, is well within 1e-6 relative
  * for model dims. y == x is safe: every x[t,c] is read (pass 1) before the block-wide barrier
@@ -20,9 +36,9 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
         ss = fmaf(xr[c], xr[c], ss);
     ss = fitm_block_reduce(ss, shm, false);
-    const float scale = 1.0f / sqrtf(ss / (float)C + eps);
+    const float scale = fitm_rms_scale(ss, C, eps);
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-        yr[c] = xr[c] * scale * (w[c] + w_offset);
+        yr[c] = fitm_norm_elem(xr[c], scale, w[c], w_offset);
 }
 
 /* The residual add and the next RMSNorm in one pass: x[t,:] += r[t,:], then y[t,:] =
@@ -44,9 +60,54 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
         ss = fmaf(v, v, ss);
     }
     ss = fitm_block_reduce(ss, shm, false);
-    const float scale = 1.0f / sqrtf(ss / (float)C + eps);
+    const float scale = fitm_rms_scale(ss, C, eps);
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-        yr[c] = xr[c] * scale * (w[c] + w_offset);
+        yr[c] = fitm_norm_elem(xr[c], scale, w[c], w_offset);
+}
+
+/* A post-norm, the residual add and the next RMSNorm in one pass (Gemma 3's norm after each
+ * block): p[t,:] = rmsnorm(o[t,:]) * (w_post + w_offset), x[t,:] += p[t,:], and for the rows
+ * t in [y0, y0 + ny) y[t - y0,:] = rmsnorm(x[t,:]) * (w + w_offset) (all of them between
+ * layers; the last row alone where the final norm takes a prompt's last token); block t.
+ * Bit for bit fitm_rmsnorm_rows (p, o) followed by fitm_add_rmsnorm_rows (y, x, p) (or, on a
+ * part of the rows, fitm_add_elems and fitm_rmsnorm_rows): the same block size, so each
+ * thread holds the same elements in both norms and sums their squares in the same order, the
+ * same reduction, and each normed element through fitm_norm_elem; p is written and x updated
+ * as those kernels write them. Aliasing: p may equal o (the post-norm in place, as the forward
+ * driver runs it): every o[c] is read in the first pass before the reduction's barriers, and
+ * the second pass reads o[c] and writes p[c] in the same thread. y may be row y0 of x (the
+ * norm in place): the third pass reads x[c] and writes y's element over it in the thread
+ * that wrote x[c] in the second. Any other overlap is not safe (a write of x or y could reach
+ * an element of o or p that another thread reads): the caller keeps x and y apart from o and
+ * p. The rows outside [y0, y0 + ny) leave after the second pass, the whole block at once, so
+ * no thread misses the barriers of the second reduction. */
+__global__ void __launch_bounds__(FITM_ROW_THREADS)
+    fitm_norm_add_rmsnorm_rows(float *p, const float *o, const float *__restrict__ w_post,
+                               float *x, float *y, const float *__restrict__ w, float w_offset,
+                               int64_t C, float eps, int64_t y0, int64_t ny)
+{
+    __shared__ float shm[32];
+    const int64_t t = blockIdx.x, r = t * C;
+    float ss = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+        ss = fmaf(o[r + c], o[r + c], ss);
+    ss = fitm_block_reduce(ss, shm, false);
+    const float scale_post = fitm_rms_scale(ss, C, eps);
+    ss = 0.0f;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        const float pc = fitm_norm_elem(o[r + c], scale_post, w_post[c], w_offset);
+        p[r + c] = pc;
+        const float v = x[r + c] + pc;
+        x[r + c] = v;
+        ss = fmaf(v, v, ss);
+    }
+    if (t < y0 || t >= y0 + ny)
+        return;
+    ss = fitm_block_reduce(ss, shm, false);
+    const float scale = fitm_rms_scale(ss, C, eps);
+    float *yr = y + (t - y0) * C;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+        yr[c] = fitm_norm_elem(x[r + c], scale, w[c], w_offset);
 }
 
 /* Attention's query and key heads before the scores, one block per head vector (block
@@ -72,9 +133,9 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
         for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
             ss = fmaf(v[c], v[c], ss);
         ss = fitm_block_reduce(ss, shm, false);
-        const float scale = 1.0f / sqrtf(ss / (float)D + eps);
+        const float scale = fitm_rms_scale(ss, D, eps);
         for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
-            v[c] = v[c] * scale * (w[c] + w_offset);
+            v[c] = fitm_norm_elem(v[c], scale, w[c], w_offset);
         __syncthreads(); /* a pair's elements were normed by other threads */
     }
     const int64_t half = n_rot / 2;
@@ -126,6 +187,21 @@ extern "C" int fitm_cuda_add_rmsnorm(float *y, float *x, const float *r, const f
         return 0;
     FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream), fitm_add_rmsnorm_rows)
     (y, x, r, w, w_offset, C, eps);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int fitm_cuda_norm_add_rmsnorm(float *p, const float *o, const float *w_post, float *x,
+                                          float *y, const float *w, float w_offset, int64_t T,
+                                          int64_t y0, int64_t ny, int64_t C, float eps,
+                                          void *stream)
+{
+    if (T < 0 || C < 0 || T > INT32_MAX || y0 < 0 || ny < 0 || y0 > T - ny || !p || !o ||
+        !w_post || !x || (ny > 0 && (!y || !w)))
+        return (int)cudaErrorInvalidValue;
+    if (T == 0 || C == 0)
+        return 0;
+    FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream), fitm_norm_add_rmsnorm_rows)
+    (p, o, w_post, x, y, w, w_offset, C, eps, y0, ny);
     return (int)cudaGetLastError();
 }
 

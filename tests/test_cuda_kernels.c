@@ -647,6 +647,116 @@ static void test_add_rmsnorm(int64_t T, int64_t C, float w_offset, bool in_place
     free(x), free(r), free(w), free(sum1), free(sum2), free(y1), free(y2), free(ref);
 }
 
+/* The fused post-norm + residual add + RMSNorm (fitm_cuda_norm_add_rmsnorm) against the
+ * kernels it replaces, run on copies of the same inputs: fitm_cuda_rmsnorm (p, o), then
+ * fitm_cuda_add_rmsnorm (y, x, p) where the second norm takes every row, else fitm_cuda_add
+ * (x, p) and fitm_cuda_rmsnorm of its ny rows from y0 (the final norm on a prompt's last row,
+ * or on the first of a decode step's sequences). The post-normed rows p, the sums x and the
+ * normed rows y must be bit for bit equal (memcmp). p_in_place: p is o (the forward driver
+ * norms a block's output in place); y_in_x: y is x's row y0 (x then holds y there). Then
+ * against the CPU: p within the rmsnorm tolerance of fitm_ops_rmsnorm (o), x within 1e-5 of
+ * the double sum of the old x and that reference p, y within the rmsnorm tolerance of
+ * fitm_ops_rmsnorm of the reference sums. Nothing else is written: o when p is apart, y's
+ * rows past ny, and y's buffer when y is in x stay as they were. */
+static void test_norm_add_rmsnorm(int64_t T, int64_t C, float w_offset, bool p_in_place,
+                                  bool y_in_x, int64_t y0, int64_t ny)
+{
+    char what[112];
+    snprintf(what, sizeof what, "norm_add_rmsnorm T=%lld C=%lld off=%g y rows %lld+%lld%s%s",
+             (long long)T, (long long)C, (double)w_offset, (long long)y0, (long long)ny,
+             p_in_place ? " p=o" : "", y_in_x ? " y in x" : "");
+    const int64_t n = T * C;
+    const size_t bytes = (size_t)n * sizeof(float), wbytes = (size_t)C * sizeof(float);
+    const size_t ybytes = (size_t)(ny * C) * sizeof(float);
+    float *o = xmalloc(bytes), *x = xmalloc(bytes), *wp = xmalloc(wbytes), *w = xmalloc(wbytes);
+    float *got[2][3], *ref_p = xmalloc(bytes), *ref_x = xmalloc(bytes), *ref_y = xmalloc(bytes);
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 3; j++)
+            got[k][j] = xmalloc(bytes);
+    fill_uniform(o, n, -3.0f, 3.0f);
+    fill_uniform(x, n, -2.0f, 2.0f);
+    for (int64_t i = 0; i < n; i++) /* rows of different scale */
+        o[i] *= (float)(1 + i / C % 5) * 0.4f;
+    fill_uniform(wp, C, 0.5f - w_offset, 1.5f - w_offset);
+    fill_uniform(w, C, 0.5f - w_offset, 1.5f - w_offset);
+    dbuf dwp = dbuf_from(wp, wbytes), dw = dbuf_from(w, wbytes);
+    /* [0]: the separate kernels, [1]: the fused one; o, x, y of each, and p (o's buffer when
+     * in place) */
+    dbuf d[2][3], dp[2];
+    float *py[2][2]; /* each run's p and y pointers */
+    for (int k = 0; k < 2; k++) {
+        d[k][0] = dbuf_from(o, bytes);
+        d[k][1] = dbuf_from(x, bytes);
+        d[k][2] = dbuf_new(bytes);
+        dp[k] = p_in_place ? d[k][0] : dbuf_new(bytes);
+        py[k][0] = dp[k].p;
+        py[k][1] = y_in_x ? (float *)d[k][1].p + y0 * C : d[k][2].p;
+    }
+    float *x0 = d[0][1].p;
+    bool ok = launched(what, fitm_cuda_rmsnorm(py[0][0], d[0][0].p, dwp.p, w_offset, T, C, 1e-6f,
+                                               stream));
+    if (y0 == 0 && ny == T)
+        ok = ok && launched(what, fitm_cuda_add_rmsnorm(py[0][1], x0, py[0][0], dw.p, w_offset,
+                                                        T, C, 1e-6f, stream));
+    else
+        ok = ok && launched(what, fitm_cuda_add(x0, py[0][0], n, stream)) &&
+             launched(what, fitm_cuda_rmsnorm(py[0][1], x0 + y0 * C, dw.p, w_offset, ny, C,
+                                              1e-6f, stream));
+    ok = ok && launched(what, fitm_cuda_norm_add_rmsnorm(py[1][0], d[1][0].p, dwp.p, d[1][1].p,
+                                                         py[1][1], dw.p, w_offset, T, y0, ny, C,
+                                                         1e-6f, stream));
+    for (int k = 0; k < 2 && ok; k++) {
+        CUDA_OK(cudaMemcpy(got[k][0], py[k][0], bytes, cudaMemcpyDeviceToHost));
+        dbuf_get(got[k][1], &d[k][1]);
+        CUDA_OK(cudaMemcpy(got[k][2], py[k][1], ybytes, cudaMemcpyDeviceToHost));
+        ok = dbuf_guards_ok(&d[k][0], what) && dbuf_guards_ok(&d[k][1], what) &&
+             dbuf_guards_ok(&d[k][2], what) && dbuf_guards_ok(&dp[k], what);
+    }
+    static const char *const names[3] = {"post-normed rows p", "sums x", "normed rows y"};
+    for (int j = 0; j < 3 && ok; j++) {
+        if (memcmp(got[0][j], got[1][j], j == 2 ? ybytes : bytes) != 0) {
+            fprintf(stderr, "  %s: the %s differ from the separate kernels'\n", what, names[j]);
+            ok = false;
+        }
+    }
+    if (ok) {
+        float *untouched = xmalloc(bytes);
+        dbuf_get(untouched, &d[1][0]);
+        ok = p_in_place || memcmp(untouched, o, bytes) == 0;
+        dbuf_get(untouched, &d[1][2]);
+        for (int64_t i = y_in_x ? 0 : ny * C; i < n && ok; i++)
+            ok = isnan(untouched[i]);
+        free(untouched);
+        if (!ok)
+            fprintf(stderr, "  %s: wrote outside its outputs\n", what);
+    }
+    if (ok) {
+        fitm_ops_rmsnorm(ref_p, o, wp, w_offset, T, C, 1e-6f);
+        for (int64_t i = 0; i < n; i++)
+            ref_x[i] = (float)((double)x[i] + (double)ref_p[i]);
+        fitm_ops_rmsnorm(ref_y, ref_x + y0 * C, w, w_offset, ny, C, 1e-6f);
+        char sub[128];
+        snprintf(sub, sizeof sub, "%s p", what);
+        ok = check_close(sub, ref_p, got[1][0], n, 1e-5, 1e-5);
+        if (y_in_x) /* x's rows [y0, y0 + ny) hold y */
+            memcpy(ref_x + y0 * C, got[1][1] + y0 * C, ybytes);
+        snprintf(sub, sizeof sub, "%s x", what);
+        ok = check_close(sub, ref_x, got[1][1], n, 1e-5, 1e-5) && ok;
+        snprintf(sub, sizeof sub, "%s y", what);
+        ok = check_close(sub, ref_y, got[1][2], ny * C, 1e-5, 1e-5) && ok;
+    }
+    CHECK(ok);
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 3; j++) {
+            dbuf_free(&d[k][j]);
+            free(got[k][j]);
+        }
+    for (int k = 0; k < 2 && !p_in_place; k++)
+        dbuf_free(&dp[k]);
+    dbuf_free(&dwp), dbuf_free(&dw);
+    free(o), free(x), free(wp), free(w), free(ref_p), free(ref_x), free(ref_y);
+}
+
 /* ---- softmax ---- */
 
 /* expf within 2 ulp and a float sum against a double one: 1e-5 relative, plus 1e-7 absolute
@@ -1378,6 +1488,13 @@ static void test_contracts(void)
     CHECK(fitm_cuda_rmsnorm(f, f, NULL, 0.0f, 1, 8, 1e-6f, NULL) == inval);
     CHECK(fitm_cuda_rmsnorm(f, f, f, 0.0f, -1, 8, 1e-6f, NULL) == inval);
     CHECK(fitm_cuda_rmsnorm(f, f, f, 0.0f, 0, 8, 1e-6f, NULL) == 0);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, f, f, f, NULL, 0.0f, 1, 0, 1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, NULL, f, f, f, 0.0f, 1, 0, 1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(NULL, f, f, f, f, f, 0.0f, 1, 0, 1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, f, f, f, f, 0.0f, -1, 0, 0, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, f, f, f, f, 0.0f, 2, 1, 2, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, f, f, f, f, 0.0f, 2, -1, 1, 8, 1e-6f, NULL) == inval);
+    CHECK(fitm_cuda_norm_add_rmsnorm(f, f, f, f, f, f, 0.0f, 0, 0, 0, 8, 1e-6f, NULL) == 0);
     CHECK(fitm_cuda_softmax_rows(f, 2, 8, 7, NULL) == inval);
     CHECK(fitm_cuda_softmax_rows(f, 0, 8, 8, NULL) == 0);
     CHECK(fitm_cuda_rope(f, 1, 2, 8, 16, 7, NULL, 0, 1e4f, 1, 0, NULL) == inval);  /* odd n_rot */
@@ -1460,7 +1577,7 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * softmax, rope, glu, topk, attention, logprob, bf16, gemm (the ThreadSanitizer and mutant builds of
+ * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm (the ThreadSanitizer and mutant builds of
  * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
  * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
@@ -1548,6 +1665,21 @@ int main(int argc, char **argv)
             test_rmsnorm(1, 4096, 0.0f, 1e-5f, false);
             test_rmsnorm(5, 5120, 0.0f, 1e-6f, true);
         }
+    }
+
+    if (want("norm_add")) {
+        /* a decode step's row between layers, as the driver runs it: p in place, y apart */
+        test_norm_add_rmsnorm(1, 640, 0.0f, true, false, 0, 1);
+        test_norm_add_rmsnorm(5, 33, 1.0f, true, false, 0, 5); /* C below the block, odd */
+        test_norm_add_rmsnorm(3, 1000, 0.0f, false, false, 0, 3);
+        test_norm_add_rmsnorm(4, 257, 0.0f, true, true, 0, 4);
+        test_norm_add_rmsnorm(2, 1001, 1.0f, false, true, 0, 2);
+        test_norm_add_rmsnorm(9, 640, 0.0f, true, false, 0, 9);
+        /* the final norm: a prompt's last row; the first of three sequences' rows; none */
+        test_norm_add_rmsnorm(7, 640, 0.0f, true, false, 6, 1);
+        test_norm_add_rmsnorm(3, 257, 0.0f, true, false, 0, 1);
+        test_norm_add_rmsnorm(6, 33, 1.0f, false, true, 2, 3);
+        test_norm_add_rmsnorm(2, 300, 0.0f, true, false, 1, 0);
     }
 
     if (want("softmax")) {
