@@ -578,7 +578,9 @@ static void test_error_channel(fitm_backend *gpu)
  * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
  * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as
  * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
- * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1). */
+ * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1;
+ * with post-norms, 2 more: each post-norm runs with the add and the norm after it, the last
+ * one with the final norm of the step's first sequence). */
 enum { GRAPHS, FUSION };
 static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {
@@ -674,7 +676,8 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         const fitm_emu_stats *a = st[0], *g = st[1];
         const unsigned long long ran_a = a[1].kernels_run - a[0].kernels_run,
                                  ran_g = g[1].kernels_run - g[0].kernels_run;
-        const unsigned long long saved = (unsigned long long)c->n_layer * (c->qk_norm ? 7 : 5);
+        const unsigned long long saved = (unsigned long long)c->n_layer * (c->qk_norm ? 7 : 5) +
+                                         (c->post_norms ? 2ull * c->n_layer : 0);
         if (mode == GRAPHS)
             CHECK(ran_g == ran_a && a[1].launches - a[0].launches == ran_a,
                   "step %d: the same kernels run with and without graphs", t);
@@ -711,6 +714,161 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         free(lg[i]);
     }
     fitm_backend_destroy(plain);
+    fitm_model_close(m);
+    free(buf);
+}
+
+/* The post-norm kept pending (fusion on) against each op launched as it comes (fusion off),
+ * on a prepared gemma3 model's norm weights (resident, as the forward driver's are) and the
+ * same fresh random rows, ops called directly: every order the pending work can meet must
+ * give the bits the unfused ops give. The forward driver's post-norm, add and next norm (all
+ * rows; the last row alone, as the final norm of a prompt; the first, as of a step's first
+ * sequence) run as one kernel on the emulator; a download (a wait) after the norm or after
+ * the add, an add of another buffer, another op between the add and the norm, a norm with
+ * another eps, fusion turned off with work pending, and a launch failure with work pending
+ * (reported by status, after which the next ops are right again) launch it in order. */
+static void test_pending_norm(void)
+{
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_GEMMA3, FITM_DTYPE_Q8_0, &buf);
+    fitm_backend *bk[2] = {NULL, NULL}; /* fused (the default), unfused */
+    fitm_forward *f[2] = {NULL, NULL};
+    fitm_err err = {{0}};
+    const fitm_forward_params fp = {T, T, T};
+    bool ready = m != NULL;
+    for (int i = 0; i < 2 && ready; i++)
+        ready = fitm_backend_cuda_create(&bk[i], 0, &err) == FITM_OK &&
+                fitm_forward_create(&f[i], m, bk[i], &fp, &err) == FITM_OK; /* prepares */
+    CHECK(ready, "pending norm setup: %s", err.msg);
+    if (!ready)
+        goto done;
+    fitm_backend_cuda_set_fusion(bk[1], false);
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const fitm_layer *ly = fitm_model_layer(m, 0);
+    const fitm_weight *post = &ly->post_attn_norm, *next = &ly->ffn_norm;
+    enum { R = 3 };
+    const int64_t C = c->n_embd, n = R * C;
+    const float eps = c->norm_eps;
+    const size_t bytes = (size_t)n * sizeof(float);
+    float *init = malloc(3 * bytes), *got[2] = {malloc(3 * bytes), malloc(3 * bytes)};
+    float *dev[2][3] = {{NULL}}; /* t (a block's output), x (the residual), xn */
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++)
+            dev[i][j] = bk[i]->ops->alloc(bk[i], bytes);
+    uint64_t seed = 0x9E3779B97F4A7C15ull;
+    static const char *const cases[] = {
+        "post-norm, add, norm",
+        "post-norm, add, norm of the last row",
+        "post-norm, add, norm of the first row",
+        "post-norm, download",
+        "post-norm, add, download",
+        "post-norm, add of another buffer, norm",
+        "post-norm, add, softcap, norm",
+        "post-norm, add, norm with another eps",
+        "post-norm, fusion off, add, norm",
+        "post-norm, add, launch failure, status",
+    };
+    for (int k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++) {
+        for (int64_t e = 0; e < 3 * n; e++) { /* t and x in [-2, 2), xn as garbage */
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            init[e] = (float)((seed >> 40) * (4.0 / 16777216.0) - 2.0);
+        }
+        unsigned long long ran[2] = {0, 0};
+        bool failed_right = true;
+        for (int i = 0; i < 2; i++) {
+            fitm_backend *b = bk[i];
+            const fitm_backend_ops *o = b->ops;
+            float *t = dev[i][0], *x = dev[i][1], *xn = dev[i][2];
+            for (int j = 0; j < 3; j++)
+                o->upload(b, dev[i][j], init + j * n, bytes);
+            CHECK(o->status(b, &err) == FITM_OK, "%s: upload: %s", cases[k], err.msg);
+#ifdef FITM_CUDA_EMU
+            fitm_emu_stats st[2];
+            fitm_emu_get_stats(&st[0]);
+#endif
+            o->rmsnorm(b, t, t, post, R, C, eps);
+            switch (k) {
+            case 0:
+                o->add(b, x, t, n);
+                o->rmsnorm(b, xn, x, next, R, C, eps);
+                break;
+            case 1:
+            case 2:
+                o->add(b, x, t, n);
+                o->rmsnorm(b, xn, x + (k == 1 ? (R - 1) * C : 0), next, 1, C, eps);
+                break;
+            case 3:
+                o->download(b, got[i], t, bytes);
+                break;
+            case 4:
+                o->add(b, x, t, n);
+                o->download(b, got[i], x, bytes);
+                break;
+            case 5:
+                o->add(b, x, xn, n);
+                o->rmsnorm(b, t, x, next, R, C, eps);
+                break;
+            case 6:
+                o->add(b, x, t, n);
+                o->softcap(b, x, n, 1.5f);
+                o->rmsnorm(b, xn, x, next, R, C, eps);
+                break;
+            case 7:
+                o->add(b, x, t, n);
+                o->rmsnorm(b, xn, x, next, R, C, 2 * eps);
+                break;
+            case 8:
+                fitm_backend_cuda_set_fusion(b, false);
+                o = b->ops;
+                o->add(b, x, t, n);
+                o->rmsnorm(b, xn, x, next, R, C, eps);
+                fitm_backend_cuda_set_fusion(b, i == 0);
+                o = b->ops;
+                break;
+            case 9:
+                o->add(b, x, t, n);
+#ifdef FITM_CUDA_EMU
+                if (i == 0) { /* the unfused ops were launched already */
+                    fitm_emu_inject_error("launch", cudaErrorInvalidConfiguration);
+                    failed_right = o->status(b, &err) == FITM_ERR_BACKEND;
+                }
+                for (int j = 0; j < 3; j++) /* the next ops see nothing of the failed ones */
+                    o->upload(b, dev[i][j], init + j * n, bytes);
+                o->rmsnorm(b, t, t, post, R, C, eps);
+                o->add(b, x, t, n);
+                o->rmsnorm(b, xn, x, next, R, C, eps);
+#endif
+                break;
+            }
+            for (int j = 0; j < 3; j++)
+                o->download(b, got[i] + j * n, dev[i][j], bytes);
+            CHECK(o->status(b, &err) == FITM_OK, "%s: %s", cases[k], err.msg);
+#ifdef FITM_CUDA_EMU
+            fitm_emu_get_stats(&st[1]);
+            ran[i] = st[1].kernels_run - st[0].kernels_run;
+#endif
+        }
+        CHECK(failed_right, "%s: the launch failure not reported", cases[k]);
+        CHECK(memcmp(got[0], got[1], 3 * bytes) == 0, "%s: fused and unfused values differ",
+              cases[k]);
+        CHECK(memcmp(got[0], init, 2 * bytes) != 0, "%s: nothing computed", cases[k]);
+#ifdef FITM_CUDA_EMU
+        if (k <= 2)
+            CHECK(ran[0] == 1 && ran[1] == 3, "%s: %llu kernels fused, %llu not (1 and 3 expected)",
+                  cases[k], ran[0], ran[1]);
+#else
+        (void)ran;
+#endif
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++)
+            bk[i]->ops->free(bk[i], dev[i][j]);
+    free(init), free(got[0]), free(got[1]);
+done:
+    for (int i = 0; i < 2; i++) {
+        fitm_forward_destroy(f[i]);
+        fitm_backend_destroy(bk[i]);
+    }
     fitm_model_close(m);
     free(buf);
 }
@@ -779,6 +937,7 @@ int main(int argc, char **argv)
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, FUSION);
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_LLAMA, FUSION);
     test_error_channel(gpu);
+    test_pending_norm();
     test_lost_context(gpu);
     fitm_backend_destroy(cpu);
     fitm_backend_destroy(gpu);

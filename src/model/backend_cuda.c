@@ -40,7 +40,8 @@
  *
  * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
  * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
- * add with the next rmsnorm (kept pending until that arrives), a STEP call's products of one
+ * add with the next rmsnorm (kept pending until that arrives), and with the post-norm before
+ * it where the model has one (the norm kept pending too), a STEP call's products of one
  * input (Q, K, V) as one launch, a bfloat16 BATCH call's products of one input (Q, K, V; gate
  * and up) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and up
  * products with the GLU (matmul_glu).
@@ -129,6 +130,17 @@ typedef struct {
         const float *x;
         int64_t n;
     } add;
+    /* an rmsnorm not launched yet (rows 0: none; its weight w resident): y = rmsnorm(x) * w.
+     * A block's post-norm: when the add of y follows (kept pending beside it) and then a norm
+     * of that sum, the three run as one kernel (fitm_cuda_norm_add_rmsnorm); else launched
+     * before the next op's work. When both are pending, the norm came first. */
+    struct {
+        float *y;
+        const float *x;
+        const void *w;
+        int64_t rows, n;
+        float eps;
+    } norm;
     graph_slot slots[GRAPH_SLOTS];
     uint64_t clock;      /* of the slots' last use */
     /* the BATCH class's operands (fitm_backend_cuda_set_weights): what it multiplies in, the
@@ -186,12 +198,12 @@ static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const 
 
 /* Starts capturing the stream if graphs are on and no capture is under way or ruled out for
  * this pass: every op that enqueues only capturable work calls it first. */
-static void add_flush(cuda_backend *c);
+static void pending_flush(cuda_backend *c);
 
 static void capture_on(cuda_backend *c)
 {
     c->busy = true;
-    add_flush(c);
+    pending_flush(c);
     if (!c->graphs || c->cap != CAP_IDLE || c->rc)
         return;
     /* thread-local: other threads' CUDA calls (another backend's) do not break it */
@@ -274,7 +286,7 @@ static bool graph_submit(cuda_backend *c)
 static bool capture_off(cuda_backend *c)
 {
     c->busy = true;
-    add_flush(c);
+    pending_flush(c);
     if (c->cap == CAP_ON)
         return graph_submit(c);
     c->cap = c->cap == CAP_IDLE ? CAP_OFF : c->cap;
@@ -904,27 +916,79 @@ static void cuda_matmul(fitm_backend *b, const float *x, int64_t T, const fitm_m
     }
 }
 
+static void norm_flush(cuda_backend *c);
+
+/* Whether na floats at a and nb floats at b have no element in common. */
+static bool apart(const float *a, int64_t na, const float *b, int64_t nb)
+{
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x + (uintptr_t)na * sizeof(float) <= y || y + (uintptr_t)nb * sizeof(float) <= x;
+}
+
+/* The row of the pending add's sum (rows of n floats) at which x starts, when x and the rows
+ * after it that a norm of rows rows reads all lie in that sum; else -1. */
+static int64_t row_in_sum(const cuda_backend *c, const float *x, int64_t rows, int64_t n)
+{
+    const uintptr_t at = (uintptr_t)x, sum = (uintptr_t)c->add.y;
+    const uintptr_t row = (uintptr_t)n * sizeof(float);
+    if (c->add.n == 0 || n <= 0 || at < sum || (at - sum) % row != 0)
+        return -1;
+    const int64_t r0 = (int64_t)((at - sum) / row);
+    return r0 + rows <= c->add.n / n ? r0 : -1;
+}
+
 /* y (rows, n) = rmsnorm(x) * w; w must be F32. When the pending add writes exactly x, both
- * run as one kernel (the same values bit for bit: fitm_cuda_add_rmsnorm). */
+ * run as one kernel (the same values bit for bit: fitm_cuda_add_rmsnorm). When the pending
+ * add adds the pending rmsnorm's output (a block's post-norm) and x is rows of its sum (all
+ * of them between layers; a prompt's last row, or a step's first sequence's, for the final
+ * norm), all three (fitm_cuda_norm_add_rmsnorm). With fusion on, a norm that fuses with
+ * nothing before it is kept pending itself where its weight is resident (a weight copied for
+ * one call sits in scratch that a later op's copy may overwrite). */
 static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
                          int64_t rows, int64_t n, float eps)
 {
     cuda_backend *c = cu(b);
-    const bool fuse = c->add.n > 0 && c->add.y == x && c->add.n == rows * n;
+    const int64_t len = rows * n, all = c->add.n, y0 = row_in_sum(c, x, rows, n);
+    const bool three = c->norm.rows > 0 && y0 >= 0 && c->norm.n == n && c->norm.eps == eps &&
+                       (y == x || (apart(y, len, c->norm.x, all) &&
+                                   apart(y, len, c->norm.y, all) && apart(y, len, c->add.y, all)));
+    if (!three)
+        norm_flush(c); /* before the pending add, which may add its output */
+    const bool fuse = three || (c->add.n > 0 && c->add.y == x && c->add.n == len);
     float *sum = c->add.y;
     const float *res = c->add.x;
+    float *post = c->norm.y;
+    const float *o = c->norm.x;
+    const void *w_post = c->norm.w;
+    const int64_t T = c->norm.rows;
     if (fuse)
         c->add.n = 0;
+    c->norm.rows = 0; /* launched above unless fused */
     capture_on(c); /* launches a pending add that is not fused */
     if (w->type != FITM_DTYPE_F32) {
         ok(c, (int)cudaErrorInvalidValue, "rmsnorm weight is not F32");
         return;
     }
+    const bool resident = find_weight(c, w->data) != NULL;
     const void *wd = weight_dev(c, w, 1);
-    if (wd && fuse)
+    if (!wd || c->rc)
+        return;
+    if (three)
+        ok(c,
+           fitm_cuda_norm_add_rmsnorm(post, o, w_post, sum, y, wd, 0.0f, T, y0, rows, n, eps,
+                                      c->stream),
+           "rmsnorm + add + rmsnorm");
+    else if (fuse)
         ok(c, fitm_cuda_add_rmsnorm(y, sum, res, wd, 0.0f, rows, n, eps, c->stream),
            "add + rmsnorm");
-    else if (wd)
+    else if (c->fuse && resident && len > 0) {
+        c->norm.y = y;
+        c->norm.x = x;
+        c->norm.w = wd;
+        c->norm.rows = rows;
+        c->norm.n = n;
+        c->norm.eps = eps;
+    } else
         ok(c, fitm_cuda_rmsnorm(y, x, wd, 0.0f, rows, n, eps, c->stream), "rmsnorm");
 }
 
@@ -998,9 +1062,22 @@ static void cuda_matmul_glu(fitm_backend *b, const float *x, int64_t T, const fi
     }
 }
 
-/* Launches the pending residual add, if any. */
-static void add_flush(cuda_backend *c)
+/* Launches the pending rmsnorm, if any. */
+static void norm_flush(cuda_backend *c)
 {
+    const int64_t rows = c->norm.rows;
+    c->norm.rows = 0;
+    if (rows > 0 && c->rc == 0)
+        ok(c,
+           fitm_cuda_rmsnorm(c->norm.y, c->norm.x, c->norm.w, 0.0f, rows, c->norm.n, c->norm.eps,
+                             c->stream),
+           "rmsnorm");
+}
+
+/* Launches the pending work in the order it was asked for: the rmsnorm, then the add. */
+static void pending_flush(cuda_backend *c)
+{
+    norm_flush(c);
     const int64_t n = c->add.n;
     c->add.n = 0;
     if (n > 0 && c->rc == 0)
@@ -1008,18 +1085,24 @@ static void add_flush(cuda_backend *c)
 }
 
 /* y (n) += x (n): kept pending, so that a following rmsnorm of y runs both in one launch
- * (the forward driver's residual add, then the next block's norm); any other op launches it
- * first. */
+ * (the forward driver's residual add, then the next block's norm), and with the pending
+ * rmsnorm whose output it adds where there is one (the block's post-norm: three ops in one
+ * launch); any other op launches it first. */
 static void cuda_add(fitm_backend *b, float *y, const float *x, int64_t n)
 {
     cuda_backend *c = cu(b);
-    capture_on(c); /* launches an earlier pending add */
+    /* the sum must not touch the norm's input or output, which the fused kernel reads */
+    const bool after_norm = c->norm.rows > 0 && c->add.n == 0 && x == c->norm.y &&
+                            n == c->norm.rows * c->norm.n && apart(y, n, c->norm.x, n) &&
+                            apart(y, n, c->norm.y, n);
+    if (!after_norm)
+        capture_on(c); /* launches earlier pending work */
     if (c->rc == 0 && n > 0) {
         c->add.y = y;
         c->add.x = x;
         c->add.n = n;
         if (!c->fuse)
-            add_flush(c);
+            pending_flush(c);
     }
 }
 
@@ -1387,7 +1470,8 @@ static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
              c->sticky ? " (device lost: restart the service)" : "");
     fitm_status s = fitm_cuda_status(c->rc, err, what);
     capture_drop(c); /* the failed pass's captured work, if it failed mid-capture */
-    c->add.n = 0;    /* and its pending add */
+    c->add.n = 0;    /* and its pending add and norm */
+    c->norm.rows = 0;
     late_drop(c);    /* and the captured rows it was to deliver */
     if (!c->sticky) {
         c->rc = 0, c->what[0] = 0;
@@ -1428,7 +1512,7 @@ static const fitm_backend_ops cuda_ops = {
 void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on)
 {
     cuda_backend *c = cu(b);
-    add_flush(c);
+    pending_flush(c);
     c->fuse = on;
     /* without the fused slots the driver runs the ops they replace one by one */
     c->ops = cuda_ops;

@@ -31,7 +31,7 @@ void fitm_backend_cuda_set_weights(fitm_backend *b, fitm_cuda_weights w);
 size_t fitm_backend_cuda_bf16_bytes(const fitm_backend *b);
 
 /* Whether b runs neighbouring ops of a step as one kernel (on by default): the residual add
- * with the next rmsnorm, a decode step's products of one input (Q, K, V) as one launch, a
+ * with the next rmsnorm (and with the post-norm before it, Gemma 3's), a decode step's products of one input (Q, K, V) as one launch, a
  * bfloat16 prompt's products of one input (Q, K, V; gate and up) as one launch, the query and
  * key heads' norms with their RoPE (ops->qk_rope), a decode step's gate and up products with
  * the GLU (ops->matmul_glu). The results are the same
