@@ -578,7 +578,10 @@ static void test_error_channel(fitm_backend *gpu)
  * emulator, the steps after the first of each shape must be submitted as graphs: no kernel
  * launched directly, at least one graph launch a step; with GRAPHS the same kernels run as
  * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
- * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1). */
+ * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1).
+ * On the emulator and on a device, with GRAPHS, the steps from the fourth on (each shape run
+ * twice before) update their shapes' instances (fitm_backend_cuda_get_stats) and instantiate
+ * none. */
 enum { GRAPHS, FUSION };
 static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {
@@ -647,6 +650,8 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
 #ifdef FITM_CUDA_EMU
         fitm_emu_stats st[2][2];
 #endif
+        fitm_backend_cuda_stats gs[2];
+        fitm_backend_cuda_get_stats(gpu, &gs[0]);
         for (int i = 0; i < 2; i++) {
             fitm_forward_opts o[B];
             fitm_forward_seq seq[B];
@@ -664,6 +669,15 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
             fitm_emu_get_stats(&st[i][1]);
 #endif
         }
+        fitm_backend_cuda_get_stats(gpu, &gs[1]);
+        /* each shape has its instances once its second step ran (the first step's scratch
+         * growth ends its capture early): later steps update them */
+        if (mode == GRAPHS && t >= 3)
+            CHECK(gs[1].graph_instantiations == gs[0].graph_instantiations &&
+                      gs[1].graph_updates > gs[0].graph_updates,
+                  "step %d: %llu graphs instantiated, %llu updated", t,
+                  (unsigned long long)(gs[1].graph_instantiations - gs[0].graph_instantiations),
+                  (unsigned long long)(gs[1].graph_updates - gs[0].graph_updates));
         for (int q = 0; q < nb; q++)
             pos[q]++;
         CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)(nb * V)) == 0,

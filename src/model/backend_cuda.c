@@ -56,6 +56,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "base/clock.h"
 #include "kernels.h"
 #include "model/backend_cuda.h"
 
@@ -137,6 +138,7 @@ typedef struct {
     fitm_cuda_weights weights;
     size_t bf16_bytes;
     grow_buf wb;
+    fitm_backend_cuda_stats stats;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -223,17 +225,28 @@ static graph_slot *graph_slot_for(cuda_backend *c, size_t n)
  * is refused (different kernels, or a different order). */
 static void capture_drop(cuda_backend *c);
 
+static bool graph_launch(cuda_backend *c, cudaGraph_t g);
+
 static bool graph_submit(cuda_backend *c)
 {
-    cudaGraph_t g = NULL;
     if (c->rc) { /* the pass failed: its captured work is not run */
         capture_drop(c);
         c->cap = CAP_OFF;
         return false;
     }
     c->cap = CAP_OFF;
-    if (!ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture"))
-        return false;
+    const int64_t t0 = fitm_clock_ns();
+    cudaGraph_t g = NULL;
+    const bool done = ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture") &&
+                      graph_launch(c, g);
+    c->stats.submit_ns += (uint64_t)(fitm_clock_ns() - t0);
+    return done;
+}
+
+/* Runs the captured graph g (destroyed here): the instance of its shape updated with its
+ * arguments, or a new instance. */
+static bool graph_launch(cuda_backend *c, cudaGraph_t g)
+{
     size_t n = 0;
     if (!ok(c, (int)cudaGraphGetNodes(g, NULL, &n), "graph nodes")) {
         cudaGraphDestroy(g);
@@ -250,6 +263,8 @@ static bool graph_submit(cuda_backend *c)
         if (cudaGraphExecUpdate(s->exec, g, &info) != cudaSuccess) {
             (void)cudaGetLastError(); /* a refused update: instantiate instead */
             have = false;
+        } else {
+            c->stats.graph_updates++;
         }
     }
     if (!have) {
@@ -262,9 +277,11 @@ static bool graph_submit(cuda_backend *c)
             return false;
         }
         s->nodes = n;
+        c->stats.graph_instantiations++;
     }
     s->used = ++c->clock;
     cudaGraphDestroy(g);
+    c->stats.graph_launches++;
     return ok(c, (int)cudaGraphLaunch(s->exec, c->stream), "graph launch");
 }
 
@@ -306,6 +323,11 @@ static void graphs_release(cuda_backend *c)
 
 static bool sync_stream(cuda_backend *c, const char *what);
 
+void fitm_backend_cuda_get_stats(const fitm_backend *b, fitm_backend_cuda_stats *out)
+{
+    *out = ((const cuda_backend *)b)->stats;
+}
+
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
 {
     cuda_backend *c = cu(b);
@@ -343,7 +365,11 @@ static void late_flush(cuda_backend *c)
 static bool sync_stream(cuda_backend *c, const char *what)
 {
     capture_off(c);
-    if (!ok(c, (int)cudaStreamSynchronize(c->stream), what)) {
+    const int64_t t0 = fitm_clock_ns();
+    const int rc = (int)cudaStreamSynchronize(c->stream);
+    c->stats.waits++;
+    c->stats.wait_ns += (uint64_t)(fitm_clock_ns() - t0);
+    if (!ok(c, rc, what)) {
         late_drop(c); /* the pass failed: its captures are not delivered */
         return false;
     }

@@ -39,6 +39,19 @@ size_t fitm_backend_cuda_bf16_bytes(const fitm_backend *b);
  * the two. */
 void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on);
 
+/* Where b's host time goes, counted since it was created: for benchmarks that split a decode
+ * step's wall time into the host's and the device's parts. A wait is a cudaStreamSynchronize
+ * (the host idle while the device finishes the work before it); a submission ends a capture
+ * and runs it: cudaStreamEndCapture, then the instance of that shape updated with the new
+ * capture's arguments (cudaGraphExecUpdate) or a new one instantiated, then cudaGraphLaunch. */
+typedef struct {
+    uint64_t waits, wait_ns;
+    uint64_t graph_launches, submit_ns;
+    uint64_t graph_updates, graph_instantiations;
+} fitm_backend_cuda_stats;
+
+void fitm_backend_cuda_get_stats(const fitm_backend *b, fitm_backend_cuda_stats *out);
+
 /* Usable CUDA devices: 0 without a driver or a device. */
 int fitm_backend_cuda_device_count(void);
 
