@@ -284,7 +284,8 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
 
 #if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
 /* Prints where a one-sequence decode step's wall time goes on the CUDA backend, with its fused
- * kernels off and on and its graphs off and on: n steps from an empty cache (after one warm-up
+ * kernels off and on, its graphs off and on, and its graphs submitted whole or in pieces of
+ * 64 and 32 ops (fitm_backend_cuda_set_pieces): n steps from an empty cache (after one warm-up
  * step), each handing out the sampler's top entries as the tg row does. Per step: the wall
  * time; the time the host waited for the device (the device still busy after the host has
  * enqueued the step); the time in ending the capture and submitting it (cudaStreamEndCapture,
@@ -298,15 +299,19 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
 {
     printf("\nwhere a decode step's time goes (1 sequence, %ld steps, CUDA backend; us a step)\n",
            n);
-    printf("| fusion | graphs |   tok/s |     wall | waiting for the device | capture end + update + "
-           "launch | rest of the host | updates | instantiations |\n");
-    printf("| ------ | ------ | ------: | -------: | ---------------------: | "
-           "----------------------------: | ---------------: | ------: | -------------: |\n");
+    printf("| fusion | graphs     |   tok/s |     wall | waiting for the device | capture end + "
+           "update + launch | rest of the host | graphs | updates | instantiations |\n");
+    printf("| ------ | ---------- | ------: | -------: | ---------------------: | "
+           "----------------------------: | ---------------: | -----: | ------: | -------------: "
+           "|\n");
+    /* fusion, graphs, ops a piece (0: whole); the default first */
+    static const int way[][3] = {{1, 1, 0}, {1, 1, 64}, {1, 1, 32}, {1, 0, 0}, {0, 1, 0}, {0, 0, 0}};
     fitm_status s = FITM_OK;
-    for (int v = 3; v >= 0 && !s; v--) { /* the default (both on) first */
-        const int fu = v % 2, g = v / 2;
+    for (size_t v = 0; v < sizeof way / sizeof way[0] && !s; v++) {
+        const int fu = way[v][0], g = way[v][1], piece = way[v][2];
         fitm_backend_cuda_set_fusion(b, fu == 1);
         fitm_backend_cuda_set_graphs(b, g == 1);
+        fitm_backend_cuda_set_pieces(b, piece);
         fitm_kv_rebase(kv, 0, NULL);
         s = fitm_forward_run(fw, kv, ids, 1, 0, o_step, err); /* warm-up: graphs, scratch */
         fitm_kv_rebase(kv, 0, NULL);
@@ -321,13 +326,18 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
             break;
         const double wait = (double)(z.wait_ns - a.wait_ns) / (double)n * 1e-3,
                      sub = (double)(z.submit_ns - a.submit_ns) / (double)n * 1e-3;
-        printf("| %-6s | %-6s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %7.2f | %14.2f |\n",
-               fu ? "on" : "off", g ? "on" : "off", 1e6 / wall, wall, wait, sub,
-               wall - wait - sub, (double)(z.graph_updates - a.graph_updates) / (double)n,
+        char gw[16];
+        snprintf(gw, sizeof gw, !g ? "off" : piece ? "%d ops" : "whole", piece);
+        printf("| %-6s | %-10s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %6.2f | %7.2f | "
+               "%14.2f |\n",
+               fu ? "on" : "off", gw, 1e6 / wall, wall, wait, sub, wall - wait - sub,
+               (double)(z.graph_launches - a.graph_launches) / (double)n,
+               (double)(z.graph_updates - a.graph_updates) / (double)n,
                (double)(z.graph_instantiations - a.graph_instantiations) / (double)n);
     }
     fitm_backend_cuda_set_fusion(b, true);
     fitm_backend_cuda_set_graphs(b, true);
+    fitm_backend_cuda_set_pieces(b, 0);
     return s;
 }
 #endif

@@ -15,6 +15,13 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
  * only the number of submissions changes. For tests and benchmarks that compare the two. */
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
 
+/* Whether b submits the work between two waits as one graph (ops 0, the default) or in
+ * pieces: once ops ops are in a capture, it is submitted and the next op begins the next
+ * piece, so the device runs a piece while the host captures the one after it (at most 8
+ * pieces between two waits; the last takes the rest). The results are the same bit for bit,
+ * only when the device starts changes. For tests and benchmarks that compare the two. */
+void fitm_backend_cuda_set_pieces(fitm_backend *b, int ops);
+
 /* What the BATCH class (prefill, reference passes) multiplies in. BF16: bfloat16 weights and
  * activations, F32 accumulation (the tensor cores), each layer matrix converted once when a
  * forward prepares the model; F32: weights dequantized to F32 per call, F32 products, as
