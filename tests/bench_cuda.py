@@ -183,6 +183,14 @@ def main():
     for n, tps in sorted(batched.items()):  # one read of the weights serves n tokens
         print(f"decode  tg{a.tg} x {n} seqs: {tps:9.1f} tok/s = {tps / tg_tps:.2f}x one sequence "
               f"(weights read once per step: at most {n}x)")
+    lines = raw.splitlines()  # bench_forward's table of a decode step's time, as printed
+    for i, line in enumerate(lines):
+        if line.startswith("where a decode step's time goes"):
+            print(line)
+            for row in lines[i + 1:]:
+                if not row.startswith("|"):
+                    break
+                print(row)
     for name, (t, u) in rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights).items():
         at_pp = u["forward_tokens"] / pp_tps
         print(f"/rerank K={a.k} {name:<20} {t * 1e3:8.1f} ms  {u['forward_tokens']:6d} forward "

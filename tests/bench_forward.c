@@ -8,7 +8,9 @@
  *                 [--ref-pp TOK_S] [--ref-tg TOK_S]   (e.g. llama-bench's figures, for ratios)
  *
  * -b cuda (a CUDA build) runs on device 0; the sgemm ceiling stays the CPU's, so for the GPU's
- * limits see tests/bench_cuda.py, which runs this.
+ * limits see tests/bench_cuda.py, which runs this. It adds where a one-sequence decode step's
+ * time goes (waiting for the device, submitting graphs, the rest of the host), with the
+ * backend's fused kernels and graphs off and on.
  *
  * bench_forward_cuda_emu is this program on the CUDA emulator of tests/cuda_emu (-b cuda runs
  * the CUDA backend there; use small -p and -n: the emulator is slow): it adds what a prefill
@@ -280,6 +282,66 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
 }
 #endif
 
+#if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
+/* Prints where a one-sequence decode step's wall time goes on the CUDA backend, with its fused
+ * kernels off and on, its graphs off and on, and its graphs submitted whole or in pieces of
+ * 64 and 32 ops (fitm_backend_cuda_set_pieces): n steps from an empty cache (after one warm-up
+ * step), each handing out the sampler's top entries as the tg row does. Per step: the wall
+ * time; the time the host waited for the device (the device still busy after the host has
+ * enqueued the step); the time in ending the capture and submitting it (cudaStreamEndCapture,
+ * cudaGraphExecUpdate or cudaGraphInstantiate, cudaGraphLaunch); the rest is the host's own
+ * (the forward driver, and launching or capturing each op); and how many graph instances were
+ * updated and made. A step whose wait is small is bound by the host, one whose wait is most
+ * of it by the device. On the emulator only the counts mean anything. */
+static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *kv,
+                                    const int32_t *ids, long n,
+                                    const fitm_forward_opts *o_step, fitm_err *err)
+{
+    printf("\nwhere a decode step's time goes (1 sequence, %ld steps, CUDA backend; us a step)\n",
+           n);
+    printf("| fusion | graphs     |   tok/s |     wall | waiting for the device | capture end + "
+           "update + launch | rest of the host | graphs | updates | instantiations |\n");
+    printf("| ------ | ---------- | ------: | -------: | ---------------------: | "
+           "----------------------------: | ---------------: | -----: | ------: | -------------: "
+           "|\n");
+    /* fusion, graphs, ops a piece (0: whole); the default first */
+    static const int way[][3] = {{1, 1, 0}, {1, 1, 64}, {1, 1, 32}, {1, 0, 0}, {0, 1, 0}, {0, 0, 0}};
+    fitm_status s = FITM_OK;
+    for (size_t v = 0; v < sizeof way / sizeof way[0] && !s; v++) {
+        const int fu = way[v][0], g = way[v][1], piece = way[v][2];
+        fitm_backend_cuda_set_fusion(b, fu == 1);
+        fitm_backend_cuda_set_graphs(b, g == 1);
+        fitm_backend_cuda_set_pieces(b, piece);
+        fitm_kv_rebase(kv, 0, NULL);
+        s = fitm_forward_run(fw, kv, ids, 1, 0, o_step, err); /* warm-up: graphs, scratch */
+        fitm_kv_rebase(kv, 0, NULL);
+        fitm_backend_cuda_stats a, z;
+        fitm_backend_cuda_get_stats(b, &a);
+        const double t0 = now_s();
+        for (long i = 0; i < n && !s; i++)
+            s = fitm_forward_run(fw, kv, &ids[i], 1, i, o_step, err);
+        const double wall = (now_s() - t0) / (double)n * 1e6;
+        fitm_backend_cuda_get_stats(b, &z);
+        if (s)
+            break;
+        const double wait = (double)(z.wait_ns - a.wait_ns) / (double)n * 1e-3,
+                     sub = (double)(z.submit_ns - a.submit_ns) / (double)n * 1e-3;
+        char gw[16];
+        snprintf(gw, sizeof gw, !g ? "off" : piece ? "%d ops" : "whole", piece);
+        printf("| %-6s | %-10s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %6.2f | %7.2f | "
+               "%14.2f |\n",
+               fu ? "on" : "off", gw, 1e6 / wall, wall, wait, sub, wall - wait - sub,
+               (double)(z.graph_launches - a.graph_launches) / (double)n,
+               (double)(z.graph_updates - a.graph_updates) / (double)n,
+               (double)(z.graph_instantiations - a.graph_instantiations) / (double)n);
+    }
+    fitm_backend_cuda_set_fusion(b, true);
+    fitm_backend_cuda_set_graphs(b, true);
+    fitm_backend_cuda_set_pieces(b, 0);
+    return s;
+}
+#endif
+
 int main(int argc, char **argv)
 {
     const char *path = NULL, *backend = "cpu";
@@ -487,6 +549,15 @@ int main(int argc, char **argv)
     printf(
         "| sgemm, %d threads at once     |          - |            - | %9.1f | %15.0f%% | %12s |\n",
         threads, gfn, 100.0, "-");
+#if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
+    if (!strcmp(backend, "cuda")) {
+        s = bench_step_split(fw, b, kv, ids, n_tg < 64 ? n_tg : 64, &o_step, &err);
+        if (s) {
+            fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
+            return 1;
+        }
+    }
+#endif
 #ifdef FITM_BENCH_CUDA_EMU
     if (!strcmp(backend, "cuda")) {
         s = bench_prefill_submissions(fw, kv, ids, n_pp, &o, &err);

@@ -580,15 +580,20 @@ static void test_error_channel(fitm_backend *gpu)
  * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
  * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1;
  * with post-norms, 2 more: each post-norm runs with the add and the norm after it, the last
- * one with the final norm of the step's first sequence). */
-enum { GRAPHS, FUSION };
+ * one with the final norm of the step's first sequence).
+ * On the emulator and on a device, with GRAPHS, the steps from the fourth on (each shape run
+ * twice before) update their shapes' instances (fitm_backend_cuda_get_stats) and instantiate
+ * none. PIECES compares gpu submitting its graphs in pieces of a few ops with the default
+ * (one graph between two waits): the same bits, more graph launches, as many waits, and
+ * no instance made after the fourth step either. */
+enum { GRAPHS, FUSION, PIECES };
 static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {
     void *buf = NULL;
     fitm_model *m = gen_model(arch, FITM_DTYPE_Q5_0, &buf);
     fitm_backend *plain = NULL;
     fitm_err err = {{0}};
-    const char *way = mode == GRAPHS ? "graphs" : "fusion";
+    const char *way = mode == GRAPHS ? "graphs" : mode == FUSION ? "fusion" : "pieces";
     if (!m || fitm_backend_cuda_create(&plain, 0, &err) != FITM_OK) {
         CHECK(false, "%s test setup: %s", way, err.msg);
         return;
@@ -596,8 +601,10 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
     fitm_backend_cuda_set_weights(plain, w); /* as gpu's */
     if (mode == GRAPHS)
         fitm_backend_cuda_set_graphs(plain, false);
-    else
+    else if (mode == FUSION)
         fitm_backend_cuda_set_fusion(plain, false);
+    else
+        fitm_backend_cuda_set_pieces(gpu, 24);
     enum { B = 3, PROMPT = 5, STEPS = 6, K = 8 };
     const fitm_model_config *c = fitm_model_config_of(m);
     const int64_t V = c->n_vocab;
@@ -649,6 +656,9 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
 #ifdef FITM_CUDA_EMU
         fitm_emu_stats st[2][2];
 #endif
+        fitm_backend_cuda_stats gs[2], ps[2];
+        fitm_backend_cuda_get_stats(gpu, &gs[0]);
+        fitm_backend_cuda_get_stats(plain, &ps[0]);
         for (int i = 0; i < 2; i++) {
             fitm_forward_opts o[B];
             fitm_forward_seq seq[B];
@@ -666,6 +676,25 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
             fitm_emu_get_stats(&st[i][1]);
 #endif
         }
+        fitm_backend_cuda_get_stats(gpu, &gs[1]);
+        fitm_backend_cuda_get_stats(plain, &ps[1]);
+        /* each shape has its instances once its second step ran (the first step's scratch
+         * growth ends its capture early): later steps update them */
+        if (mode != FUSION && t >= 3)
+            CHECK(gs[1].graph_instantiations == gs[0].graph_instantiations &&
+                      gs[1].graph_updates > gs[0].graph_updates,
+                  "step %d: %llu graphs instantiated, %llu updated", t,
+                  (unsigned long long)(gs[1].graph_instantiations - gs[0].graph_instantiations),
+                  (unsigned long long)(gs[1].graph_updates - gs[0].graph_updates));
+        if (mode == PIECES)
+            CHECK(gs[1].waits - gs[0].waits == ps[1].waits - ps[0].waits &&
+                      gs[1].graph_launches - gs[0].graph_launches >
+                          ps[1].graph_launches - ps[0].graph_launches,
+                  "step %d: in pieces %llu graphs and %llu waits, whole %llu and %llu", t,
+                  (unsigned long long)(gs[1].graph_launches - gs[0].graph_launches),
+                  (unsigned long long)(gs[1].waits - gs[0].waits),
+                  (unsigned long long)(ps[1].graph_launches - ps[0].graph_launches),
+                  (unsigned long long)(ps[1].waits - ps[0].waits));
         for (int q = 0; q < nb; q++)
             pos[q]++;
         CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)(nb * V)) == 0,
@@ -681,6 +710,8 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         if (mode == GRAPHS)
             CHECK(ran_g == ran_a && a[1].launches - a[0].launches == ran_a,
                   "step %d: the same kernels run with and without graphs", t);
+        else if (mode == PIECES)
+            CHECK(ran_g == ran_a, "step %d: the same kernels run in pieces and whole", t);
         else
             CHECK(ran_g + saved <= ran_a,
                   "step %d: %llu kernels fused, %llu not (%llu fewer "
@@ -713,6 +744,8 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         fitm_forward_destroy(f[i]);
         free(lg[i]);
     }
+    if (mode == PIECES)
+        fitm_backend_cuda_set_pieces(gpu, 0);
     fitm_backend_destroy(plain);
     fitm_model_close(m);
     free(buf);
@@ -931,6 +964,7 @@ int main(int argc, char **argv)
     test_bf16_chunks(gpu16);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, GRAPHS);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, FUSION);
+    test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, PIECES);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, GRAPHS);

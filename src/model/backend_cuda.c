@@ -36,7 +36,10 @@
  * capture after a few ops; the bfloat16 GEMM is an ordinary launch, so with BF16 a prefill is
  * captured up to its first wait. Replay runs the same operations in the same order on the
  * same data, so results are bit for bit those of the uncaptured path
- * (fitm_backend_cuda_set_graphs turns it off).
+ * (fitm_backend_cuda_set_graphs turns it off). With fitm_backend_cuda_set_pieces the work
+ * between two waits goes out as several graphs of about that many ops each, so the device
+ * starts on the first while the host still captures the next: each piece number keeps its
+ * own instances.
  *
  * Fusion (on by default; fitm_backend_cuda_set_fusion): neighbouring ops of a step run as
  * one kernel with the arithmetic of the separate ones, so the bits do not change: the residual
@@ -57,6 +60,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "base/clock.h"
 #include "kernels.h"
 #include "model/backend_cuda.h"
 
@@ -72,14 +76,19 @@ typedef struct {
     size_t cap;
 } grow_buf;
 
-/* An instantiated graph: a step's work of one shape (its node count) and when it last ran. */
+/* An instantiated graph: a step's work, or its piece-th piece (fitm_backend_cuda_set_pieces),
+ * of one shape (its node count), and when it last ran. */
 typedef struct {
     cudaGraphExec_t exec;
     size_t nodes;
+    int piece;
     uint64_t used;
 } graph_slot;
 
-#define GRAPH_SLOTS 8
+/* Instances kept: a few shapes' work (a decode step of each batch size, prompts), each in up
+ * to GRAPH_PIECES pieces. */
+#define GRAPH_SLOTS 32
+#define GRAPH_PIECES 8
 
 /* A captured row on its way to the caller's array dst: n floats at off floats into the pinned
  * download area, added onto dst (capture->add) or copied. */
@@ -122,6 +131,10 @@ typedef struct {
     bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
     fitm_backend_ops ops; /* cuda_ops, less the fused slots when fuse is off */
     int cap;             /* CAP_IDLE, CAP_ON or CAP_OFF */
+    int piece_ops;       /* > 0: a capture is submitted once this many ops are in it, and the
+                            next op begins the next piece (fitm_backend_cuda_set_pieces) */
+    int cap_ops;         /* ops in the capture under way */
+    int piece;           /* pieces submitted since the last wait */
     bool busy;           /* work may have been enqueued since the last wait */
     /* a residual add not launched yet (n 0: none): y += x, fused into the next rmsnorm of y
      * (fitm_cuda_add_rmsnorm) when that follows, else launched before the next op's work */
@@ -149,6 +162,7 @@ typedef struct {
     fitm_cuda_weights weights;
     size_t bf16_bytes;
     grow_buf wb;
+    fitm_backend_cuda_stats stats;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -200,32 +214,54 @@ static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const 
  * this pass: every op that enqueues only capturable work calls it first. */
 static void pending_flush(cuda_backend *c);
 
+static bool graph_submit(cuda_backend *c);
+
 static void capture_on(cuda_backend *c)
 {
     c->busy = true;
     pending_flush(c);
+    if (c->cap == CAP_ON && c->piece_ops > 0 && ++c->cap_ops > c->piece_ops &&
+        c->piece < GRAPH_PIECES - 1) {
+        /* this piece is full: the device runs it while the host captures the next */
+        if (!graph_submit(c))
+            return;
+        c->cap = CAP_IDLE;
+    }
     if (!c->graphs || c->cap != CAP_IDLE || c->rc)
         return;
     /* thread-local: other threads' CUDA calls (another backend's) do not break it */
     if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
         c->cap = CAP_ON;
+        c->cap_ops = 1;
     } else {
         (void)cudaGetLastError(); /* not an error of the pass: it runs uncaptured */
         c->cap = CAP_OFF;
     }
 }
 
-/* The slot for a graph of n nodes: one that holds a graph of that many (to be updated), else
- * the least recently used (to be replaced). A capture begins only after a wait, so no
- * instance is running when it is updated or replaced. */
-static graph_slot *graph_slot_for(cuda_backend *c, size_t n)
+/* An instance for the captured graph g of n nodes, the piece-th piece since the last wait:
+ * one of that piece number and node count that takes g's arguments (cudaGraphExecUpdate;
+ * shapes of other kernels may have the same count, and keep instances of their own), else
+ * the least recently used slot, to hold a new instance. A slot is used once between two
+ * waits (its piece number; at most GRAPH_PIECES of them, the least recently used being
+ * older), so no instance is running when it is updated or replaced. */
+static graph_slot *graph_slot_for(cuda_backend *c, cudaGraph_t g, int piece, size_t n,
+                                  bool *updated)
 {
     graph_slot *lru = &c->slots[0];
+    *updated = false;
     for (int i = 0; i < GRAPH_SLOTS; i++) {
-        if (c->slots[i].exec && c->slots[i].nodes == n)
-            return &c->slots[i];
-        if (c->slots[i].used < lru->used)
-            lru = &c->slots[i];
+        graph_slot *s = &c->slots[i];
+        if (s->exec && s->nodes == n && s->piece == piece) {
+            cudaGraphExecUpdateResultInfo info;
+            if (cudaGraphExecUpdate(s->exec, g, &info) == cudaSuccess) {
+                *updated = true;
+                return s;
+            }
+            (void)cudaGetLastError(); /* refused: another shape's instance, left as it was */
+        }
+        if (s->used < lru->used)
+            lru = s;
     }
     return lru;
 }
@@ -235,17 +271,28 @@ static graph_slot *graph_slot_for(cuda_backend *c, size_t n)
  * is refused (different kernels, or a different order). */
 static void capture_drop(cuda_backend *c);
 
+static bool graph_launch(cuda_backend *c, cudaGraph_t g);
+
 static bool graph_submit(cuda_backend *c)
 {
-    cudaGraph_t g = NULL;
     if (c->rc) { /* the pass failed: its captured work is not run */
         capture_drop(c);
         c->cap = CAP_OFF;
         return false;
     }
     c->cap = CAP_OFF;
-    if (!ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture"))
-        return false;
+    const int64_t t0 = fitm_clock_ns();
+    cudaGraph_t g = NULL;
+    const bool done = ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture") &&
+                      graph_launch(c, g);
+    c->stats.submit_ns += (uint64_t)(fitm_clock_ns() - t0);
+    return done;
+}
+
+/* Runs the captured graph g (destroyed here): the instance of its shape updated with its
+ * arguments, or a new instance. */
+static bool graph_launch(cuda_backend *c, cudaGraph_t g)
+{
     size_t n = 0;
     if (!ok(c, (int)cudaGraphGetNodes(g, NULL, &n), "graph nodes")) {
         cudaGraphDestroy(g);
@@ -255,15 +302,10 @@ static bool graph_submit(cuda_backend *c)
         cudaGraphDestroy(g);
         return true;
     }
-    graph_slot *s = graph_slot_for(c, n);
-    bool have = s->exec && s->nodes == n;
-    if (have) {
-        cudaGraphExecUpdateResultInfo info;
-        if (cudaGraphExecUpdate(s->exec, g, &info) != cudaSuccess) {
-            (void)cudaGetLastError(); /* a refused update: instantiate instead */
-            have = false;
-        }
-    }
+    bool have;
+    graph_slot *s = graph_slot_for(c, g, c->piece, n, &have);
+    if (have)
+        c->stats.graph_updates++;
     if (!have) {
         if (s->exec)
             cudaGraphExecDestroy(s->exec);
@@ -274,9 +316,13 @@ static bool graph_submit(cuda_backend *c)
             return false;
         }
         s->nodes = n;
+        s->piece = c->piece;
+        c->stats.graph_instantiations++;
     }
     s->used = ++c->clock;
+    c->piece++;
     cudaGraphDestroy(g);
+    c->stats.graph_launches++;
     return ok(c, (int)cudaGraphLaunch(s->exec, c->stream), "graph launch");
 }
 
@@ -318,6 +364,18 @@ static void graphs_release(cuda_backend *c)
 
 static bool sync_stream(cuda_backend *c, const char *what);
 
+void fitm_backend_cuda_get_stats(const fitm_backend *b, fitm_backend_cuda_stats *out)
+{
+    *out = ((const cuda_backend *)b)->stats;
+}
+
+void fitm_backend_cuda_set_pieces(fitm_backend *b, int ops)
+{
+    cuda_backend *c = cu(b);
+    sync_stream(c, "graphs");
+    c->piece_ops = ops > 0 ? ops : 0;
+}
+
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
 {
     cuda_backend *c = cu(b);
@@ -355,7 +413,12 @@ static void late_flush(cuda_backend *c)
 static bool sync_stream(cuda_backend *c, const char *what)
 {
     capture_off(c);
-    if (!ok(c, (int)cudaStreamSynchronize(c->stream), what)) {
+    const int64_t t0 = fitm_clock_ns();
+    const int rc = (int)cudaStreamSynchronize(c->stream);
+    c->piece = 0;
+    c->stats.waits++;
+    c->stats.wait_ns += (uint64_t)(fitm_clock_ns() - t0);
+    if (!ok(c, rc, what)) {
         late_drop(c); /* the pass failed: its captures are not delivered */
         return false;
     }

@@ -15,6 +15,13 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
  * only the number of submissions changes. For tests and benchmarks that compare the two. */
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
 
+/* Whether b submits the work between two waits as one graph (ops 0, the default) or in
+ * pieces: once ops ops are in a capture, it is submitted and the next op begins the next
+ * piece, so the device runs a piece while the host captures the one after it (at most 8
+ * pieces between two waits; the last takes the rest). The results are the same bit for bit,
+ * only when the device starts changes. For tests and benchmarks that compare the two. */
+void fitm_backend_cuda_set_pieces(fitm_backend *b, int ops);
+
 /* What the BATCH class (prefill, reference passes) multiplies in. BF16: bfloat16 weights and
  * activations, F32 accumulation (the tensor cores), each layer matrix converted once when a
  * forward prepares the model; F32: weights dequantized to F32 per call, F32 products, as
@@ -38,6 +45,19 @@ size_t fitm_backend_cuda_bf16_bytes(const fitm_backend *b);
  * bit for bit, only the number of launches changes. For tests and benchmarks that compare
  * the two. */
 void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on);
+
+/* Where b's host time goes, counted since it was created: for benchmarks that split a decode
+ * step's wall time into the host's and the device's parts. A wait is a cudaStreamSynchronize
+ * (the host idle while the device finishes the work before it); a submission ends a capture
+ * and runs it: cudaStreamEndCapture, then the instance of that shape updated with the new
+ * capture's arguments (cudaGraphExecUpdate) or a new one instantiated, then cudaGraphLaunch. */
+typedef struct {
+    uint64_t waits, wait_ns;
+    uint64_t graph_launches, submit_ns;
+    uint64_t graph_updates, graph_instantiations;
+} fitm_backend_cuda_stats;
+
+void fitm_backend_cuda_get_stats(const fitm_backend *b, fitm_backend_cuda_stats *out);
 
 /* Usable CUDA devices: 0 without a driver or a device. */
 int fitm_backend_cuda_device_count(void);

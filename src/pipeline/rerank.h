@@ -179,7 +179,7 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
  * own (its prompt's and, for a method with reference passes, one branch over it) and starts
  * the method's run as a state machine of passes -- an attention method's over each window's
  * plan (main pass, dummy passes, null pass); query_likelihood's and relevance's over the
- * documents (a prompt's rows without logits, then its logit rows); fused's the calibrated
+ * documents (a prompt's rows and its logit rows, one pass where they fit); fused's the calibrated
  * machine followed by query_likelihood's, combined at the end. Prompts, captures, logits and
  * scores are exactly fitm_rerank_run's code, which drives the same machine in a loop -- up to
  * its first pass; each step carries a chunk of that pass (fitm_rerank_seq_part), and

@@ -62,8 +62,8 @@ fitm_status fitm_attention_sort_cost(const fitm_session *r, const fitm_rerank_re
                                      int64_t *tokens, fitm_err *err);
 
 /* query_likelihood and relevance (rerank_per_doc.c): a state machine over the documents,
- * each one's prompt on ps->kv rebased at 0: query_likelihood's rows up to its question
- * without logits, then the question's rows with logits, at most logit_rows a pass (their
+ * each one's prompt on ps->kv rebased at 0: query_likelihood's question rows with logits, at
+ * most logit_rows a pass, the first pass also taking the rows before them (their
  * log-probabilities added in row order); relevance's whole prompt, its last row's logits.
  * The whole run drives the same machine (fitm_machine_run). */
 fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,

@@ -168,27 +168,30 @@ static fitm_status doc_begin(per_doc_run *d, fitm_err *err)
 }
 
 /* Document k's next pass from row at, or false when its passes have all run. query_likelihood:
- * rows [0, head) without logits, then the question's rows head .. T - 1 (each predicts the
- * next token) with logits, at most logit_rows a pass; relevance: the whole prompt, the last
- * row's logits. */
+ * the question's rows head .. T - 1 (each predicts the next token) with logits, at most
+ * logit_rows a pass, the first pass also taking every row before them: a question of at most
+ * logit_rows tokens is one pass with the document. relevance: the whole prompt, the last row's
+ * logits. A row's values do not depend on the pass it is in (the forward's numerics classes),
+ * and the question's log-probabilities are added in row order whatever the passes. */
 static bool doc_next_pass(per_doc_run *d)
 {
     const fitm_session *r = d->ps->s;
-    const int64_t head = d->pd.ql ? d->ids.n - d->pd.q.n - 1 : d->T;
     if (d->at >= d->T)
         return false;
     int64_t n, n_logits;
-    if (d->at < head) { /* the prompt up to the question (relevance: all of it) */
-        n = head - d->at;
-        n_logits = d->pd.ql ? 0 : 1;
-    } else { /* the question's rows, logit_rows at a time */
-        n = d->T - d->at < r->logit_rows ? d->T - d->at : r->logit_rows;
-        n_logits = n;
+    if (d->pd.ql) {
+        const int64_t head = d->ids.n - d->pd.q.n - 1;
+        const int64_t from = head > d->at ? head : d->at; /* the first logit row */
+        n_logits = (d->T - from - 1) % r->logit_rows + 1; /* the rest go logit_rows a pass */
+        n = from - d->at + n_logits;
+    } else {
+        n = d->T - d->at;
+        n_logits = 1;
     }
     /* query_likelihood's row i picks the token after it, ids[at + i + 1]: the question's
      * ids from the second on, as they stand in the prompt */
     const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
-    const int32_t *pick = d->pd.ql ? d->ids.v + d->at + 1 : d->pd.answers;
+    const int32_t *pick = d->pd.ql ? d->ids.v + d->at + (n - n_logits) + 1 : d->pd.answers;
     d->pass = fitm_passes_pass(d->ps, d->ps->kv, NULL, d->ids.v + d->at, n, d->at, NULL, n_logits,
                                n_pick, pick, d->lp);
     return true;
