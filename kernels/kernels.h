@@ -155,14 +155,22 @@ int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, int64_t n_ro
 /* ---- selection (kernels/topk.cu) ---- */
 
 #define FITM_CUDA_TOPK_MAX 64
+/* Most candidates a row's sort takes (docs/cuda-backend.md, "Sampling": a row of real logits
+ * has about a hundred); a row with more is selected by the slower exact fallback. */
+#define FITM_CUDA_TOPK_CAP 4096
+/* A row longer than that is cut in chunks of ceil(n / FITM_CUDA_TOPK_CHUNKS) entries. */
+#define FITM_CUDA_TOPK_CHUNKS 256
 
-/* Device scratch (bytes) fitm_cuda_topk needs for these sizes; 0: none. */
+/* Device scratch (bytes) fitm_cuda_topk needs for these sizes. */
 size_t fitm_cuda_topk_scratch(int64_t rows, int64_t n, int32_t k);
 
 /* val, id (rows, k) (device) = the k first entries of each row of x (rows, n; row stride ld)
- * in fitm_ops_topk's order (larger value first, equal values lower index first): the same
- * list as the reference, ties included. 1 <= k <= min(n, FITM_CUDA_TOPK_MAX), n < 2^31,
- * rows <= 65535, no NaN in x; scratch holds fitm_cuda_topk_scratch(rows, n, k) bytes. */
+ * in fitm_ops_topk's order (larger value first, equal values lower index first, NaN after
+ * every number): the same list as the reference, ties included. 1 <= k <=
+ * min(n, FITM_CUDA_TOPK_MAX), n < 2^31, rows <= 65535; scratch holds
+ * fitm_cuda_topk_scratch(rows, n, k) bytes, and afterwards begins with rows int32: each row's
+ * number of candidates (entries no later than the threshold, kernels/topk.cu; above
+ * FITM_CUDA_TOPK_CAP the row took the fallback). Three launches whatever the data. */
 int fitm_cuda_topk(const float *x, int64_t rows, int64_t n, int64_t ld, int32_t k, void *scratch,
                    float *val, int32_t *id, void *stream);
 

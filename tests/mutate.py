@@ -160,6 +160,11 @@ MUTANTS = [
            "the one-launch Q/K/V product starts the third weight's blocks one block early",
            "b2 = b[0] + b[1];", "b2 = b[0] + b[1] - 1;",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-topk-threshold-one-early",
+           "the top-k threshold is the (k-1)-th chunk first instead of the k-th, so the row's "
+           "k-th entry may be missing from the candidates",
+           "if (before == k - 1)", "if (before == k - 2)",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-gemm-bf16-truncates",
            "the tensor-core GEMM's activations are rounded to bfloat16 toward zero instead of to "
            "nearest even",

@@ -554,10 +554,14 @@ static void test_half(fitm_backend *b, int64_t n)
 
 /* ---- topk ------------------------------------------------------------------------------- */
 
+/* logit descending, NaN after every number, then id ascending */
 static int cmp_top_ref(const void *a, const void *b)
 {
     const fitm_top *x = a, *y = b;
-    if (x->logit != y->logit)
+    const bool xn = isnan(x->logit), yn = isnan(y->logit);
+    if (xn != yn)
+        return xn ? 1 : -1;
+    if (!xn && x->logit != y->logit)
         return x->logit > y->logit ? -1 : 1;
     return (x->id > y->id) - (x->id < y->id);
 }
@@ -565,14 +569,18 @@ static int cmp_top_ref(const void *a, const void *b)
 /* rows of n values, each row's k first entries against a full sort of the row (an independent
  * reference). levels > 0 draws every value from that many distinct ones, so most entries tie
  * (greedy's first maximum must be the lowest id among equal maxima); levels 0: continuous,
- * with negative values and -inf entries mixed in. Exact: values and ids must be equal. */
+ * with negative values and -inf entries mixed in; levels -1: 60% NaN, 20% -inf, the rest
+ * numbers. Exact: values and ids must be equal. */
 static void test_topk(fitm_backend *b, int64_t rows, int64_t n, int32_t k, int levels)
 {
     float *xh = rand_vec(rows * n, -30, 30);
     for (int64_t i = 0; i < rows * n; i++) {
+        const double u = urand();
         if (levels > 0)
             xh[i] = (float)(int)(urand() * levels) - 2.0f;
-        else if (urand() < 0.01)
+        else if (levels < 0 && u < 0.8)
+            xh[i] = u < 0.6 ? NAN : -INFINITY;
+        else if (u < 0.01)
             xh[i] = -INFINITY;
     }
     float *x = to_dev(b, xh, rows * n);
@@ -1082,13 +1090,15 @@ int main(int argc, char **argv)
         test_half(b, 1);
         test_half(b, 4099); /* vectors of 16 and 8 and a scalar tail */
     }
-    /* one-block rows, rows split over chunks (> 2048 on the device), k 1 (greedy) to 64 */
+    /* one-block rows, rows split over chunks (> 4096 on the device), k 1 (greedy) to 64 */
     test_topk(b, 1, 1, 1, 0);
     test_topk(b, 3, 77, 1, 3);
     test_topk(b, 2, 77, 64, 0);
     test_topk(b, 2, 999, 17, 5);
     test_topk(b, 1, 5003, 64, 4);
     test_topk(b, 3, 4099, 64, 0);
+    test_topk(b, 2, 100, 64, -1); /* fewer numbers than k: the list ends in NaNs */
+    test_topk(b, 2, 20000, 64, -1);
     test_topk(b, 2, 70001, 1, 2);
     test_topk(b, 8, 4099, 40, 1); /* a decode step of 8 sequences: rows over the threads */
     /* Gemma 3's vocabulary, one-entry rows, rows over the threads, relevance's 8 answers */

@@ -982,19 +982,131 @@ static void test_glu(bool geglu, int64_t n, bool in_place)
 
 /* ---- topk: exact, against fitm_ops_topk ---- */
 
-/* rows of n values (row stride ld >= n) with levels distinct values (0: continuous), so that
- * with few levels most entries tie and the order's "lower index first" decides; the kernel's
- * list must equal the reference's bit for bit, values and indices. */
-static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels)
+/* What a row holds (param: the pattern's number); every pattern starts from fresh random
+ * values, and the entries between n and the row stride are 1e30, which a kernel reading past
+ * n would select. */
+typedef enum {
+    TOPK_RANDOM,       /* continuous in [-20, 20], -0 and +0 planted */
+    TOPK_LEVELS,       /* param distinct values: most entries tie */
+    TOPK_ALL_EQUAL,    /* every entry 1.5 */
+    TOPK_MAX_COPIES,   /* param copies of the row's maximum (30) at random places */
+    TOPK_AT_THRESHOLD, /* two 5s in every chunk and param larger values: T is a 5, and 5s come
+                          on either side of it */
+    TOPK_NEG_INF,      /* -inf but for param random entries */
+    TOPK_NAN,          /* each entry NaN with probability param / n */
+    TOPK_HOT_CHUNKS,   /* param whole chunks above every other entry */
+} topk_fill;
+
+static const char *const topk_fill_name[] = {"random", "levels", "all-equal", "max-copies",
+                                             "at-threshold", "neg-inf", "nan", "hot-chunks"};
+
+static int64_t topk_chunk(int64_t n)
 {
-    char what[96];
-    snprintf(what, sizeof what, "topk rows=%lld n=%lld ld=%lld k=%d levels=%d", (long long)rows,
-             (long long)n, (long long)ld, (int)k, levels);
+    return (n + FITM_CUDA_TOPK_CHUNKS - 1) / FITM_CUDA_TOPK_CHUNKS;
+}
+
+static int64_t rng_below(int64_t n)
+{
+    return (int64_t)(rng_u64() % (uint64_t)n);
+}
+
+static void topk_fill_row(float *x, int64_t n, int64_t ld, topk_fill fill, int param)
+{
+    const int64_t chunk = topk_chunk(n);
+    fill_uniform(x, n, -20.0f, 20.0f);
+    for (int64_t i = n; i < ld; i++)
+        x[i] = 1e30f;
+    switch (fill) {
+    case TOPK_RANDOM:
+        x[rng_below(n)] = -0.0f, x[rng_below(n)] = 0.0f, x[rng_below(n)] = -0.0f;
+        break;
+    case TOPK_LEVELS:
+        for (int64_t i = 0; i < n; i++)
+            x[i] = (float)(int)((x[i] + 20.0f) / 40.0f * (float)param);
+        break;
+    case TOPK_ALL_EQUAL:
+        for (int64_t i = 0; i < n; i++)
+            x[i] = 1.5f;
+        break;
+    case TOPK_MAX_COPIES:
+        for (int j = 0; j < param; j++)
+            x[rng_below(n)] = 30.0f;
+        break;
+    case TOPK_AT_THRESHOLD:
+        for (int64_t lo = 0; lo < n; lo += chunk) {
+            const int64_t len = n - lo < chunk ? n - lo : chunk;
+            x[lo + rng_below(len)] = 5.0f, x[lo + rng_below(len)] = 5.0f;
+        }
+        for (int j = 0; j < param; j++)
+            x[rng_below(n)] = rng_uniform(6.0f, 10.0f);
+        break;
+    case TOPK_NEG_INF:
+        for (int64_t i = 0; i < n; i++)
+            x[i] = -INFINITY;
+        for (int j = 0; j < param; j++)
+            x[rng_below(n)] = rng_uniform(-20.0f, 20.0f);
+        break;
+    case TOPK_NAN:
+        for (int64_t i = 0; i < n; i++)
+            if (rng_below(n) < param)
+                x[i] = i % 2 ? NAN : -NAN;
+        break;
+    case TOPK_HOT_CHUNKS:
+        for (int j = 0; j < param; j++) {
+            const int64_t lo = (3 + 5 * j) * chunk;
+            for (int64_t i = lo; i < lo + chunk && i < n; i++)
+                x[i] = rng_uniform(21.0f, 40.0f);
+        }
+        break;
+    }
+}
+
+/* fitm_ops_topk's order, written again: whether (v, i) comes before (w, j). */
+static bool topk_before(float v, int64_t i, float w, int64_t j)
+{
+    if (w != w)
+        return v == v || i < j;
+    return v > w || (v == w && i < j);
+}
+
+/* The number of candidates kernels/topk.cu's stage 2 collects from a row longer than
+ * FITM_CUDA_TOPK_CAP, by its definition: T the k-th of the chunks' first entries, the count
+ * the entries that are T or come before it. */
+static int64_t topk_candidates(const float *x, int64_t n, int32_t k)
+{
+    const int64_t chunk = topk_chunk(n);
+    int64_t first[FITM_CUDA_TOPK_CHUNKS] = {0};
+    int c = 0;
+    for (int64_t lo = 0; lo < n; lo += chunk) {
+        int64_t b = lo;
+        for (int64_t i = lo + 1; i < lo + chunk && i < n; i++)
+            if (topk_before(x[i], i, x[b], b))
+                b = i;
+        int j = c++;
+        for (; j > 0 && topk_before(x[b], b, x[first[j - 1]], first[j - 1]); j--)
+            first[j] = first[j - 1];
+        first[j] = b;
+    }
+    const int64_t t = first[k - 1];
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++)
+        count += i == t || topk_before(x[i], i, x[t], t);
+    return count;
+}
+
+/* rows of n values (row stride ld >= n) filled as fill says; the kernel's list must equal the
+ * reference's bit for bit, values and indices, and for rows cut in chunks each row's candidate
+ * count (the scratch's first rows int32, kernels.h) must equal topk_candidates'. fallback: 1
+ * every row must exceed FITM_CUDA_TOPK_CAP (so the fallback selected it), 0 none may. */
+static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, topk_fill fill, int param,
+                      int fallback)
+{
+    char what[128];
+    snprintf(what, sizeof what, "topk rows=%lld n=%lld ld=%lld k=%d %s %d", (long long)rows,
+             (long long)n, (long long)ld, (int)k, topk_fill_name[fill], param);
     float *x = xmalloc((size_t)(rows * ld) * sizeof *x);
-    fill_uniform(x, rows * ld, -20.0f, 20.0f);
-    if (levels > 0)
-        for (int64_t i = 0; i < rows * ld; i++)
-            x[i] = (float)(int)((x[i] + 20.0f) / 40.0f * (float)levels);
+    for (int64_t r = 0; r < rows; r++)
+        topk_fill_row(x + r * ld, n, ld, fill, param);
     fitm_top *ref = xmalloc((size_t)(rows * k) * sizeof *ref);
     for (int64_t r = 0; r < rows; r++)
         fitm_ops_topk(x + r * ld, n, k, ref + r * k);
@@ -1007,13 +1119,30 @@ static void test_topk(int64_t rows, int64_t n, int64_t ld, int32_t k, int levels
     int32_t *gi = xmalloc(di.bytes);
     dbuf_get(gv, &dv);
     dbuf_get(gi, &di);
-    int64_t bad = 0;
+    int64_t bad = 0, over = 0;
     for (int64_t i = 0; ok && i < rows * k; i++) {
         if (memcmp(&gv[i], &ref[i].logit, sizeof(float)) == 0 && gi[i] == ref[i].id)
             continue;
         if (bad++ < MAX_REPORT)
             fprintf(stderr, "  %s: [%lld] ref (%.9g, %d) got (%.9g, %d)\n", what, (long long)i,
                     (double)ref[i].logit, (int)ref[i].id, (double)gv[i], (int)gi[i]);
+    }
+    if (ok && n > FITM_CUDA_TOPK_CAP) {
+        int32_t *cnt = xmalloc((size_t)rows * sizeof *cnt);
+        CUDA_OK(cudaMemcpy(cnt, ds.p, (size_t)rows * sizeof *cnt, cudaMemcpyDeviceToHost));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t want = topk_candidates(x + r * ld, n, k);
+            over += want > FITM_CUDA_TOPK_CAP;
+            if (cnt[r] != want && bad++ < MAX_REPORT)
+                fprintf(stderr, "  %s: row %lld collected %d candidates, want %lld\n", what,
+                        (long long)r, (int)cnt[r], (long long)want);
+        }
+        free(cnt);
+    }
+    if (ok && over != (fallback ? rows : 0)) {
+        fprintf(stderr, "  %s: %lld of %lld rows above the candidate list's %d, want %s\n", what,
+                (long long)over, (long long)rows, FITM_CUDA_TOPK_CAP, fallback ? "all" : "none");
+        bad++;
     }
     ok = ok && bad == 0;
     ok = values_and_guards_ok(ok, &dv, what) && dbuf_guards_ok(&di, what) &&
@@ -1517,7 +1646,8 @@ static void test_contracts(void)
     CHECK(fitm_cuda_topk(f, 2, 8, 7, 1, NULL, v, id, NULL) == inval);       /* ld < n */
     CHECK(fitm_cuda_topk(f, 1, 9000, 9000, 1, NULL, v, id, NULL) == inval); /* no scratch */
     CHECK(fitm_cuda_topk(f, 0, 8, 8, 1, NULL, v, id, NULL) == 0);
-    CHECK(fitm_cuda_topk_scratch(1, 2048, 64) == 0);
+    CHECK(fitm_cuda_topk_scratch(1, FITM_CUDA_TOPK_CAP, 64) == 0);
+    CHECK(fitm_cuda_topk_scratch(2, FITM_CUDA_TOPK_CAP + 1, 64) > 2 * FITM_CUDA_TOPK_CAP * 8);
     double *lp = (double *)(fake + 3584);
     CHECK(fitm_cuda_logprob(f, 1, 8, id, 0, lp, NULL) == inval);                  /* no picks */
     CHECK(fitm_cuda_logprob(f, 1, 8, id, FITM_CUDA_PICK_MAX + 1, lp, NULL) == inval);
@@ -1721,14 +1851,39 @@ int main(int argc, char **argv)
     }
 
     if (want("topk")) {
-        test_topk(1, 1, 1, 1, 0);
-        test_topk(4, 300, 301, 1, 2); /* greedy over many equal maxima */
-        test_topk(3, 1001, 1001, 64, 0);
-        test_topk(2, 777, 800, 33, 6);
-        test_topk(2, 2049, 2049, 64, 3); /* two chunks, the second of one entry */
+        /* rows of at most FITM_CUDA_TOPK_CAP entries: one block sorts the whole row */
+        test_topk(1, 1, 1, 1, TOPK_RANDOM, 0, 0);
+        test_topk(1, 64, 64, 64, TOPK_RANDOM, 0, 0); /* k = n */
+        test_topk(4, 300, 301, 1, TOPK_LEVELS, 2, 0); /* greedy over many equal maxima */
+        test_topk(2, 777, 800, 33, TOPK_LEVELS, 6, 0);
+        test_topk(2, 1500, 1507, 64, TOPK_NAN, 1480, 0); /* the list ends in NaNs */
+        /* the three stages: chunks of 17 (the last partial), 40 and 1024 */
+        test_topk(1, 4097, 4099, 64, TOPK_RANDOM, 0, 0);
+        test_topk(1, 17000, 17000, 64, TOPK_ALL_EQUAL, 0, 1); /* 4222: the fallback */
         if (!small) {
-            test_topk(1, 262144, 262144, 64, 0); /* Gemma 3's vocabulary: 64 chunks */
-            test_topk(2, 100003, 100003, 1, 0);
+            test_topk(1, 10000, 10000, 64, TOPK_ALL_EQUAL, 0, 0); /* 2521 candidates */
+            test_topk(3, 4096, 4100, 64, TOPK_LEVELS, 3, 0);
+            test_topk(33, 5003, 5010, 64, TOPK_RANDOM, 0, 0);
+            test_topk(17, 9001, 9001, 63, TOPK_LEVELS, 40, 0);
+            test_topk(3, 20000, 20001, 63, TOPK_AT_THRESHOLD, 30, 0);
+            test_topk(2, 5000, 5000, 64, TOPK_NEG_INF, 10, 0);
+            test_topk(1, 20000, 20000, 64, TOPK_NAN, 19990, 1);
+            /* Gemma 3's vocabulary: 256 chunks of 1024 */
+            test_topk(1, 262144, 262144, 1, TOPK_RANDOM, 0, 0);
+            test_topk(2, 262144, 262150, 2, TOPK_RANDOM, 0, 0);
+            test_topk(3, 262144, 262147, 63, TOPK_RANDOM, 0, 0);
+            test_topk(1, 262144, 262144, 64, TOPK_RANDOM, 0, 0);
+            test_topk(2, 262145, 262200, 64, TOPK_RANDOM, 0, 0); /* the last chunk 770 */
+            test_topk(2, 262144, 262144, 64, TOPK_MAX_COPIES, 1000, 0);
+            test_topk(1, 262144, 262144, 1, TOPK_MAX_COPIES, 1000, 0);
+            test_topk(2, 262144, 262144, 64, TOPK_AT_THRESHOLD, 20, 0);
+            test_topk(1, 262144, 262144, 64, TOPK_HOT_CHUNKS, 1, 0);
+            test_topk(1, 262144, 262144, 64, TOPK_NAN, 100, 0);
+            /* more candidates than the list holds */
+            test_topk(2, 262144, 262144, 64, TOPK_ALL_EQUAL, 0, 1);
+            test_topk(1, 262144, 262144, 1, TOPK_ALL_EQUAL, 0, 0); /* T the first entry */
+            test_topk(1, 262144, 262144, 64, TOPK_NEG_INF, 10, 1);
+            test_topk(1, 262144, 262144, 64, TOPK_HOT_CHUNKS, 6, 1);
         }
     }
 

@@ -157,9 +157,13 @@ void fitm_ops_intervene(float *p, int64_t key0, int64_t n_keys, const fitm_span 
     }
 }
 
-/* Whether (v, i) comes before t in fitm_ops_topk's order. */
+/* Whether (v, i) comes before t in fitm_ops_topk's order: a NaN comes after every number
+ * (so that the order stays total on any row; comparisons with NaN alone would make the list
+ * depend on where the NaN stands), NaNs among themselves by index. */
 static bool top_before(float v, int32_t i, const fitm_top *t)
 {
+    if (t->logit != t->logit)
+        return v == v || i < t->id;
     return v > t->logit || (v == t->logit && i < t->id);
 }
 

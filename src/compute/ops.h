@@ -72,9 +72,9 @@ typedef struct {
 #define FITM_TOP_MAX 64
 
 /* top (k) = the k first entries of x (n) in the order "larger value first, equal values lower
- * index first". That order is total, so the list is unique and every backend that selects it
- * returns the same one; top[0] is the first maximum (greedy decoding's token).
- * 1 <= k <= min(n, FITM_TOP_MAX), n < 2^31; x holds no NaN. */
+ * index first, NaN after every number (NaNs by index)". That order is total, so the list is
+ * unique and every backend that selects it returns the same one; top[0] is the first maximum
+ * (greedy decoding's token). 1 <= k <= min(n, FITM_TOP_MAX), n < 2^31. */
 void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
 
 /* Most ids fitm_ops_logprob's callers pick per row (the forward driver's opts.n_pick). */
@@ -89,9 +89,10 @@ void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
 void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_pick, double *lp);
 
 /* fitm_ops_topk in parts: adds x[i0, i1) to the list top of *have entries (0 to start with)
- * built from x[0, i0), updating *have (at most k). Once *have == k, x[i] enters only if it is
- * greater than top[k - 1].logit (an equal value has a lower index already in the list), so a
- * caller may skip a part whose values are all not greater, as if it had been added. */
+ * built from x[0, i0), updating *have (at most k). Once *have == k and top[k - 1].logit is a
+ * number, x[i] enters only if it is greater than that (an equal value, or a NaN, comes after
+ * the list's last), so a caller may skip a part whose values are all not greater, as if it had
+ * been added; while the list's last is a NaN every number enters. */
 void fitm_ops_topk_add(const float *x, int64_t i0, int64_t i1, int32_t k, fitm_top *top,
                        int32_t *have);
 

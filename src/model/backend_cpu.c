@@ -551,18 +551,19 @@ static inline bool anyv(vi m)
 #endif
 }
 
-/* fitm_ops_topk's list of one row: once the list is full, a block of 4 VW values none of
- * which is greater than the list's last entry cannot change it (fitm_ops_topk_add), so it is
- * skipped after one vector comparison; other blocks go through the insertion in order. The
- * same list, at a few vector operations per 64 values instead of a compare and branch per
- * value (a decode step of 8 sequences scans 8 rows of Gemma 3's 262144 logits). */
+/* fitm_ops_topk's list of one row: once the list is full (and its last entry is a number),
+ * a block of 4 VW values none of which is greater than the list's last entry cannot change it
+ * (fitm_ops_topk_add), so it is skipped after one vector comparison; other blocks go through
+ * the insertion in order. The same list, at a few vector operations per 64 values instead of
+ * a compare and branch per value (a decode step of 8 sequences scans 8 rows of Gemma 3's
+ * 262144 logits). */
 static void topk_row(const float *x, int64_t n, int32_t k, fitm_top *top)
 {
     const int64_t blk = 4 * VW;
     int32_t have = 0;
     int64_t i = n < k ? n : k;
     fitm_ops_topk_add(x, 0, i, k, top, &have);
-    for (; have == k && i + blk <= n; i += blk) {
+    for (; have == k && top[k - 1].logit == top[k - 1].logit && i + blk <= n; i += blk) {
         const vf t = splatv(top[k - 1].logit);
         const vi gt = (ldv(x + i) > t) | (ldv(x + i + VW) > t) | (ldv(x + i + 2 * VW) > t) |
                       (ldv(x + i + 3 * VW) > t);
