@@ -384,9 +384,7 @@ void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
     c->graphs = on;
 }
 
-/* Waits for the stream's work (what a capture under way holds is submitted first). Every
- * staged copy is then done, so the whole pinned staging area is free again (stage), and the
- * next op may start a capture. */
+/* Forgets the captured rows on their way to the caller's arrays (fetch_late). */
 static void late_drop(cuda_backend *c)
 {
     c->n_late = 0;
@@ -410,6 +408,9 @@ static void late_flush(cuda_backend *c)
     late_drop(c);
 }
 
+/* Waits for the stream's work (what a capture under way holds is submitted first). Every
+ * staged copy is then done, so the whole pinned staging area is free again (stage), the
+ * captured rows reach the caller's arrays (late_flush), and the next op may start a capture. */
 static bool sync_stream(cuda_backend *c, const char *what)
 {
     capture_off(c);
@@ -1032,8 +1033,9 @@ static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_w
         ok(c, (int)cudaErrorInvalidValue, "rmsnorm weight is not F32");
         return;
     }
-    const bool resident = find_weight(c, w->data) != NULL;
-    const void *wd = weight_dev(c, w, 1);
+    const dev_weight *d = find_weight(c, w->data);
+    const bool resident = d != NULL;
+    const void *wd = resident ? d->dev : weight_dev(c, w, 1);
     if (!wd || c->rc)
         return;
     if (three)
