@@ -152,6 +152,28 @@ int fitm_cuda_softcap(float *x, int64_t n, float cap, void *stream);
 int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot, const float *cs,
                          int neox, void *stream);
 
+/* ---- KV cache rows (kernels/ops.cu) ---- */
+
+/* One sequence's new K and V rows on their way into its KV cache (fitm_cuda_kv_store_many): n
+ * values each (its rows times Hkv * D) of k and of v (F32) into k_dst and v_dst, copied
+ * (half 0) or rounded to fp16 (half 1; bits as uint16_t) to nearest even as fitm_fp32_to_fp16
+ * (compute/quant.h) rounds, NaN quieted with the top of its payload kept, bit for bit. */
+typedef struct {
+    void *k_dst, *v_dst;
+    const float *k, *v;
+    int64_t n;
+    int32_t half;
+} fitm_cuda_kv_rows;
+
+#define FITM_CUDA_KV_ROWS_MAX 64
+
+/* The n stores r[0..n) (host; 1 <= n <= FITM_CUDA_KV_ROWS_MAX) as one launch, the descriptors
+ * passed in the launch's arguments (nothing staged): a layer's K and V rows of every sequence
+ * of a step into their caches with one graph node instead of two copies per sequence. No
+ * destination may overlap another destination or a source. Pointers need only their
+ * elements' alignment (4 bytes, 2 for an fp16 destination): a row may start anywhere. */
+int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, int n, void *stream);
+
 /* ---- selection (kernels/topk.cu) ---- */
 
 #define FITM_CUDA_TOPK_MAX 64

@@ -165,6 +165,10 @@ MUTANTS = [
            "k-th entry may be missing from the candidates",
            "if (before == k - 1)", "if (before == k - 2)",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-kv-store-v-into-k",
+           "the one-launch KV store writes each sequence's V values into its K row",
+           "void *dst = blockIdx.z ? r.v_dst : r.k_dst;", "void *dst = r.k_dst;",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-gemm-bf16-truncates",
            "the tensor-core GEMM's activations are rounded to bfloat16 toward zero instead of to "
            "nearest even",

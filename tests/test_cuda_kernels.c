@@ -932,6 +932,99 @@ static void test_qk_norm_rope(int64_t T, int64_t H, int64_t Hkv, int64_t D, int6
         free(gq), free(gk);
 }
 
+/* ---- KV cache stores ---- */
+
+/* fitm_cuda_kv_store_many: n_seqs stores of different row counts, each into its own cache
+ * buffer at a row offset, F32 and fp16 caches mixed in one launch, against memcpy and
+ * fitm_fp32_to_fp16 of each value, bit for bit. The values are fresh random ones over fp16's
+ * range and past it, with specials (signed zeros, infinities, NaNs with payloads, fp16
+ * subnormals, round-to-even ties) planted; the cache rows around the stored ones must keep
+ * their bytes. */
+static void test_kv_store(int n_seqs, int64_t row_vals)
+{
+    enum { MAX_SEQS = FITM_CUDA_KV_ROWS_MAX };
+    char what[96];
+    fitm_cuda_kv_rows r[MAX_SEQS];
+    dbuf cache[MAX_SEQS], src[MAX_SEQS];
+    int64_t rows[MAX_SEQS], at[MAX_SEQS], cap[MAX_SEQS];
+    bool ok = true;
+    for (int s = 0; s < n_seqs; s++) {
+        rows[s] = 1 + (int64_t)(rng_u64() % 5);     /* 1 to 5 rows */
+        at[s] = (int64_t)(rng_u64() % 7);           /* from row 0 to 6 */
+        cap[s] = at[s] + rows[s] + (int64_t)(rng_u64() % 3);
+        const int half = (s % 3) == 1;
+        const size_t elem = half ? 2 : 4, n = (size_t)(rows[s] * row_vals);
+        float *h = xmalloc(2 * n * sizeof(float)); /* K then V */
+        for (size_t i = 0; i < 2 * n; i++) {
+            const float mag = (float)ldexp(1.0, (int)(rng_u64() % 44) - 30); /* 2^-30 .. 2^13 */
+            h[i] = rng_uniform(-mag, mag);
+        }
+        const uint32_t special[] = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+                                    0x7fc01234u, 0xffa00001u, 0x477ff000u, 0x477fefffu,
+                                    0x33800000u, 0x33000001u, 0x387fe000u, 0x3f801000u,
+                                    0x3f803000u, 0xc7800000u};
+        for (size_t i = 0; i < sizeof special / sizeof special[0] && half; i++)
+            memcpy(&h[(i * 37 + (size_t)s) % (2 * n)], &special[i], sizeof(float));
+        src[s] = dbuf_from(h, 2 * n * sizeof(float));
+        cache[s] = dbuf_new(2 * (size_t)(cap[s] * row_vals) * elem); /* K rows, then V rows */
+        uint8_t *c = (uint8_t *)cache[s].p;
+        const size_t k_at = (size_t)(at[s] * row_vals) * elem;
+        r[s] = (fitm_cuda_kv_rows){c + k_at, c + (size_t)(cap[s] * row_vals) * elem + k_at,
+                                   (const float *)src[s].p, (const float *)src[s].p + n,
+                                   (int64_t)n, half};
+        free(h);
+    }
+    snprintf(what, sizeof what, "kv_store_many seqs=%d row=%lld", n_seqs, (long long)row_vals);
+    ok = launched(what, fitm_cuda_kv_store_many(r, n_seqs, stream));
+    int64_t bad = 0, checked = 0;
+    for (int s = 0; s < n_seqs && ok; s++) {
+        const size_t elem = r[s].half ? 2 : 4, n = (size_t)r[s].n;
+        const size_t row_bytes = (size_t)row_vals * elem;
+        float *h = xmalloc(2 * n * sizeof(float));
+        uint8_t *c = xmalloc(cache[s].bytes);
+        CUDA_OK(cudaMemcpy(h, src[s].p, 2 * n * sizeof(float), cudaMemcpyDeviceToHost));
+        dbuf_get(c, &cache[s]);
+        for (int kv = 0; kv < 2; kv++) {
+            const uint8_t *part = c + (size_t)kv * (size_t)cap[s] * row_bytes;
+            for (int64_t row = 0; row < cap[s]; row++) {
+                const bool stored = row >= at[s] && row < at[s] + rows[s];
+                for (int64_t j = 0; j < row_vals; j++, checked++) {
+                    const uint8_t *got = part + (size_t)row * row_bytes + (size_t)j * elem;
+                    uint8_t want[4] = {0xFF, 0xFF, 0xFF, 0xFF};
+                    if (stored) {
+                        const float x = h[(size_t)kv * n + (size_t)((row - at[s]) * row_vals + j)];
+                        if (r[s].half) {
+                            const uint16_t b = fitm_fp32_to_fp16(x);
+                            memcpy(want, &b, 2);
+                        } else {
+                            memcpy(want, &x, 4);
+                        }
+                    }
+                    if (memcmp(got, want, elem) != 0) {
+                        if (bad < MAX_REPORT)
+                            fprintf(stderr,
+                                    "  %s: store %d (%s) %s row %lld value %lld: %s bytes "
+                                    "differ\n",
+                                    what, s, r[s].half ? "fp16" : "F32", kv ? "V" : "K",
+                                    (long long)row, (long long)j, stored ? "stored" : "kept");
+                        bad++;
+                    }
+                }
+            }
+        }
+        ok = dbuf_guards_ok(&cache[s], what) && ok;
+        free(h);
+        free(c);
+    }
+    printf("%-56s %s  n=%-8lld %lld bytes differ\n", what, bad || !ok ? "FAIL" : "ok  ",
+           (long long)checked, (long long)bad);
+    CHECK(ok && bad == 0);
+    for (int s = 0; s < n_seqs; s++) {
+        dbuf_free(&cache[s]);
+        dbuf_free(&src[s]);
+    }
+}
+
 /* ---- gated activations ---- */
 
 /* swiglu: expf and a divide, 1e-5 relative. geglu: 1 + tanh(z) cancels for z << 0, where
@@ -1590,6 +1683,23 @@ static void test_contracts(void)
         CHECK(fitm_cuda_gemm_bf16(1, w, N, -1, f, 2, y, NULL) == inval);
         CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, f, 0, y, NULL) == 0); /* no rows: nothing */
     }
+    {
+        fitm_cuda_kv_rows r[FITM_CUDA_KV_ROWS_MAX + 1];
+        for (int i = 0; i <= FITM_CUDA_KV_ROWS_MAX; i++)
+            r[i] = (fitm_cuda_kv_rows){fake, fake + 1024, f + 512, f + 768, 8, 0};
+        CHECK(fitm_cuda_kv_store_many(r, 0, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, FITM_CUDA_KV_ROWS_MAX + 1, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(NULL, 1, NULL) == inval);
+        r[1].n = -1;
+        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        r[1].n = 8, r[1].v = NULL;
+        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        r[1].v = f + 768, r[1].k_dst = fake + 2; /* an F32 row at a 2-byte offset */
+        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        r[1].half = 1; /* fine for fp16 */
+        r[1].n = r[0].n = 0;
+        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == 0); /* nothing to store: nothing */
+    }
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q4_K, fake, f, 255, NULL) == inval);
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_0, fake, f, 48, NULL) == inval);
     CHECK(fitm_cuda_dequant_f16(FITM_DTYPE_Q8_0, fake + 2, (uint16_t *)fake, 32, NULL) == inval);
@@ -1707,9 +1817,9 @@ static void test_contracts(void)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm (the ThreadSanitizer and mutant builds of
- * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
- * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
+ * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm, kv_store (the
+ * ThreadSanitizer and mutant builds of tests/meson.build run a few), or every group without
+ * an argument. With "small" in the list, the groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
  * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
 static const char *groups;
 
@@ -1941,6 +2051,14 @@ int main(int argc, char **argv)
             test_attention_tiled(&small_tiles[i]);
         for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
             test_attention_tiled(&tiles[i]);
+    }
+
+    if (want("kv_store")) {
+        test_kv_store(1, 16);
+        test_kv_store(5, 256); /* Gemma 3 270M's row: one KV head of 256 */
+        test_kv_store(3, 37);  /* rows of odd length: stores at every alignment */
+        if (!small)
+            test_kv_store(FITM_CUDA_KV_ROWS_MAX, 512);
     }
 
     if (want("logprob")) {
