@@ -27,6 +27,7 @@
 #include "compute/ops.h"
 #include "compute/quant.h"
 #include "model/backend.h"
+#include "model/kv.h"
 #ifdef FITM_TEST_BACKEND_CUDA
 #include "kernels.h"
 #include "model/backend_cuda.h"
@@ -550,6 +551,88 @@ static void test_half(fitm_backend *b, int64_t n)
           (long long)bad_back);
     free(xh), free(got), free(got_back);
     b->ops->free(b, x), b->ops->free(b, back), b->ops->free(b, h);
+}
+
+/* ---- kv_store_many -------------------------------------------------------------------- */
+
+/* kv_store_many (a backend with it) against fitm_kv_store one sequence at a time: n_seqs
+ * caches of each kind (F32, or fp16 where half), their bytes first set to the same fresh
+ * random bytes, get each layer's rows of sequences of different lengths at different rows
+ * (from one block of source rows, as a call's K and V sit in the forward's scratch); the
+ * caches must then hold the same bytes, which are the random ones but for the stored rows,
+ * and those the source values (F32) or fitm_fp32_to_fp16 of them (fp16). */
+static void test_kv_store_many(fitm_backend *b, int n_seqs, bool half)
+{
+    enum { MAX_SEQS = 80, L = 3 };
+    const fitm_model_config c = {.n_layer = L, .n_head_kv = 2, .head_dim = 24};
+    const int64_t row = (int64_t)c.n_head_kv * c.head_dim, n_rows = 16;
+    fitm_err err = {{0}};
+    fitm_kv *kv[2][MAX_SEQS] = {{NULL}};
+    int64_t T[MAX_SEQS], at[MAX_SEQS], row0[MAX_SEQS], total = 0;
+    CHECK(n_seqs <= MAX_SEQS && fitm_backend_set_kv_half(b, half, &err) == FITM_OK, "%s",
+          err.msg);
+    for (int s = 0; s < n_seqs; s++) {
+        T[s] = s % 4 == 2 ? 1 + (int64_t)(urand() * 9) : 1; /* a prompt's rows beside steps */
+        at[s] = (int64_t)(urand() * (double)(n_rows - T[s] + 1));
+        row0[s] = total;
+        total += T[s];
+    }
+    /* (L, total, 2, row): layer l's K and V rows of the call, as the forward's scratch */
+    float *src_h = rand_vec(L * total * 2 * row, -3, 3);
+    float *src = to_dev(b, src_h, L * total * 2 * row);
+    const size_t elem = half ? 2 : 4, bytes = (size_t)(2 * L * n_rows * row) * elem;
+    unsigned char *init = malloc(bytes * (size_t)n_seqs), *got[2] = {malloc(bytes), malloc(bytes)};
+    int64_t bad = -1, bad_ref = -1;
+    for (int s = 0; s < n_seqs; s++) {
+        unsigned char *mine = init + bytes * (size_t)s;
+        for (size_t i = 0; i < bytes; i++)
+            mine[i] = (unsigned char)(urand() * 256);
+        for (int k = 0; k < 2; k++) {
+            CHECK(fitm_kv_create(&kv[k][s], b, &c, n_rows, &err) == FITM_OK, "%s", err.msg);
+            CHECK(fitm_kv_bytes(kv[k][s]) == bytes && fitm_kv_half(kv[k][s]) == half);
+            b->ops->upload(b, fitm_kv_k(kv[k][s], 0), mine, bytes);
+        }
+    }
+    fitm_kv_rows r[MAX_SEQS];
+    for (int32_t l = 0; l < L; l++) {
+        const float *k = src + (int64_t)l * total * 2 * row, *v = k + total * row;
+        for (int s = 0; s < n_seqs; s++) {
+            fitm_kv_store(kv[0][s], l, at[s], k + row0[s] * row, v + row0[s] * row, T[s]);
+            r[s] = fitm_kv_rows_of(kv[1][s], l, at[s], k + row0[s] * row, v + row0[s] * row,
+                                   T[s]);
+        }
+        b->ops->kv_store_many(b, r, n_seqs);
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        for (int k = 0; k < 2; k++)
+            b->ops->download(b, got[k], fitm_kv_k(kv[k][s], 0), bytes);
+        if (bad < 0 && memcmp(got[0], got[1], bytes) != 0)
+            bad = s;
+        /* the reference: its random bytes, the stored rows replaced by the values */
+        unsigned char *want = init + bytes * (size_t)s;
+        for (int32_t l = 0; l < L; l++)
+            for (int kv_i = 0; kv_i < 2; kv_i++)
+                for (int64_t i = 0; i < T[s] * row; i++) {
+                    const float x =
+                        src_h[((int64_t)l * total * 2 + kv_i * total + row0[s]) * row + i];
+                    const uint16_t h16 = fitm_fp32_to_fp16(x);
+                    memcpy(want + ((size_t)(2 * l + kv_i) * (size_t)(n_rows * row) +
+                                   (size_t)(at[s] * row + i)) * elem,
+                           half ? (const void *)&h16 : (const void *)&x, elem);
+                }
+        if (bad_ref < 0 && memcmp(got[1], want, bytes) != 0)
+            bad_ref = s;
+    }
+    CHECK(bad < 0, "kv_store_many of %d sequences (%s): sequence %lld's cache differs from "
+          "fitm_kv_store's", n_seqs, half ? "fp16" : "F32", (long long)bad);
+    CHECK(bad_ref < 0, "kv_store_many of %d sequences (%s): sequence %lld's cache is not its "
+          "bytes with the stored rows set to its values", n_seqs, half ? "fp16" : "F32", (long long)bad_ref);
+    for (int s = 0; s < n_seqs; s++)
+        for (int k = 0; k < 2; k++)
+            fitm_kv_destroy(kv[k][s]);
+    CHECK(fitm_backend_set_kv_half(b, false, &err) == FITM_OK);
+    b->ops->free(b, src);
+    free(src_h), free(init), free(got[0]), free(got[1]);
 }
 
 /* ---- topk ------------------------------------------------------------------------------- */
@@ -1089,6 +1172,12 @@ int main(int argc, char **argv)
     if (b->ops->kv_half) {
         test_half(b, 1);
         test_half(b, 4099); /* vectors of 16 and 8 and a scalar tail */
+    }
+    /* the stores of a step's sequences as one job: a few, more than one CUDA launch takes */
+    for (int half = 0; b->ops->kv_store_many && half < (b->ops->kv_half ? 2 : 1); half++) {
+        test_kv_store_many(b, 2, half);
+        test_kv_store_many(b, 7, half);
+        test_kv_store_many(b, 70, half);
     }
     /* one-block rows, rows split over chunks (> 4096 on the device), k 1 (greedy) to 64 */
     test_topk(b, 1, 1, 1, 0);

@@ -113,6 +113,16 @@ typedef struct {
     const fitm_attn_mix *mix;
 } fitm_attn_args;
 
+/* One sequence's new K and V rows of one layer on their way into its KV cache
+ * (fitm_kv_rows_of fills one): n values each (rows times Hkv * D) from k and v (F32) into the
+ * cache's rows at k_dst and v_dst, as F32 or, where half, as fp16 rounded as to_half rounds. */
+typedef struct {
+    void *k_dst, *v_dst; /* (rows, Hkv, D) in the cache's type */
+    const float *k, *v;  /* (rows, Hkv, D)                     */
+    int64_t n;
+    bool half;
+} fitm_kv_rows;
+
 typedef struct {
     const char *name;
     void (*destroy)(fitm_backend *b);
@@ -131,6 +141,11 @@ typedef struct {
      * dst (n F32) = src (n fp16) exactly; both backend memory, not overlapping. */
     void (*to_half)(fitm_backend *b, void *dst, const float *src, int64_t n);
     void (*from_half)(fitm_backend *b, float *dst, const void *src, int64_t n);
+    /* Optional: the n stores r[0..n) of one layer (a step's sequences), with the bits of
+     * copy (F32) or to_half (half) of each r[i].k and r[i].v into its destination, as one job
+     * (NULL: the driver stores each sequence's rows with fitm_kv_store). No destination
+     * overlaps another or a source; half stores only on a backend with kv_half. */
+    void (*kv_store_many)(fitm_backend *b, const fitm_kv_rows *r, int n);
     /* Optional: called by every fitm_forward_create, before the forward's first pass (e.g.
      * upload weights, or repack them); the backend may keep what it makes for one model at a
      * time, for as long as a forward that prepared it lives. */

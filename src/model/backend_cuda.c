@@ -47,7 +47,8 @@
  * it where the model has one (the norm kept pending too), a STEP call's products of one
  * input (Q, K, V) as one launch, a bfloat16 BATCH call's products of one input (Q, K, V; gate
  * and up) as one launch, the per-head norms with RoPE (qk_rope), a STEP call's gate and up
- * products with the GLU (matmul_glu).
+ * products with the GLU (matmul_glu), a step's K and V stores into every sequence's cache
+ * (kv_store_many: one launch a layer instead of two copies per sequence).
  *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
@@ -698,6 +699,24 @@ static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
     capture_on(c);
     if (n)
         ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
+}
+
+/* Several sequences' K and V stores of one layer (kv_store_many) as one launch per
+ * FITM_CUDA_KV_ROWS_MAX of them: fitm_cuda_kv_store_many takes the descriptors in its launch
+ * arguments, which a graph captures with the launch (nothing staged, one node). */
+static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
+{
+    cuda_backend *c = cu(b);
+    capture_on(c);
+    fitm_cuda_kv_rows k[FITM_CUDA_KV_ROWS_MAX];
+    for (int s0 = 0; s0 < n && c->rc == 0; s0 += FITM_CUDA_KV_ROWS_MAX) {
+        const int m = n - s0 < FITM_CUDA_KV_ROWS_MAX ? n - s0 : FITM_CUDA_KV_ROWS_MAX;
+        for (int i = 0; i < m; i++) {
+            const fitm_kv_rows *q = &r[s0 + i];
+            k[i] = (fitm_cuda_kv_rows){q->k_dst, q->v_dst, q->k, q->v, q->n, q->half};
+        }
+        ok(c, fitm_cuda_kv_store_many(k, m, c->stream), "KV store");
+    }
 }
 
 static void free_buf(grow_buf *g)
@@ -1555,6 +1574,7 @@ static const fitm_backend_ops cuda_ops = {
     .upload = cuda_upload,
     .download = cuda_download,
     .copy = cuda_copy,
+    .kv_store_many = cuda_kv_store_many,
     .prepare = cuda_prepare,
     .status = cuda_status,
     .embed = cuda_embed,
@@ -1584,6 +1604,7 @@ void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on)
     if (!on) {
         c->ops.qk_rope = NULL;
         c->ops.matmul_glu = NULL;
+        c->ops.kv_store_many = NULL;
     }
     c->base.ops = &c->ops;
 }

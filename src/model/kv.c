@@ -141,20 +141,31 @@ size_t fitm_kv_elem_bytes(const fitm_kv *kv)
     return kv->elem;
 }
 
+fitm_kv_rows fitm_kv_rows_of(const fitm_kv *kv, int32_t l, int64_t row, const float *k,
+                             const float *v, int64_t n)
+{
+    const size_t at = (size_t)row * kv->row_floats * kv->elem;
+    return (fitm_kv_rows){
+        .k_dst = (unsigned char *)fitm_kv_k(kv, l) + at,
+        .v_dst = (unsigned char *)fitm_kv_v(kv, l) + at,
+        .k = k,
+        .v = v,
+        .n = n * (int64_t)kv->row_floats,
+        .half = fitm_kv_half(kv),
+    };
+}
+
 void fitm_kv_store(fitm_kv *kv, int32_t l, int64_t row, const float *k, const float *v,
                    int64_t n)
 {
     const fitm_backend_ops *o = kv->b->ops;
-    const int64_t m = n * (int64_t)kv->row_floats;
-    const size_t at = (size_t)row * kv->row_floats * kv->elem;
-    unsigned char *kd = (unsigned char *)fitm_kv_k(kv, l) + at,
-                  *vd = (unsigned char *)fitm_kv_v(kv, l) + at;
-    if (fitm_kv_half(kv)) {
-        o->to_half(kv->b, kd, k, m);
-        o->to_half(kv->b, vd, v, m);
+    const fitm_kv_rows r = fitm_kv_rows_of(kv, l, row, k, v, n);
+    if (r.half) {
+        o->to_half(kv->b, r.k_dst, r.k, r.n);
+        o->to_half(kv->b, r.v_dst, r.v, r.n);
     } else {
-        o->copy(kv->b, kd, k, (size_t)m * sizeof(float));
-        o->copy(kv->b, vd, v, (size_t)m * sizeof(float));
+        o->copy(kv->b, r.k_dst, r.k, (size_t)r.n * sizeof(float));
+        o->copy(kv->b, r.v_dst, r.v, (size_t)r.n * sizeof(float));
     }
 }
 

@@ -56,6 +56,11 @@ size_t fitm_kv_elem_bytes(const fitm_kv *kv);
 void fitm_kv_store(fitm_kv *kv, int32_t l, int64_t row, const float *k, const float *v,
                    int64_t n);
 
+/* The store fitm_kv_store(kv, l, row, k, v, n) makes, as a descriptor for
+ * ops->kv_store_many (several sequences' stores in one job). */
+fitm_kv_rows fitm_kv_rows_of(const fitm_kv *kv, int32_t l, int64_t row, const float *k,
+                             const float *v, int64_t n);
+
 /* dst (n rows of Hkv * D F32 values, backend memory) = layer l's K rows [row, row + n),
  * exactly. */
 void fitm_kv_load_k(const fitm_kv *kv, int32_t l, int64_t row, int64_t n, float *dst);
