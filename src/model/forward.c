@@ -499,6 +499,7 @@ static void attention_block(const pass *p, int32_t l)
                 c->rope_neox);
     }
     fitm_attn_args a[FITM_FORWARD_MAX_SEQS];
+    fitm_kv_rows store[FITM_FORWARD_MAX_SEQS];
     const seq_part *run[FITM_FORWARD_MAX_SEQS];
     int32_t n_run = 0;
     bool one_by_one = false;
@@ -507,13 +508,22 @@ static void attention_block(const pass *p, int32_t l)
         if (!runs_layer(q, l))
             continue;
         const int64_t src = q->row0 * Hkv * D;
-        fitm_kv_store(q->kv, l, q->pos0 - q->base, f->k + src, f->v + src, q->T);
+        store[n_run] = fitm_kv_rows_of(q->kv, l, q->pos0 - q->base, f->k + src, f->v + src, q->T);
         run[n_run] = q;
         a[n_run] = attn_args(p, q, l);
         one_by_one |= fitm_position_layer(f, q->opts->position, l) ||
                       (a[n_run].capture && a[n_run].capture->add);
         n_run++;
     }
+    /* The K and V rows into each cache: one job for several sequences where the backend has
+     * it (a step's stores as one launch, not two copies per sequence); a lone sequence has
+     * nothing to join, and its rows (often a prompt's) go at a copy's speed. */
+    if (o->kv_store_many && n_run > 1)
+        o->kv_store_many(b, store, n_run);
+    else
+        for (int32_t s = 0; s < n_run; s++)
+            fitm_kv_store(run[s]->kv, l, run[s]->pos0 - run[s]->base, store[s].k, store[s].v,
+                          run[s]->T);
     /* One job for all sequences needs calls that share no memory they write or build: a
      * mixture's queries, keys and weights are built in the driver's one set of scratch arrays
      * (fitm_position_mix), and Attention Buckets' passes add their captures into the same arrays
