@@ -582,8 +582,8 @@ static void test_error_channel(fitm_backend *gpu)
  * without graphs, with FUSION at least the launches a layer the fused kernels save fewer (2 for
  * Q, K and V in one launch; 2 for the GLU; 3 for norms and RoPE with per-head norms, else 1;
  * with post-norms, 2 more: each post-norm runs with the add and the norm after it, the last
- * one with the final norm of the step's first sequence; less the one launch of the K and V
- * stores, which unfused are copies).
+ * one with the final norm of the step's rows; less the one launch of the K and V stores,
+ * which unfused are copies).
  * On the emulator and on a device, with GRAPHS, the steps from the fourth on (each shape run
  * twice before) update their shapes' instances (fitm_backend_cuda_get_stats) and instantiate
  * none. PIECES compares gpu submitting its graphs in pieces of a few ops with the default

@@ -1023,8 +1023,8 @@ static int64_t row_in_sum(const cuda_backend *c, const float *x, int64_t rows, i
 /* y (rows, n) = rmsnorm(x) * w; w must be F32. When the pending add writes exactly x, both
  * run as one kernel (the same values bit for bit: fitm_cuda_add_rmsnorm). When the pending
  * add adds the pending rmsnorm's output (a block's post-norm) and x is rows of its sum (all
- * of them between layers; a prompt's last row, or a step's first sequence's, for the final
- * norm), all three (fitm_cuda_norm_add_rmsnorm). With fusion on, a norm that fuses with
+ * of them between layers; a prompt's last row, or a step's rows of every sequence, for the
+ * final norm), all three (fitm_cuda_norm_add_rmsnorm). With fusion on, a norm that fuses with
  * nothing before it is kept pending itself where its weight is resident (a weight copied for
  * one call sits in scratch that a later op's copy may overwrite). */
 static void cuda_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,

@@ -622,6 +622,25 @@ static void pick_rows(const pass *p, int32_t s, int32_t e, int32_t n_pick)
     }
 }
 
+/* d when every sequence's logit rows (its last n_logits) are rows lrow0 + d on of the call,
+ * so that the call's rows [d, d + n_logits) are all its logit rows in logit order (a decode
+ * step's: every sequence one row); else -1. */
+static int64_t logit_rows_shift(const pass *p)
+{
+    int64_t d = -1;
+    bool first = true;
+    for (int32_t s = 0; s < p->n_seqs; s++) {
+        const seq_part *q = &p->seq[s];
+        if (q->opts->n_logits == 0)
+            continue;
+        const int64_t at = q->row0 + q->T - q->opts->n_logits - q->lrow0;
+        if (at < 0 || (!first && at != d))
+            return -1;
+        d = at, first = false;
+    }
+    return d;
+}
+
 /* Each sequence's last n_logits rows' logits into its opts->logits and/or their top entries
  * into opts->top and/or their log-probabilities at its picks into opts->logprob (selected or
  * computed by the backend, so only those leave it): the rows are gathered
@@ -634,13 +653,17 @@ static void output_head(const pass *p)
     fitm_backend *b = f->b;
     const fitm_backend_ops *o = b->ops;
     const int64_t C = c->n_embd, V = c->n_vocab;
-    for (int32_t s = 0; s < p->n_seqs; s++) {
+    const int64_t d = logit_rows_shift(p);
+    for (int32_t s = 0; s < p->n_seqs && d < 0; s++) {
         const seq_part *q = &p->seq[s];
         const int64_t nl = q->opts->n_logits;
         if (nl > 0)
             o->rmsnorm(b, f->xn + q->lrow0 * C, f->x + (q->row0 + q->T - nl) * C,
                        fitm_model_output_norm(f->m), nl, C, c->norm_eps);
     }
+    if (d >= 0) /* the rows as one block: one norm (fused with the last layer's sums) */
+        o->rmsnorm(b, f->xn, f->x + d * C, fitm_model_output_norm(f->m), p->n_logits, C,
+                   c->norm_eps);
     const fitm_mm_out head = {fitm_model_output(f->m), NULL, f->logits};
     o->matmul(b, f->xn, p->n_logits, &head, 1, false);
     if (c->final_softcap > 0.0f)
