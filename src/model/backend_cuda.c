@@ -1398,11 +1398,23 @@ static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fit
     return true;
 }
 
+static bool attn_tiles(const fitm_attn_args *a);
+
+static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n);
+
 /* One call's attention (backend.h); its captured rows reach the caller's arrays at the next
- * wait (download_capture). */
+ * wait (download_capture). A call without captured rows or rows for the tiled kernel (a
+ * decode step's) goes through the staged arguments of attention_staged: its kernel argument
+ * is then the same device address at every step, and what changes from step to step (key
+ * counts, positions) is staged bytes, so that consecutive steps launch the same kernels with
+ * the same arguments. */
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cuda_backend *c = cu(b);
+    if (!(a->capture && a->capture->n_rows > 0) && !attn_tiles(a)) {
+        attention_staged(c, a, 1);
+        return;
+    }
     capture_on(c);
     if (c->rc)
         return;
@@ -1486,6 +1498,14 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
             cuda_attention_many(b, rest, n_rest);
         return;
     }
+    attention_staged(c, a, n);
+}
+
+/* The n (1 to ATTN_MANY_MAX) calls a, without captured rows, as one launch of
+ * fitm_cuda_attention_many: their intervention arrays and kernel arguments staged side by
+ * side in one device buffer. */
+static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
+{
     capture_on(c);
     if (c->rc)
         return;
