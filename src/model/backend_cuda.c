@@ -36,7 +36,11 @@
  * capture after a few ops; the bfloat16 GEMM is an ordinary launch, so with BF16 a prefill is
  * captured up to its first wait. Replay runs the same operations in the same order on the
  * same data, so results are bit for bit those of the uncaptured path
- * (fitm_backend_cuda_set_graphs turns it off). With fitm_backend_cuda_set_pieces the work
+ * (fitm_backend_cuda_set_graphs turns it off). Work equal to an instance's last capture, item
+ * for item (kernels, configurations, argument bytes, copy and memset addresses: the tapes of
+ * kernels.h), is not captured at all: it is held back from the wait's first op on and, at the
+ * next wait, that instance is launched again (replay_start, replay_end); work that differs
+ * is captured from its first item as before. With fitm_backend_cuda_set_pieces the work
  * between two waits goes out as several graphs of about that many ops each, so the device
  * starts on the first while the host still captures the next: each piece number keeps its
  * own instances.
