@@ -145,25 +145,31 @@ struct tape_session {
 
 constexpr int TAPE_SESSIONS = 64;
 tape_session tape_sessions[TAPE_SESSIONS];
+std::atomic<int> tape_top{0}; /* entries ever used: the lookup scans these */
 std::mutex tape_lock;
 
 tape_session *tape_find(cudaStream_t st)
 {
-    for (tape_session &s : tape_sessions)
-        if (s.stream.load(std::memory_order_acquire) == st)
-            return &s;
+    const int n = tape_top.load(std::memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (tape_sessions[i].stream.load(std::memory_order_acquire) == st)
+            return &tape_sessions[i];
     return nullptr;
 }
 
-/* The session of st, a new one if it has none (the lock held); nullptr when the table is full. */
+/* The session of st, a new one if it has none (the lock held): the lowest free entry;
+ * nullptr when the table is full. */
 tape_session *tape_claim(cudaStream_t st)
 {
     tape_session *s = tape_find(st);
     if (s)
         return s;
-    for (tape_session &e : tape_sessions)
-        if (e.stream.load(std::memory_order_relaxed) == nullptr)
-            return &e;
+    for (int i = 0; i < TAPE_SESSIONS; i++)
+        if (tape_sessions[i].stream.load(std::memory_order_relaxed) == nullptr) {
+            if (i >= tape_top.load(std::memory_order_relaxed))
+                tape_top.store(i + 1, std::memory_order_release);
+            return &tape_sessions[i];
+        }
     return nullptr;
 }
 
