@@ -121,7 +121,8 @@ static inline fitm_launcher<P...> fitm_launch(dim3 grid, dim3 block, size_t shm,
 }
 
 #undef FITM_LAUNCH
-#define FITM_LAUNCH(grid, block, shm, stream, ...) fitm_launch(grid, block, shm, stream, __VA_ARGS__)
+#define FITM_LAUNCH(grid, block, shm, stream, ...)                                                 \
+    fitm_launch(grid, block, shm, stream, __VA_ARGS__)
 
 /* The launch's dynamic shared memory as an array `name` of `type`. */
 #ifndef FITM_DYNAMIC_SHARED

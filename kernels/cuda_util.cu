@@ -108,11 +108,10 @@ struct fitm_cuda_tape {
         if (lost || i >= items.size())
             return false;
         const fitm_tape_item &a = items[i];
-        return a.kind == b.kind && a.fn == b.fn && a.grid.x == b.grid.x &&
-               a.grid.y == b.grid.y && a.grid.z == b.grid.z && a.block.x == b.block.x &&
-               a.block.y == b.block.y && a.block.z == b.block.z && a.shm == b.shm &&
-               a.dst == b.dst && a.src == b.src && a.bytes == b.bytes && a.value == b.value &&
-               a.arg_bytes == b.arg_bytes &&
+        return a.kind == b.kind && a.fn == b.fn && a.grid.x == b.grid.x && a.grid.y == b.grid.y &&
+               a.grid.z == b.grid.z && a.block.x == b.block.x && a.block.y == b.block.y &&
+               a.block.z == b.block.z && a.shm == b.shm && a.dst == b.dst && a.src == b.src &&
+               a.bytes == b.bytes && a.value == b.value && a.arg_bytes == b.arg_bytes &&
                (a.arg_bytes == 0 || memcmp(bytes.data() + a.arg_at, args, a.arg_bytes) == 0);
     }
 
@@ -126,7 +125,8 @@ struct fitm_cuda_tape {
 
 std::atomic<int> fitm_tapes_on{0};
 
-namespace {
+namespace
+{
 
 enum { TAPE_RECORD = 1, TAPE_EXPECT };
 
@@ -263,8 +263,8 @@ extern "C" bool fitm_cuda_tape_record(fitm_cuda_tape *t, void *stream)
     return true;
 }
 
-extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream,
-                                      fitm_cuda_tape *const *cands, int n_cands)
+extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda_tape *const *cands,
+                                      int n_cands)
 {
     const cudaStream_t st = fitm_stream(stream);
     if (n_cands < 1 || n_cands > FITM_CUDA_TAPE_CANDIDATES)

@@ -310,7 +310,7 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
            "----------------------------: | ---------------: | -----: | ------: | ------: | "
            "-------------: |\n");
     /* fusion, graphs, ops a piece (0: whole), the same step repeated; the default first */
-    static const int way[][4] = {{1, 1, 0, 0},  {1, 1, 0, 1}, {1, 1, 64, 0}, {1, 1, 32, 0},
+    static const int way[][4] = {{1, 1, 0, 0}, {1, 1, 0, 1}, {1, 1, 64, 0}, {1, 1, 32, 0},
                                  {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 0}};
     fitm_status s = FITM_OK;
     for (size_t v = 0; v < sizeof way / sizeof way[0] && !s; v++) {

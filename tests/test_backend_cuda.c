@@ -824,8 +824,7 @@ static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
     };
     for (int i = 0; i < 2 && ready; i++) {
         fitm_forward_opts o = {.n_logits = 1, .logits = lg[i]};
-        CHECK(fitm_forward_run(f[i], kv[i], ids, P, 0, &o, &err) == FITM_OK, "prompt: %s",
-              err.msg);
+        CHECK(fitm_forward_run(f[i], kv[i], ids, P, 0, &o, &err) == FITM_OK, "prompt: %s", err.msg);
     }
     /* the steps: position, tokens, top-k count, intervention, logits downloaded; the replays
      * and captures gpu shows (-1: not checked) */
@@ -869,8 +868,8 @@ static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
                 fitm_emu_get_stats(&st[0]);
 #endif
             }
-            CHECK(fitm_forward_run(f[i], kv[i], steps[t].ids, steps[t].n, steps[t].pos, &o,
-                                   &err) == FITM_OK,
+            CHECK(fitm_forward_run(f[i], kv[i], steps[t].ids, steps[t].n, steps[t].pos, &o, &err) ==
+                      FITM_OK,
                   "%s: %s", steps[t].what, err.msg);
         }
         fitm_backend_cuda_get_stats(gpu, &gs[1]);
@@ -879,8 +878,7 @@ static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
 #endif
         const long long replays = (long long)(gs[1].graph_replays - gs[0].graph_replays),
                         made = (long long)(gs[1].graph_updates - gs[0].graph_updates +
-                                           gs[1].graph_instantiations -
-                                           gs[0].graph_instantiations);
+                                           gs[1].graph_instantiations - gs[0].graph_instantiations);
         CHECK(steps[t].replays < 0 ||
                   (replays == steps[t].replays && made == steps[t].captures &&
                    gs[1].graph_launches - gs[0].graph_launches == (uint64_t)(replays + made)),
@@ -890,9 +888,8 @@ static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
         if (steps[t].replays > 0 && steps[t].captures == 0)
             CHECK(st[1].launches == st[0].launches &&
                       st[1].graph_launches - st[0].graph_launches == (uint64_t)steps[t].replays,
-                  "%s: %llu kernels launched outside a graph, %llu graph launches",
-                  steps[t].what, st[1].launches - st[0].launches,
-                  st[1].graph_launches - st[0].graph_launches);
+                  "%s: %llu kernels launched outside a graph, %llu graph launches", steps[t].what,
+                  st[1].launches - st[0].launches, st[1].graph_launches - st[0].graph_launches);
 #endif
         if (steps[t].logits)
             CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)V) == 0,

@@ -1727,7 +1727,8 @@ static bool tape_holds(const dbuf *y, const dbuf *z, const float *want_y, const 
     CUDA_OK(cudaStreamSynchronize(stream));
     dbuf_get(gy, y);
     dbuf_get(gz, z);
-    const bool same = memcmp(gy, want_y, (size_t)n * 4) == 0 && memcmp(gz, want_z, (size_t)n * 4) == 0;
+    const bool same =
+        memcmp(gy, want_y, (size_t)n * 4) == 0 && memcmp(gz, want_z, (size_t)n * 4) == 0;
     free(gy);
     free(gz);
     return same;
@@ -1803,8 +1804,9 @@ static void test_tape(int64_t n)
             CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
         }
         CHECK(fitm_cuda_tape_run(held, stream) == 0);
-        CHECK(tape_holds(&dy, &dz, vy, vz, n), "unwound work (difference in item %d): other "
-              "bits than the work run directly", first ? 1 : 2);
+        CHECK(tape_holds(&dy, &dz, vy, vz, n),
+              "unwound work (difference in item %d): other bits than the work run directly",
+              first ? 1 : 2);
     }
     fitm_cuda_tape_destroy(rec);
     fitm_cuda_tape_destroy(held);
@@ -1813,10 +1815,11 @@ static void test_tape(int64_t n)
 }
 
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm, tape (the ThreadSanitizer and mutant builds of
- * tests/meson.build run a few), or every group without an argument. With "small" in the list, the
- * groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
- * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
+ * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm, tape (the ThreadSanitizer and
+ * mutant builds of tests/meson.build run a few), or every group without an argument. With "small"
+ * in the list, the groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0
+ * and Q4_K (the ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times
+ * slower). */
 static const char *groups;
 
 static bool want(const char *group)

@@ -337,7 +337,8 @@ static graph_slot *graph_slot_for(cuda_backend *c, cudaGraph_t g, int piece, siz
                 return s;
             }
             (void)cudaGetLastError(); /* refused: another shape's instance, left as it was */
-            fitm_cuda_tape_clear(s->tape); /* unless the runtime touched it: no replay */
+            /* and no replay of it, in case the runtime changed it all the same */
+            fitm_cuda_tape_clear(s->tape);
         }
         if (s->used < lru->used)
             lru = s;
