@@ -5,15 +5,124 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #define FITM_WARP 32
 
-/* FITM_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...) is kernel<<<...>>>(args...).
- * The macro lets the same source compile under the CPU emulator of tests/cuda_emu, whose
- * <cuda_runtime.h> defines it as a call into its fiber scheduler. */
-#ifndef FITM_LAUNCH
-#define FITM_LAUNCH(grid, block, shm, stream, ...) __VA_ARGS__<<<grid, block, shm, stream>>>
+/* ---- launches ----
+ *
+ * FITM_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...) launches kernel as
+ * kernel<<<grid, block, shared_bytes, stream>>>(args...) does, through fitm_launcher: while no
+ * stream has a tape (kernels.h, fitm_cuda_tape_record and fitm_cuda_tape_expect) that is one
+ * branch more than the bare launch; while one has, the launch is offered to the tape of its
+ * stream (cuda_util.cu), which records it (and lets it go on), or compares it with a recorded
+ * one and holds it back. Under the CPU emulator of tests/cuda_emu the bare launch is the
+ * emulator's own (fitm_emu_launch, a call into its fiber scheduler). */
+
+/* One piece of a stream's work as a tape keeps it: a kernel launch (fn, its configuration and
+ * the bytes of its arguments, arg_bytes of them at arg_at in the tape's byte store), a copy
+ * (dst, src, bytes, value: the cudaMemcpyKind) or a memset (dst, bytes, value). again enqueues
+ * it once more from those (args: its argument bytes) and returns the launch's error. */
+enum { FITM_TAPE_KERNEL, FITM_TAPE_COPY, FITM_TAPE_MEMSET };
+struct fitm_tape_item {
+    int kind;
+    void (*fn)(void);
+    dim3 grid, block;
+    size_t shm;
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int value;
+    size_t arg_at, arg_bytes;
+    int (*again)(const fitm_tape_item &it, const unsigned char *args, cudaStream_t stream);
+};
+
+/* Streams that have a tape now (cuda_util.cu): 0 is the launcher's fast path. */
+extern std::atomic<int> fitm_tapes_on;
+
+/* Offers the work it (argument bytes args) to stream's tape: true when the tape held it back
+ * (the caller enqueues nothing), false when the caller must enqueue it (no tape on stream, or
+ * a tape that records). */
+bool fitm_tape_offer(cudaStream_t stream, const fitm_tape_item &it, const unsigned char *args);
+
+template <typename... P> struct fitm_launcher {
+    void (*kernel)(P...);
+    dim3 grid, block;
+    size_t shm;
+    cudaStream_t stream;
+
+    /* the launch itself, as the CUDA toolchain (or the emulator) makes it */
+    void now(P... v) const
+    {
+#ifdef FITM_CUDA_EMU
+        fitm_emu_launch(grid, block, shm, stream, kernel)(v...);
+#else
+        kernel<<<grid, block, shm, stream>>>(v...);
 #endif
+    }
+
+    template <size_t... I>
+    static int again_at(const fitm_tape_item &it, const unsigned char *args, cudaStream_t st,
+                        std::index_sequence<I...>)
+    {
+        std::tuple<P...> v;
+        size_t at = 0;
+        ((memcpy((void *)&std::get<I>(v), args + at, sizeof(P)), at += sizeof(P)), ...);
+        const fitm_launcher l{reinterpret_cast<void (*)(P...)>(it.fn), it.grid, it.block, it.shm,
+                              st};
+        l.now(std::get<I>(v)...);
+        return (int)cudaGetLastError();
+    }
+
+    static int again(const fitm_tape_item &it, const unsigned char *args, cudaStream_t st)
+    {
+        return again_at(it, args, st, std::index_sequence_for<P...>{});
+    }
+
+    /* the launch, or its offer to the stream's tape */
+    void go(P... v) const
+    {
+        if (fitm_tapes_on.load(std::memory_order_relaxed) == 0) {
+            now(v...);
+            return;
+        }
+        static_assert((std::is_trivially_copyable<P>::value && ...), "kernel arguments");
+        unsigned char args[(sizeof(P) + ... + 1)]; /* packed one after the other */
+        size_t at = 0;
+        ((void)(memcpy(args + at, &v, sizeof(P)), at += sizeof(P)), ...);
+        fitm_tape_item it = {};
+        it.kind = FITM_TAPE_KERNEL;
+        it.fn = reinterpret_cast<void (*)(void)>(kernel);
+        it.grid = grid, it.block = block, it.shm = shm;
+        it.arg_bytes = at;
+        it.again = again;
+        if (!fitm_tape_offer(stream, it, args))
+            now(v...);
+    }
+
+    /* the arguments converted to the kernel's parameter types, as a launch converts them */
+    template <typename... A> void operator()(A... a) const
+    {
+        static_assert(sizeof...(A) == sizeof...(P), "a kernel's arguments, one for each");
+        go(static_cast<P>(a)...);
+    }
+};
+
+template <typename... P>
+static inline fitm_launcher<P...> fitm_launch(dim3 grid, dim3 block, size_t shm,
+                                              cudaStream_t stream, void (*kernel)(P...))
+{
+    return fitm_launcher<P...>{kernel, grid, block, shm, stream};
+}
+
+#undef FITM_LAUNCH
+#define FITM_LAUNCH(grid, block, shm, stream, ...)                                                 \
+    fitm_launch(grid, block, shm, stream, __VA_ARGS__)
 
 /* The launch's dynamic shared memory as an array `name` of `type`. */
 #ifndef FITM_DYNAMIC_SHARED

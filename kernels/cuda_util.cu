@@ -1,8 +1,13 @@
 /* cuda_util: host helpers around launcher return codes and device discovery. */
 #include <stdio.h>
 
+#include <mutex>
+#include <new>
+#include <vector>
+
 #include <cuda_runtime.h>
 
+#include "common.cuh"
 #include "kernels.h"
 
 extern "C" fitm_status fitm_cuda_status(int rc, fitm_err *err, const char *what)
@@ -57,4 +62,299 @@ extern "C" int fitm_cuda_device_count(void)
         return 0;
     }
     return n;
+}
+
+/* ---- tapes ----
+ *
+ * A tape is a list of tape items with their argument bytes. A stream has at most one tape at
+ * a time, found through a table of streams (sessions): a launcher looks its stream up only
+ * while fitm_tapes_on is not 0. The table changes under a lock, and a session's stream is
+ * published last, so a launcher of another stream (another thread's backend) reads a whole
+ * entry or none; a session's other fields are read and written by the thread that drives its
+ * stream only (kernels.h). */
+
+struct fitm_cuda_tape {
+    std::vector<fitm_tape_item> items;
+    std::vector<unsigned char> bytes;
+    bool lost = false; /* an append ran out of memory: the tape is incomplete */
+
+    void append(const fitm_tape_item &it, const unsigned char *args)
+    {
+        if (lost)
+            return;
+        try {
+            fitm_tape_item c = it;
+            c.arg_at = bytes.size();
+            if (it.arg_bytes)
+                bytes.insert(bytes.end(), args, args + it.arg_bytes);
+            items.push_back(c);
+        } catch (const std::bad_alloc &) {
+            lost = true;
+        }
+    }
+
+    /* items [0, n) of t, after this tape's */
+    void append_from(const fitm_cuda_tape &t, size_t n)
+    {
+        for (size_t i = 0; i < n && i < t.items.size(); i++)
+            append(t.items[i], t.bytes.data() + t.items[i].arg_at);
+    }
+
+    /* whether item i is the work b with argument bytes args: the same kernel, configuration
+     * and arguments, or the same copy or memset (a staged copy's source bytes are not
+     * compared: the copy reads them when it runs) */
+    bool same(size_t i, const fitm_tape_item &b, const unsigned char *args) const
+    {
+        if (lost || i >= items.size())
+            return false;
+        const fitm_tape_item &a = items[i];
+        return a.kind == b.kind && a.fn == b.fn && a.grid.x == b.grid.x && a.grid.y == b.grid.y &&
+               a.grid.z == b.grid.z && a.block.x == b.block.x && a.block.y == b.block.y &&
+               a.block.z == b.block.z && a.shm == b.shm && a.dst == b.dst && a.src == b.src &&
+               a.bytes == b.bytes && a.value == b.value && a.arg_bytes == b.arg_bytes &&
+               (a.arg_bytes == 0 || memcmp(bytes.data() + a.arg_at, args, a.arg_bytes) == 0);
+    }
+
+    void clear()
+    {
+        items.clear();
+        bytes.clear();
+        lost = false;
+    }
+};
+
+std::atomic<int> fitm_tapes_on{0};
+
+namespace
+{
+
+enum { TAPE_RECORD = 1, TAPE_EXPECT };
+
+struct tape_session {
+    std::atomic<cudaStream_t> stream{nullptr}; /* nullptr: a free entry */
+    int mode;
+    fitm_cuda_tape *tape;
+    /* TAPE_EXPECT: the candidates, the one the first piece of work chose (-1: none yet), how
+     * many of its items matched, and whether some work differed (then tape holds the
+     * candidate's matched items and every piece of work since) */
+    fitm_cuda_tape *cands[FITM_CUDA_TAPE_CANDIDATES];
+    int n_cands, chosen;
+    size_t matched;
+    bool missed;
+};
+
+constexpr int TAPE_SESSIONS = 64;
+tape_session tape_sessions[TAPE_SESSIONS];
+std::atomic<int> tape_top{0}; /* entries ever used: the lookup scans these */
+std::mutex tape_lock;
+
+tape_session *tape_find(cudaStream_t st)
+{
+    const int n = tape_top.load(std::memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (tape_sessions[i].stream.load(std::memory_order_acquire) == st)
+            return &tape_sessions[i];
+    return nullptr;
+}
+
+/* The session of st, a new one if it has none (the lock held): the lowest free entry;
+ * nullptr when the table is full. */
+tape_session *tape_claim(cudaStream_t st)
+{
+    tape_session *s = tape_find(st);
+    if (s)
+        return s;
+    for (int i = 0; i < TAPE_SESSIONS; i++)
+        if (tape_sessions[i].stream.load(std::memory_order_relaxed) == nullptr) {
+            if (i >= tape_top.load(std::memory_order_relaxed))
+                tape_top.store(i + 1, std::memory_order_release);
+            return &tape_sessions[i];
+        }
+    return nullptr;
+}
+
+void tape_publish(tape_session *s, cudaStream_t st)
+{
+    if (s->stream.load(std::memory_order_relaxed) != st) {
+        s->stream.store(st, std::memory_order_release);
+        fitm_tapes_on.fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+/* The first difference: the tape gets the candidate's items that matched. */
+void tape_miss(tape_session *s)
+{
+    s->missed = true;
+    s->tape->clear();
+    if (s->chosen >= 0)
+        s->tape->append_from(*s->cands[s->chosen], s->matched);
+}
+
+int copy_again(const fitm_tape_item &it, const unsigned char *, cudaStream_t st)
+{
+    return (int)cudaMemcpyAsync(it.dst, it.src, it.bytes, (cudaMemcpyKind)it.value, st);
+}
+
+int memset_again(const fitm_tape_item &it, const unsigned char *, cudaStream_t st)
+{
+    return (int)cudaMemsetAsync(it.dst, it.value, it.bytes, st);
+}
+
+} // namespace
+
+bool fitm_tape_offer(cudaStream_t st, const fitm_tape_item &it, const unsigned char *args)
+{
+    tape_session *s = tape_find(st);
+    if (!s)
+        return false;
+    if (s->mode == TAPE_RECORD) {
+        s->tape->append(it, args);
+        return false;
+    }
+    if (!s->missed) {
+        for (int k = 0; k < s->n_cands && s->chosen < 0; k++)
+            if (s->cands[k]->same(0, it, args))
+                s->chosen = k;
+        if (s->chosen >= 0 && s->cands[s->chosen]->same(s->matched, it, args)) {
+            s->matched++;
+            return true;
+        }
+        tape_miss(s);
+    }
+    s->tape->append(it, args);
+    return true;
+}
+
+extern "C" fitm_cuda_tape *fitm_cuda_tape_create(void)
+{
+    return new (std::nothrow) fitm_cuda_tape();
+}
+
+extern "C" void fitm_cuda_tape_destroy(fitm_cuda_tape *t)
+{
+    delete t;
+}
+
+extern "C" size_t fitm_cuda_tape_length(const fitm_cuda_tape *t)
+{
+    return t->lost ? 0 : t->items.size();
+}
+
+extern "C" void fitm_cuda_tape_clear(fitm_cuda_tape *t)
+{
+    t->clear();
+}
+
+extern "C" void fitm_cuda_tape_swap(fitm_cuda_tape *a, fitm_cuda_tape *b)
+{
+    std::swap(*a, *b);
+}
+
+extern "C" bool fitm_cuda_tape_record(fitm_cuda_tape *t, void *stream)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    std::lock_guard<std::mutex> g(tape_lock);
+    tape_session *s = st ? tape_claim(st) : nullptr;
+    if (!s)
+        return false;
+    s->mode = TAPE_RECORD;
+    s->tape = t;
+    tape_publish(s, st);
+    return true;
+}
+
+extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda_tape *const *cands,
+                                      int n_cands)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    if (n_cands < 1 || n_cands > FITM_CUDA_TAPE_CANDIDATES)
+        return false;
+    std::lock_guard<std::mutex> g(tape_lock);
+    tape_session *s = st ? tape_claim(st) : nullptr;
+    if (!s)
+        return false;
+    t->clear();
+    s->mode = TAPE_EXPECT;
+    s->tape = t;
+    for (int k = 0; k < n_cands; k++)
+        s->cands[k] = cands[k];
+    s->n_cands = n_cands;
+    s->chosen = -1;
+    s->matched = 0;
+    s->missed = false;
+    tape_publish(s, st);
+    return true;
+}
+
+extern "C" int fitm_cuda_tape_matched(void *stream)
+{
+    const tape_session *s = tape_find(fitm_stream(stream));
+    if (!s || s->mode != TAPE_EXPECT || s->missed || s->chosen < 0)
+        return -1;
+    const fitm_cuda_tape *c = s->cands[s->chosen];
+    return !c->lost && s->matched == c->items.size() ? s->chosen : -1;
+}
+
+extern "C" void fitm_cuda_tape_stop(void *stream)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    std::lock_guard<std::mutex> g(tape_lock);
+    tape_session *s = st ? tape_find(st) : nullptr;
+    if (!s)
+        return;
+    s->stream.store(nullptr, std::memory_order_release);
+    fitm_tapes_on.fetch_sub(1, std::memory_order_relaxed);
+}
+
+extern "C" void fitm_cuda_tape_unwind(void *stream)
+{
+    tape_session *s = tape_find(fitm_stream(stream));
+    if (s && s->mode == TAPE_EXPECT && !s->missed)
+        tape_miss(s);
+    fitm_cuda_tape_stop(stream);
+}
+
+extern "C" int fitm_cuda_tape_run(const fitm_cuda_tape *t, void *stream)
+{
+    if (t->lost)
+        return (int)cudaErrorMemoryAllocation;
+    for (const fitm_tape_item &it : t->items) {
+        const int rc = it.again(it, t->bytes.data() + it.arg_at, fitm_stream(stream));
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+extern "C" int fitm_cuda_copy_async(void *dst, const void *src, size_t n, int kind, void *stream)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    if (fitm_tapes_on.load(std::memory_order_relaxed) != 0) {
+        fitm_tape_item it = {};
+        it.kind = FITM_TAPE_COPY;
+        it.dst = dst;
+        it.src = src;
+        it.bytes = n;
+        it.value = kind;
+        it.again = copy_again;
+        if (fitm_tape_offer(st, it, nullptr))
+            return 0;
+    }
+    return (int)cudaMemcpyAsync(dst, src, n, (cudaMemcpyKind)kind, st);
+}
+
+extern "C" int fitm_cuda_memset_async(void *dst, int value, size_t n, void *stream)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    if (fitm_tapes_on.load(std::memory_order_relaxed) != 0) {
+        fitm_tape_item it = {};
+        it.kind = FITM_TAPE_MEMSET;
+        it.dst = dst;
+        it.bytes = n;
+        it.value = value;
+        it.again = memset_again;
+        if (fitm_tape_offer(st, it, nullptr))
+            return 0;
+    }
+    return (int)cudaMemsetAsync(dst, value, n, st);
 }

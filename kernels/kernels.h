@@ -49,6 +49,62 @@ bool fitm_cuda_error_is_sticky(int rc);
 /* Number of usable CUDA devices; 0 when there is no driver, no device, or the query fails. */
 int fitm_cuda_device_count(void);
 
+/* ---- tapes: a stream's work kept to be matched and replayed (kernels/cuda_util.cu) ----
+ *
+ * The work is what the launchers enqueue (every kernel launch: common.cuh, FITM_LAUNCH) and
+ * the copies and memsets of fitm_cuda_copy_async and fitm_cuda_memset_async: the CUDA
+ * backend's graph replay (backend_cuda.c) records a captured graph's work on a tape, and
+ * holds a later pass's work back while it equals a tape's, item for item. Two items are equal
+ * when they are the same kernel with the same grid, block, dynamic shared memory and argument
+ * bytes, or the same copy (destination, source, size, kind) or memset (destination, value,
+ * size); the bytes a copy reads are not compared. A stream has at most one tape at a time, and
+ * the thread that drives the stream is the one that starts and stops it. NULL (the legacy
+ * default stream) cannot have a tape. */
+
+typedef struct fitm_cuda_tape fitm_cuda_tape;
+
+/* Candidates one fitm_cuda_tape_expect compares with, at most. */
+#define FITM_CUDA_TAPE_CANDIDATES 32
+
+/* An empty tape; NULL when out of memory. */
+fitm_cuda_tape *fitm_cuda_tape_create(void);
+void fitm_cuda_tape_destroy(fitm_cuda_tape *t); /* NULL: no-op */
+/* Items on t; 0 when an append to t ran out of memory (t is incomplete then). */
+size_t fitm_cuda_tape_length(const fitm_cuda_tape *t);
+void fitm_cuda_tape_clear(fitm_cuda_tape *t);
+void fitm_cuda_tape_swap(fitm_cuda_tape *a, fitm_cuda_tape *b);
+
+/* From now on stream's work is enqueued as usual and appended to t. False (nothing changes)
+ * when the table of streams with a tape is full. */
+bool fitm_cuda_tape_record(fitm_cuda_tape *t, void *stream);
+
+/* From now on stream's work is held back, not enqueued: t is cleared, the first item picks
+ * the first of the n_cands candidates (1 to FITM_CUDA_TAPE_CANDIDATES) whose first item it
+ * equals, and every later one is compared with that candidate's next. Once an item differs
+ * (or none was picked), t holds the candidate's items that matched followed by every item
+ * since. False (nothing changes) when the table of streams with a tape is full. */
+bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda_tape *const *cands,
+                           int n_cands);
+
+/* While stream's work is held back: the index of the candidate that every item so far
+ * equalled, item for item and as many items, else -1. */
+int fitm_cuda_tape_matched(void *stream);
+
+/* Ends the holding back of stream's work, after which t (of fitm_cuda_tape_expect) holds all
+ * of it, none of it enqueued (fitm_cuda_tape_run enqueues it). */
+void fitm_cuda_tape_unwind(void *stream);
+
+/* Ends whatever stream's tape did; held-back work is dropped. */
+void fitm_cuda_tape_stop(void *stream);
+
+/* Enqueues t's items on stream in order, past any tape; the first error (a launch's, or
+ * cudaErrorMemoryAllocation for a tape that ran out of memory), after which it stops. */
+int fitm_cuda_tape_run(const fitm_cuda_tape *t, void *stream);
+
+/* cudaMemcpyAsync (kind: a cudaMemcpyKind) and cudaMemsetAsync through stream's tape. */
+int fitm_cuda_copy_async(void *dst, const void *src, size_t n, int kind, void *stream);
+int fitm_cuda_memset_async(void *dst, int value, size_t n, void *stream);
+
 /* ---- dequantization (kernels/dequant.cu) ---- */
 
 /* True for the weight types the dequant and matvec launchers take: F32, F16, BF16, Q4_0,

@@ -290,9 +290,13 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
  * time; the time the host waited for the device (the device still busy after the host has
  * enqueued the step); the time in ending the capture and submitting it (cudaStreamEndCapture,
  * cudaGraphExecUpdate or cudaGraphInstantiate, cudaGraphLaunch); the rest is the host's own
- * (the forward driver, and launching or capturing each op); and how many graph instances were
- * updated and made. A step whose wait is small is bound by the host, one whose wait is most
- * of it by the device. On the emulator only the counts mean anything. */
+ * (the forward driver, and launching or capturing each op); and how many graphs were replayed
+ * (the step's work equal to an instance's last capture: that instance launched again, no
+ * capture and no update) and how many instances were updated and made. The row "repeated"
+ * runs one step n times at position 0 (each rewinding the cache: the same work, the same
+ * arguments), a step the backend replays whatever it stores per step. A step whose wait is
+ * small is bound by the host, one whose wait is most of it by the device. On the emulator
+ * only the counts mean anything. */
 static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *kv,
                                     const int32_t *ids, long n,
                                     const fitm_forward_opts *o_step, fitm_err *err)
@@ -300,15 +304,17 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
     printf("\nwhere a decode step's time goes (1 sequence, %ld steps, CUDA backend; us a step)\n",
            n);
     printf("| fusion | graphs     |   tok/s |     wall | waiting for the device | capture end + "
-           "update + launch | rest of the host | graphs | updates | instantiations |\n");
-    printf("| ------ | ---------- | ------: | -------: | ---------------------: | "
-           "----------------------------: | ---------------: | -----: | ------: | -------------: "
+           "update + launch | rest of the host | graphs | replays | updates | instantiations "
            "|\n");
-    /* fusion, graphs, ops a piece (0: whole); the default first */
-    static const int way[][3] = {{1, 1, 0}, {1, 1, 64}, {1, 1, 32}, {1, 0, 0}, {0, 1, 0}, {0, 0, 0}};
+    printf("| ------ | ---------- | ------: | -------: | ---------------------: | "
+           "----------------------------: | ---------------: | -----: | ------: | ------: | "
+           "-------------: |\n");
+    /* fusion, graphs, ops a piece (0: whole), the same step repeated; the default first */
+    static const int way[][4] = {{1, 1, 0, 0}, {1, 1, 0, 1}, {1, 1, 64, 0}, {1, 1, 32, 0},
+                                 {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 0}};
     fitm_status s = FITM_OK;
     for (size_t v = 0; v < sizeof way / sizeof way[0] && !s; v++) {
-        const int fu = way[v][0], g = way[v][1], piece = way[v][2];
+        const int fu = way[v][0], g = way[v][1], piece = way[v][2], same = way[v][3];
         fitm_backend_cuda_set_fusion(b, fu == 1);
         fitm_backend_cuda_set_graphs(b, g == 1);
         fitm_backend_cuda_set_pieces(b, piece);
@@ -319,7 +325,7 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
         fitm_backend_cuda_get_stats(b, &a);
         const double t0 = now_s();
         for (long i = 0; i < n && !s; i++)
-            s = fitm_forward_run(fw, kv, &ids[i], 1, i, o_step, err);
+            s = fitm_forward_run(fw, kv, &ids[same ? 0 : i], 1, same ? 0 : i, o_step, err);
         const double wall = (now_s() - t0) / (double)n * 1e6;
         fitm_backend_cuda_get_stats(b, &z);
         if (s)
@@ -327,11 +333,12 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
         const double wait = (double)(z.wait_ns - a.wait_ns) / (double)n * 1e-3,
                      sub = (double)(z.submit_ns - a.submit_ns) / (double)n * 1e-3;
         char gw[16];
-        snprintf(gw, sizeof gw, !g ? "off" : piece ? "%d ops" : "whole", piece);
+        snprintf(gw, sizeof gw, !g ? "off" : piece ? "%d ops" : same ? "repeated" : "whole", piece);
         printf("| %-6s | %-10s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %6.2f | %7.2f | "
-               "%14.2f |\n",
+               "%7.2f | %14.2f |\n",
                fu ? "on" : "off", gw, 1e6 / wall, wall, wait, sub, wall - wait - sub,
                (double)(z.graph_launches - a.graph_launches) / (double)n,
+               (double)(z.graph_replays - a.graph_replays) / (double)n,
                (double)(z.graph_updates - a.graph_updates) / (double)n,
                (double)(z.graph_instantiations - a.graph_instantiations) / (double)n);
     }

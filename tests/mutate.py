@@ -169,6 +169,18 @@ MUTANTS = [
            "the one-launch KV store writes each sequence's V values into its K row",
            "void *dst = blockIdx.z ? r.v_dst : r.k_dst;", "void *dst = r.k_dst;",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-tape-ignores-arguments",
+           "a tape item matches work of the same kernel and configuration whatever its argument "
+           "bytes, so a step whose kernel arguments changed would replay the old ones",
+           "(a.arg_bytes == 0 || memcmp(bytes.data() + a.arg_at, args, a.arg_bytes) == 0)",
+           "(a.arg_bytes == 0 || true)",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-tape-drops-matched-prefix",
+           "at the first difference the held-back work loses the items that matched before it, "
+           "so a step that falls back never runs its first kernels",
+           "s->tape->append_from(*s->cands[s->chosen], s->matched);",
+           "(void)s->matched;",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-gemm-bf16-truncates",
            "the tensor-core GEMM's activations are rounded to bfloat16 toward zero instead of to "
            "nearest even",

@@ -43,6 +43,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
@@ -756,6 +757,166 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
     free(buf);
 }
 
+/* Replay (backend_cuda.c, replay_start): work between two waits that equals an instance's
+ * last capture, item for item, is that instance launched again: no capture, no update, no
+ * instantiation, graph_replays one more. On a gemma3 model after a prompt of random tokens,
+ * gpu (graphs on) against plain (graphs off), each step's top entries (and logits, where a
+ * step downloads them) bit for bit, steps rewinding the cache to position P (fitm_forward_run:
+ * pos0 below the cache's end) unless said otherwise. A step that hands out only its top
+ * entries is one submission (one wait, its top-k download); one that downloads its logits
+ * too is two (the logits' download waits, then the top-k runs). Per step, the replays and
+ * the instances updated or made (captures) that gpu must show:
+ *   a warm-up step with an intervention (its scratch growth ends its capture early): not
+ *     checked;
+ *   the step at P: captured (1);
+ *   the same step again: replayed (1 replay, no capture; on the emulator no kernel launched
+ *     outside a graph and one graph launch);
+ *   another token: staged bytes only (the ids), the same launches: replayed, other top entries;
+ *   an intervention: its arrays staged before attention's arguments move those (the kernel's
+ *     argument) in the staging buffer: captured;
+ *   an intervention of other spans' weights and another first position: staged bytes only
+ *     (attention's arguments and spans): replayed, other top entries;
+ *   another top-k count: the top-k kernel's arguments change at the end of the step, after
+ *     everything else matched: captured, so the matched prefix must have run first;
+ *   two tokens: other arguments from the first items on: captured (a new shape);
+ *   the top-k count of two steps before: replayed (its instance, among several);
+ *   the step with its logits downloaded, twice: captured (2), then replayed (2 replays);
+ *   the steps at P + 1 and P + 2: each writes its cache rows with copies to other rows than
+ *     the step before (until the K/V stores are staged), so its work differs from the
+ *     instance's: captured (1), not replayed. */
+static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
+{
+    void *buf = NULL;
+    fitm_model *m = gen_model(FITM_GEN_ARCH_GEMMA3, FITM_DTYPE_Q8_0, &buf);
+    fitm_backend *plain = NULL;
+    fitm_err err = {{0}};
+    if (!m || fitm_backend_cuda_create(&plain, 0, &err) != FITM_OK) {
+        CHECK(false, "replay test setup: %s", err.msg);
+        fitm_model_close(m);
+        free(buf);
+        return;
+    }
+    fitm_backend_cuda_set_weights(plain, w);
+    fitm_backend_cuda_set_graphs(plain, false);
+    enum { P = 6, K = 8, K2 = 5 };
+    const fitm_model_config *c = fitm_model_config_of(m);
+    const int64_t V = c->n_vocab;
+    fitm_backend *bk[2] = {plain, gpu};
+    fitm_forward *f[2] = {NULL, NULL};
+    fitm_kv *kv[2] = {NULL, NULL};
+    float *lg[2] = {malloc(sizeof(float) * 2 * V), malloc(sizeof(float) * 2 * V)};
+    fitm_top top[2][K], before[K];
+    const fitm_forward_params fp = {T, T, T};
+    bool ready = lg[0] && lg[1];
+    for (int i = 0; i < 2 && ready; i++)
+        ready = fitm_forward_create(&f[i], m, bk[i], &fp, &err) == FITM_OK &&
+                fitm_kv_create(&kv[i], bk[i], c, T, &err) == FITM_OK;
+    CHECK(ready, "replay test: %s", err.msg);
+    uint64_t seed = (uint64_t)time(NULL);
+    printf("replay test: seed %llu\n", (unsigned long long)seed);
+    int32_t ids[P + 4];
+    for (int i = 0; i < P + 4; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((seed >> 33) % (uint64_t)V);
+    }
+    const int32_t b_id = (int32_t)(((uint64_t)ids[P] + 1 + (seed >> 40) % (uint64_t)(V - 1)) %
+                                   (uint64_t)V); /* another token than ids[P] */
+    const fitm_span spans[2] = {{1, 3}, {3, 5}};
+    const float alpha[2][2] = {{2.5f, 0.5f}, {0.25f, 3.0f}};
+    const fitm_intervention iv[2] = {
+        {.spans = spans, .n_spans = 2, .alpha = alpha[0], .from_pos = 5},
+        {.spans = spans, .n_spans = 2, .alpha = alpha[1], .from_pos = 4},
+    };
+    for (int i = 0; i < 2 && ready; i++) {
+        fitm_forward_opts o = {.n_logits = 1, .logits = lg[i]};
+        CHECK(fitm_forward_run(f[i], kv[i], ids, P, 0, &o, &err) == FITM_OK, "prompt: %s", err.msg);
+    }
+    /* the steps: position, tokens, top-k count, intervention, logits downloaded; the replays
+     * and captures gpu shows (-1: not checked) */
+    struct {
+        int64_t pos, n;
+        const int32_t *ids;
+        int k;
+        const fitm_intervention *iv;
+        bool logits;
+        int replays, captures;
+        const char *what;
+    } steps[] = {
+        {P, 1, &b_id, K, &iv[0], false, -1, -1, "a warm-up step"},
+        {P, 1, &ids[P], K, NULL, false, 0, 1, "the step at P"},
+        {P, 1, &ids[P], K, NULL, false, 1, 0, "the same step again"},
+        {P, 1, &b_id, K, NULL, false, 1, 0, "another token"},
+        {P, 1, &ids[P], K, &iv[0], false, 0, 1, "an intervention"},
+        {P, 1, &ids[P], K, &iv[1], false, 1, 0, "an intervention of other weights"},
+        {P, 1, &ids[P], K2, NULL, false, 0, 1, "another top-k count"},
+        {P, 2, &ids[P], K, NULL, false, 0, 1, "two tokens"},
+        {P, 1, &ids[P], K2, NULL, false, 1, 0, "the top-k count of two steps before"},
+        {P, 1, &ids[P], K, NULL, true, 0, 2, "the step with its logits"},
+        {P, 1, &ids[P], K, NULL, true, 2, 0, "the step with its logits again"},
+        {P + 1, 1, &ids[P + 1], K, NULL, false, 0, 1, "the next position"},
+        {P + 2, 1, &ids[P + 2], K, NULL, false, 0, 1, "the position after"},
+    };
+    for (size_t t = 0; t < sizeof steps / sizeof steps[0] && ready; t++) {
+        fitm_backend_cuda_stats gs[2];
+#ifdef FITM_CUDA_EMU
+        fitm_emu_stats st[2];
+#endif
+        for (int i = 0; i < 2; i++) {
+            fitm_forward_opts o = {.n_logits = 1,
+                                   .logits = steps[t].logits ? lg[i] : NULL,
+                                   .top_k = steps[t].k,
+                                   .top = top[i],
+                                   .intervention = steps[t].iv};
+            if (i == 1) {
+                fitm_backend_cuda_get_stats(gpu, &gs[0]);
+#ifdef FITM_CUDA_EMU
+                fitm_emu_get_stats(&st[0]);
+#endif
+            }
+            CHECK(fitm_forward_run(f[i], kv[i], steps[t].ids, steps[t].n, steps[t].pos, &o, &err) ==
+                      FITM_OK,
+                  "%s: %s", steps[t].what, err.msg);
+        }
+        fitm_backend_cuda_get_stats(gpu, &gs[1]);
+#ifdef FITM_CUDA_EMU
+        fitm_emu_get_stats(&st[1]);
+#endif
+        const long long replays = (long long)(gs[1].graph_replays - gs[0].graph_replays),
+                        made = (long long)(gs[1].graph_updates - gs[0].graph_updates +
+                                           gs[1].graph_instantiations - gs[0].graph_instantiations);
+        CHECK(steps[t].replays < 0 ||
+                  (replays == steps[t].replays && made == steps[t].captures &&
+                   gs[1].graph_launches - gs[0].graph_launches == (uint64_t)(replays + made)),
+              "%s: %lld replays and %lld captures, want %d and %d", steps[t].what, replays, made,
+              steps[t].replays, steps[t].captures);
+#ifdef FITM_CUDA_EMU
+        if (steps[t].replays > 0 && steps[t].captures == 0)
+            CHECK(st[1].launches == st[0].launches &&
+                      st[1].graph_launches - st[0].graph_launches == (uint64_t)steps[t].replays,
+                  "%s: %llu kernels launched outside a graph, %llu graph launches", steps[t].what,
+                  st[1].launches - st[0].launches, st[1].graph_launches - st[0].graph_launches);
+#endif
+        if (steps[t].logits)
+            CHECK(memcmp(lg[0], lg[1], sizeof(float) * (size_t)V) == 0,
+                  "%s: logits with graphs differ from those without", steps[t].what);
+        CHECK(memcmp(top[0], top[1], sizeof(fitm_top) * (size_t)steps[t].k) == 0,
+              "%s: top entries with graphs differ from those without", steps[t].what);
+        /* the replays of other staged bytes gave other entries than the step before */
+        if (t >= 1 && (steps[t].ids == &b_id || steps[t].iv == &iv[1]))
+            CHECK(memcmp(before, top[1], sizeof before) != 0,
+                  "%s: the top entries of the step before", steps[t].what);
+        memcpy(before, top[1], sizeof before);
+    }
+    for (int i = 0; i < 2; i++) {
+        fitm_kv_destroy(kv[i]);
+        fitm_forward_destroy(f[i]);
+        free(lg[i]);
+    }
+    fitm_backend_destroy(plain);
+    fitm_model_close(m);
+    free(buf);
+}
+
 /* The post-norm kept pending (fusion on) against each op launched as it comes (fusion off),
  * on a prepared gemma3 model's norm weights (resident, as the forward driver's are) and the
  * same fresh random rows, ops called directly: every order the pending work can meet must
@@ -970,6 +1131,7 @@ int main(int argc, char **argv)
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, GRAPHS);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, FUSION);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, PIECES);
+    test_replay(gpu16, FITM_CUDA_WEIGHTS_BF16);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, GRAPHS);

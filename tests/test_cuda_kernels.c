@@ -1816,11 +1816,120 @@ static void test_contracts(void)
     CHECK(!fitm_cuda_error_is_sticky(0));
 }
 
+/* ---- tapes (kernels.h): a stream's work recorded, matched and held back ---- */
+
+/* The work the tape test records: y += x, y = softcap(y, c1), z = y (a copy), z = softcap(z,
+ * c2), z[0..3] = 0 (a memset). */
+static void tape_work(float *y, const float *x, float *z, int64_t n, float c1, float c2)
+{
+    CHECK(fitm_cuda_add(y, x, n, stream) == 0);
+    CHECK(fitm_cuda_softcap(y, n, c1, stream) == 0);
+    CHECK(fitm_cuda_copy_async(z, y, (size_t)n * 4, cudaMemcpyDeviceToDevice, stream) == 0);
+    CHECK(fitm_cuda_softcap(z, n, c2, stream) == 0);
+    CHECK(fitm_cuda_memset_async(z, 0, 16, stream) == 0);
+}
+
+/* Whether y and z on the device hold want_y and want_z bit for bit. */
+static bool tape_holds(const dbuf *y, const dbuf *z, const float *want_y, const float *want_z,
+                       int64_t n)
+{
+    float *gy = xmalloc((size_t)n * 4), *gz = xmalloc((size_t)n * 4);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    dbuf_get(gy, y);
+    dbuf_get(gz, z);
+    const bool same =
+        memcmp(gy, want_y, (size_t)n * 4) == 0 && memcmp(gz, want_z, (size_t)n * 4) == 0;
+    free(gy);
+    free(gz);
+    return same;
+}
+
+/* On fresh random rows: the work run with no tape gives the reference bits. Recorded, it runs
+ * as usual (the same bits) and leaves 5 items on the tape. The same work again, expected
+ * against that tape, is held back (y and z unchanged) and matched, and running the tape then
+ * gives the reference bits: what a replay does. The work with the first softcap's cap
+ * changed (its second item's argument bytes: grid, block and kernel the same) is held back
+ * and not matched; unwound, its tape holds all 5 items (the add matched, then the rest), and
+ * running it gives the bits of that work run directly. Work whose first item differs from
+ * every candidate's is held back whole, too. */
+static void test_tape(int64_t n)
+{
+    float *x = xmalloc((size_t)n * 4), *y0 = xmalloc((size_t)n * 4);
+    float *ry = xmalloc((size_t)n * 4), *rz = xmalloc((size_t)n * 4);
+    float *vy = xmalloc((size_t)n * 4), *vz = xmalloc((size_t)n * 4);
+    fill_uniform(x, n, -4.0f, 4.0f);
+    fill_uniform(y0, n, -4.0f, 4.0f);
+    const float c1 = rng_uniform(1.0f, 3.0f), c2 = rng_uniform(1.0f, 3.0f), c1b = c1 * 1.5f;
+    dbuf dx = dbuf_from(x, (size_t)n * 4), dy = dbuf_from(y0, (size_t)n * 4);
+    dbuf dz = dbuf_new((size_t)n * 4);
+    fitm_cuda_tape *rec = fitm_cuda_tape_create(), *held = fitm_cuda_tape_create();
+    CHECK(rec && held);
+    float *pz = dz.p, *py = dy.p;
+    const float *px = dx.p;
+    /* the references: the work and its variant, no tape */
+    tape_work(py, px, pz, n, c1, c2);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    dbuf_get(ry, &dy), dbuf_get(rz, &dz);
+    CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+    tape_work(py, px, pz, n, c1b, c2);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    dbuf_get(vy, &dy), dbuf_get(vz, &dz);
+    CHECK(memcmp(ry, vy, (size_t)n * 4) != 0, "the variant's cap changes nothing");
+
+    CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+    CHECK(fitm_cuda_tape_record(rec, stream));
+    tape_work(py, px, pz, n, c1, c2);
+    fitm_cuda_tape_stop(stream);
+    CHECK(fitm_cuda_tape_length(rec) == 5, "%zu items recorded", fitm_cuda_tape_length(rec));
+    CHECK(tape_holds(&dy, &dz, ry, rz, n), "recorded work: other bits than without a tape");
+
+    CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(pz, vz, (size_t)n * 4, cudaMemcpyHostToDevice));
+    CHECK(fitm_cuda_tape_expect(held, stream, &rec, 1));
+    tape_work(py, px, pz, n, c1, c2);
+    CHECK(fitm_cuda_tape_matched(stream) == 0, "the same work is not matched");
+    fitm_cuda_tape_stop(stream);
+    CHECK(tape_holds(&dy, &dz, y0, vz, n), "matched work ran");
+    CHECK(fitm_cuda_tape_run(rec, stream) == 0);
+    CHECK(tape_holds(&dy, &dz, ry, rz, n), "the tape run again: other bits than the work");
+
+    for (int first = 0; first < 2; first++) { /* a difference in item 2, then in item 1 */
+        CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(pz, rz, (size_t)n * 4, cudaMemcpyHostToDevice));
+        CHECK(fitm_cuda_tape_expect(held, stream, &rec, 1));
+        if (first) /* the add of another length: the first item differs */
+            CHECK(fitm_cuda_add(py, px, n - 1, stream) == 0);
+        tape_work(py, px, pz, n, c1b, c2);
+        CHECK(fitm_cuda_tape_matched(stream) == -1, "work of another argument matched");
+        fitm_cuda_tape_unwind(stream);
+        CHECK(fitm_cuda_tape_length(held) == 5u + (size_t)first, "%zu items held back",
+              fitm_cuda_tape_length(held));
+        CHECK(tape_holds(&dy, &dz, y0, rz, n), "held-back work ran");
+        if (first) { /* the reference of that: the extra add first */
+            CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+            CHECK(fitm_cuda_add(py, px, n - 1, stream) == 0);
+            tape_work(py, px, pz, n, c1b, c2);
+            CUDA_OK(cudaStreamSynchronize(stream));
+            dbuf_get(vy, &dy), dbuf_get(vz, &dz);
+            CUDA_OK(cudaMemcpy(py, y0, (size_t)n * 4, cudaMemcpyHostToDevice));
+        }
+        CHECK(fitm_cuda_tape_run(held, stream) == 0);
+        CHECK(tape_holds(&dy, &dz, vy, vz, n),
+              "unwound work (difference in item %d): other bits than the work run directly",
+              first ? 1 : 2);
+    }
+    fitm_cuda_tape_destroy(rec);
+    fitm_cuda_tape_destroy(held);
+    dbuf_free(&dx), dbuf_free(&dy), dbuf_free(&dz);
+    free(x), free(y0), free(ry), free(rz), free(vy), free(vz);
+}
+
 /* The kernel groups to run: argv[1] as a comma-separated list of dequant, matvec, rmsnorm,
- * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm, kv_store (the
+ * norm_add, softmax, rope, glu, topk, attention, logprob, bf16, gemm, kv_store, tape (the
  * ThreadSanitizer and mutant builds of tests/meson.build run a few), or every group without
- * an argument. With "small" in the list, the groups run only their shapes below about 10^4 elements and matvec only F32, Q8_0 and Q4_K (the
- * ThreadSanitizer build, where each CUDA thread is an OS thread, is ~10^3 times slower). */
+ * an argument. With "small" in the list, the groups run only their shapes below about 10^4
+ * elements and matvec only F32, Q8_0 and Q4_K (the ThreadSanitizer build, where each CUDA
+ * thread is an OS thread, is ~10^3 times slower). */
 static const char *groups;
 
 static bool want(const char *group)
@@ -2090,6 +2199,9 @@ int main(int argc, char **argv)
             test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 20 staging steps */
         }
     }
+
+    if (want("tape"))
+        test_tape(small ? 1000 : 100003);
 
     CUDA_OK(cudaStreamDestroy(stream));
     if (failures) {

@@ -36,7 +36,11 @@
  * capture after a few ops; the bfloat16 GEMM is an ordinary launch, so with BF16 a prefill is
  * captured up to its first wait. Replay runs the same operations in the same order on the
  * same data, so results are bit for bit those of the uncaptured path
- * (fitm_backend_cuda_set_graphs turns it off). With fitm_backend_cuda_set_pieces the work
+ * (fitm_backend_cuda_set_graphs turns it off). Work equal to an instance's last capture, item
+ * for item (kernels, configurations, argument bytes, copy and memset addresses: the tapes of
+ * kernels.h), is not captured at all: it is held back from the wait's first op on and, at the
+ * next wait, that instance is launched again (replay_start, replay_end); work that differs
+ * is captured from its first item as before. With fitm_backend_cuda_set_pieces the work
  * between two waits goes out as several graphs of about that many ops each, so the device
  * starts on the first while the host still captures the next: each piece number keeps its
  * own instances.
@@ -78,12 +82,15 @@ typedef struct {
 } grow_buf;
 
 /* An instantiated graph: a step's work, or its piece-th piece (fitm_backend_cuda_set_pieces),
- * of one shape (its node count), and when it last ran. */
+ * of one shape (its node count), and when it last ran; tape: the work of the capture the
+ * instance was last made or updated from, item for item (empty when not known: then the
+ * instance is never launched again without a capture). */
 typedef struct {
     cudaGraphExec_t exec;
     size_t nodes;
     int piece;
     uint64_t used;
+    fitm_cuda_tape *tape;
 } graph_slot;
 
 /* Instances kept: a few shapes' work (a decode step of each batch size, prompts), each in up
@@ -102,8 +109,11 @@ typedef struct {
 
 /* Capture states: the stream is not captured and the next capturable op starts a capture
  * (IDLE), is captured (ON), or is not captured until the next wait (OFF: some op of this
- * pass could not be). */
-enum { CAP_IDLE, CAP_ON, CAP_OFF };
+ * pass could not be); or its work is held back and compared with the instances' tapes
+ * (SPEC: replay_start). */
+enum { CAP_IDLE, CAP_ON, CAP_OFF, CAP_SPEC };
+
+_Static_assert(GRAPH_SLOTS <= FITM_CUDA_TAPE_CANDIDATES, "every instance may be a candidate");
 
 typedef struct {
     fitm_backend base;
@@ -157,6 +167,11 @@ typedef struct {
     } norm;
     graph_slot slots[GRAPH_SLOTS];
     uint64_t clock;      /* of the slots' last use */
+    /* the work of the capture under way (recording: it is being recorded), or in CAP_SPEC the
+     * work held back; and the slots whose tapes CAP_SPEC compares with, in the order given */
+    fitm_cuda_tape *rec;
+    bool recording;
+    int cand_slot[GRAPH_SLOTS];
     /* the BATCH class's operands (fitm_backend_cuda_set_weights): what it multiplies in, the
      * prepared model's bfloat16 copies' bytes, and the bfloat16 scratch of a weight without a
      * copy (wb) */
@@ -206,7 +221,7 @@ static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
 static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
 {
     return n == 0 ||
-           ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream), what);
+           ok(c, fitm_cuda_copy_async(dst, src, n, cudaMemcpyHostToDevice, c->stream), what);
 }
 
 /* ---- graphs ---------------------------------------------------------------------------------- */
@@ -216,6 +231,75 @@ static bool to_dev(cuda_backend *c, void *dst, const void *src, size_t n, const 
 static void pending_flush(cuda_backend *c);
 
 static bool graph_submit(cuda_backend *c);
+
+/* Begins capturing the stream (CAP_ON), its work recorded after what c->rec holds when
+ * graphs are submitted whole (no pieces); where the capture cannot begin, the pass runs
+ * uncaptured (CAP_OFF). */
+static void capture_begin(cuda_backend *c)
+{
+    /* thread-local: other threads' CUDA calls (another backend's) do not break it */
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        c->cap = CAP_ON;
+        c->cap_ops = 1;
+        c->recording = c->piece_ops == 0 && fitm_cuda_tape_record(c->rec, c->stream);
+    } else {
+        (void)cudaGetLastError(); /* not an error of the pass: it runs uncaptured */
+        c->cap = CAP_OFF;
+    }
+}
+
+/* Replay: after a wait, with graphs submitted whole, the pass's work is held back and
+ * compared with the tapes of the instances (candidates: the most recently used first; the
+ * pass's first item picks the one it equals) instead of being captured (CAP_SPEC), until the
+ * next wait or op that cannot be captured (replay_end). False when there is no candidate. */
+static bool replay_start(cuda_backend *c)
+{
+    if (c->piece_ops > 0)
+        return false;
+    int n = 0;
+    for (int i = 0; i < GRAPH_SLOTS; i++) {
+        const graph_slot *s = &c->slots[i];
+        if (!s->exec || s->piece != 0 || fitm_cuda_tape_length(s->tape) == 0)
+            continue;
+        int j = n++;
+        for (; j > 0 && c->slots[c->cand_slot[j - 1]].used < s->used; j--)
+            c->cand_slot[j] = c->cand_slot[j - 1];
+        c->cand_slot[j] = i;
+    }
+    fitm_cuda_tape *cands[GRAPH_SLOTS];
+    for (int k = 0; k < n; k++)
+        cands[k] = c->slots[c->cand_slot[k]].tape;
+    if (n == 0 || !fitm_cuda_tape_expect(c->rec, c->stream, cands, n))
+        return false;
+    c->cap = CAP_SPEC;
+    return true;
+}
+
+static bool graph_replay(cuda_backend *c, graph_slot *s);
+
+/* Ends CAP_SPEC. Work equal to a candidate's tape, item for item and as many items, is that
+ * candidate's instance launched again: it holds exactly this work (staged copies read the
+ * bytes staged now), and nothing is captured or updated. Any other work goes on the stream
+ * as it would have without the holding back: captured from its first item (the items held
+ * back, then what follows) or, where the capture cannot begin, uncaptured. The work of a
+ * failed pass is dropped. */
+static bool replay_end(cuda_backend *c)
+{
+    if (c->rc) {
+        fitm_cuda_tape_stop(c->stream);
+        c->cap = CAP_OFF;
+        return false;
+    }
+    const int k = fitm_cuda_tape_matched(c->stream);
+    if (k >= 0) {
+        fitm_cuda_tape_stop(c->stream);
+        c->cap = CAP_OFF;
+        return graph_replay(c, &c->slots[c->cand_slot[k]]);
+    }
+    fitm_cuda_tape_unwind(c->stream); /* c->rec: all the work held back */
+    capture_begin(c);
+    return ok(c, fitm_cuda_tape_run(c->rec, c->stream), "held-back work");
+}
 
 static void capture_on(cuda_backend *c)
 {
@@ -228,16 +312,10 @@ static void capture_on(cuda_backend *c)
             return;
         c->cap = CAP_IDLE;
     }
-    if (!c->graphs || c->cap != CAP_IDLE || c->rc)
+    if (!c->graphs || c->cap != CAP_IDLE || c->rc || replay_start(c))
         return;
-    /* thread-local: other threads' CUDA calls (another backend's) do not break it */
-    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
-        c->cap = CAP_ON;
-        c->cap_ops = 1;
-    } else {
-        (void)cudaGetLastError(); /* not an error of the pass: it runs uncaptured */
-        c->cap = CAP_OFF;
-    }
+    fitm_cuda_tape_clear(c->rec);
+    capture_begin(c);
 }
 
 /* An instance for the captured graph g of n nodes, the piece-th piece since the last wait:
@@ -260,6 +338,8 @@ static graph_slot *graph_slot_for(cuda_backend *c, cudaGraph_t g, int piece, siz
                 return s;
             }
             (void)cudaGetLastError(); /* refused: another shape's instance, left as it was */
+            /* and no replay of it, in case the runtime changed it all the same */
+            fitm_cuda_tape_clear(s->tape);
         }
         if (s->used < lru->used)
             lru = s;
@@ -272,7 +352,7 @@ static graph_slot *graph_slot_for(cuda_backend *c, cudaGraph_t g, int piece, siz
  * is refused (different kernels, or a different order). */
 static void capture_drop(cuda_backend *c);
 
-static bool graph_launch(cuda_backend *c, cudaGraph_t g);
+static bool graph_launch(cuda_backend *c, cudaGraph_t g, bool recorded);
 
 static bool graph_submit(cuda_backend *c)
 {
@@ -281,18 +361,37 @@ static bool graph_submit(cuda_backend *c)
         c->cap = CAP_OFF;
         return false;
     }
+    const bool recorded = c->recording;
+    fitm_cuda_tape_stop(c->stream);
+    c->recording = false;
     c->cap = CAP_OFF;
     const int64_t t0 = fitm_clock_ns();
     cudaGraph_t g = NULL;
     const bool done = ok(c, (int)cudaStreamEndCapture(c->stream, &g), "graph capture") &&
-                      graph_launch(c, g);
+                      graph_launch(c, g, recorded);
+    c->stats.submit_ns += (uint64_t)(fitm_clock_ns() - t0);
+    return done;
+}
+
+/* Launches the instance s again as it is (replay_end), counted as a graph launch and a
+ * replay. */
+static bool graph_replay(cuda_backend *c, graph_slot *s)
+{
+    const int64_t t0 = fitm_clock_ns();
+    s->used = ++c->clock;
+    c->piece++;
+    c->stats.graph_launches++;
+    c->stats.graph_replays++;
+    const bool done = ok(c, (int)cudaGraphLaunch(s->exec, c->stream), "graph launch");
     c->stats.submit_ns += (uint64_t)(fitm_clock_ns() - t0);
     return done;
 }
 
 /* Runs the captured graph g (destroyed here): the instance of its shape updated with its
- * arguments, or a new instance. */
-static bool graph_launch(cuda_backend *c, cudaGraph_t g)
+ * arguments, or a new instance. The instance's tape becomes c->rec when the capture was
+ * recorded whole (recorded, and as many items as g has nodes: every node came through a
+ * tape), else empty. */
+static bool graph_launch(cuda_backend *c, cudaGraph_t g, bool recorded)
 {
     size_t n = 0;
     if (!ok(c, (int)cudaGraphGetNodes(g, NULL, &n), "graph nodes")) {
@@ -305,6 +404,10 @@ static bool graph_launch(cuda_backend *c, cudaGraph_t g)
     }
     bool have;
     graph_slot *s = graph_slot_for(c, g, c->piece, n, &have);
+    if (recorded && fitm_cuda_tape_length(c->rec) == n)
+        fitm_cuda_tape_swap(s->tape, c->rec);
+    else
+        fitm_cuda_tape_clear(s->tape);
     if (have)
         c->stats.graph_updates++;
     if (!have) {
@@ -334,15 +437,20 @@ static bool capture_off(cuda_backend *c)
 {
     c->busy = true;
     pending_flush(c);
+    if (c->cap == CAP_SPEC && !replay_end(c))
+        return false;
     if (c->cap == CAP_ON)
         return graph_submit(c);
     c->cap = c->cap == CAP_IDLE ? CAP_OFF : c->cap;
     return c->rc == 0;
 }
 
-/* Ends a capture without running what it holds (the work of a pass that failed). */
+/* Ends a capture, or the holding back of CAP_SPEC, without running what it holds (the work
+ * of a pass that failed). */
 static void capture_drop(cuda_backend *c)
 {
+    fitm_cuda_tape_stop(c->stream);
+    c->recording = false;
     if (c->cap == CAP_ON) {
         cudaGraph_t g = NULL;
         if (cudaStreamEndCapture(c->stream, &g) == cudaSuccess && g)
@@ -352,15 +460,21 @@ static void capture_drop(cuda_backend *c)
     c->cap = CAP_IDLE;
 }
 
-/* Drops the capture under way and every instantiated graph (none may be running). */
+/* Drops the capture under way and every instantiated graph (none may be running), and their
+ * tapes. */
 static void graphs_release(cuda_backend *c)
 {
     capture_drop(c);
     for (int i = 0; i < GRAPH_SLOTS; i++) {
         if (c->slots[i].exec)
             cudaGraphExecDestroy(c->slots[i].exec);
-        c->slots[i] = (graph_slot){0};
+        fitm_cuda_tape *t = c->slots[i].tape;
+        if (t)
+            fitm_cuda_tape_clear(t);
+        c->slots[i] = (graph_slot){.tape = t};
     }
+    if (c->rec)
+        fitm_cuda_tape_clear(c->rec);
 }
 
 static bool sync_stream(cuda_backend *c, const char *what);
@@ -437,7 +551,7 @@ static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const
     if (n == 0 || c->rc)
         return c->rc == 0;
     if (!capture_off(c) || /* into pageable memory: not in a graph */
-        !ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
+        !ok(c, fitm_cuda_copy_async(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
         return false;
     return sync_stream(c, what);
 }
@@ -698,7 +812,7 @@ static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
     cuda_backend *c = cu(b);
     capture_on(c);
     if (n)
-        ok(c, (int)cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
+        ok(c, fitm_cuda_copy_async(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
 }
 
 /* Several sequences' K and V stores of one layer (kv_store_many) as one launch per
@@ -734,6 +848,9 @@ static void cuda_destroy(fitm_backend *b)
     capture_drop(c);
     cudaStreamSynchronize(c->stream); /* no instance is destroyed while it runs */
     graphs_release(c);
+    for (int i = 0; i < GRAPH_SLOTS; i++)
+        fitm_cuda_tape_destroy(c->slots[i].tape);
+    fitm_cuda_tape_destroy(c->rec);
     release_weights(c);
     free(c->w);
     free(c->host);
@@ -845,12 +962,12 @@ static void gemm_rows(cuda_backend *c, const float *W, int64_t N, int64_t K, con
         if (n < GEMM_ROWS) { /* the tail: through zero-padded scratch */
             if (!grow(c, &c->xpad, (size_t)(GEMM_ROWS * K) * 4) ||
                 !ok(c,
-                    (int)cudaMemcpyAsync(c->xpad.p, xs, (size_t)(n * K) * 4,
+                    fitm_cuda_copy_async(c->xpad.p, xs, (size_t)(n * K) * 4,
                                          cudaMemcpyDeviceToDevice, c->stream),
                     "matmul padding") ||
                 !ok(c,
-                    (int)cudaMemsetAsync((float *)c->xpad.p + n * K, 0,
-                                         (size_t)((GEMM_ROWS - n) * K) * 4, c->stream),
+                    fitm_cuda_memset_async((float *)c->xpad.p + n * K, 0,
+                                           (size_t)((GEMM_ROWS - n) * K) * 4, c->stream),
                     "matmul padding"))
                 return;
             xs = c->xpad.p;
@@ -859,7 +976,7 @@ static void gemm_rows(cuda_backend *c, const float *W, int64_t N, int64_t K, con
             return;
         if (n < GEMM_ROWS)
             ok(c,
-               (int)cudaMemcpyAsync(ys, c->ypad.p, (size_t)(n * N) * 4, cudaMemcpyDeviceToDevice,
+               fitm_cuda_copy_async(ys, c->ypad.p, (size_t)(n * N) * 4, cudaMemcpyDeviceToDevice,
                                     c->stream),
                "matmul padding");
     }
@@ -1300,7 +1417,7 @@ static bool fetch_late(cuda_backend *c, float *dst, const float *src, int64_t n,
     }
     capture_on(c);
     if (!ok(c,
-            (int)cudaMemcpyAsync(c->dl + c->dl_used, src, bytes, cudaMemcpyDeviceToHost, c->stream),
+            fitm_cuda_copy_async(c->dl + c->dl_used, src, bytes, cudaMemcpyDeviceToHost, c->stream),
             "capture download"))
         return false;
     c->late[c->n_late++] = (late_copy){dst, c->dl_used, n, add};
@@ -1417,11 +1534,23 @@ static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fit
     return true;
 }
 
+static bool attn_tiles(const fitm_attn_args *a);
+
+static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n);
+
 /* One call's attention (backend.h); its captured rows reach the caller's arrays at the next
- * wait (download_capture). */
+ * wait (download_capture). A call without captured rows or rows for the tiled kernel (a
+ * decode step's) goes through the staged arguments of attention_staged: its kernel argument
+ * is then the same device address at every step, and what changes from step to step (key
+ * counts, positions) is staged bytes, so that consecutive steps' work can equal an
+ * instance's tape (replay_end). */
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cuda_backend *c = cu(b);
+    if (!(a->capture && a->capture->n_rows > 0) && !attn_tiles(a)) {
+        attention_staged(c, a, 1);
+        return;
+    }
     capture_on(c);
     if (c->rc)
         return;
@@ -1505,6 +1634,14 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
             cuda_attention_many(b, rest, n_rest);
         return;
     }
+    attention_staged(c, a, n);
+}
+
+/* The n (1 to ATTN_MANY_MAX) calls a, without captured rows, as one launch of
+ * fitm_cuda_attention_many: their intervention arrays and kernel arguments staged side by
+ * side in one device buffer. */
+static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
+{
     capture_on(c);
     if (c->rc)
         return;
@@ -1626,8 +1763,14 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
     c->graphs = true;
     c->weights = FITM_CUDA_WEIGHTS_BF16;
     c->fuse = true;
-    rc = (int)cudaStreamCreate(&c->stream);
+    bool tapes = (c->rec = fitm_cuda_tape_create()) != NULL;
+    for (int i = 0; i < GRAPH_SLOTS && tapes; i++)
+        tapes = (c->slots[i].tape = fitm_cuda_tape_create()) != NULL;
+    rc = tapes ? (int)cudaStreamCreate(&c->stream) : (int)cudaErrorMemoryAllocation;
     if (rc != 0) {
+        for (int i = 0; i < GRAPH_SLOTS; i++)
+            fitm_cuda_tape_destroy(c->slots[i].tape);
+        fitm_cuda_tape_destroy(c->rec);
         free(c);
         return fitm_cuda_status(rc, err, "CUDA backend: creating a stream");
     }

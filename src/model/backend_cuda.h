@@ -50,11 +50,14 @@ void fitm_backend_cuda_set_fusion(fitm_backend *b, bool on);
  * step's wall time into the host's and the device's parts. A wait is a cudaStreamSynchronize
  * (the host idle while the device finishes the work before it); a submission ends a capture
  * and runs it: cudaStreamEndCapture, then the instance of that shape updated with the new
- * capture's arguments (cudaGraphExecUpdate) or a new one instantiated, then cudaGraphLaunch. */
+ * capture's arguments (cudaGraphExecUpdate) or a new one instantiated, then cudaGraphLaunch;
+ * or it is a replay: work equal to an instance's last capture, item for item, is that
+ * instance launched again with no capture and no update (counted in graph_launches too). */
 typedef struct {
     uint64_t waits, wait_ns;
     uint64_t graph_launches, submit_ns;
     uint64_t graph_updates, graph_instantiations;
+    uint64_t graph_replays;
 } fitm_backend_cuda_stats;
 
 void fitm_backend_cuda_get_stats(const fitm_backend *b, fitm_backend_cuda_stats *out);
