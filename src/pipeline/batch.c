@@ -71,8 +71,8 @@ static bool stop_if_asked(const fitm_batch_seq *m, fitm_status *st, bool *done, 
     return false;
 }
 
-/* Whether the part just written at sp->parts[sp->n_parts] fits the call (its rows, its logit
- * rows), and if so takes it as member i's (lane's) part. */
+/* Takes the part just written at sp->parts[sp->n_parts] into the call as member i's (lane's)
+ * part when its rows and logit rows fit; else it is left out (the member waits). */
 static void take_part(int32_t i, int32_t lane, bool decoding, step_parts *sp)
 {
     const fitm_forward_seq *part = &sp->parts[sp->n_parts];
