@@ -931,29 +931,53 @@ fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request
     return st;
 }
 
+/* The most rows of a window's prompt over the documents [first, first + n) with the queries q
+ * (NULL: the request's), in any order within the window: the frame and those documents. */
+static fitm_status window_rows(const fitm_session *r, const fitm_rerank_request *req,
+                               const fitm_prompt_queries *q, int32_t first, int32_t n,
+                               int64_t *rows, fitm_err *err)
+{
+    fitm_rerank_request sub = *req;
+    sub.docs = req->docs + first;
+    sub.n_docs = n;
+    const int32_t starts[2] = {0, n};
+    int64_t frame = 0, docs = 0;
+    fitm_status st = fitm_prompt_bound(r, &sub, NULL, q, starts, 1, &frame, &docs, err);
+    *rows = frame + docs;
+    return st;
+}
+
 fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
-                                   int64_t *rows, fitm_err *err)
+                                int64_t *rows, fitm_err *err)
 {
     plan pl = {0};
     fitm_rerank_meta scratch = {0}; /* make_plan's meta, not kept */
     fitm_score_opts_init(&scratch.opts);
-    fitm_status st = make_plan(r, req, &pl, &scratch, err);
-    int32_t starts[2] = {0, req->n_docs};
-    int64_t frame = 0, docs = 0, most = 0;
-    /* A window's prompt is the frame and some of the documents: within the bound of all. */
-    if (st == FITM_OK &&
-        (st = fitm_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err)) == FITM_OK)
-        most = frame + docs;
-    if (st == FITM_OK && pl.null_pass) {
-        fitm_prompt_queries q = null_queries(req, &pl);
-        if ((st = fitm_prompt_bound(r, req, NULL, &q, starts, 1, &frame, &docs, err)) ==
-            FITM_OK)
-            most = frame + docs > most ? frame + docs : most;
+    const int32_t K = req->n_docs;
+    int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
+    fitm_status st = starts ? make_plan(r, req, &pl, &scratch, err)
+                            : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    const int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
+    const fitm_prompt_queries nq = null_queries(req, &pl);
+    int64_t most = 0;
+    /* the main and dummy passes' prompts, then the null pass's; each lane's caches hold one
+     * window's at a time, so the largest window's bound, not all K documents' */
+    for (int pass = 0; st == FITM_OK && pass < (pl.null_pass ? 2 : 1); pass++) {
+        const fitm_prompt_queries *q = pass ? &nq : NULL;
+        int64_t all = 0, w = 0;
+        /* every document first: one the run would refuse fails here as it would there */
+        st = window_rows(r, req, q, 0, K, &all, err);
+        most = G == 1 && all > most ? all : most;
+        for (int32_t g = 0; st == FITM_OK && G > 1 && g < G; g++) {
+            st = window_rows(r, req, q, starts[g], starts[g + 1] - starts[g], &w, err);
+            most = w > most ? w : most;
+        }
     }
     *rows = most < r->n_ctx ? most : r->n_ctx;
     meta_free(&scratch);
     fitm_score_opts_free(&pl.o);
     free(pl.pair);
     free(pl.own_dummy.v);
+    free(starts);
     return st;
 }

@@ -56,9 +56,9 @@ fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request
  * window option: what its lanes share. */
 int32_t fitm_attention_windows(const fitm_session *r, const fitm_rerank_request *req);
 
-/* The most rows any prompt of fitm_attention_run for req can have (its caches' size): the
- * prompt of all documents in any order with the request's query or (a null reference) the
- * content-free one, at most n_ctx. */
+/* The most rows any prompt of fitm_attention_run for req can have (a lane's caches' size):
+ * the prompt of its largest window's documents in any order with the request's query or (a
+ * null reference) the content-free one, at most n_ctx. */
 fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
                                 int64_t *rows, fitm_err *err);
 
