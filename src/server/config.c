@@ -141,7 +141,7 @@ static const opt opts[] = {
      "scores are the same with any number (a lane's first window computes the prompt's "
      "shared head afresh: usage.forward_tokens grows by it per extra lane); a request uses "
      "at most one lane per window or document, an /answer's ranking one; 0 = 8 on the cuda "
-     "backend, 1 on the CPU (docs/rerank-results.md)"},
+     "backend, 4 on the CPU (docs/load-benchmark.md)"},
     {"logit_rows", INT(logit_rows), "0", 0, 1024, NULL,
      "most logit rows one batched forward call computes (query_likelihood's question rows, "
      "the answers' next tokens): the forward's logits scratch holds this many rows of the "

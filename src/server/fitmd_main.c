@@ -386,14 +386,16 @@ static fitm_status set_kv_and_path(daemon_model *dm, char *desc, size_t n, bool 
 
 /* The lanes of a /rerank sequence and the logit rows of a forward call (rerank_lanes and
  * logit_rows, 0 = by the backend: on the cuda backend a call's cost is mostly its launches,
- * so more lanes and logit rows take fewer calls; on the CPU a call costs its rows), appended
- * to the backend's description in desc (a string of n bytes). */
+ * so more lanes and logit rows take fewer calls; on the CPU a call costs mostly its rows, but
+ * a fuller call streams each weight block once for more of them: 4 lanes, chosen by
+ * measurement in docs/load-benchmark.md), appended to the backend's description in desc (a
+ * string of n bytes). */
 static void batch_shape(const daemon_model *dm, char *desc, size_t n, int32_t *lanes,
                         int64_t *logit_rows)
 {
     const fitm_config *cfg = dm->cfg;
     const bool cpu = !strcmp(dm->backend->ops->name, "cpu");
-    *lanes = cfg->rerank_lanes ? (int32_t)cfg->rerank_lanes : cpu ? 1 : 8;
+    *lanes = cfg->rerank_lanes ? (int32_t)cfg->rerank_lanes : cpu ? 4 : 8;
     *logit_rows = cfg->logit_rows ? cfg->logit_rows : cpu ? 32 : 256;
     size_t used = strlen(desc);
     snprintf(desc + used, n - used, ", %d /rerank lanes, %lld logit rows a call", (int)*lanes,
