@@ -144,8 +144,7 @@ void fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int
     for (int32_t k = 0; k < sp.n_parts; k++) {
         const int32_t i = sp.idx[k];
         if (seqs[i].rerank) {
-            fitm_rerank_seq_after(seqs[i].rerank, sp.lane[k], sp.parts[k].T, bs, &err,
-                                  &done[i]);
+            fitm_rerank_seq_after(seqs[i].rerank, sp.lane[k], sp.parts[k].T, bs, &err, &done[i]);
             continue;
         }
         st[i] = fitm_answer_seq_after(seqs[i].answer, sp.parts[k].T, bs, &done[i], &errs[i]);

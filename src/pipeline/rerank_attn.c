@@ -628,8 +628,8 @@ static fitm_status window_begin(fitm_attention *a, lane *ln, fitm_err *err)
     const int64_t len = ln->off[n];
     if (!(ln->att = calloc((size_t)len * 2 + 1, sizeof *ln->att)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    ln->nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *ln->nul)
-                                                : ln->att + len;
+    ln->nul =
+        pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *ln->nul) : ln->att + len;
     if (!ln->nul)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     return pl->dummy_passes ? dummy_begin(a, ln, err) : FITM_OK;
@@ -644,8 +644,7 @@ static fitm_status dummy_pass(fitm_attention *a, lane *ln, int32_t j, fitm_err *
     const int64_t T = p->ids.n, s = p->spans[j].start, e = p->spans[j].end;
     fitm_rerank_tokens *tok = window_tokens(a, ln);
     memcpy(ln->ref, p->ids.v, (size_t)T * sizeof *ln->ref);
-    fitm_status st = fill_dummy(a->ps->s, a->req, &a->pl, ln->gp.order[j], e - s, ln->ref + s,
-                                err);
+    fitm_status st = fill_dummy(a->ps->s, a->req, &a->pl, ln->gp.order[j], e - s, ln->ref + s, err);
     if (st != FITM_OK)
         return st;
     if (tok) {
@@ -670,15 +669,15 @@ static fitm_status prepare_pass(fitm_attention *a, lane *ln, fitm_err *err)
     const int32_t n = gp->n;
     if (ln->step == 0)
         return attend_prepare(a->ps, &a->pl, ln->kv, NULL, gp->p.ids.v, gp->p.ids.n, gp->from,
-                              gp->p.rows, gp->p.n_rows, gp->p.spans, n, ln->off, ln->att,
-                              &ln->cur, err);
+                              gp->p.rows, gp->p.n_rows, gp->p.spans, n, ln->off, ln->att, &ln->cur,
+                              err);
     if (ln->step <= n)
         return dummy_pass(a, ln, ln->step - 1, err);
     const prompt *np = &gp->np;
     const int64_t from = gp->null_from;
-    return attend_prepare(a->ps, &a->pl, ln->branch, from > 0 ? ln->kv : NULL, np->ids.v,
-                          np->ids.n, from, np->rows, np->n_rows, np->spans, n, ln->off, ln->nul,
-                          &ln->cur, err);
+    return attend_prepare(a->ps, &a->pl, ln->branch, from > 0 ? ln->kv : NULL, np->ids.v, np->ids.n,
+                          from, np->rows, np->n_rows, np->spans, n, ln->off, ln->nul, &ln->cur,
+                          err);
 }
 
 /* Whether a window's plan (n documents) has a pass at `step`. */
@@ -902,13 +901,13 @@ fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request
             fitm_passes_share(G, n_lanes, l, &lo, &hi);
             held.n = 0;
             for (int32_t g = lo; st == FITM_OK && g < hi; g++)
-                st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum,
-                                err);
+                st =
+                    group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum, err);
         }
         free(held.v);
     } else if (st == FITM_OK) {
-        /* Whatever the lanes, every group's prompt is at most frame + its documents' part; the parts add up to at
-         * most docs; a dummy pass is at most its group's prompt. */
+        /* Whatever the lanes, every group's prompt is at most frame + its documents' part; the
+         * parts add up to at most docs; a dummy pass is at most its group's prompt. */
         int32_t n_max = 0;
         for (int32_t g = 0; g < G; g++)
             n_max = starts[g + 1] - starts[g] > n_max ? starts[g + 1] - starts[g] : n_max;

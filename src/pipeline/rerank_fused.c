@@ -174,8 +174,8 @@ fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
     return fitm_machine_run(ps, &m, st, err);
 }
 
-fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
-                            bool any_order, int32_t n_lanes, int64_t *tokens, fitm_err *err)
+fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req, bool any_order,
+                            int32_t n_lanes, int64_t *tokens, fitm_err *err)
 {
     fitm_rerank_request q = *req, c;
     q.method = FITM_RERANK_QUERY_LIKELIHOOD;

@@ -91,8 +91,8 @@ fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
                              fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
 fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
                            fitm_rerank_result *res, fitm_err *err);
-fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
-                            bool any_order, int32_t n_lanes, int64_t *tokens, fitm_err *err);
+fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req, bool any_order,
+                            int32_t n_lanes, int64_t *tokens, fitm_err *err);
 /* The most rows any pass of req's two components has (a sequence's cache size). */
 fitm_status fitm_fused_rows(const fitm_session *r, const fitm_rerank_request *req,
                             int64_t *rows, fitm_err *err);

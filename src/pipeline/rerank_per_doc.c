@@ -192,7 +192,7 @@ static bool doc_next_pass(const per_doc_run *d, doc_lane *ln)
     if (d->pd.ql) {
         const int64_t head = ln->ids.n - d->pd.q.n - 1;
         const int64_t from = head > ln->at ? head : ln->at; /* the first logit row */
-        n_logits = (ln->T - from - 1) % r->logit_rows + 1; /* the rest go logit_rows a pass */
+        n_logits = (ln->T - from - 1) % r->logit_rows + 1;  /* the rest go logit_rows a pass */
         n = from - ln->at + n_logits;
     } else {
         n = ln->T - ln->at;
@@ -202,8 +202,8 @@ static bool doc_next_pass(const per_doc_run *d, doc_lane *ln)
      * ids from the second on, as they stand in the prompt */
     const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
     const int32_t *pick = d->pd.ql ? ln->ids.v + ln->at + (n - n_logits) + 1 : d->pd.answers;
-    ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at, NULL,
-                                n_logits, n_pick, pick, ln->lp);
+    ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at, NULL, n_logits,
+                                n_pick, pick, ln->lp);
     return true;
 }
 
@@ -297,7 +297,7 @@ static fitm_status lanes_start(per_doc_run *d, fitm_err *err)
     if (!(d->lanes = calloc((size_t)d->n_lanes, sizeof *d->lanes)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     /* relevance: one row of n_yes + n_no picks; query_likelihood: a pass's rows, one each */
-    const int64_t n_lp = !d->pd.ql ? d->pd.n_yes + d->pd.n_no
+    const int64_t n_lp = !d->pd.ql                   ? d->pd.n_yes + d->pd.n_no
                          : d->pd.q.n < r->logit_rows ? d->pd.q.n
                                                      : r->logit_rows;
     for (int32_t l = 0; l < d->n_lanes; l++) {

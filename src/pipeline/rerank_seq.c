@@ -195,8 +195,8 @@ fitm_status fitm_rerank_begin(fitm_session *s, const fitm_rerank_request *req,
         branch[l] = q->lanes[l].branch;
     }
     /* A position method the request may not use fails here, as a whole run's would. */
-    if (st == FITM_OK && (st = fitm_passes_init(&q->passes, s, req, q->n_lanes, kv, branch,
-                                                err)) == FITM_OK) {
+    if (st == FITM_OK &&
+        (st = fitm_passes_init(&q->passes, s, req, q->n_lanes, kv, branch, err)) == FITM_OK) {
         res->meta.position = q->passes.position;
         st = machine_start(&q->passes, req, res, &q->run, err);
     }
@@ -237,16 +237,16 @@ bool fitm_rerank_seq_part(fitm_rerank_seq *q, int32_t lane, int64_t budget, int6
     int64_t at = 0;
     const int64_t n_logits = fitm_pass_logit_rows(p, ln->done_rows, T, &at);
     const int64_t pos = p->pos0 + ln->done_rows;
-    ln->part_opts =
-        (fitm_forward_opts){.prefix = p->prefix,
-                            .capture = fitm_passes_capture_part(q->s, p->cap, pos, T, &ln->part_cap),
-                            .n_logits = n_logits,
-                            .n_pick = p->n_pick,
-                            .pick = n_logits ? p->pick + at * p->n_pick : NULL,
-                            .logprob = n_logits ? p->logprob + at * p->n_pick : NULL,
-                            .position = p->position,
-                            .path = p->path,
-                            .n_layers = p->n_layers};
+    ln->part_opts = (fitm_forward_opts){
+        .prefix = p->prefix,
+        .capture = fitm_passes_capture_part(q->s, p->cap, pos, T, &ln->part_cap),
+        .n_logits = n_logits,
+        .n_pick = p->n_pick,
+        .pick = n_logits ? p->pick + at * p->n_pick : NULL,
+        .logprob = n_logits ? p->logprob + at * p->n_pick : NULL,
+        .position = p->position,
+        .path = p->path,
+        .n_layers = p->n_layers};
     *part = (fitm_forward_seq){p->kv, p->ids + ln->done_rows, T, pos, &ln->part_opts};
     return true;
 }

@@ -127,8 +127,7 @@ fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const f
     if (p->rerank_lanes < 0 || p->rerank_lanes > FITM_SESSION_LANES_MAX || p->logit_rows < 0)
         return fitm_err_set(err, FITM_ERR_INVALID,
                             "session: rerank_lanes %d (0 .. %d) or logit_rows %lld (>= 0)",
-                            (int)p->rerank_lanes, FITM_SESSION_LANES_MAX,
-                            (long long)p->logit_rows);
+                            (int)p->rerank_lanes, FITM_SESSION_LANES_MAX, (long long)p->logit_rows);
     fitm_session *r = calloc(1, sizeof *r);
     if (!r)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
