@@ -23,7 +23,14 @@ each daemon spent per request (steadier than latency on a shared machine), and t
 logits the scored rows send from the backend to the host: a whole row of V floats each where
 the rows leave the backend, n_pick doubles each where their log-probabilities are computed
 there (query_likelihood's rows: K times its question's tokens; relevance: K rows of the
-answer ids; fused: query_likelihood's)."""
+answer ids; fused: query_likelihood's).
+
+  tests/bench_rerank.py --model MODEL.gguf --lanes 1 4 8 [--logit-rows 256] [--k 20]
+
+compares daemons of this build that differ only in rerank_lanes (and logit_rows when given)
+the same way, side by side and interleaved, also counting each request's engine steps
+(batched forward calls, from /metrics) and its forward tokens; the first side is the
+reference the others' scores are checked against."""
 import argparse
 import concurrent.futures as cf
 import os
@@ -91,20 +98,28 @@ def scored_rows(url, headers, query, k, method):
     return k * len(ids(" " + query + RESTRICT)), 1
 
 
-def compare(a, headers):
-    """This build against --baseline, side by side on one model."""
+def steps(url):
+    """The engine's batched forward steps so far (/metrics fitm_batch_steps_total)."""
+    m = re.search(r"^fitm_batch_steps_total (\d+)", requests.get(url + "/metrics").text, re.M)
+    return int(m.group(1))
+
+
+def compare(a, headers, sides):
+    """Daemons side by side on one model, sides = [(label, build, extra fitmd args)]: the
+    first is the reference (ratios and scores against it)."""
     procs, urls = [], []
     try:
-        for build in (a.build, a.baseline):
-            p, u = start_daemon(a.model, build, [])
+        for _, build, extra in sides:
+            p, u = start_daemon(a.model, build, extra)
             procs.append(p)
             urls.append(u)
         V = vocab_size(a.build, a.model)
-        print(f"this build {a.build} against {a.baseline}, {a.repeat} requests each, "
-              f"interleaved; V = {V}\n")
-        print(f"{'K':>3} {'method':<17} {'this s':>8} {'base s':>8} {'base/this':>9} "
-              f"{'this cpu s':>10} {'base cpu s':>10} {'rows':>5} {'bytes before':>13} "
+        what = " against ".join(f"{n} ({b} {' '.join(x)})" for n, b, x in sides)
+        print(f"{what}, {a.repeat} requests each, interleaved; V = {V}\n")
+        print(f"{'K':>3} {'method':<17} {'side':<14} {'mean s':>8} {'ref/this':>8} "
+              f"{'cpu s':>7} {'steps':>6} {'fwd tok':>8} {'rows':>5} {'bytes before':>13} "
               f"{'bytes now':>10}")
+        n = len(sides)
         for k in a.k:
             docs = make_docs(k, a.doc_words, seed=k)
             base = {"query": "Which document mentions the copper lantern by the harbor?",
@@ -115,22 +130,26 @@ def compare(a, headers):
                 body = {**base, **extra}
                 for u in urls:
                     one(u, headers, body)  # warm-up
-                times, cpu = [[], []], [[], []]
-                scores = [None, None]
-                for r in range(a.repeat):  # each build first in every other round
-                    for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                        c0 = cpu_seconds(procs[i])
+                times, cpu, nsteps = [[] for _ in range(n)], [[] for _ in range(n)], [0] * n
+                scores, fwd = [None] * n, [0] * n
+                for r in range(a.repeat):  # each side first in turn, round by round
+                    for i in [(r + j) % n for j in range(n)]:
+                        c0, s0 = cpu_seconds(procs[i]), steps(urls[i])
                         dt, j = one(urls[i], headers, body)
                         cpu[i].append(cpu_seconds(procs[i]) - c0)
+                        nsteps[i] = steps(urls[i]) - s0  # the same every time
                         times[i].append(dt)
                         scores[i] = [(d["index"], d["relevance_score"]) for d in j["results"]]
+                        fwd[i] = j["usage"]["forward_tokens"]
                 m = [statistics.mean(t) for t in times]
                 mc = [statistics.mean(c) for c in cpu]
                 rows, picks = scored_rows(urls[0], headers, base["query"], k, extra.get("method"))
-                same = "same scores" if scores[0] == scores[1] else "SCORES DIFFER"
-                print(f"{k:>3} {name:<17} {m[0]:>8.3f} {m[1]:>8.3f} {m[1] / m[0]:>8.2f}x "
-                      f"{mc[0]:>10.2f} {mc[1]:>10.2f} {rows:>5} {rows * V * 4:>13} "
-                      f"{rows * picks * 8:>10}  {same}")
+                for i in range(n):
+                    same = "" if i == 0 else \
+                        "same scores" if scores[i] == scores[0] else "SCORES DIFFER"
+                    print(f"{k:>3} {name:<17} {sides[i][0]:<14} {m[i]:>8.3f} {m[0] / m[i]:>7.2f}x "
+                          f"{mc[i]:>7.2f} {nsteps[i]:>6} {fwd[i]:>8} {rows:>5} "
+                          f"{rows * V * 4:>13} {rows * picks * 8:>10}  {same}")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -149,19 +168,26 @@ def main():
     ap.add_argument("--concurrency", type=int, default=0)
     ap.add_argument("--baseline", help="another build directory to compare the scored methods "
                     "with, side by side (needs --model)")
+    ap.add_argument("--lanes", type=int, nargs="+", help="daemons of this build with these "
+                    "rerank_lanes, side by side (needs --model)")
+    ap.add_argument("--logit-rows", type=int, default=0,
+                    help="with --lanes: every daemon's logit_rows (0: by the backend)")
     a = ap.parse_args()
     if not a.model and not a.url:
         ap.error("give --model or --url")
-    if a.baseline:
+    headers = {"Authorization": f"Bearer {a.key}"} if a.key else {}
+    if a.baseline or a.lanes:
         if not a.model:
-            ap.error("--baseline needs --model")
-        compare(a, {"Authorization": f"Bearer {a.key}"} if a.key else {})
+            ap.error("--baseline and --lanes need --model")
+        rows = [f"--logit_rows={a.logit_rows}"] if a.logit_rows else []
+        sides = [("this", a.build, []), ("base", a.baseline, [])] if a.baseline else \
+            [(f"lanes {n}", a.build, [f"--rerank_lanes={n}"] + rows) for n in a.lanes]
+        compare(a, headers, sides)
         return
     proc = None
     url = a.url
     if a.model:
         proc, url = start_daemon(a.model, a.build, [])
-    headers = {"Authorization": f"Bearer {a.key}"} if a.key else {}
     try:
         model = requests.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
         print(f"model {model}, {a.repeat} sequential requests per row\n")

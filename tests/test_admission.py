@@ -7,7 +7,9 @@ The estimate is checked against what the run then reports (usage.forward_tokens)
 models, on fresh random documents, for every method and the options that change the passes: a
 daemon with a budget of 1 token refuses every request and so tells its estimate; a daemon
 without a budget runs the same request. /rerank's estimate must be exact (documents in request
-order; attention_sort with differing titles is bounded), /answer's an upper bound."""
+order; attention_sort with differing titles is bounded), /answer's an upper bound. /rerank's
+is checked with one lane and with three (rerank_lanes: each later lane's first window computes
+the prompt's head afresh, which the estimate counts lane by lane)."""
 import os
 import pathlib
 import random
@@ -29,6 +31,19 @@ def pair(fitmd_bin, models, tmp_path_factory):  # noqa: F811
     log = tmp_path_factory.mktemp("log")
     est = Daemon(fitmd_bin, models["long"], log, api_keys=KEY, max_request_forward_tokens=1)
     run = Daemon(fitmd_bin, models["long"], log, api_keys=KEY, max_request_forward_tokens=0)
+    yield est, run
+    assert est.terminate() == 0, est.log_text()
+    assert run.terminate() == 0, run.log_text()
+
+
+@pytest.fixture(scope="module")
+def lanes_pair(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    """pair's daemons with three /rerank lanes."""
+    log = tmp_path_factory.mktemp("log")
+    est = Daemon(fitmd_bin, models["long"], log, api_keys=KEY, max_request_forward_tokens=1,
+                 rerank_lanes=3)
+    run = Daemon(fitmd_bin, models["long"], log, api_keys=KEY, max_request_forward_tokens=0,
+                 rerank_lanes=3)
     yield est, run
     assert est.terminate() == 0, est.log_text()
     assert run.terminate() == 0, run.log_text()
@@ -71,24 +86,27 @@ RERANK_CASES = [
     ("calibrated", {"reference": "null_suffix", "prefix_reuse": False, "window": 2}),
     ("calibrated", {"reference": "null_suffix", "head_query": "null", "window": 1}),
     ("calibrated", {"reference": "dummy", "dummy_source": "documents", "rows": "question"}),
+    ("calibrated", {"reference": "dummy", "prefix_reuse": True, "window": 1}),
     ("attention", {"window": 4}),
     ("paper", {"prefix_reuse": True}),
     ("attention_sort", {}),
     ("query_likelihood", {}),
     ("relevance", {}),
+    ("fused", {}),
 ]
 
 
 @pytest.mark.parametrize("method,opts", RERANK_CASES)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_rerank_estimate_is_exact(pair, method, opts, seed):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_rerank_estimate_is_exact(request, method, opts, seed, lanes):
     rng = random.Random(f"{method}{opts}{seed}")
     body = {"query": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))),
             "documents": rand_docs(rng, rng.randint(1, 9), titles=seed == 2),
             "method": method, **opts}
     if seed == 2:
         body["max_tokens_per_doc"] = rng.randint(3, 30)
-    est, run = pair
+    est, run = request.getfixturevalue("pair" if lanes == 1 else "lanes_pair")
     want = actual(run, "/rerank", body)
     got = estimate(est, "/rerank", body)
     if method == "attention_sort" and seed == 2:

@@ -326,8 +326,9 @@ def oracle_served(fitmd_bin, tmp_path_factory):  # noqa: F811
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--seed", "3", "-q", "-o",
                     str(path), "--arch", "llama", "--type", "F32"], check=True)
     # /rerank's prompt as the answer template, so the scoring pass's rows are the answer
-    # prompt's rows and the prefill starts exactly at the end of the documents.
-    daemon = Daemon(fitmd_bin, path, d, answer_template=RERANK_FRAME)
+    # prompt's rows and the prefill starts exactly at the end of the documents. One /rerank
+    # lane, as an /answer's ranking has, so a /rerank's forward tokens are its scoring's.
+    daemon = Daemon(fitmd_bin, path, d, answer_template=RERANK_FRAME, rerank_lanes=1)
     yield daemon, om.Model.load(path)
     assert daemon.terminate() == 0
 

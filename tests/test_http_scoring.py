@@ -27,6 +27,15 @@ def daemon(fitmd_bin, models, tmp_path_factory):  # noqa: F811
     assert d.terminate() == 0, d.log_text()
 
 
+@pytest.fixture(scope="module")
+def one_lane(fitmd_bin, models, tmp_path_factory):  # noqa: F811
+    """A daemon whose reranks run on one lane, so every window continues the one before it
+    (with lanes each lane's first window starts afresh: tests/test_lanes.py)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path_factory.mktemp("log"), rerank_lanes=1)
+    yield d
+    assert d.terminate() == 0, d.log_text()
+
+
 def post(d, body, path="/rerank"):
     return requests.post(d.url(path), json=body, timeout=120)
 
@@ -67,7 +76,8 @@ def test_null_suffix_prefix_reuse_is_exact(daemon):
         assert math.isclose(x["dummy_attention"], y["dummy_attention"], rel_tol=1e-5)
 
 
-def test_windows_score_each_group(daemon):
+def test_windows_score_each_group(one_lane):
+    daemon = one_lane
     j = post(daemon, {**BODY, "window": 4}).json()  # K = 6: two groups of 3
     groups = j["tokens"]["groups"]
     assert j["meta"]["groups"] == 2 and [g["first_document"] for g in groups] == [0, 3]

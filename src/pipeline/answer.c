@@ -214,7 +214,7 @@ static fitm_status rank_on(fitm_answer_seq *q, fitm_err *err)
 static fitm_status rank_after(fitm_answer_seq *q, int64_t T, fitm_status st, fitm_err *err)
 {
     bool ended = false;
-    fitm_rerank_seq_after(q->rank, T, st, err, &ended);
+    fitm_rerank_seq_after(q->rank, 0, T, st, err, &ended); /* an answer's ranking: one lane */
     if (!ended)
         return FITM_OK;
     st = took(q, fitm_rerank_seq_status(q->rank, err));
@@ -269,7 +269,7 @@ void fitm_answer_seq_part(fitm_answer_seq *q, int64_t budget, int64_t logit_room
 {
     answer_state *s = &q->s;
     if (q->rank) {
-        fitm_rerank_seq_part(q->rank, budget, logit_room, part);
+        fitm_rerank_seq_part(q->rank, 0, budget, logit_room, part); /* posted: it runs */
         return;
     }
     int64_t T = 1;

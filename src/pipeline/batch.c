@@ -1,7 +1,7 @@
 /* batch: the engine's scheduler (see batch.h). A step is built in two passes over the
- * members -- decode steps first, one row each, then prompt chunks and rerank passes in the
- * members' order within the budget -- then run as one forward call, whose outcome each
- * member takes in turn. */
+ * members -- decode steps first, one row each, then prompt chunks and rerank passes (a part
+ * of every lane's posted pass) in the members' order within the budget -- then run as one
+ * forward call, whose outcome each part's member (and lane) takes in turn. */
 #include "pipeline/batch.h"
 
 #include <stdint.h>
@@ -15,7 +15,8 @@ static fitm_status stopped(fitm_err *err)
 /* The parts of one step's call and the room left in it. */
 typedef struct {
     fitm_forward_seq parts[FITM_FORWARD_MAX_SEQS];
-    int32_t idx[FITM_FORWARD_MAX_SEQS]; /* the member each part is of */
+    int32_t idx[FITM_FORWARD_MAX_SEQS];  /* the member each part is of */
+    int32_t lane[FITM_FORWARD_MAX_SEQS]; /* a rerank's part: the lane it is of */
     int32_t n_parts;
     int64_t room, logit_room; /* rows and logit rows the call may still carry */
     int64_t budget;           /* prompt rows the step may still carry */
@@ -59,7 +60,7 @@ static bool stop_if_asked(const fitm_batch_seq *m, fitm_status *st, bool *done, 
     *done = false;
     if (m->rerank && fitm_rerank_seq_stopped(m->rerank)) {
         fitm_err e;
-        fitm_rerank_seq_after(m->rerank, 0, stopped(&e), &e, done);
+        fitm_rerank_seq_after(m->rerank, 0, 0, stopped(&e), &e, done);
         return true;
     }
     if (m->answer && fitm_answer_seq_stopped(m->answer)) {
@@ -70,23 +71,41 @@ static bool stop_if_asked(const fitm_batch_seq *m, fitm_status *st, bool *done, 
     return false;
 }
 
-/* Adds member i's part (decoding: one row; else a chunk within the budget) when it fits. */
-static void add_part(const fitm_batch_seq *m, int32_t i, bool decoding, step_parts *sp)
+/* Takes the part just written at sp->parts[sp->n_parts] into the call as member i's (lane's)
+ * part when its rows and logit rows fit; else it is left out (the member waits). */
+static void take_part(int32_t i, int32_t lane, bool decoding, step_parts *sp)
 {
-    int64_t want = decoding ? 1 : (sp->budget < sp->room ? sp->budget : sp->room);
-    if (want < 1)
-        return;
-    fitm_forward_seq *part = &sp->parts[sp->n_parts];
-    if (m->rerank)
-        fitm_rerank_seq_part(m->rerank, want, sp->logit_room, part);
-    else
-        fitm_answer_seq_part(m->answer, want, sp->logit_room, part);
+    const fitm_forward_seq *part = &sp->parts[sp->n_parts];
     if (part->T > sp->room || part->opts->n_logits > sp->logit_room)
         return; /* its logit rows do not fit this call */
     sp->room -= part->T;
     sp->logit_room -= part->opts->n_logits;
     sp->budget -= decoding ? 0 : part->T;
-    sp->idx[sp->n_parts++] = i;
+    sp->idx[sp->n_parts] = i;
+    sp->lane[sp->n_parts++] = lane;
+}
+
+/* Adds member i's part (decoding: one row; else a chunk within the budget) when it fits; a
+ * rerank adds a part of each of its lanes' posted passes, in lane order, while they fit. */
+static void add_part(const fitm_batch_seq *m, int32_t i, bool decoding, step_parts *sp)
+{
+    if (!m->rerank) {
+        const int64_t want = decoding ? 1 : (sp->budget < sp->room ? sp->budget : sp->room);
+        if (want < 1)
+            return;
+        fitm_answer_seq_part(m->answer, want, sp->logit_room, &sp->parts[sp->n_parts]);
+        take_part(i, 0, decoding, sp);
+        return;
+    }
+    const int32_t n_lanes = fitm_rerank_seq_lanes(m->rerank);
+    for (int32_t l = 0; l < n_lanes && sp->n_parts < FITM_FORWARD_MAX_SEQS && sp->logit_room > 0;
+         l++) {
+        const int64_t want = sp->budget < sp->room ? sp->budget : sp->room;
+        if (want < 1)
+            return;
+        if (fitm_rerank_seq_part(m->rerank, l, want, sp->logit_room, &sp->parts[sp->n_parts]))
+            take_part(i, l, false, sp);
+    }
 }
 
 /* The step's parts: decode steps first (one row each), then prompt chunks and rerank passes
@@ -125,7 +144,7 @@ void fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int
     for (int32_t k = 0; k < sp.n_parts; k++) {
         const int32_t i = sp.idx[k];
         if (seqs[i].rerank) {
-            fitm_rerank_seq_after(seqs[i].rerank, sp.parts[k].T, bs, &err, &done[i]);
+            fitm_rerank_seq_after(seqs[i].rerank, sp.lane[k], sp.parts[k].T, bs, &err, &done[i]);
             continue;
         }
         st[i] = fitm_answer_seq_after(seqs[i].answer, sp.parts[k].T, bs, &done[i], &errs[i]);

@@ -13,9 +13,17 @@
 #include "model/model.h"
 
 fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank_request *req,
-                             fitm_kv *kv, fitm_kv *branch, fitm_err *err)
+                             int32_t n_lanes, fitm_kv *const *kv, fitm_kv *const *branch,
+                             fitm_err *err)
 {
-    *ps = (fitm_passes){.s = s, .kv = kv, .branch = branch};
+    *ps = (fitm_passes){.s = s, .n_lanes = n_lanes};
+    if (n_lanes < 1 || n_lanes > FITM_SESSION_LANES_MAX)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "%d lanes (1 .. %d)", (int)n_lanes,
+                            FITM_SESSION_LANES_MAX);
+    for (int32_t l = 0; l < n_lanes; l++) {
+        ps->kv[l] = kv[l];
+        ps->branch[l] = branch ? branch[l] : NULL;
+    }
     fitm_status st = fitm_session_position(s, req->position, &ps->position, err);
     if (st != FITM_OK)
         return st;
@@ -26,6 +34,12 @@ fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank
     ps->all_layers = req->answer_scoring && strcmp(fitm_session_answer_frame(s)->before,
                                                    fitm_rerank_default_frame.before) == 0;
     return FITM_OK;
+}
+
+void fitm_passes_share(int32_t n, int32_t n_lanes, int32_t l, int32_t *lo, int32_t *hi)
+{
+    *lo = (int32_t)((int64_t)l * n / n_lanes);
+    *hi = (int32_t)((int64_t)(l + 1) * n / n_lanes);
 }
 
 const fitm_capture *fitm_passes_capture_part(const fitm_session *r, const fitm_capture *cap,
@@ -147,9 +161,12 @@ fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
 fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, fitm_err *err)
 {
     const fitm_pass *pass = NULL;
-    while (st == FITM_OK && (st = m->next(m->run, &pass, err)) == FITM_OK && pass)
+    if (st == FITM_OK && ps->n_lanes != 1)
+        st = fitm_err_set(err, FITM_ERR_INTERNAL, "a whole run has one lane, not %d",
+                          (int)ps->n_lanes);
+    while (st == FITM_OK && (st = m->next(m->run, 0, &pass, err)) == FITM_OK && pass)
         if ((st = fitm_passes_run_pass(ps, pass, err)) == FITM_OK)
-            m->ran(m->run);
+            m->ran(m->run, 0);
     return m->end(m->run, st);
 }
 

@@ -95,7 +95,7 @@ fitm_status fitm_rerank_run(fitm_session *s, const fitm_rerank_request *req,
     fitm_score_opts_init(&res->meta.opts);
     res->meta.method = req->method;
     fitm_passes ps;
-    fitm_status st = fitm_passes_init(&ps, s, req, s->kv, s->branch, err);
+    fitm_status st = fitm_passes_init(&ps, s, req, 1, &s->kv, &s->branch, err);
     if (st != FITM_OK || (st = fitm_session_cache_method(s, ps.position, err)) != FITM_OK)
         return st;
     ps.stop = stop;
@@ -107,18 +107,19 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
                              bool any_order, int64_t *tokens, fitm_err *err)
 {
     *tokens = 0;
+    const int32_t n_lanes = fitm_rerank_lanes(s, req);
     switch (req->method) {
     case FITM_RERANK_CALIBRATED:
     case FITM_RERANK_ATTENTION:
     case FITM_RERANK_PAPER:
-        return fitm_attention_cost(s, req, any_order, tokens, err);
+        return fitm_attention_cost(s, req, any_order, n_lanes, tokens, err);
     case FITM_RERANK_ATTENTION_SORT:
         return fitm_attention_sort_cost(s, req, tokens, err);
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
         return fitm_per_doc_cost(s, req, tokens, err);
     case FITM_RERANK_FUSED:
-        return fitm_fused_cost(s, req, any_order, tokens, err);
+        return fitm_fused_cost(s, req, any_order, n_lanes, tokens, err);
     case FITM_RERANK_METHOD_COUNT:
         break;
     }

@@ -161,41 +161,57 @@ fitm_status fitm_rerank_run(fitm_session *s, const fitm_rerank_request *req,
  * the documents' order, and /answer's intervention may take a calibrated reorder's weights. */
 bool fitm_rerank_scores_alone(const fitm_session *r, const fitm_rerank_request *req);
 
-/* The forward tokens (usage.forward_tokens) fitm_rerank_run will compute for req, counted
- * from its tokenized prompts without running the model: exact for every method with the
- * documents in request order, except attention_sort with titles that differ (its reordered
- * passes are bounded: a header counts at most its bytes). any_order: the documents will be in
- * an order not known yet (/answer's reorder): an upper bound. Fails as fitm_rerank_run
- * would (FITM_ERR_LIMIT for a prompt over the context, FITM_ERR_INVALID for layers or heads
- * the model does not have, ...). Reads only what fitm_session_create made, so it may run on
- * any thread while fitm_rerank_run runs on another. */
+/* The forward tokens (usage.forward_tokens) req computes as the server runs it -- a
+ * sequence (fitm_rerank_begin) on its lanes (fitm_rerank_lanes), attention_sort whole
+ * (fitm_rerank_run) -- counted from its tokenized prompts without running the model: exact
+ * for every method with the documents in request order, except attention_sort with titles
+ * that differ (its reordered passes are bounded: a header counts at most its bytes). A
+ * whole run of a sequence's method (one lane) computes at most this: each lane's first
+ * window computes the prompt's shared head afresh. any_order: the documents will be in an
+ * order not known yet (/answer's reorder): an upper bound. Fails as the run would
+ * (FITM_ERR_LIMIT for a prompt over the context, FITM_ERR_INVALID for layers or heads the
+ * model does not have, ...). Reads only what fitm_session_create made, so it may run on any
+ * thread while fitm_rerank_run runs on another. */
 fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *req,
                              bool any_order, int64_t *tokens, fitm_err *err);
 
 /* ---- a /rerank in the running batch ------------------------------------------------------
  * Every method but attention_sort (whose second pass depends on the first's order) also runs
  * as a sequence that advances one batched forward call at a time beside other sequences
- * (continuous batching, server/engine.c): fitm_rerank_begin gives the request caches of its
- * own (its prompt's and, for a method with reference passes, one branch over it) and starts
- * the method's run as a state machine of passes -- an attention method's over each window's
+ * (continuous batching, server/engine.c): fitm_rerank_begin gives the request lanes
+ * (fitm_rerank_lanes), each with caches of its own (a prompt's and, for a method with
+ * reference passes, one branch over it) and a contiguous block of the request's windows
+ * (attention methods) or documents (query_likelihood, relevance; fused: its calibrated
+ * windows, then its query_likelihood documents), and starts the method's run as a state
+ * machine of passes with a pass posted per lane -- an attention method's over each window's
  * plan (main pass, dummy passes, null pass); query_likelihood's and relevance's over the
- * documents (a prompt's rows and its logit rows, one pass where they fit); fused's the calibrated
- * machine followed by query_likelihood's, combined at the end. Prompts, captures, logits and
- * scores are exactly fitm_rerank_run's code, which drives the same machine in a loop -- up to
- * its first pass; each step carries a chunk of that pass (fitm_rerank_seq_part), and
- * fitm_rerank_seq_after, once the pass is complete, hands its capture or logits to the
- * method and readies the next pass, or makes the result after the last. All of it runs on
- * the session's thread, between the batch's forward calls. Scores are bit-identical to
- * fitm_rerank_run's: every pass runs on the path the whole run takes, whose rows and logits
- * do not depend on the chunking or on what else shares the call (fitm_forward_run_batch). */
+ * documents (a prompt's rows and its logit rows, one pass where they fit); fused's the
+ * calibrated machine followed by query_likelihood's on each lane, combined at the end.
+ * Prompts, captures, logits and scores are exactly fitm_rerank_run's code, which drives the
+ * same machine on one lane in a loop -- up to each lane's first pass; each step carries a
+ * chunk of every lane's posted pass that fits (fitm_rerank_seq_part), and
+ * fitm_rerank_seq_after, once a lane's pass is complete, hands its capture or logits to the
+ * method and readies the lane's next pass; the steps over all K documents (softmax, sigmoid,
+ * the sort, fused's combination) run once every lane is done. All of it runs on the session's
+ * thread, between the batch's forward calls. Scores are bit-identical to fitm_rerank_run's
+ * and to one lane's: every pass runs on the path the whole run takes, whose rows and logits
+ * do not depend on the chunking or on what else shares the call (fitm_forward_run_batch), and
+ * a window's or document's score reads only its own passes. */
 typedef struct fitm_rerank_seq fitm_rerank_seq;
+
+/* The lanes req runs on as a sequence: the session's rerank_lanes (fitm_session_params), at
+ * most its windows (attention methods; fused: K windows of 1) or documents, and 1 for an
+ * /answer's scoring (whose rows the answer continues from one prompt cache) and for
+ * attention_sort (a whole run). Reads only what fitm_session_create made. */
+int32_t fitm_rerank_lanes(const fitm_session *s, const fitm_rerank_request *req);
 
 /* Whether req runs as a sequence (every method but attention_sort, which runs whole with
  * fitm_rerank_run). */
 bool fitm_rerank_batches(const fitm_rerank_request *req);
 
 /* Starts req (fitm_rerank_batches) into *res (the caller frees res, also after a failure):
- * the caches, sized by req's longest possible prompt, and the run up to its first pass.
+ * its lanes' caches, sized by req's longest possible prompt, and the run up to each lane's
+ * first pass.
  * *out is NULL when the run already ended (a failure, or an error the method found before
  * its first pass): the return value is then its status. Otherwise FITM_OK and *out is the
  * sequence to step. stop as in fitm_rerank_run, polled by fitm_batch_step. */
@@ -203,18 +219,23 @@ fitm_status fitm_rerank_begin(fitm_session *r, const fitm_rerank_request *req,
                               bool (*stop)(const void *), const void *stop_arg,
                               fitm_rerank_result *res, fitm_rerank_seq **out, fitm_err *err);
 
-/* This step's part of q: the next at most budget rows of its posted pass, of which at most
- * logit_room (>= 1) are the pass's logit rows (they end the pass, so a part holding some ends
- * with them). */
-void fitm_rerank_seq_part(fitm_rerank_seq *q, int64_t budget, int64_t logit_room,
+/* q's lanes (fitm_rerank_lanes of its request). */
+int32_t fitm_rerank_seq_lanes(const fitm_rerank_seq *q);
+
+/* This step's part of q's lane (0 .. fitm_rerank_seq_lanes - 1): the next at most budget
+ * rows of the lane's posted pass, of which at most logit_room (>= 1) are the pass's logit
+ * rows (they end the pass, so a part holding some ends with them). False (part untouched)
+ * when the lane has no pass posted: its share is done, or the run ended. */
+bool fitm_rerank_seq_part(fitm_rerank_seq *q, int32_t lane, int64_t budget, int64_t logit_room,
                           fitm_forward_seq *part);
 
-/* After the call that carried q's part of T rows ended with st (err its message): the pass
- * advances, and when it is complete the run reads its capture and readies its next pass, or
- * ends (the result made); a failed st ends the run with st. *done once the run ended. st
+/* After the call that carried the part of T rows of q's lane ended with st (err its
+ * message): the lane's pass advances, and when it is complete the run reads its capture and
+ * readies the lane's next pass; after the last lane's last pass the run ends (the result
+ * made). A failed st ends the run with st, whatever the lane. *done once the run ended. st
  * FITM_ERR_TIMEOUT with T = 0 stops q (its stop()). */
-void fitm_rerank_seq_after(fitm_rerank_seq *q, int64_t T, fitm_status st, const fitm_err *err,
-                           bool *done);
+void fitm_rerank_seq_after(fitm_rerank_seq *q, int32_t lane, int64_t T, fitm_status st,
+                           const fitm_err *err, bool *done);
 
 /* Whether q's stop() asks it to end. */
 bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q);
@@ -223,7 +244,7 @@ bool fitm_rerank_seq_stopped(const fitm_rerank_seq *q);
  * finished (shutdown) ends with FITM_ERR_TIMEOUT. */
 fitm_status fitm_rerank_end(fitm_rerank_seq *q, fitm_err *err);
 
-/* The bytes of q's own KV caches. */
+/* The bytes of q's own KV caches, every lane's. */
 size_t fitm_rerank_seq_kv_bytes(const fitm_rerank_seq *q);
 
 /* Once q's run ended (*done) and before fitm_rerank_end: its status (err its message when it

@@ -5,8 +5,10 @@
  *   reference the dummy passes and/or the null pass of that group
  *   calibrate A and A_ref per document (aggregate, skip_first, sinks), rel by the form,
  *             rel_scaled = rel x n_group, weight = softmax, relevance_score = sigmoid
- *   run       a state machine over the groups' plans (fitm_attention): it hands out one pass
- *             at a time, whoever runs it reports it done, and nothing waits in between
+ *   run       a state machine over the groups' plans (fitm_attention): each lane of the
+ *             passes takes a contiguous block of the windows and hands out one pass at a
+ *             time, whoever runs it reports it done, and nothing waits in between; the
+ *             softmax and sigmoid over all K run once every lane is done
  * Attention is averaged uniformly over the (row, layer, head) triples whose layer sees the
  * whole document from that row (sliding windows); a document no triple sees gets A = 0. */
 #include "pipeline/rerank_methods.h"
@@ -139,6 +141,16 @@ bool fitm_rerank_scores_alone(const fitm_session *r, const fitm_rerank_request *
 {
     int32_t W = req->opt.window >= 0 ? req->opt.window : r->defaults.window;
     return req->method == FITM_RERANK_CALIBRATED && (req->n_docs == 1 || W == 1);
+}
+
+int32_t fitm_attention_windows(const fitm_session *r, const fitm_rerank_request *req)
+{
+    /* make_plan's window: paper has none, else the request's over the server's */
+    const int32_t W = req->method == FITM_RERANK_PAPER ? 0
+                      : req->opt.window >= 0           ? req->opt.window
+                                                       : r->defaults.window;
+    const int32_t K = req->n_docs;
+    return K < 1 ? 1 : W <= 0 || W >= K ? 1 : (K + W - 1) / W; /* fitm_score_groups' G */
 }
 
 static fitm_status make_plan(const fitm_session *r, const fitm_rerank_request *req, plan *pl,
@@ -364,7 +376,6 @@ typedef struct {
     int32_t *position;                /* (K) place in its group's prompt */
     int64_t forward, T_max;
     double tok_ms;
-    fitm_ids held;                    /* the ids the prompt cache holds (the last group's) */
 } scores;
 
 /* A, A_ref, rel and rel_scaled of the group's documents first .. first + n - 1. */
@@ -508,22 +519,15 @@ static fitm_status finish(const plan *pl, const scores *sc, int32_t K, fitm_rera
     return FITM_OK;
 }
 
-/* ---- the run: a state machine over the windows' plans ----------------------------------- */
+/* ---- the run: a state machine over the windows' plans, lane by lane --------------------- */
 
-/* The method's run between two passes: the window it is at, the pass of that window's plan
- * it is at, and what the passes so far have captured. Its owner runs each pass that
- * fitm_attention_next hands out (here, or in the engine's batch steps) and reports it done
- * with fitm_attention_ran. */
-struct fitm_attention {
-    fitm_passes *ps;
-    const fitm_rerank_request *req;
-    fitm_rerank_result *res;
-    double t0; /* when the run started */
-    plan pl;
-    scores sc;
-    int32_t *starts; /* (K + 1) the windows' first documents */
-    double *buf;     /* sc's arrays */
-    int32_t G, g;    /* the windows, and the one running */
+/* A lane's part of the run: its share of the windows (fitm_passes_share: a contiguous block),
+ * the window it is at, the pass of that window's plan it is at, and what that window's
+ * passes so far captured; its caches, and the ids its prompt cache holds (a lane's first
+ * window computes its prompt from row 0, a later one continues the lane's last). */
+typedef struct {
+    fitm_kv *kv, *branch;
+    int32_t g, g_end; /* the window running, and the end of the lane's share */
     /* window g's next pass: -1 before its plan, 0 its main pass, 1 .. n its dummy passes,
      * n + 1 its null pass, n + 2 its calibration */
     int32_t step;
@@ -534,148 +538,169 @@ struct fitm_attention {
     int32_t *ref;     /* (T) a dummy pass's prompt */
     int32_t dummy_at; /* where the next dummy pass's tokens go in the window's dummy_tokens */
     attend_pass cur;  /* the pass handed out */
-    bool finished;    /* the result is made */
+    fitm_ids held;    /* the ids the lane's prompt cache holds (its last window's prompt) */
+    bool drained;     /* its share is done */
+} lane;
+
+/* The method's run between two passes: what the lanes share (the plan, the windows, the
+ * scores of every document so far, the result) and each lane's part. Its owner runs each
+ * pass that fitm_attention_next hands out for a lane (here, or in the engine's batch steps)
+ * and reports it done with fitm_attention_ran. A window's calibration reads only its own
+ * passes' captures, so the lanes' order of work does not change a score. */
+struct fitm_attention {
+    fitm_passes *ps;
+    const fitm_rerank_request *req;
+    fitm_rerank_result *res;
+    double t0; /* when the run started */
+    plan pl;
+    scores sc;
+    int32_t *starts; /* (K + 1) the windows' first documents */
+    double *buf;     /* sc's arrays */
+    int32_t G;       /* the windows */
+    int32_t n_lanes, n_drained;
+    lane *lanes;   /* (n_lanes) */
+    bool finished; /* the result is made */
 };
 
-/* Where window g's prompts go for return_tokens (NULL: not asked for). */
-static fitm_rerank_tokens *window_tokens(const fitm_attention *a)
+/* Where lane ln's window g's prompts go for return_tokens (NULL: not asked for). */
+static fitm_rerank_tokens *window_tokens(const fitm_attention *a, const lane *ln)
 {
-    return a->res->groups ? &a->res->groups[a->g] : NULL;
+    return a->res->groups ? &a->res->groups[ln->g] : NULL;
 }
 
-/* Releases what window g holds; the next window starts with its plan. */
-static void window_free(fitm_attention *a)
+/* Releases what lane ln's window holds; its next window starts with its plan. */
+static void window_free(const fitm_attention *a, lane *ln)
 {
-    group_plan_free(&a->gp);
-    memset(&a->gp, 0, sizeof a->gp);
+    group_plan_free(&ln->gp);
+    memset(&ln->gp, 0, sizeof ln->gp);
     if (a->pl.dummy_passes && a->pl.null_pass)
-        free(a->nul);
-    free(a->off);
-    free(a->att);
-    free(a->ref);
-    attend_free(&a->cur);
-    a->off = NULL;
-    a->att = a->nul = NULL;
-    a->ref = NULL;
-    a->step = -1;
+        free(ln->nul);
+    free(ln->off);
+    free(ln->att);
+    free(ln->ref);
+    attend_free(&ln->cur);
+    ln->off = NULL;
+    ln->att = ln->nul = NULL;
+    ln->ref = NULL;
+    ln->step = -1;
 }
 
 /* Room for the dummy passes' prompt and (return_tokens) their dummy tokens. */
-static fitm_status dummy_begin(fitm_attention *a, fitm_err *err)
+static fitm_status dummy_begin(const fitm_attention *a, lane *ln, fitm_err *err)
 {
-    const prompt *p = &a->gp.p;
-    fitm_rerank_tokens *tok = window_tokens(a);
+    const prompt *p = &ln->gp.p;
+    fitm_rerank_tokens *tok = window_tokens(a, ln);
     int64_t total = 0;
-    for (int32_t j = 0; j < a->gp.n; j++)
+    for (int32_t j = 0; j < ln->gp.n; j++)
         total += p->spans[j].end - p->spans[j].start;
-    a->ref = malloc((size_t)p->ids.n * sizeof *a->ref);
-    a->dummy_at = 0;
+    ln->ref = malloc((size_t)p->ids.n * sizeof *ln->ref);
+    ln->dummy_at = 0;
     if (tok) {
         tok->dummy_tokens = malloc((size_t)(total > 0 ? total : 1) * sizeof(int32_t));
-        tok->dummy_offsets = calloc((size_t)a->gp.n, sizeof(int64_t));
+        tok->dummy_offsets = calloc((size_t)ln->gp.n, sizeof(int64_t));
     }
-    if (!a->ref || (tok && (!tok->dummy_tokens || !tok->dummy_offsets)))
+    if (!ln->ref || (tok && (!tok->dummy_tokens || !tok->dummy_offsets)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     return FITM_OK;
 }
 
-/* Window g's plan (its tokenizing timed apart), and room for what its passes capture. */
-static fitm_status window_begin(fitm_attention *a, fitm_err *err)
+/* Lane ln's window g's plan (its tokenizing timed apart), and room for what its passes
+ * capture. */
+static fitm_status window_begin(fitm_attention *a, lane *ln, fitm_err *err)
 {
     const plan *pl = &a->pl;
     scores *sc = &a->sc;
-    const int32_t first = a->starts[a->g], n = a->starts[a->g + 1] - first;
-    a->off = malloc((size_t)(n + 1) * sizeof *a->off);
-    a->step = 0;
+    const int32_t first = a->starts[ln->g], n = a->starts[ln->g + 1] - first;
+    ln->off = malloc((size_t)(n + 1) * sizeof *ln->off);
+    ln->step = 0;
     const double t0 = fitm_clock_ms();
-    fitm_status st = a->off ? plan_group(a->ps->s, a->req, pl, first, n, &sc->held, &a->gp, err)
-                            : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    fitm_status st = ln->off ? plan_group(a->ps->s, a->req, pl, first, n, &ln->held, &ln->gp, err)
+                             : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     sc->tok_ms += fitm_clock_ms() - t0;
     if (st != FITM_OK)
         return st;
-    const prompt *p = &a->gp.p;
-    sc->forward += group_tokens(pl, &a->gp);
+    const prompt *p = &ln->gp.p;
+    sc->forward += group_tokens(pl, &ln->gp);
     sc->T_max = p->ids.n > sc->T_max ? p->ids.n : sc->T_max;
-    a->off[0] = 0;
+    ln->off[0] = 0;
     for (int32_t j = 0; j < n; j++)
-        a->off[j + 1] = a->off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
-    const int64_t len = a->off[n];
-    if (!(a->att = calloc((size_t)len * 2 + 1, sizeof *a->att)))
+        ln->off[j + 1] = ln->off[j] + (pl->sink ? p->spans[j].end - p->spans[j].start : 1);
+    const int64_t len = ln->off[n];
+    if (!(ln->att = calloc((size_t)len * 2 + 1, sizeof *ln->att)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    a->nul = pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *a->nul)
-                                               : a->att + len;
-    if (!a->nul)
+    ln->nul =
+        pl->dummy_passes && pl->null_pass ? malloc((size_t)len * sizeof *ln->nul) : ln->att + len;
+    if (!ln->nul)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    return pl->dummy_passes ? dummy_begin(a, err) : FITM_OK;
+    return pl->dummy_passes ? dummy_begin(a, ln, err) : FITM_OK;
 }
 
 /* Dummy pass j, the paper's reference: the prompt with document j's body replaced by a
- * length-matched dummy, on a branch of the prompt's cache from the start the plan gives (s_j
- * with prefix_reuse) or whole. */
-static fitm_status dummy_pass(fitm_attention *a, int32_t j, fitm_err *err)
+ * length-matched dummy, on a branch of the lane's prompt cache from the start the plan gives
+ * (s_j with prefix_reuse) or whole. */
+static fitm_status dummy_pass(fitm_attention *a, lane *ln, int32_t j, fitm_err *err)
 {
-    const prompt *p = &a->gp.p;
+    const prompt *p = &ln->gp.p;
     const int64_t T = p->ids.n, s = p->spans[j].start, e = p->spans[j].end;
-    fitm_rerank_tokens *tok = window_tokens(a);
-    memcpy(a->ref, p->ids.v, (size_t)T * sizeof *a->ref);
-    fitm_status st = fill_dummy(a->ps->s, a->req, &a->pl, a->gp.order[j], e - s, a->ref + s, err);
+    fitm_rerank_tokens *tok = window_tokens(a, ln);
+    memcpy(ln->ref, p->ids.v, (size_t)T * sizeof *ln->ref);
+    fitm_status st = fill_dummy(a->ps->s, a->req, &a->pl, ln->gp.order[j], e - s, ln->ref + s, err);
     if (st != FITM_OK)
         return st;
     if (tok) {
-        tok->dummy_offsets[j] = a->dummy_at;
-        memcpy(tok->dummy_tokens + a->dummy_at, a->ref + s, (size_t)(e - s) * sizeof *a->ref);
-        a->dummy_at += (int32_t)(e - s);
+        tok->dummy_offsets[j] = ln->dummy_at;
+        memcpy(tok->dummy_tokens + ln->dummy_at, ln->ref + s, (size_t)(e - s) * sizeof *ln->ref);
+        ln->dummy_at += (int32_t)(e - s);
     }
-    const int64_t from = a->gp.dummy_from[j];
-    fitm_passes *ps = a->ps;
-    return attend_prepare(ps, &a->pl, ps->branch, from > 0 ? ps->kv : NULL, a->ref, T, from,
-                          p->rows, p->n_rows, &p->spans[j], 1, a->off + j, a->att + a->off[a->gp.n],
-                          &a->cur, err);
+    const int64_t from = ln->gp.dummy_from[j];
+    return attend_prepare(a->ps, &a->pl, ln->branch, from > 0 ? ln->kv : NULL, ln->ref, T, from,
+                          p->rows, p->n_rows, &p->spans[j], 1, ln->off + j,
+                          ln->att + ln->off[ln->gp.n], &ln->cur, err);
 }
 
-/* Readies the pass of window g's plan at `step` (see fitm_attention): the main pass over its
+/* Readies the pass of lane ln's window's plan at `step` (see lane): the main pass over its
  * prompt, a dummy pass, or the content-free query's reference, the plan's null prompt (the
  * query replaced by "N/A" in both places, null_query, a whole pass; or in the trailing
  * question only, null_suffix, on a branch of the prompt's cache from the end of the documents
  * when prefix_reuse). */
-static fitm_status prepare_pass(fitm_attention *a, fitm_err *err)
+static fitm_status prepare_pass(fitm_attention *a, lane *ln, fitm_err *err)
 {
-    fitm_passes *ps = a->ps;
-    const group_plan *gp = &a->gp;
+    const group_plan *gp = &ln->gp;
     const int32_t n = gp->n;
-    if (a->step == 0)
-        return attend_prepare(ps, &a->pl, ps->kv, NULL, gp->p.ids.v, gp->p.ids.n, gp->from,
-                              gp->p.rows, gp->p.n_rows, gp->p.spans, n, a->off, a->att, &a->cur,
+    if (ln->step == 0)
+        return attend_prepare(a->ps, &a->pl, ln->kv, NULL, gp->p.ids.v, gp->p.ids.n, gp->from,
+                              gp->p.rows, gp->p.n_rows, gp->p.spans, n, ln->off, ln->att, &ln->cur,
                               err);
-    if (a->step <= n)
-        return dummy_pass(a, a->step - 1, err);
+    if (ln->step <= n)
+        return dummy_pass(a, ln, ln->step - 1, err);
     const prompt *np = &gp->np;
     const int64_t from = gp->null_from;
-    return attend_prepare(ps, &a->pl, ps->branch, from > 0 ? ps->kv : NULL, np->ids.v, np->ids.n,
-                          from, np->rows, np->n_rows, np->spans, n, a->off, a->nul, &a->cur, err);
+    return attend_prepare(a->ps, &a->pl, ln->branch, from > 0 ? ln->kv : NULL, np->ids.v, np->ids.n,
+                          from, np->rows, np->n_rows, np->spans, n, ln->off, ln->nul, &ln->cur,
+                          err);
 }
 
-/* Whether window g's plan (n documents) has a pass at `step`. */
+/* Whether a window's plan (n documents) has a pass at `step`. */
 static bool pass_planned(const plan *pl, int32_t step, int32_t n)
 {
     return step == 0 || (step <= n && pl->dummy_passes) || (step == n + 1 && pl->null_pass);
 }
 
-/* Window g's passes have all run: the reference (the dummy passes', the null pass's, or both's
- * mean), calibrate, the prompts kept for return_tokens; on to the next window. */
-static void window_end(fitm_attention *a)
+/* Lane ln's window's passes have all run: the reference (the dummy passes', the null pass's,
+ * or both's mean), calibrate, the prompts kept for return_tokens; on to its next window. */
+static void window_end(fitm_attention *a, lane *ln)
 {
     const plan *pl = &a->pl;
-    group_plan *gp = &a->gp;
+    group_plan *gp = &ln->gp;
     const int32_t n = gp->n;
-    const int64_t len = a->off[n];
-    double *refs = a->att + len;
-    fitm_rerank_tokens *tok = window_tokens(a);
+    const int64_t len = ln->off[n];
+    double *refs = ln->att + len;
+    fitm_rerank_tokens *tok = window_tokens(a, ln);
     if (pl->dummy_passes && pl->null_pass)
         for (int64_t i = 0; i < len; i++)
-            refs[i] = 0.5 * (refs[i] + a->nul[i]);
+            refs[i] = 0.5 * (refs[i] + ln->nul[i]);
     const bool has_ref = pl->o.reference != FITM_REF_NONE;
-    calibrate(pl, gp->p.spans, gp->first, n, a->off, a->att, has_ref ? refs : NULL, &a->sc);
+    calibrate(pl, gp->p.spans, gp->first, n, ln->off, ln->att, has_ref ? refs : NULL, &a->sc);
     if (tok && pl->null_pass) {
         tok->null_ids = gp->np.ids.v;
         tok->n_null_ids = gp->np.ids.n;
@@ -686,8 +711,25 @@ static void window_end(fitm_attention *a)
     }
     if (tok)
         keep_tokens(&gp->p, gp->first, n, tok);
-    window_free(a);
-    a->g++;
+    window_free(a, ln);
+    ln->g++;
+}
+
+/* The lanes, each with its share of the G windows and its caches. */
+static fitm_status lanes_start(fitm_attention *a, fitm_err *err)
+{
+    const fitm_passes *ps = a->ps;
+    a->n_lanes = ps->n_lanes;
+    if (!(a->lanes = calloc((size_t)a->n_lanes, sizeof *a->lanes)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t l = 0; l < a->n_lanes; l++) {
+        lane *ln = &a->lanes[l];
+        fitm_passes_share(a->G, a->n_lanes, l, &ln->g, &ln->g_end);
+        ln->kv = ps->kv[l];
+        ln->branch = ps->branch[l];
+        ln->step = -1;
+    }
+    return FITM_OK;
 }
 
 fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req,
@@ -698,7 +740,7 @@ fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req
     if (!a)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     const int32_t K = req->n_docs;
-    *a = (fitm_attention){.ps = ps, .req = req, .res = res, .t0 = fitm_clock_ms(), .step = -1};
+    *a = (fitm_attention){.ps = ps, .req = req, .res = res, .t0 = fitm_clock_ms()};
     a->starts = malloc((size_t)(K + 1) * sizeof *a->starts);
     a->buf = calloc((size_t)K * 4, sizeof *a->buf);
     a->sc.position = calloc((size_t)K, sizeof *a->sc.position);
@@ -714,40 +756,48 @@ fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req
     ps->n_layers = ps->all_layers ? 0 : a->pl.n_layers; /* no pass reads a later layer */
     res->meta.n_groups = a->G;
     if (req->return_tokens && !(res->groups = calloc((size_t)a->G, sizeof *res->groups)))
-        st = fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     res->n_groups = res->groups ? a->G : 0;
-    return st;
+    return lanes_start(a, err);
 }
 
-fitm_status fitm_attention_next(fitm_attention *a, const fitm_pass **pass, fitm_err *err)
+fitm_status fitm_attention_next(fitm_attention *a, int32_t lane_no, const fitm_pass **pass,
+                                fitm_err *err)
 {
+    lane *ln = &a->lanes[lane_no];
     *pass = NULL;
     fitm_status st = FITM_OK;
-    while (st == FITM_OK && a->g < a->G) {
-        const int32_t n = a->gp.n;
-        if (a->step < 0) {
-            st = window_begin(a, err);
-        } else if (a->step > n + 1) {
-            window_end(a);
-        } else if (pass_planned(&a->pl, a->step, n)) {
-            st = prepare_pass(a, err);
-            *pass = st == FITM_OK ? &a->cur.pass : NULL;
+    while (st == FITM_OK && ln->g < ln->g_end) {
+        const int32_t n = ln->gp.n;
+        if (ln->step < 0) {
+            st = window_begin(a, ln, err);
+        } else if (ln->step > n + 1) {
+            window_end(a, ln);
+        } else if (pass_planned(&a->pl, ln->step, n)) {
+            st = prepare_pass(a, ln, err);
+            *pass = st == FITM_OK ? &ln->cur.pass : NULL;
             return st;
         } else {
-            a->step++;
+            ln->step++;
         }
     }
-    if (st == FITM_OK && !a->finished) {
+    if (st == FITM_OK && !ln->drained) {
+        ln->drained = true;
+        a->n_drained++;
+    }
+    /* softmax weights and sigmoid read every document's scores: once every lane is done */
+    if (st == FITM_OK && a->n_drained == a->n_lanes && !a->finished) {
         a->finished = true;
         st = finish(&a->pl, &a->sc, a->req->n_docs, a->res, err);
     }
     return st;
 }
 
-void fitm_attention_ran(fitm_attention *a)
+void fitm_attention_ran(fitm_attention *a, int32_t lane_no)
 {
-    attend_collect(a->ps->s, &a->pl, &a->cur);
-    a->step++;
+    lane *ln = &a->lanes[lane_no];
+    attend_collect(a->ps->s, &a->pl, &ln->cur);
+    ln->step++;
 }
 
 fitm_status fitm_attention_end(fitm_attention *a, fitm_status st)
@@ -761,26 +811,29 @@ fitm_status fitm_attention_end(fitm_attention *a, fitm_status st)
                                      .total_tokens = a->sc.T_max};
     res->meta.tokenize_ms = a->sc.tok_ms;
     res->meta.forward_ms = fitm_clock_ms() - a->t0 - a->sc.tok_ms;
-    window_free(a);
+    for (int32_t l = 0; a->lanes && l < a->n_lanes; l++) {
+        window_free(a, &a->lanes[l]);
+        free(a->lanes[l].held.v);
+    }
+    free(a->lanes);
     fitm_score_opts_free(&a->pl.o);
     free(a->pl.pair);
     free(a->pl.own_dummy.v);
     free(a->starts);
     free(a->buf);
     free(a->sc.position);
-    free(a->sc.held.v);
     free(a);
     return st;
 }
 
-static fitm_status machine_next(void *a, const fitm_pass **pass, fitm_err *err)
+static fitm_status machine_next(void *a, int32_t lane_no, const fitm_pass **pass, fitm_err *err)
 {
-    return fitm_attention_next(a, pass, err);
+    return fitm_attention_next(a, lane_no, pass, err);
 }
 
-static void machine_ran(void *a)
+static void machine_ran(void *a, int32_t lane_no)
 {
-    fitm_attention_ran(a);
+    fitm_attention_ran(a, lane_no);
 }
 
 static fitm_status machine_end(void *a, fitm_status st)
@@ -828,7 +881,7 @@ static fitm_status group_cost(const fitm_session *r, const fitm_rerank_request *
 }
 
 fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request *req,
-                                   bool any_order, int64_t *tokens, fitm_err *err)
+                                bool any_order, int32_t n_lanes, int64_t *tokens, fitm_err *err)
 {
     const int32_t K = req->n_docs;
     plan pl = {0};
@@ -840,14 +893,21 @@ fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request
     int64_t sum = 0;
     int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
     if (st == FITM_OK && !any_order) {
+        /* lane by lane as the run's lanes take the windows: each lane's first window computes
+         * its prompt from row 0, a later one continues the lane's last (held) */
         fitm_ids held = {0};
-        for (int32_t g = 0; st == FITM_OK && g < G; g++)
-            st = group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum,
-                            err);
+        for (int32_t l = 0; st == FITM_OK && l < n_lanes; l++) {
+            int32_t lo, hi;
+            fitm_passes_share(G, n_lanes, l, &lo, &hi);
+            held.n = 0;
+            for (int32_t g = lo; st == FITM_OK && g < hi; g++)
+                st =
+                    group_cost(r, req, &pl, starts[g], starts[g + 1] - starts[g], &held, &sum, err);
+        }
         free(held.v);
     } else if (st == FITM_OK) {
-        /* Every group's prompt is at most frame + its documents' part; the parts add up to at
-         * most docs; a dummy pass is at most its group's prompt. */
+        /* Whatever the lanes, every group's prompt is at most frame + its documents' part; the
+         * parts add up to at most docs; a dummy pass is at most its group's prompt. */
         int32_t n_max = 0;
         for (int32_t g = 0; g < G; g++)
             n_max = starts[g + 1] - starts[g] > n_max ? starts[g + 1] - starts[g] : n_max;
@@ -870,29 +930,53 @@ fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request
     return st;
 }
 
+/* The most rows of a window's prompt over the documents [first, first + n) with the queries q
+ * (NULL: the request's), in any order within the window: the frame and those documents. */
+static fitm_status window_rows(const fitm_session *r, const fitm_rerank_request *req,
+                               const fitm_prompt_queries *q, int32_t first, int32_t n,
+                               int64_t *rows, fitm_err *err)
+{
+    fitm_rerank_request sub = *req;
+    sub.docs = req->docs + first;
+    sub.n_docs = n;
+    const int32_t starts[2] = {0, n};
+    int64_t frame = 0, docs = 0;
+    fitm_status st = fitm_prompt_bound(r, &sub, NULL, q, starts, 1, &frame, &docs, err);
+    *rows = frame + docs;
+    return st;
+}
+
 fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
-                                   int64_t *rows, fitm_err *err)
+                                int64_t *rows, fitm_err *err)
 {
     plan pl = {0};
     fitm_rerank_meta scratch = {0}; /* make_plan's meta, not kept */
     fitm_score_opts_init(&scratch.opts);
-    fitm_status st = make_plan(r, req, &pl, &scratch, err);
-    int32_t starts[2] = {0, req->n_docs};
-    int64_t frame = 0, docs = 0, most = 0;
-    /* A window's prompt is the frame and some of the documents: within the bound of all. */
-    if (st == FITM_OK &&
-        (st = fitm_prompt_bound(r, req, NULL, NULL, starts, 1, &frame, &docs, err)) == FITM_OK)
-        most = frame + docs;
-    if (st == FITM_OK && pl.null_pass) {
-        fitm_prompt_queries q = null_queries(req, &pl);
-        if ((st = fitm_prompt_bound(r, req, NULL, &q, starts, 1, &frame, &docs, err)) ==
-            FITM_OK)
-            most = frame + docs > most ? frame + docs : most;
+    const int32_t K = req->n_docs;
+    int32_t *starts = malloc((size_t)(K + 1) * sizeof *starts);
+    fitm_status st = starts ? make_plan(r, req, &pl, &scratch, err)
+                            : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    const int32_t G = st == FITM_OK ? fitm_score_groups(K, pl.o.window, starts) : 0;
+    const fitm_prompt_queries nq = null_queries(req, &pl);
+    int64_t most = 0;
+    /* the main and dummy passes' prompts, then the null pass's; each lane's caches hold one
+     * window's at a time, so the largest window's bound, not all K documents' */
+    for (int pass = 0; st == FITM_OK && pass < (pl.null_pass ? 2 : 1); pass++) {
+        const fitm_prompt_queries *q = pass ? &nq : NULL;
+        int64_t all = 0, w = 0;
+        /* every document first: one the run would refuse fails here as it would there */
+        st = window_rows(r, req, q, 0, K, &all, err);
+        most = G == 1 && all > most ? all : most;
+        for (int32_t g = 0; st == FITM_OK && G > 1 && g < G; g++) {
+            st = window_rows(r, req, q, starts[g], starts[g + 1] - starts[g], &w, err);
+            most = w > most ? w : most;
+        }
     }
     *rows = most < r->n_ctx ? most : r->n_ctx;
     meta_free(&scratch);
     fitm_score_opts_free(&pl.o);
     free(pl.pair);
     free(pl.own_dummy.v);
+    free(starts);
     return st;
 }

@@ -67,54 +67,59 @@ static void combine(fitm_rerank_result *res, const fitm_rerank_result *qr, int32
     fitm_results_sort(res->results, K);
 }
 
-/* The run between two passes: the component running (calibrated into res, then
- * query_likelihood into qr) as a machine of its own. */
+/* The run between two passes: the two components as machines of their own (calibrated into
+ * res, query_likelihood into qr), both started at the start, and how far each lane got: its
+ * share of the calibrated windows, then its share of query_likelihood's documents. */
 typedef struct {
     fitm_passes *ps;
     fitm_rerank_result *res;
     fitm_rerank_request c, q; /* the components' requests (c's options its own) */
     fitm_rerank_result qr;
-    fitm_machine part; /* the component running; end NULL once it ended */
-    bool ql;           /* part is query_likelihood's */
+    fitm_machine cal, ql; /* end NULL: not started */
+    /* each lane's stage: 0 its calibrated share, 1 its query_likelihood share, 2 done */
+    uint8_t stage[FITM_SESSION_LANES_MAX];
+    int32_t n_done; /* lanes at stage 2 */
     double w;
 } fused_run;
 
-/* The component running has made its result: it ends; after calibrated, query_likelihood
- * starts; after query_likelihood, the two are combined (*over). */
-static fitm_status part_done(fused_run *f, bool *over, fitm_err *err)
+/* Both components have made their results (every lane done with both): combined into res. */
+static fitm_status fuse(fused_run *f, fitm_err *err)
 {
-    fitm_status st = f->part.end(f->part.run, FITM_OK);
-    f->part = (fitm_machine){0};
-    *over = st != FITM_OK || f->ql;
-    if (st == FITM_OK && !f->ql) {
-        f->ql = true;
-        return fitm_per_doc_start(f->ps, &f->q, &f->qr, &f->part, err);
-    }
-    double *ql = st == FITM_OK ? malloc((size_t)f->q.n_docs * sizeof *ql) : NULL;
-    if (st == FITM_OK && !ql)
+    double *ql = malloc((size_t)f->q.n_docs * sizeof *ql);
+    if (!ql)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    if (st == FITM_OK)
-        combine(f->res, &f->qr, f->q.n_docs, f->w, ql);
+    combine(f->res, &f->qr, f->q.n_docs, f->w, ql);
     free(ql);
-    return st;
+    return FITM_OK;
 }
 
-static fitm_status fused_next(void *run, const fitm_pass **pass, fitm_err *err)
+static fitm_status fused_next(void *run, int32_t lane, const fitm_pass **pass, fitm_err *err)
 {
     fused_run *f = run;
     *pass = NULL;
-    fitm_status st = FITM_OK;
-    bool over = f->part.end == NULL;
-    while (st == FITM_OK && !over && (st = f->part.next(f->part.run, pass, err)) == FITM_OK &&
-           !*pass)
-        st = part_done(f, &over, err);
-    return st;
+    fitm_status st;
+    if (f->stage[lane] == 0) {
+        if ((st = f->cal.next(f->cal.run, lane, pass, err)) != FITM_OK || *pass)
+            return st;
+        f->stage[lane] = 1; /* its calibrated share done: on to its query_likelihood share */
+    }
+    if (f->stage[lane] == 1) {
+        if ((st = f->ql.next(f->ql.run, lane, pass, err)) != FITM_OK || *pass)
+            return st;
+        f->stage[lane] = 2;
+        if (++f->n_done == f->ps->n_lanes)
+            return fuse(f, err);
+    }
+    return FITM_OK;
 }
 
-static void fused_ran(void *run)
+static void fused_ran(void *run, int32_t lane)
 {
     fused_run *f = run;
-    f->part.ran(f->part.run);
+    if (f->stage[lane] == 0)
+        f->cal.ran(f->cal.run, lane);
+    else
+        f->ql.ran(f->ql.run, lane);
 }
 
 static fitm_status fused_end(void *run, fitm_status st)
@@ -122,8 +127,10 @@ static fitm_status fused_end(void *run, fitm_status st)
     fused_run *f = run;
     if (!f)
         return st;
-    if (f->part.end)
-        st = f->part.end(f->part.run, st);
+    if (f->cal.end)
+        st = f->cal.end(f->cal.run, st);
+    if (f->ql.end)
+        st = f->ql.end(f->ql.run, st);
     fitm_rerank_result *res = f->res;
     if (st == FITM_OK) {
         res->usage.forward_tokens += f->qr.usage.forward_tokens;
@@ -153,7 +160,9 @@ fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
     f->q.method = FITM_RERANK_QUERY_LIKELIHOOD;
     fitm_status st = calibrated_request(req, &f->c, err);
     if (st == FITM_OK)
-        st = fitm_attention_machine(ps, &f->c, res, &f->part, err);
+        st = fitm_attention_machine(ps, &f->c, res, &f->cal, err);
+    if (st == FITM_OK)
+        st = fitm_per_doc_start(ps, &f->q, &f->qr, &f->ql, err);
     return st;
 }
 
@@ -165,15 +174,15 @@ fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
     return fitm_machine_run(ps, &m, st, err);
 }
 
-fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
-                            bool any_order, int64_t *tokens, fitm_err *err)
+fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req, bool any_order,
+                            int32_t n_lanes, int64_t *tokens, fitm_err *err)
 {
     fitm_rerank_request q = *req, c;
     q.method = FITM_RERANK_QUERY_LIKELIHOOD;
     int64_t tq = 0, tc = 0;
     fitm_status st = calibrated_request(req, &c, err);
     if (st == FITM_OK)
-        st = fitm_attention_cost(r, &c, any_order, &tc, err);
+        st = fitm_attention_cost(r, &c, any_order, n_lanes, &tc, err);
     if (st == FITM_OK)
         st = fitm_per_doc_cost(r, &q, &tq, err);
     fitm_score_opts_free(&c.opt);

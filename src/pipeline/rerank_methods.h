@@ -11,8 +11,9 @@
 #include "pipeline/session_internal.h"
 
 /* The attention methods (rerank_attn.c), run as a state machine over each window's plan of
- * passes (its main pass, its dummy passes, its null pass): fitm_attention_start plans the
- * options; fitm_attention_next readies the next pass of the plan (planning a window when it
+ * passes (its main pass, its dummy passes, its null pass), each lane of the passes through
+ * its block of the windows (fitm_passes_share): fitm_attention_start plans the
+ * options; fitm_attention_next readies a lane's next pass of the plan (planning a window when it
  * starts, calibrating it when its passes are done, making the result after the last), which
  * its owner runs -- here (fitm_passes_run_pass), or in the engine's batch steps -- and reports
  * with fitm_attention_ran; fitm_attention_end fills res's usage and timings and frees. */
@@ -24,12 +25,14 @@ typedef struct fitm_attention fitm_attention;
 fitm_status fitm_attention_start(fitm_passes *ps, const fitm_rerank_request *req,
                                  fitm_rerank_result *res, fitm_attention **out, fitm_err *err);
 
-/* The next pass to run (*pass, valid until fitm_attention_ran), or *pass NULL once the result
- * is made. The pass's cache is readied for it (rebased or cut at its start). */
-fitm_status fitm_attention_next(fitm_attention *a, const fitm_pass **pass, fitm_err *err);
+/* Lane's next pass to run (*pass, valid until fitm_attention_ran for that lane), or *pass
+ * NULL once the lane's windows are done; the call that finds every lane done makes the
+ * result. The pass's cache (the lane's) is readied for it (rebased or cut at its start). */
+fitm_status fitm_attention_next(fitm_attention *a, int32_t lane, const fitm_pass **pass,
+                                fitm_err *err);
 
-/* The pass fitm_attention_next handed out has run: its capture is read. */
-void fitm_attention_ran(fitm_attention *a);
+/* The pass fitm_attention_next handed out for lane has run: its capture is read. */
+void fitm_attention_ran(fitm_attention *a, int32_t lane);
 
 /* Ends the run with status st (returned): res's usage and timings, a's memory freed. a may be
  * NULL. */
@@ -43,15 +46,19 @@ fitm_status fitm_attention_machine(fitm_passes *ps, const fitm_rerank_request *r
 fitm_status fitm_attention_run(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_err *err);
 
-/* The forward tokens fitm_attention_run computes for req: exactly, or (any_order: the
+/* The forward tokens the run of req on n_lanes lanes computes: exactly, or (any_order: the
  * documents in an order not known yet) at most this. Fails as the run would for options,
  * layers or heads the model does not have and for a prompt over the context (exact only). */
 fitm_status fitm_attention_cost(const fitm_session *r, const fitm_rerank_request *req,
-                                bool any_order, int64_t *tokens, fitm_err *err);
+                                bool any_order, int32_t n_lanes, int64_t *tokens, fitm_err *err);
 
-/* The most rows any prompt of fitm_attention_run for req can have (its caches' size): the
- * prompt of all documents in any order with the request's query or (a null reference) the
- * content-free one, at most n_ctx. */
+/* The windows (groups) req's run scores, as fitm_score_groups makes them with the run's
+ * window option: what its lanes share. */
+int32_t fitm_attention_windows(const fitm_session *r, const fitm_rerank_request *req);
+
+/* The most rows any prompt of fitm_attention_run for req can have (a lane's caches' size):
+ * the prompt of its largest window's documents in any order with the request's query or (a
+ * null reference) the content-free one, at most n_ctx. */
 fitm_status fitm_attention_rows(const fitm_session *r, const fitm_rerank_request *req,
                                 int64_t *rows, fitm_err *err);
 
@@ -62,7 +69,8 @@ fitm_status fitm_attention_sort_cost(const fitm_session *r, const fitm_rerank_re
                                      int64_t *tokens, fitm_err *err);
 
 /* query_likelihood and relevance (rerank_per_doc.c): a state machine over the documents,
- * each one's prompt on ps->kv rebased at 0: query_likelihood's question rows with logits, at
+ * each lane through its block of them (fitm_passes_share), each document's prompt on the
+ * lane's cache rebased at 0: query_likelihood's question rows with logits, at
  * most logit_rows a pass, the first pass also taking the rows before them (their
  * log-probabilities added in row order); relevance's whole prompt, its last row's logits.
  * The whole run drives the same machine (fitm_machine_run). */
@@ -76,14 +84,15 @@ fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *
 fitm_status fitm_per_doc_rows(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *rows, fitm_err *err);
 
-/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c): the
- * calibrated machine, then query_likelihood's, on the same passes, combined at the end. */
+/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c): on each
+ * lane its share of the calibrated machine, then its share of query_likelihood's, on the same
+ * passes, combined once both finished on every lane. */
 fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
                              fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
 fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
                            fitm_rerank_result *res, fitm_err *err);
-fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req,
-                            bool any_order, int64_t *tokens, fitm_err *err);
+fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req, bool any_order,
+                            int32_t n_lanes, int64_t *tokens, fitm_err *err);
 /* The most rows any pass of req's two components has (a sequence's cache size). */
 fitm_status fitm_fused_rows(const fitm_session *r, const fitm_rerank_request *req,
                             int64_t *rows, fitm_err *err);

@@ -130,10 +130,26 @@ static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *re
     return st;
 }
 
-/* ---- the run: a state machine over the documents ------------------------------------------ */
+/* ---- the run: a state machine over the documents, lane by lane --------------------------- */
 
-/* The run between two passes: the document it is at, how far its passes got, and what its
- * logit rows so far added up to. */
+/* A lane's part of the run between two passes: its share of the documents, the document it
+ * is at, how far that one's passes got, and what its logit rows so far added up to. */
+typedef struct {
+    fitm_kv *kv;
+    int32_t k, k_end; /* the document running, and the end of the lane's share */
+    fitm_ids ids;     /* its prompt */
+    int64_t T, at;    /* its fed tokens; the next pass's first row (-1: not begun) */
+    double sum;       /* query_likelihood: its question's log-probabilities so far; relevance:
+                       * its score */
+    double *lp;       /* (rows, n_pick) the logit rows' log-probabilities: rows = the most
+                       * logit rows of one pass; query_likelihood picks each row's next token,
+                       * relevance the answer ids */
+    fitm_pass pass;   /* the pass handed out */
+    bool drained;     /* its share is done */
+} doc_lane;
+
+/* The run: what the lanes share (the method's texts, the results, the counts) and each
+ * lane's part. A document's score reads only its own passes' logit rows. */
 typedef struct {
     fitm_passes *ps;
     const fitm_rerank_request *req;
@@ -141,109 +157,115 @@ typedef struct {
     per_doc pd;
     double t0, tok_ms; /* when the run started; its tokenizing */
     int64_t forward, T_max;
-    int32_t k;      /* the document running */
-    fitm_ids ids;   /* its prompt */
-    int64_t T, at;  /* its fed tokens; the next pass's first row (-1: not begun) */
-    double sum;     /* query_likelihood: its question's log-probabilities so far; relevance: its
-                     * score */
-    double *lp;     /* (rows, n_pick) the logit rows' log-probabilities: rows = the most
-                     * logit rows of one pass; query_likelihood picks each row's next token,
-                     * relevance the answer ids */
-    fitm_pass pass; /* the pass handed out */
+    int32_t n_lanes, n_drained;
+    doc_lane *lanes; /* (n_lanes) */
 } per_doc_run;
 
-/* Document k's prompt (doc_pass, timed apart) and its cache rebased at 0. */
-static fitm_status doc_begin(per_doc_run *d, fitm_err *err)
+/* Lane ln's document k's prompt (doc_pass, timed apart) and its cache rebased at 0. */
+static fitm_status doc_begin(per_doc_run *d, doc_lane *ln, fitm_err *err)
 {
     const double t0 = fitm_clock_ms();
-    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, d->k, &d->ids, &d->T, err);
+    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, ln->k, &ln->ids, &ln->T, err);
     d->tok_ms += fitm_clock_ms() - t0;
     if (st == FITM_OK)
-        st = fitm_kv_rebase(d->ps->kv, 0, err);
-    d->T_max = d->T > d->T_max ? d->T : d->T_max;
-    d->forward += d->T;
-    d->at = 0;
-    d->sum = 0;
+        st = fitm_kv_rebase(ln->kv, 0, err);
+    d->T_max = ln->T > d->T_max ? ln->T : d->T_max;
+    d->forward += ln->T;
+    ln->at = 0;
+    ln->sum = 0;
     return st;
 }
 
-/* Document k's next pass from row at, or false when its passes have all run. query_likelihood:
- * the question's rows head .. T - 1 (each predicts the next token) with logits, at most
- * logit_rows a pass, the first pass also taking every row before them: a question of at most
- * logit_rows tokens is one pass with the document. relevance: the whole prompt, the last row's
- * logits. A row's values do not depend on the pass it is in (the forward's numerics classes),
- * and the question's log-probabilities are added in row order whatever the passes. */
-static bool doc_next_pass(per_doc_run *d)
+/* Lane ln's document's next pass from row at, or false when its passes have all run.
+ * query_likelihood: the question's rows head .. T - 1 (each predicts the next token) with
+ * logits, at most logit_rows a pass, the first pass also taking every row before them: a
+ * question of at most logit_rows tokens is one pass with the document. relevance: the whole
+ * prompt, the last row's logits. A row's values do not depend on the pass it is in (the
+ * forward's numerics classes), and the question's log-probabilities are added in row order
+ * whatever the passes. */
+static bool doc_next_pass(const per_doc_run *d, doc_lane *ln)
 {
     const fitm_session *r = d->ps->s;
-    if (d->at >= d->T)
+    if (ln->at >= ln->T)
         return false;
     int64_t n, n_logits;
     if (d->pd.ql) {
-        const int64_t head = d->ids.n - d->pd.q.n - 1;
-        const int64_t from = head > d->at ? head : d->at; /* the first logit row */
-        n_logits = (d->T - from - 1) % r->logit_rows + 1; /* the rest go logit_rows a pass */
-        n = from - d->at + n_logits;
+        const int64_t head = ln->ids.n - d->pd.q.n - 1;
+        const int64_t from = head > ln->at ? head : ln->at; /* the first logit row */
+        n_logits = (ln->T - from - 1) % r->logit_rows + 1;  /* the rest go logit_rows a pass */
+        n = from - ln->at + n_logits;
     } else {
-        n = d->T - d->at;
+        n = ln->T - ln->at;
         n_logits = 1;
     }
     /* query_likelihood's row i picks the token after it, ids[at + i + 1]: the question's
      * ids from the second on, as they stand in the prompt */
     const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
-    const int32_t *pick = d->pd.ql ? d->ids.v + d->at + (n - n_logits) + 1 : d->pd.answers;
-    d->pass = fitm_passes_pass(d->ps, d->ps->kv, NULL, d->ids.v + d->at, n, d->at, NULL, n_logits,
-                               n_pick, pick, d->lp);
+    const int32_t *pick = d->pd.ql ? ln->ids.v + ln->at + (n - n_logits) + 1 : d->pd.answers;
+    ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at, NULL, n_logits,
+                                n_pick, pick, ln->lp);
     return true;
 }
 
-/* Document k's score once its passes ran; on to the next document. */
-static void doc_end(per_doc_run *d)
+/* Lane ln's document's score once its passes ran; on to its next document. */
+static void doc_end(per_doc_run *d, doc_lane *ln)
 {
-    const double score = d->pd.ql ? exp(d->sum / (double)d->pd.q.n) : d->sum;
-    d->res->results[d->k] = (fitm_rerank_doc_result){
-        .index = d->k, .position = d->k, .relevance_score = score, .raw_score = score};
-    d->k++;
-    d->at = -1;
+    const double score = d->pd.ql ? exp(ln->sum / (double)d->pd.q.n) : ln->sum;
+    d->res->results[ln->k] = (fitm_rerank_doc_result){
+        .index = ln->k, .position = ln->k, .relevance_score = score, .raw_score = score};
+    ln->k++;
+    ln->at = -1;
 }
 
-static fitm_status per_doc_next(void *run, const fitm_pass **pass, fitm_err *err)
+static fitm_status per_doc_next(void *run, int32_t lane, const fitm_pass **pass, fitm_err *err)
 {
     per_doc_run *d = run;
+    doc_lane *ln = &d->lanes[lane];
     *pass = NULL;
     fitm_status st = FITM_OK;
-    while (st == FITM_OK && d->k < d->req->n_docs) {
-        if (d->at < 0)
-            st = doc_begin(d, err);
-        else if (doc_next_pass(d))
+    while (st == FITM_OK && ln->k < ln->k_end) {
+        if (ln->at < 0)
+            st = doc_begin(d, ln, err);
+        else if (doc_next_pass(d, ln))
             break;
         else
-            doc_end(d);
+            doc_end(d, ln);
     }
-    if (st == FITM_OK && d->k < d->req->n_docs)
-        *pass = &d->pass;
-    return st;
+    if (st != FITM_OK)
+        return st;
+    if (ln->k < ln->k_end) {
+        *pass = &ln->pass;
+        return FITM_OK;
+    }
+    if (!ln->drained) {
+        ln->drained = true;
+        /* every document scored: the results in ranking order */
+        if (++d->n_drained == d->n_lanes)
+            fitm_results_sort(d->res->results, d->req->n_docs);
+    }
+    return FITM_OK;
 }
 
-/* The pass handed out has run: its logit rows read. query_likelihood: each row's
+/* The pass handed out for a lane has run: its logit rows read. query_likelihood: each row's
  * log-probability of the token after it, added in row order; relevance: P(yes) / (P(yes) +
  * P(no)) of its last row, over the first tokens of "Yes"/"yes" and "No"/"no". */
-static void per_doc_ran(void *run)
+static void per_doc_ran(void *run, int32_t lane)
 {
     per_doc_run *d = run;
-    const fitm_pass *p = &d->pass;
+    doc_lane *ln = &d->lanes[lane];
+    const fitm_pass *p = &ln->pass;
     if (d->pd.ql) {
         for (int64_t i = 0; i < p->n_logits; i++)
-            d->sum += d->lp[i];
+            ln->sum += ln->lp[i];
     } else {
         double py = 0, pn = 0;
         for (int i = 0; i < d->pd.n_yes; i++)
-            py += exp(d->lp[i]);
+            py += exp(ln->lp[i]);
         for (int i = 0; i < d->pd.n_no; i++)
-            pn += exp(d->lp[d->pd.n_yes + i]);
-        d->sum = py + pn > 0 ? py / (py + pn) : 0.5;
+            pn += exp(ln->lp[d->pd.n_yes + i]);
+        ln->sum = py + pn > 0 ? py / (py + pn) : 0.5;
     }
-    d->at = p->pos0 + p->n;
+    ln->at = p->pos0 + p->n;
 }
 
 static fitm_status per_doc_end(void *run, fitm_status st)
@@ -252,17 +274,41 @@ static fitm_status per_doc_end(void *run, fitm_status st)
     if (!d)
         return st;
     fitm_rerank_result *res = d->res;
-    if (st == FITM_OK)
-        fitm_results_sort(res->results, d->req->n_docs);
     res->usage = (fitm_rerank_usage){
         .prompt_tokens = d->T_max, .forward_tokens = d->forward, .total_tokens = d->T_max};
     res->meta.tokenize_ms = d->tok_ms;
     res->meta.forward_ms = fitm_clock_ms() - d->t0 - d->tok_ms;
-    free(d->ids.v);
+    for (int32_t l = 0; d->lanes && l < d->n_lanes; l++) {
+        free(d->lanes[l].ids.v);
+        free(d->lanes[l].lp);
+    }
+    free(d->lanes);
     free(d->pd.q.v);
-    free(d->lp);
     free(d);
     return st;
+}
+
+/* The lanes, each with its share of the K documents, its cache and room for one pass's
+ * logit rows' log-probabilities. */
+static fitm_status lanes_start(per_doc_run *d, fitm_err *err)
+{
+    const fitm_session *r = d->ps->s;
+    d->n_lanes = d->ps->n_lanes;
+    if (!(d->lanes = calloc((size_t)d->n_lanes, sizeof *d->lanes)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    /* relevance: one row of n_yes + n_no picks; query_likelihood: a pass's rows, one each */
+    const int64_t n_lp = !d->pd.ql                   ? d->pd.n_yes + d->pd.n_no
+                         : d->pd.q.n < r->logit_rows ? d->pd.q.n
+                                                     : r->logit_rows;
+    for (int32_t l = 0; l < d->n_lanes; l++) {
+        doc_lane *ln = &d->lanes[l];
+        fitm_passes_share(d->req->n_docs, d->n_lanes, l, &ln->k, &ln->k_end);
+        ln->kv = d->ps->kv[l];
+        ln->at = -1;
+        if (!(ln->lp = malloc((size_t)(n_lp > 0 ? n_lp : 1) * sizeof *ln->lp)))
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
+    return FITM_OK;
 }
 
 /* query_likelihood (LongLLMLingua's r_k): per document, the mean log-probability of
@@ -285,20 +331,12 @@ fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
                        .req = req,
                        .res = res,
                        .t0 = fitm_clock_ms(),
-                       .at = -1,
                        .pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD}};
     res->results = calloc((size_t)K, sizeof *res->results);
     res->n_results = res->results ? K : 0;
     fitm_status st = res->results ? per_doc_init(r, req, &d->pd, err)
                                   : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    if (st != FITM_OK)
-        return st;
-    /* relevance: one row of n_yes + n_no picks; query_likelihood: a pass's rows, one each */
-    const int64_t n_lp = !d->pd.ql ? d->pd.n_yes + d->pd.n_no
-                         : d->pd.q.n < r->logit_rows ? d->pd.q.n
-                                                     : r->logit_rows;
-    d->lp = malloc((size_t)(n_lp > 0 ? n_lp : 1) * sizeof *d->lp);
-    return d->lp ? FITM_OK : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    return st == FITM_OK ? lanes_start(d, err) : st;
 }
 
 fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,

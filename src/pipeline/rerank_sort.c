@@ -125,8 +125,8 @@ static fitm_status sort_pass(fitm_passes *ps, const fitm_rerank_request *req, so
     const int64_t last = sr->T - 1;
     fitm_capture cap = {
         .rows = &last, .n_rows = 1, .spans = sr->spans, .n_spans = K, .span_mass = sr->mass};
-    if ((st = fitm_kv_rebase(ps->kv, 0, err)) != FITM_OK ||
-        (st = fitm_passes_run(ps, ps->kv, NULL, sr->ids.v, sr->T, 0, &cap, err)) != FITM_OK)
+    if ((st = fitm_kv_rebase(ps->kv[0], 0, err)) != FITM_OK ||
+        (st = fitm_passes_run(ps, ps->kv[0], NULL, sr->ids.v, sr->T, 0, &cap, err)) != FITM_OK)
         return st;
     sr->forward += sr->T;
     for (int32_t p = 0; p < K; p++) {

@@ -124,6 +124,10 @@ fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const f
     if (p->n_ctx < 16 || p->chunk < 1)
         return fitm_err_set(err, FITM_ERR_INVALID, "session: context %lld or chunk %lld too small",
                             (long long)p->n_ctx, (long long)p->chunk);
+    if (p->rerank_lanes < 0 || p->rerank_lanes > FITM_SESSION_LANES_MAX || p->logit_rows < 0)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "session: rerank_lanes %d (0 .. %d) or logit_rows %lld (>= 0)",
+                            (int)p->rerank_lanes, FITM_SESSION_LANES_MAX, (long long)p->logit_rows);
     fitm_session *r = calloc(1, sizeof *r);
     if (!r)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
@@ -137,7 +141,9 @@ fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const f
     r->H = c->n_head;
     r->tmpl = fitm_prompt_template(m, tok, p->chat_template);
     r->V = c->n_vocab;
-    r->logit_rows = r->chunk < FITM_LOGIT_ROWS ? r->chunk : FITM_LOGIT_ROWS;
+    const int64_t logit_rows = p->logit_rows > 0 ? p->logit_rows : FITM_SESSION_LOGIT_ROWS;
+    r->logit_rows = r->chunk < logit_rows ? r->chunk : logit_rows;
+    r->rerank_lanes = p->rerank_lanes > 0 ? p->rerank_lanes : 1;
     fitm_forward_params fp = {
         .max_tokens = r->chunk, .max_ctx = r->n_ctx, .max_logits = r->logit_rows};
     fitm_status st;

@@ -52,7 +52,19 @@ typedef struct {
     bool answer_prompt_step; /* /answer's prompts (and its scoring passes, whose rows the
                                 answer continues) on the STEP path instead of BATCH */
     bool rerank_step;        /* /rerank's passes on the STEP path instead of BATCH */
+    /* Lanes of a /rerank sequence (rerank.h, fitm_rerank_lanes): 1 .. FITM_SESSION_LANES_MAX;
+     * 0: 1. */
+    int32_t rerank_lanes;
+    /* Most logit rows one forward call computes (the forward's logits scratch holds this many
+     * rows of V floats), at most chunk; 0: FITM_SESSION_LOGIT_ROWS. */
+    int64_t logit_rows;
 } fitm_session_params;
+
+/* The most lanes a /rerank sequence may have (fitm_session_params.rerank_lanes). */
+#define FITM_SESSION_LANES_MAX 16
+
+/* Logit rows per forward call unless fitm_session_params.logit_rows says otherwise. */
+#define FITM_SESSION_LOGIT_ROWS 32
 
 /* A prompt frame: the text before the documents and after them. Each may hold {question}
  * (replaced by the query; the span of its last occurrence in `after` is the question span).

@@ -44,7 +44,8 @@ struct fitm_session {
     int32_t *dummy; /* default dummy ids (" " + dummy_text) */
     int64_t n_dummy;
     int32_t L, H, V;
-    int64_t logit_rows;          /* min(FITM_LOGIT_ROWS, chunk): most logit rows per call */
+    int64_t logit_rows;          /* min(params.logit_rows, chunk): most logit rows per call */
+    int32_t rerank_lanes;        /* most lanes of a /rerank sequence (fitm_rerank_lanes) */
     fitm_score_opts defaults;    /* every option set: built-in < params->defaults */
     fitm_answer_defaults answer; /* every one set: built-in < params->answer */
     double paper_temperature;
@@ -55,9 +56,6 @@ struct fitm_session {
     const struct fitm_moice *moice; /* NULL: none */
     fitm_position_method position_default;
 };
-
-/* Logit rows per forward call (query_likelihood scores its question in pieces of this). */
-#define FITM_LOGIT_ROWS 32
 
 /* ---- prompt.c ------------------------------------------------------------------------------ */
 
@@ -150,10 +148,15 @@ typedef struct {
 
 /* A request's passes: where they run and how, built for each request (fitm_rerank_run, or a
  * sequence of the batch) and passed down to the method; nothing of it is written on the
- * session. */
+ * session. A sequence's run may have several lanes, each with caches of its own, working
+ * through its share of the request's windows or documents (fitm_passes_share) side by side;
+ * a whole run has one. */
 typedef struct {
     fitm_session *s;
-    fitm_kv *kv, *branch;          /* the prompt's cache and one reference branch over it */
+    int32_t n_lanes; /* 1 .. FITM_SESSION_LANES_MAX */
+    /* lane l's prompt cache and its one reference branch over it (NULL for a method without
+     * reference passes); lane 0's are the whole run's */
+    fitm_kv *kv[FITM_SESSION_LANES_MAX], *branch[FITM_SESSION_LANES_MAX];
     fitm_position_method position; /* the request's method (checked) */
     fitm_forward_path path;        /* rerank_path, or answer_path for an answer's scoring */
     /* > 0 while an attention method runs: the passes without logits stop after this many
@@ -164,11 +167,18 @@ typedef struct {
     const void *stop_arg;
 } fitm_passes;
 
-/* ps for req on the session's own caches (or, for a sequence, the caches kv and branch):
- * the request's position method (checked as fitm_session_position checks it), its path and
- * layers. */
+/* ps for req on n_lanes lanes whose caches are kv[l] and branch[l] (the session's own for a
+ * whole run, one lane; branch may be NULL, or hold NULLs, for a method without reference
+ * passes): the request's position method (checked as fitm_session_position checks it), its
+ * path and layers. */
 fitm_status fitm_passes_init(fitm_passes *ps, fitm_session *s, const fitm_rerank_request *req,
-                             fitm_kv *kv, fitm_kv *branch, fitm_err *err);
+                             int32_t n_lanes, fitm_kv *const *kv, fitm_kv *const *branch,
+                             fitm_err *err);
+
+/* Lane l's share of n units (windows or documents) among n_lanes lanes: the contiguous block
+ * [*lo, *hi) = [l n / n_lanes, (l + 1) n / n_lanes). The blocks cover [0, n) in order, each
+ * unit once; with n_lanes >= n each lane has at most one unit. */
+void fitm_passes_share(int32_t n, int32_t n_lanes, int32_t l, int32_t *lo, int32_t *hi);
 
 /* The pass of ids at positions [pos0, pos0 + n) on kv (a branch of prefix when non-NULL) for
  * ps: cap (may be NULL) lists rows in ascending order; n_logits (at most the session's
@@ -191,20 +201,23 @@ fitm_status fitm_passes_run(fitm_passes *ps, fitm_kv *kv, const fitm_kv *prefix,
                             int64_t n, int64_t pos0, const fitm_capture *cap, fitm_err *err);
 
 /* A method's run as a state machine of passes, whatever the method (the attention methods,
- * query_likelihood, relevance, fused: rerank_methods.h): next readies the next pass (*pass,
- * valid until ran; NULL once the result is made), which its owner runs -- here
- * (fitm_machine_run), or chunk by chunk in the engine's batch steps (rerank_seq.c) -- and
- * reports with ran; end (exactly once, also after a failed start) fills the result's usage
- * and timings, frees, and returns st. */
+ * query_likelihood, relevance, fused: rerank_methods.h), with a pass posted per lane of its
+ * passes (fitm_passes.n_lanes): next readies lane's next pass (*pass, valid until ran on that
+ * lane; NULL once the lane has no more work, and then on every later call for it), which its
+ * owner runs -- here (fitm_machine_run, one lane), or chunk by chunk in the engine's batch
+ * steps (rerank_seq.c), the lanes' passes side by side -- and reports with ran. The call of
+ * next that finds the last lane drained makes the result (the steps over all K documents).
+ * end (exactly once, also after a failed start) fills the result's usage and timings, frees,
+ * and returns st. */
 typedef struct {
     void *run;
-    fitm_status (*next)(void *run, const fitm_pass **pass, fitm_err *err);
-    void (*ran)(void *run);
+    fitm_status (*next)(void *run, int32_t lane, const fitm_pass **pass, fitm_err *err);
+    void (*ran)(void *run, int32_t lane);
     fitm_status (*end)(void *run, fitm_status st);
 } fitm_machine;
 
-/* A whole run: m's passes run here one after another, then m ends with the status. st: how
- * m's start went. */
+/* A whole run (ps has one lane): m's passes run here one after another, then m ends with the
+ * status. st: how m's start went. */
 fitm_status fitm_machine_run(fitm_passes *ps, fitm_machine *m, fitm_status st, fitm_err *err);
 
 /* The logit rows of pass p among its rows [from, from + n): how many (they end the part), and

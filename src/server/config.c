@@ -134,6 +134,19 @@ static const opt opts[] = {
      "steps' quantized products (activations rounded to Q8), 2.7x faster on an AVX-512 CPU, "
      "recall within one question of 50 of batch's "
      "(docs/rerank-results.md); auto = step on the CPU, batch on the cuda backend"},
+    {"rerank_lanes", INT(rerank_lanes), "0", 0, 16, NULL,
+     "lanes of a /rerank (every method but attention_sort): each lane has KV caches of its "
+     "own and a contiguous block of the request's windows or documents, and each batched "
+     "forward call carries a part of every lane's pass, so a request takes fewer calls; "
+     "scores are the same with any number (a lane's first window computes the prompt's "
+     "shared head afresh: usage.forward_tokens grows by it per extra lane); a request uses "
+     "at most one lane per window or document, an /answer's ranking one; 0 = 8 on the cuda "
+     "backend, 4 on the CPU (docs/load-benchmark.md)"},
+    {"logit_rows", INT(logit_rows), "0", 0, 1024, NULL,
+     "most logit rows one batched forward call computes (query_likelihood's question rows, "
+     "the answers' next tokens): the forward's logits scratch holds this many rows of the "
+     "vocabulary's floats (256 x Gemma 3's 262,144 = 256 MiB); 0 = 256 on the cuda backend, "
+     "32 on the CPU"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,

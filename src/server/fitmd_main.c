@@ -384,11 +384,31 @@ static fitm_status set_kv_and_path(daemon_model *dm, char *desc, size_t n, bool 
     return FITM_OK;
 }
 
+/* The lanes of a /rerank sequence and the logit rows of a forward call (rerank_lanes and
+ * logit_rows, 0 = by the backend: on the cuda backend a call's cost is mostly its launches,
+ * so more lanes and logit rows take fewer calls; on the CPU a call costs mostly its rows, but
+ * a fuller call streams each weight block once for more of them: 4 lanes, chosen by
+ * measurement in docs/load-benchmark.md), appended to the backend's description in desc (a
+ * string of n bytes). */
+static void batch_shape(const daemon_model *dm, char *desc, size_t n, int32_t *lanes,
+                        int64_t *logit_rows)
+{
+    const fitm_config *cfg = dm->cfg;
+    const bool cpu = !strcmp(dm->backend->ops->name, "cpu");
+    *lanes = cfg->rerank_lanes ? (int32_t)cfg->rerank_lanes : cpu ? 4 : 8;
+    *logit_rows = cfg->logit_rows ? cfg->logit_rows : cpu ? 32 : 256;
+    size_t used = strlen(desc);
+    snprintf(desc + used, n - used, ", %d /rerank lanes, %lld logit rows a call", (int)*lanes,
+             (long long)*logit_rows);
+}
+
 /* Creates the scoring session over the loaded model, tokenizer and backend, with the
  * config's defaults and the model's profile (its name into profile, n bytes), and sets the
- * method of /rerank requests that name none. */
+ * method of /rerank requests that name none. backend: its description, which gets the
+ * batch's shape (batch_shape). */
 static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_step,
-                                  char *profile, size_t n, fitm_err *err)
+                                  char *backend, size_t n_backend, char *profile, size_t n,
+                                  fitm_err *err)
 {
     const fitm_config *cfg = dm->cfg;
     fitm_status st;
@@ -403,6 +423,9 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
         fitm_score_opts_free(&defaults);
         return st;
     }
+    int32_t lanes;
+    int64_t logit_rows;
+    batch_shape(dm, backend, n_backend, &lanes, &logit_rows);
     fitm_session_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
@@ -410,6 +433,8 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
                                .answer_stop = cfg->answer_stop, .profile = profile,
                                .answer_prompt_step = strcmp(cfg->answer_prompt_path, "step") == 0,
                                .rerank_step = rerank_step,
+                               .rerank_lanes = lanes,
+                               .logit_rows = logit_rows,
                                .answer = &answer,
                                .moice = dm->moice,
                                .position = (fitm_position_method)fitm_position_method_parse(
@@ -443,7 +468,8 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     if (n_ctx == 0)
         n_ctx = 4096;
     char profile[256];
-    if ((st = create_session(dm, n_ctx, rerank_step, profile, sizeof profile, err)) != FITM_OK)
+    if ((st = create_session(dm, n_ctx, rerank_step, backend, sizeof backend, profile,
+                             sizeof profile, err)) != FITM_OK)
         return st;
     snprintf(dm->info->arch, sizeof dm->info->arch, "%s", fitm_arch_name(mc->arch));
     dm->info->n_ctx = n_ctx;
