@@ -78,15 +78,16 @@ void fitm_cuda_tape_swap(fitm_cuda_tape *a, fitm_cuda_tape *b);
  * when the table of streams with a tape is full. */
 bool fitm_cuda_tape_record(fitm_cuda_tape *t, void *stream);
 
-/* From now on stream's work is held back, not enqueued: t is cleared, the first item picks
- * the first of the n_cands candidates (1 to FITM_CUDA_TAPE_CANDIDATES) whose first item it
- * equals, and every later one is compared with that candidate's next. Once an item differs
- * (or none was picked), t holds the candidate's items that matched followed by every item
- * since. False (nothing changes) when the table of streams with a tape is full. */
+/* From now on stream's work is held back, not enqueued: t is cleared, and each item is
+ * compared with the next item of every one of the n_cands candidates (1 to
+ * FITM_CUDA_TAPE_CANDIDATES) that equalled all the items before it, so candidates that share
+ * a beginning (a decode step with and without its logits downloaded) are told apart where
+ * they differ. Once an item equals none of them, t holds the items that matched followed by
+ * every item since. False (nothing changes) when the table of streams with a tape is full. */
 bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda_tape *const *cands,
                            int n_cands);
 
-/* While stream's work is held back: the index of the candidate that every item so far
+/* While stream's work is held back: the index of the first candidate that every item so far
  * equalled, item for item and as many items, else -1. */
 int fitm_cuda_tape_matched(void *stream);
 
@@ -223,12 +224,16 @@ typedef struct {
 
 #define FITM_CUDA_KV_ROWS_MAX 64
 
-/* The n stores r[0..n) (host; 1 <= n <= FITM_CUDA_KV_ROWS_MAX) as one launch, the descriptors
- * passed in the launch's arguments (nothing staged): a layer's K and V rows of every sequence
- * of a step into their caches with one graph node instead of two copies per sequence. No
- * destination may overlap another destination or a source. Pointers need only their
- * elements' alignment (4 bytes, 2 for an fp16 destination): a row may start anywhere. */
-int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, int n, void *stream);
+/* The n stores r[0..n) (1 <= n <= FITM_CUDA_KV_ROWS_MAX) as one launch: r (host) is checked
+ * and sizes the grid, the kernel reads r_dev, the same descriptors in device memory (staged
+ * by the caller in stream order), so the launch's arguments do not change from one decode
+ * step to the next while the rows it writes do (a replayed graph: docs/cuda-backend.md). A
+ * layer's K and V rows of every sequence of a step go into their caches with one launch
+ * instead of two copies per sequence. No destination may overlap another destination or a
+ * source. Pointers need only their elements' alignment (4 bytes, 2 for an fp16
+ * destination): a row may start anywhere. */
+int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, const fitm_cuda_kv_rows *r_dev, int n,
+                            void *stream);
 
 /* ---- selection (kernels/topk.cu) ---- */
 

@@ -232,15 +232,6 @@ extern "C" int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, i
     return (int)cudaGetLastError();
 }
 
-/* The stores of one fitm_cuda_kv_store_many launch, by value: kernel arguments are copied when
- * the launch is enqueued (and when a graph captures it), so the caller's array may change at
- * once. Indexed by blockIdx.y, which sm_90 reads from the constant bank without a local copy
- * (ptxas -v: no stack frame). */
-struct fitm_kv_rows_arg {
-    fitm_cuda_kv_rows r[FITM_CUDA_KV_ROWS_MAX];
-};
-static_assert(sizeof(fitm_kv_rows_arg) <= 4096, "a launch's arguments fit in 4 KiB");
-
 /* f rounded to fp16 bits, nearest even: fitm_fp32_to_fp16's arithmetic, so fp16 cache rows
  * are the CPU backend's bits, NaN payloads included. */
 __device__ __forceinline__ uint16_t fitm_fp16_bits(float f)
@@ -266,10 +257,11 @@ __device__ __forceinline__ uint16_t fitm_fp16_bits(float f)
     return (uint16_t)(sign | k);
 }
 
-/* Block (x, s, z): store s's K (z 0) or V (z 1) values, grid-stride over x. */
-__global__ void fitm_kv_store_rows(fitm_kv_rows_arg a)
+/* Block (x, s, z): store s's K (z 0) or V (z 1) values, grid-stride over x. rs: the stores in
+ * device memory. */
+__global__ void fitm_kv_store_rows(const fitm_cuda_kv_rows *__restrict__ rs)
 {
-    const fitm_cuda_kv_rows &r = a.r[blockIdx.y];
+    const fitm_cuda_kv_rows r = rs[blockIdx.y];
     const float *__restrict__ src = blockIdx.z ? r.v : r.k;
     void *dst = blockIdx.z ? r.v_dst : r.k_dst;
     const int64_t n = r.n, stride = (int64_t)gridDim.x * blockDim.x;
@@ -282,11 +274,11 @@ __global__ void fitm_kv_store_rows(fitm_kv_rows_arg a)
             ((float *)dst)[i] = src[i];
 }
 
-extern "C" int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, int n, void *stream)
+extern "C" int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, const fitm_cuda_kv_rows *r_dev,
+                                       int n, void *stream)
 {
-    if (n < 1 || n > FITM_CUDA_KV_ROWS_MAX || !r)
+    if (n < 1 || n > FITM_CUDA_KV_ROWS_MAX || !r || !r_dev)
         return (int)cudaErrorInvalidValue;
-    fitm_kv_rows_arg a = {};
     int64_t n_max = 0;
     for (int s = 0; s < n; s++) {
         const fitm_cuda_kv_rows *q = &r[s];
@@ -295,13 +287,12 @@ extern "C" int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, int n, void *
             (((uintptr_t)q->k | (uintptr_t)q->v) & 3u) ||
             (((uintptr_t)q->k_dst | (uintptr_t)q->v_dst) & dst_align))
             return (int)cudaErrorInvalidValue;
-        a.r[s] = *q;
         n_max = q->n > n_max ? q->n : n_max;
     }
     if (n_max == 0)
         return 0;
     FITM_LAUNCH(dim3(fitm_grid_for(n_max, FITM_EW_THREADS), (unsigned)n, 2), FITM_EW_THREADS, 0,
                 fitm_stream(stream), fitm_kv_store_rows)
-    (a);
+    (r_dev);
     return (int)cudaGetLastError();
 }

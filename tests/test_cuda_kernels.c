@@ -975,7 +975,9 @@ static void test_kv_store(int n_seqs, int64_t row_vals)
         free(h);
     }
     snprintf(what, sizeof what, "kv_store_many seqs=%d row=%lld", n_seqs, (long long)row_vals);
-    ok = launched(what, fitm_cuda_kv_store_many(r, n_seqs, stream));
+    dbuf dr = dbuf_from(r, (size_t)n_seqs * sizeof r[0]); /* the descriptors the kernel reads */
+    ok = launched(what, fitm_cuda_kv_store_many(r, dr.p, n_seqs, stream));
+    dbuf_free(&dr);
     int64_t bad = 0, checked = 0;
     for (int s = 0; s < n_seqs && ok; s++) {
         const size_t elem = r[s].half ? 2 : 4, n = (size_t)r[s].n;
@@ -1687,18 +1689,19 @@ static void test_contracts(void)
         fitm_cuda_kv_rows r[FITM_CUDA_KV_ROWS_MAX + 1];
         for (int i = 0; i <= FITM_CUDA_KV_ROWS_MAX; i++)
             r[i] = (fitm_cuda_kv_rows){fake, fake + 1024, f + 512, f + 768, 8, 0};
-        CHECK(fitm_cuda_kv_store_many(r, 0, NULL) == inval);
-        CHECK(fitm_cuda_kv_store_many(r, FITM_CUDA_KV_ROWS_MAX + 1, NULL) == inval);
-        CHECK(fitm_cuda_kv_store_many(NULL, 1, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, 0, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, FITM_CUDA_KV_ROWS_MAX + 1, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(NULL, (const fitm_cuda_kv_rows *)fake, 1, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, NULL, 1, NULL) == inval);
         r[1].n = -1;
-        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, 2, NULL) == inval);
         r[1].n = 8, r[1].v = NULL;
-        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, 2, NULL) == inval);
         r[1].v = f + 768, r[1].k_dst = fake + 2; /* an F32 row at a 2-byte offset */
-        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == inval);
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, 2, NULL) == inval);
         r[1].half = 1; /* fine for fp16 */
         r[1].n = r[0].n = 0;
-        CHECK(fitm_cuda_kv_store_many(r, 2, NULL) == 0); /* nothing to store: nothing */
+        CHECK(fitm_cuda_kv_store_many(r, (const fitm_cuda_kv_rows *)fake, 2, NULL) == 0); /* nothing to store: nothing */
     }
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q4_K, fake, f, 255, NULL) == inval);
     CHECK(fitm_cuda_dequant_f32(FITM_DTYPE_Q8_0, fake, f, 48, NULL) == inval);

@@ -141,7 +141,7 @@ typedef struct {
      * dst (n F32) = src (n fp16) exactly; both backend memory, not overlapping. */
     void (*to_half)(fitm_backend *b, void *dst, const float *src, int64_t n);
     void (*from_half)(fitm_backend *b, float *dst, const void *src, int64_t n);
-    /* Optional: the n stores r[0..n) of one layer (a step's sequences), with the bits of
+    /* Optional: the n stores r[0..n) of one layer (a call's sequences), with the bits of
      * copy (F32) or to_half (half) of each r[i].k and r[i].v into its destination, as one job
      * (NULL: the driver stores each sequence's rows with fitm_kv_store). No destination
      * overlaps another or a source; half stores only on a backend with kv_half. */

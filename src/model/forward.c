@@ -515,10 +515,10 @@ static void attention_block(const pass *p, int32_t l)
                       (a[n_run].capture && a[n_run].capture->add);
         n_run++;
     }
-    /* The K and V rows into each cache: one job for several sequences where the backend has
-     * it (a step's stores as one launch, not two copies per sequence); a lone sequence has
-     * nothing to join, and its rows (often a prompt's) go at a copy's speed. */
-    if (o->kv_store_many && n_run > 1)
+    /* The K and V rows into each cache: one job for the call's sequences where the backend
+     * has it (a step's stores as one launch, not two copies per sequence; a lone sequence's
+     * too, whose rows then move from step to step in the job's data, not in its arguments). */
+    if (o->kv_store_many && n_run > 0)
         o->kv_store_many(b, store, n_run);
     else
         for (int32_t s = 0; s < n_run; s++)
