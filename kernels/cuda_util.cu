@@ -134,11 +134,12 @@ struct tape_session {
     std::atomic<cudaStream_t> stream{nullptr}; /* nullptr: a free entry */
     int mode;
     fitm_cuda_tape *tape;
-    /* TAPE_EXPECT: the candidates, the one the first piece of work chose (-1: none yet), how
-     * many of its items matched, and whether some work differed (then tape holds the
-     * candidate's matched items and every piece of work since) */
+    /* TAPE_EXPECT: the candidates, those whose first `matched` items all equalled the work so
+     * far (bit k: cands[k]), and whether some work differed from every one of them (then tape
+     * holds the matched items and every piece of work since) */
     fitm_cuda_tape *cands[FITM_CUDA_TAPE_CANDIDATES];
-    int n_cands, chosen;
+    int n_cands;
+    uint32_t alive;
     size_t matched;
     bool missed;
 };
@@ -181,13 +182,22 @@ void tape_publish(tape_session *s, cudaStream_t st)
     }
 }
 
-/* The first difference: the tape gets the candidate's items that matched. */
+/* The first of the candidates still alive. */
+int tape_first_alive(const tape_session *s)
+{
+    for (int k = 0; k < s->n_cands; k++)
+        if ((s->alive >> k) & 1u)
+            return k;
+    return -1;
+}
+
+/* The work differs from every candidate: the tape gets the items that matched (the same in
+ * every candidate still alive). */
 void tape_miss(tape_session *s)
 {
     s->missed = true;
     s->tape->clear();
-    if (s->chosen >= 0)
-        s->tape->append_from(*s->cands[s->chosen], s->matched);
+    s->tape->append_from(*s->cands[tape_first_alive(s)], s->matched);
 }
 
 int copy_again(const fitm_tape_item &it, const unsigned char *, cudaStream_t st)
@@ -212,10 +222,12 @@ bool fitm_tape_offer(cudaStream_t st, const fitm_tape_item &it, const unsigned c
         return false;
     }
     if (!s->missed) {
-        for (int k = 0; k < s->n_cands && s->chosen < 0; k++)
-            if (s->cands[k]->same(0, it, args))
-                s->chosen = k;
-        if (s->chosen >= 0 && s->cands[s->chosen]->same(s->matched, it, args)) {
+        uint32_t alive = 0;
+        for (int k = 0; k < s->n_cands; k++)
+            if (((s->alive >> k) & 1u) && s->cands[k]->same(s->matched, it, args))
+                alive |= 1u << k;
+        if (alive) {
+            s->alive = alive;
             s->matched++;
             return true;
         }
@@ -279,7 +291,7 @@ extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda
     for (int k = 0; k < n_cands; k++)
         s->cands[k] = cands[k];
     s->n_cands = n_cands;
-    s->chosen = -1;
+    s->alive = n_cands == 32 ? ~0u : (1u << n_cands) - 1u;
     s->matched = 0;
     s->missed = false;
     tape_publish(s, st);
@@ -289,10 +301,14 @@ extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda
 extern "C" int fitm_cuda_tape_matched(void *stream)
 {
     const tape_session *s = tape_find(fitm_stream(stream));
-    if (!s || s->mode != TAPE_EXPECT || s->missed || s->chosen < 0)
+    if (!s || s->mode != TAPE_EXPECT || s->missed)
         return -1;
-    const fitm_cuda_tape *c = s->cands[s->chosen];
-    return !c->lost && s->matched == c->items.size() ? s->chosen : -1;
+    for (int k = 0; k < s->n_cands; k++) {
+        const fitm_cuda_tape *c = s->cands[k];
+        if (((s->alive >> k) & 1u) && !c->lost && s->matched == c->items.size())
+            return k;
+    }
+    return -1;
 }
 
 extern "C" void fitm_cuda_tape_stop(void *stream)

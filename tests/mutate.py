@@ -194,8 +194,8 @@ MUTANTS = [
     Mutant("cuda-tape-drops-matched-prefix",
            "at the first difference the held-back work loses the items that matched before it, "
            "so a step that falls back never runs its first kernels",
-           "s->tape->append_from(*s->cands[s->chosen], s->matched);",
-           "(void)s->matched;",
+           "s->tape->append_from(*s->cands[tape_first_alive(s)], s->matched);",
+           "s->tape->append_from(*s->cands[tape_first_alive(s)], 0);",
            meson=["cuda_kernels_emu"]),
     Mutant("cuda-gemm-bf16-truncates",
            "the tensor-core GEMM's activations are rounded to bfloat16 toward zero instead of to "
