@@ -683,8 +683,20 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         fitm_backend_cuda_get_stats(gpu, &gs[1]);
         fitm_backend_cuda_get_stats(plain, &ps[1]);
         /* each shape has its instances once its second step ran (the first step's scratch
-         * growth ends its capture early): later steps update them */
-        if (mode != FUSION && t >= 3)
+         * growth ends its capture early): later steps replay them whole, every submission
+         * of the step (a logits download splits it in two; the K/V rows, key counts, ids and
+         * RoPE tables are staged bytes, not launch arguments), or, in pieces, update them */
+        if (mode == GRAPHS && t >= 3)
+            CHECK(gs[1].graph_instantiations == gs[0].graph_instantiations &&
+                      gs[1].graph_updates == gs[0].graph_updates &&
+                      gs[1].graph_replays - gs[0].graph_replays ==
+                          gs[1].graph_launches - gs[0].graph_launches &&
+                      gs[1].graph_replays > gs[0].graph_replays,
+                  "step %d: %llu graphs instantiated, %llu updated, %llu replayed", t,
+                  (unsigned long long)(gs[1].graph_instantiations - gs[0].graph_instantiations),
+                  (unsigned long long)(gs[1].graph_updates - gs[0].graph_updates),
+                  (unsigned long long)(gs[1].graph_replays - gs[0].graph_replays));
+        if (mode == PIECES && t >= 3)
             CHECK(gs[1].graph_instantiations == gs[0].graph_instantiations &&
                       gs[1].graph_updates > gs[0].graph_updates,
                   "step %d: %llu graphs instantiated, %llu updated", t,
@@ -773,7 +785,9 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
  *     outside a graph and one graph launch);
  *   another token: staged bytes only (the ids), the same launches: replayed, other top entries;
  *   an intervention: its arrays staged before attention's arguments move those (the kernel's
- *     argument) in the staging buffer: captured;
+ *     argument) in the staging buffer, so it differs from the step before; the warm-up step
+ *     had the same launches (another token, the same intervention), and the candidates are
+ *     narrowed item by item, not chosen by their first: replayed (1);
  *   an intervention of other spans' weights and another first position: staged bytes only
  *     (attention's arguments and spans): replayed, other top entries;
  *   another top-k count: the top-k kernel's arguments change at the end of the step, after
@@ -781,9 +795,9 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
  *   two tokens: other arguments from the first items on: captured (a new shape);
  *   the top-k count of two steps before: replayed (its instance, among several);
  *   the step with its logits downloaded, twice: captured (2), then replayed (2 replays);
- *   the steps at P + 1 and P + 2: each writes its cache rows with copies to other rows than
- *     the step before (until the K/V stores are staged), so its work differs from the
- *     instance's: captured (1), not replayed. */
+ *   the steps at P + 1 and P + 2: other cache rows written (the K/V stores' staged
+ *     descriptors) and one key more read (attention's staged arguments), the same launches:
+ *     replayed (1). */
 static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
 {
     void *buf = NULL;
@@ -846,15 +860,15 @@ static void test_replay(fitm_backend *gpu, fitm_cuda_weights w)
         {P, 1, &ids[P], K, NULL, false, 0, 1, "the step at P"},
         {P, 1, &ids[P], K, NULL, false, 1, 0, "the same step again"},
         {P, 1, &b_id, K, NULL, false, 1, 0, "another token"},
-        {P, 1, &ids[P], K, &iv[0], false, 0, 1, "an intervention"},
+        {P, 1, &ids[P], K, &iv[0], false, 1, 0, "an intervention"},
         {P, 1, &ids[P], K, &iv[1], false, 1, 0, "an intervention of other weights"},
         {P, 1, &ids[P], K2, NULL, false, 0, 1, "another top-k count"},
         {P, 2, &ids[P], K, NULL, false, 0, 1, "two tokens"},
         {P, 1, &ids[P], K2, NULL, false, 1, 0, "the top-k count of two steps before"},
         {P, 1, &ids[P], K, NULL, true, 0, 2, "the step with its logits"},
         {P, 1, &ids[P], K, NULL, true, 2, 0, "the step with its logits again"},
-        {P + 1, 1, &ids[P + 1], K, NULL, false, 0, 1, "the next position"},
-        {P + 2, 1, &ids[P + 2], K, NULL, false, 0, 1, "the position after"},
+        {P + 1, 1, &ids[P + 1], K, NULL, false, 1, 0, "the next position"},
+        {P + 2, 1, &ids[P + 2], K, NULL, false, 1, 0, "the position after"},
     };
     for (size_t t = 0; t < sizeof steps / sizeof steps[0] && ready; t++) {
         fitm_backend_cuda_stats gs[2];

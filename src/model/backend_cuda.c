@@ -97,6 +97,8 @@ typedef struct {
  * to GRAPH_PIECES pieces. */
 #define GRAPH_SLOTS 32
 #define GRAPH_PIECES 8
+/* Submissions after which an instance may be updated with other work (graph_slot_for). */
+#define GRAPH_RECENT 8
 
 /* A captured row on its way to the caller's array dst: n floats at off floats into the pinned
  * download area, added onto dst (capture->add) or copied. */
@@ -126,7 +128,7 @@ typedef struct {
     dev_weight *w;    /* sorted by host */
     size_t n_w;
     grow_buf tmp_w[2], wf, xpad, ypad, ids, cap_index, cap_spans, iv_spans, iv_alpha, cap_mass,
-        cap_probs, top, top_scratch, many, picks, lp;
+        cap_probs, top, top_scratch, many, picks, lp, kv_rows;
     void *host; /* host scratch: the top entries' values then indices, unpacked into the
                    caller's array */
     size_t host_cap;
@@ -249,9 +251,10 @@ static void capture_begin(cuda_backend *c)
 }
 
 /* Replay: after a wait, with graphs submitted whole, the pass's work is held back and
- * compared with the tapes of the instances (candidates: the most recently used first; the
- * pass's first item picks the one it equals) instead of being captured (CAP_SPEC), until the
- * next wait or op that cannot be captured (replay_end). False when there is no candidate. */
+ * compared with the tapes of the instances (candidates: the most recently used first; each
+ * item keeps those whose items so far it all equals) instead of being captured (CAP_SPEC),
+ * until the next wait or op that cannot be captured (replay_end). False when there is no
+ * candidate. */
 static bool replay_start(cuda_backend *c)
 {
     if (c->piece_ops > 0)
@@ -319,30 +322,46 @@ static void capture_on(cuda_backend *c)
 }
 
 /* An instance for the captured graph g of n nodes, the piece-th piece since the last wait:
- * one of that piece number and node count that takes g's arguments (cudaGraphExecUpdate;
- * shapes of other kernels may have the same count, and keep instances of their own), else
- * the least recently used slot, to hold a new instance. A slot is used once between two
- * waits (its piece number; at most GRAPH_PIECES of them, the least recently used being
+ * one of that piece number and node count that takes g's arguments (cudaGraphExecUpdate,
+ * tried from the least recently used; shapes of other kernels may have the same count, and
+ * keep instances of their own), else the least recently used slot, to hold a new instance.
+ * With replay (graphs submitted whole), an instance launched in the last GRAPH_RECENT
+ * submissions is not updated: shapes of one count that alternate (decode steps of 2 and 3
+ * sequences, whose stores and attention are one launch each) then each keep the instance
+ * they replay, where updating one with the other's arguments would leave neither
+ * replayable; work that matches no instance step after step (nothing replayable) makes at
+ * most GRAPH_RECENT instances before it updates the oldest. A slot is used once between
+ * two waits (its piece number; at most GRAPH_PIECES of them, the least recently used being
  * older), so no instance is running when it is updated or replaced. */
 static graph_slot *graph_slot_for(cuda_backend *c, cudaGraph_t g, int piece, size_t n,
                                   bool *updated)
 {
-    graph_slot *lru = &c->slots[0];
+    graph_slot *lru = &c->slots[0], *same[GRAPH_SLOTS];
+    int n_same = 0;
     *updated = false;
+    uint64_t newest = UINT64_MAX; /* the last use of an instance that may be updated */
+    if (c->piece_ops == 0)
+        newest = c->clock > GRAPH_RECENT ? c->clock - GRAPH_RECENT : 0;
     for (int i = 0; i < GRAPH_SLOTS; i++) {
         graph_slot *s = &c->slots[i];
-        if (s->exec && s->nodes == n && s->piece == piece) {
-            cudaGraphExecUpdateResultInfo info;
-            if (cudaGraphExecUpdate(s->exec, g, &info) == cudaSuccess) {
-                *updated = true;
-                return s;
-            }
-            (void)cudaGetLastError(); /* refused: another shape's instance, left as it was */
-            /* and no replay of it, in case the runtime changed it all the same */
-            fitm_cuda_tape_clear(s->tape);
+        if (s->exec && s->nodes == n && s->piece == piece && s->used <= newest) {
+            int j = n_same++; /* by last use, oldest first */
+            for (; j > 0 && same[j - 1]->used > s->used; j--)
+                same[j] = same[j - 1];
+            same[j] = s;
         }
         if (s->used < lru->used)
             lru = s;
+    }
+    for (int j = 0; j < n_same; j++) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(same[j]->exec, g, &info) == cudaSuccess) {
+            *updated = true;
+            return same[j];
+        }
+        (void)cudaGetLastError(); /* refused: another shape's instance, left as it was */
+        /* and no replay of it, in case the runtime changed it all the same */
+        fitm_cuda_tape_clear(same[j]->tape);
     }
     return lru;
 }
@@ -815,21 +834,25 @@ static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
         ok(c, fitm_cuda_copy_async(dst, src, n, cudaMemcpyDeviceToDevice, c->stream), "copy");
 }
 
-/* Several sequences' K and V stores of one layer (kv_store_many) as one launch per
- * FITM_CUDA_KV_ROWS_MAX of them: fitm_cuda_kv_store_many takes the descriptors in its launch
- * arguments, which a graph captures with the launch (nothing staged, one node). */
+/* A layer's K and V stores of a call's sequences (kv_store_many) as one launch per
+ * FITM_CUDA_KV_ROWS_MAX of them: the descriptors staged into one device buffer, which the
+ * kernel reads, so its arguments are the same from one decode step to the next (the rows it
+ * writes are the staged bytes) and a step's graph can be replayed (docs/cuda-backend.md). */
 static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
 {
     cuda_backend *c = cu(b);
     capture_on(c);
     fitm_cuda_kv_rows k[FITM_CUDA_KV_ROWS_MAX];
+    if (!grow(c, &c->kv_rows, sizeof k))
+        return;
     for (int s0 = 0; s0 < n && c->rc == 0; s0 += FITM_CUDA_KV_ROWS_MAX) {
         const int m = n - s0 < FITM_CUDA_KV_ROWS_MAX ? n - s0 : FITM_CUDA_KV_ROWS_MAX;
         for (int i = 0; i < m; i++) {
             const fitm_kv_rows *q = &r[s0 + i];
             k[i] = (fitm_cuda_kv_rows){q->k_dst, q->v_dst, q->k, q->v, q->n, q->half};
         }
-        ok(c, fitm_cuda_kv_store_many(k, m, c->stream), "KV store");
+        if (stage_at(c, c->kv_rows.p, k, (size_t)m * sizeof *k))
+            ok(c, fitm_cuda_kv_store_many(k, c->kv_rows.p, m, c->stream), "KV store");
     }
 }
 
@@ -862,7 +885,7 @@ static void cuda_destroy(fitm_backend *b)
     grow_buf *bufs[] = {&c->tmp_w[0], &c->tmp_w[1],  &c->wf,        &c->xpad,       &c->ypad,
                         &c->ids,      &c->cap_index, &c->cap_spans, &c->iv_spans,   &c->iv_alpha,
                         &c->cap_mass, &c->cap_probs, &c->top,       &c->top_scratch, &c->many,
-                        &c->picks,    &c->lp};
+                        &c->picks,    &c->lp,        &c->kv_rows};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     free_buf(&c->wb);
