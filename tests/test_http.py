@@ -80,8 +80,10 @@ class Daemon:
         pytest.fail(f"no log line matching {pattern!r}:\n{self.log_text()[-3000:]}")
 
     def running(self) -> bool:
-        """Whether a request is in flight (per /metrics)."""
-        return "fitm_inflight_requests 1" in requests.get(self.url("/metrics")).text
+        """Whether a request is in flight (per /metrics): one or more."""
+        m = re.search(r"^fitm_inflight_requests (\d+)", requests.get(self.url("/metrics")).text,
+                      re.M)
+        return bool(m) and int(m.group(1)) > 0
 
     def wait_running(self, timeout=20):
         """Waits until a request is in flight; fails the test after timeout seconds."""

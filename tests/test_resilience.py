@@ -873,10 +873,11 @@ def test_sighup_is_logged_and_serving_goes_on(fitmd_bin, models, tmp_path):  # n
 
     def stream():
         r = requests.post(d.url("/answer"), headers=AUTH, timeout=120, stream=True,
-                          json={"query": "q", "documents": docs(4, 30), "max_tokens": 64,
+                          json={"query": "q", "documents": docs(4, 30), "max_tokens": 512,
                                 "ignore_eos": True, "stream": True})
         got.append((r.status_code, r.content))
 
+    # streams long enough (seconds here) to be seen in flight and to take the signals
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
