@@ -4,6 +4,8 @@
   prefill (pp) and decode (tg) tokens/s    tests/bench_forward -b cuda (a CUDA build)
   decode of 2, 4, 8 sequences per step     the same, -B: continuous batching's decode steps
   /rerank latency                          fitmd --backend=cuda, K documents, sequential
+                                           requests; the default method also with
+                                           --rerank_lanes=1 beside it (its baseline)
 
 Each figure is printed with its ratio to a roofline limit of the device, queried from the CUDA
 runtime (not a table of known cards):
@@ -21,7 +23,7 @@ CUBLAS_COMPUTE_32F_PEDANTIC), the BF16 tensor cores where they multiply BF16 ope
 and, for /rerank, the time the forward tokens it reports would take at the measured prefill
 rate (1.0 = no overhead beyond prefill).
 
-  tests/bench_cuda.py [--model GGUF] [--build build-cuda] [--k 10] [--repeat 3]
+  tests/bench_cuda.py [--model GGUF] [--build build-cuda] [--k 20] [--repeat 3]
                       [--gpu-weights f32|bf16]
 
 Without a CUDA device (no libcudart, no driver, or no GPU) it prints one line and exits 77,
@@ -118,22 +120,26 @@ def forward_bench(build, model, pp, tg, reps, gpu_weights):
     return row, batched, out
 
 
-def rerank_bench(build, model, k, repeat, gpu_weights):
+# /rerank's methods timed (no method: the model's default, fused on the default model: its
+# query-likelihood rows' log-probabilities computed on the device)
+METHODS = (("attention (1 pass)", {"method": "attention"}),
+           ("calibrated", {"method": "calibrated"}),
+           ("paper", {"method": "paper"}), ("default method", {}))
+
+
+def rerank_bench(build, model, k, repeat, gpu_weights, methods=METHODS, daemon_args=()):
     import requests
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "tests" / "quality"))
     from bench_rerank import make_docs
     from quality import start_daemon
-    proc, url = start_daemon(model, build, ["--backend=cuda", f"--gpu_weights={gpu_weights}"])
+    proc, url = start_daemon(model, build,
+                             ["--backend=cuda", f"--gpu_weights={gpu_weights}", *daemon_args])
     try:
         body = {"query": "Which document mentions the copper lantern by the harbor?",
                 "documents": make_docs(k, 75, seed=k)}
         out = {}
-        # no method: the model's default (fused on the default model: its query-likelihood
-        # rows' log-probabilities computed on the device)
-        for name, extra in (("attention (1 pass)", {"method": "attention"}),
-                            ("calibrated", {"method": "calibrated"}),
-                            ("paper", {"method": "paper"}), ("default method", {})):
+        for name, extra in methods:
             requests.post(url + "/rerank", json={**body, **extra}, timeout=3600)  # warm-up
             times, usage = [], None
             for _ in range(repeat):
@@ -156,7 +162,7 @@ def main():
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gpu-weights", choices=["f32", "bf16"], default="bf16",
                     help="the BATCH products' operands (bench_forward --gpu-weights, fitmd's "
@@ -191,10 +197,18 @@ def main():
                 if not row.startswith("|"):
                     break
                 print(row)
-    for name, (t, u) in rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights).items():
+    runs = rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights)
+    # the baseline beside it: the default method with its documents one after another (one
+    # lane), as every /rerank ran before lanes
+    runs.update(rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights,
+                             (("default, 1 lane", {}),), ("--rerank_lanes=1",)))
+    for name, (t, u) in runs.items():
         at_pp = u["forward_tokens"] / pp_tps
         print(f"/rerank K={a.k} {name:<20} {t * 1e3:8.1f} ms  {u['forward_tokens']:6d} forward "
               f"tokens  prefill-rate time / latency = {at_pp / t:.2f}")
+    gain = runs["default, 1 lane"][0] / runs["default method"][0]
+    print(f"/rerank K={a.k} default method: {gain:.2f}x one lane's speed (lanes side by side "
+          f"against the documents one after another; target: 40 ms at K = 20)")
 
 
 if __name__ == "__main__":
