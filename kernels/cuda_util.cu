@@ -342,35 +342,29 @@ extern "C" int fitm_cuda_tape_run(const fitm_cuda_tape *t, void *stream)
     return 0;
 }
 
+/* Whether stream's tape held the copy or memset `it` back (the caller then enqueues nothing). */
+static bool tape_holds_back(cudaStream_t st, const fitm_tape_item &it)
+{
+    return fitm_tapes_on.load(std::memory_order_relaxed) != 0 && fitm_tape_offer(st, it, nullptr);
+}
+
 extern "C" int fitm_cuda_copy_async(void *dst, const void *src, size_t n, int kind, void *stream)
 {
     const cudaStream_t st = fitm_stream(stream);
-    if (fitm_tapes_on.load(std::memory_order_relaxed) != 0) {
-        fitm_tape_item it = {};
-        it.kind = FITM_TAPE_COPY;
-        it.dst = dst;
-        it.src = src;
-        it.bytes = n;
-        it.value = kind;
-        it.again = copy_again;
-        if (fitm_tape_offer(st, it, nullptr))
-            return 0;
-    }
-    return (int)cudaMemcpyAsync(dst, src, n, (cudaMemcpyKind)kind, st);
+    fitm_tape_item it = {};
+    it.kind = FITM_TAPE_COPY;
+    it.dst = dst, it.src = src, it.bytes = n, it.value = kind;
+    it.again = copy_again;
+    return tape_holds_back(st, it) ? 0
+                                   : (int)cudaMemcpyAsync(dst, src, n, (cudaMemcpyKind)kind, st);
 }
 
 extern "C" int fitm_cuda_memset_async(void *dst, int value, size_t n, void *stream)
 {
     const cudaStream_t st = fitm_stream(stream);
-    if (fitm_tapes_on.load(std::memory_order_relaxed) != 0) {
-        fitm_tape_item it = {};
-        it.kind = FITM_TAPE_MEMSET;
-        it.dst = dst;
-        it.bytes = n;
-        it.value = value;
-        it.again = memset_again;
-        if (fitm_tape_offer(st, it, nullptr))
-            return 0;
-    }
-    return (int)cudaMemsetAsync(dst, value, n, st);
+    fitm_tape_item it = {};
+    it.kind = FITM_TAPE_MEMSET;
+    it.dst = dst, it.bytes = n, it.value = value;
+    it.again = memset_again;
+    return tape_holds_back(st, it) ? 0 : (int)cudaMemsetAsync(dst, value, n, st);
 }
