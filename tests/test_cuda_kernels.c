@@ -2195,11 +2195,15 @@ int main(int argc, char **argv)
         test_gemm_bf16(1, one, 1, 1, 0);     /* one element: every tail at once */
         test_gemm_bf16(1, odd, 45, 1, 1);    /* T = 1, odd N and K, x at an odd float */
         test_gemm_bf16(3, three, 77, 67, 0); /* Q/K/V-like outputs of three widths, tails */
-        test_gemm_bf16(2, two, 96, 130, 3);  /* three row tiles, K a multiple of 32 */
+        test_gemm_bf16(2, two, 96, 130, 3);  /* three row tiles, x off 16 bytes: element loads */
+        test_gemm_bf16(2, two, 96, 130, 0);  /* 16-byte loads, then K's half step element-wise */
         test_gemm_bf16_rows(70, 50, 140);
         if (!small) {
             const int64_t gemma[] = {64};
-            test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 20 staging steps */
+            test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 10 staging steps */
+            /* a call of 64-column tiles (enough blocks to fill a card) against calls of fewer
+             * rows in 32-column tiles: the same bits */
+            test_gemm_bf16_rows(2048, 72, 520);
         }
     }
 

@@ -163,8 +163,15 @@ static inline float __fdiv_rn(float a, float b)
     return a / b;
 }
 
+/* A read through the read-only cache: a T at an address not aligned to its size (a float4
+ * or uint4 off 16 bytes) faults the launch, as on a device. (Whether p is device memory the
+ * launch's argument check sees: a lookup per load would slow every kernel.) */
 template <typename T> static inline T __ldg(const T *p)
 {
+    if ((uintptr_t)p % alignof(T) != 0) {
+        fitm_emu_kernel_fault(cudaErrorMisalignedAddress, "a misaligned __ldg");
+        return T{};
+    }
     return *p;
 }
 

@@ -17,6 +17,8 @@
  *   dynamic shared memory (cudaErrorIllegalAddress), a lane skipping a collective
  *   (cudaErrorLaunchFailure); valid tiles from device and from dynamic shared memory multiply
  *   within the bound of a double reference;
+ * - a 16-byte __ldg (float4) at an address not 16-byte aligned (cudaErrorMisalignedAddress,
+ *   sticky), where the aligned one reads the right values;
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
  *   breaks it;
@@ -478,12 +480,39 @@ static void test_graphs(void)
     cudaFree(x), cudaFree(y);
 }
 
+/* y[i] = the sum of the float4 at x + 4 i + off, read by __ldg. */
+__global__ void ldg4(float *y, const float *x, int off)
+{
+    const float4 v = __ldg((const float4 *)(x + 4 * threadIdx.x + off));
+    y[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
+static void test_ldg(void)
+{
+    float xh[36], yh[8];
+    for (int i = 0; i < 36; i++)
+        xh[i] = (float)(rand() % 1000);
+    float *x = (float *)dev_alloc(sizeof xh), *y = (float *)dev_alloc(sizeof yh);
+    cudaMemcpy(x, xh, sizeof xh, cudaMemcpyHostToDevice);
+    FITM_LAUNCH(dim3(1), dim3(8), 0, NULL, ldg4)(y, x, 4);
+    CHECK(cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost) == cudaSuccess, "ldg4 run");
+    int bad = 0;
+    for (int i = 0; i < 8; i++)
+        bad += yh[i] != xh[4 * i + 4] + xh[4 * i + 5] + xh[4 * i + 6] + xh[4 * i + 7];
+    CHECK(bad == 0, "ldg4: %d of 8 sums wrong", bad);
+    /* one float past a 16-byte boundary */
+    FITM_LAUNCH(dim3(1), dim3(8), 0, NULL, ldg4)(y, x, 1);
+    expect_lost_with(cudaErrorMisalignedAddress, "float4 __ldg at 4 bytes");
+    cudaFree(x), cudaFree(y);
+}
+
 int main(void)
 {
     srand(38);
     test_limits();
     test_host_pointers();
     test_wmma();
+    test_ldg();
     test_graphs();
     printf("%d checks, %d failed\n", n_checks, failures);
     return failures ? 1 : 0;
