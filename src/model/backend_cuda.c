@@ -564,20 +564,11 @@ static bool sync_stream(cuda_backend *c, const char *what)
     return true;
 }
 
-static bool fetch_late(cuda_backend *c, float *dst, const float *src, int64_t n, bool add);
-
-/* Host copy of n bytes; synchronous (the stream's work before it is done). A whole number of
- * floats goes down through the pinned download area as the pass's last captured copy
- * (fetch_late), so the host waits once, in sync_stream, and the wait is counted as one;
- * other sizes are copied into pageable memory after the capture is submitted (such a copy
- * blocks the host until the stream reaches it). */
+/* Host copy of n bytes; synchronous (the stream's work before it is done). */
 static bool to_host(cuda_backend *c, void *dst, const void *src, size_t n, const char *what)
 {
     if (n == 0 || c->rc)
         return c->rc == 0;
-    if (n % sizeof(float) == 0)
-        return fetch_late(c, (float *)dst, src, (int64_t)(n / sizeof(float)), false) &&
-               sync_stream(c, what);
     if (!capture_off(c) || /* into pageable memory: not in a graph */
         !ok(c, fitm_cuda_copy_async(dst, src, n, cudaMemcpyDeviceToHost, c->stream), what))
         return false;
