@@ -110,13 +110,17 @@ __device__ __forceinline__ const float *fitm_att_kv(const fitm_cuda_attn &a, con
            (int64_t)g * a.head_dim;
 }
 
+/* Key j's score against the query q: the chain s = fmaf(q[d], k[d], s) over d in order from
+ * 0, eight key loads in flight (the chain still adds them one by one, in order). */
 __device__ __forceinline__ float fitm_att_score(const fitm_cuda_attn &a, const float *q, int64_t j,
                                                 int g)
 {
     const float *k = fitm_att_kv(a, a.k_pre, a.k_own, j, g);
+    const int D = a.head_dim;
     float s = 0.0f;
-    for (int d = 0; d < a.head_dim; d++)
-        s = fmaf(q[d], k[d], s);
+#pragma unroll 8
+    for (int d = 0; d < D; d++)
+        s = fmaf(q[d], __ldg(k + d), s);
     return fitm_att_scaled(s, a.scale);
 }
 
