@@ -65,6 +65,14 @@ __device__ __forceinline__ uint32_t fitm_byte(uint2 w, int i)
     return ((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xffu;
 }
 
+/* Bits 0..3 of h to bit 0 of bytes 0..3: the product adds copies of h & 15 shifted by 0, 7, 14
+ * and 21 (apart, so without carries), which puts bit i of copy i at 8i; no other bit of a copy
+ * lands on one of those positions. */
+__device__ __forceinline__ uint32_t fitm_bits_to_bytes(uint32_t h)
+{
+    return (h & 15u) * 0x00204081u & 0x01010101u;
+}
+
 /* Block geometry per type; chunks per block = BE / 8. */
 template <int T> struct fitm_qtraits;
 // clang-format off
@@ -109,9 +117,12 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q4_0>(const uint8_
     const float d = fitm_h2f((uint16_t)fitm_ld16(blk));
     const uint2 q = fitm_ld8_a2(blk + 2 + (e0 & 15));
     const int sh = e0 & 16 ? 4 : 0;
+    uint2 b; /* the eight nibbles as bytes, a word at a time */
+    b.x = q.x >> sh & 0x0f0f0f0fu;
+    b.y = q.y >> sh & 0x0f0f0f0fu;
 #pragma unroll
     for (int i = 0; i < 8; i++)
-        v[i] = (float)((int)(fitm_byte(q, i) >> sh & 15u) - 8) * d;
+        v[i] = (float)((int)fitm_byte(b, i) - 8) * d;
 }
 
 template <>
@@ -122,12 +133,14 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q5_0>(const uint8_
     const uint32_t qh = fitm_ld16(blk + 2) | fitm_ld16(blk + 4) << 16;
     const uint2 q = fitm_ld8_a2(blk + 6 + (e0 & 15));
     const int sh = e0 & 16 ? 4 : 0;
+    /* the eight 5-bit values as bytes, four to a word: nibbles and high bits a word at a time */
+    const uint32_t hb = qh >> e0;
+    uint2 b;
+    b.x = (q.x >> sh & 0x0f0f0f0fu) | fitm_bits_to_bytes(hb) << 4;
+    b.y = (q.y >> sh & 0x0f0f0f0fu) | fitm_bits_to_bytes(hb >> 4) << 4;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const uint32_t lo = fitm_byte(q, i) >> sh & 15u;
-        const uint32_t hi = (qh >> (e0 + i) & 1u) << 4;
-        v[i] = (float)((int)(lo | hi) - 16) * d;
-    }
+    for (int i = 0; i < 8; i++)
+        v[i] = (float)((int)fitm_byte(b, i) - 16) * d;
 }
 
 template <>
