@@ -167,6 +167,11 @@ MUTANTS = [
            "yr[c] = fitm_norm_elem(x[r + c], scale, w[c], w_offset);",
            "yr[c] = fitm_norm_elem(x[r + c], scale, w_post[c], w_offset);",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-matvec-stage-no-sync",
+           "the matvec's lanes decode staged weight bytes before the other lanes of the warp "
+           "have stored them",
+           "        __syncwarp(); /* the stage is whole before any lane decodes */\n", "",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-matmul-glu-swapped",
            "the fused gate/up product applies the activation to the up projection",
            "gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u)",

@@ -1997,6 +1997,10 @@ int main(int argc, char **argv)
         if (quant) {
             test_matvec(t, 37, 768, true);
             test_matvec(t, 9, 2560, true);
+            /* an LM head's shape: several rows per warp, their blocks staged in passes that
+             * end inside rows (K = 1024), the last warp's rows partial */
+            test_matvec(t, 16387, 1024, false);
+            test_matmul_rows(t, 16387, 256, 9);
         } else {
             test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
             test_matvec(t, 3, 7, false);
