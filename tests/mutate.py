@@ -164,8 +164,8 @@ MUTANTS = [
            meson=["cuda_kernels_emu"]),
     Mutant("cuda-norm-add-rmsnorm-post-weight",
            "the fused post-norm + add + norm scales the second norm by the post-norm's weight",
-           "yr[c] = fitm_norm_elem(x[r + c], scale, w[c], w_offset);",
-           "yr[c] = fitm_norm_elem(x[r + c], scale, w_post[c], w_offset);",
+           "wv[j] = norm_y ? w[c] : 0.0f;",
+           "wv[j] = norm_y ? w_post[c] : 0.0f;",
            meson=["cuda_kernels_emu"]),
     Mutant("cuda-matvec-stage-no-sync",
            "the matvec's lanes decode staged weight bytes before the other lanes of the warp "

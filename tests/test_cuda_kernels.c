@@ -2036,6 +2036,9 @@ int main(int argc, char **argv)
         test_norm_add_rmsnorm(3, 257, 0.0f, true, false, 0, 1);
         test_norm_add_rmsnorm(6, 33, 1.0f, false, true, 2, 3);
         test_norm_add_rmsnorm(2, 300, 0.0f, true, false, 1, 0);
+        /* above the four elements a thread keeps in registers: the loop over memory */
+        test_norm_add_rmsnorm(2, 2560, 0.0f, true, false, 0, 2);
+        test_norm_add_rmsnorm(3, 1100, 1.0f, false, true, 1, 1);
     }
 
     if (want("softmax")) {
