@@ -7,8 +7,10 @@
 #define FITM_MV_WARPS 4 /* rows per block, one warp each */
 #define FITM_MV_THREADS (FITM_MV_WARPS * FITM_WARP)
 #define FITM_MV_BATCH 8 /* batch rows per block: a weight chunk is decoded once for all of them */
-/* blocks per SM the kernels are compiled for: registers up to 128 a thread, which the batch
- * products' accumulators need (ptxas keeps tighter limits of its own otherwise) */
+/* Blocks per SM the batch kernels (R > 1) are compiled for: up to 128 registers a thread, which
+ * their accumulators need (ptxas picks a tighter limit of its own otherwise, and spills). The
+ * one-row kernels (R = 1) ask for twice as many blocks, at most 64 registers a thread: 8 blocks
+ * (32 warps) resident per SM, each warp with a stage of weight bytes in flight. */
 #define FITM_MV_MIN_BLOCKS 4
 
 #define FITM_MV_STAGE 2048 /* weight bytes a warp stages in shared memory per pass */
@@ -16,8 +18,21 @@
 #define FITM_MV_WIDE_ROWS 4 /* rows per warp of a wide product (an LM head) */
 #define FITM_MV_WIDE_N 16384 /* a product of at least this many rows is wide */
 
+/* s + v . (a, b), the eight products fed in element order: every path's step of a sum. */
+__device__ __forceinline__ float fitm_mv_fma8(const float v[8], float4 a, float4 b, float s)
+{
+    s = fmaf(v[0], a.x, s);
+    s = fmaf(v[1], a.y, s);
+    s = fmaf(v[2], a.z, s);
+    s = fmaf(v[3], a.w, s);
+    s = fmaf(v[4], b.x, s);
+    s = fmaf(v[5], b.y, s);
+    s = fmaf(v[6], b.z, s);
+    return fmaf(v[7], b.w, s);
+}
+
 /* One chunk v (elements 8c .. 8c+7 of a weight row) applied to the nt batch rows of x (R, K):
- * acc[r] += v . x[r, 8c .. 8c+7], the eight products fed in element order. */
+ * acc[r] = fitm_mv_fma8 of it and x[r, 8c .. 8c+7]. */
 template <int R>
 __device__ __forceinline__ void fitm_mv_dot8(const float v[8], const float *x, int64_t K, int64_t c,
                                              int nt, float acc[R])
@@ -28,15 +43,7 @@ __device__ __forceinline__ void fitm_mv_dot8(const float v[8], const float *x, i
             break;
         const float4 *x4 = (const float4 *)(x + r * K);
         const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
-        float s = acc[r];
-        s = fmaf(v[0], a.x, s);
-        s = fmaf(v[1], a.y, s);
-        s = fmaf(v[2], a.z, s);
-        s = fmaf(v[3], a.w, s);
-        s = fmaf(v[4], b.x, s);
-        s = fmaf(v[5], b.y, s);
-        s = fmaf(v[6], b.z, s);
-        acc[r] = fmaf(v[7], b.w, s);
+        acc[r] = fitm_mv_fma8(v, a, b, acc[r]);
     }
 }
 
@@ -122,9 +129,10 @@ __device__ __forceinline__ int fitm_mv_stage(uint4 *sm, const uint8_t *lo, const
 /* One warp's dot products of gn (<= G) consecutive rows of a block-typed weight, the first at
  * w (rows of rb bytes, the weight ending at end), with the nt batch rows of x (R, K): acc[g]
  * as fitm_matvec_acc's CHUNKED path sums row g (chunk c to lane c % 32, a lane's chunks in
- * order), so a row's sums do not depend on G, gn or the rows beside it. The rows' bytes are
- * contiguous: the warp stages them through sm in passes of whole blocks, each pass wide loads
- * all in flight together, and decodes its chunks from shared memory. */
+ * order, each through fitm_mv_dot8's expression), so a row's sums do not depend on G, gn or
+ * the rows beside it. The rows' bytes are contiguous: the warp stages them through sm in
+ * passes of whole blocks, each pass wide loads all in flight together, and decodes its chunks
+ * from shared memory; each (row, chunk) falls in one pass, and passes go in order. */
 template <int T, int R, int G>
 __device__ __forceinline__ void fitm_matvec_acc_staged(const uint8_t *w, int64_t rb,
                                                        const uint8_t *end, int gn, int64_t K,
@@ -145,20 +153,41 @@ __device__ __forceinline__ void fitm_matvec_acc_staged(const uint8_t *w, int64_t
         __syncwarp(); /* every lane is done reading the previous pass */
         const int off = fitm_mv_stage(sm, w + f0 * BB, w + f1 * BB, end, lane);
         __syncwarp(); /* the stage is whole before any lane decodes */
+        if constexpr (R == 1) {
+            /* one batch row: a lane loads each x chunk it needs once in the pass and applies
+             * it to the chunks of that index in every row the pass holds */
+            const int64_t ga = f0 / nb, gz = (f1 - 1) / nb; /* the pass's first and last row */
+            const int64_t clo = ga == gz ? (f0 - ga * nb) * CPB : 0;
+            const int64_t chi = ga == gz ? (f1 - ga * nb) * CPB : nb * CPB;
+            for (int64_t c = clo + ((lane - clo) & (FITM_WARP - 1)); c < chi; c += FITM_WARP) {
+                const float4 *x4 = (const float4 *)x;
+                const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
 #pragma unroll
-        for (int g = 0; g < G; g++) {
-            if (g >= gn)
-                break;
-            const int64_t ba = f0 > g * nb ? f0 : g * nb;
-            const int64_t bz = f1 < (g + 1) * nb ? f1 : (g + 1) * nb;
-            if (ba >= bz)
-                continue;
-            const int64_t c0 = (ba - g * nb) * CPB, c1 = (bz - g * nb) * CPB;
-            for (int64_t c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
-                float v[8];
-                const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
-                fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
-                fitm_mv_dot8<R>(v, x, K, c, nt, acc[g]);
+                for (int g = 0; g < G; g++) {
+                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
+                    if (g >= gn || f < f0 || f >= f1)
+                        continue;
+                    float v[8];
+                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
+                    acc[g][0] = fitm_mv_fma8(v, a, b, acc[g][0]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (g >= gn)
+                    break;
+                const int64_t ba = f0 > g * nb ? f0 : g * nb;
+                const int64_t bz = f1 < (g + 1) * nb ? f1 : (g + 1) * nb;
+                if (ba >= bz)
+                    continue;
+                const int64_t c0 = (ba - g * nb) * CPB, c1 = (bz - g * nb) * CPB;
+                for (int64_t c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
+                    float v[8];
+                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
+                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
+                    fitm_mv_dot8<R>(v, x, K, c, nt, acc[g]);
+                }
             }
         }
     }
@@ -214,7 +243,7 @@ template <int T> struct fitm_mv_smem {
  * else silu) with the element-wise expression of fitm_cuda_swiglu / fitm_cuda_geglu, so the
  * fused launch gives the bits of the three it replaces (test_cuda_kernels: matmul_glu). */
 template <int T, bool CHUNKED, int R, int G, bool GLU>
-__global__ void __launch_bounds__(FITM_MV_THREADS, FITM_MV_MIN_BLOCKS)
+__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOCKS : FITM_MV_MIN_BLOCKS)
     fitm_matvec_rows(const uint8_t *__restrict__ W, const uint8_t *__restrict__ Wu,
                      int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
                      int64_t n_x, float *__restrict__ y, int gelu)
@@ -265,7 +294,7 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, FITM_MV_MIN_BLOCKS)
  * gives the bits of one launch per weight. Weights of one type and K; Wi NULL past the
  * last. */
 template <int T, bool CHUNKED, int R>
-__global__ void __launch_bounds__(FITM_MV_THREADS, FITM_MV_MIN_BLOCKS)
+__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOCKS : FITM_MV_MIN_BLOCKS)
     fitm_matvec_rows3(const uint8_t *__restrict__ W0, const uint8_t *__restrict__ W1,
                       const uint8_t *__restrict__ W2, int64_t row_bytes, int64_t N0, int64_t N1,
                       int64_t N2, unsigned b1, unsigned b2, int64_t K, const float *__restrict__ x,
