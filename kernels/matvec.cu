@@ -7,15 +7,52 @@
 #define FITM_MV_WARPS 4 /* rows per block, one warp each */
 #define FITM_MV_THREADS (FITM_MV_WARPS * FITM_WARP)
 #define FITM_MV_BATCH 8 /* batch rows per block: a weight chunk is decoded once for all of them */
+/* Blocks per SM the batch kernels (R > 1) are compiled for: up to 128 registers a thread, which
+ * their accumulators need (ptxas picks a tighter limit of its own otherwise, and spills). The
+ * one-row kernels (R = 1) ask for twice as many blocks, at most 64 registers a thread: 8 blocks
+ * (32 warps) resident per SM, each warp with a stage of weight bytes in flight. */
+#define FITM_MV_MIN_BLOCKS 4
 
-/* One warp's dot products of weight row w (K elements of type T, as stored) with the nt
- * batch rows of x (R, K) into acc[0..nt), not yet reduced across the warp's lanes.
- * CHUNKED: lanes take chunks of 8 elements in turn, so a warp reads 256 consecutive elements
- * per step (one K-quant super-block, eight 32-blocks, or 512 B of F16) and x as float4 pairs.
- * Needs K % 8 == 0 (always true for the block types). Otherwise (float types with odd K) lanes
- * take single elements.
- * Each batch row has its own accumulator, fed in the same order (lane, chunk, element)
- * whatever R and nt are. */
+#define FITM_MV_STAGE 2048 /* weight bytes a warp stages in shared memory per pass */
+#define FITM_MV_SEGS (FITM_MV_STAGE / 16 + 1) /* 16-byte pieces: one more for an unaligned start */
+#define FITM_MV_WIDE_ROWS 4 /* rows per warp of a wide product (an LM head) */
+#define FITM_MV_WIDE_N 16384 /* a product of at least this many rows is wide */
+
+/* s + v . (a, b), the eight products fed in element order: every path's step of a sum. */
+__device__ __forceinline__ float fitm_mv_fma8(const float v[8], float4 a, float4 b, float s)
+{
+    s = fmaf(v[0], a.x, s);
+    s = fmaf(v[1], a.y, s);
+    s = fmaf(v[2], a.z, s);
+    s = fmaf(v[3], a.w, s);
+    s = fmaf(v[4], b.x, s);
+    s = fmaf(v[5], b.y, s);
+    s = fmaf(v[6], b.z, s);
+    return fmaf(v[7], b.w, s);
+}
+
+/* One chunk v (elements 8c .. 8c+7 of a weight row) applied to the nt batch rows of x (R, K):
+ * acc[r] = fitm_mv_fma8 of it and x[r, 8c .. 8c+7]. */
+template <int R>
+__device__ __forceinline__ void fitm_mv_dot8(const float v[8], const float *x, int64_t K, int64_t c,
+                                             int nt, float acc[R])
+{
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r >= nt)
+            break;
+        const float4 *x4 = (const float4 *)(x + r * K);
+        const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
+        acc[r] = fitm_mv_fma8(v, a, b, acc[r]);
+    }
+}
+
+/* One warp's dot products of float-typed weight row w (K elements of type T) with the nt batch
+ * rows of x (R, K) into acc[0..nt), not yet reduced across the warp's lanes.
+ * CHUNKED: lanes take chunks of 8 elements in turn (chunk c to lane c % 32), each one or two
+ * 16-byte loads, and x as float4 pairs. Needs K % 8 == 0. Otherwise (odd K) lanes take single
+ * elements. Each batch row has its own accumulator, fed in the same order (lane, chunk,
+ * element) whatever R and nt are. */
 template <int T, bool CHUNKED, int R>
 __device__ __forceinline__ void fitm_matvec_acc(const uint8_t *w, int64_t K, const float *x, int nt,
                                                 int lane, float acc[R])
@@ -28,22 +65,7 @@ __device__ __forceinline__ void fitm_matvec_acc(const uint8_t *w, int64_t K, con
         for (int64_t c = lane; c < n_chunks; c += FITM_WARP) {
             float v[8];
             fitm_decode_chunk<T>(w, c, v);
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (r >= nt)
-                    break;
-                const float4 *x4 = (const float4 *)(x + r * K);
-                const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
-                float s = acc[r];
-                s = fmaf(v[0], a.x, s);
-                s = fmaf(v[1], a.y, s);
-                s = fmaf(v[2], a.z, s);
-                s = fmaf(v[3], a.w, s);
-                s = fmaf(v[4], b.x, s);
-                s = fmaf(v[5], b.y, s);
-                s = fmaf(v[6], b.z, s);
-                acc[r] = fmaf(v[7], b.w, s);
-            }
+            fitm_mv_dot8<R>(v, x, K, c, nt, acc);
         }
     } else {
         for (int64_t k = lane; k < K; k += FITM_WARP) {
@@ -55,6 +77,137 @@ __device__ __forceinline__ void fitm_matvec_acc(const uint8_t *w, int64_t K, con
                 acc[r] = fmaf(v, __ldg(x + r * K + k), acc[r]);
             }
         }
+    }
+}
+
+/* The 16 bytes at p (16-byte aligned) of an array that ends at end, the bytes from end on read
+ * as zeros: the last piece of a weight whose size is not a multiple of 16 (block sizes are
+ * even, so 16-bit loads reach its end exactly). */
+__device__ __forceinline__ uint4 fitm_mv_load_tail(const uint8_t *p, const uint8_t *end)
+{
+    const int64_t n = end - p;
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t lo = 4 * i < n ? fitm_ld16(p + 4 * i) : 0u;
+        const uint32_t hi = 4 * i + 2 < n ? fitm_ld16(p + 4 * i + 2) : 0u;
+        w[i] = lo | hi << 16;
+    }
+    uint4 r;
+    r.x = w[0], r.y = w[1], r.z = w[2], r.w = w[3];
+    return r;
+}
+
+/* The warp copies bytes [lo, hi) of a weight ending at end (lo 2-byte aligned, hi - lo at
+ * most FITM_MV_STAGE) into sm, whole 16-byte aligned pieces from the one holding lo: every
+ * lane issues all of its loads (up to five, 16 bytes each) before it stores any, so the whole
+ * stage is in flight at once. Returns lo's offset in sm. The caller syncs the warp after. */
+__device__ __forceinline__ int fitm_mv_stage(uint4 *sm, const uint8_t *lo, const uint8_t *hi,
+                                             const uint8_t *end, int lane)
+{
+    constexpr int PER = (FITM_MV_SEGS + FITM_WARP - 1) / FITM_WARP;
+    const uint8_t *a0 = (const uint8_t *)((uintptr_t)lo & ~(uintptr_t)15);
+    const int nseg = (int)((hi - a0 + 15) >> 4);
+    uint4 v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int s = lane + i * FITM_WARP;
+        if (s < nseg) {
+            const uint8_t *p = a0 + 16 * s;
+            v[i] = p + 16 <= end ? __ldg((const uint4 *)p) : fitm_mv_load_tail(p, end);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int s = lane + i * FITM_WARP;
+        if (s < nseg)
+            sm[s] = v[i];
+    }
+    return (int)(lo - a0);
+}
+
+/* One warp's dot products of gn (<= G) consecutive rows of a block-typed weight, the first at
+ * w (rows of rb bytes, the weight ending at end), with the nt batch rows of x (R, K): acc[g]
+ * as fitm_matvec_acc's CHUNKED path sums row g (chunk c to lane c % 32, a lane's chunks in
+ * order, each through fitm_mv_dot8's expression), so a row's sums do not depend on G, gn or
+ * the rows beside it. The rows' bytes are contiguous: the warp stages them through sm in
+ * passes of whole blocks, each pass wide loads all in flight together, and decodes its chunks
+ * from shared memory; each (row, chunk) falls in one pass, and passes go in order. */
+template <int T, int R, int G>
+__device__ __forceinline__ void fitm_matvec_acc_staged(const uint8_t *w, int64_t rb,
+                                                       const uint8_t *end, int gn, int64_t K,
+                                                       const float *x, int nt, int lane, uint4 *sm,
+                                                       float acc[G][R])
+{
+    constexpr int BB = fitm_qtraits<T>::BB, CPB = fitm_qtraits<T>::BE / 8;
+    constexpr int64_t PASS = FITM_MV_STAGE / BB; /* blocks per pass */
+    const int64_t nb = rb / BB, total = gn * nb;
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[g][r] = 0.0f;
+    const uint8_t *smb = (const uint8_t *)sm;
+    for (int64_t f0 = 0; f0 < total; f0 += PASS) {
+        const int64_t f1 = f0 + PASS < total ? f0 + PASS : total;
+        __syncwarp(); /* every lane is done reading the previous pass */
+        const int off = fitm_mv_stage(sm, w + f0 * BB, w + f1 * BB, end, lane);
+        __syncwarp(); /* the stage is whole before any lane decodes */
+        if constexpr (R == 1) {
+            /* one batch row: a lane loads each x chunk it needs once in the pass and applies
+             * it to the chunks of that index in every row the pass holds */
+            const int64_t ga = f0 / nb, gz = (f1 - 1) / nb; /* the pass's first and last row */
+            const int64_t clo = ga == gz ? (f0 - ga * nb) * CPB : 0;
+            const int64_t chi = ga == gz ? (f1 - ga * nb) * CPB : nb * CPB;
+            for (int64_t c = clo + ((lane - clo) & (FITM_WARP - 1)); c < chi; c += FITM_WARP) {
+                const float4 *x4 = (const float4 *)x;
+                const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
+                    if (g >= gn || f < f0 || f >= f1)
+                        continue;
+                    float v[8];
+                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
+                    acc[g][0] = fitm_mv_fma8(v, a, b, acc[g][0]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (g >= gn)
+                    break;
+                const int64_t ba = f0 > g * nb ? f0 : g * nb;
+                const int64_t bz = f1 < (g + 1) * nb ? f1 : (g + 1) * nb;
+                if (ba >= bz)
+                    continue;
+                const int64_t c0 = (ba - g * nb) * CPB, c1 = (bz - g * nb) * CPB;
+                for (int64_t c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
+                    float v[8];
+                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
+                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
+                    fitm_mv_dot8<R>(v, x, K, c, nt, acc[g]);
+                }
+            }
+        }
+    }
+}
+
+/* acc[g] for the gn (<= G) rows of weight W from row0 on: the staged path for the block
+ * types, fitm_matvec_acc for the float types (G = 1 only). */
+template <int T, bool CHUNKED, int R, int G>
+__device__ __forceinline__ void fitm_matvec_acc_rows(const uint8_t *W, int64_t row_bytes, int64_t N,
+                                                     int64_t row0, int gn, int64_t K,
+                                                     const float *x, int nt, int lane, uint4 *sm,
+                                                     float acc[G][R])
+{
+    if constexpr (fitm_qtraits<T>::BE > 1) {
+        fitm_matvec_acc_staged<T, R, G>(W + row0 * row_bytes, row_bytes, W + N * row_bytes, gn, K,
+                                        x, nt, lane, sm, acc);
+    } else {
+        static_assert(G == 1, "float-typed weights take one row per warp");
+        (void)N, (void)gn, (void)sm;
+        fitm_matvec_acc<T, CHUNKED, R>(W + row0 * row_bytes, K, x, nt, lane, acc[0]);
     }
 }
 
@@ -74,44 +227,63 @@ __device__ __forceinline__ void fitm_matvec_put(const float acc[R], int nt, int 
     }
 }
 
-/* One warp per row n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of blockIdx.y's
- * group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W (N, K) stored,
- * x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it to every row
- * of its group, so a step of R rows reads the weights once, as one row does. Each row's sum is
- * fitm_matvec_acc's, reduced by the same shuffle tree whatever R and n_x are: a row's result
- * does not depend on the rows beside it (test_cuda_kernels: matmul_rows).
+/* Shared memory of a block's warps for staging block-typed weights (none for float types). */
+template <int T> struct fitm_mv_smem {
+    static const int SEGS = fitm_qtraits<T>::BE > 1 ? FITM_MV_SEGS : 1;
+};
+
+/* One warp per G consecutive rows n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of
+ * blockIdx.y's group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W
+ * (N, K) stored, x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it
+ * to every row of its group, so a step of R rows reads the weights once, as one row does. Each
+ * row's sum is fitm_matvec_acc's order, reduced by the same shuffle tree whatever R, n_x and G
+ * are: a row's result does not depend on the rows beside it (test_cuda_kernels: matmul_rows).
  * GLU: Wu (same type and shape as W) is the up projection and W the gate: the warp computes
  * both sums of its row, each exactly as above, and writes act(gate) * up (gelu: gelu_tanh,
  * else silu) with the element-wise expression of fitm_cuda_swiglu / fitm_cuda_geglu, so the
  * fused launch gives the bits of the three it replaces (test_cuda_kernels: matmul_glu). */
-template <int T, bool CHUNKED, int R, bool GLU>
-__global__ void __launch_bounds__(FITM_MV_THREADS)
+template <int T, bool CHUNKED, int R, int G, bool GLU>
+__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOCKS : FITM_MV_MIN_BLOCKS)
     fitm_matvec_rows(const uint8_t *__restrict__ W, const uint8_t *__restrict__ Wu,
                      int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
                      int64_t n_x, float *__restrict__ y, int gelu)
 {
-    const int lane = threadIdx.x % FITM_WARP;
-    const int64_t row = (int64_t)blockIdx.x * FITM_MV_WARPS + threadIdx.x / FITM_WARP;
-    if (row >= N)
+    __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int64_t row0 = ((int64_t)blockIdx.x * FITM_MV_WARPS + warp) * G;
+    if (row0 >= N)
         return; /* uniform per warp: the shuffles below see whole warps */
+    const int gn = N - row0 < G ? (int)(N - row0) : G;
     const int64_t t0 = (int64_t)blockIdx.y * R;
     const int nt = n_x - t0 < R ? (int)(n_x - t0) : R; /* uniform per block */
     x += t0 * K;
     y += t0 * N;
-    float acc[R];
-    fitm_matvec_acc<T, CHUNKED, R>(W + row * row_bytes, K, x, nt, lane, acc);
+    float acc[G][R];
+    fitm_matvec_acc_rows<T, CHUNKED, R, G>(W, row_bytes, N, row0, gn, K, x, nt, lane, stage[warp],
+                                           acc);
     if constexpr (!GLU) {
-        fitm_matvec_put<R>(acc, nt, lane, y + row, N);
-    } else {
-        float up[R];
-        fitm_matvec_acc<T, CHUNKED, R>(Wu + row * row_bytes, K, x, nt, lane, up);
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (r >= nt)
+        for (int i = 0; i < G; i++) {
+            if (i >= gn)
                 break;
-            const float g = fitm_warp_sum(acc[r]), u = fitm_warp_sum(up[r]);
-            if (lane == 0)
-                y[r * N + row] = gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
+            fitm_matvec_put<R>(acc[i], nt, lane, y + row0 + i, N);
+        }
+    } else {
+        float up[G][R];
+        fitm_matvec_acc_rows<T, CHUNKED, R, G>(Wu, row_bytes, N, row0, gn, K, x, nt, lane,
+                                               stage[warp], up);
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            if (i >= gn)
+                break;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r >= nt)
+                    break;
+                const float g = fitm_warp_sum(acc[i][r]), u = fitm_warp_sum(up[i][r]);
+                if (lane == 0)
+                    y[r * N + row0 + i] = gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
+            }
         }
     }
 }
@@ -122,54 +294,66 @@ __global__ void __launch_bounds__(FITM_MV_THREADS)
  * gives the bits of one launch per weight. Weights of one type and K; Wi NULL past the
  * last. */
 template <int T, bool CHUNKED, int R>
-__global__ void __launch_bounds__(FITM_MV_THREADS)
+__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOCKS : FITM_MV_MIN_BLOCKS)
     fitm_matvec_rows3(const uint8_t *__restrict__ W0, const uint8_t *__restrict__ W1,
                       const uint8_t *__restrict__ W2, int64_t row_bytes, int64_t N0, int64_t N1,
                       int64_t N2, unsigned b1, unsigned b2, int64_t K, const float *__restrict__ x,
                       int64_t n_x, float *__restrict__ y0, float *__restrict__ y1,
                       float *__restrict__ y2)
 {
+    __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
     const int which = blockIdx.x < b1 ? 0 : blockIdx.x < b2 ? 1 : 2; /* uniform per block */
     const unsigned bx = blockIdx.x - (which == 0 ? 0 : which == 1 ? b1 : b2);
     const uint8_t *W = which == 0 ? W0 : which == 1 ? W1 : W2;
     const int64_t N = which == 0 ? N0 : which == 1 ? N1 : N2;
     float *y = which == 0 ? y0 : which == 1 ? y1 : y2;
-    const int lane = threadIdx.x % FITM_WARP;
-    const int64_t row = (int64_t)bx * FITM_MV_WARPS + threadIdx.x / FITM_WARP;
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int64_t row = (int64_t)bx * FITM_MV_WARPS + warp;
     if (row >= N)
         return; /* uniform per warp */
     const int64_t t0 = (int64_t)blockIdx.y * R;
     const int nt = n_x - t0 < R ? (int)(n_x - t0) : R;
-    float acc[R];
-    fitm_matvec_acc<T, CHUNKED, R>(W + row * row_bytes, K, x + t0 * K, nt, lane, acc);
-    fitm_matvec_put<R>(acc, nt, lane, y + t0 * N + row, N);
+    x += t0 * K;
+    y += t0 * N + row;
+    float acc[1][R];
+    fitm_matvec_acc_rows<T, CHUNKED, R, 1>(W, row_bytes, N, row, 1, K, x, nt, lane, stage[warp],
+                                           acc);
+    fitm_matvec_put<R>(acc[0], nt, lane, y, N);
 }
 
 /* R = 1 for a single row (no registers held for rows that are not there), else groups of
- * FITM_MV_BATCH rows; both sum every row alike. wu NULL: the plain product. */
-template <int T, bool CHUNKED, bool GLU>
+ * FITM_MV_BATCH rows; both sum every row alike. G rows per warp (grid of N / (4 G) blocks).
+ * wu NULL: the plain product. */
+template <int T, bool CHUNKED, int G, bool GLU>
 static void fitm_matvec_go(const uint8_t *w, const uint8_t *wu, int64_t row_bytes, int64_t N,
                            int64_t K, const float *x, int64_t n_x, float *y, int gelu,
                            cudaStream_t st)
 {
-    const unsigned gx = (unsigned)((N + FITM_MV_WARPS - 1) / FITM_MV_WARPS);
+    const unsigned gx = (unsigned)((N + FITM_MV_WARPS * G - 1) / (FITM_MV_WARPS * G));
     if (n_x == 1)
-        FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, 1, GLU>)
+        FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, 1, G, GLU>)
     (w, wu, row_bytes, N, K, x, n_x, y, gelu);
     else FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
-                     FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH, GLU>)(
+                     FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH, G, GLU>)(
         w, wu, row_bytes, N, K, x, n_x, y, gelu);
 }
 
+/* A wide product of a block type (an LM head: many rows, each a few hundred bytes) takes
+ * FITM_MV_WIDE_ROWS rows per warp, so each warp has that many rows' bytes in flight per pass
+ * and a warp's start and reductions are shared by more bytes; the others one row per warp,
+ * which gives a product of a few hundred rows enough blocks to spread over the GPU. */
 template <int T, bool CHUNKED>
 static void fitm_matvec_pick(const uint8_t *w, const uint8_t *wu, int64_t row_bytes, int64_t N,
                              int64_t K, const float *x, int64_t n_x, float *y, int gelu,
                              cudaStream_t st)
 {
     if (wu)
-        fitm_matvec_go<T, CHUNKED, true>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
+        fitm_matvec_go<T, CHUNKED, 1, true>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
+    else if (fitm_qtraits<T>::BE > 1 && N >= FITM_MV_WIDE_N)
+        fitm_matvec_go<T, CHUNKED, (fitm_qtraits<T>::BE > 1 ? FITM_MV_WIDE_ROWS : 1), false>(
+            w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
     else
-        fitm_matvec_go<T, CHUNKED, false>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
+        fitm_matvec_go<T, CHUNKED, 1, false>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
 }
 
 template <int T>

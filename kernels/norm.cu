@@ -71,16 +71,22 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
  * layers; the last row alone where the final norm takes a prompt's last token); block t.
  * Bit for bit fitm_rmsnorm_rows (p, o) followed by fitm_add_rmsnorm_rows (y, x, p) (or, on a
  * part of the rows, fitm_add_elems and fitm_rmsnorm_rows): the same block size, so each
- * thread holds the same elements in both norms and sums their squares in the same order, the
- * same reduction, and each normed element through fitm_norm_elem; p is written and x updated
- * as those kernels write them. Aliasing: p may equal o (the post-norm in place, as the forward
- * driver runs it): every o[c] is read in the first pass before the reduction's barriers, and
- * the second pass reads o[c] and writes p[c] in the same thread. y may be row y0 of x (the
- * norm in place): the third pass reads x[c] and writes y's element over it in the thread
- * that wrote x[c] in the second. Any other overlap is not safe (a write of x or y could reach
- * an element of o or p that another thread reads): the caller keeps x and y apart from o and
- * p. The rows outside [y0, y0 + ny) leave after the second pass, the whole block at once, so
- * no thread misses the barriers of the second reduction. */
+ * thread holds the same elements (c = threadIdx.x + 256 j) in both norms and sums their
+ * squares in the same order, the same reduction, and each normed element through
+ * fitm_norm_elem; p is written and x updated as those kernels write them.
+ * NE > 0 (C <= 256 NE): a thread loads all it reads (its o, x, w_post and w elements) into
+ * registers before the first reduction, so the row costs one memory round trip, and
+ * computes from them (a value it wrote to x is the value it holds). NE = 0: any C, each pass
+ * a loop over the thread's elements in memory.
+ * Aliasing: p may equal o (the post-norm in place, as the forward driver runs it): every o[c]
+ * is read in the first pass before the reduction's barriers, and the second pass reads o[c]
+ * and writes p[c] in the same thread. y may be row y0 of x (the norm in place): the third
+ * pass reads x[c] and writes y's element over it in the thread that wrote x[c] in the second.
+ * Any other overlap is not safe (a write of x or y could reach an element of o or p that
+ * another thread reads): the caller keeps x and y apart from o and p. The rows outside
+ * [y0, y0 + ny) leave after the second pass, the whole block at once, so no thread misses
+ * the barriers of the second reduction. */
+template <int NE>
 __global__ void __launch_bounds__(FITM_ROW_THREADS)
     fitm_norm_add_rmsnorm_rows(float *p, const float *o, const float *__restrict__ w_post,
                                float *x, float *y, const float *__restrict__ w, float w_offset,
@@ -88,26 +94,71 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
 {
     __shared__ float shm[32];
     const int64_t t = blockIdx.x, r = t * C;
-    float ss = 0.0f;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-        ss = fmaf(o[r + c], o[r + c], ss);
-    ss = fitm_block_reduce(ss, shm, false);
-    const float scale_post = fitm_rms_scale(ss, C, eps);
-    ss = 0.0f;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-        const float pc = fitm_norm_elem(o[r + c], scale_post, w_post[c], w_offset);
-        p[r + c] = pc;
-        const float v = x[r + c] + pc;
-        x[r + c] = v;
-        ss = fmaf(v, v, ss);
+    const bool norm_y = t >= y0 && t < y0 + ny; /* uniform per block */
+    if constexpr (NE > 0) {
+        float ov[NE] = {}, xv[NE] = {}, wpv[NE] = {}, wv[NE] = {};
+#pragma unroll
+        for (int j = 0; j < NE; j++) {
+            const int64_t c = threadIdx.x + (int64_t)j * FITM_ROW_THREADS;
+            if (c < C) {
+                ov[j] = o[r + c];
+                xv[j] = x[r + c];
+                wpv[j] = w_post[c];
+                wv[j] = norm_y ? w[c] : 0.0f;
+            }
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NE; j++)
+            if (threadIdx.x + (int64_t)j * FITM_ROW_THREADS < C)
+                ss = fmaf(ov[j], ov[j], ss);
+        ss = fitm_block_reduce(ss, shm, false);
+        const float scale_post = fitm_rms_scale(ss, C, eps);
+        ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NE; j++) {
+            const int64_t c = threadIdx.x + (int64_t)j * FITM_ROW_THREADS;
+            if (c < C) {
+                const float pc = fitm_norm_elem(ov[j], scale_post, wpv[j], w_offset);
+                p[r + c] = pc;
+                xv[j] = xv[j] + pc;
+                x[r + c] = xv[j];
+                ss = fmaf(xv[j], xv[j], ss);
+            }
+        }
+        if (!norm_y)
+            return;
+        ss = fitm_block_reduce(ss, shm, false);
+        const float scale = fitm_rms_scale(ss, C, eps);
+        float *yr = y + (t - y0) * C;
+#pragma unroll
+        for (int j = 0; j < NE; j++) {
+            const int64_t c = threadIdx.x + (int64_t)j * FITM_ROW_THREADS;
+            if (c < C)
+                yr[c] = fitm_norm_elem(xv[j], scale, wv[j], w_offset);
+        }
+    } else {
+        float ss = 0.0f;
+        for (int64_t c = threadIdx.x; c < C; c += FITM_ROW_THREADS)
+            ss = fmaf(o[r + c], o[r + c], ss);
+        ss = fitm_block_reduce(ss, shm, false);
+        const float scale_post = fitm_rms_scale(ss, C, eps);
+        ss = 0.0f;
+        for (int64_t c = threadIdx.x; c < C; c += FITM_ROW_THREADS) {
+            const float pc = fitm_norm_elem(o[r + c], scale_post, w_post[c], w_offset);
+            p[r + c] = pc;
+            const float v = x[r + c] + pc;
+            x[r + c] = v;
+            ss = fmaf(v, v, ss);
+        }
+        if (!norm_y)
+            return;
+        ss = fitm_block_reduce(ss, shm, false);
+        const float scale = fitm_rms_scale(ss, C, eps);
+        float *yr = y + (t - y0) * C;
+        for (int64_t c = threadIdx.x; c < C; c += FITM_ROW_THREADS)
+            yr[c] = fitm_norm_elem(x[r + c], scale, w[c], w_offset);
     }
-    if (t < y0 || t >= y0 + ny)
-        return;
-    ss = fitm_block_reduce(ss, shm, false);
-    const float scale = fitm_rms_scale(ss, C, eps);
-    float *yr = y + (t - y0) * C;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-        yr[c] = fitm_norm_elem(x[r + c], scale, w[c], w_offset);
 }
 
 /* Attention's query and key heads before the scores, one block per head vector (block
@@ -128,6 +179,14 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
     const bool is_q = h < H; /* uniform per block, as w below */
     float *v = is_q ? q + (t * H + h) * D : k + (t * Hkv + h - H) * D;
     const float *w = is_q ? q_w : k_w;
+    /* The thread's first weight and first angle are loaded before the reduction, so that
+     * their memory round trips overlap the first load of v (the same values as loading them
+     * where they are used). */
+    const int64_t half = n_rot / 2;
+    const float *cst = cs + t * n_rot;
+    const float w0 = w && threadIdx.x < D ? w[threadIdx.x] : 0.0f;
+    const float c0 = threadIdx.x < half ? cst[2 * threadIdx.x] : 0.0f;
+    const float s0 = threadIdx.x < half ? cst[2 * threadIdx.x + 1] : 0.0f;
     if (w) {
         float ss = 0.0f;
         for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
@@ -135,13 +194,12 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
         ss = fitm_block_reduce(ss, shm, false);
         const float scale = fitm_rms_scale(ss, D, eps);
         for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
-            v[c] = fitm_norm_elem(v[c], scale, w[c], w_offset);
+            v[c] = fitm_norm_elem(v[c], scale, c == threadIdx.x ? w0 : w[c], w_offset);
         __syncthreads(); /* a pair's elements were normed by other threads */
     }
-    const int64_t half = n_rot / 2;
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x)
-        fitm_rope_pair(v, neox ? i : 2 * i, neox ? i + half : 2 * i + 1, cs[t * n_rot + 2 * i],
-                       cs[t * n_rot + 2 * i + 1]);
+        fitm_rope_pair(v, neox ? i : 2 * i, neox ? i + half : 2 * i + 1,
+                       i == threadIdx.x ? c0 : cst[2 * i], i == threadIdx.x ? s0 : cst[2 * i + 1]);
 }
 
 /* Row r of x (n_rows, ld): x[r, 0..n) = softmax(x[r, 0..n)), in place; block r. */
@@ -200,8 +258,14 @@ extern "C" int fitm_cuda_norm_add_rmsnorm(float *p, const float *o, const float 
         return (int)cudaErrorInvalidValue;
     if (T == 0 || C == 0)
         return 0;
-    FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream), fitm_norm_add_rmsnorm_rows)
+    /* registers for up to four elements a thread: a model dimension up to 1024 */
+    if (C <= 4 * FITM_ROW_THREADS)
+        FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream),
+                    fitm_norm_add_rmsnorm_rows<4>)
     (p, o, w_post, x, y, w, w_offset, C, eps, y0, ny);
+    else FITM_LAUNCH((unsigned)T, FITM_ROW_THREADS, 0, fitm_stream(stream),
+                     fitm_norm_add_rmsnorm_rows<0>)(p, o, w_post, x, y, w, w_offset, C, eps, y0,
+                                                    ny);
     return (int)cudaGetLastError();
 }
 

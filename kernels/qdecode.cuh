@@ -65,6 +65,23 @@ __device__ __forceinline__ uint32_t fitm_byte(uint2 w, int i)
     return ((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xffu;
 }
 
+/* Bits 0..3 of h to bit 0 of bytes 0..3: the product adds copies of h & 15 shifted by 0, 7, 14
+ * and 21 (apart, so without carries), which puts bit i of copy i at 8i; no other bit of a copy
+ * lands on one of those positions. */
+__device__ __forceinline__ uint32_t fitm_bits_to_bytes(uint32_t h)
+{
+    return (h & 15u) * 0x00204081u & 0x01010101u;
+}
+
+/* (float)((int)u - bias) for u and bias below 2^22, without a conversion instruction (a quarter
+ * of the FP32 rate): u in the mantissa of 2^23 is the float 2^23 + u exactly, and subtracting
+ * the float 2^23 + bias (exact too) leaves u - bias, which a float holds exactly, so the
+ * result is the conversion's, bit for bit (+0 where u == bias). */
+__device__ __forceinline__ float fitm_u2f_minus(uint32_t u, int bias)
+{
+    return __int_as_float((int)(0x4b000000u | u)) - (8388608.0f + (float)bias);
+}
+
 /* Block geometry per type; chunks per block = BE / 8. */
 template <int T> struct fitm_qtraits;
 // clang-format off
@@ -109,9 +126,12 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q4_0>(const uint8_
     const float d = fitm_h2f((uint16_t)fitm_ld16(blk));
     const uint2 q = fitm_ld8_a2(blk + 2 + (e0 & 15));
     const int sh = e0 & 16 ? 4 : 0;
+    uint2 b; /* the eight nibbles as bytes, a word at a time */
+    b.x = q.x >> sh & 0x0f0f0f0fu;
+    b.y = q.y >> sh & 0x0f0f0f0fu;
 #pragma unroll
     for (int i = 0; i < 8; i++)
-        v[i] = (float)((int)(fitm_byte(q, i) >> sh & 15u) - 8) * d;
+        v[i] = fitm_u2f_minus(fitm_byte(b, i), 8) * d;
 }
 
 template <>
@@ -122,12 +142,14 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q5_0>(const uint8_
     const uint32_t qh = fitm_ld16(blk + 2) | fitm_ld16(blk + 4) << 16;
     const uint2 q = fitm_ld8_a2(blk + 6 + (e0 & 15));
     const int sh = e0 & 16 ? 4 : 0;
+    /* the eight 5-bit values as bytes, four to a word: nibbles and high bits a word at a time */
+    const uint32_t hb = qh >> e0;
+    uint2 b;
+    b.x = (q.x >> sh & 0x0f0f0f0fu) | fitm_bits_to_bytes(hb) << 4;
+    b.y = (q.y >> sh & 0x0f0f0f0fu) | fitm_bits_to_bytes(hb >> 4) << 4;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const uint32_t lo = fitm_byte(q, i) >> sh & 15u;
-        const uint32_t hi = (qh >> (e0 + i) & 1u) << 4;
-        v[i] = (float)((int)(lo | hi) - 16) * d;
-    }
+    for (int i = 0; i < 8; i++)
+        v[i] = fitm_u2f_minus(fitm_byte(b, i), 16) * d;
 }
 
 template <>
@@ -138,7 +160,7 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q8_0>(const uint8_
     const uint2 q = fitm_ld8_a2(blk + 2 + e0);
 #pragma unroll
     for (int i = 0; i < 8; i++)
-        v[i] = (float)(int8_t)(uint8_t)fitm_byte(q, i) * d;
+        v[i] = fitm_u2f_minus(fitm_byte(q, i) ^ 0x80u, 128) * d; /* the int8 value */
 }
 
 /* 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes of Q4_K/Q5_K: the first
@@ -173,7 +195,7 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q4_K>(const uint8_
     const int sh = (s & 1) * 4;
 #pragma unroll
     for (int i = 0; i < 8; i++)
-        v[i] = d1 * (float)(fitm_byte(q, i) >> sh & 15u) - m1;
+        v[i] = d1 * fitm_u2f_minus(fitm_byte(q, i) >> sh & 15u, 0) - m1;
 }
 
 template <>
@@ -193,7 +215,7 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q5_K>(const uint8_
     for (int i = 0; i < 8; i++) {
         const uint32_t lo = fitm_byte(q, i) >> sh & 15u;
         const uint32_t hi = (fitm_byte(h, i) >> s & 1u) << 4;
-        v[i] = d1 * (float)(lo | hi) - m1;
+        v[i] = d1 * fitm_u2f_minus(lo | hi, 0) - m1;
     }
 }
 
@@ -211,7 +233,7 @@ __device__ __forceinline__ void fitm_decode_block8<FITM_DTYPE_Q6_K>(const uint8_
     for (int i = 0; i < 8; i++) {
         const uint32_t lo = fitm_byte(ql, i) >> sh & 15u;
         const uint32_t hi = (fitm_byte(qh, i) >> hs & 3u) << 4;
-        v[i] = ds * (float)((int)(lo | hi) - 32);
+        v[i] = ds * fitm_u2f_minus(lo | hi, 32);
     }
 }
 

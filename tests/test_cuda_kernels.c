@@ -1997,6 +1997,10 @@ int main(int argc, char **argv)
         if (quant) {
             test_matvec(t, 37, 768, true);
             test_matvec(t, 9, 2560, true);
+            /* an LM head's shape: several rows per warp, their blocks staged in passes that
+             * end inside rows (K = 1024), the last warp's rows partial */
+            test_matvec(t, 16387, 1024, false);
+            test_matmul_rows(t, 16387, 256, 9);
         } else {
             test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
             test_matvec(t, 3, 7, false);
@@ -2032,6 +2036,9 @@ int main(int argc, char **argv)
         test_norm_add_rmsnorm(3, 257, 0.0f, true, false, 0, 1);
         test_norm_add_rmsnorm(6, 33, 1.0f, false, true, 2, 3);
         test_norm_add_rmsnorm(2, 300, 0.0f, true, false, 1, 0);
+        /* above the four elements a thread keeps in registers: the loop over memory */
+        test_norm_add_rmsnorm(2, 2560, 0.0f, true, false, 0, 2);
+        test_norm_add_rmsnorm(3, 1100, 1.0f, false, true, 1, 1);
     }
 
     if (want("softmax")) {

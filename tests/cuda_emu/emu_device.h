@@ -98,7 +98,15 @@ bool fitm_emu_shared_range(const void *p, size_t n);
 void fitm_emu_warp_collective(uint64_t sig);
 
 #define __syncthreads() fitm_emu_syncthreads()
-#define __syncwarp(...) ((void)0)
+
+/* __syncwarp(mask): a barrier of the warp's lanes in mask (all 32 when none is given), made of
+ * the shuffle's rendezvous, so a lane that reads what others of its warp wrote before it runs
+ * after their writes (and ThreadSanitizer sees the order). */
+static inline void fitm_emu_syncwarp(unsigned mask = 0xffffffffu)
+{
+    (void)fitm_emu_shfl(mask, 0, -1);
+}
+#define __syncwarp(...) fitm_emu_syncwarp(__VA_ARGS__)
 
 /* Source lane of a shuffle, or -1 for "own value" (target outside the caller's segment). */
 static inline int fitm_emu_lane(void)
