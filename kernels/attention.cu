@@ -399,7 +399,8 @@ __host__ __device__ __forceinline__ int fitm_att_tile_heads(const fitm_cuda_attn
     return G < FITM_ATT_TILE_RH ? G : FITM_ATT_TILE_RH;
 }
 
-/* dst[kk][d] = row c0 + kk of K (or V) of group g, for kk < nk: warp w takes rows w, w + 4.. */
+/* dst[kk][d] = row c0 + kk of K (or V) of group g, for kk < nk: warp w takes rows w, w + 4..
+ * (the scalar path, for head dims that are not a whole number of float4s) */
 __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const float *pre,
                                                const float *own, int g, int64_t c0, int nk,
                                                float *dst, int ld)
@@ -410,6 +411,67 @@ __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const fl
         for (int d = lane; d < a.head_dim; d += FITM_WARP)
             dst[kk * ld + d] = src[d];
     }
+}
+
+/* The vector path: a step's keys (or values) go through registers, warp w taking rows w,
+ * w + 4.. as fitm_att_stage does, lane l the float4s l and l + 32 (ND of them) of each:
+ * (U = 8 ND registers); fitm_att_fetch issues every load of a step before any is needed, so that one step's loads
+ * are in flight while the block computes on the step before, and fitm_att_put writes them
+ * into the staged rows once they are. */
+template <int U>
+__device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const float *pre,
+                                               const float *own, int g, int64_t c0, int nk,
+                                               float4 (&r)[U])
+{
+    constexpr int ND = U / 8;
+    constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int D4 = a.head_dim / 4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
+        const int kk = warp + NW * i;
+        if (kk < nk) {
+            const float4 *src = (const float4 *)fitm_att_kv(a, pre, own, c0 + kk, g);
+#pragma unroll
+            for (int c = 0; c < ND; c++)
+                if (lane + FITM_WARP * c < D4)
+                    r[ND * i + c] = __ldg(src + lane + FITM_WARP * c);
+        }
+    }
+}
+
+template <int U>
+__device__ __forceinline__ void fitm_att_put(const fitm_cuda_attn &a, int nk,
+                                             const float4 (&r)[U], float *dst, int ld)
+{
+    constexpr int ND = U / 8;
+    constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int D4 = a.head_dim / 4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
+        const int kk = warp + NW * i;
+        if (kk < nk) {
+            float4 *row = (float4 *)(dst + kk * ld);
+#pragma unroll
+            for (int c = 0; c < ND; c++)
+                if (lane + FITM_WARP * c < D4)
+                    row[lane + FITM_WARP * c] = r[ND * i + c];
+        }
+    }
+}
+
+/* Keys (or values) c0.. of a step into dst: from the registers fitm_att_fetch filled (vec), or
+ * read now (the scalar path). */
+template <int U>
+__device__ __forceinline__ void fitm_att_land(const fitm_cuda_attn &a, bool vec, const float *pre,
+                                              const float *own, int g, int64_t c0, int nk,
+                                              const float4 (&r)[U], float *dst, int ld)
+{
+    if (vec)
+        fitm_att_put(a, nk, r, dst, ld);
+    else
+        fitm_att_stage(a, pre, own, g, c0, nk, dst, ld);
 }
 
 /* The thread's four scores of the staged keys: pairs r0, r0 + 1 against keys kk0, kk0 + 16,
@@ -443,10 +505,17 @@ __device__ __forceinline__ void fitm_att_tile_scores(const fitm_cuda_attn &a, co
     s[1][0] = fitm_att_scaled(s10, a.scale), s[1][1] = fitm_att_scaled(s11, a.scale);
 }
 
+/* Keys in the step from c0 of a tile whose last key is k_hi. */
+__device__ __forceinline__ int fitm_att_nk(int64_t c0, int64_t k_hi)
+{
+    return k_hi + 1 - c0 < FITM_ATT_TILE_KEYS ? (int)(k_hi + 1 - c0) : FITM_ATT_TILE_KEYS;
+}
+
 /* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread (D <= 128:
- * 1, else 2). Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
+ * 1, else 2). The launch bounds ask for the blocks per SM that the registers of a step in
+ * flight (buf) leave room for: without them ptxas holds ND = 1 to 128 registers and spills. Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
 template <int ND>
-__global__ void __launch_bounds__(FITM_ATT_THREADS)
+__global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
 {
     constexpr int RH = FITM_ATT_TILE_RH, KC = FITM_ATT_TILE_KEYS, NW = FITM_ATT_THREADS / FITM_WARP;
@@ -457,13 +526,20 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
     const int n_hc = (G + hb - 1) / hb;
     const int g = blockIdx.y / n_hc, hc = blockIdx.y % n_hc;
     const int h0 = g * G + hc * hb, nh = G - hc * hb < hb ? G - hc * hb : hb;
-    const int64_t i0 = i_begin + (int64_t)blockIdx.x * R;
+    /* the last tile first: a causal tile's work grows with its rows, and the longest tiles
+     * starting first leave the short ones to fill the card at the end */
+    const int64_t i0 = i_begin + (int64_t)(gridDim.x - 1 - blockIdx.x) * R;
     const int nr = i_end - i0 < R ? (int)(i_end - i0) : R;
     const int64_t P0 = a.pos0 + i0; /* the tile's first position; pair r is row r / hb */
     const int64_t k_lo = fitm_att_v0(a, P0), k_hi = P0 + nr - 1;
     const int64_t v0_last = fitm_att_v0(a, k_hi);
     float *qs = (float *)shm4, *ks = qs + RH * ld, *big = ks + KC * ld;
     float *ps = big + fitm_att_tile_big(D), *st_mx = ps + KC * RH, *st_inv = st_mx + RH;
+    /* the vector path: whole float4s per row, every row 16-byte aligned */
+    const bool vec = D % 4 == 0 &&
+                     (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre |
+                       (uintptr_t)a.v_pre) & 15) == 0;
+    float4 buf[8 * ND]; /* a step's keys or values on their way to shared memory */
 
     /* the pairs' queries; a pair past the tile's rows or the group's heads holds zeros */
     for (int r = warp; r < RH; r += NW) {
@@ -483,11 +559,15 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
         mx[k] = -INFINITY, l[k] = 0.0f;
         ts[k] = fitm_att_v0(a, P0 + (warp + NW * k) / hb);
     }
+    if (vec)
+        fitm_att_fetch(a, a.k_pre, a.k_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
     for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
-        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
-        __syncthreads(); /* ks free */
-        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
-        __syncthreads();
+        const int nk = fitm_att_nk(c0, k_hi);
+        /* ks free: the step before read it before its second barrier */
+        fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
+        __syncthreads(); /* ks written; the ring's reads of the step before done */
+        if (vec && c0 + KC <= k_hi)
+            fitm_att_fetch(a, a.k_pre, a.k_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
         float s[2][2];
         fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
 #pragma unroll
@@ -549,12 +629,15 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
     /* the thread's dims, clamped into the row: a dim past D computes a value never written */
     const int d0 = tid < D ? tid : D - 1;
     const int d1 = tid + FITM_ATT_THREADS < D ? tid + FITM_ATT_THREADS : D - 1;
+    if (vec)
+        fitm_att_fetch(a, a.k_pre, a.k_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
     for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
-        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
-        __syncthreads(); /* ks, big and ps free; st_mx and st_inv written */
-        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
-        fitm_att_stage(a, a.v_pre, a.v_own, g, c0, nk, big, ld);
-        __syncthreads();
+        const int nk = fitm_att_nk(c0, k_hi);
+        /* ks free: the step before (or pass 1) read it before its second barrier */
+        fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
+        __syncthreads(); /* ks written; big and ps read by the step before; st_mx, st_inv set */
+        if (vec) /* the values load while the scores compute */
+            fitm_att_fetch(a, a.v_pre, a.v_own, g, c0, nk, buf);
         float s[2][2];
         fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
 #pragma unroll
@@ -567,7 +650,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
                     r / hb < nr && r % hb < nh && kk < nk && j >= fitm_att_v0(a, p) && j <= p;
                 ps[kk * RH + r] = vis ? fitm_att_p(s[x][y], st_mx[r], st_inv[r]) : 0.0f;
             }
-        __syncthreads();
+        fitm_att_land(a, vec, a.v_pre, a.v_own, g, c0, nk, buf, big, ld);
+        if (vec && c0 + KC <= k_hi) /* the next keys load while this step's values are summed */
+            fitm_att_fetch(a, a.k_pre, a.k_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
+        __syncthreads(); /* ps and big written */
         /* every key of the step visible from every row: no test per key */
         const bool all = c0 >= v0_last && c0 + nk - 1 <= P0;
         for (int kk = 0; kk < nk; kk++) {
