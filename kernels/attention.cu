@@ -344,28 +344,35 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
  *
  * fitm_attention_tiles: one block of FITM_ATT_THREADS per tile of FITM_ATT_TILE_RH (row, head)
  * pairs: hb heads of one KV group (all G = H / Hkv of them, or FITM_ATT_TILE_RH at a time when
- * G is larger) times FITM_ATT_TILE_RH / hb consecutive rows. Keys and values go through shared
- * memory FITM_ATT_TILE_KEYS at a time, each row of them loaded by one warp (coalesced), into
- * rows padded to fitm_att_tile_ld floats (a multiple of 32 plus 4, so the float4 reads of 8
- * consecutive keys hit distinct banks). For each pair the kernel does what fitm_attention_row
- * does for a plain row, in the same order on the same values:
- *   pass 1: every score of the staged keys into a ring of FITM_ATT_RING per pair; when a
- *           pair's current 128-key tile (from its own first visible key v0, which differs
- *           between rows under a window) is complete, one warp reduces it: lane l holds keys
- *           l, 32 + l, 64 + l, 96 + l of the tile, each group of 32 is reduced by the warp's
- *           butterfly (the old kernel's warp w holds keys 32w + l), and fitm_att_reduce4 gives
- *           the tile's max and sum as fitm_att_block_reduce gives them; the online update is
- *           fitm_att_rescale;
- *   pass 2: the scores again, their probabilities fitm_att_p into shared memory, then
+ * G is larger) times FITM_ATT_TILE_RH / hb consecutive rows, the tiles of the last rows (the
+ * most keys under causal masking) launched first. Keys and values go through shared memory
+ * FITM_ATT_TILE_KEYS at a time, each row of them loaded by one warp (coalesced; float4s through
+ * registers, one step ahead of the step the block computes on, when D is a multiple of 4 and
+ * the rows 16-byte aligned), into rows padded to fitm_att_tile_ld floats (a multiple of 32
+ * plus 4, so the float4 reads of 8 consecutive keys hit distinct banks). For each pair the
+ * kernel does what fitm_attention_row does for a plain row, in the same order on the same
+ * values:
+ *   pass 1: every score of the staged keys into the pair's scores in shared memory: all of
+ *           the block's keys when they are at most FITM_ATT_KEEP, else a ring of
+ *           FITM_ATT_RING; when a pair's current 128-key tile (from its own first visible key
+ *           v0, which differs between rows under a window) is complete, one warp reduces it:
+ *           lane l holds keys l, 32 + l, 64 + l, 96 + l of the tile, each group of 32 is
+ *           reduced by the warp's butterfly (the old kernel's warp w holds keys 32w + l), and
+ *           fitm_att_reduce4 gives the tile's max and sum as fitm_att_block_reduce gives
+ *           them; the online update is fitm_att_rescale;
+ *   pass 2: the scores (kept from pass 1, or computed again from the keys staged again),
+ *           their probabilities fitm_att_p into shared memory, then
  *           out = fmaf(p_j, v_j, out) over the visible keys in order, each thread owning head
  *           dims tid and tid + 128 of every pair.
  * A score is the same fmaf chain over d in order (read four dims at a time, applied one by
- * one), so it has the bits of fitm_att_score. */
+ * one), so it has the bits of fitm_att_score; a kept score is that value, stored. */
 
 #define FITM_ATT_TILE_RH 16   /* (row, head) pairs per block */
 #define FITM_ATT_TILE_KEYS 32 /* keys staged per step: RH x KEYS scores = 4 per thread */
 #define FITM_ATT_RING 256     /* scores kept per pair: a tile's 128 and a step's more fit */
-#define FITM_ATT_RING_LD (FITM_ATT_RING + 8) /* pairs 2 apart 16 banks apart */
+#define FITM_ATT_KEEP 544 /* a block's keys whose scores pass 2 reuses: a 512-key window's, plus
+                           * the block's rows (16 at most) */
+#define FITM_ATT_SCORE_LD (FITM_ATT_KEEP + 8) /* pairs 2 apart 16 banks apart */
 
 /* Floats per staged row of head_dim D: a multiple of 32, plus 4. */
 __host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
@@ -373,10 +380,11 @@ __host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
     return (D + FITM_WARP - 1) / FITM_WARP * FITM_WARP + 4;
 }
 
-/* Floats of the larger of the score ring (pass 1) and the staged values (pass 2). */
+/* Floats of the larger of the pairs' scores (pass 1, and pass 2 when it reuses them) and the
+ * staged values (pass 2 when it does not). */
 __host__ __device__ __forceinline__ int fitm_att_tile_big(int D)
 {
-    const int ring = FITM_ATT_TILE_RH * FITM_ATT_RING_LD;
+    const int ring = FITM_ATT_TILE_RH * FITM_ATT_SCORE_LD;
     const int vals = FITM_ATT_TILE_KEYS * fitm_att_tile_ld(D);
     return ring > vals ? ring : vals;
 }
@@ -505,6 +513,12 @@ __device__ __forceinline__ void fitm_att_tile_scores(const fitm_cuda_attn &a, co
     s[1][0] = fitm_att_scaled(s10, a.scale), s[1][1] = fitm_att_scaled(s11, a.scale);
 }
 
+/* Where a pair's scores keep key j (see keep in fitm_attention_tiles). */
+__device__ __forceinline__ int fitm_att_slot(bool keep, int64_t j, int64_t k_lo)
+{
+    return keep ? (int)(j - k_lo) : (int)(j & (FITM_ATT_RING - 1));
+}
+
 /* Keys in the step from c0 of a tile whose last key is k_hi. */
 __device__ __forceinline__ int fitm_att_nk(int64_t c0, int64_t k_hi)
 {
@@ -533,6 +547,9 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     const int64_t P0 = a.pos0 + i0; /* the tile's first position; pair r is row r / hb */
     const int64_t k_lo = fitm_att_v0(a, P0), k_hi = P0 + nr - 1;
     const int64_t v0_last = fitm_att_v0(a, k_hi);
+    /* the block's scores all fit: pass 1 keeps them (key j at j - k_lo) and pass 2 reads them
+     * instead of computing them again; else pass 1 keeps a ring (key j at j % FITM_ATT_RING) */
+    const bool keep = k_hi - k_lo < FITM_ATT_KEEP;
     float *qs = (float *)shm4, *ks = qs + RH * ld, *big = ks + KC * ld;
     float *ps = big + fitm_att_tile_big(D), *st_mx = ps + KC * RH, *st_inv = st_mx + RH;
     /* the vector path: whole float4s per row, every row 16-byte aligned */
@@ -575,8 +592,8 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
 #pragma unroll
             for (int y = 0; y < 2; y++)
                 if (kk0 + 16 * y < nk)
-                    big[(r0 + x) * FITM_ATT_RING_LD + ((c0 + kk0 + 16 * y) & (FITM_ATT_RING - 1))] =
-                        s[x][y];
+                    big[(r0 + x) * FITM_ATT_SCORE_LD +
+                        fitm_att_slot(keep, c0 + kk0 + 16 * y, k_lo)] = s[x][y];
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < RH / NW; k++) {
@@ -584,7 +601,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
             const int64_t p = P0 + r / hb;
             if (r / hb >= nr || r % hb >= nh)
                 continue;
-            const float *ring = big + r * FITM_ATT_RING_LD;
+            const float *ring = big + r * FITM_ATT_SCORE_LD;
             /* each tile of the pair's that this step completed (a full one and the short last
              * one may end in the same step); uniform per warp */
             for (;;) {
@@ -596,7 +613,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
 #pragma unroll
                 for (int w = 0; w < 4; w++) {
                     const int64_t j = ts[k] + FITM_WARP * w + lane;
-                    v[w] = j <= p ? ring[j & (FITM_ATT_RING - 1)] : -INFINITY;
+                    v[w] = j <= p ? ring[fitm_att_slot(keep, j, k_lo)] : -INFINITY;
                 }
                 const float tmx = fitm_att_reduce4(fitm_warp_max(v[0]), fitm_warp_max(v[1]),
                                                    fitm_warp_max(v[2]), fitm_warp_max(v[3]), true);
@@ -629,17 +646,33 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     /* the thread's dims, clamped into the row: a dim past D computes a value never written */
     const int d0 = tid < D ? tid : D - 1;
     const int d1 = tid + FITM_ATT_THREADS < D ? tid + FITM_ATT_THREADS : D - 1;
+    /* the step's values: in ks when the scores are kept (no keys staged), else in big */
+    float *vs = keep ? ks : big;
+    /* what loads one step ahead: the values when the scores are kept, else the keys */
+    const float *nx_pre = keep ? a.v_pre : a.k_pre, *nx_own = keep ? a.v_own : a.k_own;
     if (vec)
-        fitm_att_fetch(a, a.k_pre, a.k_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
+        fitm_att_fetch(a, nx_pre, nx_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
     for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
         const int nk = fitm_att_nk(c0, k_hi);
         /* ks free: the step before (or pass 1) read it before its second barrier */
-        fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
-        __syncthreads(); /* ks written; big and ps read by the step before; st_mx, st_inv set */
-        if (vec) /* the values load while the scores compute */
-            fitm_att_fetch(a, a.v_pre, a.v_own, g, c0, nk, buf);
+        if (!keep)
+            fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
+        __syncthreads(); /* ks written; vs and ps read by the step before; st_mx, st_inv set */
         float s[2][2];
-        fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+        if (keep) {
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+#pragma unroll
+                for (int y = 0; y < 2; y++)
+                    s[x][y] = kk0 + 16 * y < nk
+                                  ? big[(r0 + x) * FITM_ATT_SCORE_LD + (int)(c0 - k_lo) + kk0 +
+                                        16 * y]
+                                  : 0.0f;
+        } else {
+            if (vec) /* the values load while the scores compute */
+                fitm_att_fetch(a, a.v_pre, a.v_own, g, c0, nk, buf);
+            fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+        }
 #pragma unroll
         for (int x = 0; x < 2; x++)
 #pragma unroll
@@ -650,10 +683,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
                     r / hb < nr && r % hb < nh && kk < nk && j >= fitm_att_v0(a, p) && j <= p;
                 ps[kk * RH + r] = vis ? fitm_att_p(s[x][y], st_mx[r], st_inv[r]) : 0.0f;
             }
-        fitm_att_land(a, vec, a.v_pre, a.v_own, g, c0, nk, buf, big, ld);
-        if (vec && c0 + KC <= k_hi) /* the next keys load while this step's values are summed */
-            fitm_att_fetch(a, a.k_pre, a.k_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
-        __syncthreads(); /* ps and big written */
+        fitm_att_land(a, vec, a.v_pre, a.v_own, g, c0, nk, buf, vs, ld);
+        if (vec && c0 + KC <= k_hi) /* the next step's loads while this step's values are summed */
+            fitm_att_fetch(a, nx_pre, nx_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
+        __syncthreads(); /* ps and vs written */
         /* every key of the step visible from every row: no test per key */
         const bool all = c0 >= v0_last && c0 + nk - 1 <= P0;
         for (int kk = 0; kk < nk; kk++) {
@@ -665,9 +698,9 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
                 pr[4 * q] = t.x, pr[4 * q + 1] = t.y, pr[4 * q + 2] = t.z, pr[4 * q + 3] = t.w;
             }
             float v[ND];
-            v[0] = big[kk * ld + d0];
+            v[0] = vs[kk * ld + d0];
             if (ND > 1)
-                v[ND - 1] = big[kk * ld + d1];
+                v[ND - 1] = vs[kk * ld + d1];
             if (all) {
 #pragma unroll
                 for (int r = 0; r < RH; r++)
