@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
 #define FITM_ATT_RING 256     /* scores kept per pair: a tile's 128 and a step's more fit */
 #define FITM_ATT_KEEP 544 /* a block's keys whose scores pass 2 reuses: a 512-key window's, plus
                            * the block's rows (16 at most) */
-#define FITM_ATT_SCORE_LD (FITM_ATT_KEEP + 8) /* pairs 2 apart 16 banks apart */
+#define FITM_ATT_SCORE_LD (FITM_ATT_KEEP + 4) /* a warp's 4 pairs (2 apart) 8 banks apart */
 
 /* Floats per staged row of head_dim D: a multiple of 32, plus 4. */
 __host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
@@ -565,8 +565,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
         for (int d = lane; d < ld; d += FITM_WARP)
             qs[r * ld + d] = on && d < D ? qg[d] : 0.0f;
     }
-    /* this thread's scores: pairs r0, r0 + 1, keys kk0, kk0 + 16 of each step */
-    const int r0 = 2 * (2 * warp + lane / 16), kk0 = lane % 16;
+    /* this thread's scores: pairs r0, r0 + 1, keys kk0, kk0 + 16 of each step; a warp's lanes
+     * read 4 pairs' and 8 consecutive keys' float4s at a time, one shared-memory wavefront each
+     * (16 keys would take two) */
+    const int r0 = 2 * (4 * (warp % 2) + lane / 8), kk0 = 8 * (warp / 2) + lane % 8;
 
     /* pass 1: warp w keeps pairs w, w + 4, w + 8, w + 12 (the same value in every lane) */
     float mx[RH / NW], l[RH / NW];
