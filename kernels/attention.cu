@@ -525,10 +525,11 @@ __device__ __forceinline__ int fitm_att_nk(int64_t c0, int64_t k_hi)
     return k_hi + 1 - c0 < FITM_ATT_TILE_KEYS ? (int)(k_hi + 1 - c0) : FITM_ATT_TILE_KEYS;
 }
 
-/* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread (D <= 128:
- * 1, else 2). The launch bounds ask for the blocks per SM that the registers of a step in
+/* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread in pass 2
+ * (D <= 128: 1, else 2), PS = the parts the pairs are split into there (D <= 64: 2, the
+ * threads of each half taking 8 pairs, else 1). The launch bounds ask for the blocks per SM that the registers of a step in
  * flight (buf) leave room for: without them ptxas holds ND = 1 to 128 registers and spills. Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
-template <int ND>
+template <int ND, int PS>
 __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
 {
@@ -638,16 +639,20 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
             st_inv[warp + NW * k] = fitm_att_inv(l[k]);
         }
 
-    /* pass 2: the output; thread tid owns dims tid (and tid + 128) of every pair */
-    float acc[RH][ND];
+    /* pass 2: the output; thread tid owns dims dt (and dt + 128) of pairs rb to rb + RP - 1:
+     * of every pair (PS = 1, dt = tid), or of half of them (PS = 2, dt = tid % 64), so that
+     * no thread past D has only clamped dims to sum */
+    constexpr int RP = RH / PS, TD = FITM_ATT_THREADS / PS;
+    const int rb = PS > 1 ? tid / TD * RP : 0, dt = PS > 1 ? tid % TD : tid;
+    float acc[RP][ND];
 #pragma unroll
-    for (int r = 0; r < RH; r++)
+    for (int r = 0; r < RP; r++)
 #pragma unroll
         for (int c = 0; c < ND; c++)
             acc[r][c] = 0.0f;
     /* the thread's dims, clamped into the row: a dim past D computes a value never written */
-    const int d0 = tid < D ? tid : D - 1;
-    const int d1 = tid + FITM_ATT_THREADS < D ? tid + FITM_ATT_THREADS : D - 1;
+    const int d0 = dt < D ? dt : D - 1;
+    const int d1 = dt + FITM_ATT_THREADS < D ? dt + FITM_ATT_THREADS : D - 1;
     /* the step's values: in ks when the scores are kept (no keys staged), else in big */
     float *vs = keep ? ks : big;
     /* what loads one step ahead: the values when the scores are kept, else the keys */
@@ -692,10 +697,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
         /* every key of the step visible from every row: no test per key */
         const bool all = c0 >= v0_last && c0 + nk - 1 <= P0;
         for (int kk = 0; kk < nk; kk++) {
-            const float4 *p4 = (const float4 *)(ps + kk * RH);
-            float pr[RH];
+            const float4 *p4 = (const float4 *)(ps + kk * RH + rb);
+            float pr[RP];
 #pragma unroll
-            for (int q = 0; q < RH / 4; q++) {
+            for (int q = 0; q < RP / 4; q++) {
                 const float4 t = p4[q];
                 pr[4 * q] = t.x, pr[4 * q + 1] = t.y, pr[4 * q + 2] = t.z, pr[4 * q + 3] = t.w;
             }
@@ -705,7 +710,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
                 v[ND - 1] = vs[kk * ld + d1];
             if (all) {
 #pragma unroll
-                for (int r = 0; r < RH; r++)
+                for (int r = 0; r < RP; r++)
 #pragma unroll
                     for (int c = 0; c < ND; c++)
                         acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
@@ -718,8 +723,8 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
                     hi = j + a.window - 1 - P0;
                 const int64_t r_lo = lo * hb, r_hi = (hi + 1) * hb;
 #pragma unroll
-                for (int r = 0; r < RH; r++)
-                    if (r >= r_lo && r < r_hi)
+                for (int r = 0; r < RP; r++)
+                    if (rb + r >= r_lo && rb + r < r_hi)
 #pragma unroll
                         for (int c = 0; c < ND; c++)
                             acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
@@ -727,14 +732,15 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
         }
     }
 #pragma unroll
-    for (int r = 0; r < RH; r++) {
-        if (r / hb >= nr || r % hb >= nh)
+    for (int r = 0; r < RP; r++) {
+        const int rr = rb + r;
+        if (rr / hb >= nr || rr % hb >= nh)
             continue;
-        float *o = a.out + ((i0 + r / hb) * a.n_head + h0 + r % hb) * D;
+        float *o = a.out + ((i0 + rr / hb) * a.n_head + h0 + rr % hb) * D;
 #pragma unroll
         for (int c = 0; c < ND; c++)
-            if (tid + FITM_ATT_THREADS * c < D)
-                o[tid + FITM_ATT_THREADS * c] = acc[r][c];
+            if (dt + FITM_ATT_THREADS * c < D)
+                o[dt + FITM_ATT_THREADS * c] = acc[r][c];
     }
 }
 
@@ -780,14 +786,14 @@ extern "C" int fitm_cuda_attention_tile_rows(int32_t n_head, int32_t n_head_kv)
     return FITM_ATT_TILE_RH / fitm_att_tile_heads(a);
 }
 
-template <int ND>
+template <int ND, int PS>
 static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
                                        cudaStream_t stream)
 {
     const size_t shm = fitm_att_tile_shm(a->head_dim);
     if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
         const cudaError_t e = cudaFuncSetAttribute(
-            fitm_attention_tiles<ND>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+            fitm_attention_tiles<ND, PS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
         if (e != cudaSuccess)
             return (int)e;
     }
@@ -795,7 +801,7 @@ static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int6
     const int G = a->n_head / a->n_head_kv;
     const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),
                     (unsigned)(a->n_head_kv * ((G + hb - 1) / hb)));
-    FITM_LAUNCH(grid, FITM_ATT_THREADS, shm, stream, fitm_attention_tiles<ND>)(*a, i0, i1);
+    FITM_LAUNCH(grid, FITM_ATT_THREADS, shm, stream, fitm_attention_tiles<ND, PS>)(*a, i0, i1);
     return (int)cudaGetLastError();
 }
 
@@ -808,8 +814,10 @@ extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, in
     if (i1 == i0)
         return 0;
     return a->head_dim > FITM_ATT_THREADS
-               ? fitm_attention_tiles_launch<2>(a, i0, i1, fitm_stream(stream))
-               : fitm_attention_tiles_launch<1>(a, i0, i1, fitm_stream(stream));
+               ? fitm_attention_tiles_launch<2, 1>(a, i0, i1, fitm_stream(stream))
+           : a->head_dim > FITM_ATT_THREADS / 2
+               ? fitm_attention_tiles_launch<1, 1>(a, i0, i1, fitm_stream(stream))
+               : fitm_attention_tiles_launch<1, 2>(a, i0, i1, fitm_stream(stream));
 }
 
 extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev,

@@ -2139,6 +2139,9 @@ int main(int argc, char **argv)
              .D = 33,
              .i0 = 1,
              .i1 = 40},
+            /* Llama 3.2 1B's head dims and groups (D 64: each half of the block's threads sums
+             * 8 of the pairs), over a prefix */
+            {.T = 33, .pos0 = 40, .own_base = 40, .H = 8, .Hkv = 2, .D = 64, .i0 = 0, .i1 = 33},
             /* 7 heads a group (pairs past the rows' heads idle), more heads than a block */
             {.T = 9, .pos0 = 2, .H = 14, .Hkv = 2, .D = 16, .i0 = 0, .i1 = 9},
             {.T = 5, .H = 32, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
