@@ -421,11 +421,11 @@ __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const fl
     }
 }
 
-/* The vector path: a step's keys (or values) go through registers, warp w taking rows w,
- * w + 4.. as fitm_att_stage does, lane l the float4s l and l + 32 (ND of them) of each:
- * (U = 8 ND registers); fitm_att_fetch issues every load of a step before any is needed, so that one step's loads
- * are in flight while the block computes on the step before, and fitm_att_put writes them
- * into the staged rows once they are. */
+/* The vector path: a step's keys (or values) go through registers (U = 8 ND float4s), warp w
+ * taking rows w, w + 4.. as fitm_att_stage does, lane l the float4s l and l + 32 (ND of them)
+ * of each: fitm_att_fetch issues every load of a step before any is needed, so that one
+ * step's loads are in flight while the block computes on the step before, and fitm_att_put
+ * writes them into the staged rows once they are. */
 template <int U>
 __device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const float *pre,
                                                const float *own, int g, int64_t c0, int nk,
@@ -527,8 +527,10 @@ __device__ __forceinline__ int fitm_att_nk(int64_t c0, int64_t k_hi)
 
 /* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread in pass 2
  * (D <= 128: 1, else 2), PS = the parts the pairs are split into there (D <= 64: 2, the
- * threads of each half taking 8 pairs, else 1). The launch bounds ask for the blocks per SM that the registers of a step in
- * flight (buf) leave room for: without them ptxas holds ND = 1 to 128 registers and spills. Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
+ * threads of each half taking 8 pairs, else 1). The launch bounds ask for the blocks per SM
+ * that the registers of a step in flight (buf) leave room for: without them ptxas holds
+ * ND = 1 to 128 registers and spills. Block (x, y): rows i_begin + x * rows-per-tile..,
+ * heads chunk y of the groups. */
 template <int ND, int PS>
 __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
