@@ -348,28 +348,35 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
  *
  * fitm_attention_tiles: one block of FITM_ATT_THREADS per tile of FITM_ATT_TILE_RH (row, head)
  * pairs: hb heads of one KV group (all G = H / Hkv of them, or FITM_ATT_TILE_RH at a time when
- * G is larger) times FITM_ATT_TILE_RH / hb consecutive rows. Keys and values go through shared
- * memory FITM_ATT_TILE_KEYS at a time, each row of them loaded by one warp (coalesced), into
- * rows padded to fitm_att_tile_ld floats (a multiple of 32 plus 4, so the float4 reads of 8
- * consecutive keys hit distinct banks). For each pair the kernel does what fitm_attention_row
- * does for a plain row, in the same order on the same values:
- *   pass 1: every score of the staged keys into a ring of FITM_ATT_RING per pair; when a
- *           pair's current 128-key tile (from its own first visible key v0, which differs
- *           between rows under a window) is complete, one warp reduces it: lane l holds keys
- *           l, 32 + l, 64 + l, 96 + l of the tile, each group of 32 is reduced by the warp's
- *           butterfly (the old kernel's warp w holds keys 32w + l), and fitm_att_reduce4 gives
- *           the tile's max and sum as fitm_att_block_reduce gives them; the online update is
- *           fitm_att_rescale;
- *   pass 2: the scores again, their probabilities fitm_att_p into shared memory, then
+ * G is larger) times FITM_ATT_TILE_RH / hb consecutive rows, the tiles of the last rows (the
+ * most keys under causal masking) launched first. Keys and values go through shared memory
+ * FITM_ATT_TILE_KEYS at a time, each row of them loaded by one warp (coalesced; float4s through
+ * registers, one step ahead of the step the block computes on, when D is a multiple of 4 and
+ * the rows 16-byte aligned), into rows padded to fitm_att_tile_ld floats (a multiple of 32
+ * plus 4, so the float4 reads of 8 consecutive keys hit distinct banks). For each pair the
+ * kernel does what fitm_attention_row does for a plain row, in the same order on the same
+ * values:
+ *   pass 1: every score of the staged keys into the pair's scores in shared memory: all of
+ *           the block's keys when they are at most FITM_ATT_KEEP, else a ring of
+ *           FITM_ATT_RING; when a pair's current 128-key tile (from its own first visible key
+ *           v0, which differs between rows under a window) is complete, one warp reduces it:
+ *           lane l holds keys l, 32 + l, 64 + l, 96 + l of the tile, each group of 32 is
+ *           reduced by the warp's butterfly (the old kernel's warp w holds keys 32w + l), and
+ *           fitm_att_reduce4 gives the tile's max and sum as fitm_att_block_reduce gives
+ *           them; the online update is fitm_att_rescale;
+ *   pass 2: the scores (kept from pass 1, or computed again from the keys staged again),
+ *           their probabilities fitm_att_p into shared memory, then
  *           out = fmaf(p_j, v_j, out) over the visible keys in order, each thread owning head
  *           dims tid and tid + 128 of every pair.
  * A score is the same fmaf chain over d in order (read four dims at a time, applied one by
- * one), so it has the bits of fitm_att_score. */
+ * one), so it has the bits of fitm_att_score; a kept score is that value, stored. */
 
 #define FITM_ATT_TILE_RH 16   /* (row, head) pairs per block */
 #define FITM_ATT_TILE_KEYS 32 /* keys staged per step: RH x KEYS scores = 4 per thread */
 #define FITM_ATT_RING 256     /* scores kept per pair: a tile's 128 and a step's more fit */
-#define FITM_ATT_RING_LD (FITM_ATT_RING + 8) /* pairs 2 apart 16 banks apart */
+#define FITM_ATT_KEEP 544 /* a block's keys whose scores pass 2 reuses: a 512-key window's, plus
+                           * the block's rows (16 at most) */
+#define FITM_ATT_SCORE_LD (FITM_ATT_KEEP + 4) /* a warp's 4 pairs (2 apart) 8 banks apart */
 
 /* Floats per staged row of head_dim D: a multiple of 32, plus 4. */
 __host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
@@ -377,10 +384,11 @@ __host__ __device__ __forceinline__ int fitm_att_tile_ld(int D)
     return (D + FITM_WARP - 1) / FITM_WARP * FITM_WARP + 4;
 }
 
-/* Floats of the larger of the score ring (pass 1) and the staged values (pass 2). */
+/* Floats of the larger of the pairs' scores (pass 1, and pass 2 when it reuses them) and the
+ * staged values (pass 2 when it does not). */
 __host__ __device__ __forceinline__ int fitm_att_tile_big(int D)
 {
-    const int ring = FITM_ATT_TILE_RH * FITM_ATT_RING_LD;
+    const int ring = FITM_ATT_TILE_RH * FITM_ATT_SCORE_LD;
     const int vals = FITM_ATT_TILE_KEYS * fitm_att_tile_ld(D);
     return ring > vals ? ring : vals;
 }
@@ -403,7 +411,8 @@ __host__ __device__ __forceinline__ int fitm_att_tile_heads(const fitm_cuda_attn
     return G < FITM_ATT_TILE_RH ? G : FITM_ATT_TILE_RH;
 }
 
-/* dst[kk][d] = row c0 + kk of K (or V) of group g, for kk < nk: warp w takes rows w, w + 4.. */
+/* dst[kk][d] = row c0 + kk of K (or V) of group g, for kk < nk: warp w takes rows w, w + 4..
+ * (the scalar path, for head dims that are not a whole number of float4s) */
 __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const float *pre,
                                                const float *own, int g, int64_t c0, int nk,
                                                float *dst, int ld)
@@ -414,6 +423,67 @@ __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const fl
         for (int d = lane; d < a.head_dim; d += FITM_WARP)
             dst[kk * ld + d] = src[d];
     }
+}
+
+/* The vector path: a step's keys (or values) go through registers (U = 8 ND float4s), warp w
+ * taking rows w, w + 4.. as fitm_att_stage does, lane l the float4s l and l + 32 (ND of them)
+ * of each: fitm_att_fetch issues every load of a step before any is needed, so that one
+ * step's loads are in flight while the block computes on the step before, and fitm_att_put
+ * writes them into the staged rows once they are. */
+template <int U>
+__device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const float *pre,
+                                               const float *own, int g, int64_t c0, int nk,
+                                               float4 (&r)[U])
+{
+    constexpr int ND = U / 8;
+    constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int D4 = a.head_dim / 4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
+        const int kk = warp + NW * i;
+        if (kk < nk) {
+            const float4 *src = (const float4 *)fitm_att_kv(a, pre, own, c0 + kk, g);
+#pragma unroll
+            for (int c = 0; c < ND; c++)
+                if (lane + FITM_WARP * c < D4)
+                    r[ND * i + c] = __ldg(src + lane + FITM_WARP * c);
+        }
+    }
+}
+
+template <int U>
+__device__ __forceinline__ void fitm_att_put(const fitm_cuda_attn &a, int nk,
+                                             const float4 (&r)[U], float *dst, int ld)
+{
+    constexpr int ND = U / 8;
+    constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int D4 = a.head_dim / 4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
+        const int kk = warp + NW * i;
+        if (kk < nk) {
+            float4 *row = (float4 *)(dst + kk * ld);
+#pragma unroll
+            for (int c = 0; c < ND; c++)
+                if (lane + FITM_WARP * c < D4)
+                    row[lane + FITM_WARP * c] = r[ND * i + c];
+        }
+    }
+}
+
+/* Keys (or values) c0.. of a step into dst: from the registers fitm_att_fetch filled (vec), or
+ * read now (the scalar path). */
+template <int U>
+__device__ __forceinline__ void fitm_att_land(const fitm_cuda_attn &a, bool vec, const float *pre,
+                                              const float *own, int g, int64_t c0, int nk,
+                                              const float4 (&r)[U], float *dst, int ld)
+{
+    if (vec)
+        fitm_att_put(a, nk, r, dst, ld);
+    else
+        fitm_att_stage(a, pre, own, g, c0, nk, dst, ld);
 }
 
 /* The thread's four scores of the staged keys: pairs r0, r0 + 1 against keys kk0, kk0 + 16,
@@ -447,10 +517,26 @@ __device__ __forceinline__ void fitm_att_tile_scores(const fitm_cuda_attn &a, co
     s[1][0] = fitm_att_scaled(s10, a.scale), s[1][1] = fitm_att_scaled(s11, a.scale);
 }
 
-/* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread (D <= 128:
- * 1, else 2). Block (x, y): rows i_begin + x * rows-per-tile.., heads chunk y of the groups. */
-template <int ND>
-__global__ void __launch_bounds__(FITM_ATT_THREADS)
+/* Where a pair's scores keep key j (see keep in fitm_attention_tiles). */
+__device__ __forceinline__ int fitm_att_slot(bool keep, int64_t j, int64_t k_lo)
+{
+    return keep ? (int)(j - k_lo) : (int)(j & (FITM_ATT_RING - 1));
+}
+
+/* Keys in the step from c0 of a tile whose last key is k_hi. */
+__device__ __forceinline__ int fitm_att_nk(int64_t c0, int64_t k_hi)
+{
+    return k_hi + 1 - c0 < FITM_ATT_TILE_KEYS ? (int)(k_hi + 1 - c0) : FITM_ATT_TILE_KEYS;
+}
+
+/* Rows [i_begin, i_end) of the call a, every one plain; ND = head dims per thread in pass 2
+ * (D <= 128: 1, else 2), PS = the parts the pairs are split into there (D <= 64: 2, the
+ * threads of each half taking 8 pairs, else 1). The launch bounds ask for the blocks per SM
+ * that the registers of a step in flight (buf) leave room for: without them ptxas holds
+ * ND = 1 to 128 registers and spills. Block (x, y): rows i_begin + x * rows-per-tile..,
+ * heads chunk y of the groups. */
+template <int ND, int PS>
+__global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
 {
     constexpr int RH = FITM_ATT_TILE_RH, KC = FITM_ATT_TILE_KEYS, NW = FITM_ATT_THREADS / FITM_WARP;
@@ -461,13 +547,23 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
     const int n_hc = (G + hb - 1) / hb;
     const int g = blockIdx.y / n_hc, hc = blockIdx.y % n_hc;
     const int h0 = g * G + hc * hb, nh = G - hc * hb < hb ? G - hc * hb : hb;
-    const int64_t i0 = i_begin + (int64_t)blockIdx.x * R;
+    /* the last tile first: a causal tile's work grows with its rows, and the longest tiles
+     * starting first leave the short ones to fill the card at the end */
+    const int64_t i0 = i_begin + (int64_t)(gridDim.x - 1 - blockIdx.x) * R;
     const int nr = i_end - i0 < R ? (int)(i_end - i0) : R;
     const int64_t P0 = a.pos0 + i0; /* the tile's first position; pair r is row r / hb */
     const int64_t k_lo = fitm_att_v0(a, P0), k_hi = P0 + nr - 1;
     const int64_t v0_last = fitm_att_v0(a, k_hi);
+    /* the block's scores all fit: pass 1 keeps them (key j at j - k_lo) and pass 2 reads them
+     * instead of computing them again; else pass 1 keeps a ring (key j at j % FITM_ATT_RING) */
+    const bool keep = k_hi - k_lo < FITM_ATT_KEEP;
     float *qs = (float *)shm4, *ks = qs + RH * ld, *big = ks + KC * ld;
     float *ps = big + fitm_att_tile_big(D), *st_mx = ps + KC * RH, *st_inv = st_mx + RH;
+    /* the vector path: whole float4s per row, every row 16-byte aligned */
+    const bool vec = D % 4 == 0 &&
+                     (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre |
+                       (uintptr_t)a.v_pre) & 15) == 0;
+    float4 buf[8 * ND]; /* a step's keys or values on their way to shared memory */
 
     /* the pairs' queries; a pair past the tile's rows or the group's heads holds zeros */
     for (int r = warp; r < RH; r += NW) {
@@ -476,8 +572,10 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
         for (int d = lane; d < ld; d += FITM_WARP)
             qs[r * ld + d] = on && d < D ? qg[d] : 0.0f;
     }
-    /* this thread's scores: pairs r0, r0 + 1, keys kk0, kk0 + 16 of each step */
-    const int r0 = 2 * (2 * warp + lane / 16), kk0 = lane % 16;
+    /* this thread's scores: pairs r0, r0 + 1, keys kk0, kk0 + 16 of each step; a warp's lanes
+     * read 4 pairs' and 8 consecutive keys' float4s at a time, one shared-memory wavefront each
+     * (16 keys would take two) */
+    const int r0 = 2 * (4 * (warp % 2) + lane / 8), kk0 = 8 * (warp / 2) + lane % 8;
 
     /* pass 1: warp w keeps pairs w, w + 4, w + 8, w + 12 (the same value in every lane) */
     float mx[RH / NW], l[RH / NW];
@@ -487,11 +585,15 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
         mx[k] = -INFINITY, l[k] = 0.0f;
         ts[k] = fitm_att_v0(a, P0 + (warp + NW * k) / hb);
     }
+    if (vec)
+        fitm_att_fetch(a, a.k_pre, a.k_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
     for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
-        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
-        __syncthreads(); /* ks free */
-        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
-        __syncthreads();
+        const int nk = fitm_att_nk(c0, k_hi);
+        /* ks free: the step before read it before its second barrier */
+        fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
+        __syncthreads(); /* ks written; the ring's reads of the step before done */
+        if (vec && c0 + KC <= k_hi)
+            fitm_att_fetch(a, a.k_pre, a.k_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
         float s[2][2];
         fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
 #pragma unroll
@@ -499,8 +601,8 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
 #pragma unroll
             for (int y = 0; y < 2; y++)
                 if (kk0 + 16 * y < nk)
-                    big[(r0 + x) * FITM_ATT_RING_LD + ((c0 + kk0 + 16 * y) & (FITM_ATT_RING - 1))] =
-                        s[x][y];
+                    big[(r0 + x) * FITM_ATT_SCORE_LD +
+                        fitm_att_slot(keep, c0 + kk0 + 16 * y, k_lo)] = s[x][y];
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < RH / NW; k++) {
@@ -508,7 +610,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
             const int64_t p = P0 + r / hb;
             if (r / hb >= nr || r % hb >= nh)
                 continue;
-            const float *ring = big + r * FITM_ATT_RING_LD;
+            const float *ring = big + r * FITM_ATT_SCORE_LD;
             /* each tile of the pair's that this step completed (a full one and the short last
              * one may end in the same step); uniform per warp */
             for (;;) {
@@ -520,7 +622,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
 #pragma unroll
                 for (int w = 0; w < 4; w++) {
                     const int64_t j = ts[k] + FITM_WARP * w + lane;
-                    v[w] = j <= p ? ring[j & (FITM_ATT_RING - 1)] : -INFINITY;
+                    v[w] = j <= p ? ring[fitm_att_slot(keep, j, k_lo)] : -INFINITY;
                 }
                 const float tmx = fitm_att_reduce4(fitm_warp_max(v[0]), fitm_warp_max(v[1]),
                                                    fitm_warp_max(v[2]), fitm_warp_max(v[3]), true);
@@ -543,24 +645,47 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
             st_inv[warp + NW * k] = fitm_att_inv(l[k]);
         }
 
-    /* pass 2: the output; thread tid owns dims tid (and tid + 128) of every pair */
-    float acc[RH][ND];
+    /* pass 2: the output; thread tid owns dims dt (and dt + 128) of pairs rb to rb + RP - 1:
+     * of every pair (PS = 1, dt = tid), or of half of them (PS = 2, dt = tid % 64), so that
+     * no thread past D has only clamped dims to sum */
+    constexpr int RP = RH / PS, TD = FITM_ATT_THREADS / PS;
+    const int rb = PS > 1 ? tid / TD * RP : 0, dt = PS > 1 ? tid % TD : tid;
+    float acc[RP][ND];
 #pragma unroll
-    for (int r = 0; r < RH; r++)
+    for (int r = 0; r < RP; r++)
 #pragma unroll
         for (int c = 0; c < ND; c++)
             acc[r][c] = 0.0f;
     /* the thread's dims, clamped into the row: a dim past D computes a value never written */
-    const int d0 = tid < D ? tid : D - 1;
-    const int d1 = tid + FITM_ATT_THREADS < D ? tid + FITM_ATT_THREADS : D - 1;
+    const int d0 = dt < D ? dt : D - 1;
+    const int d1 = dt + FITM_ATT_THREADS < D ? dt + FITM_ATT_THREADS : D - 1;
+    /* the step's values: in ks when the scores are kept (no keys staged), else in big */
+    float *vs = keep ? ks : big;
+    /* what loads one step ahead: the values when the scores are kept, else the keys */
+    const float *nx_pre = keep ? a.v_pre : a.k_pre, *nx_own = keep ? a.v_own : a.k_own;
+    if (vec)
+        fitm_att_fetch(a, nx_pre, nx_own, g, k_lo, fitm_att_nk(k_lo, k_hi), buf);
     for (int64_t c0 = k_lo; c0 <= k_hi; c0 += KC) {
-        const int nk = k_hi + 1 - c0 < KC ? (int)(k_hi + 1 - c0) : KC;
-        __syncthreads(); /* ks, big and ps free; st_mx and st_inv written */
-        fitm_att_stage(a, a.k_pre, a.k_own, g, c0, nk, ks, ld);
-        fitm_att_stage(a, a.v_pre, a.v_own, g, c0, nk, big, ld);
-        __syncthreads();
+        const int nk = fitm_att_nk(c0, k_hi);
+        /* ks free: the step before (or pass 1) read it before its second barrier */
+        if (!keep)
+            fitm_att_land(a, vec, a.k_pre, a.k_own, g, c0, nk, buf, ks, ld);
+        __syncthreads(); /* ks written; vs and ps read by the step before; st_mx, st_inv set */
         float s[2][2];
-        fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+        if (keep) {
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+#pragma unroll
+                for (int y = 0; y < 2; y++)
+                    s[x][y] = kk0 + 16 * y < nk
+                                  ? big[(r0 + x) * FITM_ATT_SCORE_LD + (int)(c0 - k_lo) + kk0 +
+                                        16 * y]
+                                  : 0.0f;
+        } else {
+            if (vec) /* the values load while the scores compute */
+                fitm_att_fetch(a, a.v_pre, a.v_own, g, c0, nk, buf);
+            fitm_att_tile_scores(a, qs, ks, ld, r0, kk0, s);
+        }
 #pragma unroll
         for (int x = 0; x < 2; x++)
 #pragma unroll
@@ -571,24 +696,27 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
                     r / hb < nr && r % hb < nh && kk < nk && j >= fitm_att_v0(a, p) && j <= p;
                 ps[kk * RH + r] = vis ? fitm_att_p(s[x][y], st_mx[r], st_inv[r]) : 0.0f;
             }
-        __syncthreads();
+        fitm_att_land(a, vec, a.v_pre, a.v_own, g, c0, nk, buf, vs, ld);
+        if (vec && c0 + KC <= k_hi) /* the next step's loads while this step's values are summed */
+            fitm_att_fetch(a, nx_pre, nx_own, g, c0 + KC, fitm_att_nk(c0 + KC, k_hi), buf);
+        __syncthreads(); /* ps and vs written */
         /* every key of the step visible from every row: no test per key */
         const bool all = c0 >= v0_last && c0 + nk - 1 <= P0;
         for (int kk = 0; kk < nk; kk++) {
-            const float4 *p4 = (const float4 *)(ps + kk * RH);
-            float pr[RH];
+            const float4 *p4 = (const float4 *)(ps + kk * RH + rb);
+            float pr[RP];
 #pragma unroll
-            for (int q = 0; q < RH / 4; q++) {
+            for (int q = 0; q < RP / 4; q++) {
                 const float4 t = p4[q];
                 pr[4 * q] = t.x, pr[4 * q + 1] = t.y, pr[4 * q + 2] = t.z, pr[4 * q + 3] = t.w;
             }
             float v[ND];
-            v[0] = big[kk * ld + d0];
+            v[0] = vs[kk * ld + d0];
             if (ND > 1)
-                v[ND - 1] = big[kk * ld + d1];
+                v[ND - 1] = vs[kk * ld + d1];
             if (all) {
 #pragma unroll
-                for (int r = 0; r < RH; r++)
+                for (int r = 0; r < RP; r++)
 #pragma unroll
                     for (int c = 0; c < ND; c++)
                         acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
@@ -601,8 +729,8 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
                     hi = j + a.window - 1 - P0;
                 const int64_t r_lo = lo * hb, r_hi = (hi + 1) * hb;
 #pragma unroll
-                for (int r = 0; r < RH; r++)
-                    if (r >= r_lo && r < r_hi)
+                for (int r = 0; r < RP; r++)
+                    if (rb + r >= r_lo && rb + r < r_hi)
 #pragma unroll
                         for (int c = 0; c < ND; c++)
                             acc[r][c] = fmaf(pr[r], v[c], acc[r][c]);
@@ -610,14 +738,15 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
         }
     }
 #pragma unroll
-    for (int r = 0; r < RH; r++) {
-        if (r / hb >= nr || r % hb >= nh)
+    for (int r = 0; r < RP; r++) {
+        const int rr = rb + r;
+        if (rr / hb >= nr || rr % hb >= nh)
             continue;
-        float *o = a.out + ((i0 + r / hb) * a.n_head + h0 + r % hb) * D;
+        float *o = a.out + ((i0 + rr / hb) * a.n_head + h0 + rr % hb) * D;
 #pragma unroll
         for (int c = 0; c < ND; c++)
-            if (tid + FITM_ATT_THREADS * c < D)
-                o[tid + FITM_ATT_THREADS * c] = acc[r][c];
+            if (dt + FITM_ATT_THREADS * c < D)
+                o[dt + FITM_ATT_THREADS * c] = acc[r][c];
     }
 }
 
@@ -663,14 +792,14 @@ extern "C" int fitm_cuda_attention_tile_rows(int32_t n_head, int32_t n_head_kv)
     return FITM_ATT_TILE_RH / fitm_att_tile_heads(a);
 }
 
-template <int ND>
+template <int ND, int PS>
 static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
                                        cudaStream_t stream)
 {
     const size_t shm = fitm_att_tile_shm(a->head_dim);
     if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
         const cudaError_t e = cudaFuncSetAttribute(
-            fitm_attention_tiles<ND>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+            fitm_attention_tiles<ND, PS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
         if (e != cudaSuccess)
             return (int)e;
     }
@@ -678,7 +807,7 @@ static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int6
     const int G = a->n_head / a->n_head_kv;
     const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),
                     (unsigned)(a->n_head_kv * ((G + hb - 1) / hb)));
-    FITM_LAUNCH(grid, FITM_ATT_THREADS, shm, stream, fitm_attention_tiles<ND>)(*a, i0, i1);
+    FITM_LAUNCH(grid, FITM_ATT_THREADS, shm, stream, fitm_attention_tiles<ND, PS>)(*a, i0, i1);
     return (int)cudaGetLastError();
 }
 
@@ -691,8 +820,10 @@ extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, in
     if (i1 == i0)
         return 0;
     return a->head_dim > FITM_ATT_THREADS
-               ? fitm_attention_tiles_launch<2>(a, i0, i1, fitm_stream(stream))
-               : fitm_attention_tiles_launch<1>(a, i0, i1, fitm_stream(stream));
+               ? fitm_attention_tiles_launch<2, 1>(a, i0, i1, fitm_stream(stream))
+           : a->head_dim > FITM_ATT_THREADS / 2
+               ? fitm_attention_tiles_launch<1, 1>(a, i0, i1, fitm_stream(stream))
+               : fitm_attention_tiles_launch<1, 2>(a, i0, i1, fitm_stream(stream));
 }
 
 extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev,

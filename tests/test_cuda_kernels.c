@@ -2146,6 +2146,9 @@ int main(int argc, char **argv)
              .D = 33,
              .i0 = 1,
              .i1 = 40},
+            /* Llama 3.2 1B's head dims and groups (D 64: each half of the block's threads sums
+             * 8 of the pairs), over a prefix */
+            {.T = 33, .pos0 = 40, .own_base = 40, .H = 8, .Hkv = 2, .D = 64, .i0 = 0, .i1 = 33},
             /* 7 heads a group (pairs past the rows' heads idle), more heads than a block */
             {.T = 9, .pos0 = 2, .H = 14, .Hkv = 2, .D = 16, .i0 = 0, .i1 = 9},
             {.T = 5, .H = 32, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
@@ -2160,10 +2163,33 @@ int main(int argc, char **argv)
              .D = 256,
              .i0 = 0,
              .i1 = 18},
+            /* more keys than a block keeps the scores of (FITM_ATT_KEEP, 544): pass 2 computes
+             * them again from a ring; then the window at the edge of keeping them (16 rows a
+             * block: a block's keys 529 + 15 = 544, kept) and one key past it (545, a ring) */
+            {.T = 7, .pos0 = 600, .own_base = 300, .H = 4, .Hkv = 1, .D = 256, .i0 = 0, .i1 = 7},
+            {.T = 40,
+             .pos0 = 520,
+             .own_base = 520,
+             .window = 529,
+             .H = 2,
+             .Hkv = 2,
+             .D = 20,
+             .i0 = 0,
+             .i1 = 40},
+            {.T = 40,
+             .pos0 = 520,
+             .own_base = 520,
+             .window = 530,
+             .H = 2,
+             .Hkv = 2,
+             .D = 20,
+             .i0 = 0,
+             .i1 = 40},
         };
-        /* small: the ring of scores wrapping (300 keys), a window cutting a block's rows */
+        /* small: the ring of scores wrapping (565 keys, more than a block keeps the scores
+         * of), a window cutting a block's rows */
         static const tile_case small_tiles[] = {
-            {.T = 5, .pos0 = 300, .own_base = 290, .H = 4, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
+            {.T = 5, .pos0 = 560, .own_base = 550, .H = 4, .Hkv = 1, .D = 8, .i0 = 0, .i1 = 5},
             {.T = 9, .pos0 = 20, .window = 7, .H = 2, .Hkv = 2, .D = 12, .i0 = 1, .i1 = 9},
         };
         for (size_t i = 0; i < sizeof small_tiles / sizeof small_tiles[0]; i++)
