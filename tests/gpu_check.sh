@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The device check behind docs/cuda-backend.md's measured figures, for a GPU machine lent
+# briefly (one call). On the development machine, from the project's root:
+#   bash ../shared/tools/gpu/bundle.sh          (packs this checkout's CUDA build into .gpu/)
+#   cp <an older .gpu/bundle.tar.xz> .gpu/base.tar.xz    (optional: the baseline, run beside)
+# then on the GPU machine, from the root of a copy of the tree that carries .gpu/:
+#   bash tests/gpu_check.sh                     (FITM_GPU_STEPS picks steps; log in $OUT)
+# Steps, each under its own time limit:
+#   tests   the meson `cuda` suite's executables on the device (a failing one again under
+#           compute-sanitizer)
+#   new     bench_forward -b cuda on a generated Gemma 3 270M shape, bf16 and f32 products
+#   base    the same with the baseline bundle
+#   cpu     bench_forward -b cpu, 16 threads, on the same machine
+#   rerank  tests/bench_cuda.py (prefill, decode and /rerank K = 20 against the device's limits)
+#   ncu     every kernel's time (Nsight Compute, real clocks, caches kept) over a prompt, two
+#           decode steps and a 32-sequence step (tests/ncu_summary.py)
+#   steps   the same per call over 24 one-sequence decode steps from an empty cache
+#   l1b     a Llama 1B shape, this build and the baseline
+# Never wait without PIDs here: a bare `wait` also waits for the log's tee and never returns.
+set -u
+D=$(pwd)/.gpu; R=$(pwd)
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+L=/tmp/gpu-logs; rm -rf $L; mkdir -p $L
+exec > >(tee "$OUT/gpu.log") 2>&1
+T0=$(date +%s); step() { echo; echo "== [t+$(( $(date +%s) - T0 ))s] $*"; }
+python3 -c "import tarfile; tarfile.open('$D/bundle.tar.xz').extractall('/tmp/gpu')" || { echo "untar failed"; exit 1; }
+mkdir -p /tmp/base && python3 -c "import tarfile; tarfile.open('$D/base.tar.xz').extractall('/tmp/base')" || echo "no baseline"
+B=/tmp/gpu/bundle; BB=/tmp/base/bundle
+CU=$(dirname "$(find /usr/local /usr/lib /opt -name 'libcublas.so.*' 2>/dev/null | head -1)")
+export LD_LIBRARY_PATH=$B/lib:$CU:${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+git -C "$R" log --oneline -1 2>/dev/null
+missing=$(ldd $B/bin/fitmd | grep "not found"); [ -z "$missing" ] || { echo "libraries missing: $missing"; exit 1; }
+mkdir -p /tmp/gb/src /tmp/gb/tests; ln -sf $B/bin/fitmd /tmp/gb/src/fitmd; ln -sf $B/bin/bench_forward /tmp/gb/tests/bench_forward
+$B/bin/fitm mkmodel --arch gemma3 -o /tmp/g270.gguf --type Q5_0 --layers 18 --dim 640 --heads 4 \
+  --kv-heads 1 --head-dim 256 --ff 2048 --swa 512 --ctx 8192 --vocab-extra 261032 -q
+($B/bin/fitm mkmodel --arch llama -o /tmp/l1b.gguf --type Q4_K --layers 16 --dim 2048 --heads 32 \
+  --kv-heads 8 --ff 8192 --ctx 8192 --vocab-extra 127000 -q > $L/models.log 2>&1) & MP=$!
+BF=$B/bin/bench_forward; G=/tmp/g270.gguf
+N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+STEPS=${FITM_GPU_STEPS:-tests new base cpu rerank ncu steps l1b}
+for s in $STEPS; do case $s in
+tests)
+  step "cuda suite on the device"
+  pids=()
+  while IFS=$'\t' read -r exe args; do
+    (cd /tmp && timeout 120 $B/bin/$exe $args > $L/$exe.log 2>&1; echo "$exe exit $?" > $L/$exe.rc) &
+    pids+=($!)
+  done < $B/cuda-tests.tsv
+  for p in "${pids[@]}"; do wait $p; done
+  for f in $L/*.rc; do cat $f; t=$(basename $f .rc); grep -E "FAIL|failed|error|mismatch|differ" $L/$t.log | head -8; tail -2 $L/$t.log; done
+  for f in $L/*.rc; do read -r exe _ rc < $f; if [ "$rc" != 0 ] && [ "$rc" != 77 ]; then
+    step "compute-sanitizer on $exe"
+    (cd /tmp && timeout 60 compute-sanitizer --tool memcheck --print-limit 10 $B/bin/$exe > $L/$exe.san 2>&1); tail -30 $L/$exe.san; fi; done
+  ;;
+new)
+  step "bench_forward cuda bf16 (this commit)"
+  timeout 60 $BF -m $G -b cuda -p 512 -n 128 -r 3 -B 8 -B 32 2>&1 | tee $L/bench_new.log
+  step "bench_forward cuda f32 (this commit)"
+  timeout 40 $BF -m $G -b cuda -p 512 -n 128 -r 2 -B 32 --gpu-weights f32 2>&1 | head -8 ;;
+base)
+  step "bench_forward cuda bf16 (baseline bundle)"
+  [ -x $BB/bin/bench_forward ] && LD_LIBRARY_PATH=$BB/lib:$CU timeout 60 $BB/bin/bench_forward -m $G -b cuda -p 512 -n 128 -r 3 -B 8 -B 32 2>&1 | head -9 ;;
+cpu)
+  step "bench_forward cpu, 16 threads"
+  timeout 60 $BF -m $G -b cpu -t 16 -p 512 -n 128 -r 1 -B 8 -B 32 2>&1 | head -9 ;;
+rerank)
+  step "bench_cuda.py"
+  PYTHONUNBUFFERED=1 timeout 100 python3 tests/bench_cuda.py --model $G --build /tmp/gb --reps 2 --repeat 3 2>&1 | grep -v "^|" ;;
+ncu)
+  step "kernel times (ncu, real clocks, caches not flushed)"
+  [ -n "$N" ] || { echo "no ncu"; continue; }
+  (cd /tmp && timeout 60 $N --csv --print-units base --metrics gpu__time_duration.sum --clock-control none \
+     --cache-control none --launch-count 1400 --log-file $L/ncu.csv \
+     $BF -m $G -b cuda -p 512 -n 2 -r 1 -B 32 > $L/ncu.out 2> $L/ncu.err); echo "ncu rc $?"; tail -2 $L/ncu.err
+  cp $L/ncu.csv $OUT/ncu.csv
+  python3 tests/ncu_summary.py $L/ncu.csv ;;
+steps)
+  step "kernel times of decode steps from an empty cache (ncu, real clocks, caches not flushed)"
+  [ -n "$N" ] || { echo "no ncu"; continue; }
+  (cd /tmp && timeout 75 $N --csv --print-units base --metrics gpu__time_duration.sum --clock-control none \
+     --cache-control none --launch-count 4700 --log-file $L/steps.csv \
+     $BF -m $G -b cuda -p 1 -n 24 -r 1 > $L/steps.out 2> $L/steps.err); echo "ncu rc $?"; tail -2 $L/steps.err
+  cp $L/steps.csv $OUT/steps.csv
+  python3 tests/ncu_summary.py --steps $L/steps.csv ;;
+l1b)
+  step "Llama 1B shape"
+  wait $MP; cat $L/models.log
+  timeout 45 $BF -m /tmp/l1b.gguf -b cuda -p 512 -n 128 -r 2 -B 8 2>&1 | head -8
+  [ -x $BB/bin/bench_forward ] && LD_LIBRARY_PATH=$BB/lib:$CU timeout 40 $BB/bin/bench_forward -m /tmp/l1b.gguf -b cuda -p 512 -n 128 -r 2 -B 8 2>&1 | head -8 ;;
+esac; done
+kill $MP 2>/dev/null
+step "done"
+tar -czf "$OUT/logs.tgz" -C /tmp gpu-logs
