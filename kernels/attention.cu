@@ -315,10 +315,26 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         }
         __syncthreads();
         const int64_t n = r.p + 1 - j0 < FITM_ATT_THREADS ? r.p + 1 - j0 : FITM_ATT_THREADS;
-        for (int64_t t = 0; t < n; t++) {
-            const float *v = fitm_att_kv(a, a.v_pre, a.v_own, j0 + t, r.g);
-            for (int c = 0, d = tid; d < D; c++, d += FITM_ATT_THREADS)
-                acc[c] = fmaf(tile[t], v[d], acc[c]);
+        /* four keys' values loaded before the four keys' adds, which keep key order */
+        constexpr int NC = FITM_ATT_MAX_D / FITM_ATT_THREADS;
+        for (int t0 = 0; t0 < (int)n; t0 += 4) {
+            float vv[4][NC];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t j = j0 + (t0 + u < n ? t0 + u : t0); /* past n: a key read twice */
+                const float *v = fitm_att_kv(a, a.v_pre, a.v_own, j, r.g);
+#pragma unroll
+                for (int c = 0; c < NC; c++)
+                    vv[u][c] = tid + c * FITM_ATT_THREADS < D && t0 + u < n
+                                   ? __ldg(v + tid + c * FITM_ATT_THREADS)
+                                   : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int c = 0; c < NC; c++)
+                    if (t0 + u < n && tid + c * FITM_ATT_THREADS < D)
+                        acc[c] = fmaf(tile[t0 + u], vv[u][c], acc[c]);
         }
         __syncthreads();
     }
