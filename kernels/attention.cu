@@ -25,6 +25,7 @@
 #define FITM_ATT_THREADS 128
 #define FITM_ATT_MAX_D 256
 #define FITM_ATT_MIN_MASS 1e-30 /* FITM_OPS_INTERVENE_MIN_MASS */
+#define FITM_ATT_ROW_KEEP 512   /* a one-row block keeps the scores of rows this many keys long */
 
 struct fitm_att_row {
     int64_t i, p, v0; /* row in the call, its position, first visible key */
@@ -145,6 +146,7 @@ struct fitm_att_soft {
     float mx, inv_l;
     int n_mix; /* 0: plain */
     const float *w, *mmx, *minv;
+    const float *kept; /* plain rows of few keys: key j's score at kept[j - v0] (shared), or NULL */
 };
 
 /* Index of the intervention span holding key j, or -1 (spans sorted and disjoint). */
@@ -171,7 +173,7 @@ __device__ __forceinline__ float fitm_att_prob(const fitm_cuda_attn &a, const fi
 {
     float pj;
     if (s.n_mix == 0) {
-        pj = fitm_att_p(fitm_att_score(a, s.q, j, r.g), s.mx, s.inv_l);
+        pj = fitm_att_p(s.kept ? s.kept[j - r.v0] : fitm_att_score(a, s.q, j, r.g), s.mx, s.inv_l);
     } else {
         pj = 0.0f;
         for (int e = 0; e < s.n_mix; e++)
@@ -200,9 +202,11 @@ __device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r,
 }
 
 /* The row's softmax maximum and inverse denominator over its visible keys, online over
- * tiles: of the plain scores (e < 0) or of expert e's. */
+ * tiles: of the plain scores (e < 0) or of expert e's. keep (or NULL): the plain scores are
+ * also written there, key j at keep[j - v0], for the later passes to read instead of
+ * computing them again (the same values; the block reductions' barriers publish them). */
 __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, const float *q,
-                               int e, float *red, float *mx_out, float *inv_l_out)
+                               int e, float *red, float *mx_out, float *inv_l_out, float *keep)
 {
     float mx = -INFINITY, l = 0.0f;
     for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
@@ -210,6 +214,8 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
         const float s = j > r.p  ? -INFINITY
                         : e < 0 ? fitm_att_score(a, q, j, r.g)
                                  : fitm_att_score_mix(a, r, e, j);
+        if (keep && j <= r.p)
+            keep[j - r.v0] = s;
         const float tmx = fitm_att_block_reduce(s, red, true);
         const float m_new = fmaxf(mx, tmx);
         const float ex = j <= r.p ? fitm_att_exp(s, m_new) : 0.0f;
@@ -225,6 +231,7 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
 {
     __shared__ float q[FITM_ATT_MAX_D];
     __shared__ float tile[FITM_ATT_THREADS];
+    __shared__ float kept[FITM_ATT_ROW_KEEP];
     __shared__ float red[32];
     __shared__ double redd[32];
     __shared__ float mmx[FITM_CUDA_ATTN_MAX_MIX], minv[FITM_CUDA_ATTN_MAX_MIX];
@@ -242,15 +249,19 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
     __syncthreads();
 
     /* pass 1: max and denominator, online over tiles (per weighed expert for a mixture) */
-    fitm_att_soft sm = {q, 0.0f, 0.0f, a.mix_n, NULL, mmx, minv};
+    fitm_att_soft sm = {q, 0.0f, 0.0f, a.mix_n, NULL, mmx, minv, NULL};
     if (a.mix_n == 0) {
-        fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l);
+        /* a row of at most FITM_ATT_ROW_KEEP keys (every sliding-window row of Gemma 3) keeps
+         * its scores: the later passes read them, one score chain per key instead of two */
+        float *keep = r.p - r.v0 < FITM_ATT_ROW_KEEP ? kept : NULL;
+        fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l, keep);
+        sm.kept = keep;
     } else {
         sm.w = a.mix_w + (r.i * a.n_head + r.h) * a.mix_n;
         for (int e = 0; e < a.mix_n; e++) {
             float m = 0.0f, il = 0.0f;
             if (sm.w[e] != 0.0f)
-                fitm_att_stats(a, r, q, e, red, &m, &il);
+                fitm_att_stats(a, r, q, e, red, &m, &il, NULL);
             if (tid == 0) {
                 mmx[e] = m;
                 minv[e] = il;
