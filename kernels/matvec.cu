@@ -12,6 +12,9 @@
  * one-row kernels (R = 1) ask for twice as many blocks, at most 64 registers a thread: 8 blocks
  * (32 warps) resident per SM, each warp with a stage of weight bytes in flight. */
 #define FITM_MV_MIN_BLOCKS 4
+/* The one-row kernels of a wide product (G > 1 rows a warp, below) hold G rows' sums and
+ * their K-quant scales: 6 blocks per SM (up to 80 registers), where 64 spill on sm_80. */
+#define FITM_MV_WIDE_BLOCKS 6
 
 #define FITM_MV_STAGE 2048 /* weight bytes a warp stages in shared memory per pass */
 #define FITM_MV_SEGS (FITM_MV_STAGE / 16 + 1) /* 16-byte pieces: one more for an unaligned start */
@@ -243,7 +246,9 @@ template <int T> struct fitm_mv_smem {
  * else silu) with the element-wise expression of fitm_cuda_swiglu / fitm_cuda_geglu, so the
  * fused launch gives the bits of the three it replaces (test_cuda_kernels: matmul_glu). */
 template <int T, bool CHUNKED, int R, int G, bool GLU>
-__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOCKS : FITM_MV_MIN_BLOCKS)
+__global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? (G == 1 ? 2 * FITM_MV_MIN_BLOCKS
+                                                                      : FITM_MV_WIDE_BLOCKS)
+                                                         : FITM_MV_MIN_BLOCKS)
     fitm_matvec_rows(const uint8_t *__restrict__ W, const uint8_t *__restrict__ Wu,
                      int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
                      int64_t n_x, float *__restrict__ y, int gelu)
