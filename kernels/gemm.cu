@@ -239,9 +239,9 @@ extern "C" int fitm_cuda_gemm_bf16(int n, const uint16_t *const *W, const int64_
     if (T == 0 || n_max == 0)
         return 0;
     /* 16-byte loads where every row of x and W starts 16-byte aligned */
-    int vec = ((uintptr_t)x & 15u) == 0 && K % 8 == 0;
+    int vec = fitm_aligned16(x) && K % 8 == 0;
     for (int i = 0; i < n; i++)
-        vec = vec && ((uintptr_t)W[i] & 15u) == 0;
+        vec = vec && fitm_aligned16(W[i]);
     for (int64_t t0 = 0; t0 < T; t0 += GEMM_ROWS_PER_LAUNCH) {
         const int64_t rows = T - t0 < GEMM_ROWS_PER_LAUNCH ? T - t0 : GEMM_ROWS_PER_LAUNCH;
         const unsigned row_tiles = (unsigned)((rows + GEMM_BM - 1) / GEMM_BM);

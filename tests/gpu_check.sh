@@ -3,6 +3,8 @@
 # briefly (one call). On the development machine, from the project's root:
 #   bash ../shared/tools/gpu/bundle.sh          (packs this checkout's CUDA build into .gpu/)
 #   cp <an older .gpu/bundle.tar.xz> .gpu/base.tar.xz    (optional: the baseline, run beside)
+#   git log --oneline -1 > .gpu/commit          (the commit the log names: the machine's copy
+#                                                of the tree may carry an older .git)
 # then on the GPU machine, from the root of a copy of the tree that carries .gpu/:
 #   bash tests/gpu_check.sh                     (FITM_GPU_STEPS picks steps; log in $OUT)
 # Steps, each under its own time limit:
@@ -18,7 +20,7 @@
 #   l1b     a Llama 1B shape, this build and the baseline
 # Never wait without PIDs here: a bare `wait` also waits for the log's tee and never returns.
 set -u
-D=$(pwd)/.gpu; R=$(pwd)
+D=$(pwd)/.gpu
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 L=/tmp/gpu-logs; rm -rf $L; mkdir -p $L
 exec > >(tee "$OUT/gpu.log") 2>&1
@@ -29,7 +31,7 @@ B=/tmp/gpu/bundle; BB=/tmp/base/bundle
 CU=$(dirname "$(find /usr/local /usr/lib /opt -name 'libcublas.so.*' 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH=$B/lib:$CU:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
-git -C "$R" log --oneline -1 2>/dev/null
+cat "$D/commit" 2>/dev/null || echo "commit: not recorded (.gpu/commit)"
 missing=$(ldd $B/bin/fitmd | grep "not found"); [ -z "$missing" ] || { echo "libraries missing: $missing"; exit 1; }
 mkdir -p /tmp/gb/src /tmp/gb/tests; ln -sf $B/bin/fitmd /tmp/gb/src/fitmd; ln -sf $B/bin/bench_forward /tmp/gb/tests/bench_forward
 $B/bin/fitm mkmodel --arch gemma3 -o /tmp/g270.gguf --type Q5_0 --layers 18 --dim 640 --heads 4 \
