@@ -25,7 +25,6 @@
 #define FITM_ATT_THREADS 128
 #define FITM_ATT_MAX_D 256
 #define FITM_ATT_MIN_MASS 1e-30 /* FITM_OPS_INTERVENE_MIN_MASS */
-#define FITM_ATT_ROW_KEEP 512   /* a one-row block keeps the scores of rows this many keys long */
 
 struct fitm_att_row {
     int64_t i, p, v0; /* row in the call, its position, first visible key */
@@ -226,17 +225,179 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
     *inv_l_out = fitm_att_inv(l);
 }
 
-/* Row i, head blockIdx.y of the call a. */
-__device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int64_t i)
+/* ---- The one-row kernel's staging (plain scores, and every row's values) ----
+ *
+ * A thread's score reads its own key's row: from global memory, the 32 lanes of a warp touch
+ * 32 different lines per load, and a row of the block costs D such loads. When the head dim
+ * is whole float4s (and 128 is a multiple of D / 4) and the K and V rows are 16-byte aligned,
+ * the block instead stages them through shared memory with coalesced 16-byte loads, each
+ * thread holding its share of the next step in registers while the block computes on this
+ * one:
+ *   pass 1 (plain rows): the 128 keys of a tile, FITM_ATT_SLICE head dims at a time, into
+ *          rows padded to FITM_ATT_SLICE_LD floats (8 consecutive keys' float4s hit distinct
+ *          banks); thread t's chain goes on over the slice's dims from its key's row, so a
+ *          score is fitm_att_score's chain, in the same order on the same values;
+ *   pass 4: FITM_ATT_VKEYS keys' values at a time, rows of D floats; out = fmaf(p_j, v_j,
+ *          out) over them in key order as before.
+ * A plain row of at most keep_cap keys keeps its scores (in dynamic shared memory) for the
+ * later passes, one score chain per key. */
+#define FITM_ATT_SLICE 64
+#define FITM_ATT_SLICE_LD (FITM_ATT_SLICE + 4)
+#define FITM_ATT_VKEYS 32
+/* float4s a thread holds of one step: a tile's slice (128 keys x 16) or a value step (at most
+ * 32 keys x 64) over 128 threads */
+#define FITM_ATT_ROW_LOADS 16
+#define FITM_ATT_ROW_STAGE (FITM_ATT_THREADS * FITM_ATT_SLICE_LD) /* floats, >= 32 x 256 */
+#define FITM_ATT_ROW_KEEP 8192 /* the most keys of a row whose scores a block keeps */
+
+/* The staged path's condition: the launch's rows (of one call) can use it. */
+__host__ __device__ __forceinline__ bool fitm_att_row_vec(const fitm_cuda_attn &a)
+{
+    const int D4 = a.head_dim / 4;
+    return a.head_dim % 4 == 0 && FITM_ATT_THREADS % D4 == 0 &&
+           (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre | (uintptr_t)a.v_pre) &
+            15) == 0;
+}
+
+/* Keys j0..j0 + 127 (those <= r.p) of the tile, head dims [FITM_ATT_SLICE sl, + FITM_ATT_SLICE)
+ * into buf: float4 c = tid % 16 of key tid / 16 + 8 i (one warp reads two keys' slices). */
+__device__ __forceinline__ void fitm_att_slice_fetch(const fitm_cuda_attn &a,
+                                                     const fitm_att_row &r, int64_t j0, int sl,
+                                                     float4 (&buf)[FITM_ATT_ROW_LOADS])
+{
+    constexpr int S4 = FITM_ATT_SLICE / 4, KS = FITM_ATT_THREADS / S4;
+    const int d = FITM_ATT_SLICE * sl + 4 * (threadIdx.x % S4);
+    if (d >= a.head_dim)
+        return;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
+        const int64_t j = j0 + threadIdx.x / S4 + KS * i;
+        if (j <= r.p)
+            buf[i] = __ldg((const float4 *)(fitm_att_kv(a, a.k_pre, a.k_own, j, r.g) + d));
+    }
+}
+
+__device__ __forceinline__ void fitm_att_slice_put(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                   int64_t j0, int sl,
+                                                   const float4 (&buf)[FITM_ATT_ROW_LOADS],
+                                                   float4 *stg)
+{
+    constexpr int S4 = FITM_ATT_SLICE / 4, KS = FITM_ATT_THREADS / S4;
+    constexpr int LD4 = FITM_ATT_SLICE_LD / 4;
+    const int c = threadIdx.x % S4;
+    if (FITM_ATT_SLICE * sl + 4 * c >= a.head_dim)
+        return;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
+        const int kk = threadIdx.x / S4 + KS * i;
+        if (j0 + kk <= r.p)
+            stg[kk * LD4 + c] = buf[i];
+    }
+}
+
+/* fitm_att_stats for a plain row on the staged path: the same scores, maxima and sums in the
+ * same order, each tile's keys read through shared memory (stg) a slice at a time. */
+__device__ void fitm_att_stats_staged(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                      const float *q, float *red, float4 *stg, float *mx_out,
+                                      float *inv_l_out, float *keep)
+{
+    constexpr int LD4 = FITM_ATT_SLICE_LD / 4;
+    const int tid = threadIdx.x, D = a.head_dim;
+    const int nsl = (D + FITM_ATT_SLICE - 1) / FITM_ATT_SLICE;
+    float4 buf[FITM_ATT_ROW_LOADS];
+    float mx = -INFINITY, l = 0.0f, s = 0.0f;
+    int64_t j0 = r.v0;
+    int sl = 0;
+    fitm_att_slice_fetch(a, r, j0, sl, buf);
+    for (;;) {
+        __syncthreads(); /* every thread is done reading the slice before */
+        fitm_att_slice_put(a, r, j0, sl, buf, stg);
+        __syncthreads();
+        const int64_t nj0 = sl + 1 < nsl ? j0 : j0 + FITM_ATT_THREADS;
+        const int nsl_next = sl + 1 < nsl ? sl + 1 : 0;
+        if (nj0 <= r.p) /* the next slice loads while this one is summed */
+            fitm_att_slice_fetch(a, r, nj0, nsl_next, buf);
+        const int64_t j = j0 + tid;
+        if (j <= r.p) {
+            const float4 *row = stg + tid * LD4;
+            const float *qs = q + FITM_ATT_SLICE * sl;
+#pragma unroll
+            for (int c = 0; c < FITM_ATT_SLICE / 4; c++) {
+                if (FITM_ATT_SLICE * sl + 4 * c >= D)
+                    break;
+                const float4 k = row[c];
+                s = fmaf(qs[4 * c], k.x, s);
+                s = fmaf(qs[4 * c + 1], k.y, s);
+                s = fmaf(qs[4 * c + 2], k.z, s);
+                s = fmaf(qs[4 * c + 3], k.w, s);
+            }
+        }
+        if (sl == nsl - 1) { /* the tile's scores are whole: fitm_att_stats's step */
+            const float sc = j > r.p ? -INFINITY : fitm_att_scaled(s, a.scale);
+            if (keep && j <= r.p)
+                keep[j - r.v0] = sc;
+            const float tmx = fitm_att_block_reduce(sc, red, true);
+            const float m_new = fmaxf(mx, tmx);
+            const float ex = j <= r.p ? fitm_att_exp(sc, m_new) : 0.0f;
+            l = fitm_att_rescale(l, mx, m_new, fitm_att_block_reduce(ex, red, false));
+            mx = m_new;
+            s = 0.0f;
+        }
+        if (nj0 > r.p)
+            break;
+        j0 = nj0, sl = nsl_next;
+    }
+    *mx_out = mx;
+    *inv_l_out = fitm_att_inv(l);
+}
+
+/* Values of keys c0.. (at most FITM_ATT_VKEYS, those <= r.p) into buf: float4 tid % (D / 4)
+ * of key tid / (D / 4) + (128 / (D / 4)) i. */
+__device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                    int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS])
+{
+    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4;
+    const int c = threadIdx.x % D4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
+        const int kk = threadIdx.x / D4 + KS * i;
+        if (kk < FITM_ATT_VKEYS && c0 + kk <= r.p)
+            buf[i] = __ldg((const float4 *)fitm_att_kv(a, a.v_pre, a.v_own, c0 + kk, r.g) + c);
+    }
+}
+
+__device__ __forceinline__ void fitm_att_vals_put(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                  int64_t c0,
+                                                  const float4 (&buf)[FITM_ATT_ROW_LOADS],
+                                                  float4 *stg)
+{
+    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4;
+    const int c = threadIdx.x % D4;
+#pragma unroll
+    for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
+        const int kk = threadIdx.x / D4 + KS * i;
+        if (kk < FITM_ATT_VKEYS && c0 + kk <= r.p)
+            stg[kk * D4 + c] = buf[i];
+    }
+}
+
+/* Row i, head blockIdx.y of the call a. Dynamic shared memory: the staging area
+ * (FITM_ATT_ROW_STAGE floats), then n_fac floats of span factors, then keep_cap floats of
+ * kept scores. */
+__device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int64_t i, int n_fac,
+                                                   int keep_cap)
 {
     __shared__ float q[FITM_ATT_MAX_D];
     __shared__ float tile[FITM_ATT_THREADS];
-    __shared__ float kept[FITM_ATT_ROW_KEEP];
     __shared__ float red[32];
     __shared__ double redd[32];
     __shared__ float mmx[FITM_CUDA_ATTN_MAX_MIX], minv[FITM_CUDA_ATTN_MAX_MIX];
-    FITM_DYNAMIC_SHARED(float, factor); /* (iv_n_spans) */
+    FITM_DYNAMIC_SHARED(float4, dyn4);
+    float4 *stg = dyn4;
+    float *factor = (float *)dyn4 + FITM_ATT_ROW_STAGE; /* (iv_n_spans) */
+    float *kept = factor + n_fac;
     const int tid = threadIdx.x, D = a.head_dim;
+    const bool vec = fitm_att_row_vec(a);
     fitm_att_row r;
     r.i = i;
     r.h = blockIdx.y;
@@ -251,10 +412,13 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
     /* pass 1: max and denominator, online over tiles (per weighed expert for a mixture) */
     fitm_att_soft sm = {q, 0.0f, 0.0f, a.mix_n, NULL, mmx, minv, NULL};
     if (a.mix_n == 0) {
-        /* a row of at most FITM_ATT_ROW_KEEP keys (every sliding-window row of Gemma 3) keeps
-         * its scores: the later passes read them, one score chain per key instead of two */
-        float *keep = r.p - r.v0 < FITM_ATT_ROW_KEEP ? kept : NULL;
-        fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l, keep);
+        /* a row of at most keep_cap keys keeps its scores: the later passes read them, one
+         * score chain per key instead of two */
+        float *keep = r.p - r.v0 < keep_cap ? kept : NULL;
+        if (vec)
+            fitm_att_stats_staged(a, r, q, red, stg, &sm.mx, &sm.inv_l, keep);
+        else
+            fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l, keep);
         sm.kept = keep;
     } else {
         sm.w = a.mix_w + (r.i * a.n_head + r.h) * a.mix_n;
@@ -269,7 +433,6 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         }
         __syncthreads();
     }
-
     /* pass 2: Eq. 5 factors of the intervention spans */
     const bool intervene = a.iv_n_spans > 0 && r.p >= a.iv_from_pos;
     if (intervene) {
@@ -311,23 +474,48 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
     float *cp = cr >= 0 && a.cap_probs
                     ? a.cap_probs + ((int64_t)cr * a.n_head + r.h) * a.cap_probs_stride
                     : NULL;
-    float acc[FITM_ATT_MAX_D / FITM_ATT_THREADS] = {0.0f, 0.0f};
+    constexpr int NC = FITM_ATT_MAX_D / FITM_ATT_THREADS;
+    float acc[NC] = {0.0f, 0.0f};
     if (cp)
         for (int64_t j = tid; j < a.cap_probs_stride; j += FITM_ATT_THREADS)
             if (j < r.v0 || j > r.p)
                 cp[j] = 0.0f;
+    float4 buf[FITM_ATT_ROW_LOADS];
+    if (vec)
+        fitm_att_vals_fetch(a, r, r.v0, buf);
     for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
         const int64_t j = j0 + tid;
+        __syncthreads(); /* the tile before is summed */
         if (j <= r.p) {
             const float pj = fitm_att_prob(a, r, sm, j, fac);
             tile[tid] = pj;
             if (cp)
                 cp[j] = cap_fac || !fac ? pj : fitm_att_prob(a, r, sm, j, NULL);
         }
-        __syncthreads();
         const int64_t n = r.p + 1 - j0 < FITM_ATT_THREADS ? r.p + 1 - j0 : FITM_ATT_THREADS;
+        if (vec) {
+            /* FITM_ATT_VKEYS keys' values a step, the next step's loads in flight */
+            const float *vs = (const float *)stg;
+            for (int t0 = 0; t0 < (int)n; t0 += FITM_ATT_VKEYS) {
+                if (t0 > 0)
+                    __syncthreads(); /* the step before is summed */
+                fitm_att_vals_put(a, r, j0 + t0, buf, stg);
+                __syncthreads(); /* the values and the tile's probabilities are written */
+                if (j0 + t0 + FITM_ATT_VKEYS <= r.p)
+                    fitm_att_vals_fetch(a, r, j0 + t0 + FITM_ATT_VKEYS, buf);
+                const int nk = (int)n - t0 < FITM_ATT_VKEYS ? (int)n - t0 : FITM_ATT_VKEYS;
+#pragma unroll 8
+                for (int kk = 0; kk < nk; kk++)
+#pragma unroll
+                    for (int c = 0; c < NC; c++)
+                        if (tid + c * FITM_ATT_THREADS < D)
+                            acc[c] = fmaf(tile[t0 + kk], vs[kk * D + tid + c * FITM_ATT_THREADS],
+                                          acc[c]);
+            }
+            continue;
+        }
+        __syncthreads();
         /* four keys' values loaded before the four keys' adds, which keep key order */
-        constexpr int NC = FITM_ATT_MAX_D / FITM_ATT_THREADS;
         for (int t0 = 0; t0 < (int)n; t0 += 4) {
             float vv[4][NC];
 #pragma unroll
@@ -347,7 +535,6 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
                     if (t0 + u < n && tid + c * FITM_ATT_THREADS < D)
                         acc[c] = fmaf(tile[t0 + u], vv[u][c], acc[c]);
         }
-        __syncthreads();
     }
     float *o = a.out + (r.i * a.n_head + r.h) * D;
     for (int c = 0, d = tid; d < D; c++, d += FITM_ATT_THREADS)
@@ -356,19 +543,19 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
 
 /* Rows i0 + blockIdx.x of the call a. */
 __global__ void __launch_bounds__(FITM_ATT_THREADS)
-    fitm_attention_rows(fitm_cuda_attn a, int64_t i0)
+    fitm_attention_rows(fitm_cuda_attn a, int64_t i0, int n_fac, int keep_cap)
 {
-    fitm_attention_row(a, i0 + blockIdx.x);
+    fitm_attention_row(a, i0 + blockIdx.x, n_fac, keep_cap);
 }
 
 /* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. */
 __global__ void __launch_bounds__(FITM_ATT_THREADS)
-    fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args)
+    fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args, int n_fac, int keep_cap)
 {
     const fitm_cuda_attn &a = args[blockIdx.z]; /* read where used: a copy would spill */
     if ((int64_t)blockIdx.x >= a.T)
         return; /* uniform per block, before any barrier */
-    fitm_attention_row(a, blockIdx.x);
+    fitm_attention_row(a, blockIdx.x, n_fac, keep_cap);
 }
 
 /* ---- Tiled rows ----
@@ -790,6 +977,36 @@ static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
                              a->n_head % a->mix_k_heads != 0));
 }
 
+/* Dynamic shared memory of a one-row launch whose rows have at most n_fac intervention spans
+ * and keep up to keep_cap scores; kernel's opt-in set when it needs more than the default (its
+ * static arrays take about 2.4 KiB of the 48). */
+template <typename K>
+static int fitm_att_row_smem(K kernel, int n_fac, int keep_cap, size_t *shm)
+{
+    *shm = sizeof(float) * ((size_t)FITM_ATT_ROW_STAGE + (size_t)n_fac + (size_t)keep_cap);
+    if (*shm <= 44 * 1024)
+        return 0;
+    return (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)*shm);
+}
+
+/* The scores a plain row of a call may keep: its rows up to position pos0 + i1 - 1 see at
+ * most that many keys (fewer under a window), rounded up to a power of two from 512, at most
+ * FITM_ATT_ROW_KEEP. The rounding keeps a decode step's launch the same from one position to
+ * the next (a captured step replays) but at the powers of two. */
+static int fitm_att_keep_cap(const fitm_cuda_attn *a, int64_t i1)
+{
+    if (a->mix_n > 0)
+        return 0;
+    int64_t keys = a->pos0 + i1;
+    if (a->window > 0 && a->window < keys)
+        keys = a->window;
+    int cap = 512;
+    while (cap < keys && cap < FITM_ATT_ROW_KEEP)
+        cap *= 2;
+    return cap;
+}
+
 extern "C" int fitm_cuda_attention_rows(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
                                         void *stream)
 {
@@ -797,10 +1014,15 @@ extern "C" int fitm_cuda_attention_rows(const fitm_cuda_attn *a, int64_t i0, int
         return (int)cudaErrorInvalidValue;
     if (i1 == i0)
         return 0;
-    const size_t shm = (size_t)a->iv_n_spans * sizeof(float);
+    const int keep_cap = fitm_att_keep_cap(a, i1);
+    size_t shm;
+    const int e = fitm_att_row_smem(fitm_attention_rows, a->iv_n_spans, keep_cap,
+                                    &shm);
+    if (e)
+        return e;
     FITM_LAUNCH(dim3((unsigned)(i1 - i0), (unsigned)a->n_head), FITM_ATT_THREADS, shm,
                 fitm_stream(stream), fitm_attention_rows)
-    (*a, i0);
+    (*a, i0, a->iv_n_spans, keep_cap);
     return (int)cudaGetLastError();
 }
 
@@ -860,17 +1082,24 @@ extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda
         return (int)cudaErrorInvalidValue;
     int64_t max_T = 0;
     int32_t max_spans = 0;
+    int keep_cap = 0;
     for (int s = 0; s < n; s++) {
         if (fitm_attn_args_bad(&a[s]) || a[s].n_head != a[0].n_head)
             return (int)cudaErrorInvalidValue;
         max_T = a[s].T > max_T ? a[s].T : max_T;
         max_spans = a[s].iv_n_spans > max_spans ? a[s].iv_n_spans : max_spans;
+        const int kc = fitm_att_keep_cap(&a[s], a[s].T);
+        keep_cap = kc > keep_cap ? kc : keep_cap;
     }
     if (max_T == 0)
         return 0;
-    const size_t shm = (size_t)max_spans * sizeof(float);
+    size_t shm;
+    const int e = fitm_att_row_smem(fitm_attention_rows_many, max_spans, keep_cap,
+                                    &shm);
+    if (e)
+        return e;
     FITM_LAUNCH(dim3((unsigned)max_T, (unsigned)a[0].n_head, (unsigned)n), FITM_ATT_THREADS, shm,
                 fitm_stream(stream), fitm_attention_rows_many)
-    (a_dev);
+    (a_dev, max_spans, keep_cap);
     return (int)cudaGetLastError();
 }

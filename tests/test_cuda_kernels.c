@@ -2185,6 +2185,9 @@ int main(int argc, char **argv)
              .D = 20,
              .i0 = 0,
              .i1 = 40},
+            /* rows of more keys than a one-row block keeps the scores of (8,192): its later
+             * passes compute them again from global memory */
+            {.T = 2, .pos0 = 8300, .own_base = 8000, .H = 2, .Hkv = 1, .D = 16, .i0 = 0, .i1 = 2},
         };
         /* small: the ring of scores wrapping (565 keys, more than a block keeps the scores
          * of), a window cutting a block's rows */
