@@ -233,21 +233,22 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
  * the block instead stages them through shared memory with coalesced 16-byte loads, each
  * thread holding its share of the next step in registers while the block computes on this
  * one:
- *   pass 1 (plain rows): the 128 keys of a tile, FITM_ATT_SLICE head dims at a time, into
- *          rows padded to FITM_ATT_SLICE_LD floats (8 consecutive keys' float4s hit distinct
- *          banks); thread t's chain goes on over the slice's dims from its key's row, so a
- *          score is fitm_att_score's chain, in the same order on the same values;
+ *   pass 1 (plain rows): a tile's keys a slice of head dims at a time, into rows padded to
+ *          the slice's width plus 4 floats (8 consecutive keys' float4s hit distinct banks):
+ *          64 dims for a tile of more than 64 keys, 128 for one of 33 to 64, 256 (a whole
+ *          row of Gemma 3) for one of at most 32, the step always 16 float4s a thread; thread
+ *          t's chain goes on over the slice's dims from its key's row, so a score is
+ *          fitm_att_score's chain, in the same order on the same values;
  *   pass 4: FITM_ATT_VKEYS keys' values at a time, rows of D floats; out = fmaf(p_j, v_j,
  *          out) over them in key order as before.
- * A plain row of at most keep_cap keys keeps its scores (in dynamic shared memory) for the
- * later passes, one score chain per key. */
-#define FITM_ATT_SLICE 64
-#define FITM_ATT_SLICE_LD (FITM_ATT_SLICE + 4)
+ * The first step's loads go out before the query is staged, and pass 4's first values load
+ * during pass 1's last step. A plain row of at most keep_cap keys keeps its scores (in
+ * dynamic shared memory) for the later passes, one score chain per key. */
 #define FITM_ATT_VKEYS 32
-/* float4s a thread holds of one step: a tile's slice (128 keys x 16) or a value step (at most
- * 32 keys x 64) over 128 threads */
+/* float4s a thread holds of one step: a tile's slice (128 keys x 16, 64 x 32 or 32 x 64) or
+ * a value step (at most 32 keys x 64) over 128 threads */
 #define FITM_ATT_ROW_LOADS 16
-#define FITM_ATT_ROW_STAGE (FITM_ATT_THREADS * FITM_ATT_SLICE_LD) /* floats, >= 32 x 256 */
+#define FITM_ATT_ROW_STAGE (FITM_ATT_THREADS * (64 + 4)) /* floats: the largest slice step */
 #define FITM_ATT_ROW_KEEP 8192 /* the most keys of a row whose scores a block keeps */
 
 /* The staged path's condition: the launch's rows (of one call) can use it. */
@@ -259,19 +260,27 @@ __host__ __device__ __forceinline__ bool fitm_att_row_vec(const fitm_cuda_attn &
             15) == 0;
 }
 
-/* Keys j0..j0 + 127 (those <= r.p) of the tile, head dims [FITM_ATT_SLICE sl, + FITM_ATT_SLICE)
- * into buf: float4 c = tid % 16 of key tid / 16 + 8 i (one warp reads two keys' slices). */
+/* log2 of the float4s of a slice of the tile from j0: 4 (64 dims), 5 (128) or 6 (256), by the
+ * tile's keys, so that a step is 16 float4s a thread. */
+__device__ __forceinline__ int fitm_att_slice_l4(const fitm_att_row &r, int64_t j0)
+{
+    const int64_t n = r.p + 1 - j0;
+    return n > 64 ? 4 : n > 32 ? 5 : 6;
+}
+
+/* Keys j0.. (those <= r.p) of the tile, slice sl of their head dims, into buf: float4 c =
+ * tid % S4 of key tid / S4 + (128 / S4) i, S4 = 1 << fitm_att_slice_l4. */
 __device__ __forceinline__ void fitm_att_slice_fetch(const fitm_cuda_attn &a,
                                                      const fitm_att_row &r, int64_t j0, int sl,
                                                      float4 (&buf)[FITM_ATT_ROW_LOADS])
 {
-    constexpr int S4 = FITM_ATT_SLICE / 4, KS = FITM_ATT_THREADS / S4;
-    const int d = FITM_ATT_SLICE * sl + 4 * (threadIdx.x % S4);
+    const int l4 = fitm_att_slice_l4(r, j0), S4 = 1 << l4;
+    const int d = 4 * ((sl << l4) + (threadIdx.x & (S4 - 1)));
     if (d >= a.head_dim)
         return;
 #pragma unroll
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
-        const int64_t j = j0 + threadIdx.x / S4 + KS * i;
+        const int64_t j = j0 + (threadIdx.x >> l4) + (i << (7 - l4));
         if (j <= r.p)
             buf[i] = __ldg((const float4 *)(fitm_att_kv(a, a.k_pre, a.k_own, j, r.g) + d));
     }
@@ -282,49 +291,54 @@ __device__ __forceinline__ void fitm_att_slice_put(const fitm_cuda_attn &a, cons
                                                    const float4 (&buf)[FITM_ATT_ROW_LOADS],
                                                    float4 *stg)
 {
-    constexpr int S4 = FITM_ATT_SLICE / 4, KS = FITM_ATT_THREADS / S4;
-    constexpr int LD4 = FITM_ATT_SLICE_LD / 4;
-    const int c = threadIdx.x % S4;
-    if (FITM_ATT_SLICE * sl + 4 * c >= a.head_dim)
+    const int l4 = fitm_att_slice_l4(r, j0), S4 = 1 << l4, LD4 = S4 + 1;
+    const int c = threadIdx.x & (S4 - 1);
+    if (4 * ((sl << l4) + c) >= a.head_dim)
         return;
 #pragma unroll
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
-        const int kk = threadIdx.x / S4 + KS * i;
+        const int kk = (threadIdx.x >> l4) + (i << (7 - l4));
         if (j0 + kk <= r.p)
             stg[kk * LD4 + c] = buf[i];
     }
 }
 
+__device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                    int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS]);
+
 /* fitm_att_stats for a plain row on the staged path: the same scores, maxima and sums in the
- * same order, each tile's keys read through shared memory (stg) a slice at a time. */
+ * same order, each tile's keys read through shared memory (stg) a slice at a time. buf holds
+ * the first slice's loads (fitm_att_slice_fetch of slice 0 of the tile from r.v0) and leaves
+ * with pass 4's first values (fitm_att_vals_fetch from r.v0). */
 __device__ void fitm_att_stats_staged(const fitm_cuda_attn &a, const fitm_att_row &r,
-                                      const float *q, float *red, float4 *stg, float *mx_out,
+                                      const float *q, float *red, float4 *stg,
+                                      float4 (&buf)[FITM_ATT_ROW_LOADS], float *mx_out,
                                       float *inv_l_out, float *keep)
 {
-    constexpr int LD4 = FITM_ATT_SLICE_LD / 4;
     const int tid = threadIdx.x, D = a.head_dim;
-    const int nsl = (D + FITM_ATT_SLICE - 1) / FITM_ATT_SLICE;
-    float4 buf[FITM_ATT_ROW_LOADS];
     float mx = -INFINITY, l = 0.0f, s = 0.0f;
     int64_t j0 = r.v0;
     int sl = 0;
-    fitm_att_slice_fetch(a, r, j0, sl, buf);
     for (;;) {
+        const int l4 = fitm_att_slice_l4(r, j0), S4 = 1 << l4;
+        const int nsl = (D / 4 + S4 - 1) >> l4;
         __syncthreads(); /* every thread is done reading the slice before */
         fitm_att_slice_put(a, r, j0, sl, buf, stg);
         __syncthreads();
         const int64_t nj0 = sl + 1 < nsl ? j0 : j0 + FITM_ATT_THREADS;
         const int nsl_next = sl + 1 < nsl ? sl + 1 : 0;
-        if (nj0 <= r.p) /* the next slice loads while this one is summed */
+        /* the next slice loads while this one is summed; after the last, pass 4's values */
+        if (nj0 <= r.p)
             fitm_att_slice_fetch(a, r, nj0, nsl_next, buf);
+        else
+            fitm_att_vals_fetch(a, r, r.v0, buf);
         const int64_t j = j0 + tid;
         if (j <= r.p) {
-            const float4 *row = stg + tid * LD4;
-            const float *qs = q + FITM_ATT_SLICE * sl;
-#pragma unroll
-            for (int c = 0; c < FITM_ATT_SLICE / 4; c++) {
-                if (FITM_ATT_SLICE * sl + 4 * c >= D)
-                    break;
+            const float4 *row = stg + tid * (S4 + 1);
+            const float *qs = q + 4 * (sl << l4);
+            const int nc = D / 4 - (sl << l4) < S4 ? D / 4 - (sl << l4) : S4;
+#pragma unroll 16
+            for (int c = 0; c < nc; c++) {
                 const float4 k = row[c];
                 s = fmaf(qs[4 * c], k.x, s);
                 s = fmaf(qs[4 * c + 1], k.y, s);
@@ -404,6 +418,13 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
     r.g = r.h / (a.n_head / a.n_head_kv);
     r.p = a.pos0 + r.i;
     r.v0 = fitm_att_v0(a, r.p);
+    /* the staged path's first loads: pass 1's first slice (plain rows), else pass 4's values */
+    const bool staged1 = vec && a.mix_n == 0;
+    float4 buf[FITM_ATT_ROW_LOADS];
+    if (staged1)
+        fitm_att_slice_fetch(a, r, r.v0, 0, buf);
+    else if (vec)
+        fitm_att_vals_fetch(a, r, r.v0, buf);
     const float *qg = a.q + (r.i * a.n_head + r.h) * D;
     for (int d = tid; d < D; d += FITM_ATT_THREADS)
         q[d] = qg[d];
@@ -415,8 +436,8 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         /* a row of at most keep_cap keys keeps its scores: the later passes read them, one
          * score chain per key instead of two */
         float *keep = r.p - r.v0 < keep_cap ? kept : NULL;
-        if (vec)
-            fitm_att_stats_staged(a, r, q, red, stg, &sm.mx, &sm.inv_l, keep);
+        if (staged1)
+            fitm_att_stats_staged(a, r, q, red, stg, buf, &sm.mx, &sm.inv_l, keep);
         else
             fitm_att_stats(a, r, q, -1, red, &sm.mx, &sm.inv_l, keep);
         sm.kept = keep;
@@ -480,9 +501,6 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         for (int64_t j = tid; j < a.cap_probs_stride; j += FITM_ATT_THREADS)
             if (j < r.v0 || j > r.p)
                 cp[j] = 0.0f;
-    float4 buf[FITM_ATT_ROW_LOADS];
-    if (vec)
-        fitm_att_vals_fetch(a, r, r.v0, buf);
     for (int64_t j0 = r.v0; j0 <= r.p; j0 += FITM_ATT_THREADS) {
         const int64_t j = j0 + tid;
         __syncthreads(); /* the tile before is summed */
