@@ -12,6 +12,8 @@
 #           compute-sanitizer)
 #   new     bench_forward -b cuda on a generated Gemma 3 270M shape, bf16 and f32 products
 #   base    the same with the baseline bundle
+#   depth   decode after a 4,096-token context of each sequence's own (1 and 8 sequences),
+#           this build and the baseline
 #   cpu     bench_forward -b cpu, 16 threads, on the same machine
 #   rerank  tests/bench_cuda.py (prefill, decode and /rerank K = 20 against the device's limits)
 #   ncu     every kernel's time (Nsight Compute, real clocks, caches kept) over a prompt, two
@@ -40,7 +42,7 @@ $B/bin/fitm mkmodel --arch gemma3 -o /tmp/g270.gguf --type Q5_0 --layers 18 --di
   --kv-heads 8 --ff 8192 --ctx 8192 --vocab-extra 127000 -q > $L/models.log 2>&1) & MP=$!
 BF=$B/bin/bench_forward; G=/tmp/g270.gguf
 N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-STEPS=${FITM_GPU_STEPS:-tests new base cpu rerank ncu steps l1b}
+STEPS=${FITM_GPU_STEPS:-tests new base depth cpu rerank ncu steps l1b}
 for s in $STEPS; do case $s in
 tests)
   step "cuda suite on the device"
@@ -63,6 +65,10 @@ new)
 base)
   step "bench_forward cuda bf16 (baseline bundle)"
   [ -x $BB/bin/bench_forward ] && LD_LIBRARY_PATH=$BB/lib:$CU timeout 60 $BB/bin/bench_forward -m $G -b cuda -p 512 -n 128 -r 3 -B 8 -B 32 2>&1 | head -9 ;;
+depth)
+  step "decode at depth 4096 (this commit, then the baseline bundle)"
+  timeout 60 $BF -m $G -b cuda -p 64 -n 64 -r 2 -c 4096 -B 1 -B 8 2>&1 | grep -E "ctx|rror"
+  [ -x $BB/bin/bench_forward ] && LD_LIBRARY_PATH=$BB/lib:$CU timeout 60 $BB/bin/bench_forward -m $G -b cuda -p 64 -n 64 -r 2 -c 4096 -B 1 -B 8 2>&1 | grep -E "ctx|rror" ;;
 cpu)
   step "bench_forward cpu, 16 threads"
   timeout 60 $BF -m $G -b cpu -t 16 -p 512 -n 128 -r 1 -B 8 -B 32 2>&1 | head -9 ;;
