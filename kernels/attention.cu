@@ -239,12 +239,12 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
  *          row of Gemma 3) for one of at most 32, the step always 16 float4s a thread; thread
  *          t's chain goes on over the slice's dims from its key's row, so a score is
  *          fitm_att_score's chain, in the same order on the same values;
- *   pass 4: FITM_ATT_VKEYS keys' values at a time, rows of D floats; out = fmaf(p_j, v_j,
+ *   pass 4: the values of as many keys as 16 float4s a thread hold (fitm_att_vkeys: 32 of
+ *          D 256, 64 of D 128, a whole tile of D 64), rows of D floats; out = fmaf(p_j, v_j,
  *          out) over them in key order as before.
  * The first step's loads go out before the query is staged, and pass 4's first values load
  * during pass 1's last step. A plain row of at most keep_cap keys keeps its scores (in
  * dynamic shared memory) for the later passes, one score chain per key. */
-#define FITM_ATT_VKEYS 32
 /* float4s a thread holds of one step: a tile's slice (128 keys x 16, 64 x 32 or 32 x 64) or
  * a value step (at most 32 keys x 64) over 128 threads */
 #define FITM_ATT_ROW_LOADS 16
@@ -365,17 +365,24 @@ __device__ void fitm_att_stats_staged(const fitm_cuda_attn &a, const fitm_att_ro
     *inv_l_out = fitm_att_inv(l);
 }
 
-/* Values of keys c0.. (at most FITM_ATT_VKEYS, those <= r.p) into buf: float4 tid % (D / 4)
+/* Keys whose values pass 4 stages a step: 16 float4s a thread, at most a tile. */
+__device__ __forceinline__ int fitm_att_vkeys(const fitm_cuda_attn &a)
+{
+    const int n = FITM_ATT_ROW_LOADS * FITM_ATT_THREADS / (a.head_dim / 4);
+    return n < FITM_ATT_THREADS ? n : FITM_ATT_THREADS;
+}
+
+/* Values of keys c0.. (at most fitm_att_vkeys, those <= r.p) into buf: float4 tid % (D / 4)
  * of key tid / (D / 4) + (128 / (D / 4)) i. */
 __device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, const fitm_att_row &r,
                                                     int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS])
 {
-    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4;
+    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4, vk = fitm_att_vkeys(a);
     const int c = threadIdx.x % D4;
 #pragma unroll
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
         const int kk = threadIdx.x / D4 + KS * i;
-        if (kk < FITM_ATT_VKEYS && c0 + kk <= r.p)
+        if (kk < vk && c0 + kk <= r.p)
             buf[i] = __ldg((const float4 *)fitm_att_kv(a, a.v_pre, a.v_own, c0 + kk, r.g) + c);
     }
 }
@@ -385,12 +392,12 @@ __device__ __forceinline__ void fitm_att_vals_put(const fitm_cuda_attn &a, const
                                                   const float4 (&buf)[FITM_ATT_ROW_LOADS],
                                                   float4 *stg)
 {
-    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4;
+    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4, vk = fitm_att_vkeys(a);
     const int c = threadIdx.x % D4;
 #pragma unroll
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
         const int kk = threadIdx.x / D4 + KS * i;
-        if (kk < FITM_ATT_VKEYS && c0 + kk <= r.p)
+        if (kk < vk && c0 + kk <= r.p)
             stg[kk * D4 + c] = buf[i];
     }
 }
@@ -512,16 +519,17 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         }
         const int64_t n = r.p + 1 - j0 < FITM_ATT_THREADS ? r.p + 1 - j0 : FITM_ATT_THREADS;
         if (vec) {
-            /* FITM_ATT_VKEYS keys' values a step, the next step's loads in flight */
+            /* vk keys' values a step, the next step's loads in flight */
             const float *vs = (const float *)stg;
-            for (int t0 = 0; t0 < (int)n; t0 += FITM_ATT_VKEYS) {
+            const int vk = fitm_att_vkeys(a);
+            for (int t0 = 0; t0 < (int)n; t0 += vk) {
                 if (t0 > 0)
                     __syncthreads(); /* the step before is summed */
                 fitm_att_vals_put(a, r, j0 + t0, buf, stg);
                 __syncthreads(); /* the values and the tile's probabilities are written */
-                if (j0 + t0 + FITM_ATT_VKEYS <= r.p)
-                    fitm_att_vals_fetch(a, r, j0 + t0 + FITM_ATT_VKEYS, buf);
-                const int nk = (int)n - t0 < FITM_ATT_VKEYS ? (int)n - t0 : FITM_ATT_VKEYS;
+                if (j0 + t0 + vk <= r.p)
+                    fitm_att_vals_fetch(a, r, j0 + t0 + vk, buf);
+                const int nk = (int)n - t0 < vk ? (int)n - t0 : vk;
 #pragma unroll 8
                 for (int kk = 0; kk < nk; kk++)
 #pragma unroll

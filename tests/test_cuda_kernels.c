@@ -2185,6 +2185,8 @@ int main(int argc, char **argv)
              .D = 20,
              .i0 = 0,
              .i1 = 40},
+            /* D 128: the one-row kernel stages 64 keys' values a step, two a tile */
+            {.T = 3, .pos0 = 200, .own_base = 150, .H = 4, .Hkv = 2, .D = 128, .i0 = 0, .i1 = 3},
             /* rows of more keys than a one-row block keeps the scores of (8,192): its later
              * passes compute them again from global memory */
             {.T = 2, .pos0 = 8300, .own_base = 8000, .H = 2, .Hkv = 1, .D = 16, .i0 = 0, .i1 = 2},
