@@ -347,6 +347,43 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
     fitm_backend_cuda_set_pieces(b, 0);
     return s;
 }
+
+/* Prints where a prefill of the n_pp tokens ids goes: wall time against the host's wait for
+ * the device, its graph work and the rest of the host, for the first prefill after a step (the
+ * pass captured) and a second of the same tokens (replayed when it equals the first's tape),
+ * each from position 0, with the default fusion and graphs. */
+static fitm_status bench_prefill_split(fitm_forward *fw, fitm_backend *b, fitm_kv *kv,
+                                       const int32_t *ids, long n_pp, fitm_forward_opts *o,
+                                       fitm_err *err)
+{
+    printf("\nwhere a prefill's time goes (%ld tokens, CUDA backend; us a prefill)\n", n_pp);
+    printf("| prefill | tok/s | wall | waiting for the device | capture end + update + launch | "
+           "rest of the host | graphs | replays | updates | instantiations |\n");
+    printf("| ------- | ----: | ---: | ---------------------: | ----------------------------: | "
+           "---------------: | -----: | ------: | ------: | -------------: |\n");
+    fitm_status s = FITM_OK;
+    for (int r = 0; r < 2 && !s; r++) {
+        fitm_kv_rebase(kv, 0, NULL);
+        fitm_backend_cuda_stats a, z;
+        fitm_backend_cuda_get_stats(b, &a);
+        const double t0 = now_s();
+        s = fitm_forward_run(fw, kv, ids, n_pp, 0, o, err);
+        const double wall = (now_s() - t0) * 1e6;
+        fitm_backend_cuda_get_stats(b, &z);
+        if (s)
+            break;
+        const double wait = (double)(z.wait_ns - a.wait_ns) * 1e-3,
+                     sub = (double)(z.submit_ns - a.submit_ns) * 1e-3;
+        printf("| %-7s | %5.0f | %4.0f | %22.0f | %29.0f | %16.0f | %6llu | %7llu | %7llu | "
+               "%14llu |\n",
+               r ? "again" : "first", n_pp / wall * 1e6, wall, wait, sub, wall - wait - sub,
+               (unsigned long long)(z.graph_launches - a.graph_launches),
+               (unsigned long long)(z.graph_replays - a.graph_replays),
+               (unsigned long long)(z.graph_updates - a.graph_updates),
+               (unsigned long long)(z.graph_instantiations - a.graph_instantiations));
+    }
+    return s;
+}
 #endif
 
 int main(int argc, char **argv)
@@ -559,6 +596,8 @@ int main(int argc, char **argv)
 #if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
     if (!strcmp(backend, "cuda")) {
         s = bench_step_split(fw, b, kv, ids, n_tg < 64 ? n_tg : 64, &o_step, &err);
+        if (!s)
+            s = bench_prefill_split(fw, b, kv, ids, n_pp, &o, &err);
         if (s) {
             fprintf(stderr, "bench_forward: %s: %s\n", fitm_status_name(s), err.msg);
             return 1;
