@@ -21,6 +21,7 @@
  * group instead of once per (row, head): below, "Tiled rows". */
 #include "common.cuh"
 #include "kernels.h"
+#include "kvstore.cuh"
 
 #define FITM_ATT_THREADS 128
 #define FITM_ATT_MAX_D 256
@@ -110,12 +111,23 @@ __device__ __forceinline__ const float *fitm_att_kv(const fitm_cuda_attn &a, con
            (int64_t)g * a.head_dim;
 }
 
+/* Key j's K row (v false) or V row of group g for the one-row kernel: fitm_att_kv's, or the
+ * call's new rows where they are read from the store's source (k_new). */
+__device__ __forceinline__ const float *fitm_att_kv1(const fitm_cuda_attn &a, bool v, int64_t j,
+                                                     int g)
+{
+    if (a.k_new && j >= a.new_base)
+        return (v ? a.v_new : a.k_new) + (j - a.new_base) * ((int64_t)a.n_head_kv * a.head_dim) +
+               (int64_t)g * a.head_dim;
+    return v ? fitm_att_kv(a, a.v_pre, a.v_own, j, g) : fitm_att_kv(a, a.k_pre, a.k_own, j, g);
+}
+
 /* Key j's score against the query q: the chain s = fmaf(q[d], k[d], s) over d in order from
  * 0, eight key loads in flight (the chain still adds them one by one, in order). */
 __device__ __forceinline__ float fitm_att_score(const fitm_cuda_attn &a, const float *q, int64_t j,
                                                 int g)
 {
-    const float *k = fitm_att_kv(a, a.k_pre, a.k_own, j, g);
+    const float *k = fitm_att_kv1(a, false, j, g);
     const int D = a.head_dim;
     float s = 0.0f;
 #pragma unroll 8
@@ -256,7 +268,8 @@ __host__ __device__ __forceinline__ bool fitm_att_row_vec(const fitm_cuda_attn &
 {
     const int D4 = a.head_dim / 4;
     return a.head_dim % 4 == 0 && FITM_ATT_THREADS % D4 == 0 &&
-           (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre | (uintptr_t)a.v_pre) &
+           (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre | (uintptr_t)a.v_pre |
+             (uintptr_t)a.k_new | (uintptr_t)a.v_new) &
             15) == 0;
 }
 
@@ -282,7 +295,7 @@ __device__ __forceinline__ void fitm_att_slice_fetch(const fitm_cuda_attn &a,
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
         const int64_t j = j0 + (threadIdx.x >> l4) + (i << (7 - l4));
         if (j <= r.p)
-            buf[i] = __ldg((const float4 *)(fitm_att_kv(a, a.k_pre, a.k_own, j, r.g) + d));
+            buf[i] = __ldg((const float4 *)(fitm_att_kv1(a, false, j, r.g) + d));
     }
 }
 
@@ -383,7 +396,7 @@ __device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, con
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
         const int kk = threadIdx.x / D4 + KS * i;
         if (kk < vk && c0 + kk <= r.p)
-            buf[i] = __ldg((const float4 *)fitm_att_kv(a, a.v_pre, a.v_own, c0 + kk, r.g) + c);
+            buf[i] = __ldg((const float4 *)fitm_att_kv1(a, true, c0 + kk, r.g) + c);
     }
 }
 
@@ -547,7 +560,7 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const int64_t j = j0 + (t0 + u < n ? t0 + u : t0); /* past n: a key read twice */
-                const float *v = fitm_att_kv(a, a.v_pre, a.v_own, j, r.g);
+                const float *v = fitm_att_kv1(a, true, j, r.g);
 #pragma unroll
                 for (int c = 0; c < NC; c++)
                     vv[u][c] = tid + c * FITM_ATT_THREADS < D && t0 + u < n
@@ -574,10 +587,31 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS)
     fitm_attention_row(a, i0 + blockIdx.x, n_fac, keep_cap);
 }
 
-/* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. */
-__global__ void __launch_bounds__(FITM_ATT_THREADS)
-    fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args, int n_fac, int keep_cap)
+/* The KV stores kv[0..kv_n) (device memory) by every block of the launch: block b of nb
+ * (flat) and its threads take elements b * 128 + tid, + nb * 128, .. of each store's K values
+ * then V values. */
+__device__ __forceinline__ void fitm_att_kv_store(const fitm_cuda_kv_rows *__restrict__ kv,
+                                                  int kv_n)
 {
+    const int64_t nb = (int64_t)gridDim.x * gridDim.y * gridDim.z;
+    const int64_t b =
+        blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+    for (int s = 0; s < kv_n; s++) {
+        const fitm_cuda_kv_rows r = kv[s];
+        for (int64_t i = b * FITM_ATT_THREADS + threadIdx.x; i < 2 * r.n;
+             i += nb * FITM_ATT_THREADS)
+            fitm_kv_put(r, i >= r.n, i >= r.n ? i - r.n : i);
+    }
+}
+
+/* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. The
+ * blocks first do the KV stores kv[0..kv_n) (none when kv_n is 0), which no row of the launch
+ * reads. */
+__global__ void __launch_bounds__(FITM_ATT_THREADS)
+    fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args, int n_fac, int keep_cap,
+                             const fitm_cuda_kv_rows *__restrict__ kv, int kv_n)
+{
+    fitm_att_kv_store(kv, kv_n);
     const fitm_cuda_attn &a = args[blockIdx.z]; /* read where used: a copy would spill */
     if ((int64_t)blockIdx.x >= a.T)
         return; /* uniform per block, before any barrier */
@@ -1000,7 +1034,8 @@ static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
            (a->own_base > 0 && (!a->k_pre || !a->v_pre)) || (a->iv_n_spans > 0 && !a->iv_spans) ||
            a->mix_n < 0 || a->mix_n > FITM_CUDA_ATTN_MAX_MIX ||
            (a->mix_n > 0 && (!a->mix_q || !a->mix_k || !a->mix_w || a->mix_k_heads < 1 ||
-                             a->n_head % a->mix_k_heads != 0));
+                             a->n_head % a->mix_k_heads != 0)) ||
+           (a->k_new && (!a->v_new || a->new_base < a->own_base));
 }
 
 /* Dynamic shared memory of a one-row launch whose rows have at most n_fac intervention spans
@@ -1090,6 +1125,7 @@ extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, in
                                          void *stream)
 {
     if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 || a->cap_index ||
+        a->k_new ||
         (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos))
         return (int)cudaErrorInvalidValue;
     if (i1 == i0)
@@ -1102,9 +1138,12 @@ extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, in
 }
 
 extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev,
-                                        int n, void *stream)
+                                        int n, const fitm_cuda_kv_rows *kv,
+                                        const fitm_cuda_kv_rows *kv_dev, int kv_n, void *stream)
 {
-    if (n < 1 || n > 65535 || !a_dev)
+    int64_t kv_max = 0;
+    if (n < 1 || n > 65535 || !a_dev || kv_n < 0 ||
+        (kv_n > 0 && (!kv_dev || !fitm_kv_rows_ok(kv, kv_n, &kv_max))))
         return (int)cudaErrorInvalidValue;
     int64_t max_T = 0;
     int32_t max_spans = 0;
@@ -1117,15 +1156,14 @@ extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda
         const int kc = fitm_att_keep_cap(&a[s], a[s].T);
         keep_cap = kc > keep_cap ? kc : keep_cap;
     }
-    if (max_T == 0)
+    if (max_T == 0 && kv_max == 0)
         return 0;
     size_t shm;
-    const int e = fitm_att_row_smem(fitm_attention_rows_many, max_spans, keep_cap,
-                                    &shm);
+    const int e = fitm_att_row_smem(fitm_attention_rows_many, max_spans, keep_cap, &shm);
     if (e)
         return e;
-    FITM_LAUNCH(dim3((unsigned)max_T, (unsigned)a[0].n_head, (unsigned)n), FITM_ATT_THREADS, shm,
-                fitm_stream(stream), fitm_attention_rows_many)
-    (a_dev, max_spans, keep_cap);
+    FITM_LAUNCH(dim3((unsigned)(max_T > 0 ? max_T : 1), (unsigned)a[0].n_head, (unsigned)n),
+                FITM_ATT_THREADS, shm, fitm_stream(stream), fitm_attention_rows_many)
+    (a_dev, max_spans, keep_cap, kv_max > 0 ? kv_dev : NULL, kv_max > 0 ? kv_n : 0);
     return (int)cudaGetLastError();
 }

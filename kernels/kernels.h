@@ -326,6 +326,11 @@ typedef struct {
     int32_t mix_n, mix_k_heads;
     const float *mix_q, *mix_k, *mix_w;
     int64_t mix_k_stride;
+    /* The call's new rows read from where they are on their way into the cache (NULL: none;
+     * one-row kernels only): keys j >= new_base at k_new / v_new + (j - new_base) rows, the
+     * rows a KV store of the same launch writes (fitm_cuda_attention_many). */
+    int64_t new_base;
+    const float *k_new, *v_new;
 } fitm_cuda_attn;
 
 #define FITM_CUDA_ATTN_MAX_MIX 64
@@ -353,9 +358,15 @@ int fitm_cuda_attention_tile_rows(int32_t n_head, int32_t n_head_kv);
 /* The n calls a[0..n) (host copies, checked as fitm_cuda_attention checks one) as one launch,
  * each block reading its call from a_dev (the same n structs in device memory): the
  * sequences of a decode step side by side instead of one launch after another. Every call
- * has the same n_head; a row's result is the one fitm_cuda_attention gives. n <= 65535. */
+ * has the same n_head; a row's result is the one fitm_cuda_attention gives. n <= 65535.
+ * kv_n > 0: the launch also does the KV stores kv[0..kv_n) (host copies checked as
+ * fitm_cuda_kv_store_many checks them; the kernel reads kv_dev), bit for bit that launch,
+ * which saves a decode step's layer one launch. The launch's blocks run in no order, so no
+ * call may read what a store writes: a call whose new rows are being stored reads them from
+ * the store's source (k_new, v_new). kv_n 0: kv and kv_dev unused. */
 int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_dev, int n,
-                             void *stream);
+                             const fitm_cuda_kv_rows *kv, const fitm_cuda_kv_rows *kv_dev,
+                             int kv_n, void *stream);
 
 /* ---- bfloat16 operands (kernels/bf16.cu, kernels/gemm.cu) ---- */
 

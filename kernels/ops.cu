@@ -3,6 +3,7 @@
  * freq_scale != 1; fitm_ops_swiglu, fitm_ops_geglu; fitm_fp32_to_fp16 (compute/quant.h) for
  * the fp16 stores. */
 #include "common.cuh"
+#include "kvstore.cuh"
 #include "kernels.h"
 #include "qdecode.cuh"
 
@@ -232,31 +233,6 @@ extern "C" int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, i
     return (int)cudaGetLastError();
 }
 
-/* f rounded to fp16 bits, nearest even: fitm_fp32_to_fp16's arithmetic, so fp16 cache rows
- * are the CPU backend's bits, NaN payloads included. */
-__device__ __forceinline__ uint16_t fitm_fp16_bits(float f)
-{
-    const uint32_t u = __float_as_uint(f), sign = (u >> 16) & 0x8000u;
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) /* NaN: quiet it, keep the top of the payload */
-        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-    if (a >= 0x477ff000u) /* from halfway above the largest half, and inf: inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (a >= 0x38800000u) { /* a normal half: rebias the exponent, round at bit 13 */
-        a += 0xc8000fffu + ((a >> 13) & 1u);
-        return (uint16_t)(sign | (a >> 13));
-    }
-    const uint32_t e = a >> 23; /* a subnormal half (k * 2^-24) or zero */
-    if (e < 102)
-        return (uint16_t)sign;
-    const uint32_t m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
-    uint32_t k = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (k & 1u)))
-        k++; /* may carry into the smallest normal, which is its encoding */
-    return (uint16_t)(sign | k);
-}
-
 /* Block (x, s, z): store s's K (z 0) or V (z 1) values, grid-stride over x. rs: the stores in
  * device memory. */
 __global__ void fitm_kv_store_rows(const fitm_cuda_kv_rows *__restrict__ rs)
@@ -277,18 +253,9 @@ __global__ void fitm_kv_store_rows(const fitm_cuda_kv_rows *__restrict__ rs)
 extern "C" int fitm_cuda_kv_store_many(const fitm_cuda_kv_rows *r, const fitm_cuda_kv_rows *r_dev,
                                        int n, void *stream)
 {
-    if (n < 1 || n > FITM_CUDA_KV_ROWS_MAX || !r || !r_dev)
-        return (int)cudaErrorInvalidValue;
     int64_t n_max = 0;
-    for (int s = 0; s < n; s++) {
-        const fitm_cuda_kv_rows *q = &r[s];
-        const uintptr_t dst_align = q->half ? 1u : 3u;
-        if (q->n < 0 || (q->n > 0 && (!q->k_dst || !q->v_dst || !q->k || !q->v)) ||
-            (((uintptr_t)q->k | (uintptr_t)q->v) & 3u) ||
-            (((uintptr_t)q->k_dst | (uintptr_t)q->v_dst) & dst_align))
-            return (int)cudaErrorInvalidValue;
-        n_max = q->n > n_max ? q->n : n_max;
-    }
+    if (!r_dev || !fitm_kv_rows_ok(r, n, &n_max))
+        return (int)cudaErrorInvalidValue;
     if (n_max == 0)
         return 0;
     FITM_LAUNCH(dim3(fitm_grid_for(n_max, FITM_EW_THREADS), (unsigned)n, 2), FITM_EW_THREADS, 0,

@@ -934,6 +934,89 @@ static void test_qk_norm_rope(int64_t T, int64_t H, int64_t Hkv, int64_t D, int6
 
 /* ---- KV cache stores ---- */
 
+/* fitm_cuda_attention_many with its calls' KV stores in the launch (a decode step's, fusion
+ * on): n_seqs calls of T rows (1 or 2) at their own positions, each reading its cache below
+ * pos0 and its new rows from the stores' sources (k_new), against kv_store_many into a copy
+ * of the caches and then attention_many reading every key from them: outputs and caches
+ * equal by memcmp. Fresh random values; the caches' rows past the stored ones keep theirs. */
+static void test_attention_kv(int n_seqs, int32_t H, int32_t Hkv, int32_t D)
+{
+    enum { MAX_SEQS = 8 };
+    char what[96];
+    snprintf(what, sizeof what, "attention_many + kv stores seqs=%d H=%d Hkv=%d D=%d", n_seqs, H,
+             Hkv, D);
+    const int64_t HkvD = (int64_t)Hkv * D, cap = 48;
+    fitm_cuda_attn a[2][MAX_SEQS];
+    fitm_cuda_kv_rows r[MAX_SEQS];
+    dbuf cache[2][MAX_SEQS], src[MAX_SEQS], q[MAX_SEQS], out[2][MAX_SEQS];
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t T = 1 + s % 2, pos0 = 3 + (int64_t)(rng_u64() % 40);
+        float *c = xmalloc((size_t)(2 * cap * HkvD) * sizeof(float)); /* K rows, then V rows */
+        float *n = xmalloc((size_t)(2 * T * HkvD) * sizeof(float));
+        float *qh = xmalloc((size_t)(T * H * D) * sizeof(float));
+        fill_uniform(c, 2 * cap * HkvD, -1.0f, 1.0f);
+        fill_uniform(n, 2 * T * HkvD, -1.0f, 1.0f);
+        fill_uniform(qh, T * H * D, -1.0f, 1.0f);
+        src[s] = dbuf_from(n, (size_t)(2 * T * HkvD) * sizeof(float));
+        q[s] = dbuf_from(qh, (size_t)(T * H * D) * sizeof(float));
+        for (int w = 0; w < 2; w++) {
+            cache[w][s] = dbuf_from(c, (size_t)(2 * cap * HkvD) * sizeof(float));
+            out[w][s] = dbuf_new((size_t)(T * H * D) * sizeof(float));
+            float *kc = (float *)cache[w][s].p, *vc = kc + cap * HkvD;
+            a[w][s] = (fitm_cuda_attn){.T = T, .pos0 = pos0, .n_head = H, .n_head_kv = Hkv,
+                                       .head_dim = D, .scale = 1.0f / sqrtf((float)D),
+                                       .q = (const float *)q[s].p, .out = (float *)out[w][s].p,
+                                       .k_own = kc, .v_own = vc};
+        }
+        const float *sk = (const float *)src[s].p;
+        float *kc = (float *)cache[1][s].p, *vc = kc + cap * HkvD;
+        r[s] = (fitm_cuda_kv_rows){kc + pos0 * HkvD, vc + pos0 * HkvD, sk, sk + T * HkvD,
+                                   T * HkvD, 0};
+        a[1][s].new_base = pos0, a[1][s].k_new = sk, a[1][s].v_new = sk + T * HkvD;
+        free(c), free(n), free(qh);
+    }
+    /* path 0: the stores into caches 0 first, then attention reading them */
+    fitm_cuda_kv_rows r0[MAX_SEQS];
+    for (int s = 0; s < n_seqs; s++) {
+        r0[s] = r[s];
+        r0[s].k_dst = (float *)a[0][s].k_own + a[0][s].pos0 * HkvD;
+        r0[s].v_dst = (float *)a[0][s].v_own + a[0][s].pos0 * HkvD;
+    }
+    dbuf dr0 = dbuf_from(r0, (size_t)n_seqs * sizeof r0[0]);
+    dbuf dr1 = dbuf_from(r, (size_t)n_seqs * sizeof r[0]);
+    dbuf da0 = dbuf_from(a[0], (size_t)n_seqs * sizeof a[0][0]);
+    dbuf da1 = dbuf_from(a[1], (size_t)n_seqs * sizeof a[1][0]);
+    bool ok =
+        launched(what, fitm_cuda_kv_store_many(r0, dr0.p, n_seqs, stream)) &&
+        launched(what, fitm_cuda_attention_many(a[0], da0.p, n_seqs, NULL, NULL, 0, stream)) &&
+        launched(what, fitm_cuda_attention_many(a[1], da1.p, n_seqs, r, dr1.p, n_seqs, stream));
+    int64_t bad = 0;
+    for (int s = 0; s < n_seqs && ok; s++) {
+        for (int part = 0; part < 2; part++) { /* the caches, then the outputs */
+            const dbuf *x = part ? &out[0][s] : &cache[0][s];
+            const dbuf *y = part ? &out[1][s] : &cache[1][s];
+            uint8_t *hx = xmalloc(x->bytes), *hy = xmalloc(y->bytes);
+            dbuf_get(hx, x);
+            dbuf_get(hy, y);
+            if (memcmp(hx, hy, x->bytes) != 0) {
+                fprintf(stderr, "  %s: sequence %d: the %s differ\n", what, s,
+                        part ? "outputs" : "caches");
+                bad++;
+            }
+            ok = ok && dbuf_guards_ok(y, what);
+            free(hx), free(hy);
+        }
+    }
+    CHECK(ok && bad == 0);
+    printf("%-56s %s  bit for bit\n", what, ok && bad == 0 ? "ok  " : "FAIL");
+    dbuf_free(&dr0), dbuf_free(&dr1), dbuf_free(&da0), dbuf_free(&da1);
+    for (int s = 0; s < n_seqs; s++) {
+        dbuf_free(&src[s]), dbuf_free(&q[s]);
+        for (int w = 0; w < 2; w++)
+            dbuf_free(&cache[w][s]), dbuf_free(&out[w][s]);
+    }
+}
+
 /* fitm_cuda_kv_store_many: n_seqs stores of different row counts, each into its own cache
  * buffer at a row offset, F32 and fp16 caches mixed in one launch, against memcpy and
  * fitm_fp32_to_fp16 of each value, bit for bit. The values are fresh random ones over fp16's
@@ -2205,6 +2288,9 @@ int main(int argc, char **argv)
 
     if (want("kv_store")) {
         test_kv_store(1, 16);
+        test_attention_kv(1, 4, 1, 256); /* a Gemma 3 decode step of one sequence */
+        test_attention_kv(5, 8, 2, 64);  /* five sequences, T 1 and 2 */
+        test_attention_kv(3, 6, 3, 20);  /* D not whole float4s dividing 128: unstaged */
         test_kv_store(5, 256); /* Gemma 3 270M's row: one KV head of 256 */
         test_kv_store(3, 37);  /* rows of odd length: stores at every alignment */
         if (!small)

@@ -167,6 +167,13 @@ typedef struct {
         int64_t rows, n;
         float eps;
     } norm;
+    /* a layer's KV stores not launched yet (n 0: none), their descriptors staged at kv_rows:
+     * done by the attention launch of the step that follows (attention_staged), else
+     * launched before the next op's work */
+    struct {
+        fitm_cuda_kv_rows k[FITM_CUDA_KV_ROWS_MAX];
+        int n;
+    } kv;
     graph_slot slots[GRAPH_SLOTS];
     uint64_t clock;      /* of the slots' last use */
     /* the work of the capture under way (recording: it is being recorded), or in CAP_SPEC the
@@ -837,7 +844,9 @@ static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
 /* A layer's K and V stores of a call's sequences (kv_store_many) as one launch per
  * FITM_CUDA_KV_ROWS_MAX of them: the descriptors staged into one device buffer, which the
  * kernel reads, so its arguments are the same from one decode step to the next (the rows it
- * writes are the staged bytes) and a step's graph can be replayed (docs/cuda-backend.md). */
+ * writes are the staged bytes) and a step's graph can be replayed (docs/cuda-backend.md).
+ * With fusion on, stores that fit one launch are kept pending instead: the decode step's
+ * attention that follows does them in its own launch (attention_staged). */
 static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
 {
     cuda_backend *c = cu(b);
@@ -851,8 +860,14 @@ static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
             const fitm_kv_rows *q = &r[s0 + i];
             k[i] = (fitm_cuda_kv_rows){q->k_dst, q->v_dst, q->k, q->v, q->n, q->half};
         }
-        if (stage_at(c, c->kv_rows.p, k, (size_t)m * sizeof *k))
+        if (!stage_at(c, c->kv_rows.p, k, (size_t)m * sizeof *k))
+            return;
+        if (c->fuse && n == m) {
+            memcpy(c->kv.k, k, (size_t)m * sizeof *k);
+            c->kv.n = m;
+        } else {
             ok(c, fitm_cuda_kv_store_many(k, c->kv_rows.p, m, c->stream), "KV store");
+        }
     }
 }
 
@@ -1301,6 +1316,10 @@ static void norm_flush(cuda_backend *c)
 /* Launches the pending work in the order it was asked for: the rmsnorm, then the add. */
 static void pending_flush(cuda_backend *c)
 {
+    const int kv_n = c->kv.n;
+    c->kv.n = 0;
+    if (kv_n > 0 && c->rc == 0)
+        ok(c, fitm_cuda_kv_store_many(c->kv.k, c->kv_rows.p, kv_n, c->stream), "KV store");
     norm_flush(c);
     const int64_t n = c->add.n;
     c->add.n = 0;
@@ -1660,11 +1679,34 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
     attention_staged(c, a, n);
 }
 
+/* Whether the pending KV stores are the calls a[0..n)'s own, store s call s's new rows
+ * (F32 rows pos0 - own_base .. of its own cache, T of them): the attention launch then does
+ * them and reads those rows from the stores' sources instead (k_new), since its blocks run in
+ * no order. */
+static bool kv_stores_fit(const cuda_backend *c, const fitm_attn_args *a, int n)
+{
+    if (c->kv.n != n)
+        return false;
+    for (int s = 0; s < n; s++) {
+        const fitm_cuda_kv_rows *r = &c->kv.k[s];
+        const int64_t HkvD = (int64_t)a[s].n_head_kv * a[s].head_dim;
+        const int64_t at = (a[s].pos0 - a[s].own_base) * HkvD;
+        if (r->half || a[s].kv_half || at < 0 || r->n != a[s].T * HkvD ||
+            r->k_dst != (const float *)a[s].k_own + at ||
+            r->v_dst != (const float *)a[s].v_own + at)
+            return false;
+    }
+    return true;
+}
+
 /* The n (1 to ATTN_MANY_MAX) calls a, without captured rows, as one launch of
  * fitm_cuda_attention_many: their intervention arrays and kernel arguments staged side by
  * side in one device buffer. */
 static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
 {
+    /* the pending KV stores ride along when they are these calls' new rows */
+    const int kv_n = kv_stores_fit(c, a, n) ? n : 0;
+    c->kv.n -= kv_n; /* taken: capture_on does not launch them */
     capture_on(c);
     if (c->rc)
         return;
@@ -1672,6 +1714,11 @@ static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
     size_t at[ATTN_MANY_MAX], total = 0;
     for (int s = 0; s < n; s++) {
         k[s] = attn_kernel_args(&a[s]);
+        if (kv_n > 0) {
+            k[s].new_base = a[s].pos0;
+            k[s].k_new = c->kv.k[s].k;
+            k[s].v_new = c->kv.k[s].v;
+        }
         at[s] = total;
         const fitm_intervention *iv = a[s].intervention;
         if (iv && iv->n_spans > 0)
@@ -1698,7 +1745,8 @@ static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
     }
     fitm_cuda_attn *k_dev = buf_at(&c->many, args_at);
     if (stage_at(c, k_dev, k, (size_t)n * sizeof(fitm_cuda_attn)))
-        ok(c, fitm_cuda_attention_many(k, k_dev, n, c->stream), "attention");
+        ok(c, fitm_cuda_attention_many(k, k_dev, n, c->kv.k, c->kv_rows.p, kv_n, c->stream),
+           "attention");
 }
 
 /* The pass's first error (after waiting for its work), cleared unless the device is lost. */
@@ -1714,8 +1762,9 @@ static fitm_status cuda_status(fitm_backend *b, fitm_err *err)
              c->sticky ? " (device lost: restart the service)" : "");
     fitm_status s = fitm_cuda_status(c->rc, err, what);
     capture_drop(c); /* the failed pass's captured work, if it failed mid-capture */
-    c->add.n = 0;    /* and its pending add and norm */
+    c->add.n = 0;    /* and its pending add, norm and KV stores */
     c->norm.rows = 0;
+    c->kv.n = 0;
     late_drop(c);    /* and the captured rows it was to deliver */
     if (!c->sticky) {
         c->rc = 0, c->what[0] = 0;

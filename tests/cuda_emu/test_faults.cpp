@@ -290,16 +290,17 @@ static void test_host_pointers(void)
     fitm_cuda_attn *a_dev = (fitm_cuda_attn *)dev_alloc(2 * sizeof a);
     fitm_cuda_attn two[2] = {a, a};
     cudaMemcpy(a_dev, two, sizeof two, cudaMemcpyHostToDevice);
-    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL) == cudaSuccess, "attention_many");
+    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL, NULL, 0, NULL) == cudaSuccess,
+          "attention_many");
     a.q = host;
     CHECK(fitm_cuda_attention(&a, NULL) == cudaErrorIllegalAddress, "host queries in the struct");
     expect_lost("struct argument");
     two[1].v_own = host;
     cudaMemcpy(a_dev, two, sizeof two, cudaMemcpyHostToDevice);
-    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL) == cudaErrorIllegalAddress,
+    CHECK(fitm_cuda_attention_many(two, a_dev, 2, NULL, NULL, 0, NULL) == cudaErrorIllegalAddress,
           "host values in the second of the device structs");
     expect_lost("array of structs");
-    CHECK(fitm_cuda_attention_many(two, two, 2, NULL) == cudaErrorIllegalAddress,
+    CHECK(fitm_cuda_attention_many(two, two, 2, NULL, NULL, 0, NULL) == cudaErrorIllegalAddress,
           "the struct array itself in host memory");
     expect_lost("host struct array");
 
