@@ -338,11 +338,13 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOC
 
 /* Warps a block, and blocks an SM its registers are budgeted for: with 32 rows of x a lane
  * holds 128 sums (up to 255 registers: one block of 8 warps an SM, all sharing one x tile);
- * with 16 or 8 rows, 64 or 32 sums, blocks of 4 warps, 3 or 4 of them an SM. */
+ * with 16 or 8 rows, 64 or 32 sums, blocks of 4 warps, 3 of them an SM (168 registers; the
+ * decoded chunks of four rows, their x halves and the loop's state take about 100 beside the
+ * sums, and 128 spill). */
 template <int M> struct fitm_mv_tile {
     static const int WARPS = M == 32 ? 8 : 4;
     static const int THREADS = WARPS * FITM_WARP;
-    static const int BLOCKS = M == 32 ? 1 : M == 16 ? 3 : 4;
+    static const int BLOCKS = M == 32 ? 1 : 3;
 };
 
 /* The warp copies bytes [lo[r], lo[r] + n) of each of its rows r < rn (n <= FITM_MV_TILE_RUN -
@@ -372,23 +374,23 @@ __device__ __forceinline__ void fitm_mv_tile_stage(uint4 *sm, const uint8_t *con
 /* The block copies elements [s0, s0 + sn) of x's rows m < nt (K apart) into xs, row m as two
  * planes of sc float4 (sc >= sn / 8): xs[2 m sc + j] holds the slice's elements 8j .. 8j+3,
  * xs[(2m + 1) sc + j] elements 8j+4 .. 8j+7, so the lanes of a warp, reading consecutive
- * chunks' halves, read consecutive 16-byte words (no bank conflicts). A thread issues up to 8
- * loads before it stores them. */
-template <int THREADS>
+ * chunks' halves, read consecutive 16-byte words (no bank conflicts). A thread issues up to U
+ * loads before it stores them (fewer registers where the sums are live beside them). */
+template <int THREADS, int U>
 __device__ __forceinline__ void fitm_mv_tile_x(float4 *xs, const float *x, int64_t K, int64_t s0,
                                                int sn, int sc, int nt)
 {
     const int q = sn / 4, total = nt * q; /* float4 a row, in all */
-    for (int i0 = threadIdx.x; i0 < total; i0 += 8 * THREADS) {
-        float4 v[8];
+    for (int i0 = threadIdx.x; i0 < total; i0 += U * THREADS) {
+        float4 v[U];
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
+        for (int u = 0; u < U; u++) {
             const int i = i0 + u * THREADS;
             if (i < total)
                 v[u] = __ldg((const float4 *)(x + (i / q) * K + s0) + i % q);
         }
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
+        for (int u = 0; u < U; u++) {
             const int i = i0 + u * THREADS, m = i / q, f = i % q;
             if (i < total)
                 xs[(2 * m + (f & 1)) * sc + f / 2] = v[u];
@@ -396,21 +398,23 @@ __device__ __forceinline__ void fitm_mv_tile_x(float4 *xs, const float *x, int64
     }
 }
 
-/* One pass of the warp: its rows' blocks [p0, p1) staged at ws (row r's at ws + r *
- * FITM_MV_TILE_SEGS, off[r] bytes in; rows r >= rn absent), x's slice from chunk cs at xs.
- * Lane l takes the pass's chunks c = l (mod 32) in increasing order, decodes chunk c of each
- * row once and applies it to every row m < nt of the tile: acc[4m + r] = fitm_mv_fma8(v[r],
- * a, b, acc[4m + r]), a and b the halves of x row m's chunk c, read once for the four rows. */
+/* One pass of the warp: blocks [p0, p1) of its rows' slice (counted from the slice's first)
+ * staged at ws (row r's at ws + r * FITM_MV_TILE_SEGS, off[r] bytes in; rows r >= rn absent),
+ * the slice of x at xs. A slice starts at a multiple of 256 elements, so its chunk c is chunk
+ * c (mod 32) of the row: lane l takes the pass's chunks c = l (mod 32) in increasing order,
+ * decodes chunk c of each row once and applies it to every row m < nt of the tile:
+ * acc[4m + r] = fitm_mv_fma8(v[r], a, b, acc[4m + r]), a and b the halves of x row m's chunk c,
+ * read once for the four rows. */
 template <int T, int M>
-__device__ __forceinline__ void fitm_mv_tile_pass(const uint4 *ws, const int *off, int64_t p0,
-                                                  int64_t p1, int rn, const float4 *xs, int sc,
-                                                  int64_t cs, int nt, int lane, float *acc)
+__device__ __forceinline__ void fitm_mv_tile_pass(const uint4 *ws, const int *off, int p0, int p1,
+                                                  int rn, const float4 *xs, int sc, int nt,
+                                                  int lane, float *acc)
 {
     constexpr int BB = fitm_qtraits<T>::BB, CPB = fitm_qtraits<T>::BE / 8;
     const uint8_t *wb = (const uint8_t *)ws;
-    const int64_t c0 = p0 * CPB, c1 = p1 * CPB;
-    for (int64_t c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
-        const int b = (int)(c / CPB - p0), e0 = (int)(c % CPB) * 8, j = (int)(c - cs);
+    const int c0 = p0 * CPB, c1 = p1 * CPB;
+    for (int c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
+        const int b = c / CPB - p0, e0 = c % CPB * 8, j = c;
         float v[FITM_MV_TILE_RUNS][8];
 #pragma unroll
         for (int r = 0; r < FITM_MV_TILE_RUNS; r++) {
@@ -499,7 +503,7 @@ __global__ void __launch_bounds__(fitm_mv_tile<M>::THREADS, fitm_mv_tile<M>::BLO
     const bool whole = slice >= K;
     x += t0 * K;
     if (whole) {
-        fitm_mv_tile_x<fitm_mv_tile<M>::THREADS>(xs, x, K, 0, (int)K, sc, nt);
+        fitm_mv_tile_x<fitm_mv_tile<M>::THREADS, 8>(xs, x, K, 0, (int)K, sc, nt);
         __syncthreads(); /* the tile is whole before any warp reads it */
     }
     for (int64_t gi = blockIdx.x; gi < groups; gi += gridDim.x) {
@@ -510,38 +514,34 @@ __global__ void __launch_bounds__(fitm_mv_tile<M>::THREADS, fitm_mv_tile<M>::BLO
         const int64_t n0 = ((gi - (which == 0 ? 0 : which == 1 ? g1 : g2)) * NW + warp) * G;
         const int gn = n0 >= N ? 0 : N - n0 < G ? (int)(N - n0) : G; /* uniform per warp */
         const int rn = GLU ? 2 * gn : gn;
-        const uint8_t *row[NR], *end[NR];
-#pragma unroll
-        for (int r = 0; r < NR; r++) { /* GLU: gate and up of a row side by side */
-            const uint8_t *base = GLU && (r & 1) ? Wu : W;
-            const int g = GLU ? r / 2 : r;
-            row[r] = base + (n0 + (g < gn ? g : 0)) * row_bytes;
-            end[r] = base + N * row_bytes;
-        }
         float acc[P];
 #pragma unroll
         for (int i = 0; i < P; i++)
             acc[i] = 0.0f;
         for (int64_t s0 = 0; s0 < K; s0 += slice) {
-            const int64_t s1 = K - s0 < slice ? K : s0 + slice;
+            const int sn = K - s0 < slice ? (int)(K - s0) : slice;
             if (!whole) {
                 __syncthreads(); /* every warp is done with the previous slice */
-                fitm_mv_tile_x<fitm_mv_tile<M>::THREADS>(xs, x, K, s0, (int)(s1 - s0), sc, nt);
+                fitm_mv_tile_x<fitm_mv_tile<M>::THREADS, 4>(xs, x, K, s0, sn, sc, nt);
                 __syncthreads(); /* the slice is whole before any warp reads it */
             }
             if (gn == 0)
                 continue;
-            for (int64_t p0 = s0 / BE; p0 < s1 / BE; p0 += PB) {
-                const int64_t p1 = s1 / BE - p0 < PB ? s1 / BE : p0 + PB;
-                const uint8_t *lo[NR];
+            for (int p0 = 0; p0 < sn / BE; p0 += (int)PB) {
+                const int p1 = sn / BE - p0 < PB ? sn / BE : p0 + (int)PB;
+                const uint8_t *lo[NR], *end[NR];
                 int off[NR];
 #pragma unroll
-                for (int r = 0; r < NR; r++)
-                    lo[r] = row[r] + p0 * BB;
+                for (int r = 0; r < NR; r++) { /* GLU: gate and up of a row side by side */
+                    const uint8_t *base = GLU && (r & 1) ? Wu : W;
+                    const int g = GLU ? r / 2 : r;
+                    lo[r] = base + (n0 + (g < gn ? g : 0)) * row_bytes + (s0 / BE + p0) * BB;
+                    end[r] = base + N * row_bytes;
+                }
                 __syncwarp(); /* every lane is done decoding the warp's previous pass */
-                fitm_mv_tile_stage(ws, lo, (int)((p1 - p0) * BB), end, rn, lane, off);
+                fitm_mv_tile_stage(ws, lo, (p1 - p0) * BB, end, rn, lane, off);
                 __syncwarp(); /* the pass is whole before a lane decodes it */
-                fitm_mv_tile_pass<T, M>(ws, off, p0, p1, rn, xs, sc, s0 / 8, nt, lane, acc);
+                fitm_mv_tile_pass<T, M>(ws, off, p0, p1, rn, xs, sc, nt, lane, acc);
             }
         }
         if (gn == 0)
