@@ -6,7 +6,9 @@
 
 #define FITM_MV_WARPS 4 /* rows per block, one warp each */
 #define FITM_MV_THREADS (FITM_MV_WARPS * FITM_WARP)
-#define FITM_MV_BATCH 8 /* batch rows per block: a weight chunk is decoded once for all of them */
+/* batch rows per block of a float-typed weight (the block types take fitm_matvec_tiles): a
+ * weight chunk is loaded once for all of them */
+#define FITM_MV_BATCH 8
 /* Blocks per SM the batch kernels (R > 1) are compiled for: up to 128 registers a thread, which
  * their accumulators need (ptxas picks a tighter limit of its own otherwise, and spills). The
  * one-row kernels (R = 1) ask for twice as many blocks, at most 64 registers a thread: 8 blocks
@@ -227,8 +229,9 @@ template <int T> struct fitm_mv_smem {
 };
 
 /* One warp per G consecutive rows n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of
- * blockIdx.y's group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W
- * (N, K) stored, x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it
+ * blockIdx.y's group of R (fitm_cuda_matmul_rows: one row, or several of a float-typed weight;
+ * several rows of a block type take fitm_matvec_tiles). W (N, K) stored, x (n_x, K), y (n_x,
+ * N). The warp decodes each piece of W once and applies it
  * to every row of its group, so a step of R rows reads the weights once, as one row does. Each
  * row's sum is fitm_matvec_acc's order, reduced by the same shuffle tree whatever R, n_x and G
  * are: a row's result does not depend on the rows beside it (test_cuda_kernels: matmul_rows).
@@ -600,9 +603,10 @@ static int64_t fitm_mv_tile_rows(int M, bool glu)
 }
 
 /* The x rows of a tile (M): the fewest tiles of 8, 16 or 32 rows that hold n_x, then halved
- * while the launch would have fewer blocks than the device has SMs (a product of a few hundred
- * rows: smaller tiles give it more blocks, each chunk decoded for fewer rows). N: the n
- * weights' rows. */
+ * while the launch would have fewer blocks than half the device's SMs (a product of a few
+ * hundred rows: smaller tiles give it more blocks, each decoding its chunks for fewer rows;
+ * by the design arithmetic in docs/cuda-backend.md a tile of twice the rows on half as many
+ * SMs is still the faster down to about one block for two SMs). N: the n weights' rows. */
 static int fitm_mv_tile_m(int64_t n_x, const int64_t *N, int n, bool glu, int sms)
 {
     int M = n_x <= 8 ? 8 : n_x <= 16 ? 16 : 32;
@@ -611,15 +615,16 @@ static int fitm_mv_tile_m(int64_t n_x, const int64_t *N, int n, bool glu, int sm
         int64_t groups = 0;
         for (int i = 0; i < n; i++)
             groups += (N[i] + rows - 1) / rows;
-        if (groups * ((n_x + M - 1) / M) >= sms)
+        if (2 * groups * ((n_x + M - 1) / M) >= sms)
             break;
     }
     return M;
 }
 
-/* Launches fitm_matvec_tiles<T, M, GLU> over `groups` groups (g1, g2: kernel's): its x in
- * slices that fit the block's shared memory (opted in above the default 48 KiB), enough
- * blocks for the SMs' resident ones, each taking every gridDim.x-th group. */
+/* Launches fitm_matvec_tiles<T, M, GLU> over `groups` groups (g1, g2: the kernel's): its x in
+ * slices that fit the block's shared memory (opted in above the default 48 KiB), a block a
+ * group up to as many blocks as the SMs hold at once, beyond that each block taking every
+ * gridDim.x-th group, the same number of them (or one fewer) in every block. */
 template <int T, int M, bool GLU>
 static int fitm_mv_tiles_go(const uint8_t *const *w, const uint8_t *wu, int64_t row_bytes,
                             const int64_t *N, int64_t g1, int64_t g2, int64_t groups, int64_t K,
@@ -635,8 +640,9 @@ static int fitm_mv_tiles_go(const uint8_t *const *w, const uint8_t *wu, int64_t 
             return (int)e;
     }
     const int64_t tiles = (n_x + M - 1) / M;
-    int64_t gx = (int64_t)sms * fitm_mv_tile<M>::BLOCKS / tiles;
-    gx = gx < 1 ? 1 : gx > groups ? groups : gx;
+    int64_t cap = (int64_t)sms * fitm_mv_tile<M>::BLOCKS / tiles; /* resident blocks a tile */
+    cap = cap < 1 ? 1 : cap;
+    const int64_t rounds = (groups + cap - 1) / cap, gx = (groups + rounds - 1) / rounds;
     FITM_LAUNCH(dim3((unsigned)gx, (unsigned)tiles), fitm_mv_tile<M>::THREADS, shm, st,
                 fitm_matvec_tiles<T, M, GLU>)
     (w[0], w[1], w[2], wu, row_bytes, N[0], N[1], N[2], g1, g2, groups, K, (int)slice, x, n_x,
