@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOC
  * holds 128 sums (up to 255 registers: one block of 8 warps an SM, all sharing one x tile);
  * with 16 or 8 rows, 64 or 32 sums, blocks of 4 warps, 3 of them an SM (168 registers; the
  * decoded chunks of four rows, their x halves and the loop's state take about 100 beside the
- * sums, and 128 spill). */
+ * sums, so at 128, 4 blocks an SM, both spill). */
 template <int M> struct fitm_mv_tile {
     static const int WARPS = M == 32 ? 8 : 4;
     static const int THREADS = WARPS * FITM_WARP;
