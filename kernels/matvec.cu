@@ -6,7 +6,9 @@
 
 #define FITM_MV_WARPS 4 /* rows per block, one warp each */
 #define FITM_MV_THREADS (FITM_MV_WARPS * FITM_WARP)
-#define FITM_MV_BATCH 8 /* batch rows per block: a weight chunk is decoded once for all of them */
+/* batch rows per block of a float-typed weight (the block types take fitm_matvec_tiles): a
+ * weight chunk is loaded once for all of them */
+#define FITM_MV_BATCH 8
 /* Blocks per SM the batch kernels (R > 1) are compiled for: up to 128 registers a thread, which
  * their accumulators need (ptxas picks a tighter limit of its own otherwise, and spills). The
  * one-row kernels (R = 1) ask for twice as many blocks, at most 64 registers a thread: 8 blocks
@@ -130,18 +132,21 @@ __device__ __forceinline__ int fitm_mv_stage(uint4 *sm, const uint8_t *lo, const
 }
 
 /* One warp's dot products of gn (<= G) consecutive rows of a block-typed weight, the first at
- * w (rows of rb bytes, the weight ending at end), with the nt batch rows of x (R, K): acc[g]
- * as fitm_matvec_acc's CHUNKED path sums row g (chunk c to lane c % 32, a lane's chunks in
- * order, each through fitm_mv_dot8's expression), so a row's sums do not depend on G, gn or
- * the rows beside it. The rows' bytes are contiguous: the warp stages them through sm in
- * passes of whole blocks, each pass wide loads all in flight together, and decodes its chunks
- * from shared memory; each (row, chunk) falls in one pass, and passes go in order. */
+ * w (rows of rb bytes, the weight ending at end), with the one row x: acc[g][0] as
+ * fitm_matvec_acc's CHUNKED path sums row g (chunk c to lane c % 32, a lane's chunks in order,
+ * each through fitm_mv_fma8), so a row's sums do not depend on G, gn or the rows beside it.
+ * The rows' bytes are contiguous: the warp stages them through sm in passes of whole blocks,
+ * each pass wide loads all in flight together, and decodes its chunks from shared memory; each
+ * (row, chunk) falls in one pass, and passes go in order. (Several rows of x take the tiles,
+ * fitm_matvec_tiles.) */
 template <int T, int R, int G>
 __device__ __forceinline__ void fitm_matvec_acc_staged(const uint8_t *w, int64_t rb,
                                                        const uint8_t *end, int gn, int64_t K,
                                                        const float *x, int nt, int lane, uint4 *sm,
                                                        float acc[G][R])
 {
+    static_assert(R == 1, "several rows of x take fitm_matvec_tiles");
+    (void)K, (void)nt;
     constexpr int BB = fitm_qtraits<T>::BB, CPB = fitm_qtraits<T>::BE / 8;
     constexpr int64_t PASS = FITM_MV_STAGE / BB; /* blocks per pass */
     const int64_t nb = rb / BB, total = gn * nb;
@@ -156,41 +161,22 @@ __device__ __forceinline__ void fitm_matvec_acc_staged(const uint8_t *w, int64_t
         __syncwarp(); /* every lane is done reading the previous pass */
         const int off = fitm_mv_stage(sm, w + f0 * BB, w + f1 * BB, end, lane);
         __syncwarp(); /* the stage is whole before any lane decodes */
-        if constexpr (R == 1) {
-            /* one batch row: a lane loads each x chunk it needs once in the pass and applies
-             * it to the chunks of that index in every row the pass holds */
-            const int64_t ga = f0 / nb, gz = (f1 - 1) / nb; /* the pass's first and last row */
-            const int64_t clo = ga == gz ? (f0 - ga * nb) * CPB : 0;
-            const int64_t chi = ga == gz ? (f1 - ga * nb) * CPB : nb * CPB;
-            for (int64_t c = clo + ((lane - clo) & (FITM_WARP - 1)); c < chi; c += FITM_WARP) {
-                const float4 *x4 = (const float4 *)x;
-                const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
-                    if (g >= gn || f < f0 || f >= f1)
-                        continue;
-                    float v[8];
-                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
-                    acc[g][0] = fitm_mv_fma8(v, a, b, acc[g][0]);
-                }
-            }
-        } else {
+        /* a lane loads each x chunk it needs once in the pass and applies it to the chunks of
+         * that index in every row the pass holds */
+        const int64_t ga = f0 / nb, gz = (f1 - 1) / nb; /* the pass's first and last row */
+        const int64_t clo = ga == gz ? (f0 - ga * nb) * CPB : 0;
+        const int64_t chi = ga == gz ? (f1 - ga * nb) * CPB : nb * CPB;
+        for (int64_t c = clo + ((lane - clo) & (FITM_WARP - 1)); c < chi; c += FITM_WARP) {
+            const float4 *x4 = (const float4 *)x;
+            const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
 #pragma unroll
             for (int g = 0; g < G; g++) {
-                if (g >= gn)
-                    break;
-                const int64_t ba = f0 > g * nb ? f0 : g * nb;
-                const int64_t bz = f1 < (g + 1) * nb ? f1 : (g + 1) * nb;
-                if (ba >= bz)
+                const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
+                if (g >= gn || f < f0 || f >= f1)
                     continue;
-                const int64_t c0 = (ba - g * nb) * CPB, c1 = (bz - g * nb) * CPB;
-                for (int64_t c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
-                    float v[8];
-                    const int64_t f = g * nb + c / CPB; /* the chunk's block among the warp's */
-                    fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
-                    fitm_mv_dot8<R>(v, x, K, c, nt, acc[g]);
-                }
+                float v[8];
+                fitm_decode_block8<T>(smb + off + (f - f0) * BB, (int)(c % CPB) * 8, v);
+                acc[g][0] = fitm_mv_fma8(v, a, b, acc[g][0]);
             }
         }
     }
@@ -230,14 +216,22 @@ __device__ __forceinline__ void fitm_matvec_put(const float acc[R], int nt, int 
     }
 }
 
+/* act(g) * u of the fused gate/up product: gelu_tanh (gelu != 0) or silu, the expression of
+ * fitm_cuda_geglu / fitm_cuda_swiglu, written once for every kernel that fuses it. */
+__device__ __forceinline__ float fitm_mv_glu(int gelu, float g, float u)
+{
+    return gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
+}
+
 /* Shared memory of a block's warps for staging block-typed weights (none for float types). */
 template <int T> struct fitm_mv_smem {
     static const int SEGS = fitm_qtraits<T>::BE > 1 ? FITM_MV_SEGS : 1;
 };
 
 /* One warp per G consecutive rows n: y[t, n] = sum_k W[n, k] * x[t, k] for the batch rows t of
- * blockIdx.y's group of R (fitm_cuda_matmul_rows: a decode step of several sequences). W
- * (N, K) stored, x (n_x, K), y (n_x, N). The warp decodes each piece of W once and applies it
+ * blockIdx.y's group of R (fitm_cuda_matmul_rows: one row, or several of a float-typed weight;
+ * several rows of a block type take fitm_matvec_tiles). W (N, K) stored, x (n_x, K), y (n_x,
+ * N). The warp decodes each piece of W once and applies it
  * to every row of its group, so a step of R rows reads the weights once, as one row does. Each
  * row's sum is fitm_matvec_acc's order, reduced by the same shuffle tree whatever R, n_x and G
  * are: a row's result does not depend on the rows beside it (test_cuda_kernels: matmul_rows).
@@ -287,7 +281,7 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? (G == 1 ? 2 * FITM_M
                     break;
                 const float g = fitm_warp_sum(acc[i][r]), u = fitm_warp_sum(up[i][r]);
                 if (lane == 0)
-                    y[r * N + row0 + i] = gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
+                    y[r * N + row0 + i] = fitm_mv_glu(gelu, g, u);
             }
         }
     }
@@ -326,21 +320,392 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOC
     fitm_matvec_put<R>(acc[0], nt, lane, y, N);
 }
 
-/* R = 1 for a single row (no registers held for rows that are not there), else groups of
- * FITM_MV_BATCH rows; both sum every row alike. G rows per warp (grid of N / (4 G) blocks).
- * wu NULL: the plain product. */
+/* ---- The batched kernel of the block types (fitm_matvec_tiles: n_x > 1) ----
+ *
+ * A block takes M rows of x (a tile: grid y = ceil(n_x / M)) and groups of consecutive weight
+ * rows, FITM_MV_TILE_RUNS a warp: four rows of W, or with GLU two rows of the gate and the same
+ * two of up. x's tile sits in shared memory, staged once per block when it fits (else in
+ * slices of 256-element multiples, once per group); each warp stages its rows' bytes in passes
+ * of whole blocks, FITM_MV_TILE_RUN bytes a row. Lane l takes the chunks c = l (mod 32) of
+ * its rows in increasing order, decodes each once for the tile's M rows, and keeps M x 4 sums
+ * in registers: one x chunk read from shared memory feeds four weight rows, one decoded chunk
+ * M rows of x. Every sum is the one-row kernels' (fitm_mv_fma8 of chunk c into the sum of lane
+ * class c % 32, chunks in order), reduced by fitm_mv_reduce, which forms fitm_warp_sum's tree:
+ * a row's result has the bits the one-row kernel gives that row of x alone
+ * (test_cuda_kernels: matmul_rows, matmul_rows_n, matmul_glu). */
+#define FITM_MV_TILE_RUNS 4  /* weight rows a warp holds */
+#define FITM_MV_TILE_RUN 512 /* bytes a warp stages of each of its rows per pass */
+/* 16-byte pieces of a row's pass: a pass is at most FITM_MV_TILE_RUN - 15 bytes from a 2-byte
+ * aligned start, so 32 pieces hold it, one a lane */
+#define FITM_MV_TILE_SEGS (FITM_MV_TILE_RUN / 16)
+
+/* Warps a block, and blocks an SM its registers are budgeted for: with 32 rows of x a lane
+ * holds 128 sums (up to 255 registers: one block of 8 warps an SM, all sharing one x tile);
+ * with 16 or 8 rows, 64 or 32 sums, blocks of 4 warps, 3 of them an SM (168 registers; the
+ * decoded chunks of four rows, their x halves and the loop's state take about 100 beside the
+ * sums, so at 128, 4 blocks an SM, both spill). */
+template <int M> struct fitm_mv_tile {
+    static const int WARPS = M == 32 ? 8 : 4;
+    static const int THREADS = WARPS * FITM_WARP;
+    static const int BLOCKS = M == 32 ? 1 : 3;
+};
+
+/* The warp copies bytes [lo[r], lo[r] + n) of each of its rows r < rn (n <= FITM_MV_TILE_RUN -
+ * 15, lo[r] 2-byte aligned, the row's weight ending at end[r]) into sm, row r's at sm + r *
+ * FITM_MV_TILE_SEGS: whole 16-byte aligned pieces from the one holding lo[r], lane j loading
+ * piece j of every row before it stores any, so a pass is one memory round trip. off[r]:
+ * lo[r]'s offset in its first piece. The caller syncs the warp after. */
+__device__ __forceinline__ void fitm_mv_tile_stage(uint4 *sm, const uint8_t *const *lo, int n,
+                                                   const uint8_t *const *end, int rn, int lane,
+                                                   int *off)
+{
+    uint4 v[FITM_MV_TILE_RUNS];
+#pragma unroll
+    for (int r = 0; r < FITM_MV_TILE_RUNS; r++) {
+        const uint8_t *a0 = (const uint8_t *)((uintptr_t)lo[r] & ~(uintptr_t)15);
+        const uint8_t *p = a0 + 16 * lane;
+        off[r] = (int)(lo[r] - a0);
+        if (r < rn && p < lo[r] + n)
+            v[r] = p + 16 <= end[r] ? __ldg((const uint4 *)p) : fitm_mv_load_tail(p, end[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < FITM_MV_TILE_RUNS; r++)
+        if (r < rn && 16 * lane < off[r] + n)
+            sm[r * FITM_MV_TILE_SEGS + lane] = v[r];
+}
+
+/* The block copies elements [s0, s0 + sn) of x's rows m < nt (K apart) into xs, row m as two
+ * planes of sc float4 (sc >= sn / 8): xs[2 m sc + j] holds the slice's elements 8j .. 8j+3,
+ * xs[(2m + 1) sc + j] elements 8j+4 .. 8j+7, so the lanes of a warp, reading consecutive
+ * chunks' halves, read consecutive 16-byte words (no bank conflicts). A thread issues up to U
+ * loads before it stores them (fewer registers where the sums are live beside them). */
+template <int THREADS, int U>
+__device__ __forceinline__ void fitm_mv_tile_x(float4 *xs, const float *x, int64_t K, int64_t s0,
+                                               int sn, int sc, int nt)
+{
+    const int q = sn / 4, total = nt * q; /* float4 a row, in all */
+    for (int i0 = threadIdx.x; i0 < total; i0 += U * THREADS) {
+        float4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = i0 + u * THREADS;
+            if (i < total)
+                v[u] = __ldg((const float4 *)(x + (i / q) * K + s0) + i % q);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = i0 + u * THREADS, m = i / q, f = i % q;
+            if (i < total)
+                xs[(2 * m + (f & 1)) * sc + f / 2] = v[u];
+        }
+    }
+}
+
+/* One pass of the warp: blocks [p0, p1) of its rows' slice (counted from the slice's first)
+ * staged at ws (row r's at ws + r * FITM_MV_TILE_SEGS, off[r] bytes in; rows r >= rn absent),
+ * the slice of x at xs. A slice starts at a multiple of 256 elements, so its chunk c is chunk
+ * c (mod 32) of the row: lane l takes the pass's chunks c = l (mod 32) in increasing order,
+ * decodes chunk c of each row once and applies it to every row m < nt of the tile:
+ * acc[4m + r] = fitm_mv_fma8(v[r], a, b, acc[4m + r]), a and b the halves of x row m's chunk c,
+ * read once for the four rows. */
+template <int T, int M>
+__device__ __forceinline__ void fitm_mv_tile_pass(const uint4 *ws, const int *off, int p0, int p1,
+                                                  int rn, const float4 *xs, int sc, int nt,
+                                                  int lane, float *acc)
+{
+    constexpr int BB = fitm_qtraits<T>::BB, CPB = fitm_qtraits<T>::BE / 8;
+    const uint8_t *wb = (const uint8_t *)ws;
+    const int c0 = p0 * CPB, c1 = p1 * CPB;
+    for (int c = c0 + ((lane - c0) & (FITM_WARP - 1)); c < c1; c += FITM_WARP) {
+        const int b = c / CPB - p0, e0 = c % CPB * 8, j = c;
+        float v[FITM_MV_TILE_RUNS][8];
+#pragma unroll
+        for (int r = 0; r < FITM_MV_TILE_RUNS; r++) {
+            if (r < rn) {
+                fitm_decode_block8<T>(wb + r * FITM_MV_TILE_SEGS * 16 + off[r] + b * BB, e0, v[r]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    v[r][i] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            if (m >= nt)
+                break;
+            const float4 a = xs[2 * m * sc + j], bh = xs[(2 * m + 1) * sc + j];
+#pragma unroll
+            for (int r = 0; r < FITM_MV_TILE_RUNS; r++)
+                acc[FITM_MV_TILE_RUNS * m + r] =
+                    fitm_mv_fma8(v[r], a, bh, acc[FITM_MV_TILE_RUNS * m + r]);
+        }
+    }
+}
+
+/* The warp's sums reduced across its lanes, scattered: v[0 .. N) of every lane are its lane
+ * class's partial sums of N outputs. At each level O (16, 8, 4, 2, 1) lanes l and l ^ O split
+ * the values they hold, the lane with bit O clear keeping the lower half and its partner the
+ * upper, each adding the partner's values of its half: the lower lane's value plus the upper
+ * one's, which is what fitm_warp_sum's butterfly adds at that level in its lane 0 (the lower
+ * lane at every level, and the lane that writes the one-row kernels' results), so each total
+ * has the bits of the butterfly, at about one shuffle an output instead of five. Once a lane
+ * holds F values the levels left run the butterfly on them all. At the end lane l holds the
+ * totals of outputs [b F, b F + F), b = l >> (the levels left), in v[0 .. F). */
+template <int N, int F, int O>
+__device__ __forceinline__ void fitm_mv_reduce(float *v, int lane)
+{
+    if constexpr (O > 0) {
+        if constexpr (N > F) {
+            constexpr int H = N / 2;
+            const bool up = (lane & O) != 0;
+#pragma unroll
+            for (int i = 0; i < H; i++) {
+                const float keep = up ? v[H + i] : v[i], give = up ? v[i] : v[H + i];
+                const float got = __shfl_xor_sync(0xffffffffu, give, O);
+                v[i] = up ? got + keep : keep + got;
+            }
+            fitm_mv_reduce<H, F, O / 2>(v, lane);
+        } else {
+#pragma unroll
+            for (int i = 0; i < N; i++)
+                v[i] += __shfl_xor_sync(0xffffffffu, v[i], O);
+            fitm_mv_reduce<N, F, O / 2>(v, lane);
+        }
+    }
+}
+
+/* y_i[t, n] = sum_k W_i[n, k] x[t, k] for the M rows t of blockIdx.y's tile and the rows of
+ * groups [blockIdx.x, blockIdx.x + gridDim.x, ...) (a block keeps its x tile for all its
+ * groups): groups below g1 are rows of W0, those below g2 of W1, the rest of W2 (Q, K and V in
+ * one launch; one weight: g1 = g2 = groups), WARPS x 4 rows a group. GLU: one weight, W0 the
+ * gate and Wu the up projection, WARPS x 2 rows a group, y0 = fitm_mv_glu of both sums.
+ * slice: x elements staged at a time (K: all of them, once per block). */
+template <int T, int M, bool GLU>
+__global__ void __launch_bounds__(fitm_mv_tile<M>::THREADS, fitm_mv_tile<M>::BLOCKS)
+    fitm_matvec_tiles(const uint8_t *__restrict__ W0, const uint8_t *__restrict__ W1,
+                      const uint8_t *__restrict__ W2, const uint8_t *__restrict__ Wu,
+                      int64_t row_bytes, int64_t N0, int64_t N1, int64_t N2, int64_t g1,
+                      int64_t g2, int64_t groups, int64_t K, int slice,
+                      const float *__restrict__ x, int64_t n_x, float *__restrict__ y0,
+                      float *__restrict__ y1, float *__restrict__ y2, int gelu)
+{
+    constexpr int BE = fitm_qtraits<T>::BE, BB = fitm_qtraits<T>::BB;
+    constexpr int NR = FITM_MV_TILE_RUNS, G = GLU ? NR / 2 : NR; /* rows of a warp's outputs */
+    constexpr int NW = fitm_mv_tile<M>::WARPS, P = M * NR;
+    constexpr int64_t PB = (FITM_MV_TILE_RUN - 15) / BB; /* blocks of a row a pass */
+    /* totals a lane keeps: GLU keeps a row's gate and up sums in one lane */
+    constexpr int F = P / FITM_WARP > (GLU ? 2 : 1) ? P / FITM_WARP : (GLU ? 2 : 1);
+    constexpr int SHARE = FITM_WARP * F / P; /* lanes that end with the same totals */
+    FITM_DYNAMIC_SHARED(float4, fitm_mv_smem);
+    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
+    const int64_t t0 = (int64_t)blockIdx.y * M;
+    const int nt = n_x - t0 < M ? (int)(n_x - t0) : M; /* uniform per block */
+    const int sc = slice / 8;
+    float4 *xs = fitm_mv_smem;
+    uint4 *ws = (uint4 *)(fitm_mv_smem + 2 * M * sc) + warp * NR * FITM_MV_TILE_SEGS;
+    const bool whole = slice >= K;
+    x += t0 * K;
+    if (whole) {
+        fitm_mv_tile_x<fitm_mv_tile<M>::THREADS, 8>(xs, x, K, 0, (int)K, sc, nt);
+        __syncthreads(); /* the tile is whole before any warp reads it */
+    }
+    for (int64_t gi = blockIdx.x; gi < groups; gi += gridDim.x) {
+        const int which = gi < g1 ? 0 : gi < g2 ? 1 : 2; /* uniform per block */
+        const uint8_t *W = which == 0 ? W0 : which == 1 ? W1 : W2;
+        const int64_t N = which == 0 ? N0 : which == 1 ? N1 : N2;
+        float *y = which == 0 ? y0 : which == 1 ? y1 : y2;
+        const int64_t n0 = ((gi - (which == 0 ? 0 : which == 1 ? g1 : g2)) * NW + warp) * G;
+        const int gn = n0 >= N ? 0 : N - n0 < G ? (int)(N - n0) : G; /* uniform per warp */
+        const int rn = GLU ? 2 * gn : gn;
+        float acc[P];
+#pragma unroll
+        for (int i = 0; i < P; i++)
+            acc[i] = 0.0f;
+        for (int64_t s0 = 0; s0 < K; s0 += slice) {
+            const int sn = K - s0 < slice ? (int)(K - s0) : slice;
+            if (!whole) {
+                __syncthreads(); /* every warp is done with the previous slice */
+                fitm_mv_tile_x<fitm_mv_tile<M>::THREADS, 4>(xs, x, K, s0, sn, sc, nt);
+                __syncthreads(); /* the slice is whole before any warp reads it */
+            }
+            if (gn == 0)
+                continue;
+            for (int p0 = 0; p0 < sn / BE; p0 += (int)PB) {
+                const int p1 = sn / BE - p0 < PB ? sn / BE : p0 + (int)PB;
+                const uint8_t *lo[NR], *end[NR];
+                int off[NR];
+#pragma unroll
+                for (int r = 0; r < NR; r++) { /* GLU: gate and up of a row side by side */
+                    const uint8_t *base = GLU && (r & 1) ? Wu : W;
+                    const int g = GLU ? r / 2 : r;
+                    lo[r] = base + (n0 + (g < gn ? g : 0)) * row_bytes + (s0 / BE + p0) * BB;
+                    end[r] = base + N * row_bytes;
+                }
+                __syncwarp(); /* every lane is done decoding the warp's previous pass */
+                fitm_mv_tile_stage(ws, lo, (p1 - p0) * BB, end, rn, lane, off);
+                __syncwarp(); /* the pass is whole before a lane decodes it */
+                fitm_mv_tile_pass<T, M>(ws, off, p0, p1, rn, xs, sc, nt, lane, acc);
+            }
+        }
+        if (gn == 0)
+            continue;
+        fitm_mv_reduce<P, F, FITM_WARP / 2>(acc, lane);
+        if (lane % SHARE != 0)
+            continue;
+        const int b = lane / SHARE; /* this lane's totals: outputs [b F, b F + F) */
+#pragma unroll
+        for (int f = 0; f < F; f += GLU ? 2 : 1) {
+            const int p = b * F + f, m = p / NR, g = (p % NR) / (GLU ? 2 : 1);
+            if (m < nt && g < gn)
+                y[(t0 + m) * N + n0 + g] = GLU ? fitm_mv_glu(gelu, acc[f], acc[f + 1]) : acc[f];
+        }
+    }
+}
+
+/* x's elements a tile launch stages at a time: all K when M rows of them and the warps'
+ * stages fit the block's shared memory (optin bytes), else the most whole 256-element pieces
+ * that do. And the launch's dynamic shared memory for it. */
+template <int M> static size_t fitm_mv_tile_shm(int64_t slice)
+{
+    return (size_t)M * (size_t)slice * sizeof(float) +
+           (size_t)fitm_mv_tile<M>::WARPS * FITM_MV_TILE_RUNS * FITM_MV_TILE_SEGS * 16;
+}
+
+template <int M> static int64_t fitm_mv_tile_slice(int64_t K, size_t optin)
+{
+    if (fitm_mv_tile_shm<M>(K) <= optin)
+        return K;
+    const int64_t piece = (int64_t)M * 256 * (int64_t)sizeof(float);
+    const int64_t n = ((int64_t)optin - (int64_t)fitm_mv_tile_shm<M>(0)) / piece;
+    return n < 1 ? 256 : 256 * n;
+}
+
+/* The device's SM count and the shared memory a block may opt in to (at least the 48 KiB
+ * every block has). */
+static int fitm_mv_device(int *sms, size_t *optin)
+{
+    int dev = 0, n = 0, b = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    *sms = n > 1 ? n : 1;
+    *optin = b > 48 * 1024 ? (size_t)b : 48 * 1024;
+    return (int)e;
+}
+
+/* Weight rows of a tile launch's group: WARPS of 4 rows (GLU: 2). */
+static int64_t fitm_mv_tile_rows(int M, bool glu)
+{
+    return (int64_t)(M == 32 ? fitm_mv_tile<32>::WARPS : fitm_mv_tile<8>::WARPS) *
+           (glu ? FITM_MV_TILE_RUNS / 2 : FITM_MV_TILE_RUNS);
+}
+
+/* The x rows of a tile (M): the fewest tiles of 8, 16 or 32 rows that hold n_x, then halved
+ * while the launch would have fewer blocks than half the device's SMs (a product of a few
+ * hundred rows: smaller tiles give it more blocks, each decoding its chunks for fewer rows;
+ * by the design arithmetic in docs/cuda-backend.md a tile of twice the rows on half as many
+ * SMs is still the faster down to about one block for two SMs). N: the n weights' rows. */
+static int fitm_mv_tile_m(int64_t n_x, const int64_t *N, int n, bool glu, int sms)
+{
+    int M = n_x <= 8 ? 8 : n_x <= 16 ? 16 : 32;
+    for (; M > 8; M /= 2) {
+        const int64_t rows = fitm_mv_tile_rows(M, glu);
+        int64_t groups = 0;
+        for (int i = 0; i < n; i++)
+            groups += (N[i] + rows - 1) / rows;
+        if (2 * groups * ((n_x + M - 1) / M) >= sms)
+            break;
+    }
+    return M;
+}
+
+/* Launches fitm_matvec_tiles<T, M, GLU> over `groups` groups (g1, g2: the kernel's): its x in
+ * slices that fit the block's shared memory (opted in above the default 48 KiB), a block a
+ * group up to as many blocks as the SMs hold at once, beyond that each block taking every
+ * gridDim.x-th group, the same number of them (or one fewer) in every block. */
+template <int T, int M, bool GLU>
+static int fitm_mv_tiles_go(const uint8_t *const *w, const uint8_t *wu, int64_t row_bytes,
+                            const int64_t *N, int64_t g1, int64_t g2, int64_t groups, int64_t K,
+                            const float *x, int64_t n_x, float *const *y, int gelu, int sms,
+                            size_t optin, cudaStream_t st)
+{
+    const int64_t slice = fitm_mv_tile_slice<M>(K, optin);
+    const size_t shm = fitm_mv_tile_shm<M>(slice);
+    if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
+        const cudaError_t e = cudaFuncSetAttribute(
+            fitm_matvec_tiles<T, M, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+        if (e != cudaSuccess)
+            return (int)e;
+    }
+    const int64_t tiles = (n_x + M - 1) / M;
+    int64_t cap = (int64_t)sms * fitm_mv_tile<M>::BLOCKS / tiles; /* resident blocks a tile */
+    cap = cap < 1 ? 1 : cap;
+    const int64_t rounds = (groups + cap - 1) / cap, gx = (groups + rounds - 1) / rounds;
+    FITM_LAUNCH(dim3((unsigned)gx, (unsigned)tiles), fitm_mv_tile<M>::THREADS, shm, st,
+                fitm_matvec_tiles<T, M, GLU>)
+    (w[0], w[1], w[2], wu, row_bytes, N[0], N[1], N[2], g1, g2, groups, K, (int)slice, x, n_x,
+     y[0], y[1], y[2], gelu);
+    return (int)cudaGetLastError();
+}
+
+template <int T, bool GLU>
+static int fitm_mv_tiles_pick(int M, const uint8_t *const *w, const uint8_t *wu,
+                              int64_t row_bytes, const int64_t *N, int64_t g1, int64_t g2,
+                              int64_t groups, int64_t K, const float *x, int64_t n_x,
+                              float *const *y, int gelu, int sms, size_t optin, cudaStream_t st)
+{
+    if (M == 8)
+        return fitm_mv_tiles_go<T, 8, GLU>(w, wu, row_bytes, N, g1, g2, groups, K, x, n_x, y,
+                                           gelu, sms, optin, st);
+    if (M == 16)
+        return fitm_mv_tiles_go<T, 16, GLU>(w, wu, row_bytes, N, g1, g2, groups, K, x, n_x, y,
+                                            gelu, sms, optin, st);
+    return fitm_mv_tiles_go<T, 32, GLU>(w, wu, row_bytes, N, g1, g2, groups, K, x, n_x, y, gelu,
+                                        sms, optin, st);
+}
+
+/* fitm_matvec_rows's batched product (and with wu its GLU) for a block type: the tiles. */
+template <int T>
+static int fitm_mv_tiles_launch(const uint8_t *w, const uint8_t *wu, int64_t row_bytes,
+                                int64_t N, int64_t K, const float *x, int64_t n_x, float *y,
+                                int gelu, cudaStream_t st)
+{
+    int sms;
+    size_t optin;
+    const int e = fitm_mv_device(&sms, &optin);
+    if (e != 0)
+        return e;
+    const int M = fitm_mv_tile_m(n_x, &N, 1, wu != NULL, sms);
+    const int64_t rows = fitm_mv_tile_rows(M, wu != NULL), groups = (N + rows - 1) / rows;
+    const uint8_t *ws[3] = {w, NULL, NULL};
+    const int64_t Ns[3] = {N, 0, 0};
+    float *ys[3] = {y, NULL, NULL};
+    if (wu)
+        return fitm_mv_tiles_pick<T, true>(M, ws, wu, row_bytes, Ns, groups, groups, groups, K,
+                                           x, n_x, ys, gelu, sms, optin, st);
+    return fitm_mv_tiles_pick<T, false>(M, ws, NULL, row_bytes, Ns, groups, groups, groups, K, x,
+                                        n_x, ys, 0, sms, optin, st);
+}
+
+/* R = 1 for a single row (no registers held for rows that are not there), else (float types:
+ * the block types take the tiles above) groups of FITM_MV_BATCH rows; both sum every row
+ * alike. G rows per warp (grid of N / (4 G) blocks). wu NULL: the plain product. */
 template <int T, bool CHUNKED, int G, bool GLU>
 static void fitm_matvec_go(const uint8_t *w, const uint8_t *wu, int64_t row_bytes, int64_t N,
                            int64_t K, const float *x, int64_t n_x, float *y, int gelu,
                            cudaStream_t st)
 {
     const unsigned gx = (unsigned)((N + FITM_MV_WARPS * G - 1) / (FITM_MV_WARPS * G));
-    if (n_x == 1)
+    if (n_x == 1) {
         FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, 1, G, GLU>)
-    (w, wu, row_bytes, N, K, x, n_x, y, gelu);
-    else FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
-                     FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH, G, GLU>)(
-        w, wu, row_bytes, N, K, x, n_x, y, gelu);
+        (w, wu, row_bytes, N, K, x, n_x, y, gelu);
+    } else if constexpr (fitm_qtraits<T>::BE == 1) {
+        FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
+                    FITM_MV_THREADS, 0, st, fitm_matvec_rows<T, CHUNKED, FITM_MV_BATCH, G, GLU>)
+        (w, wu, row_bytes, N, K, x, n_x, y, gelu);
+    }
 }
 
 /* A wide product of a block type (an LM head: many rows, each a few hundred bytes) takes
@@ -367,6 +732,10 @@ static int fitm_matvec_launch(const void *W, const void *Wu, int64_t N, int64_t 
 {
     const int64_t row_bytes = K / fitm_qtraits<T>::BE * fitm_qtraits<T>::BB;
     const uint8_t *w = (const uint8_t *)W, *wu = (const uint8_t *)Wu;
+    if constexpr (fitm_qtraits<T>::BE > 1) {
+        if (n_x > 1)
+            return fitm_mv_tiles_launch<T>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
+    }
     if (K % 8 == 0)
         fitm_matvec_pick<T, true>(w, wu, row_bytes, N, K, x, n_x, y, gelu, st);
     else if constexpr (fitm_qtraits<T>::BE == 1)
@@ -406,20 +775,40 @@ static int fitm_matvec_any(fitm_dtype t, const void *W, const void *Wu, int64_t 
     // clang-format on
 }
 
+/* The blocks of the three weights side by side: b[i] blocks (tiles: groups) of rows of W[i],
+ * FITM_MV_WARPS rows a block for one row of x, a tile group's rows for more of a block type. */
 template <int T, bool CHUNKED>
-static void fitm_matvec3_go(const uint8_t *const *w, int64_t row_bytes, const int64_t *N, int64_t K,
-                            const float *x, int64_t n_x, float *const *y, cudaStream_t st)
+static int fitm_matvec3_go(const uint8_t *const *w, int64_t row_bytes, const int64_t *N, int64_t K,
+                           const float *x, int64_t n_x, float *const *y, cudaStream_t st)
 {
+    const bool tiles = fitm_qtraits<T>::BE > 1 && n_x > 1;
+    int sms = 1, M = 0;
+    size_t optin = 0;
+    if (tiles) {
+        const int e = fitm_mv_device(&sms, &optin);
+        if (e != 0)
+            return e;
+        M = fitm_mv_tile_m(n_x, N, 3, false, sms);
+    }
+    const int64_t rows = tiles ? fitm_mv_tile_rows(M, false) : FITM_MV_WARPS;
     unsigned b[3];
     for (int i = 0; i < 3; i++)
-        b[i] = (unsigned)((N[i] + FITM_MV_WARPS - 1) / FITM_MV_WARPS);
+        b[i] = (unsigned)((N[i] + rows - 1) / rows);
     const unsigned gx = b[0] + b[1] + b[2], b1 = b[0], b2 = b[0] + b[1];
-    if (n_x == 1)
+    if constexpr (fitm_qtraits<T>::BE > 1) {
+        if (tiles)
+            return fitm_mv_tiles_pick<T, false>(M, w, NULL, row_bytes, N, b1, b2, gx, K, x, n_x,
+                                                y, 0, sms, optin, st);
+    }
+    if (n_x == 1) {
         FITM_LAUNCH(dim3(gx, 1), FITM_MV_THREADS, 0, st, fitm_matvec_rows3<T, CHUNKED, 1>)
-    (w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
-    else FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
-                     FITM_MV_THREADS, 0, st, fitm_matvec_rows3<T, CHUNKED, FITM_MV_BATCH>)(
-        w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
+        (w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
+    } else if constexpr (fitm_qtraits<T>::BE == 1) {
+        FITM_LAUNCH(dim3(gx, (unsigned)((n_x + FITM_MV_BATCH - 1) / FITM_MV_BATCH)),
+                    FITM_MV_THREADS, 0, st, fitm_matvec_rows3<T, CHUNKED, FITM_MV_BATCH>)
+        (w[0], w[1], w[2], row_bytes, N[0], N[1], N[2], b1, b2, K, x, n_x, y[0], y[1], y[2]);
+    }
+    return (int)cudaGetLastError();
 }
 
 template <int T>
@@ -428,12 +817,11 @@ static int fitm_matvec3_launch(const uint8_t *const *w, const int64_t *N, int64_
 {
     const int64_t row_bytes = K / fitm_qtraits<T>::BE * fitm_qtraits<T>::BB;
     if (K % 8 == 0)
-        fitm_matvec3_go<T, true>(w, row_bytes, N, K, x, n_x, y, st);
+        return fitm_matvec3_go<T, true>(w, row_bytes, N, K, x, n_x, y, st);
     else if constexpr (fitm_qtraits<T>::BE == 1)
-        fitm_matvec3_go<T, false>(w, row_bytes, N, K, x, n_x, y, st);
+        return fitm_matvec3_go<T, false>(w, row_bytes, N, K, x, n_x, y, st);
     else
         return (int)cudaErrorInvalidValue; /* unreachable: K is a multiple of the block */
-    return (int)cudaGetLastError();
 }
 
 extern "C" int fitm_cuda_matmul_rows_n(fitm_dtype t, int n, const void *const *W, const int64_t *N,

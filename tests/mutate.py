@@ -172,6 +172,11 @@ MUTANTS = [
            "have stored them",
            "        __syncwarp(); /* the stage is whole before any lane decodes */\n", "",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-matvec-tiles-slice-no-barrier",
+           "the batched matvec's tiles stage the next slice of x while other warps still read "
+           "the previous one",
+           "                __syncthreads(); /* every warp is done with the previous slice */\n",
+           "", meson=["cuda_kernels_emu"]),
     Mutant("cuda-matmul-glu-swapped",
            "the fused gate/up product applies the activation to the up projection",
            "gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u)",

@@ -417,6 +417,7 @@ static void test_matmul_rows(fitm_dtype t, int64_t N, int64_t K, int64_t T)
         dbuf_free(&d1x);
         dbuf_free(&d1y);
     }
+    printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
     CHECK(ok);
     dbuf_free(&dW);
     dbuf_free(&dx);
@@ -2084,6 +2085,34 @@ int main(int argc, char **argv)
              * end inside rows (K = 1024), the last warp's rows partial */
             test_matvec(t, 16387, 1024, false);
             test_matmul_rows(t, 16387, 256, 9);
+            /* The block types' batched tiles (fitm_matvec_tiles) against the one-row kernel.
+             * On the emulator (1 SM, 163 KiB of shared memory a block) a tile has 8, 16 or 32
+             * rows of x for T up to 8, 16 or more, one block takes every group of rows, and x
+             * is staged in slices when M rows of K do not fit: M = 32 from K = 1,184 on
+             * (slices of 1,024), M = 16 from 2,480 (2,304), M = 8 from 4,960 (4,864). Rows
+             * of W end inside a group of 32 (37 = 32 + 4 + 1: two warps of the second group
+             * have rows, one partial); T at a tile's bounds (32; 33 and 40: a second tile of
+             * 1 and of 8 rows); K sliced with a last slice of 256. */
+            test_matmul_rows(t, 37, 256, 32);
+            test_matmul_rows(t, 37, 512, 33);
+            test_matmul_rows(t, 37, 256, 40);
+            test_matmul_rows(t, 37, 1280, 32);  /* slices of 1,024 and 256 */
+            test_matmul_rows(t, 21, 1280, 33);  /* the same, two tiles */
+            test_matmul_rows(t, 13, 2560, 16);  /* M = 16: slices of 2,304 and 256 */
+            test_matmul_rows(t, 6, 5120, 7);    /* M = 8: slices of 4,864 and 256 */
+            test_matmul_rows_n(t, 3, 512, 33);  /* Q, K and V: groups of each weight */
+            test_matmul_rows_n(t, 3, 1280, 32); /* sliced */
+            test_matmul_glu(t, 37, 512, 33, t == FITM_DTYPE_Q5_0);
+            test_matmul_glu(t, 21, 1280, 40, t != FITM_DTYPE_Q5_0); /* sliced, two tiles */
+            test_matmul_glu(t, 9, 2560, 16, true);                  /* M = 16, sliced */
+            /* LM heads' shapes (Gemma 3: 262,144 x 640 in Q5_0 or Q8_0) at 32 sequences and
+             * at a tile's bounds, every group of 32 rows in one block, the last one partial */
+            if (t == FITM_DTYPE_Q5_0)
+                test_matmul_rows(t, 16387, 640, 32);
+            if (t == FITM_DTYPE_Q8_0)
+                test_matmul_rows(t, 16387, 640, 33);
+            if (t == FITM_DTYPE_Q6_K)
+                test_matmul_rows(t, 16387, 768, 40);
         } else {
             test_matvec(t, 13, 1001, false); /* K % 8 != 0: the per-element path */
             test_matvec(t, 3, 7, false);

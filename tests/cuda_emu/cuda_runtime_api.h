@@ -82,6 +82,13 @@ typedef enum cudaFuncAttribute {
     cudaFuncAttributeMaxDynamicSharedMemorySize = 8
 } cudaFuncAttribute;
 
+/* The device attributes the kernels' launchers read (cudaDeviceGetAttribute), with the
+ * runtime's numbers. */
+typedef enum cudaDeviceAttr {
+    cudaDevAttrMultiProcessorCount = 16,
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+} cudaDeviceAttr;
+
 typedef enum cudaStreamCaptureMode {
     cudaStreamCaptureModeGlobal = 0,
     cudaStreamCaptureModeThreadLocal = 1,
@@ -115,6 +122,8 @@ cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaSetDevice(int dev);
 cudaError_t cudaGetDevice(int *dev);
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev);
+/* One value of cudaGetDeviceProperties's (the SM count, the opt-in shared memory a block). */
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaGetLastError(void);
 cudaError_t cudaPeekAtLastError(void);

@@ -928,6 +928,23 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
     return cudaSuccess;
 }
 
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev)
+{
+    if (dev < 0 || dev >= fitm_emu_device_count())
+        return set_error(cudaErrorInvalidDevice);
+    struct cudaDeviceProp p;
+    cudaGetDeviceProperties(&p, dev);
+    switch (attr) {
+    case cudaDevAttrMultiProcessorCount:
+        *value = p.multiProcessorCount;
+        return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+        *value = (int)p.sharedMemPerBlockOptin;
+        return cudaSuccess;
+    }
+    return set_error(cudaErrorInvalidValue);
+}
+
 cudaError_t cudaDeviceSynchronize(void)
 {
     return host_wait(nullptr);

@@ -231,6 +231,13 @@ static void test_limits(void)
     cudaDeviceProp p;
     CHECK(cudaGetDeviceProperties(&p, 0) == cudaSuccess && p.sharedMemPerBlock == 48 * 1024 &&
           p.sharedMemPerBlockOptin > p.sharedMemPerBlock);
+    int sms = 0, optin = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess &&
+              sms == p.multiProcessorCount &&
+              cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0) ==
+                  cudaSuccess &&
+              (size_t)optin == p.sharedMemPerBlockOptin,
+          "cudaDeviceGetAttribute gives cudaGetDeviceProperties's values");
     const int n_max = (int)(p.sharedMemPerBlockOptin / 4);
     CHECK(cudaFuncSetAttribute(smem_sum, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                (int)p.sharedMemPerBlockOptin + 1) == cudaErrorInvalidValue,
