@@ -581,17 +581,26 @@ template <int M> static int64_t fitm_mv_tile_slice(int64_t K, size_t optin)
 }
 
 /* The device's SM count and the shared memory a block may opt in to (at least the 48 KiB
- * every block has). */
+ * every block has), asked once per thread and device: a decode step's launches are on the
+ * host's critical path. */
 static int fitm_mv_device(int *sms, size_t *optin)
 {
+    static thread_local int known_dev = -1, known_sms = 1;
+    static thread_local size_t known_optin = 48 * 1024;
     int dev = 0, n = 0, b = 0;
     cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess && dev == known_dev) {
+        *sms = known_sms, *optin = known_optin;
+        return 0;
+    }
     if (e == cudaSuccess)
         e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     if (e == cudaSuccess)
         e = cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     *sms = n > 1 ? n : 1;
     *optin = b > 48 * 1024 ? (size_t)b : 48 * 1024;
+    if (e == cudaSuccess)
+        known_dev = dev, known_sms = *sms, known_optin = *optin;
     return (int)e;
 }
 
