@@ -580,8 +580,9 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
         o[d] = acc[c];
 }
 
-/* Rows i0 + blockIdx.x of the call a. */
-__global__ void __launch_bounds__(FITM_ATT_THREADS)
+/* Rows i0 + blockIdx.x of the call a. (Two blocks an SM: ptxas otherwise holds the kernel
+ * to 168 registers and spills on sm_90.) */
+__global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
     fitm_attention_rows(fitm_cuda_attn a, int64_t i0, int n_fac, int keep_cap)
 {
     fitm_attention_row(a, i0 + blockIdx.x, n_fac, keep_cap);
@@ -607,7 +608,7 @@ __device__ __forceinline__ void fitm_att_kv_store(const fitm_cuda_kv_rows *__res
 /* Call blockIdx.z of args (device memory); rows past that call's T have nothing to do. The
  * blocks first do the KV stores kv[0..kv_n) (none when kv_n is 0), which no row of the launch
  * reads. */
-__global__ void __launch_bounds__(FITM_ATT_THREADS)
+__global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
     fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args, int n_fac, int keep_cap,
                              const fitm_cuda_kv_rows *__restrict__ kv, int kv_n)
 {
