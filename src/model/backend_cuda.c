@@ -167,9 +167,10 @@ typedef struct {
         int64_t rows, n;
         float eps;
     } norm;
-    /* a layer's KV stores not launched yet (n 0: none), their descriptors staged at kv_rows:
-     * done by the attention launch of the step that follows (attention_staged), else
-     * launched before the next op's work */
+    /* a layer's KV stores not launched yet (n 0: none), their descriptors not staged yet:
+     * done by the attention launch of the step that follows (attention_staged, the
+     * descriptors staged with its arguments), else staged at kv_rows and launched before the
+     * next op's work */
     struct {
         fitm_cuda_kv_rows k[FITM_CUDA_KV_ROWS_MAX];
         int n;
@@ -846,7 +847,8 @@ static void cuda_copy(fitm_backend *b, void *dst, const void *src, size_t n)
  * kernel reads, so its arguments are the same from one decode step to the next (the rows it
  * writes are the staged bytes) and a step's graph can be replayed (docs/cuda-backend.md).
  * With fusion on, stores that fit one launch are kept pending instead: the decode step's
- * attention that follows does them in its own launch (attention_staged). */
+ * attention that follows does them in its own launch, their descriptors staged with its
+ * arguments (attention_staged: one copy node a layer fewer as well). */
 static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
 {
     cuda_backend *c = cu(b);
@@ -860,12 +862,10 @@ static void cuda_kv_store_many(fitm_backend *b, const fitm_kv_rows *r, int n)
             const fitm_kv_rows *q = &r[s0 + i];
             k[i] = (fitm_cuda_kv_rows){q->k_dst, q->v_dst, q->k, q->v, q->n, q->half};
         }
-        if (!stage_at(c, c->kv_rows.p, k, (size_t)m * sizeof *k))
-            return;
-        if (c->fuse && n == m) {
+        if (c->fuse && n == m) { /* staged when launched: with the attention's arguments */
             memcpy(c->kv.k, k, (size_t)m * sizeof *k);
             c->kv.n = m;
-        } else {
+        } else if (stage_at(c, c->kv_rows.p, k, (size_t)m * sizeof *k)) {
             ok(c, fitm_cuda_kv_store_many(k, c->kv_rows.p, m, c->stream), "KV store");
         }
     }
@@ -1318,7 +1318,8 @@ static void pending_flush(cuda_backend *c)
 {
     const int kv_n = c->kv.n;
     c->kv.n = 0;
-    if (kv_n > 0 && c->rc == 0)
+    if (kv_n > 0 && c->rc == 0 &&
+        stage_at(c, c->kv_rows.p, c->kv.k, (size_t)kv_n * sizeof(fitm_cuda_kv_rows)))
         ok(c, fitm_cuda_kv_store_many(c->kv.k, c->kv_rows.p, kv_n, c->stream), "KV store");
     norm_flush(c);
     const int64_t n = c->add.n;
@@ -1724,8 +1725,9 @@ static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
         if (iv && iv->n_spans > 0)
             total += align64((size_t)iv->n_spans * 16) + align64((size_t)iv->n_spans * 4);
     }
-    const size_t args_at = total;
-    total += (size_t)n * sizeof(fitm_cuda_attn);
+    const size_t args_at = total, args_bytes = (size_t)n * sizeof(fitm_cuda_attn);
+    const size_t kv_bytes = (size_t)kv_n * sizeof(fitm_cuda_kv_rows);
+    total += args_bytes + kv_bytes;
     if (!grow(c, &c->many, total))
         return;
     for (int s = 0; s < n; s++) {
@@ -1743,9 +1745,15 @@ static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n)
             !stage_at(c, iv_alpha, iv->alpha, (size_t)iv->n_spans * sizeof(float)))
             return;
     }
+    /* the arguments and the stores' descriptors after them: one copy */
+    uint8_t host[ATTN_MANY_MAX * sizeof(fitm_cuda_attn) +
+                 FITM_CUDA_KV_ROWS_MAX * sizeof(fitm_cuda_kv_rows)];
+    memcpy(host, k, args_bytes);
+    memcpy(host + args_bytes, c->kv.k, kv_bytes);
     fitm_cuda_attn *k_dev = buf_at(&c->many, args_at);
-    if (stage_at(c, k_dev, k, (size_t)n * sizeof(fitm_cuda_attn)))
-        ok(c, fitm_cuda_attention_many(k, k_dev, n, c->kv.k, c->kv_rows.p, kv_n, c->stream),
+    const fitm_cuda_kv_rows *kv_dev = buf_at(&c->many, args_at + args_bytes);
+    if (stage_at(c, k_dev, host, args_bytes + kv_bytes))
+        ok(c, fitm_cuda_attention_many(k, k_dev, n, c->kv.k, kv_dev, kv_n, c->stream),
            "attention");
 }
 
