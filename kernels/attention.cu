@@ -212,6 +212,21 @@ __device__ double fitm_att_mass(const fitm_cuda_attn &a, const fitm_att_row &r,
     return m;
 }
 
+/* A tile's step of the online softmax, thread key j with score s (-inf past the row): the
+ * score kept (keep: key j at keep[j - v0]), the tile's maximum and sum of fitm_att_exp by the
+ * block's reductions, the running maximum mx and denominator l updated. */
+__device__ __forceinline__ void fitm_att_tile_done(const fitm_att_row &r, int64_t j, float s,
+                                                   float *keep, float *red, float *mx, float *l)
+{
+    if (keep && j <= r.p)
+        keep[j - r.v0] = s;
+    const float tmx = fitm_att_block_reduce(s, red, true);
+    const float m_new = fmaxf(*mx, tmx);
+    const float ex = j <= r.p ? fitm_att_exp(s, m_new) : 0.0f;
+    *l = fitm_att_rescale(*l, *mx, m_new, fitm_att_block_reduce(ex, red, false));
+    *mx = m_new;
+}
+
 /* The row's softmax maximum and inverse denominator over its visible keys, online over
  * tiles: of the plain scores (e < 0) or of expert e's. keep (or NULL): the plain scores are
  * also written there, key j at keep[j - v0], for the later passes to read instead of
@@ -225,13 +240,7 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
         const float s = j > r.p  ? -INFINITY
                         : e < 0 ? fitm_att_score(a, q, j, r.g)
                                  : fitm_att_score_mix(a, r, e, j);
-        if (keep && j <= r.p)
-            keep[j - r.v0] = s;
-        const float tmx = fitm_att_block_reduce(s, red, true);
-        const float m_new = fmaxf(mx, tmx);
-        const float ex = j <= r.p ? fitm_att_exp(s, m_new) : 0.0f;
-        l = fitm_att_rescale(l, mx, m_new, fitm_att_block_reduce(ex, red, false));
-        mx = m_new;
+        fitm_att_tile_done(r, j, s, keep, red, &mx, &l);
     }
     *mx_out = mx;
     *inv_l_out = fitm_att_inv(l);
@@ -360,14 +369,8 @@ __device__ void fitm_att_stats_staged(const fitm_cuda_attn &a, const fitm_att_ro
             }
         }
         if (sl == nsl - 1) { /* the tile's scores are whole: fitm_att_stats's step */
-            const float sc = j > r.p ? -INFINITY : fitm_att_scaled(s, a.scale);
-            if (keep && j <= r.p)
-                keep[j - r.v0] = sc;
-            const float tmx = fitm_att_block_reduce(sc, red, true);
-            const float m_new = fmaxf(mx, tmx);
-            const float ex = j <= r.p ? fitm_att_exp(sc, m_new) : 0.0f;
-            l = fitm_att_rescale(l, mx, m_new, fitm_att_block_reduce(ex, red, false));
-            mx = m_new;
+            fitm_att_tile_done(r, j, j > r.p ? -INFINITY : fitm_att_scaled(s, a.scale), keep,
+                               red, &mx, &l);
             s = 0.0f;
         }
         if (nj0 > r.p)
@@ -385,34 +388,32 @@ __device__ __forceinline__ int fitm_att_vkeys(const fitm_cuda_attn &a)
     return n < FITM_ATT_THREADS ? n : FITM_ATT_THREADS;
 }
 
-/* Values of keys c0.. (at most fitm_att_vkeys, those <= r.p) into buf: float4 tid % (D / 4)
- * of key tid / (D / 4) + (128 / (D / 4)) i. */
-__device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, const fitm_att_row &r,
-                                                    int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS])
+/* Values of keys c0.. (at most fitm_att_vkeys, those <= r.p): loaded into buf (PUT false),
+ * or from buf into the staging area stg (PUT true); float4 tid % (D / 4) of key tid / (D / 4)
+ * + (128 / (D / 4)) i of them. */
+template <bool PUT>
+__device__ __forceinline__ void fitm_att_vals(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                              int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS],
+                                              float4 *stg)
 {
     const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4, vk = fitm_att_vkeys(a);
     const int c = threadIdx.x % D4;
 #pragma unroll
     for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
         const int kk = threadIdx.x / D4 + KS * i;
-        if (kk < vk && c0 + kk <= r.p)
+        if (kk >= vk || c0 + kk > r.p)
+            continue;
+        if (PUT)
+            stg[kk * D4 + c] = buf[i];
+        else
             buf[i] = __ldg((const float4 *)fitm_att_kv1(a, true, c0 + kk, r.g) + c);
     }
 }
 
-__device__ __forceinline__ void fitm_att_vals_put(const fitm_cuda_attn &a, const fitm_att_row &r,
-                                                  int64_t c0,
-                                                  const float4 (&buf)[FITM_ATT_ROW_LOADS],
-                                                  float4 *stg)
+__device__ __forceinline__ void fitm_att_vals_fetch(const fitm_cuda_attn &a, const fitm_att_row &r,
+                                                    int64_t c0, float4 (&buf)[FITM_ATT_ROW_LOADS])
 {
-    const int D4 = a.head_dim / 4, KS = FITM_ATT_THREADS / D4, vk = fitm_att_vkeys(a);
-    const int c = threadIdx.x % D4;
-#pragma unroll
-    for (int i = 0; i < FITM_ATT_ROW_LOADS; i++) {
-        const int kk = threadIdx.x / D4 + KS * i;
-        if (kk < vk && c0 + kk <= r.p)
-            stg[kk * D4 + c] = buf[i];
-    }
+    fitm_att_vals<false>(a, r, c0, buf, NULL);
 }
 
 /* Row i, head blockIdx.y of the call a. Dynamic shared memory: the staging area
@@ -538,7 +539,7 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
             for (int t0 = 0; t0 < (int)n; t0 += vk) {
                 if (t0 > 0)
                     __syncthreads(); /* the step before is summed */
-                fitm_att_vals_put(a, r, j0 + t0, buf, stg);
+                fitm_att_vals<true>(a, r, j0 + t0, buf, stg);
                 __syncthreads(); /* the values and the tile's probabilities are written */
                 if (j0 + t0 + vk <= r.p)
                     fitm_att_vals_fetch(a, r, j0 + t0 + vk, buf);
