@@ -1313,7 +1313,9 @@ static void norm_flush(cuda_backend *c)
            "rmsnorm");
 }
 
-/* Launches the pending work in the order it was asked for: the rmsnorm, then the add. */
+/* Launches the pending work in the order it was asked for: the KV stores (never pending
+ * beside the others: they are kept after this flush, and any op after them flushes them
+ * first), the rmsnorm, then the add. */
 static void pending_flush(cuda_backend *c)
 {
     const int kv_n = c->kv.n;
