@@ -262,7 +262,7 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
  *          fitm_att_score's chain, in the same order on the same values;
  *   pass 4: the values of as many keys as 16 float4s a thread hold (fitm_att_vkeys: 32 of
  *          D 256, 64 of D 128, a whole tile of D 64), rows of D floats; out = fmaf(p_j, v_j,
- *          out) over them in key order as before.
+ *          out) over them in key order, as the unstaged path sums them.
  * The first step's loads go out before the query is staged, and pass 4's first values load
  * during pass 1's last step. A plain row of at most keep_cap keys keeps its scores (in
  * dynamic shared memory) for the later passes, one score chain per key. */
