@@ -703,13 +703,13 @@ __device__ __forceinline__ void fitm_att_stage(const fitm_cuda_attn &a, const fl
 
 /* The vector path: a step's keys (or values) go through registers (U = 8 ND float4s), warp w
  * taking rows w, w + 4.. as fitm_att_stage does, lane l the float4s l and l + 32 (ND of them)
- * of each: fitm_att_fetch issues every load of a step before any is needed, so that one
- * step's loads are in flight while the block computes on the step before, and fitm_att_put
- * writes them into the staged rows once they are. */
-template <int U>
-__device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const float *pre,
-                                               const float *own, int g, int64_t c0, int nk,
-                                               float4 (&r)[U])
+ * of each: loaded into r (PUT false: fitm_att_fetch issues every load of a step before any is
+ * needed, so that one step's loads are in flight while the block computes on the step
+ * before), or from r into the staged rows dst (PUT true) once they are. */
+template <bool PUT, int U>
+__device__ __forceinline__ void fitm_att_move(const fitm_cuda_attn &a, const float *pre,
+                                              const float *own, int g, int64_t c0, int nk,
+                                              float4 (&r)[U], float *dst, int ld)
 {
     constexpr int ND = U / 8;
     constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
@@ -718,35 +718,27 @@ __device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const fl
 #pragma unroll
     for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
         const int kk = warp + NW * i;
-        if (kk < nk) {
-            const float4 *src = (const float4 *)fitm_att_kv(a, pre, own, c0 + kk, g);
+        if (kk >= nk)
+            continue;
 #pragma unroll
-            for (int c = 0; c < ND; c++)
-                if (lane + FITM_WARP * c < D4)
-                    r[ND * i + c] = __ldg(src + lane + FITM_WARP * c);
+        for (int c = 0; c < ND; c++) {
+            const int f = lane + FITM_WARP * c;
+            if (f >= D4)
+                continue;
+            if (PUT)
+                ((float4 *)(dst + kk * ld))[f] = r[ND * i + c];
+            else
+                r[ND * i + c] = __ldg((const float4 *)fitm_att_kv(a, pre, own, c0 + kk, g) + f);
         }
     }
 }
 
 template <int U>
-__device__ __forceinline__ void fitm_att_put(const fitm_cuda_attn &a, int nk,
-                                             const float4 (&r)[U], float *dst, int ld)
+__device__ __forceinline__ void fitm_att_fetch(const fitm_cuda_attn &a, const float *pre,
+                                               const float *own, int g, int64_t c0, int nk,
+                                               float4 (&r)[U])
 {
-    constexpr int ND = U / 8;
-    constexpr int NW = FITM_ATT_THREADS / FITM_WARP;
-    const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
-    const int D4 = a.head_dim / 4;
-#pragma unroll
-    for (int i = 0; i < FITM_ATT_TILE_KEYS / NW; i++) {
-        const int kk = warp + NW * i;
-        if (kk < nk) {
-            float4 *row = (float4 *)(dst + kk * ld);
-#pragma unroll
-            for (int c = 0; c < ND; c++)
-                if (lane + FITM_WARP * c < D4)
-                    row[lane + FITM_WARP * c] = r[ND * i + c];
-        }
-    }
+    fitm_att_move<false>(a, pre, own, g, c0, nk, r, NULL, 0);
 }
 
 /* Keys (or values) c0.. of a step into dst: from the registers fitm_att_fetch filled (vec), or
@@ -754,10 +746,10 @@ __device__ __forceinline__ void fitm_att_put(const fitm_cuda_attn &a, int nk,
 template <int U>
 __device__ __forceinline__ void fitm_att_land(const fitm_cuda_attn &a, bool vec, const float *pre,
                                               const float *own, int g, int64_t c0, int nk,
-                                              const float4 (&r)[U], float *dst, int ld)
+                                              float4 (&r)[U], float *dst, int ld)
 {
     if (vec)
-        fitm_att_put(a, nk, r, dst, ld);
+        fitm_att_move<true>(a, pre, own, g, c0, nk, r, dst, ld);
     else
         fitm_att_stage(a, pre, own, g, c0, nk, dst, ld);
 }
@@ -1041,16 +1033,13 @@ static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
 }
 
 /* Dynamic shared memory of a one-row launch whose rows have at most n_fac intervention spans
- * and keep up to keep_cap scores; kernel's opt-in set when it needs more than the default (its
- * static arrays take about 2.4 KiB of the 48). */
+ * and keep up to keep_cap scores; kernel's opt-in raised to it where needed (its static
+ * arrays take about 2.4 KiB of the 48: 4 KiB counted). */
 template <typename K>
 static int fitm_att_row_smem(K kernel, int n_fac, int keep_cap, size_t *shm)
 {
     *shm = sizeof(float) * ((size_t)FITM_ATT_ROW_STAGE + (size_t)n_fac + (size_t)keep_cap);
-    if (*shm <= 44 * 1024)
-        return 0;
-    return (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)*shm);
+    return fitm_smem_optin(kernel, *shm, 4 * 1024);
 }
 
 /* The scores a plain row of a call may keep: its rows up to position pos0 + i1 - 1 see at
@@ -1109,12 +1098,9 @@ static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int6
                                        cudaStream_t stream)
 {
     const size_t shm = fitm_att_tile_shm(a->head_dim);
-    if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
-        const cudaError_t e = cudaFuncSetAttribute(
-            fitm_attention_tiles<ND, PS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
-        if (e != cudaSuccess)
-            return (int)e;
-    }
+    const int e = fitm_smem_optin(fitm_attention_tiles<ND, PS>, shm);
+    if (e)
+        return e;
     const int hb = fitm_att_tile_heads(*a), R = FITM_ATT_TILE_RH / hb;
     const int G = a->n_head / a->n_head_kv;
     const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),

@@ -124,6 +124,39 @@ static inline fitm_launcher<P...> fitm_launch(dim3 grid, dim3 block, size_t shm,
 #define FITM_LAUNCH(grid, block, shm, stream, ...)                                                 \
     fitm_launch(grid, block, shm, stream, __VA_ARGS__)
 
+/* Lets kernel launch with shm bytes of dynamic shared memory: where that and its static_bytes
+ * of static shared memory pass the 48 KiB every block may have, the kernel's opt-in
+ * (cudaFuncAttributeMaxDynamicSharedMemorySize) is raised to shm, once per thread, device and
+ * size (the runtime call would otherwise run at every launch of a decode step; a device reset
+ * would clear the opt-in, and nothing in the project resets one). 0 or the runtime's error. */
+template <typename K>
+static inline int fitm_smem_optin(K kernel, size_t shm, size_t static_bytes = 0)
+{
+    if (shm + static_bytes <= 48 * 1024)
+        return 0;
+    struct seen_t {
+        const void *kernel;
+        int dev;
+        size_t shm;
+    };
+    static thread_local seen_t seen[8];
+    static thread_local int next;
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return (int)e;
+    const void *k = (const void *)kernel;
+    for (const seen_t &s : seen)
+        if (s.kernel == k && s.dev == dev && s.shm >= shm)
+            return 0;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+    if (e == cudaSuccess) {
+        seen[next] = {k, dev, shm};
+        next = (next + 1) % 8;
+    }
+    return (int)e;
+}
+
 /* The launch's dynamic shared memory as an array `name` of `type`. */
 #ifndef FITM_DYNAMIC_SHARED
 #define FITM_DYNAMIC_SHARED(type, name) extern __shared__ type name[]

@@ -642,12 +642,9 @@ static int fitm_mv_tiles_go(const uint8_t *const *w, const uint8_t *wu, int64_t 
 {
     const int64_t slice = fitm_mv_tile_slice<M>(K, optin);
     const size_t shm = fitm_mv_tile_shm<M>(slice);
-    if (shm > 48 * 1024) { /* above the default: the kernel's opt-in, set at every launch */
-        const cudaError_t e = cudaFuncSetAttribute(
-            fitm_matvec_tiles<T, M, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
-        if (e != cudaSuccess)
-            return (int)e;
-    }
+    const int e = fitm_smem_optin(fitm_matvec_tiles<T, M, GLU>, shm);
+    if (e)
+        return e;
     const int64_t tiles = (n_x + M - 1) / M;
     int64_t cap = (int64_t)sms * fitm_mv_tile<M>::BLOCKS / tiles; /* resident blocks a tile */
     cap = cap < 1 ? 1 : cap;
