@@ -586,6 +586,7 @@ __device__ __forceinline__ void fitm_attention_row(const fitm_cuda_attn &a, int6
 __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
     fitm_attention_rows(fitm_cuda_attn a, int64_t i0, int n_fac, int keep_cap)
 {
+    fitm_grid_begin();
     fitm_attention_row(a, i0 + blockIdx.x, n_fac, keep_cap);
 }
 
@@ -613,6 +614,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
     fitm_attention_rows_many(const fitm_cuda_attn *__restrict__ args, int n_fac, int keep_cap,
                              const fitm_cuda_kv_rows *__restrict__ kv, int kv_n)
 {
+    fitm_grid_begin();
     fitm_att_kv_store(kv, kv_n);
     const fitm_cuda_attn &a = args[blockIdx.z]; /* read where used: a copy would spill */
     if ((int64_t)blockIdx.x >= a.T)
@@ -807,6 +809,7 @@ template <int ND, int PS>
 __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     fitm_attention_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
 {
+    fitm_grid_begin();
     constexpr int RH = FITM_ATT_TILE_RH, KC = FITM_ATT_TILE_KEYS, NW = FITM_ATT_THREADS / FITM_WARP;
     FITM_DYNAMIC_SHARED(float4, shm4);
     const int tid = threadIdx.x, lane = tid % FITM_WARP, warp = tid / FITM_WARP;

@@ -13,6 +13,7 @@
 __global__ void fitm_to_bf16_rows(const float *__restrict__ x, __nv_bfloat16 *__restrict__ dst,
                                   int64_t n_in, int64_t n_out)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_out; i += stride)
         dst[i] = fitm_to_bf16(i < n_in ? x[i] : 0.0f);

@@ -45,6 +45,42 @@ struct fitm_tape_item {
 /* Streams that have a tape now (cuda_util.cu): 0 is the launcher's fast path. */
 extern std::atomic<int> fitm_tapes_on;
 
+/* ---- programmatic launches ----
+ *
+ * A launch on a stream of the programmatic table (fitm_cuda_set_pdl: the CUDA backend's stream
+ * on a device of compute capability 9.0 or later where fitm_cuda_pdl_probe passed) asks that
+ * its grid may start while the kernel before it in the stream is still running
+ * (cudaLaunchAttributeProgrammaticStreamSerialization): its blocks are made resident and wait
+ * at their first statement, fitm_grid_begin, which returns once the grids before it have
+ * completed and their writes are visible, then lets the next launch do the same. The device's
+ * work and order are those of plain launches; what is saved is the gap between two kernels
+ * (the next grid's launch and its blocks' start), paid once a kernel. The launcher looks its
+ * stream up only while fitm_pdl_on (streams in the table) is not 0. */
+extern std::atomic<int> fitm_pdl_on;
+bool fitm_pdl_stream(cudaStream_t stream); /* cuda_util.cu: in the table (never NULL) */
+
+static inline bool fitm_pdl_here(cudaStream_t stream)
+{
+    return fitm_pdl_on.load(std::memory_order_relaxed) != 0 && fitm_pdl_stream(stream);
+}
+
+/* Every kernel's first statement, executed by every thread (nothing of the kernel before it,
+ * no early return): waits until the grids before this one in the stream have completed and
+ * their memory is visible (a no-op for a plain launch), then lets the next grid in the stream
+ * launch (its blocks wait in their own fitm_grid_begin until this grid has completed, so at
+ * most two grids are resident at once). Under the emulator (tests/cuda_emu) a programmatic
+ * launch fails where a thread of it did not call this before its first barrier, shuffle or
+ * use of the dynamic shared memory, or did not call it at all. */
+static __device__ __forceinline__ void fitm_grid_begin(void)
+{
+#ifdef FITM_CUDA_EMU
+    fitm_emu_grid_begin();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /* Offers the work it (argument bytes args) to stream's tape: true when the tape held it back
  * (the caller enqueues nothing), false when the caller must enqueue it (no tape on stream, or
  * a tape that records). */
@@ -56,13 +92,28 @@ template <typename... P> struct fitm_launcher {
     size_t shm;
     cudaStream_t stream;
 
-    /* the launch itself, as the CUDA toolchain (or the emulator) makes it */
+    /* the launch itself, as the CUDA toolchain (or the emulator) makes it: programmatic on
+     * a stream of the programmatic table */
     void now(P... v) const
     {
 #ifdef FITM_CUDA_EMU
-        fitm_emu_launch(grid, block, shm, stream, kernel)(v...);
+        fitm_emu_launch(grid, block, shm, stream, kernel, fitm_pdl_here(stream))(v...);
 #else
-        kernel<<<grid, block, shm, stream>>>(v...);
+        if (fitm_pdl_here(stream)) {
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at[0].val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = grid;
+            cfg.blockDim = block;
+            cfg.dynamicSmemBytes = shm;
+            cfg.stream = stream;
+            cfg.attrs = at;
+            cfg.numAttrs = 1;
+            (void)cudaLaunchKernelEx(&cfg, kernel, v...); /* its error: cudaGetLastError */
+        } else {
+            kernel<<<grid, block, shm, stream>>>(v...);
+        }
 #endif
     }
 

@@ -368,3 +368,173 @@ extern "C" int fitm_cuda_memset_async(void *dst, int value, size_t n, void *stre
     it.again = memset_again;
     return tape_holds_back(st, it) ? 0 : (int)cudaMemsetAsync(dst, value, n, st);
 }
+
+/* ---- programmatic launches (common.cuh) ---- */
+
+std::atomic<int> fitm_pdl_on{0};
+
+namespace
+{
+/* The programmatic table: streams, nullptr for a free entry, changed under pdl_lock; the
+ * launchers scan the first pdl_top entries without it. */
+constexpr int PDL_STREAMS = 64;
+std::atomic<cudaStream_t> pdl_streams[PDL_STREAMS];
+std::atomic<int> pdl_top{0};
+std::mutex pdl_lock;
+} // namespace
+
+bool fitm_pdl_stream(cudaStream_t stream)
+{
+    if (!stream)
+        return false;
+    const int n = pdl_top.load(std::memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (pdl_streams[i].load(std::memory_order_acquire) == stream)
+            return true;
+    return false;
+}
+
+extern "C" bool fitm_cuda_set_pdl(void *stream, bool on)
+{
+    const cudaStream_t st = fitm_stream(stream);
+    if (!st)
+        return false;
+    std::lock_guard<std::mutex> hold(pdl_lock);
+    int free_at = -1;
+    const int n = pdl_top.load(std::memory_order_relaxed);
+    for (int i = 0; i < n; i++) {
+        const cudaStream_t e = pdl_streams[i].load(std::memory_order_relaxed);
+        if (e == st) {
+            if (!on) {
+                pdl_streams[i].store(nullptr, std::memory_order_release);
+                fitm_pdl_on.fetch_sub(1, std::memory_order_relaxed);
+            }
+            return on;
+        }
+        if (!e && free_at < 0)
+            free_at = i;
+    }
+    if (!on)
+        return false;
+    if (free_at < 0) {
+        if (n == PDL_STREAMS)
+            return false; /* full: plain launches */
+        free_at = n;
+        pdl_top.store(n + 1, std::memory_order_release);
+    }
+    pdl_streams[free_at].store(st, std::memory_order_release);
+    fitm_pdl_on.fetch_add(1, std::memory_order_relaxed);
+    return true;
+}
+
+extern "C" bool fitm_cuda_pdl(void *stream)
+{
+    return fitm_pdl_stream(fitm_stream(stream));
+}
+
+namespace
+{
+__device__ __forceinline__ unsigned fitm_pdl_value(int64_t i, unsigned salt)
+{
+    return (unsigned)i * 2654435761u ^ salt;
+}
+
+__global__ void fitm_pdl_fill(unsigned *x, int64_t n, unsigned salt)
+{
+    fitm_grid_begin();
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] = fitm_pdl_value(i, salt);
+}
+
+/* Counts into *bad the elements of x that are not fill's with salt. */
+__global__ void fitm_pdl_check(const unsigned *x, int64_t n, unsigned salt, unsigned *bad)
+{
+    fitm_grid_begin();
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    unsigned wrong = 0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        wrong += x[i] != fitm_pdl_value(i, salt);
+    if (wrong)
+        atomicAdd(bad, wrong);
+}
+
+/* The probe's work on s: fill, check, a device copy, check the copy, fill again, check, with
+ * salts from salt: each check reads what the launch or copy just before it wrote. */
+void pdl_work(cudaStream_t s, unsigned *x, unsigned *y, int64_t n, unsigned salt, unsigned *bad)
+{
+#ifdef FITM_CUDA_EMU
+    const unsigned blocks = 4, threads = 64; /* launches run one after another there */
+#else
+    const unsigned blocks = 264, threads = 256; /* two blocks an SM of an H100 or H200 */
+#endif
+    FITM_LAUNCH(blocks, threads, 0, s, fitm_pdl_fill)(x, n, salt);
+    FITM_LAUNCH(blocks, threads, 0, s, fitm_pdl_check)(x, n, salt, bad);
+    (void)cudaMemcpyAsync(y, x, (size_t)n * sizeof *x, cudaMemcpyDeviceToDevice, s);
+    FITM_LAUNCH(blocks, threads, 0, s, fitm_pdl_check)(y, n, salt, bad);
+    FITM_LAUNCH(blocks, threads, 0, s, fitm_pdl_fill)(x, n, salt + 1);
+    FITM_LAUNCH(blocks, threads, 0, s, fitm_pdl_check)(x, n, salt + 1, bad);
+}
+} // namespace
+
+extern "C" int fitm_cuda_pdl_probe(void)
+{
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        major < 9) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+#ifdef FITM_CUDA_EMU
+    const int64_t n = 4096;
+#else
+    const int64_t n = (int64_t)1 << 20; /* 4 MiB: every check's blocks start before the fill ends */
+#endif
+    unsigned *x = NULL, *y = NULL, *bad = NULL, found = 1;
+    cudaStream_t s = NULL;
+    cudaGraphExec_t ge = NULL;
+    bool ok = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess &&
+              fitm_cuda_set_pdl(s, true) &&
+              cudaMalloc((void **)&x, (size_t)n * sizeof *x) == cudaSuccess &&
+              cudaMalloc((void **)&y, (size_t)n * sizeof *y) == cudaSuccess &&
+              cudaMalloc((void **)&bad, sizeof *bad) == cudaSuccess &&
+              cudaMemsetAsync(bad, 0, sizeof *bad, s) == cudaSuccess;
+    /* launched; captured, instantiated and replayed twice; captured again with other
+     * arguments, the instance updated with them (as the backend's steps are) and replayed */
+    for (int round = 0; round < 3 && ok; round++) {
+        const unsigned salt = 0x5bd1e995u + 0x27d4eb2du * (unsigned)round;
+        if (round == 0) {
+            pdl_work(s, x, y, n, salt, bad);
+            ok = cudaGetLastError() == cudaSuccess;
+            continue;
+        }
+        cudaGraph_t gr = NULL;
+        ok = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+        if (ok) {
+            pdl_work(s, x, y, n, salt, bad);
+            ok = cudaStreamEndCapture(s, &gr) == cudaSuccess && cudaGetLastError() == cudaSuccess;
+        }
+        cudaGraphExecUpdateResultInfo info;
+        ok = ok && (round == 1 ? cudaGraphInstantiate(&ge, gr, 0) == cudaSuccess
+                               : cudaGraphExecUpdate(ge, gr, &info) == cudaSuccess) &&
+             cudaGraphLaunch(ge, s) == cudaSuccess && cudaGraphLaunch(ge, s) == cudaSuccess;
+        if (gr)
+            cudaGraphDestroy(gr);
+    }
+    ok = ok &&
+         cudaMemcpyAsync(&found, bad, sizeof found, cudaMemcpyDeviceToHost, s) == cudaSuccess &&
+         cudaStreamSynchronize(s) == cudaSuccess && found == 0;
+    if (ge)
+        cudaGraphExecDestroy(ge);
+    if (s) {
+        cudaStreamSynchronize(s);
+        fitm_cuda_set_pdl(s, false);
+        cudaStreamDestroy(s);
+    }
+    cudaFree(x);
+    cudaFree(y);
+    cudaFree(bad);
+    (void)cudaGetLastError();
+    return ok ? 1 : 0;
+}

@@ -21,6 +21,7 @@ template <int T, typename OUT>
 __global__ void fitm_dequant_blocks(const uint8_t *__restrict__ src, OUT *__restrict__ dst,
                                     int64_t n_chunks)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < n_chunks; c += stride) {
         float v[8];
@@ -36,6 +37,7 @@ template <int T, typename OUT>
 __global__ void fitm_dequant_elems(const uint8_t *__restrict__ src, OUT *__restrict__ dst,
                                    int64_t n)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         fitm_store(dst, i, fitm_load1<T>(src, i));

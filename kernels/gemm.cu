@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(GEMM_THREADS)
     fitm_gemm_bf16_tiles(const float *__restrict__ x, int64_t T, int64_t K, int64_t t0,
                          fitm_gemm_outs o, int vec)
 {
+    fitm_grid_begin();
     namespace wmma = nvcuda::wmma;
     constexpr int FN = BN / 32, LDC = BN + 4, STAGE = (GEMM_BM + BN) * GEMM_LDS;
     const int64_t N = fitm_gemm_pick(o.N, blockIdx.z);

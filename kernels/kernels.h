@@ -49,6 +49,21 @@ bool fitm_cuda_error_is_sticky(int rc);
 /* Number of usable CUDA devices; 0 when there is no driver, no device, or the query fails. */
 int fitm_cuda_device_count(void);
 
+/* Programmatic launches (common.cuh): 1 when the current device has compute capability 9.0 or
+ * later and ran a probe of programmatic launches and device copies on a stream of its own
+ * (launched; captured into a graph, instantiated and replayed; captured again, the instance
+ * updated with it and replayed) and every read saw the write before it; else 0 (errors
+ * cleared). Leaves nothing behind. */
+int fitm_cuda_pdl_probe(void);
+/* Makes the launches on stream programmatic (on) or plain, from the next launch on: for the
+ * streams of devices where fitm_cuda_pdl_probe returned 1, and taken off before the stream
+ * is destroyed. A graph captured before keeps the launches it was captured with. Returns
+ * whether they are programmatic now: false for NULL (the legacy default stream) and when the
+ * table of such streams (64) is full. */
+bool fitm_cuda_set_pdl(void *stream, bool on);
+/* Whether the launches on stream are programmatic. */
+bool fitm_cuda_pdl(void *stream);
+
 /* ---- tapes: a stream's work kept to be matched and replayed (kernels/cuda_util.cu) ----
  *
  * The work is what the launchers enqueue (every kernel launch: common.cuh, FITM_LAUNCH) and

@@ -18,6 +18,7 @@ __global__ void fitm_logprob_rows(const float *__restrict__ x, int64_t n,
                                   const int32_t *__restrict__ pick, int32_t n_pick,
                                   double *__restrict__ lp)
 {
+    fitm_grid_begin();
     __shared__ float sm[FITM_WARP];
     __shared__ double sz[FITM_WARP];
     const int64_t row = blockIdx.x;

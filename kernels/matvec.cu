@@ -247,6 +247,7 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? (G == 1 ? 2 * FITM_M
                      int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
                      int64_t n_x, float *__restrict__ y, int gelu)
 {
+    fitm_grid_begin();
     __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
     const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
     const int64_t row0 = ((int64_t)blockIdx.x * FITM_MV_WARPS + warp) * G;
@@ -300,6 +301,7 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOC
                       int64_t n_x, float *__restrict__ y0, float *__restrict__ y1,
                       float *__restrict__ y2)
 {
+    fitm_grid_begin();
     __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
     const int which = blockIdx.x < b1 ? 0 : blockIdx.x < b2 ? 1 : 2; /* uniform per block */
     const unsigned bx = blockIdx.x - (which == 0 ? 0 : which == 1 ? b1 : b2);
@@ -489,6 +491,7 @@ __global__ void __launch_bounds__(fitm_mv_tile<M>::THREADS, fitm_mv_tile<M>::BLO
                       const float *__restrict__ x, int64_t n_x, float *__restrict__ y0,
                       float *__restrict__ y1, float *__restrict__ y2, int gelu)
 {
+    fitm_grid_begin();
     constexpr int BE = fitm_qtraits<T>::BE, BB = fitm_qtraits<T>::BB;
     constexpr int NR = FITM_MV_TILE_RUNS, G = GLU ? NR / 2 : NR; /* rows of a warp's outputs */
     constexpr int NW = fitm_mv_tile<M>::WARPS, P = M * NR;

@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
     fitm_rmsnorm_rows(float *y, const float *x, const float *__restrict__ w, float w_offset,
                       int64_t C, float eps)
 {
+    fitm_grid_begin();
     __shared__ float shm[32];
     const float *xr = x + (int64_t)blockIdx.x * C;
     float *yr = y + (int64_t)blockIdx.x * C;
@@ -49,6 +50,7 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
     fitm_add_rmsnorm_rows(float *y, float *x, const float *__restrict__ r,
                           const float *__restrict__ w, float w_offset, int64_t C, float eps)
 {
+    fitm_grid_begin();
     __shared__ float shm[32];
     float *xr = x + (int64_t)blockIdx.x * C;
     const float *rr = r + (int64_t)blockIdx.x * C;
@@ -92,6 +94,7 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
                                float *x, float *y, const float *__restrict__ w, float w_offset,
                                int64_t C, float eps, int64_t y0, int64_t ny)
 {
+    fitm_grid_begin();
     __shared__ float shm[32];
     const int64_t t = blockIdx.x, r = t * C;
     const bool norm_y = t >= y0 && t < y0 + ny; /* uniform per block */
@@ -174,6 +177,7 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
                             int64_t D, int64_t n_rot, const float *__restrict__ cs, int neox,
                             float eps)
 {
+    fitm_grid_begin();
     __shared__ float shm[32];
     const int64_t t = blockIdx.x / (H + Hkv), h = blockIdx.x % (H + Hkv);
     const bool is_q = h < H; /* uniform per block, as w below */
@@ -206,6 +210,7 @@ __global__ void __launch_bounds__(FITM_ROW_THREADS)
 __global__ void __launch_bounds__(FITM_ROW_THREADS)
     fitm_softmax_rows(float *x, int64_t n, int64_t ld)
 {
+    fitm_grid_begin();
     __shared__ float shm[32];
     float *xr = x + (int64_t)blockIdx.x * ld;
     float mx = -INFINITY;

@@ -16,6 +16,7 @@ __global__ void fitm_rope_pairs(float *x, int64_t T, int64_t H, int64_t D, int64
                                 int64_t n_rot, const int32_t *__restrict__ pos, int64_t pos0,
                                 float base, float freq_scale, int neox)
 {
+    fitm_grid_begin();
     const int64_t half = n_rot / 2, n = T * H * half;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
@@ -39,6 +40,7 @@ __global__ void fitm_rope_pairs(float *x, int64_t T, int64_t H, int64_t D, int64
 /* y = silu(g) * u.   (n) */
 __global__ void fitm_swiglu_elems(float *y, const float *g, const float *u, int64_t n)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         y[i] = fitm_swiglu1(g[i], u[i]);
@@ -47,6 +49,7 @@ __global__ void fitm_swiglu_elems(float *y, const float *g, const float *u, int6
 /* y = gelu_tanh(g) * u.   (n) */
 __global__ void fitm_geglu_elems(float *y, const float *g, const float *u, int64_t n)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         y[i] = fitm_geglu1(g[i], u[i]);
@@ -103,6 +106,7 @@ __global__ void fitm_embed_rows(const uint8_t *__restrict__ W, int64_t row_bytes
                                 const int32_t *__restrict__ ids, int64_t n_rows, float scale,
                                 float *__restrict__ x)
 {
+    fitm_grid_begin();
     const bool chunked = fitm_qtraits<T>::BE > 1;
     const int64_t per_row = chunked ? C / 8 : C, n = n_rows * per_row;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -158,6 +162,7 @@ extern "C" int fitm_cuda_embed(fitm_dtype t, const void *W, int64_t row_bytes, i
 /* y += x;  or with n_cols > 0, y[i] += x[i % n_cols] (a bias on every row). */
 __global__ void fitm_add_elems(float *y, const float *x, int64_t n, int64_t n_cols)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         y[i] += x[n_cols > 0 ? i % n_cols : i];
@@ -189,6 +194,7 @@ extern "C" int fitm_cuda_add_rows(float *y, const float *b, int64_t rows, int64_
 
 __global__ void fitm_softcap_elems(float *x, int64_t n, float cap)
 {
+    fitm_grid_begin();
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] = cap * tanhf(x[i] / cap);
@@ -210,6 +216,7 @@ extern "C" int fitm_cuda_softcap(float *x, int64_t n, float cap, void *stream)
 __global__ void fitm_rope_table_pairs(float *x, int64_t T, int64_t H, int64_t D, int64_t n_rot,
                                       const float *__restrict__ cs, int neox)
 {
+    fitm_grid_begin();
     const int64_t half = n_rot / 2, n = T * H * half;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
@@ -237,6 +244,7 @@ extern "C" int fitm_cuda_rope_table(float *x, int64_t T, int64_t H, int64_t D, i
  * device memory. */
 __global__ void fitm_kv_store_rows(const fitm_cuda_kv_rows *__restrict__ rs)
 {
+    fitm_grid_begin();
     const fitm_cuda_kv_rows r = rs[blockIdx.y];
     const float *__restrict__ src = blockIdx.z ? r.v : r.k;
     void *dst = blockIdx.z ? r.v_dst : r.k_dst;

@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(FITM_TOPK_THREADS)
     fitm_topk_chunk_first(const float *__restrict__ x, int64_t n, int64_t ld, int64_t chunk,
                           fitm_topkey *cmax, int32_t *cnt)
 {
+    fitm_grid_begin();
     __shared__ fitm_topkey shm[FITM_TOPK_WARPS];
     const int64_t row = blockIdx.y, lo = (int64_t)blockIdx.x * chunk;
     const int64_t hi = lo + chunk < n ? lo + chunk : n;
@@ -102,6 +103,7 @@ __global__ void __launch_bounds__(FITM_TOPK_THREADS)
     fitm_topk_collect(const float *__restrict__ x, int64_t n, int64_t ld, int64_t chunk,
                       int32_t k, const fitm_topkey *cmax, int32_t *cnt, fitm_topkey *list)
 {
+    fitm_grid_begin();
     __shared__ fitm_topkey firsts[FITM_CUDA_TOPK_CHUNKS];
     __shared__ fitm_topkey thr;
     const int64_t row = blockIdx.y, lo = (int64_t)blockIdx.x * chunk;
@@ -139,6 +141,7 @@ __global__ void __launch_bounds__(FITM_TOPK_THREADS)
     fitm_topk_sort(const float *__restrict__ x, int64_t n, int64_t ld, int32_t k,
                    const int32_t *cnt, const fitm_topkey *list, float *val, int32_t *id)
 {
+    fitm_grid_begin();
     __shared__ fitm_topkey s[FITM_CUDA_TOPK_CAP];
     __shared__ fitm_topkey shm[FITM_TOPK_WARPS];
     const int64_t row = blockIdx.y;

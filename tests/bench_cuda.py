@@ -189,9 +189,9 @@ def main():
     for n, tps in sorted(batched.items()):  # one read of the weights serves n tokens
         print(f"decode  tg{a.tg} x {n} seqs: {tps:9.1f} tok/s = {tps / tg_tps:.2f}x one sequence "
               f"(weights read once per step: at most {n}x)")
-    lines = raw.splitlines()  # bench_forward's table of a decode step's time, as printed
+    lines = raw.splitlines()  # bench_forward's tables of a decode step's and a prefill's time
     for i, line in enumerate(lines):
-        if line.startswith("where a decode step's time goes"):
+        if line.startswith(("where a decode step's time goes", "where a prefill's time goes")):
             print(line)
             for row in lines[i + 1:]:
                 if not row.startswith("|"):

@@ -195,14 +195,14 @@ static fitm_status bench_prefill_submissions(fitm_forward *fw, fitm_kv *kv, cons
     printf("\nwhat a prefill of %ld tokens asks of the device (emulator counters, fusion and "
            "graphs on)\n",
            n_pp);
-    printf("| launches | cuBLAS | copies | graph launches | submissions | kernels run | host waits "
-           "|\n");
-    printf("| -------: | -----: | -----: | -------------: | ----------: | ----------: | ---------: "
-           "|\n");
-    printf("| %8llu | %6llu | %6llu | %14llu | %11llu | %11llu | %10llu |\n", D(launches),
-           D(blas_calls), D(copies), D(graph_launches),
+    printf("| launches | cuBLAS | copies | graph launches | submissions | kernels run | of them "
+           "programmatic | host waits |\n");
+    printf("| -------: | -----: | -----: | -------------: | ----------: | ----------: | "
+           "--------------------: | ---------: |\n");
+    printf("| %8llu | %6llu | %6llu | %14llu | %11llu | %11llu | %20llu | %10llu |\n",
+           D(launches), D(blas_calls), D(copies), D(graph_launches),
            D(launches) + D(blas_calls) + D(copies) + D(graph_launches), D(kernels_run),
-           D(host_waits));
+           D(programmatic), D(host_waits));
 #undef D
     return FITM_OK;
 }
@@ -285,7 +285,8 @@ static fitm_status bench_submissions(fitm_forward *fw, fitm_backend *b,
 #if FITM_HAVE_CUDA || defined(FITM_BENCH_CUDA_EMU)
 /* Prints where a one-sequence decode step's wall time goes on the CUDA backend, with its fused
  * kernels off and on, its graphs off and on, and its graphs submitted whole or in pieces of
- * 64 and 32 ops (fitm_backend_cuda_set_pieces): n steps from an empty cache (after one warm-up
+ * 64 and 32 ops (fitm_backend_cuda_set_pieces), its launches programmatic (where the device
+ * has them: fitm_backend_cuda_set_pdl) or plain: n steps from an empty cache (after one warm-up
  * step), each handing out the sampler's top entries as the tg row does. Per step: the wall
  * time; the time the host waited for the device (the device still busy after the host has
  * enqueued the step); the time in ending the capture and submitting it (cudaStreamEndCapture,
@@ -303,18 +304,24 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
 {
     printf("\nwhere a decode step's time goes (1 sequence, %ld steps, CUDA backend; us a step)\n",
            n);
-    printf("| fusion | graphs     |   tok/s |     wall | waiting for the device | capture end + "
-           "update + launch | rest of the host | graphs | replays | updates | instantiations "
-           "|\n");
-    printf("| ------ | ---------- | ------: | -------: | ---------------------: | "
+    printf("| fusion | graphs     | launches     |   tok/s |     wall | waiting for the device | "
+           "capture end + update + launch | rest of the host | graphs | replays | updates | "
+           "instantiations |\n");
+    printf("| ------ | ---------- | ------------ | ------: | -------: | ---------------------: | "
            "----------------------------: | ---------------: | -----: | ------: | ------: | "
            "-------------: |\n");
-    /* fusion, graphs, ops a piece (0: whole), the same step repeated; the default first */
-    static const int way[][4] = {{1, 1, 0, 0}, {1, 1, 0, 1}, {1, 1, 64, 0}, {1, 1, 32, 0},
-                                 {1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 0}};
+    /* fusion, graphs, ops a piece (0: whole), the same step repeated, programmatic launches;
+     * the default first */
+    static const int way[][5] = {{1, 1, 0, 0, 1}, {1, 1, 0, 0, 0}, {1, 1, 0, 1, 1},
+                                 {1, 1, 64, 0, 1}, {1, 1, 32, 0, 1}, {1, 0, 0, 0, 1},
+                                 {1, 0, 0, 0, 0}, {0, 1, 0, 0, 1}, {0, 0, 0, 0, 0}};
+    const bool pdl_default = fitm_backend_cuda_pdl(b);
     fitm_status s = FITM_OK;
     for (size_t v = 0; v < sizeof way / sizeof way[0] && !s; v++) {
         const int fu = way[v][0], g = way[v][1], piece = way[v][2], same = way[v][3];
+        if (way[v][4] && !pdl_default && v > 0)
+            continue; /* the same as the row without programmatic launches */
+        const bool pdl = fitm_backend_cuda_set_pdl(b, way[v][4] == 1 && pdl_default);
         fitm_backend_cuda_set_fusion(b, fu == 1);
         fitm_backend_cuda_set_graphs(b, g == 1);
         fitm_backend_cuda_set_pieces(b, piece);
@@ -334,14 +341,16 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
                      sub = (double)(z.submit_ns - a.submit_ns) / (double)n * 1e-3;
         char gw[16];
         snprintf(gw, sizeof gw, !g ? "off" : piece ? "%d ops" : same ? "repeated" : "whole", piece);
-        printf("| %-6s | %-10s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %6.2f | %7.2f | "
-               "%7.2f | %14.2f |\n",
-               fu ? "on" : "off", gw, 1e6 / wall, wall, wait, sub, wall - wait - sub,
+        printf("| %-6s | %-10s | %-12s | %7.0f | %8.0f | %22.0f | %29.0f | %16.0f | %6.2f | "
+               "%7.2f | %7.2f | %14.2f |\n",
+               fu ? "on" : "off", gw, pdl ? "programmatic" : "plain", 1e6 / wall, wall, wait,
+               sub, wall - wait - sub,
                (double)(z.graph_launches - a.graph_launches) / (double)n,
                (double)(z.graph_replays - a.graph_replays) / (double)n,
                (double)(z.graph_updates - a.graph_updates) / (double)n,
                (double)(z.graph_instantiations - a.graph_instantiations) / (double)n);
     }
+    fitm_backend_cuda_set_pdl(b, pdl_default);
     fitm_backend_cuda_set_fusion(b, true);
     fitm_backend_cuda_set_graphs(b, true);
     fitm_backend_cuda_set_pieces(b, 0);
@@ -351,18 +360,22 @@ static fitm_status bench_step_split(fitm_forward *fw, fitm_backend *b, fitm_kv *
 /* Prints where a prefill of the n_pp tokens ids goes: wall time against the host's wait for
  * the device, its graph work and the rest of the host, for the first prefill after a step (the
  * pass captured) and a second of the same tokens (replayed when it equals the first's tape),
- * each from position 0, with the default fusion and graphs. */
+ * each from position 0, with the default fusion and graphs; then both again with plain
+ * launches where the default launches are programmatic (fitm_backend_cuda_set_pdl). */
 static fitm_status bench_prefill_split(fitm_forward *fw, fitm_backend *b, fitm_kv *kv,
                                        const int32_t *ids, long n_pp, fitm_forward_opts *o,
                                        fitm_err *err)
 {
     printf("\nwhere a prefill's time goes (%ld tokens, CUDA backend; us a prefill)\n", n_pp);
-    printf("| prefill | tok/s | wall | waiting for the device | capture end + update + launch | "
-           "rest of the host | graphs | replays | updates | instantiations |\n");
-    printf("| ------- | ----: | ---: | ---------------------: | ----------------------------: | "
-           "---------------: | -----: | ------: | ------: | -------------: |\n");
+    printf("| prefill | launches     | tok/s | wall | waiting for the device | capture end + "
+           "update + launch | rest of the host | graphs | replays | updates | instantiations |\n");
+    printf("| ------- | ------------ | ----: | ---: | ---------------------: | "
+           "----------------------------: | ---------------: | -----: | ------: | ------: | "
+           "-------------: |\n");
+    const bool pdl_default = fitm_backend_cuda_pdl(b);
     fitm_status s = FITM_OK;
-    for (int r = 0; r < 2 && !s; r++) {
+    for (int r = 0; r < (pdl_default ? 4 : 2) && !s; r++) {
+        const bool pdl = r == 2 ? fitm_backend_cuda_set_pdl(b, false) : fitm_backend_cuda_pdl(b);
         fitm_kv_rebase(kv, 0, NULL);
         fitm_backend_cuda_stats a, z;
         fitm_backend_cuda_get_stats(b, &a);
@@ -374,14 +387,16 @@ static fitm_status bench_prefill_split(fitm_forward *fw, fitm_backend *b, fitm_k
             break;
         const double wait = (double)(z.wait_ns - a.wait_ns) * 1e-3,
                      sub = (double)(z.submit_ns - a.submit_ns) * 1e-3;
-        printf("| %-7s | %5.0f | %4.0f | %22.0f | %29.0f | %16.0f | %6llu | %7llu | %7llu | "
-               "%14llu |\n",
-               r ? "again" : "first", n_pp / wall * 1e6, wall, wait, sub, wall - wait - sub,
+        printf("| %-7s | %-12s | %5.0f | %4.0f | %22.0f | %29.0f | %16.0f | %6llu | %7llu | "
+               "%7llu | %14llu |\n",
+               r % 2 ? "again" : "first", pdl ? "programmatic" : "plain", n_pp / wall * 1e6,
+               wall, wait, sub, wall - wait - sub,
                (unsigned long long)(z.graph_launches - a.graph_launches),
                (unsigned long long)(z.graph_replays - a.graph_replays),
                (unsigned long long)(z.graph_updates - a.graph_updates),
                (unsigned long long)(z.graph_instantiations - a.graph_instantiations));
     }
+    fitm_backend_cuda_set_pdl(b, pdl_default);
     return s;
 }
 #endif

@@ -589,15 +589,22 @@ static void test_error_channel(fitm_backend *gpu)
  * twice before) update their shapes' instances (fitm_backend_cuda_get_stats) and instantiate
  * none. PIECES compares gpu submitting its graphs in pieces of a few ops with the default
  * (one graph between two waits): the same bits, more graph launches, as many waits, and
- * no instance made after the fourth step either. */
-enum { GRAPHS, FUSION, PIECES };
+ * no instance made after the fourth step either. PDL compares gpu's programmatic launches
+ * (the default where the device has them: every kernel's grid may start while the kernel
+ * before it runs, and waits for it first; on the emulator, which reports sm_90, every kernel
+ * of gpu's steps runs so) with plain ones: the same bits, so no kernel reads what the kernel
+ * before it writes ahead of its wait (on a device the grids really overlap). */
+enum { GRAPHS, FUSION, PIECES, PDL };
 static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arch arch, int mode)
 {
     void *buf = NULL;
     fitm_model *m = gen_model(arch, FITM_DTYPE_Q5_0, &buf);
     fitm_backend *plain = NULL;
     fitm_err err = {{0}};
-    const char *way = mode == GRAPHS ? "graphs" : mode == FUSION ? "fusion" : "pieces";
+    const char *way = mode == GRAPHS   ? "graphs"
+                      : mode == FUSION ? "fusion"
+                      : mode == PIECES ? "pieces"
+                                       : "programmatic launches";
     if (!m || fitm_backend_cuda_create(&plain, 0, &err) != FITM_OK) {
         CHECK(false, "%s test setup: %s", way, err.msg);
         return;
@@ -607,8 +614,10 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
         fitm_backend_cuda_set_graphs(plain, false);
     else if (mode == FUSION)
         fitm_backend_cuda_set_fusion(plain, false);
-    else
+    else if (mode == PIECES)
         fitm_backend_cuda_set_pieces(gpu, 24);
+    else
+        fitm_backend_cuda_set_pdl(plain, false);
     enum { B = 3, PROMPT = 5, STEPS = 6, K = 8 };
     const fitm_model_config *c = fitm_model_config_of(m);
     const int64_t V = c->n_vocab;
@@ -730,6 +739,12 @@ static void test_same_steps(fitm_backend *gpu, fitm_cuda_weights w, fitm_gen_arc
                   "step %d: the same kernels run with and without graphs", t);
         else if (mode == PIECES)
             CHECK(ran_g == ran_a, "step %d: the same kernels run in pieces and whole", t);
+        else if (mode == PDL)
+            CHECK(ran_g == ran_a && g[1].programmatic - g[0].programmatic == ran_g &&
+                      a[1].programmatic == a[0].programmatic,
+                  "step %d: %llu of %llu kernels programmatic, %llu of the plain backend's", t,
+                  g[1].programmatic - g[0].programmatic, ran_g,
+                  a[1].programmatic - a[0].programmatic);
         else
             CHECK(ran_g + saved <= ran_a,
                   "step %d: %llu kernels fused, %llu not (%llu fewer "
@@ -1145,11 +1160,17 @@ int main(int argc, char **argv)
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, GRAPHS);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, FUSION);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, PIECES);
+#ifdef FITM_CUDA_EMU
+    CHECK(fitm_backend_cuda_pdl(gpu16), "the emulated sm_90 takes programmatic launches");
+#endif
+    printf("programmatic launches: %s\n", fitm_backend_cuda_pdl(gpu16) ? "on" : "off");
+    test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, PDL);
     test_replay(gpu16, FITM_CUDA_WEIGHTS_BF16);
     fitm_backend_destroy(gpu16);
     test_bf16_prepare_error();
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, GRAPHS);
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, FUSION);
+    test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_GEMMA3, PDL);
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_LLAMA, FUSION);
     test_error_channel(gpu);
     test_pending_norm();

@@ -2044,6 +2044,11 @@ int main(int argc, char **argv)
         return 77;
     }
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    /* the kernels launch as the backend launches them: programmatically where the device
+     * passes the probe (sm_90 and later, and the emulator, which then checks that every
+     * thread of every kernel begins with fitm_grid_begin) */
+    const bool pdl = fitm_cuda_pdl_probe() == 1 && fitm_cuda_set_pdl(stream, true);
+    printf("test_cuda_kernels: %s launches\n", pdl ? "programmatic" : "plain");
 
     for (int i = 0; i < N_WEIGHT_TYPES && want("dequant"); i++) {
         fitm_dtype t = weight_types[i];

@@ -142,6 +142,7 @@ typedef struct {
     size_t n_late, late_cap;
     bool graphs;         /* capture the work between two waits and replay it (capture_on) */
     bool fuse;           /* run neighbouring ops as one kernel (fitm_backend_cuda_set_fusion) */
+    bool pdl_ok;         /* the device passed fitm_cuda_pdl_probe: launches may be programmatic */
     fitm_backend_ops ops; /* cuda_ops, less the fused slots when fuse is off */
     int cap;             /* CAP_IDLE, CAP_ON or CAP_OFF */
     int piece_ops;       /* > 0: a capture is submitted once this many ops are in it, and the
@@ -516,6 +517,20 @@ void fitm_backend_cuda_set_pieces(fitm_backend *b, int ops)
     cuda_backend *c = cu(b);
     sync_stream(c, "graphs");
     c->piece_ops = ops > 0 ? ops : 0;
+}
+
+bool fitm_backend_cuda_set_pdl(fitm_backend *b, bool on)
+{
+    cuda_backend *c = cu(b);
+    sync_stream(c, "programmatic launches");
+    graphs_release(c); /* an instance keeps the kind of launches it was captured with */
+    fitm_cuda_set_pdl(c->stream, on && c->pdl_ok);
+    return fitm_cuda_pdl(c->stream);
+}
+
+bool fitm_backend_cuda_pdl(const fitm_backend *b)
+{
+    return fitm_cuda_pdl(((const cuda_backend *)b)->stream);
 }
 
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on)
@@ -906,6 +921,7 @@ static void cuda_destroy(fitm_backend *b)
     free_buf(&c->wb);
     if (c->blas)
         cublasDestroy(c->blas);
+    fitm_cuda_set_pdl(c->stream, false); /* no later stream at its address is programmatic */
     cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -1864,6 +1880,8 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
         return fitm_err_set(err, FITM_ERR_BACKEND, "CUDA backend: cuBLAS: %s",
                             cublasGetStatusName(st));
     }
+    /* programmatic launches where the device runs them right (kernels/common.cuh) */
+    c->pdl_ok = fitm_cuda_pdl_probe() == 1 && fitm_cuda_set_pdl(c->stream, true);
     struct cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
         snprintf(c->device, sizeof c->device, "%.256s (sm_%d%d, %zu MiB)", p.name, p.major, p.minor,

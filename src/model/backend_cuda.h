@@ -15,6 +15,15 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
  * only the number of submissions changes. For tests and benchmarks that compare the two. */
 void fitm_backend_cuda_set_graphs(fitm_backend *b, bool on);
 
+/* Whether b's kernels launch programmatically (kernels/common.cuh: a kernel's grid may launch
+ * while the kernel before it runs and waits for it at its first statement, which hides the
+ * gap between two kernels): on by default where the device passed fitm_cuda_pdl_probe when b
+ * was created (compute capability 9.0 or later), never elsewhere. The results are the same
+ * bit for bit. Returns whether they are on after the call. For tests and benchmarks that
+ * compare the two. */
+bool fitm_backend_cuda_set_pdl(fitm_backend *b, bool on);
+bool fitm_backend_cuda_pdl(const fitm_backend *b);
+
 /* Whether b submits the work between two waits as one graph (ops 0, the default) or in
  * pieces: once ops ops are in a capture, it is submitted and the next op begins the next
  * piece, so the device runs a piece while the host captures the one after it (at most 8

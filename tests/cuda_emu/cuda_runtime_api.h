@@ -86,6 +86,8 @@ typedef enum cudaFuncAttribute {
  * runtime's numbers. */
 typedef enum cudaDeviceAttr {
     cudaDevAttrMultiProcessorCount = 16,
+    cudaDevAttrComputeCapabilityMajor = 75,
+    cudaDevAttrComputeCapabilityMinor = 76,
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
 } cudaDeviceAttr;
 
@@ -194,10 +196,12 @@ void fitm_emu_reset_device(void);
  * the overhead a real device pays per submission and per wait. Submissions by the host:
  * kernel launches, cuBLAS calls, copies and memsets (those recorded into a graph are not
  * submitted then), graph launches (one submission each, however many operations the graph
- * holds). kernels_run: kernels that ran, alone or in a graph's replay. host_waits: stream,
+ * holds). kernels_run: kernels that ran, alone or in a graph's replay (programmatic: those
+ * of them launched with cudaLaunchAttributeProgrammaticStreamSerialization). host_waits: stream,
  * event and device synchronizations and synchronous copies. */
 typedef struct {
     unsigned long long launches, blas_calls, copies, graph_launches, kernels_run, host_waits;
+    unsigned long long programmatic; /* kernels run that were launched programmatically */
 } fitm_emu_stats;
 void fitm_emu_get_stats(fitm_emu_stats *s);
 

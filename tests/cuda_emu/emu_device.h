@@ -64,6 +64,7 @@ struct alignas(16) uint4 {
 
 struct fitm_emu_thread {
     uint3 tid;
+    bool grid_begun; /* called fitm_grid_begin (common.cuh) in this block */
 };
 extern thread_local fitm_emu_thread *fitm_emu_cur;
 extern thread_local uint3 fitm_emu_block_idx;
@@ -76,6 +77,11 @@ extern thread_local dim3 fitm_emu_block_dim, fitm_emu_grid_dim;
 #define warpSize 32
 
 void fitm_emu_syncthreads(void);
+/* fitm_grid_begin (kernels/common.cuh) of the calling thread: the emulator runs launches one
+ * after another, so it only notes the call; in a programmatic launch, a thread that reaches a
+ * barrier, a shuffle or the dynamic shared memory first, or ends without the call, faults the
+ * launch (cudaErrorLaunchFailure), as its reads could have raced the kernel before it. */
+void fitm_emu_grid_begin(void);
 /* Deposits bits as this lane's value of the current shuffle and returns the value lane src
  * deposited (src < 0: this lane's own), after every lane in mask has deposited. */
 uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src);
@@ -357,7 +363,7 @@ template <typename T> static inline void fitm_emu_check_arg(const T &v, fitm_emu
  * cudaFuncSetAttribute. */
 void fitm_emu_launch_body(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st,
                           const void *kernel, std::function<void(fitm_emu_args_check &)> check,
-                          std::function<void()> body);
+                          std::function<void()> body, bool programmatic = false);
 
 /* For the stand-in of cuBLAS (emu_cublas.cpp; counted as a cuBLAS call): runs op on the
  * stream, or records it while the stream is captured; op returns the error the work failed with
@@ -376,6 +382,7 @@ template <typename... P> struct fitm_emu_launcher {
     dim3 grid, block;
     size_t shm;
     cudaStream_t stream;
+    bool programmatic; /* cudaLaunchAttributeProgrammaticStreamSerialization */
 
     template <typename... A> void operator()(A... a) const
     {
@@ -387,15 +394,15 @@ template <typename... P> struct fitm_emu_launcher {
             [args](fitm_emu_args_check &c) {
                 std::apply([&c](const P &...v) { (fitm_emu_check_arg(v, c), ...); }, args);
             },
-            [args, k]() { std::apply(k, args); });
+            [args, k]() { std::apply(k, args); }, programmatic);
     }
 };
 
 template <typename... P>
 static inline fitm_emu_launcher<P...> fitm_emu_launch(dim3 g, dim3 b, size_t shm, cudaStream_t st,
-                                                      void (*k)(P...))
+                                                      void (*k)(P...), bool programmatic = false)
 {
-    return fitm_emu_launcher<P...>{k, g, b, shm, st};
+    return fitm_emu_launcher<P...>{k, g, b, shm, st, programmatic};
 }
 
 /* cudaFuncSetAttribute for a kernel of the C++ side (the runtime's template overload). */

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <ucontext.h>
 
+#include <atomic>
 #include <map>
 #include <vector>
 
@@ -79,6 +80,23 @@ void count(unsigned long long fitm_emu_stats::*field)
     pthread_mutex_lock(&state_lock);
     stats.*field += 1;
     pthread_mutex_unlock(&state_lock);
+}
+
+/* The running launch (launches run one at a time): whether it is programmatic, and how many
+ * of its threads have called fitm_grid_begin. */
+bool launch_programmatic = false;
+std::atomic<long long> launch_grid_begins{0};
+
+/* A programmatic launch's thread that reaches `what` before fitm_grid_begin faults it. */
+void grid_begun_before(const char *what)
+{
+    if (launch_programmatic && fitm_emu_cur && !fitm_emu_cur->grid_begun) {
+        char m[160];
+        snprintf(m, sizeof m,
+                 "programmatic launch: thread (%u,%u,%u) reached %s before fitm_grid_begin",
+                 fitm_emu_cur->tid.x, fitm_emu_cur->tid.y, fitm_emu_cur->tid.z, what);
+        fitm_emu_kernel_fault(cudaErrorLaunchFailure, m);
+    }
 }
 
 /* Pinned host memory (cudaMallocHost) and the copies from it that have not run yet. A device
@@ -321,6 +339,7 @@ bool run_block(block_runner *r)
         fiber *f = &r->fibers[i];
         const unsigned bx = fitm_emu_block_dim.x, by = fitm_emu_block_dim.y;
         f->t.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
+        f->t.grid_begun = false;
         f->state = RUNNABLE;
     }
     for (int w = 0; w < (r->n + 31) / 32; w++)
@@ -385,6 +404,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
 
 void fitm_emu_syncthreads(void)
 {
+    grid_begun_before("a barrier");
     block_runner *r = runner;
     fiber *f = current();
     f->wait_gen = r->sync_gen;
@@ -400,6 +420,7 @@ void fitm_emu_syncthreads(void)
 
 uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 {
+    grid_begun_before("a shuffle");
     block_runner *r = runner;
     fiber *f = current();
     const int i = (int)(f - r->fibers);
@@ -426,6 +447,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 
 void *fitm_emu_dynamic_shared(void)
 {
+    grid_begun_before("its dynamic shared memory");
     return runner->dyn_shared.p;
 }
 
@@ -438,6 +460,7 @@ bool fitm_emu_shared_range(const void *p, size_t n)
 
 void fitm_emu_warp_collective(uint64_t sig)
 {
+    grid_begun_before("a warp collective");
     runner->collectives.add((int)(current() - runner->fibers), sig);
 }
 
@@ -541,6 +564,7 @@ void *worker_main(void *arg)
         seen = pool.block_gen;
         const unsigned bx = pool.block_dim.x, by = pool.block_dim.y;
         worker_self.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
+        worker_self.grid_begun = false;
         fitm_emu_cur = &worker_self;
         fitm_emu_block_idx = pool.block_idx;
         fitm_emu_block_dim = pool.block_dim;
@@ -618,6 +642,7 @@ bool run_grid(dim3 grid, dim3 block, size_t dyn_shared, void (*entry)(void *), v
 
 void fitm_emu_syncthreads(void)
 {
+    grid_begun_before("a barrier");
     pthread_mutex_lock(&pool.bar_mu);
     const unsigned gen = pool.sync_gen;
     pool.sync_arrived++;
@@ -629,6 +654,7 @@ void fitm_emu_syncthreads(void)
 
 uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 {
+    grid_begun_before("a shuffle");
     const int i = worker_index;
     warp_sync *w = &pool.warps[i / 32];
     if (src >= 0 && (!(mask >> src & 1u) || i / 32 * 32 + src >= worker_block_n)) {
@@ -653,6 +679,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
 
 void *fitm_emu_dynamic_shared(void)
 {
+    grid_begun_before("its dynamic shared memory");
     return worker_dyn_shared;
 }
 
@@ -665,6 +692,7 @@ bool fitm_emu_shared_range(const void *p, size_t n)
 
 void fitm_emu_warp_collective(uint64_t sig)
 {
+    grid_begun_before("a warp collective");
     pool.collectives.add(worker_index, sig);
 }
 
@@ -752,7 +780,9 @@ void fitm_emu_args_check::ptr(const void *p)
 namespace
 {
 
-/* The device's limits (those of an sm_80 part: the emulator reports compute capability 8.0). */
+/* The device's limits: those of an sm_80 part, the smallest shared-memory opt-in of the parts
+ * the backend is tuned for. The emulator reports compute capability 9.0 (an H100's or H200's),
+ * so the backend's programmatic launches (kernels/common.cuh) run, and are checked, here. */
 const size_t SMEM_DEFAULT = 48 * 1024, SMEM_OPTIN_MAX = 163 * 1024;
 const unsigned GRID_YZ_MAX = 65535;
 
@@ -776,7 +806,7 @@ bool capture_forbids(void);
 /* Runs one launch now: the checks, then every block. */
 void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
                 const std::function<void(fitm_emu_args_check &)> &check,
-                const std::function<void()> &body)
+                const std::function<void()> &body, bool programmatic)
 {
     const cudaError_t inj = fitm_emu_take_launch_failure();
     if (inj != cudaSuccess) {
@@ -811,14 +841,26 @@ void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
         return;
     }
     count(&fitm_emu_stats::kernels_run);
+    if (programmatic)
+        count(&fitm_emu_stats::programmatic);
     pthread_mutex_lock(&launch_lock);
     pthread_mutex_lock(&state_lock);
     launch_fault = cudaSuccess;
     pthread_mutex_unlock(&state_lock);
+    launch_programmatic = programmatic;
+    launch_grid_begins = 0;
     uint3 at = {0, 0, 0};
     const bool ok = run_grid(
         grid, block, dyn_shared, [](void *p) { (*(const std::function<void()> *)p)(); },
         (void *)&body, &at);
+    const long long threads = n * grid.x * grid.y * grid.z;
+    if (ok && programmatic && launch_grid_begins != threads) {
+        char m[160];
+        snprintf(m, sizeof m, "programmatic launch: %lld of its %lld threads ended without "
+                 "fitm_grid_begin", threads - launch_grid_begins.load(), threads);
+        kernel_fault(cudaErrorLaunchFailure, m);
+    }
+    launch_programmatic = false;
     pthread_mutex_lock(&state_lock);
     const cudaError_t fault = launch_fault;
     pthread_mutex_unlock(&state_lock);
@@ -840,13 +882,22 @@ void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
 
 void fitm_emu_launch_body(dim3 grid, dim3 block, size_t dyn_shared, cudaStream_t st,
                           const void *kernel, std::function<void(fitm_emu_args_check &)> check,
-                          std::function<void()> body)
+                          std::function<void()> body, bool programmatic)
 {
-    if (record(st, OP_KERNEL, kernel,
-               [=]() { run_launch(grid, block, dyn_shared, kernel, check, body); }))
+    if (record(st, OP_KERNEL, kernel, [=]() {
+            run_launch(grid, block, dyn_shared, kernel, check, body, programmatic);
+        }))
         return;
     count(&fitm_emu_stats::launches);
-    run_launch(grid, block, dyn_shared, kernel, check, body);
+    run_launch(grid, block, dyn_shared, kernel, check, body, programmatic);
+}
+
+void fitm_emu_grid_begin(void)
+{
+    if (fitm_emu_cur && !fitm_emu_cur->grid_begun) {
+        fitm_emu_cur->grid_begun = true;
+        launch_grid_begins++;
+    }
 }
 
 cudaError_t fitm_emu_enqueue(cudaStream_t st, std::function<cudaError_t()> op)
@@ -917,7 +968,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "fitm CUDA emulator (CPU)");
     p->totalGlobalMem = (size_t)4 << 30;
-    p->major = 8;
+    p->major = 9;
     p->minor = 0;
     p->multiProcessorCount = 1;
     p->sharedMemPerBlock = SMEM_DEFAULT;
@@ -940,6 +991,12 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev)
         return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
         *value = (int)p.sharedMemPerBlockOptin;
+        return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor:
+        *value = p.major;
+        return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor:
+        *value = p.minor;
         return cudaSuccess;
     }
     return set_error(cudaErrorInvalidValue);

@@ -22,6 +22,10 @@
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
  *   breaks it;
+ * - programmatic launches (kernels/common.cuh; cudaErrorLaunchFailure, sticky): a kernel
+ *   launched so whose threads do not all call fitm_grid_begin, or reach a barrier before it,
+ *   faults (on a device its reads could race the kernel before it), where the same kernel
+ *   runs as a plain launch and a kernel that calls it first runs either way, captured too;
  * - the statistics (fitm_emu_get_stats) count submissions and waits as described. */
 #include <math.h>
 #include <stdlib.h>
@@ -33,6 +37,7 @@
 #include <mma.h>
 
 #include "check.h"
+#include "common.cuh"
 #include "kernels.h"
 
 /* y[i] = 2 x[i] + i over a grid-stride loop. */
@@ -514,6 +519,96 @@ static void test_ldg(void)
     cudaFree(x), cudaFree(y);
 }
 
+/* y[i] = 2 x[i] + i, as twice, from a kernel that begins as the project's kernels do. */
+__global__ void twice_begun(float *y, const float *x, int n)
+{
+    fitm_grid_begin();
+    const int stride = (int)(gridDim.x * blockDim.x);
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += stride)
+        y[i] = 2.0f * x[i] + (float)i;
+}
+
+/* A barrier before fitm_grid_begin. */
+__global__ void barrier_first(float *y)
+{
+    __syncthreads();
+    fitm_grid_begin();
+    y[threadIdx.x] = 1.0f;
+}
+
+/* Threads but the first return before fitm_grid_begin. */
+__global__ void begun_by_one(float *y)
+{
+    if (threadIdx.x != 0)
+        return;
+    fitm_grid_begin();
+    y[0] = 1.0f;
+}
+
+static void test_programmatic(void)
+{
+    const int n = 300;
+    float xh[n], yh[n];
+    for (int i = 0; i < n; i++)
+        xh[i] = (float)(rand() % 1000);
+    float *x = (float *)dev_alloc(sizeof xh), *y = (float *)dev_alloc(sizeof yh);
+    cudaMemcpy(x, xh, sizeof xh, cudaMemcpyHostToDevice);
+    /* the runs check that y holds twice's values, then clear it */
+    auto twice_ok = [&](const char *what) {
+        CHECK(cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost) == cudaSuccess, "%s", what);
+        int bad = 0;
+        for (int i = 0; i < n; i++)
+            bad += yh[i] != 2.0f * xh[i] + (float)i;
+        CHECK(bad == 0, "%s: %d of %d values wrong", what, bad, n);
+        cudaMemset(y, 0, sizeof yh);
+    };
+
+    CHECK(fitm_cuda_pdl_probe() == 1, "the probe passes on the emulated sm_90");
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s) == cudaSuccess);
+    CHECK(!fitm_cuda_pdl(s), "launches are plain by default");
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice)(y, x, n);
+    twice_ok("plain launch without fitm_grid_begin");
+    CHECK(!fitm_cuda_set_pdl(NULL, true), "the legacy default stream stays plain");
+    CHECK(fitm_cuda_set_pdl(s, true) && fitm_cuda_pdl(s), "programmatic launches on s");
+    fitm_emu_stats a, z;
+    fitm_emu_get_stats(&a);
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice_begun)(y, x, n);
+    twice_ok("programmatic launch that begins with fitm_grid_begin");
+    FITM_LAUNCH(dim3(2), dim3(128), 0, NULL, twice)(y, x, n);
+    twice_ok("another stream's launch: plain");
+    fitm_emu_get_stats(&z);
+    CHECK(z.programmatic - a.programmatic == 1 && z.kernels_run - a.kernels_run == 2,
+          "one counted as programmatic: %llu", z.programmatic - a.programmatic);
+
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice)(y, x, n);
+    expect_lost_with(cudaErrorLaunchFailure, "programmatic launch without fitm_grid_begin");
+    FITM_LAUNCH(dim3(1), dim3(64), 0, s, barrier_first)(y);
+    expect_lost_with(cudaErrorLaunchFailure, "a barrier before fitm_grid_begin");
+    FITM_LAUNCH(dim3(3), dim3(64), 0, s, begun_by_one)(y);
+    expect_lost_with(cudaErrorLaunchFailure, "threads that return before fitm_grid_begin");
+
+    /* captured programmatic launches replay as such */
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice_begun)(y, x, n);
+    CHECK(cudaStreamEndCapture(s, &g) == cudaSuccess &&
+          cudaGraphInstantiate(&ge, g, 0) == cudaSuccess);
+    fitm_emu_get_stats(&a);
+    CHECK(cudaGraphLaunch(ge, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess);
+    fitm_emu_get_stats(&z);
+    CHECK(z.programmatic - a.programmatic == 1, "replayed as programmatic");
+    twice_ok("replay of a programmatic launch");
+    cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+
+    CHECK(!fitm_cuda_set_pdl(s, false) && !fitm_cuda_pdl(s), "plain again");
+    FITM_LAUNCH(dim3(1), dim3(64), 0, s, barrier_first)(y);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess, "the same kernel as a plain launch runs");
+    cudaStreamDestroy(s);
+    cudaFree(x), cudaFree(y);
+}
+
 int main(void)
 {
     srand(38);
@@ -522,6 +617,7 @@ int main(void)
     test_wmma();
     test_ldg();
     test_graphs();
+    test_programmatic();
     printf("%d checks, %d failed\n", n_checks, failures);
     return failures ? 1 : 0;
 }
