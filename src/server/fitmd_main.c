@@ -297,8 +297,9 @@ static fitm_status choose_backend(daemon_model *dm, int threads, char *desc, siz
                      rep16.prob_err);
         snprintf(desc, n,
                  "cuda backend on %s (start-up check against the CPU: logits within %.2g, "
-                 "attention within %.2g; %s)",
-                 fitm_backend_cuda_device(gpu), rep.logit_err, rep.prob_err, weights);
+                 "attention within %.2g; %s; %s launches)",
+                 fitm_backend_cuda_device(gpu), rep.logit_err, rep.prob_err, weights,
+                 fitm_backend_cuda_pdl(gpu) ? "programmatic" : "plain");
         fitm_backend_destroy(dm->backend);
         dm->backend = gpu;
         return FITM_OK;
@@ -455,7 +456,7 @@ static fitm_status model_load(void *ctx, fitm_err *err)
     if ((st = open_model(dm, err)) != FITM_OK)
         return st;
     int threads = thread_count(cfg);
-    char backend[512];
+    char backend[768];
     if ((st = choose_backend(dm, threads, backend, sizeof backend, err)) != FITM_OK)
         return st;
     bool rerank_step;
