@@ -19,6 +19,9 @@
 #   ncu     every kernel's time (Nsight Compute, real clocks, caches kept) over a prompt, two
 #           decode steps and a 32-sequence step (tests/ncu_summary.py)
 #   steps   the same per call over 24 one-sequence decode steps from an empty cache
+#   why     where the largest kernels' time goes (Nsight Compute sections: throughput, memory,
+#           warp stall reasons, occupancy) for the prompt's GEMM and tiled attention, the
+#           decode step's attention and matvecs, the LM head among them
 #   l1b     a Llama 1B shape, this build and the baseline
 # Never wait without PIDs here: a bare `wait` also waits for the log's tee and never returns.
 set -u
@@ -91,6 +94,15 @@ steps)
      $BF -m $G -b cuda -p 1 -n 24 -r 1 > $L/steps.out 2> $L/steps.err); echo "ncu rc $?"; tail -2 $L/steps.err
   cp $L/steps.csv $OUT/steps.csv
   python3 tests/ncu_summary.py --steps $L/steps.csv ;;
+why)
+  step "why the largest kernels take their time (ncu sections, real clocks, caches not flushed)"
+  [ -n "$N" ] || { echo "no ncu"; continue; }
+  (cd /tmp && timeout 120 $N --clock-control none --cache-control none --section SpeedOfLight \
+     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+     --kernel-name-base function --kernel-name regex:'fitm_(gemm_bf16_tiles|attention_tiles|attention_rows_many|matvec_rows|matvec_rows3)' \
+     --launch-count 24 $BF -m $G -b cuda -p 512 -n 2 -r 1 > $L/why.txt 2> $L/why.err); echo "ncu rc $?"; tail -2 $L/why.err
+  cp $L/why.txt $OUT/why.txt
+  grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Grid Size|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|stalled|One or More Eligible" $L/why.txt | head -240 ;;
 l1b)
   step "Llama 1B shape"
   wait $MP; cat $L/models.log
