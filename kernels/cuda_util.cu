@@ -491,40 +491,47 @@ extern "C" int fitm_cuda_pdl_probe(void)
 #else
     const int64_t n = (int64_t)1 << 20; /* 4 MiB: every check's blocks start before the fill ends */
 #endif
+    cudaError_t first = cudaSuccess; /* the first error, which says whether the device is lost */
+    auto fine = [&first](cudaError_t e) {
+        if (e != cudaSuccess && first == cudaSuccess)
+            first = e;
+        return e == cudaSuccess;
+    };
     unsigned *x = NULL, *y = NULL, *bad = NULL, found = 1;
     cudaStream_t s = NULL;
     cudaGraphExec_t ge = NULL;
-    bool ok = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess &&
+    bool ok = fine(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)) &&
               fitm_cuda_set_pdl(s, true) &&
-              cudaMalloc((void **)&x, (size_t)n * sizeof *x) == cudaSuccess &&
-              cudaMalloc((void **)&y, (size_t)n * sizeof *y) == cudaSuccess &&
-              cudaMalloc((void **)&bad, sizeof *bad) == cudaSuccess &&
-              cudaMemsetAsync(bad, 0, sizeof *bad, s) == cudaSuccess;
+              fine(cudaMalloc((void **)&x, (size_t)n * sizeof *x)) &&
+              fine(cudaMalloc((void **)&y, (size_t)n * sizeof *y)) &&
+              fine(cudaMalloc((void **)&bad, sizeof *bad)) &&
+              fine(cudaMemsetAsync(bad, 0, sizeof *bad, s));
     /* launched; captured, instantiated and replayed twice; captured again with other
      * arguments, the instance updated with them (as the backend's steps are) and replayed */
     for (int round = 0; round < 3 && ok; round++) {
         const unsigned salt = 0x5bd1e995u + 0x27d4eb2du * (unsigned)round;
         if (round == 0) {
             pdl_work(s, x, y, n, salt, bad);
-            ok = cudaGetLastError() == cudaSuccess;
+            ok = fine(cudaGetLastError());
             continue;
         }
         cudaGraph_t gr = NULL;
-        ok = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+        ok = fine(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
         if (ok) {
             pdl_work(s, x, y, n, salt, bad);
-            ok = cudaStreamEndCapture(s, &gr) == cudaSuccess && cudaGetLastError() == cudaSuccess;
+            const cudaError_t launched = cudaGetLastError();
+            ok = fine(cudaStreamEndCapture(s, &gr)) && fine(launched);
         }
         cudaGraphExecUpdateResultInfo info;
-        ok = ok && (round == 1 ? cudaGraphInstantiate(&ge, gr, 0) == cudaSuccess
-                               : cudaGraphExecUpdate(ge, gr, &info) == cudaSuccess) &&
-             cudaGraphLaunch(ge, s) == cudaSuccess && cudaGraphLaunch(ge, s) == cudaSuccess;
+        ok = ok &&
+             (round == 1 ? fine(cudaGraphInstantiate(&ge, gr, 0))
+                         : fine(cudaGraphExecUpdate(ge, gr, &info))) &&
+             fine(cudaGraphLaunch(ge, s)) && fine(cudaGraphLaunch(ge, s));
         if (gr)
             cudaGraphDestroy(gr);
     }
-    ok = ok &&
-         cudaMemcpyAsync(&found, bad, sizeof found, cudaMemcpyDeviceToHost, s) == cudaSuccess &&
-         cudaStreamSynchronize(s) == cudaSuccess && found == 0;
+    ok = ok && fine(cudaMemcpyAsync(&found, bad, sizeof found, cudaMemcpyDeviceToHost, s)) &&
+         fine(cudaStreamSynchronize(s)) && found == 0;
     if (ge)
         cudaGraphExecDestroy(ge);
     if (s) {
@@ -536,5 +543,7 @@ extern "C" int fitm_cuda_pdl_probe(void)
     cudaFree(y);
     cudaFree(bad);
     (void)cudaGetLastError();
+    if (fitm_cuda_error_is_sticky((int)first))
+        return -(int)first; /* a fault, not a refusal: the device is lost */
     return ok ? 1 : 0;
 }

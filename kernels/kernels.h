@@ -52,8 +52,10 @@ int fitm_cuda_device_count(void);
 /* Programmatic launches (common.cuh): 1 when the current device has compute capability 9.0 or
  * later and ran a probe of programmatic launches and device copies on a stream of its own
  * (launched; captured into a graph, instantiated and replayed; captured again, the instance
- * updated with it and replayed) and every read saw the write before it; else 0 (errors
- * cleared). Leaves nothing behind. */
+ * updated with it and replayed) and every read saw the write before it; 0 when it did not (a
+ * refusal: errors cleared); minus the error when the probe hit one that loses the context
+ * (fitm_cuda_error_is_sticky: the device is unusable, whatever the launches). Leaves nothing
+ * behind. */
 int fitm_cuda_pdl_probe(void);
 /* Makes the launches on stream programmatic (on) or plain, from the next launch on: for the
  * streams of devices where fitm_cuda_pdl_probe returned 1, and taken off before the stream

@@ -81,15 +81,38 @@ void fitm_ops_geglu(float *y, const float *g, const float *u, int64_t n)
     }
 }
 
+/* base^(-2i/n_rot), the rotation's frequency of pair i. */
+static double rope_freq(float base, int64_t i, int64_t n_rot)
+{
+    return pow((double)base, -2.0 * (double)i / (double)n_rot);
+}
+
+/* Pair i of a table row: theta = pos * freq_scale * w, w pair i's frequency. */
+static void rope_pair(float *cs, int64_t pos, float freq_scale, double w)
+{
+    double theta = (double)pos * (double)freq_scale * w;
+    cs[0] = (float)cos(theta);
+    cs[1] = (float)sin(theta);
+}
+
 void fitm_ops_rope_table(float *cs, int64_t n_rot, int64_t pos, float base, float freq_scale)
 {
     int64_t half = n_rot / 2;
-    for (int64_t i = 0; i < half; i++) {
-        double theta = (double)pos * (double)freq_scale *
-                       pow((double)base, -2.0 * (double)i / (double)n_rot);
-        cs[2 * i] = (float)cos(theta);
-        cs[2 * i + 1] = (float)sin(theta);
-    }
+    for (int64_t i = 0; i < half; i++)
+        rope_pair(cs + 2 * i, pos, freq_scale, rope_freq(base, i, n_rot));
+}
+
+void fitm_ops_rope_freqs(double *w, int64_t n_rot, float base)
+{
+    for (int64_t i = 0; i < n_rot / 2; i++)
+        w[i] = rope_freq(base, i, n_rot);
+}
+
+void fitm_ops_rope_table_at(float *cs, int64_t n_rot, int64_t pos, float freq_scale,
+                            const double *w)
+{
+    for (int64_t i = 0; i < n_rot / 2; i++)
+        rope_pair(cs + 2 * i, pos, freq_scale, w[i]);
 }
 
 void fitm_ops_rope_apply(float *v, const float *cs, int64_t n_rot, int neox)

@@ -35,6 +35,12 @@ void fitm_ops_geglu(float *y, const float *g, const float *u, int64_t n);
  * what fitm_ops_rope does (to float rounding: the compiler may fuse the multiply-adds). */
 void fitm_ops_rope_table(float *cs, int64_t n_rot, int64_t pos, float base, float freq_scale);
 void fitm_ops_rope_apply(float *v, const float *cs, int64_t n_rot, int neox);
+/* The same rows for many positions of one base: fitm_ops_rope_freqs fills w (n_rot/2) with the
+ * frequencies base^(-2i/n_rot) once (the pow that is most of a row's cost), and
+ * fitm_ops_rope_table_at fills cs from them, bit for bit fitm_ops_rope_table's row. */
+void fitm_ops_rope_freqs(double *w, int64_t n_rot, float base);
+void fitm_ops_rope_table_at(float *cs, int64_t n_rot, int64_t pos, float freq_scale,
+                            const double *w);
 
 /* A half-open range [start, end) of key positions (a document's tokens). */
 typedef struct {

@@ -1881,7 +1881,10 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
                             cublasGetStatusName(st));
     }
     /* programmatic launches where the device runs them right (kernels/common.cuh) */
-    c->pdl_ok = fitm_cuda_pdl_probe() == 1 && fitm_cuda_set_pdl(c->stream, true);
+    const int probe = fitm_cuda_pdl_probe();
+    if (probe < 0) /* a lost device: the first pass reports it */
+        ok(c, -probe, "the programmatic launch probe");
+    c->pdl_ok = probe == 1 && fitm_cuda_set_pdl(c->stream, true);
     struct cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
         snprintf(c->device, sizeof c->device, "%.256s (sm_%d%d, %zu MiB)", p.name, p.major, p.minor,

@@ -17,6 +17,10 @@ static void free_scratch(fitm_forward *f)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         b->ops->free(b, bufs[i]);
     free(f->cs_host);
+    for (int i = 0; i < 2; i++) {
+        free(f->rope_w[i]);
+        free(f->rope_rows[i]);
+    }
     free(f->cap_index);
     free(f->top);
     free(f->pick);
@@ -92,6 +96,10 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     f->k = alloc_floats(b, Tm * KV, &ok);
     f->v = alloc_floats(b, Tm * KV, &ok);
     f->cs_host = malloc((size_t)(Tm * c->n_rot + 1) * sizeof(float));
+    for (int i = 0; i < 2; i++) {
+        f->rope_w[i] = malloc((size_t)(c->n_rot / 2 + 1) * sizeof(double));
+        f->rope_w_base[i] = NAN;
+    }
     f->cap_index = malloc((size_t)Tm * sizeof(int32_t));
     f->top = malloc((size_t)(p->max_logits * FITM_TOP_MAX + 1) * sizeof(fitm_top));
     f->ids = malloc((size_t)Tm * sizeof(int32_t));
@@ -99,8 +107,8 @@ fitm_status fitm_forward_create(fitm_forward **out, const fitm_model *m, fitm_ba
     f->pick = malloc(picks * sizeof *f->pick);
     f->lp = malloc(picks * sizeof *f->lp);
     f->lp_row = malloc((size_t)c->n_vocab * sizeof *f->lp_row);
-    if (!ok || !f->cs_host || !f->cap_index || !f->top || !f->ids || !f->pick || !f->lp ||
-        !f->lp_row) {
+    if (!ok || !f->cs_host || !f->rope_w[0] || !f->rope_w[1] || !f->cap_index || !f->top ||
+        !f->ids || !f->pick || !f->lp || !f->lp_row) {
         fitm_forward_destroy(f);
         return fitm_err_set(err, FITM_ERR_NOMEM, "cannot allocate forward scratch for %lld tokens",
                             (long long)Tm);
@@ -343,15 +351,61 @@ static bool set_act(pass *p, int32_t l, bool ffn)
     return p->act[0] + p->act[1] > 0;
 }
 
-static void rope_tables(fitm_forward *f, const pass *p, float base, float scale, float *dst)
+/* Makes f->rope_w[which] the frequencies of base b. */
+static void rope_freqs(fitm_forward *f, int which, float b)
+{
+    if (!(f->rope_w_base[which] == b)) {
+        fitm_ops_rope_freqs(f->rope_w[which], fitm_model_config_of(f->m)->n_rot, b);
+        f->rope_w_base[which] = b;
+    }
+}
+
+/* The kept rows of table `which` (base, scale: the table's own), holding positions [0, need):
+ * those not kept yet are computed now. NULL where need is past max_ctx or the room cannot
+ * grow (the caller computes its rows itself). */
+static const float *rope_rows(fitm_forward *f, int which, float base, float scale, int64_t need)
+{
+    const int64_t n_rot = fitm_model_config_of(f->m)->n_rot;
+    if (need > f->p.max_ctx)
+        return NULL;
+    if (need > f->rope_cap[which]) {
+        int64_t cap = f->rope_cap[which] * 2 > 256 ? f->rope_cap[which] * 2 : 256;
+        cap = cap < need ? need : cap > f->p.max_ctx ? f->p.max_ctx : cap;
+        float *r = realloc(f->rope_rows[which], (size_t)(cap * n_rot) * sizeof *r);
+        if (!r)
+            return NULL;
+        f->rope_rows[which] = r;
+        f->rope_cap[which] = cap;
+    }
+    if (need > f->rope_n[which]) {
+        rope_freqs(f, which, base);
+        for (int64_t t = f->rope_n[which]; t < need; t++)
+            fitm_ops_rope_table_at(f->rope_rows[which] + t * n_rot, n_rot, t, scale,
+                                   f->rope_w[which]);
+        f->rope_n[which] = need;
+    }
+    return f->rope_rows[which];
+}
+
+/* Table `which` (0 global, 1 local) of every row's position, base `base` times each
+ * sequence's factor: the rows of fitm_ops_rope_table, from the kept rows where the factor is 1
+ * (rope_rows), else from frequencies computed once per base. */
+static void rope_tables(fitm_forward *f, const pass *p, int which, float base, float scale,
+                        float *dst)
 {
     const int64_t n_rot = fitm_model_config_of(f->m)->n_rot;
     for (int32_t s = 0; s < p->n_seqs; s++) {
         const seq_part *q = &p->seq[s];
+        float *cs = f->cs_host + q->row0 * n_rot;
         const float b = base * q->role.factor; /* factor 1: the base itself, bit for bit */
+        const float *kept = b == base ? rope_rows(f, which, base, scale, q->pos0 + q->T) : NULL;
+        if (kept) {
+            memcpy(cs, kept + q->pos0 * n_rot, (size_t)(q->T * n_rot) * sizeof *cs);
+            continue;
+        }
+        rope_freqs(f, which, b);
         for (int64_t t = 0; t < q->T; t++)
-            fitm_ops_rope_table(f->cs_host + (q->row0 + t) * n_rot, n_rot, q->pos0 + t, b,
-                                scale);
+            fitm_ops_rope_table_at(cs + t * n_rot, n_rot, q->pos0 + t, scale, f->rope_w[which]);
     }
     f->b->ops->upload(f->b, dst, f->cs_host, (size_t)(p->T * n_rot) * sizeof(float));
 }
@@ -368,9 +422,9 @@ static void pass_rope_tables(const pass *p)
             any_global = true;
     }
     if (any_global)
-        rope_tables(p->f, p, c->rope_base, c->rope_freq_scale, p->f->cs[0]);
+        rope_tables(p->f, p, 0, c->rope_base, c->rope_freq_scale, p->f->cs[0]);
     if (any_local)
-        rope_tables(p->f, p, c->rope_base_local, 1.0f, p->f->cs[1]);
+        rope_tables(p->f, p, 1, c->rope_base_local, 1.0f, p->f->cs[1]);
 }
 
 /* outs (y laid out over all T rows) = x (T, K) . W^T for the rows the layer runs, as one

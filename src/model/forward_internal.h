@@ -35,6 +35,15 @@ struct fitm_forward {
     float *k, *v;    /* (T, Hkv*D) the call's K/V rows before they go to each cache */
     /* host scratch */
     float *cs_host;     /* (T, n_rot) */
+    /* RoPE tables on the host, per table (global, local): the frequencies of the base last
+     * used (fitm_ops_rope_freqs: a row's pows once per base; base NaN: none yet), and the rows
+     * of the table's own base by position, each computed once and kept (rows [0, rope_n) of
+     * rope_rows, room for rope_cap; grown on demand, at most max_ctx): a pass copies its
+     * rows from there instead of computing sines and cosines again */
+    double *rope_w[2]; /* (n_rot/2) */
+    float rope_w_base[2];
+    float *rope_rows[2];
+    int64_t rope_n[2], rope_cap[2];
     int32_t *cap_index; /* (T)        */
     fitm_top *top;      /* (max_logits, FITM_TOP_MAX): several sequences' top-k in one call */
     int32_t *pick;      /* (max_logits, FITM_PICK_MAX) several sequences' picked ids        */

@@ -564,6 +564,13 @@ static void test_programmatic(void)
     };
 
     CHECK(fitm_cuda_pdl_probe() == 1, "the probe passes on the emulated sm_90");
+    /* a launch the device refuses turns programmatic launches down; a fault says the device
+     * is lost */
+    fitm_emu_inject_error("launch", cudaErrorInvalidValue);
+    CHECK(fitm_cuda_pdl_probe() == 0, "a refused launch: plain launches");
+    fitm_emu_inject_error("launch", cudaErrorLaunchFailure);
+    CHECK(fitm_cuda_pdl_probe() == -(int)cudaErrorLaunchFailure, "a failed launch: a lost device");
+    CHECK(cudaGetLastError() == cudaSuccess && fitm_cuda_pdl_probe() == 1, "and the probe again");
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s) == cudaSuccess);
     CHECK(!fitm_cuda_pdl(s), "launches are plain by default");
