@@ -128,6 +128,38 @@ std::atomic<int> fitm_tapes_on{0};
 namespace
 {
 
+/* N entries E, each with a member `stream` (nullptr: a free entry), changed under the owner's
+ * lock; find scans the entries ever used (top) without it, so an entry's stream is published
+ * last (release) and a lookup of another stream reads a whole entry or none. The tapes'
+ * sessions and the programmatic streams are such tables. */
+template <typename E, int N> struct stream_table {
+    E e[N];
+    std::atomic<int> top{0};
+
+    E *find(cudaStream_t st)
+    {
+        const int n = top.load(std::memory_order_acquire);
+        for (int i = 0; i < n; i++)
+            if (e[i].stream.load(std::memory_order_acquire) == st)
+                return &e[i];
+        return nullptr;
+    }
+
+    /* st's entry, else the lowest free one (the lock held); nullptr when the table is full */
+    E *claim(cudaStream_t st)
+    {
+        if (E *f = find(st))
+            return f;
+        for (int i = 0; i < N; i++)
+            if (e[i].stream.load(std::memory_order_relaxed) == nullptr) {
+                if (i >= top.load(std::memory_order_relaxed))
+                    top.store(i + 1, std::memory_order_release);
+                return &e[i];
+            }
+        return nullptr;
+    }
+};
+
 enum { TAPE_RECORD = 1, TAPE_EXPECT };
 
 struct tape_session {
@@ -144,34 +176,12 @@ struct tape_session {
     bool missed;
 };
 
-constexpr int TAPE_SESSIONS = 64;
-tape_session tape_sessions[TAPE_SESSIONS];
-std::atomic<int> tape_top{0}; /* entries ever used: the lookup scans these */
+stream_table<tape_session, 64> tape_sessions;
 std::mutex tape_lock;
 
 tape_session *tape_find(cudaStream_t st)
 {
-    const int n = tape_top.load(std::memory_order_acquire);
-    for (int i = 0; i < n; i++)
-        if (tape_sessions[i].stream.load(std::memory_order_acquire) == st)
-            return &tape_sessions[i];
-    return nullptr;
-}
-
-/* The session of st, a new one if it has none (the lock held): the lowest free entry;
- * nullptr when the table is full. */
-tape_session *tape_claim(cudaStream_t st)
-{
-    tape_session *s = tape_find(st);
-    if (s)
-        return s;
-    for (int i = 0; i < TAPE_SESSIONS; i++)
-        if (tape_sessions[i].stream.load(std::memory_order_relaxed) == nullptr) {
-            if (i >= tape_top.load(std::memory_order_relaxed))
-                tape_top.store(i + 1, std::memory_order_release);
-            return &tape_sessions[i];
-        }
-    return nullptr;
+    return tape_sessions.find(st);
 }
 
 void tape_publish(tape_session *s, cudaStream_t st)
@@ -266,7 +276,7 @@ extern "C" bool fitm_cuda_tape_record(fitm_cuda_tape *t, void *stream)
 {
     const cudaStream_t st = fitm_stream(stream);
     std::lock_guard<std::mutex> g(tape_lock);
-    tape_session *s = st ? tape_claim(st) : nullptr;
+    tape_session *s = st ? tape_sessions.claim(st) : nullptr;
     if (!s)
         return false;
     s->mode = TAPE_RECORD;
@@ -282,7 +292,7 @@ extern "C" bool fitm_cuda_tape_expect(fitm_cuda_tape *t, void *stream, fitm_cuda
     if (n_cands < 1 || n_cands > FITM_CUDA_TAPE_CANDIDATES)
         return false;
     std::lock_guard<std::mutex> g(tape_lock);
-    tape_session *s = st ? tape_claim(st) : nullptr;
+    tape_session *s = st ? tape_sessions.claim(st) : nullptr;
     if (!s)
         return false;
     t->clear();
@@ -375,23 +385,16 @@ std::atomic<int> fitm_pdl_on{0};
 
 namespace
 {
-/* The programmatic table: streams, nullptr for a free entry, changed under pdl_lock; the
- * launchers scan the first pdl_top entries without it. */
-constexpr int PDL_STREAMS = 64;
-std::atomic<cudaStream_t> pdl_streams[PDL_STREAMS];
-std::atomic<int> pdl_top{0};
+struct pdl_entry {
+    std::atomic<cudaStream_t> stream{nullptr};
+};
+stream_table<pdl_entry, 64> pdl_streams; /* the programmatic table, changed under pdl_lock */
 std::mutex pdl_lock;
 } // namespace
 
 bool fitm_pdl_stream(cudaStream_t stream)
 {
-    if (!stream)
-        return false;
-    const int n = pdl_top.load(std::memory_order_acquire);
-    for (int i = 0; i < n; i++)
-        if (pdl_streams[i].load(std::memory_order_acquire) == stream)
-            return true;
-    return false;
+    return stream && pdl_streams.find(stream);
 }
 
 extern "C" bool fitm_cuda_set_pdl(void *stream, bool on)
@@ -400,31 +403,14 @@ extern "C" bool fitm_cuda_set_pdl(void *stream, bool on)
     if (!st)
         return false;
     std::lock_guard<std::mutex> hold(pdl_lock);
-    int free_at = -1;
-    const int n = pdl_top.load(std::memory_order_relaxed);
-    for (int i = 0; i < n; i++) {
-        const cudaStream_t e = pdl_streams[i].load(std::memory_order_relaxed);
-        if (e == st) {
-            if (!on) {
-                pdl_streams[i].store(nullptr, std::memory_order_release);
-                fitm_pdl_on.fetch_sub(1, std::memory_order_relaxed);
-            }
-            return on;
-        }
-        if (!e && free_at < 0)
-            free_at = i;
-    }
-    if (!on)
+    pdl_entry *e = on ? pdl_streams.claim(st) : pdl_streams.find(st);
+    if (!e) /* off and not in the table, or on and the table full: plain launches */
         return false;
-    if (free_at < 0) {
-        if (n == PDL_STREAMS)
-            return false; /* full: plain launches */
-        free_at = n;
-        pdl_top.store(n + 1, std::memory_order_release);
-    }
-    pdl_streams[free_at].store(st, std::memory_order_release);
-    fitm_pdl_on.fetch_add(1, std::memory_order_relaxed);
-    return true;
+    if (on == (e->stream.load(std::memory_order_relaxed) == st))
+        return on; /* already so */
+    e->stream.store(on ? st : nullptr, std::memory_order_release);
+    fitm_pdl_on.fetch_add(on ? 1 : -1, std::memory_order_relaxed);
+    return on;
 }
 
 extern "C" bool fitm_cuda_pdl(void *stream)
