@@ -23,8 +23,12 @@ CUBLAS_COMPUTE_32F_PEDANTIC), the BF16 tensor cores where they multiply BF16 ope
 and, for /rerank, the time the forward tokens it reports would take at the measured prefill
 rate (1.0 = no overhead beyond prefill).
 
+With --profile, one more /rerank row: the default method of a daemon whose scoring defaults are
+the profile's. On a model generated with the profiled model's shape and tokenizer (fitm mkmodel
+--tokenizer-from) that is the request its users send by default, at the same forward tokens.
+
   tests/bench_cuda.py [--model GGUF] [--build build-cuda] [--k 20] [--repeat 3]
-                      [--gpu-weights f32|bf16]
+                      [--gpu-weights f32|bf16] [--profile config/profiles/NAME.profile]
 
 Without a CUDA device (no libcudart, no driver, or no GPU) it prints one line and exits 77,
 the test harness's "skipped"."""
@@ -155,6 +159,25 @@ def rerank_bench(build, model, k, repeat, gpu_weights, methods=METHODS, daemon_a
         proc.wait(60)
 
 
+# The profile keys that are fitmd's scoring defaults (config/fitmd.conf's keys of the same names)
+PROFILE_KEYS = ("rows", "layers", "heads", "aggregate", "skip_first", "reference", "dummy_source",
+                "form", "head_query", "sink_factor", "window", "temperature", "score_scale",
+                "score_bias", "fuse_weight", "rerank_method")
+
+
+def profile_args(path):
+    """fitmd options that make the profile's scoring options the server's defaults: a request
+    that names no method or option is then scored as the profiled model's users' requests are
+    (fitmd loads a profile only for the model file it was fitted on, so a generated model of
+    the same shape takes its options this way)."""
+    args = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        m = re.match(r"\s*([a-z_]+)\s*=\s*(.*?)\s*$", line)
+        if m and m.group(1) in PROFILE_KEYS:
+            args.append(f"--{m.group(1)}={m.group(2).strip(chr(34))}")
+    return args
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -167,6 +190,10 @@ def main():
     ap.add_argument("--gpu-weights", choices=["f32", "bf16"], default="bf16",
                     help="the BATCH products' operands (bench_forward --gpu-weights, fitmd's "
                          "gpu_weights): which peak bounds the prefill row")
+    ap.add_argument("--profile", help="a scoring profile (config/profiles/): one more /rerank "
+                    "row, the default method of a daemon whose scoring defaults are the "
+                    "profile's (with a model carrying the profiled model's tokenizer, "
+                    "fitm mkmodel --tokenizer-from, that is its users' default request)")
     a = ap.parse_args()
     lim = device_limits()
     if lim is None:
@@ -202,6 +229,9 @@ def main():
     # lane), as every /rerank ran before lanes
     runs.update(rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights,
                              (("default, 1 lane", {}),), ("--rerank_lanes=1",)))
+    if a.profile:
+        runs.update(rerank_bench(a.build, a.model, a.k, a.repeat, a.gpu_weights,
+                                 (("profile's default", {}),), profile_args(a.profile)))
     for name, (t, u) in runs.items():
         at_pp = u["forward_tokens"] / pp_tps
         print(f"/rerank K={a.k} {name:<20} {t * 1e3:8.1f} ms  {u['forward_tokens']:6d} forward "

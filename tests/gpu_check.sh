@@ -5,6 +5,13 @@
 #   cp <an older .gpu/bundle.tar.xz> .gpu/base.tar.xz    (optional: the baseline, run beside)
 #   git log --oneline -1 > .gpu/commit          (the commit the log names: the machine's copy
 #                                                of the tree may carry an older .git)
+#   build-gpu/src/fitm mkmodel --arch gemma3 --type Q4_0 --layers 1 --dim 32 --heads 1 \
+#     --head-dim 32 --ff 32 --tokenizer-from <the default model's file> -o .gpu/tokenizer.gguf
+#                                               (optional, 11 MB: the default model's tokenizer,
+#                                                which the generated models then carry, so that
+#                                                /rerank's prompts have the default model's
+#                                                lengths; the generated tokenizer spends 3.7
+#                                                times the tokens on bench_rerank's documents)
 # then on the GPU machine, from the root of a copy of the tree that carries .gpu/:
 #   bash tests/gpu_check.sh                     (FITM_GPU_STEPS picks steps; log in $OUT)
 # Steps, each under its own time limit:
@@ -15,7 +22,8 @@
 #   depth   decode after a 4,096-token context of each sequence's own (1 and 8 sequences),
 #           this build and the baseline
 #   cpu     bench_forward -b cpu, 16 threads, on the same machine
-#   rerank  tests/bench_cuda.py (prefill, decode and /rerank K = 20 against the device's limits)
+#   rerank  tests/bench_cuda.py (prefill, decode and /rerank K = 20 against the device's limits;
+#           the default model's profile's default request too, --profile)
 #   ncu     every kernel's time (Nsight Compute, real clocks, caches kept) over a prompt, two
 #           decode steps and a 32-sequence step (tests/ncu_summary.py)
 #   steps   the same per call over 24 one-sequence decode steps from an empty cache
@@ -39,8 +47,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
 cat "$D/commit" 2>/dev/null || echo "commit: not recorded (.gpu/commit)"
 missing=$(ldd $B/bin/fitmd | grep "not found"); [ -z "$missing" ] || { echo "libraries missing: $missing"; exit 1; }
 mkdir -p /tmp/gb/src /tmp/gb/tests; ln -sf $B/bin/fitmd /tmp/gb/src/fitmd; ln -sf $B/bin/bench_forward /tmp/gb/tests/bench_forward
+# Gemma 3 270M's shape (V 262,144 either way): its tokenizer when .gpu/ carries it
+TOKF="--vocab-extra 261032"; [ -f "$D/tokenizer.gguf" ] && TOKF="--tokenizer-from $D/tokenizer.gguf"
+echo "generated models' tokenizer: $TOKF"
 $B/bin/fitm mkmodel --arch gemma3 -o /tmp/g270.gguf --type Q5_0 --layers 18 --dim 640 --heads 4 \
-  --kv-heads 1 --head-dim 256 --ff 2048 --swa 512 --ctx 8192 --vocab-extra 261032 -q
+  --kv-heads 1 --head-dim 256 --ff 2048 --swa 512 --ctx 8192 $TOKF -q
 ($B/bin/fitm mkmodel --arch llama -o /tmp/l1b.gguf --type Q4_K --layers 16 --dim 2048 --heads 32 \
   --kv-heads 8 --ff 8192 --ctx 8192 --vocab-extra 127000 -q > $L/models.log 2>&1) & MP=$!
 BF=$B/bin/bench_forward; G=/tmp/g270.gguf
@@ -77,7 +88,8 @@ cpu)
   timeout 60 $BF -m $G -b cpu -t 16 -p 512 -n 128 -r 1 -B 8 -B 32 2>&1 | head -9 ;;
 rerank)
   step "bench_cuda.py"
-  PYTHONUNBUFFERED=1 timeout 100 python3 tests/bench_cuda.py --model $G --build /tmp/gb --reps 2 --repeat 3 2>&1 | grep -v "^|" ;;
+  PYTHONUNBUFFERED=1 timeout 130 python3 tests/bench_cuda.py --model $G --build /tmp/gb --reps 2 --repeat 3 \
+    --profile config/profiles/gemma3-270m-q4km.profile 2>&1 | grep -v "^|" ;;
 ncu)
   step "kernel times (ncu, real clocks, caches not flushed)"
   [ -n "$N" ] || { echo "no ncu"; continue; }

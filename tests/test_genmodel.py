@@ -200,6 +200,31 @@ def test_small_dim_with_block32_type(fitm_bin, tmp_path):
                  dict(DEFAULTS["llama"], C=64, H=2, D=32, F=96))
 
 
+@pytest.mark.parametrize("src_arch,extra", [("qwen2", ("--vocab-extra", 5)), ("llama", ())])
+def test_tokenizer_from_another_file(fitm_bin, model, tmp_path, src_arch, extra):
+    """--tokenizer-from copies every tokenizer.* key of the file with its type and value (a
+    byte-level BPE with merges, a SentencePiece vocabulary with scores), sizes the vocabulary
+    by it, and the model tokenizes exactly as the file's model does."""
+    src_path = model(src_arch, "F32", 1, *extra)
+    src = gguf_reader.read(src_path)
+    path = tmp_path / "g.gguf"
+    mkmodel(fitm_bin, path, "--arch", "gemma3", "--type", "Q8_0", "--layers", 2,
+            "--tokenizer-from", src_path)
+    g = gguf_reader.read(path)
+    V = check_layout(g, "gemma3", "Q8_0", dict(DEFAULTS["gemma3"], L=2))
+    assert V == len(src.metadata["tokenizer.ggml.tokens"])
+    tok_keys = [k for k in src.metadata if k.startswith("tokenizer.")]
+    assert [k for k in g.metadata if k.startswith("tokenizer.")] == tok_keys
+    for k in tok_keys:
+        assert g.metadata_types[k] == src.metadata_types[k], k
+        a, b = g.metadata[k], src.metadata[k]
+        assert (np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b), k
+    text = "Which document answers the question? Paris, France: 1,234 results."
+    ids = [subprocess.run([str(fitm_bin), "tokenize", "-m", str(m), text], capture_output=True,
+                          text=True, timeout=60, check=True).stdout for m in (src_path, path)]
+    assert ids[0] == ids[1] and len(ids[0].split()) > 5, ids
+
+
 @pytest.mark.parametrize("args,code,msg", [
     (["--arch", "llama", "--type", "Q4_K", "--dim", 128], 1, "multiples of 256"),
     (["--arch", "llama", "--type", "Q8_0", "--ff", 100], 1, "multiples of 32"),
@@ -211,6 +236,8 @@ def test_small_dim_with_block32_type(fitm_bin, tmp_path):
     (["--arch", "llama", "--bogus"], 2, "unknown option"),
     (["--arch", "llama", "--layers", 0], 1, "layers"),
     (["--arch", "llama", "--tokenizer", "bert"], 2, "unknown tokenizer"),
+    (["--arch", "llama", "--tokenizer-from", "x.gguf", "--vocab-extra", 3], 2, "takes the place"),
+    (["--arch", "llama", "--tokenizer-from", "/nonexistent.gguf"], 1, "/nonexistent.gguf"),
 ])
 def test_errors(fitm_bin, tmp_path, args, code, msg):
     path = tmp_path / "m.gguf"

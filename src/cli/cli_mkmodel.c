@@ -9,6 +9,7 @@
 
 #include "cli/cli.h"
 #include "compute/quant.h"
+#include "gguf/gguf.h"
 #include "model/genmodel.h"
 
 static void usage(FILE *f)
@@ -32,6 +33,9 @@ static void usage(FILE *f)
         "  --seed N           random seed, 64-bit (default 1)\n"
         "  --tokenizer T      default | llama | gemma | qwen2 | llama3 (default: the arch's own:\n"
         "                     llama -> llama, qwen2 -> qwen2, gemma3 -> gemma)\n"
+        "  --tokenizer-from F every tokenizer.* key of the GGUF file F instead (V = its\n"
+        "                     tokens): a real model's tokenizer on random weights of any\n"
+        "                     shape, so prompts have that model's lengths\n"
         "  --layers N         blocks            (default llama %d, qwen2 %d, gemma3 %d)\n"
         "  --dim N            embedding length  (default %d, %d, %d)\n"
         "  --heads N          query heads       (default %d, %d, %d)\n"
@@ -111,6 +115,7 @@ int fitm_cli_mkmodel(int argc, char **argv)
         O_TYPE,
         O_SEED,
         O_TOK,
+        O_TOK_FROM,
         O_LAYERS,
         O_DIM,
         O_HEADS,
@@ -131,11 +136,13 @@ int fitm_cli_mkmodel(int argc, char **argv)
         const char *name, *alias;
         bool arg;
     } opts[O_COUNT] = {
+        /* clang-format off */
         [O_ARCH] = {"--arch", NULL, true},
         [O_OUT] = {"--output", "-o", true},
         [O_TYPE] = {"--type", NULL, true},
         [O_SEED] = {"--seed", NULL, true},
         [O_TOK] = {"--tokenizer", NULL, true},
+        [O_TOK_FROM] = {"--tokenizer-from", NULL, true},
         [O_LAYERS] = {"--layers", NULL, true},
         [O_DIM] = {"--dim", NULL, true},
         [O_HEADS] = {"--heads", NULL, true},
@@ -150,6 +157,7 @@ int fitm_cli_mkmodel(int argc, char **argv)
         [O_EPS] = {"--eps", NULL, true},
         [O_QUIET] = {"--quiet", "-q", false},
         [O_HELP] = {"--help", "-h", false},
+        /* clang-format on */
     };
     const char *val[O_COUNT] = {0};
     bool seen[O_COUNT] = {0};
@@ -230,7 +238,17 @@ int fitm_cli_mkmodel(int argc, char **argv)
     if (!val[O_KV] && cfg.n_head > 0 && cfg.n_head % default_kv != 0)
         cfg.n_head_kv = cfg.n_head;
 
-    if (fitm_gen_write(&cfg, val[O_OUT], &err) != FITM_OK) {
+    if (val[O_TOK_FROM] && (val[O_TOK] || val[O_EXTRA]))
+        return bad("--tokenizer-from takes the place of --tokenizer and --vocab-extra");
+    fitm_gguf *tok_file = NULL;
+    if (val[O_TOK_FROM] && fitm_gguf_open(&tok_file, val[O_TOK_FROM], &err) != FITM_OK) {
+        fprintf(stderr, "fitm mkmodel: %s: %s\n", val[O_TOK_FROM], err.msg);
+        return 1;
+    }
+    cfg.tokenizer = tok_file;
+    fitm_status st = fitm_gen_write(&cfg, val[O_OUT], &err);
+    if (st != FITM_OK) {
+        fitm_gguf_close(tok_file);
         fprintf(stderr, "fitm mkmodel: %s\n", err.msg);
         return 1;
     }
@@ -248,5 +266,6 @@ int fitm_cli_mkmodel(int argc, char **argv)
                (long long)fitm_gen_n_vocab(&cfg), (int)cfg.n_ctx, swa,
                cfg.tied || arch == FITM_GEN_ARCH_GEMMA3 ? " tied" : "", bytes);
     }
+    fitm_gguf_close(tok_file);
     return 0;
 }

@@ -232,22 +232,38 @@ fitm_status fitm_gguf_writer_set_str(fitm_gguf_writer *w, const char *key, const
     return fitm_gguf_writer_set_strn(w, key, s, strlen(s), err);
 }
 
-fitm_status fitm_gguf_writer_set_arr_str(fitm_gguf_writer *w, const char *key,
-                                         const char *const *strs, uint64_t n, fitm_err *err)
+/* An array of n strings, element i from cstrs[i] (NUL-terminated) or else strs[i]. */
+static fitm_status set_strings(fitm_gguf_writer *w, const char *key, const char *const *cstrs,
+                               const fitm_gguf_str *strs, uint64_t n, fitm_err *err)
 {
     fitm_buf b = {0};
-    if (!strs && n)
+    if (!cstrs && !strs && n)
         return fitm_err_set(err, FITM_ERR_INVALID, "key '%s': string array is NULL",
                             key ? key : "(null)");
     for (uint64_t i = 0; i < n; i++)
-        if (!strs[i])
+        if (cstrs ? !cstrs[i] : !strs[i].ptr && strs[i].len)
             return fitm_err_set(err, FITM_ERR_INVALID, "key '%s': string %" PRIu64 " is NULL",
                                 key ? key : "(null)", i);
     buf_u32(&b, FITM_GGUF_STRING);
     buf_u64(&b, n);
     for (uint64_t i = 0; i < n; i++)
-        buf_str(&b, strs[i], strlen(strs[i]));
+        if (cstrs)
+            buf_str(&b, cstrs[i], strlen(cstrs[i]));
+        else
+            buf_str(&b, strs[i].ptr, strs[i].len);
     return set_kv(w, key, FITM_GGUF_ARRAY, &b, err);
+}
+
+fitm_status fitm_gguf_writer_set_arr_str(fitm_gguf_writer *w, const char *key,
+                                         const char *const *strs, uint64_t n, fitm_err *err)
+{
+    return set_strings(w, key, strs, NULL, n, err);
+}
+
+fitm_status fitm_gguf_writer_set_arr_strn(fitm_gguf_writer *w, const char *key,
+                                          const fitm_gguf_str *strs, uint64_t n, fitm_err *err)
+{
+    return set_strings(w, key, NULL, strs, n, err);
 }
 
 fitm_status fitm_gguf_writer_set_arr(fitm_gguf_writer *w, const char *key, fitm_gguf_type elem_type,

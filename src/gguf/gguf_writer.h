@@ -66,6 +66,11 @@ fitm_status fitm_gguf_writer_set_strn(fitm_gguf_writer *w, const char *key, cons
 fitm_status fitm_gguf_writer_set_arr_str(fitm_gguf_writer *w, const char *key,
                                          const char *const *strs, uint64_t n, fitm_err *err);
 
+/* Array of n strings of strs[i].len bytes each (may contain NUL bytes; ptr may be NULL when
+ * len is 0): a string array read from a file (fitm_gguf_arr_str) copied as it is. */
+fitm_status fitm_gguf_writer_set_arr_strn(fitm_gguf_writer *w, const char *key,
+                                          const fitm_gguf_str *strs, uint64_t n, fitm_err *err);
+
 /* Array of n numeric/bool elements of elem_type (not STRING or ARRAY), packed in host byte
  * order at data (bools one byte each). data may be NULL when n is 0. */
 fitm_status fitm_gguf_writer_set_arr(fitm_gguf_writer *w, const char *key, fitm_gguf_type elem_type,

@@ -655,6 +655,25 @@ static int64_t base_vocab_size(fitm_gen_tok tok)
     return n;
 }
 
+/* The tokens of a tokenizer file's tokenizer.ggml.tokens, or -1 without a string array. */
+static int64_t file_vocab_size(const fitm_gguf *g)
+{
+    const fitm_gguf_kv *kv = fitm_gguf_find_kv(g, "tokenizer.ggml.tokens");
+    return kv && kv->type == FITM_GGUF_ARRAY && kv->arr_type == FITM_GGUF_STRING
+               ? (int64_t)kv->arr_n
+               : -1;
+}
+
+/* V of a config whose fields are in range: the built-in vocabulary and its extras, or the
+ * tokenizer file's tokens; -1 when it cannot be built or read. */
+static int64_t config_vocab_size(const fitm_gen_config *cfg)
+{
+    if (cfg->tokenizer)
+        return file_vocab_size(cfg->tokenizer);
+    int64_t V = base_vocab_size(effective_tok(cfg));
+    return V < 0 ? -1 : V + cfg->n_vocab_extra;
+}
+
 /* ------------------------------------------------------------------------------------------
  * Model layout. */
 
@@ -823,10 +842,16 @@ fitm_status fitm_gen_validate(const fitm_gen_config *cfg, fitm_err *err)
                             "to be multiples of %lld",
                             ti->name, (int)cfg->n_embd, (long long)qd, (int)cfg->n_ff,
                             (long long)be);
-    int64_t V = base_vocab_size(effective_tok(cfg));
+    if (cfg->tokenizer && (cfg->tok != FITM_GEN_TOK_DEFAULT || cfg->n_vocab_extra))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "genmodel: a tokenizer file takes the place of the built-in "
+                            "tokenizer and its extra tokens");
+    const int64_t V = config_vocab_size(cfg);
+    if (cfg->tokenizer && V < 1)
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "genmodel: the tokenizer file has no tokenizer.ggml.tokens");
     if (V < 0)
         return fitm_err_set(err, FITM_ERR_INTERNAL, "genmodel: cannot build the vocabulary");
-    V += cfg->n_vocab_extra;
     if (V * cfg->n_embd > MAX_TENSOR_ELEMS || qd * cfg->n_embd > MAX_TENSOR_ELEMS ||
         (int64_t)cfg->n_ff * cfg->n_embd > MAX_TENSOR_ELEMS)
         return fitm_err_set(err, FITM_ERR_INVALID,
@@ -840,7 +865,7 @@ int64_t fitm_gen_n_vocab(const fitm_gen_config *cfg)
 {
     if (fitm_gen_validate(cfg, NULL) != FITM_OK)
         return -1;
-    return base_vocab_size(effective_tok(cfg)) + cfg->n_vocab_extra;
+    return config_vocab_size(cfg);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -976,6 +1001,39 @@ static fitm_status write_vocab(fitm_gguf_writer *w, const vocab *v, fitm_err *er
     return FITM_OK;
 }
 
+/* Every tokenizer.* key of g with its type and value, in g's order. */
+static fitm_status copy_tokenizer(fitm_gguf_writer *w, const fitm_gguf *g, fitm_err *err)
+{
+    fitm_status st = FITM_OK;
+    for (int64_t i = 0; st == FITM_OK && i < fitm_gguf_n_kv(g); i++) {
+        const fitm_gguf_kv *kv = fitm_gguf_kv_at(g, i);
+        if (strncmp(kv->key, "tokenizer.", 10) != 0)
+            continue;
+        if (kv->type == FITM_GGUF_STRING) {
+            uint64_t len;
+            memcpy(&len, kv->value, sizeof len);
+            st = fitm_gguf_writer_set_strn(w, kv->key, (const char *)kv->value + sizeof len, len,
+                                           err);
+        } else if (kv->type != FITM_GGUF_ARRAY) {
+            st = fitm_gguf_writer_set_scalar(w, kv->key, kv->type, kv->value, err);
+        } else if (kv->arr_type == FITM_GGUF_STRING) {
+            fitm_gguf_str *strs = malloc((size_t)(kv->arr_n ? kv->arr_n : 1) * sizeof *strs);
+            if (!strs)
+                return fitm_err_set(err, FITM_ERR_NOMEM, "genmodel: out of memory");
+            for (uint64_t j = 0; j < kv->arr_n; j++)
+                strs[j] = fitm_gguf_arr_str(g, kv, j);
+            st = fitm_gguf_writer_set_arr_strn(w, kv->key, strs, kv->arr_n, err);
+            free(strs);
+        } else if (kv->arr_type == FITM_GGUF_ARRAY) {
+            st = fitm_err_set(err, FITM_ERR_UNSUPPORTED,
+                              "genmodel: the tokenizer file's '%s' is an array of arrays", kv->key);
+        } else {
+            st = fitm_gguf_writer_set_arr(w, kv->key, kv->arr_type, kv->value, kv->arr_n, err);
+        }
+    }
+    return st;
+}
+
 /* Draws one tensor and adds it in its storage type. */
 static fitm_status add_tensor(fitm_gguf_writer *w, const fitm_gen_config *cfg, const tensor_spec *t,
                               fitm_err *err)
@@ -1012,7 +1070,8 @@ fitm_status fitm_gen_build(const fitm_gen_config *cfg, fitm_gguf_writer **out, f
     *out = NULL;
     if ((st = fitm_gen_validate(cfg, err)) != FITM_OK)
         return st;
-    if ((st = vocab_build(&v, effective_tok(cfg), cfg->n_vocab_extra, err)) != FITM_OK)
+    if (!cfg->tokenizer &&
+        (st = vocab_build(&v, effective_tok(cfg), cfg->n_vocab_extra, err)) != FITM_OK)
         return st;
     specs = malloc((size_t)(3 + cfg->n_layer * MAX_TENSORS_PER_LAYER) * sizeof *specs);
     if (!specs) {
@@ -1020,9 +1079,11 @@ fitm_status fitm_gen_build(const fitm_gen_config *cfg, fitm_gguf_writer **out, f
         goto fail;
     }
     if ((st = fitm_gguf_writer_create(&w, err)) != FITM_OK ||
-        (st = write_hparams(w, cfg, err)) != FITM_OK || (st = write_vocab(w, &v, err)) != FITM_OK)
+        (st = write_hparams(w, cfg, err)) != FITM_OK ||
+        (st = cfg->tokenizer ? copy_tokenizer(w, cfg->tokenizer, err) : write_vocab(w, &v, err)) !=
+            FITM_OK)
         goto fail;
-    int32_t n = list_tensors(cfg, v.n, specs);
+    int32_t n = list_tensors(cfg, config_vocab_size(cfg), specs);
     for (int32_t i = 0; i < n; i++)
         if ((st = add_tensor(w, cfg, &specs[i], err)) != FITM_OK)
             goto fail;

@@ -19,6 +19,7 @@
 
 #include "base/dtype.h"
 #include "base/status.h"
+#include "gguf/gguf.h"
 #include "gguf/gguf_writer.h"
 
 typedef enum {
@@ -54,6 +55,11 @@ typedef struct {
     bool tied;             /* omit output.weight (the head reuses token_embd); gemma3: always */
     float rope_base;       /* rope.freq_base (gemma3: of the global layers)                 */
     float norm_eps;        /* attention.layer_norm_rms_epsilon                               */
+    /* NULL: the built-in tokenizer `tok`. Else every tokenizer.* key of this file, as it has
+     * them, and V its tokens: the model tokenizes exactly as that file's model does (a real
+     * model's prompts at its length, with random weights of another shape); tok must be
+     * DEFAULT and n_vocab_extra 0. The file must outlive the build. */
+    const fitm_gguf *tokenizer;
 } fitm_gen_config;
 
 /* Fills cfg with the defaults of arch (see fitm_gen_defaults' table in genmodel.c and
@@ -74,8 +80,8 @@ const char *fitm_gen_tok_name(fitm_gen_tok tok);
  * size (256 for the K-quants, 32 for Q4_0/Q5_0/Q8_0). FITM_ERR_INVALID names the field. */
 fitm_status fitm_gen_validate(const fitm_gen_config *cfg, fitm_err *err);
 
-/* Vocabulary size V the config produces (built-in tokenizer + n_vocab_extra), or -1 when the
- * config does not validate. */
+/* Vocabulary size V the config produces (built-in tokenizer + n_vocab_extra, or the tokenizer
+ * file's tokens), or -1 when the config does not validate. */
 int64_t fitm_gen_n_vocab(const fitm_gen_config *cfg);
 
 /* Builds the whole model (metadata, tokenizer, tensors) into a new writer. *out is NULL on
