@@ -787,16 +787,22 @@ const size_t SMEM_DEFAULT = 48 * 1024, SMEM_OPTIN_MAX = 163 * 1024;
 const unsigned GRID_YZ_MAX = 65535;
 
 /* A graph's operation: what kind (for cudaGraphExecUpdate's topology check), the kernel of a
- * launch, and the work with its arguments. */
+ * launch, the work with its arguments, and a copy's host side (pinned when it was captured;
+ * a launch whose copy's pinned memory has been freed since is refused, as a device refuses
+ * it). */
 enum op_kind { OP_KERNEL, OP_COPY, OP_MEMSET, OP_BLAS, OP_GRAPH };
 struct graph_op {
     op_kind kind;
     const void *kernel;
     std::function<void()> run;
+    const void *host;
+    size_t host_bytes;
 };
 
-/* Records run into st's graph while st is captured (true), else false (run it now). */
-bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run);
+/* Records run into st's graph while st is captured (true), else false (run it now); host and
+ * host_bytes: a copy's host side. */
+bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run,
+            const void *host = nullptr, size_t host_bytes = 0);
 /* A host wait for the device (defined with the streams). */
 cudaError_t host_wait(cudaStream_t st);
 /* True (and the captures concerned invalidated) when a capture under way forbids this thread
@@ -1190,14 +1196,15 @@ pthread_mutex_t capture_lock = PTHREAD_MUTEX_INITIALIZER;
 int n_capturing;
 std::vector<cudaStream_t> capturing_streams;
 
-bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run)
+bool record(cudaStream_t st, op_kind kind, const void *kernel, std::function<void()> run,
+            const void *host, size_t host_bytes)
 {
     if (!st)
         return false;
     pthread_mutex_lock(&capture_lock);
     const bool rec = st->capturing;
     if (rec)
-        st->ops.push_back({kind, kernel, std::move(run)});
+        st->ops.push_back({kind, kernel, std::move(run), host, host_bytes});
     pthread_mutex_unlock(&capture_lock);
     return rec;
 }
@@ -1308,10 +1315,13 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
             return set_error(cudaErrorStreamCaptureUnsupported);
         }
     }
-    if (record(s, OP_COPY, nullptr, [=]() {
-            const cudaError_t e = copy_now(dst, src, bytes, kind);
-            (void)e; /* recorded by copy_now */
-        }))
+    if (record(
+            s, OP_COPY, nullptr,
+            [=]() {
+                const cudaError_t e = copy_now(dst, src, bytes, kind);
+                (void)e; /* recorded by copy_now */
+            },
+            host_side, host_side ? bytes : 0))
         return sticky();
     count(&fitm_emu_stats::copies);
     if (sticky())
@@ -1475,11 +1485,37 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsig
     return cudaSuccess;
 }
 
+/* Whether every copy of the instance still has its pinned host memory: a device refuses the
+ * launch of an instance whose copy node's pinned memory was freed (cudaErrorInvalidValue,
+ * the context kept). */
+static bool copies_pinned(const fitm_emu_graph_exec *exec)
+{
+    bool ok = true;
+    pthread_mutex_lock(&copy_lock);
+    for (const graph_op &op : exec->ops)
+        if (op.kind == OP_COPY && op.host_bytes && !in_pinned(op.host, op.host_bytes)) {
+            fprintf(stderr,
+                    "cuda_emu: graph launch refused: a copy of %zu bytes to or from %p, pinned "
+                    "memory when the graph was captured, is no longer pinned memory\n",
+                    op.host_bytes, op.host);
+            ok = false;
+            break;
+        }
+    pthread_mutex_unlock(&copy_lock);
+    return ok;
+}
+
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s)
 {
     if (!exec)
         return set_error(cudaErrorInvalidValue);
+    if (!copies_pinned(exec))
+        return set_error(cudaErrorInvalidValue);
     if (record(s, OP_GRAPH, exec, [exec]() {
+            if (!copies_pinned(exec)) {
+                set_error(cudaErrorInvalidValue);
+                return;
+            }
             for (const graph_op &op : exec->ops)
                 op.run();
         }))

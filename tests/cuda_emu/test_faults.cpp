@@ -21,7 +21,8 @@
  *   sticky), where the aligned one reads the right values;
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
- *   breaks it;
+ *   breaks it; an instance whose copy's pinned memory was freed after the capture is refused
+ *   at launch (cudaErrorInvalidValue, not sticky), as the H200 refused a9dc5ac's;
  * - programmatic launches (kernels/common.cuh; cudaErrorLaunchFailure, sticky): a kernel
  *   launched so whose threads do not all call fitm_grid_begin, or reach a barrier before it,
  *   faults (on a device its reads could race the kernel before it), where the same kernel
@@ -473,7 +474,28 @@ static void test_graphs(void)
         (void)cudaGetLastError();
     }
     free(host_buf);
-        /* an illegal address inside a graph shows when it replays */
+    /* a copy node's pinned memory freed after the capture: the launch is refused as a device
+     * refuses it (cudaErrorInvalidValue, the context kept), where it ran before the free */
+    float *pin2 = NULL;
+    CHECK(cudaMallocHost((void **)&pin2, n * sizeof(float)) == cudaSuccess);
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    CHECK(cudaMemcpyAsync(pin2, y, n * sizeof(float), cudaMemcpyDeviceToHost, s) == cudaSuccess);
+    cudaGraph_t g3;
+    cudaGraphExec_t ge3;
+    CHECK(cudaStreamEndCapture(s, &g3) == cudaSuccess && cudaGraphInstantiate(&ge3, g3, 0) == 0);
+    memset(pin2, 0, n * sizeof(float));
+    CHECK(cudaGraphLaunch(ge3, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess);
+    float yh[2];
+    cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost);
+    CHECK(pin2[0] == yh[0] && pin2[1] == yh[1], "the copy ran: %g %g", pin2[1], yh[1]);
+    CHECK(cudaFreeHost(pin2) == cudaSuccess);
+    CHECK(cudaGraphLaunch(ge3, s) == cudaErrorInvalidValue, "freed pinned memory under a copy");
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue && cudaGetLastError() == cudaSuccess,
+          "refused, not sticky");
+    FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, x, n);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess, "the context is kept");
+    cudaGraphExecDestroy(ge3), cudaGraphDestroy(g3);
+    /* an illegal address inside a graph shows when it replays */
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
     float *host = (float *)calloc(n, sizeof(float));
     FITM_LAUNCH(dim3(4), dim3(256), 0, s, twice)(y, host, n);
