@@ -158,7 +158,7 @@ cublasStatus_t gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
     }
     const cudaError_t e = fitm_emu_enqueue(h->stream, [=]() {
         const cudaError_t f = fitm_emu_take_launch_failure();
-        if (f == cudaSuccess)
+        if (f == cudaSuccess && !fitm_emu_host_only())
             run_gemm(tA, tB, m, n, k, a, A, at, lda, B, bt, ldb, b, C, ldc);
         return f;
     });

@@ -90,6 +90,11 @@ void *fitm_emu_dynamic_shared(void);
  * (an injected one, consumed), or cudaSuccess; and the runtime's sticky-until-read error. */
 cudaError_t fitm_emu_take_launch_failure(void);
 cudaError_t fitm_emu_set_error(cudaError_t e);
+/* FITM_CUDA_EMU_HOST_ONLY=1 in the environment: launches and cuBLAS calls are checked and
+ * counted as always but compute nothing (device memory keeps what it held), so a program's
+ * wall time is its host work plus the emulated runtime's own: what a benchmark of the
+ * backend's host side measures on a machine without a GPU. Results are meaningless. */
+bool fitm_emu_host_only(void);
 /* Loses the context: e, sticky, is what every later call returns. */
 cudaError_t fitm_emu_lose_context(cudaError_t e);
 /* For stand-ins of device features that run inside a kernel (mma.h): records a fault of the

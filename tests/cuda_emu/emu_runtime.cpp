@@ -849,6 +849,8 @@ void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
     count(&fitm_emu_stats::kernels_run);
     if (programmatic)
         count(&fitm_emu_stats::programmatic);
+    if (fitm_emu_host_only())
+        return;
     pthread_mutex_lock(&launch_lock);
     pthread_mutex_lock(&state_lock);
     launch_fault = cudaSuccess;
@@ -927,6 +929,12 @@ cudaError_t fitm_emu_func_set_attribute(const void *kernel, int attr, int value)
     smem_optin[kernel] = (size_t)value;
     pthread_mutex_unlock(&state_lock);
     return cudaSuccess;
+}
+
+bool fitm_emu_host_only(void)
+{
+    const char *v = getenv("FITM_CUDA_EMU_HOST_ONLY");
+    return v && *v && strcmp(v, "0") != 0;
 }
 
 /* ---- runtime API ---- */

@@ -27,7 +27,8 @@
  *   launched so whose threads do not all call fitm_grid_begin, or reach a barrier before it,
  *   faults (on a device its reads could race the kernel before it), where the same kernel
  *   runs as a plain launch and a kernel that calls it first runs either way, captured too;
- * - the statistics (fitm_emu_get_stats) count submissions and waits as described. */
+ * - the statistics (fitm_emu_get_stats) count submissions and waits as described;
+ * - FITM_CUDA_EMU_HOST_ONLY: the checks and counts without the arithmetic. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -638,6 +639,50 @@ static void test_programmatic(void)
     cudaFree(x), cudaFree(y);
 }
 
+/* FITM_CUDA_EMU_HOST_ONLY: launches and cuBLAS calls are checked and counted but compute
+ * nothing (a measurement of the host side), and a planted host pointer still loses the
+ * context; without it the same calls compute. */
+static void test_host_only(void)
+{
+    const int n = 256;
+    float *x = (float *)dev_alloc(n * sizeof(float)), *y = (float *)dev_alloc(n * sizeof(float));
+    float xh[256], yh[256];
+    for (int i = 0; i < n; i++)
+        xh[i] = (float)i;
+    cudaMemcpy(x, xh, sizeof xh, cudaMemcpyHostToDevice);
+    cudaMemset(y, 0, sizeof yh);
+    cublasHandle_t h;
+    cublasCreate(&h);
+    const float one = 1.0f, zero = 0.0f;
+    for (int host_only = 1; host_only >= 0; host_only--) {
+        if (host_only)
+            setenv("FITM_CUDA_EMU_HOST_ONLY", "1", 1);
+        else
+            unsetenv("FITM_CUDA_EMU_HOST_ONLY");
+        fitm_emu_stats before, after;
+        fitm_emu_get_stats(&before);
+        FITM_LAUNCH(dim3(1), dim3(256), 0, NULL, twice)(y, x, n);
+        CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, x, 4, x, 4, &zero, y + 128,
+                          4) == CUBLAS_STATUS_SUCCESS);
+        CHECK(cudaDeviceSynchronize() == cudaSuccess);
+        fitm_emu_get_stats(&after);
+        CHECK(after.kernels_run == before.kernels_run + 1 && after.blas_calls == before.blas_calls + 1,
+              "host only %d: counted", host_only);
+        cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost);
+        /* y[1] = 2 x[1] + 1 = 3; y[128] = sum_k x[4k] x[k] = 0 + 4 + 16 + 36 = 56 */
+        CHECK(host_only ? yh[1] == 0.0f && yh[128] == 0.0f : yh[1] == 3.0f && yh[128] == 56.0f,
+              "host only %d: y[1] %g, y[128] %g", host_only, yh[1], yh[128]);
+    }
+    setenv("FITM_CUDA_EMU_HOST_ONLY", "1", 1);
+    float *host = (float *)calloc(n, sizeof(float));
+    FITM_LAUNCH(dim3(1), dim3(256), 0, NULL, twice)(y, host, n);
+    expect_lost("a host pointer in host-only mode");
+    unsetenv("FITM_CUDA_EMU_HOST_ONLY");
+    free(host);
+    cublasDestroy(h);
+    cudaFree(x), cudaFree(y);
+}
+
 int main(void)
 {
     srand(38);
@@ -647,6 +692,7 @@ int main(void)
     test_ldg();
     test_graphs();
     test_programmatic();
+    test_host_only();
     printf("%d checks, %d failed\n", n_checks, failures);
     return failures ? 1 : 0;
 }
