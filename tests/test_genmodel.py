@@ -246,6 +246,17 @@ def test_errors(fitm_bin, tmp_path, args, code, msg):
     assert msg in p.stderr
 
 
+def test_tokenizer_from_a_file_without_one(fitm_bin, tmp_path):
+    """A valid GGUF without tokenizer.ggml.tokens (here: no metadata, no tensors) is refused
+    with the key named; nothing is written."""
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
+    out = tmp_path / "m.gguf"
+    p = mkmodel(fitm_bin, out, "--arch", "llama", "--tokenizer-from", empty, check=False)
+    assert p.returncode == 1 and "no tokenizer.ggml.tokens" in p.stderr, p.stderr
+    assert not out.exists()
+
+
 def test_requires_arch_and_output(fitm_bin):
     p = subprocess.run([str(fitm_bin), "mkmodel", "--arch", "llama"], capture_output=True,
                        text=True)
