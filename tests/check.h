@@ -1,12 +1,16 @@
 /* check: the one assertion macro of the C tests. CHECK(cond) or CHECK(cond, fmt, ...) counts
  * the check and, when cond is false, counts a failure and prints where (the first 50 only, so
  * a broken loop does not flood the log). A test's main returns `failures ? 1 : 0` (or its own
- * summary) at the end; checks never abort, so one run shows every failure. */
+ * summary) at the end; checks never abort, so one run shows every failure. With
+ * FITM_CHECK_FIRST_FAIL set (tests/cuda_emu/expect_failure.py sets it: a run that must fail
+ * needs one failure, not all), the first failure ends the process with status 1. */
 #ifndef FITM_TEST_CHECK_H
 #define FITM_TEST_CHECK_H
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 static int failures; /* failed checks so far (a test may also add its own)      */
 static int n_checks; /* checks run so far                                        */
@@ -25,6 +29,10 @@ check_failed(const char *file, int line, const char *cond, const char *fmt, ...)
         va_end(ap);
     }
     fputc('\n', stderr);
+    if (getenv("FITM_CHECK_FIRST_FAIL")) {
+        fflush(NULL);
+        _exit(1);
+    }
 }
 
 #define CHECK(cond, ...)                                                                           \
