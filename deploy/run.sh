@@ -16,8 +16,19 @@ else
   bash deploy/install-deps.sh
 fi
 
+# The CUDA backend where a GPU and nvcc are, for that GPU's compute capability alone when it
+# is one the kernels are built for (else all of them, the last with PTX that newer cards
+# compile); without a GPU the CPU build, which maps no CUDA library (about 150 MiB less
+# memory: docs/load-benchmark.md).
 if [ ! -f build-release/build.ninja ]; then
-  meson setup build-release -Dcuda=auto --buildtype=release >/dev/null
+  cuda=(-Dcuda=disabled)
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ' || true)
+  if [ -n "$cap" ] && { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+    export PATH="$PATH:/usr/local/cuda/bin"
+    cuda=(-Dcuda=enabled)
+    case "$cap" in 80 | 86 | 89 | 90) cuda+=("-Dcuda-arch=$cap") ;; esac
+  fi
+  meson setup build-release "${cuda[@]}" --buildtype=release >/dev/null
 fi
 ninja -C build-release src/fitmd src/fitm >/dev/null
 echo "fitmd: serving $FITM_MODEL" >&2
