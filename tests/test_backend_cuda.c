@@ -1145,17 +1145,34 @@ int main(int argc, char **argv)
     }
     /* gpu: the F32 products, held to the CPU's float rounding; gpu16: the default, bfloat16 */
     fitm_backend_cuda_set_weights(gpu, FITM_CUDA_WEIGHTS_F32);
-    /* argv[1]: only the types whose name starts with it (for quick runs by hand) */
-    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
-        for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-            if (argc < 2 ||
-                strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
-                test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
-    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
-        for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-            if (argc < 2 ||
-                strncmp(fitm_dtype_info_of(types[i])->name, argv[1], strlen(argv[1])) == 0)
-                test_model_bf16(cpu, gpu, gpu16, (fitm_gen_arch)a, types[i]);
+    /* Parts, so that a test runner can spread them over its processes: "--models ARCH
+     * [TYPE]" the model comparisons of that architecture alone (of the types whose name
+     * starts with TYPE), "--rest" everything else; else argv[1]: only the types whose name
+     * starts with it (for quick runs by hand), and the rest. */
+    const bool rest_only = argc > 1 && strcmp(argv[1], "--rest") == 0;
+    const char *arch_only = argc > 2 && strcmp(argv[1], "--models") == 0 ? argv[2] : NULL;
+    const char *type_prefix = arch_only && argc > 3           ? argv[3]
+                              : argc > 1 && argv[1][0] != '-' ? argv[1]
+                                                              : "";
+    for (int pass = 0; pass < 2 && !rest_only; pass++)
+        for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+            for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+                if ((arch_only && strcmp(fitm_gen_arch_name((fitm_gen_arch)a), arch_only) != 0) ||
+                    strncmp(fitm_dtype_info_of(types[i])->name, type_prefix, strlen(type_prefix)) !=
+                        0)
+                    continue;
+                if (pass == 0)
+                    test_model(cpu, gpu, (fitm_gen_arch)a, types[i]);
+                else
+                    test_model_bf16(cpu, gpu, gpu16, (fitm_gen_arch)a, types[i]);
+            }
+    if (arch_only) {
+        fitm_backend_destroy(gpu16);
+        fitm_backend_destroy(cpu);
+        fitm_backend_destroy(gpu);
+        printf("%d checks, %d failed\n", n_checks, failures);
+        return failures || n_checks == 0 ? 1 : 0;
+    }
     test_bf16_chunks(gpu16);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, GRAPHS);
     test_same_steps(gpu16, FITM_CUDA_WEIGHTS_BF16, FITM_GEN_ARCH_GEMMA3, FUSION);
