@@ -170,12 +170,9 @@ def profile_args(path):
     that names no method or option is then scored as the profiled model's users' requests are
     (fitmd loads a profile only for the model file it was fitted on, so a generated model of
     the same shape takes its options this way)."""
-    args = []
-    for line in pathlib.Path(path).read_text().splitlines():
-        m = re.match(r"\s*([a-z_]+)\s*=\s*(.*?)\s*$", line)
-        if m and m.group(1) in PROFILE_KEYS:
-            args.append(f"--{m.group(1)}={m.group(2).strip(chr(34))}")
-    return args
+    sys.path.insert(0, str(ROOT / "tests" / "quality"))
+    from profile_file import profile_keys
+    return [f"--{k}={v}" for k, v in profile_keys(path).items() if k in PROFILE_KEYS]
 
 
 def main():

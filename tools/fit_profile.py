@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "quality"))
 from oracle import gguf_reader  # noqa: E402
 import dataset  # noqa: E402
+from profile_file import profile_keys  # noqa: E402
 
 ROWS = {"last": 0, "question": 1, "suffix": 2}
 EPS = 1e-9
@@ -361,18 +362,6 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
                   f"answer_top_n = {int(chosen['answer_top_n'])}"]
     lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
-
-
-def profile_keys(path) -> dict:
-    """A profile's `key = value` lines as strings, quotes removed; as fitmd reads it, a line
-    whose first character is `#` is a comment (a `#` inside a value is part of it)."""
-    kv = {}
-    for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if "=" in line and not line.startswith("#"):
-            k, v = (x.strip() for x in line.split("=", 1))
-            kv[k] = v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
-    return kv
 
 
 def read_profile(path: str) -> tuple:

@@ -1493,46 +1493,41 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsig
     return cudaSuccess;
 }
 
-/* Whether every copy of the instance still has its pinned host memory: a device refuses the
- * launch of an instance whose copy node's pinned memory was freed (cudaErrorInvalidValue,
- * the context kept). */
-static bool copies_pinned(const fitm_emu_graph_exec *exec)
+/* Runs the instance's operations in order, unless one of its copies' pinned host memory was
+ * freed since the capture: a device refuses such a launch (cudaErrorInvalidValue, the context
+ * kept), and so does this. */
+static cudaError_t run_instance(const fitm_emu_graph_exec *exec)
 {
-    bool ok = true;
     pthread_mutex_lock(&copy_lock);
+    const graph_op *gone = nullptr;
     for (const graph_op &op : exec->ops)
-        if (op.kind == OP_COPY && op.host_bytes && !in_pinned(op.host, op.host_bytes)) {
-            fprintf(stderr,
-                    "cuda_emu: graph launch refused: a copy of %zu bytes to or from %p, pinned "
-                    "memory when the graph was captured, is no longer pinned memory\n",
-                    op.host_bytes, op.host);
-            ok = false;
-            break;
-        }
+        if (!gone && op.kind == OP_COPY && op.host_bytes && !in_pinned(op.host, op.host_bytes))
+            gone = &op;
     pthread_mutex_unlock(&copy_lock);
-    return ok;
+    if (gone) {
+        fprintf(stderr,
+                "cuda_emu: graph launch refused: a copy of %zu bytes to or from %p, pinned memory "
+                "when the graph was captured, is no longer pinned memory\n",
+                gone->host_bytes, gone->host);
+        return set_error(cudaErrorInvalidValue);
+    }
+    for (const graph_op &op : exec->ops)
+        op.run();
+    return cudaSuccess;
 }
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s)
 {
     if (!exec)
         return set_error(cudaErrorInvalidValue);
-    if (!copies_pinned(exec))
-        return set_error(cudaErrorInvalidValue);
-    if (record(s, OP_GRAPH, exec, [exec]() {
-            if (!copies_pinned(exec)) {
-                set_error(cudaErrorInvalidValue);
-                return;
-            }
-            for (const graph_op &op : exec->ops)
-                op.run();
-        }))
+    if (record(s, OP_GRAPH, exec, [exec]() { (void)run_instance(exec); }))
         return sticky();
     if (sticky())
         return sticky();
+    const cudaError_t e = run_instance(exec);
+    if (e != cudaSuccess)
+        return e;
     count(&fitm_emu_stats::graph_launches);
-    for (const graph_op &op : exec->ops)
-        op.run();
     return sticky();
 }
 
