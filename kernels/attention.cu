@@ -18,7 +18,13 @@
  * The tiled kernel (fitm_attention_tiles) computes plain rows (no capture, no intervention,
  * no mixture: a prompt's bulk) bit for bit as fitm_attention_rows does, with each key and
  * value read from global memory once per block of consecutive rows and the heads of one KV
- * group instead of once per (row, head): below, "Tiled rows". */
+ * group instead of once per (row, head): below, "Tiled rows".
+ *
+ * The tensor-core kernel (fitm_attention_bf16_tiles) computes plain rows in bfloat16 on the
+ * tensor cores, row-invariant but with bits of its own: below, "Tensor-core rows". */
+#include <cuda_bf16.h>
+#include <mma.h>
+
 #include "common.cuh"
 #include "kernels.h"
 #include "kvstore.cuh"
@@ -1156,5 +1162,260 @@ extern "C" int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda
     FITM_LAUNCH(dim3((unsigned)(max_T > 0 ? max_T : 1), (unsigned)a[0].n_head, (unsigned)n),
                 FITM_ATT_THREADS, shm, fitm_stream(stream), fitm_attention_rows_many)
     (a_dev, max_spans, keep_cap, kv_max > 0 ? kv_dev : NULL, kv_max > 0 ? kv_n : 0);
+    return (int)cudaGetLastError();
+}
+
+/* ---- Tensor-core rows ----
+ *
+ * fitm_attention_bf16_tiles: the plain rows of a BATCH call with gpu_weights = bf16 (the
+ * backend's dispatch, backend_cuda.c), with Q, K, V and the probabilities rounded to bfloat16
+ * on the tensor cores (WMMA 16 x 16 x 16, F32 accumulators) and the softmax in F32. One block
+ * of 4 warps per tile of FITM_ATB_PAIRS (row, head) pairs: hb heads of one KV group times
+ * FITM_ATB_PAIRS / hb consecutive rows, the last rows' tiles first. Keys go by blocks of
+ * FITM_ATB_KEYS anchored at absolute positions (key j in block j / 64), from the block of the
+ * tile's first visible key to the block of its last row; for each key block:
+ *   1. K staged (bfloat16) into shared memory, then S (pairs x 64) = Q K^T, each warp two
+ *      16 x 16 fragments over D / 16 k steps, stored to shared memory;
+ *   2. V staged into the same buffer while four threads a pair do the online softmax of
+ *      their pair's 64 scores (scaled; masked keys -inf; thread t % 4 takes keys t % 4 + 4 k
+ *      in order, the four partial sums combined by a butterfly): the new maximum, the factor
+ *      alpha = exp(old max - new max) by which the pair's output row in shared memory is
+ *      rescaled, and P = bfloat16(exp(s - new max)), whose rounded values the denominator
+ *      sums;
+ *   3. O += P V: the output (pairs x D, F32) lives in shared memory, so each fragment is
+ *      loaded as an accumulator, given its four k16 steps and stored back (WMMA's fragment
+ *      layout is unspecified, so the row rescale is done in shared memory, not in fragments).
+ * The output is O / l. Head dims are padded to a multiple of 16 with zeros, and keys past the
+ * tile's last row are zeros, which add exactly nothing.
+ *
+ * Row invariance: a row's result depends only on its query, the keys and values it sees and
+ * its position, not on T, i0 / i1, where it falls in its tile or the rows beside it. Every
+ * step a row takes is fixed by its position: the key blocks are anchored at absolute
+ * positions, and a block that is wholly masked for a row leaves its state bit for bit as it
+ * was (before the row's first visible key: maximum -inf, alpha 1, P 0 and the output rows
+ * exact zeros; after its last: alpha exp(0) = 1, P 0, and the mma adds exact zeros), so the
+ * extra blocks its tile visits for other rows never show. An element of an mma depends only
+ * on its row of A and its column of B. The bits are not those of the F32 kernels above. */
+
+#define FITM_ATB_PAIRS 32
+#define FITM_ATB_KEYS 64
+#define FITM_ATB_LS (FITM_ATB_KEYS + 4) /* floats per row of the scores         */
+#define FITM_ATB_LP (FITM_ATB_KEYS + 8) /* bfloat16 per row of the probabilities */
+
+/* Where each array of a tensor-core block lies in its dynamic shared memory (byte offsets,
+ * each a multiple of 128), for head dim D padded to dp: queries (pairs, lq) and the staged K
+ * or V (keys, lq) in bfloat16, scores (pairs, FITM_ATB_LS) F32, probabilities (pairs,
+ * FITM_ATB_LP) bfloat16, output (pairs, lo) F32, and the pairs' denominators. */
+struct fitm_atb_layout {
+    int dp, lq, lo;
+    unsigned q, kv, s, p, o, l, total;
+};
+
+__host__ __device__ __forceinline__ unsigned fitm_atb_up(unsigned n)
+{
+    return (n + 127u) / 128u * 128u;
+}
+
+__host__ __device__ __forceinline__ fitm_atb_layout fitm_atb_layout_of(int D)
+{
+    fitm_atb_layout L;
+    L.dp = (D + 15) / 16 * 16;
+    L.lq = L.dp + 8; /* rows 16 bytes apart in banks; every fragment 32-byte aligned */
+    L.lo = L.dp + 4;
+    L.q = 0;
+    L.kv = L.q + fitm_atb_up(FITM_ATB_PAIRS * L.lq * 2);
+    L.s = L.kv + fitm_atb_up(FITM_ATB_KEYS * L.lq * 2);
+    L.p = L.s + fitm_atb_up(FITM_ATB_PAIRS * FITM_ATB_LS * 4);
+    L.o = L.p + fitm_atb_up(FITM_ATB_PAIRS * FITM_ATB_LP * 2);
+    L.l = L.o + fitm_atb_up(FITM_ATB_PAIRS * L.lo * 4);
+    L.total = L.l + FITM_ATB_PAIRS * 4;
+    return L;
+}
+
+__host__ __device__ __forceinline__ int fitm_atb_heads(const fitm_cuda_attn &a)
+{
+    const int G = a.n_head / a.n_head_kv;
+    return G < FITM_ATB_PAIRS ? G : FITM_ATB_PAIRS;
+}
+
+/* dst (FITM_ATB_KEYS, lq) = keys kb.. of K (v false) or V of group g in bfloat16, zeros past
+ * key last and in the padded dims. vec: D a multiple of 4 and the arrays 16-byte aligned
+ * (float4 loads, warp w taking keys w, w + 4, ..); else element by element. */
+__device__ __forceinline__ void fitm_atb_stage(const fitm_cuda_attn &a, const fitm_atb_layout &L,
+                                               __nv_bfloat16 *dst, int64_t kb, int64_t last,
+                                               int g, bool v, bool vec)
+{
+    const int D = a.head_dim, tid = threadIdx.x;
+    const float *pre = v ? a.v_pre : a.k_pre, *own = v ? a.v_own : a.k_own;
+    if (vec) {
+        const int lane = tid % FITM_WARP, warp = tid / FITM_WARP;
+        for (int kk = warp; kk < FITM_ATB_KEYS; kk += FITM_ATT_THREADS / FITM_WARP) {
+            const int64_t j = kb + kk;
+            const float *src = j <= last ? fitm_att_kv(a, pre, own, j, g) : NULL;
+            for (int d = 4 * lane; d < L.dp; d += 4 * FITM_WARP) {
+                float4 x = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (src && d < D)
+                    x = __ldg((const float4 *)(src + d));
+                __nv_bfloat16 *o = dst + kk * L.lq + d;
+                o[0] = fitm_to_bf16(x.x), o[1] = fitm_to_bf16(x.y);
+                o[2] = fitm_to_bf16(x.z), o[3] = fitm_to_bf16(x.w);
+            }
+        }
+        return;
+    }
+    for (int e = tid; e < FITM_ATB_KEYS * L.dp; e += FITM_ATT_THREADS) {
+        const int kk = e / L.dp, d = e % L.dp;
+        const int64_t j = kb + kk;
+        const float x = j <= last && d < D ? fitm_att_kv(a, pre, own, j, g)[d] : 0.0f;
+        dst[kk * L.lq + d] = fitm_to_bf16(x);
+    }
+}
+
+/* Rows [i_begin, i_end) of the call a, every one plain (see the section's header). Block (x,
+ * y): a tile of rows from the end, heads chunk y of the groups. */
+__global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
+    fitm_attention_bf16_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end, int vec)
+{
+    fitm_grid_begin();
+    namespace wmma = nvcuda::wmma;
+    FITM_DYNAMIC_SHARED(__align__(128) unsigned char, shm);
+    const fitm_atb_layout L = fitm_atb_layout_of(a.head_dim);
+    __nv_bfloat16 *qs = (__nv_bfloat16 *)(shm + L.q), *kvs = (__nv_bfloat16 *)(shm + L.kv);
+    __nv_bfloat16 *ps = (__nv_bfloat16 *)(shm + L.p);
+    float *ss = (float *)(shm + L.s), *os = (float *)(shm + L.o), *ls = (float *)(shm + L.l);
+    const int tid = threadIdx.x, warp = tid / FITM_WARP, D = a.head_dim, H = a.n_head;
+    const int G = H / a.n_head_kv, hb = fitm_atb_heads(a), R = FITM_ATB_PAIRS / hb;
+    const int n_hc = (G + hb - 1) / hb;
+    const int g = blockIdx.y / n_hc, hc = blockIdx.y % n_hc;
+    const int h0 = g * G + hc * hb, nh = G - hc * hb < hb ? G - hc * hb : hb;
+    const int64_t i0 = i_begin + (int64_t)(gridDim.x - 1 - blockIdx.x) * R;
+    const int nr = i_end - i0 < R ? (int)(i_end - i0) : R;
+    const int64_t P0 = a.pos0 + i0, last = P0 + nr - 1;
+
+    /* pair m is row m / hb, head h0 + m % hb; pairs past the tile's rows or heads are zeros */
+    for (int e = tid; e < FITM_ATB_PAIRS * L.dp; e += FITM_ATT_THREADS) {
+        const int m = e / L.dp, d = e % L.dp, r = m / hb, hh = m % hb;
+        const float x =
+            r < nr && hh < nh && d < D ? a.q[((i0 + r) * H + h0 + hh) * D + d] : 0.0f;
+        qs[m * L.lq + d] = fitm_to_bf16(x);
+        os[m * L.lo + d] = 0.0f;
+    }
+
+    /* the softmax's pair: four threads each, the same values in all four */
+    const int sm = tid / 4, sq = tid % 4, sr = sm / hb;
+    const bool live = sr < nr && sm % hb < nh;
+    const int64_t sp = P0 + sr;
+    const int64_t s_lo = live ? fitm_att_v0(a, sp) : INT64_MAX, s_hi = live ? sp : -1;
+    float mx = -INFINITY, l = 0.0f;
+
+    for (int64_t kb = fitm_att_v0(a, P0) / FITM_ATB_KEYS * FITM_ATB_KEYS; kb <= last;
+         kb += FITM_ATB_KEYS) {
+        fitm_atb_stage(a, L, kvs, kb, last, g, false, vec != 0);
+        __syncthreads();
+        { /* S = Q K^T: warp w the fragments (w % 2, 2 (w / 2) + j) */
+            const int mt = warp % 2, nt = warp / 2 * 2;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
+            wmma::fill_fragment(acc[0], 0.0f);
+            wmma::fill_fragment(acc[1], 0.0f);
+            for (int d = 0; d < L.dp; d += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+                wmma::load_matrix_sync(fa, qs + mt * 16 * L.lq + d, L.lq);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    /* the staged key rows are S's columns: B (d, key) in column-major */
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+                    wmma::load_matrix_sync(fb, kvs + (nt + j) * 16 * L.lq + d, L.lq);
+                    wmma::mma_sync(acc[j], fa, fb, acc[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                wmma::store_matrix_sync(ss + mt * 16 * FITM_ATB_LS + (nt + j) * 16, acc[j],
+                                        FITM_ATB_LS, wmma::mem_row_major);
+        }
+        __syncthreads();
+        fitm_atb_stage(a, L, kvs, kb, last, g, true, vec != 0);
+        { /* the online softmax of pair sm's keys kb + sq + 4 k */
+            float s[FITM_ATB_KEYS / 4], bmax = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < FITM_ATB_KEYS / 4; k++) {
+                const int64_t j = kb + sq + 4 * k;
+                s[k] = j >= s_lo && j <= s_hi
+                           ? fitm_att_scaled(ss[sm * FITM_ATB_LS + sq + 4 * k], a.scale)
+                           : -INFINITY;
+                bmax = fmaxf(bmax, s[k]);
+            }
+            bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 1));
+            bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 2));
+            const float m_new = fmaxf(mx, bmax);
+            /* no key of the pair seen yet: nothing changes (exp(-inf - -inf) would be NaN) */
+            const float alpha = m_new == -INFINITY ? 1.0f : fitm_att_exp(mx, m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < FITM_ATB_KEYS / 4; k++) {
+                const __nv_bfloat16 p =
+                    fitm_to_bf16(s[k] == -INFINITY ? 0.0f : fitm_att_exp(s[k], m_new));
+                ps[sm * FITM_ATB_LP + sq + 4 * k] = p;
+                sum = __fadd_rn(sum, __bfloat162float(p));
+            }
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            l = m_new == -INFINITY ? 0.0f : fitm_att_rescale(l, mx, m_new, sum);
+            mx = m_new;
+            if (alpha != 1.0f)
+                for (int d = sq; d < L.dp; d += 4)
+                    os[sm * L.lo + d] = __fmul_rn(os[sm * L.lo + d], alpha);
+        }
+        __syncthreads();
+        { /* O += P V: warp w the fragments (w % 2, n) for n = w / 2, w / 2 + 2, .. */
+            const int mt = warp % 2;
+            for (int nt = warp / 2; nt < L.dp / 16; nt += 2) {
+                float *o = os + mt * 16 * L.lo + nt * 16;
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::load_matrix_sync(acc, o, L.lo, wmma::mem_row_major);
+#pragma unroll
+                for (int kk = 0; kk < FITM_ATB_KEYS; kk += 16) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+                    wmma::load_matrix_sync(fa, ps + mt * 16 * FITM_ATB_LP + kk, FITM_ATB_LP);
+                    wmma::load_matrix_sync(fb, kvs + kk * L.lq + nt * 16, L.lq);
+                    wmma::mma_sync(acc, fa, fb, acc);
+                }
+                wmma::store_matrix_sync(o, acc, L.lo, wmma::mem_row_major);
+            }
+        }
+        __syncthreads(); /* K of the next block overwrites V, and S and P are written again */
+    }
+    if (sq == 0)
+        ls[sm] = l;
+    __syncthreads();
+    for (int e = tid; e < FITM_ATB_PAIRS * D; e += FITM_ATT_THREADS) {
+        const int m = e / D, d = e % D, r = m / hb, hh = m % hb;
+        if (r < nr && hh < nh)
+            a.out[((i0 + r) * H + h0 + hh) * D + d] = __fdiv_rn(os[m * L.lo + d], ls[m]);
+    }
+}
+
+extern "C" int fitm_cuda_attention_bf16(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
+                                        void *stream)
+{
+    if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 || a->cap_index ||
+        a->k_new || (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos))
+        return (int)cudaErrorInvalidValue;
+    if (i1 == i0)
+        return 0;
+    const fitm_atb_layout L = fitm_atb_layout_of(a->head_dim);
+    const int e = fitm_smem_optin(fitm_attention_bf16_tiles, L.total);
+    if (e)
+        return e;
+    const int hb = fitm_atb_heads(*a), R = FITM_ATB_PAIRS / hb;
+    const int G = a->n_head / a->n_head_kv;
+    const bool vec = a->head_dim % 4 == 0 && fitm_aligned16(a->k_own) &&
+                     fitm_aligned16(a->v_own) &&
+                     (a->own_base == 0 || (fitm_aligned16(a->k_pre) && fitm_aligned16(a->v_pre)));
+    const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),
+                    (unsigned)(a->n_head_kv * ((G + hb - 1) / hb)));
+    FITM_LAUNCH(grid, FITM_ATT_THREADS, L.total, fitm_stream(stream), fitm_attention_bf16_tiles)
+    (*a, i0, i1, vec ? 1 : 0);
     return (int)cudaGetLastError();
 }

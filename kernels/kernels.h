@@ -367,6 +367,15 @@ int fitm_cuda_attention_rows(const fitm_cuda_attn *a, int64_t i0, int64_t i1, vo
  * rows"); which of the two computed a row never shows. */
 int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, int64_t i1, void *stream);
 
+/* Rows [i0, i1) of the call a on the tensor cores (kernels/attention.cu, "Tensor-core rows"):
+ * the BATCH class's plain rows with gpu_weights = bf16. Q, K, V and the probabilities are
+ * rounded to bfloat16 (as fitm_cuda_to_bf16 rounds), products summed in F32, the softmax in
+ * F32. The rows must be plain, as for fitm_cuda_attention_tiled (else cudaErrorInvalidValue).
+ * A row's result depends only on its query, its visible keys and values and its position: not
+ * on i0, i1, T or the rows beside it (so prefix reuse and split calls keep their bits); they
+ * are not the bits the two F32 kernels give. Any head_dim up to 256. */
+int fitm_cuda_attention_bf16(const fitm_cuda_attn *a, int64_t i0, int64_t i1, void *stream);
+
 /* Rows per block of fitm_cuda_attention_tiled for a model of these head counts (16 (row,
  * head) pairs: 4 rows of Gemma 3's 4 query heads per KV head, 16 rows without GQA); a run of
  * plain rows shorter than this fills its block only partly. 0 for head counts a call refuses. */

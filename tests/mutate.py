@@ -151,6 +151,18 @@ MUTANTS = [
            "fitm_att_reduce4(fitm_warp_sum(e[0]), fitm_warp_sum(e[2]),\n"
            "                                                   fitm_warp_sum(e[1]),",
            meson=["cuda_kernels_emu"]),
+    Mutant("cuda-attention-bf16-unanchored",
+           "the tensor-core attention starts its key blocks at the tile's first visible key, "
+           "not at a multiple of 64: a row's softmax then runs over blocks that depend on the "
+           "rows beside it, a rounding difference only, which the row-invariance memcmp catches",
+           "for (int64_t kb = fitm_att_v0(a, P0) / FITM_ATB_KEYS * FITM_ATB_KEYS; kb <= last;",
+           "for (int64_t kb = fitm_att_v0(a, P0); kb <= last;",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-attention-bf16-no-rescale",
+           "the tensor-core attention does not rescale a row's output when its maximum grows",
+           "if (alpha != 1.0f)\n                for (int d = sq;",
+           "if (false)\n                for (int d = sq;",
+           meson=["cuda_kernels_emu"]),
     Mutant("cuda-warp-sum-wrong-lane",
            "the warp sum's butterfly exchanges with lane o - 1 instead of o",
            "float fitm_warp_sum(float v)\n{\n    for (int o = FITM_WARP / 2; o > 0; o >>= 1)\n"

@@ -1088,6 +1088,50 @@ static void test_attention(fitm_backend *b, const attn_case *c, bool half)
         free(got2), free(many), free(ivs), free(alphas);
         b->ops->free(b, out2);
     }
+    if (T > 1 && E == 0 && !half) {
+        /* The same call as a batched one (fitm_attn_args.batched): its captured and intervened
+         * rows, and the captures, bit for bit the call's above; its plain rows within 2^-6 of
+         * sum_j w_j |v_j| of the reference (the CUDA backend's tensor-core kernel rounds Q, K,
+         * V and the weights to bfloat16; its own test bounds it tightly), or bit for bit where
+         * the backend has one arithmetic for both (the CPU's). */
+        cap_aside aside = cap_set_aside(probs, np, span_mass, nm);
+        float *outb = to_dev(b, NULL, T * HD);
+        fitm_attn_args ab = a;
+        ab.out = outb, ab.batched = true;
+        b->ops->attention(b, &ab);
+        float *gotb = to_host(b, outb, T * HD);
+        const bool exact = strcmp(b->ops->name, "cpu") == 0;
+        double *bound = malloc((size_t)HD * sizeof *bound);
+        char w5[256];
+        for (int64_t i = 0; i < T; i++) {
+            const bool plain = !(c->capture && cap_index[i] >= 0) &&
+                               !(c->intervene && c->pos0 + i >= iv.from_pos);
+            snprintf(w5, sizeof w5, "%s: batched, row %lld (%s)", what, (long long)i,
+                     plain ? "plain" : "captured or intervened");
+            if (exact || !plain) {
+                CHECK(memcmp(gotb + i * HD, got + i * HD, (size_t)HD * sizeof(float)) == 0, "%s",
+                      w5);
+                continue;
+            }
+            for (int32_t h = 0; h < c->H; h++) {
+                const int32_t g = h / (c->H / c->Hkv);
+                ref_probs(c, qh, kph, koh, NULL, i, h, &iv, false, p);
+                for (int64_t d = 0; d < D; d++) {
+                    double m = 0;
+                    for (int64_t j = 0; j <= c->pos0 + i; j++)
+                        m += p[j] * fabs((j < c->own_base ? vph + j * HkvD
+                                                          : voh + (j - c->own_base) * HkvD)[g * D + d]);
+                    bound[h * D + d] = m + 1e-3;
+                }
+            }
+            check_close(w5, gotb + i * HD, want + i * HD, HD, bound, 0x1p-6);
+        }
+        if (c->capture)
+            CHECK(cap_same(&aside), "%s: batched: captures", what);
+        cap_put_back(&aside);
+        free(gotb), free(bound);
+        b->ops->free(b, outb);
+    }
     if (strcmp(b->ops->name, "cpu") == 0 && T > 1 && E == 0) {
         /* The CPU backend's promise: a row's values do not depend on the call it came in.
          * The same rows again, one call each (as decode steps run them; several heads of a

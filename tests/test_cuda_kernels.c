@@ -1741,6 +1741,161 @@ static void test_attention_tiled(const tile_case *c)
     dbuf_free(&out_rows), dbuf_free(&out_tiles), dbuf_free(&spans), dbuf_free(&alpha);
 }
 
+/* x rounded to bfloat16 (bf16_by_definition), as a float */
+static float bf16_round(float x)
+{
+    return u2f((uint32_t)bf16_by_definition(x) << 16);
+}
+
+/* fitm_cuda_attention_bf16 on rows [i0, i1) of fresh random data:
+ *   - within a bound of a double reference over the bfloat16-rounded Q, K and V (the kernel's
+ *     other roundings: each probability to bfloat16, which moves a row's normalized weights by
+ *     at most 2^-8 of themselves, and the F32 sums of a score, at most D 2^-24 of its
+ *     sum of |q k|: the bound is (2^-8 + 2.5 D 2^-24 max_j scale sum_d |q k|) sum_j w_j |v_j|);
+ *   - the rows outside untouched and the guards intact;
+ *   - row invariance: the same rows as two launches split at a row that is not a tile's edge,
+ *     and as a call that starts at row i0 (pos0 + i0, T - i0: other tiles, another first key
+ *     block), bit for bit the first launch's. */
+static void test_attention_bf16(const tile_case *c)
+{
+    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
+    const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
+    const int64_t n_pre = c->own_base > 0 ? c->own_base * HkvD : 1;
+    float *qh = xmalloc((size_t)(T * HD) * sizeof(float));
+    float *kph = xmalloc((size_t)n_pre * sizeof(float)), *vph = xmalloc((size_t)n_pre * 4);
+    float *koh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    float *voh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    fill_uniform(qh, T * HD, -1.5f, 1.5f);
+    fill_uniform(kph, n_pre, -1.5f, 1.5f);
+    fill_uniform(vph, n_pre, -1.0f, 1.0f);
+    fill_uniform(koh, own_rows * HkvD, -1.5f, 1.5f);
+    fill_uniform(voh, own_rows * HkvD, -1.0f, 1.0f);
+    dbuf q = dbuf_from(qh, (size_t)(T * HD) * sizeof(float));
+    dbuf kp = dbuf_from(kph, (size_t)n_pre * sizeof(float));
+    dbuf vp = dbuf_from(vph, (size_t)n_pre * sizeof(float));
+    dbuf ko = dbuf_from(koh, (size_t)(own_rows * HkvD) * sizeof(float));
+    dbuf vo = dbuf_from(voh, (size_t)(own_rows * HkvD) * sizeof(float));
+    dbuf out1 = dbuf_new((size_t)(T * HD) * sizeof(float));
+    dbuf out2 = dbuf_new((size_t)(T * HD) * sizeof(float));
+    dbuf out3 = dbuf_new((size_t)(T * HD) * sizeof(float));
+    const int64_t spans_h[2] = {0, n_keys / 2};
+    const float alpha_h = 1.0f;
+    dbuf spans = dbuf_from(spans_h, sizeof spans_h), alpha = dbuf_from(&alpha_h, sizeof alpha_h);
+    fitm_cuda_attn a = {
+        .T = T,
+        .pos0 = c->pos0,
+        .own_base = c->own_base,
+        .window = c->window,
+        .n_head = c->H,
+        .n_head_kv = c->Hkv,
+        .head_dim = c->D,
+        .scale = 1.0f / sqrtf((float)D),
+        .q = q.p,
+        .out = out1.p,
+        .k_pre = c->own_base > 0 ? kp.p : NULL,
+        .v_pre = c->own_base > 0 ? vp.p : NULL,
+        .k_own = ko.p,
+        .v_own = vo.p,
+    };
+    if (c->intervene) {
+        a.iv_spans = spans.p, a.iv_alpha = alpha.p, a.iv_n_spans = 1;
+        a.iv_from_pos = c->pos0 + c->i1;
+    }
+    char what[160];
+    snprintf(what, sizeof what,
+             "attention bf16 rows [%lld, %lld) of T %lld pos0 %lld own_base %lld window %lld "
+             "H %d Hkv %d D %d%s",
+             (long long)c->i0, (long long)c->i1, (long long)T, (long long)c->pos0,
+             (long long)c->own_base, (long long)c->window, (int)c->H, (int)c->Hkv, (int)c->D,
+             c->intervene ? " intervene" : "");
+    bool ok = launched(what, fitm_cuda_attention_bf16(&a, c->i0, c->i1, stream));
+    const int64_t mid = c->i0 + (c->i1 - c->i0) / 2 + (c->i1 - c->i0 > 2 ? 1 : 0);
+    a.out = out2.p;
+    ok = ok && launched(what, fitm_cuda_attention_bf16(&a, c->i0, mid, stream)) &&
+         launched(what, fitm_cuda_attention_bf16(&a, mid, c->i1, stream));
+    fitm_cuda_attn b = a; /* the call from row i0 on */
+    b.T = T - c->i0, b.pos0 = c->pos0 + c->i0;
+    b.q = (const float *)q.p + c->i0 * HD, b.out = (float *)out3.p + c->i0 * HD;
+    ok = ok && launched(what, fitm_cuda_attention_bf16(&b, 0, c->i1 - c->i0, stream));
+    float *got[3];
+    const dbuf *outs[3] = {&out1, &out2, &out3};
+    for (int k = 0; k < 3; k++) {
+        got[k] = xmalloc((size_t)(T * HD) * sizeof(float));
+        dbuf_get(got[k], outs[k]);
+    }
+    const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
+    bool same = true, untouched = true; /* rows outside keep dbuf_new's all-ones bytes */
+    for (int k = 1; k < 3; k++)
+        for (int64_t e = 0; e < n && same; e++)
+            if (memcmp(got[0] + lo + e, got[k] + lo + e, sizeof(float)) != 0) {
+                fprintf(stderr, "  %s: %s differs at row %lld head %lld dim %lld: %.9g != %.9g\n",
+                        what, k == 1 ? "the split launch" : "the call from row i0",
+                        (long long)((lo + e) / HD), (long long)((lo + e) % HD / D),
+                        (long long)((lo + e) % D), (double)got[0][lo + e],
+                        (double)got[k][lo + e]);
+                same = false;
+            }
+    for (int64_t e = 0; e < T * HD; e++)
+        if ((e < lo || e >= lo + n) && !isnan(got[0][e]))
+            untouched = false;
+    if (!untouched)
+        fprintf(stderr, "  %s: a row outside the range was written\n", what);
+    printf("%-56s %s  rows alike\n", what, same && untouched ? "ok  " : "FAIL");
+    CHECK(ok && same && untouched, "%s", what);
+
+    /* the reference over the rounded operands, and each element's bound */
+    float *want = xmalloc((size_t)n * sizeof(float));
+    double *tol = xmalloc((size_t)n * sizeof(double));
+    double *w = xmalloc((size_t)n_keys * sizeof(double));
+    for (int64_t i = c->i0; i < c->i1; i++)
+        for (int32_t h = 0; h < c->H; h++) {
+            const int64_t p = c->pos0 + i;
+            const int64_t v0 = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+            const int32_t g = h / (c->H / c->Hkv);
+            const float *qr = qh + (i * c->H + h) * D;
+            double mx = -INFINITY, z = 0.0, worst = 0.0;
+            for (int64_t j = v0; j <= p; j++) {
+                const float *k =
+                    (j < c->own_base ? kph + j * HkvD : koh + (j - c->own_base) * HkvD) + g * D;
+                double d = 0.0, mag = 0.0;
+                for (int64_t e = 0; e < D; e++) {
+                    const double t = (double)bf16_round(qr[e]) * bf16_round(k[e]);
+                    d += t, mag += fabs(t);
+                }
+                w[j] = d * a.scale;
+                worst = fmax(worst, mag * a.scale);
+                mx = fmax(mx, w[j]);
+            }
+            for (int64_t j = v0; j <= p; j++)
+                z += w[j] = exp(w[j] - mx);
+            const double rel = ldexp(1.0, -8) + 2.5 * (double)D * ldexp(1.0, -24) * worst;
+            for (int64_t e = 0; e < D; e++) {
+                double o = 0.0, mag = 0.0;
+                for (int64_t j = v0; j <= p; j++) {
+                    const float *v =
+                        (j < c->own_base ? vph + j * HkvD : voh + (j - c->own_base) * HkvD) +
+                        g * D;
+                    const double t = w[j] / z * bf16_round(v[e]);
+                    o += t, mag += fabs(t);
+                }
+                const int64_t at = (i * c->H + h) * D + e - lo;
+                want[at] = (float)o;
+                tol[at] = rel * mag + 1e-6;
+            }
+        }
+    char w2[200];
+    snprintf(w2, sizeof w2, "%s vs double", what);
+    CHECK(values_and_guards_ok(check_close_tol(w2, want, got[0] + lo, n, 0.0, 0.0, tol), &out1,
+                               what),
+          "%s", w2);
+    CHECK(dbuf_guards_ok(&out2, what) && dbuf_guards_ok(&out3, what));
+    free(qh), free(kph), free(vph), free(koh), free(voh), free(want), free(tol), free(w);
+    for (int k = 0; k < 3; k++)
+        free(got[k]);
+    dbuf_free(&q), dbuf_free(&kp), dbuf_free(&vp), dbuf_free(&ko), dbuf_free(&vo);
+    dbuf_free(&out1), dbuf_free(&out2), dbuf_free(&out3), dbuf_free(&spans), dbuf_free(&alpha);
+}
+
 static void test_contracts(void)
 {
     static _Alignas(16) uint8_t fake[4096];
@@ -1859,7 +2014,9 @@ static void test_contracts(void)
     CHECK(fitm_cuda_to_bf16(f, -1, 8, 1, b16, NULL) == inval);
     CHECK(fitm_cuda_to_bf16(f, 0, 8, 0, b16, NULL) == 0);
     {
-        /* the tiled attention takes plain rows only, within the call */
+        /* the tiled and the tensor-core attention take plain rows only, within the call */
+        int (*const plain[2])(const fitm_cuda_attn *, int64_t, int64_t, void *) = {
+            fitm_cuda_attention_tiled, fitm_cuda_attention_bf16};
         const fitm_cuda_attn at = {.T = 4,
                                    .n_head = 4,
                                    .n_head_kv = 1,
@@ -1868,21 +2025,26 @@ static void test_contracts(void)
                                    .out = f,
                                    .k_own = f,
                                    .v_own = f};
-        fitm_cuda_attn bad = at;
-        CHECK(fitm_cuda_attention_tiled(&at, 2, 5, NULL) == inval); /* past T */
-        CHECK(fitm_cuda_attention_tiled(&at, 3, 2, NULL) == inval);
         CHECK(fitm_cuda_attention_rows(&at, -1, 2, NULL) == inval);
-        CHECK(fitm_cuda_attention_tiled(&at, 2, 2, NULL) == 0);
-        bad.cap_index = id; /* a capture */
-        CHECK(fitm_cuda_attention_tiled(&bad, 0, 4, NULL) == inval);
-        bad = at; /* a mixture */
-        bad.mix_n = 1, bad.mix_k_heads = 1, bad.mix_q = bad.mix_k = bad.mix_w = f;
-        CHECK(fitm_cuda_attention_tiled(&bad, 0, 4, NULL) == inval);
-        bad = at; /* an intervention from row 2: rows [0, 2) only */
-        bad.iv_n_spans = 1, bad.iv_spans = (const int64_t *)fake, bad.iv_alpha = f;
-        bad.iv_from_pos = 2;
-        CHECK(fitm_cuda_attention_tiled(&bad, 0, 3, NULL) == inval);
-        CHECK(fitm_cuda_attention_tiled(&bad, 0, 0, NULL) == 0);
+        for (int k = 0; k < 2; k++) {
+            fitm_cuda_attn bad = at;
+            CHECK(plain[k](&at, 2, 5, NULL) == inval); /* past T */
+            CHECK(plain[k](&at, 3, 2, NULL) == inval);
+            CHECK(plain[k](&at, 2, 2, NULL) == 0);
+            bad.cap_index = id; /* a capture */
+            CHECK(plain[k](&bad, 0, 4, NULL) == inval);
+            bad = at; /* a mixture */
+            bad.mix_n = 1, bad.mix_k_heads = 1, bad.mix_q = bad.mix_k = bad.mix_w = f;
+            CHECK(plain[k](&bad, 0, 4, NULL) == inval);
+            bad = at; /* an intervention from row 2: rows [0, 2) only */
+            bad.iv_n_spans = 1, bad.iv_spans = (const int64_t *)fake, bad.iv_alpha = f;
+            bad.iv_from_pos = 2;
+            CHECK(plain[k](&bad, 0, 3, NULL) == inval);
+            CHECK(plain[k](&bad, 0, 0, NULL) == 0);
+            bad = at; /* a head dim past 256 */
+            bad.head_dim = 257;
+            CHECK(plain[k](&bad, 0, 4, NULL) == inval);
+        }
         CHECK(fitm_cuda_attention_tile_rows(4, 1) == 4);
         CHECK(fitm_cuda_attention_tile_rows(2, 2) == 16);
         CHECK(fitm_cuda_attention_tile_rows(64, 2) == 1);
@@ -2318,6 +2480,22 @@ int main(int argc, char **argv)
             test_attention_tiled(&small_tiles[i]);
         for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
             test_attention_tiled(&tiles[i]);
+        /* the tensor-core kernel's own: 70 rows over two key blocks of 64 and 9 tiles of 8
+         * rows; head dims not whole float4s (element by element), a window cutting a key
+         * block, 3 heads a group (30 of a tile's 32 pairs); 64 heads a group (two chunks
+         * of 32) */
+        static const tile_case bf16_tiles[] = {
+            {.T = 70, .H = 4, .Hkv = 1, .D = 256, .i0 = 0, .i1 = 70},
+            {.T = 12, .pos0 = 130, .own_base = 100, .window = 70, .H = 3, .Hkv = 1, .D = 18,
+             .i0 = 1, .i1 = 12},
+            {.T = 3, .pos0 = 66, .own_base = 60, .H = 64, .Hkv = 1, .D = 16, .i0 = 0, .i1 = 3},
+        };
+        for (size_t i = 0; i < sizeof bf16_tiles / sizeof bf16_tiles[0]; i++)
+            test_attention_bf16(&bf16_tiles[i]);
+        for (size_t i = 0; i < sizeof small_tiles / sizeof small_tiles[0]; i++)
+            test_attention_bf16(&small_tiles[i]);
+        for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
+            test_attention_bf16(&tiles[i]);
     }
 
     if (want("kv_store")) {

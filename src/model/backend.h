@@ -111,6 +111,12 @@ typedef struct {
     /* NULL: q and the cached keys as above. Else the mixture replaces q . k (only for a
      * backend with ops->attention_mix). */
     const fitm_attn_mix *mix;
+    /* The call's numerics class (matmul's batched). A backend may compute the plain rows (not
+     * captured, not intervened, no mixture) of a batched call in arithmetic of its own, as long
+     * as a row's result depends only on its query, keys, values and position (the CUDA
+     * backend's bfloat16 tensor-core attention); captured and intervened rows, and every row of
+     * a call that is not batched, keep the exact one. */
+    bool batched;
 } fitm_attn_args;
 
 /* One sequence's new K and V rows of one layer on their way into its KV cache

@@ -16,10 +16,13 @@
  * fit); F32 dequantizes the weight to F32 in a device scratch buffer per call and multiplies
  * F32 in and out with cuBLAS in calls of a fixed row count (below, gemm_rows) with F32 pedantic
  * compute (no TF32).
- * Attention: runs of plain rows (no capture, no intervention, no mixture: a prompt's bulk) of
- * at least a tile's rows go to fitm_cuda_attention_tiled (blocks of rows and a KV group's
- * heads reading each key and value once), the other rows to fitm_cuda_attention_rows (one
- * block per (row, head)); both give a row the same bits, so which ran it never shows. Captured
+ * Attention: in a batched call with BF16 (fitm_attn_args.batched), the plain rows (no capture,
+ * no intervention, no mixture: a prompt's bulk) go to fitm_cuda_attention_bf16 (bfloat16 on
+ * the tensor cores, row-invariant with bits of its own); otherwise runs of plain rows of at
+ * least a tile's rows go to fitm_cuda_attention_tiled (blocks of rows and a KV group's heads
+ * reading each key and value once). The other rows go to fitm_cuda_attention_rows (one block
+ * per (row, head)), whose bits the tiled kernel's equal, so which of those two ran a row
+ * never shows. Captured
  * rows are copied on the stream into a pinned area and reach the caller's host arrays at the
  * next wait (fetch_late), so a captured pass waits no more than a plain one.
  *
@@ -1569,13 +1572,29 @@ static void attn_plain_run(const fitm_attn_args *a, int64_t i, int64_t min, int6
     *s = *e = a->T;
 }
 
-/* The kernels for the call a (arguments k): each run of plain rows long enough for a tiled
- * block to fitm_cuda_attention_tiled, the rows between to fitm_cuda_attention_rows. A captured
- * or intervened suffix (a /rerank pass's query rows, an /answer's rows after its documents)
- * makes two launches; a call with a mixture, or too short, one launch of the old kernel. */
+/* Whether the call a's plain rows go to the tensor-core kernel (fitm_cuda_attention_bf16): a
+ * batched call with gpu_weights = bf16. Then every plain row of such a call does, however
+ * short its run, since that kernel's bits are its own. */
+static bool attn_bf16(const cuda_backend *c, const fitm_attn_args *a)
+{
+    return a->batched && c->weights == FITM_CUDA_WEIGHTS_BF16;
+}
+
+/* The fewest consecutive plain rows of the call a that go to a kernel for plain rows. */
+static int64_t attn_plain_min(const cuda_backend *c, const fitm_attn_args *a)
+{
+    return attn_bf16(c, a) ? 1 : fitm_cuda_attention_tile_rows(a->n_head, a->n_head_kv);
+}
+
+/* The kernels for the call a (arguments k): each run of plain rows to the tensor-core kernel
+ * (attn_bf16), or when long enough for a tiled block to fitm_cuda_attention_tiled, the rows
+ * between to fitm_cuda_attention_rows. A captured or intervened suffix (a /rerank pass's
+ * query rows, an /answer's rows after its documents) makes two launches; a call with a
+ * mixture, or too short, one launch of the one-row kernel. */
 static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fitm_cuda_attn *k)
 {
-    const int64_t min = fitm_cuda_attention_tile_rows(a->n_head, a->n_head_kv);
+    const bool bf16 = attn_bf16(c, a);
+    const int64_t min = attn_plain_min(c, a);
     fitm_cuda_attn kt = *k; /* the tiled rows' arguments: their capture is no part of them */
     kt.cap_index = NULL;
     kt.cap_spans = NULL;
@@ -1588,14 +1607,17 @@ static bool attention_launch(cuda_backend *c, const fitm_attn_args *a, const fit
             attn_plain_run(a, i, min, &s, &e);
         if (s > i && !ok(c, fitm_cuda_attention_rows(k, i, s, c->stream), "attention"))
             return false;
-        if (e > s && !ok(c, fitm_cuda_attention_tiled(&kt, s, e, c->stream), "attention"))
+        if (e > s && !ok(c,
+                         bf16 ? fitm_cuda_attention_bf16(&kt, s, e, c->stream)
+                              : fitm_cuda_attention_tiled(&kt, s, e, c->stream),
+                         "attention"))
             return false;
         i = e;
     }
     return true;
 }
 
-static bool attn_tiles(const fitm_attn_args *a);
+static bool attn_tiles(const cuda_backend *c, const fitm_attn_args *a);
 
 static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n);
 
@@ -1608,7 +1630,7 @@ static void attention_staged(cuda_backend *c, const fitm_attn_args *a, int n);
 static void cuda_attention(fitm_backend *b, const fitm_attn_args *a)
 {
     cuda_backend *c = cu(b);
-    if (!(a->capture && a->capture->n_rows > 0) && !attn_tiles(a)) {
+    if (!(a->capture && a->capture->n_rows > 0) && !attn_tiles(c, a)) {
         attention_staged(c, a, 1);
         return;
     }
@@ -1655,10 +1677,11 @@ static void *buf_at(const grow_buf *g, size_t off)
     return (char *)g->p + off;
 }
 
-/* Whether the call a has a run of plain rows that fills a tiled block (a prompt chunk). */
-static bool attn_tiles(const fitm_attn_args *a)
+/* Whether the call a has a run of plain rows for the tiled or the tensor-core kernel (a prompt
+ * chunk). */
+static bool attn_tiles(const cuda_backend *c, const fitm_attn_args *a)
 {
-    const int64_t min = fitm_cuda_attention_tile_rows(a->n_head, a->n_head_kv);
+    const int64_t min = attn_plain_min(c, a);
     int64_t s, e;
     if (min <= 0)
         return false;
@@ -1685,7 +1708,7 @@ static void cuda_attention_many(fitm_backend *b, const fitm_attn_args *a, int n)
     fitm_attn_args rest[ATTN_MANY_MAX];
     int n_rest = 0;
     for (int s = 0; s < n; s++) {
-        if (attn_tiles(&a[s]))
+        if (attn_tiles(c, &a[s]))
             cuda_attention(b, &a[s]);
         else
             rest[n_rest++] = a[s];

@@ -479,6 +479,7 @@ static fitm_attn_args attn_args(const pass *p, const seq_part *q, int32_t l)
         .cap_index = p->f->cap_index + q->row0,
         .n_layer = c->n_layer,
         .intervention = iv,
+        .batched = q->batched,
     };
 }
 

@@ -12,7 +12,9 @@
  * converted to F32 in tiles, shared by all rows: fast for prefill) or STEP (quantized dot
  * products with Q8 activations: fast for a few rows). Two calls on the same path compute
  * every row bit-identically, whatever their T and however the sequence was split, so a
- * reference pass's rows are exactly the original pass's. AUTO picks BATCH for
+ * reference pass's rows are exactly the original pass's (a row captured or intervened in one
+ * call and plain in the other aside: a backend may run a BATCH call's plain rows' attention
+ * in arithmetic of its own, fitm_attn_args.batched). AUTO picks BATCH for
  * T >= FITM_FORWARD_BATCH_MIN (every multi-token call), STEP for decode steps. Float weights
  * (F32/F16/BF16) compute the same on both. The output head always uses STEP's products, so
  * logits do not depend on n_logits or T.
