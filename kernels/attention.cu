@@ -1239,8 +1239,10 @@ __host__ __device__ __forceinline__ int fitm_atb_heads(const fitm_cuda_attn &a)
 }
 
 /* dst (FITM_ATB_KEYS, lq) = keys kb.. of K (v false) or V of group g in bfloat16, zeros past
- * key last and in the padded dims. vec: D a multiple of 4 and the arrays 16-byte aligned
- * (float4 loads, warp w taking keys w, w + 4, ..); else element by element. */
+ * key last and in the padded dims. vec: D a multiple of 4 and the arrays 16-byte aligned:
+ * float4 slots, slot e of the block being key e / (dp / 4), dims 4 (e % (dp / 4)).., thread
+ * t taking slots t, t + 128, .. (a key's row coalesced), eight loads in flight before their
+ * stores; else element by element. */
 __device__ __forceinline__ void fitm_atb_stage(const fitm_cuda_attn &a, const fitm_atb_layout &L,
                                                __nv_bfloat16 *dst, int64_t kb, int64_t last,
                                                int g, bool v, bool vec)
@@ -1248,17 +1250,25 @@ __device__ __forceinline__ void fitm_atb_stage(const fitm_cuda_attn &a, const fi
     const int D = a.head_dim, tid = threadIdx.x;
     const float *pre = v ? a.v_pre : a.k_pre, *own = v ? a.v_own : a.k_own;
     if (vec) {
-        const int lane = tid % FITM_WARP, warp = tid / FITM_WARP;
-        for (int kk = warp; kk < FITM_ATB_KEYS; kk += FITM_ATT_THREADS / FITM_WARP) {
-            const int64_t j = kb + kk;
-            const float *src = j <= last ? fitm_att_kv(a, pre, own, j, g) : NULL;
-            for (int d = 4 * lane; d < L.dp; d += 4 * FITM_WARP) {
-                float4 x = {0.0f, 0.0f, 0.0f, 0.0f};
-                if (src && d < D)
-                    x = __ldg((const float4 *)(src + d));
-                __nv_bfloat16 *o = dst + kk * L.lq + d;
-                o[0] = fitm_to_bf16(x.x), o[1] = fitm_to_bf16(x.y);
-                o[2] = fitm_to_bf16(x.z), o[3] = fitm_to_bf16(x.w);
+        constexpr int BATCH = 8;
+        const int per_key = L.dp / 4, n = FITM_ATB_KEYS * per_key;
+        for (int e0 = tid; e0 < n; e0 += BATCH * FITM_ATT_THREADS) {
+            float4 x[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; u++) {
+                const int e = e0 + u * FITM_ATT_THREADS, kk = e / per_key, d = 4 * (e % per_key);
+                x[u] = float4{0.0f, 0.0f, 0.0f, 0.0f};
+                if (e < n && kb + kk <= last && d < D)
+                    x[u] = __ldg((const float4 *)(fitm_att_kv(a, pre, own, kb + kk, g) + d));
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; u++) {
+                const int e = e0 + u * FITM_ATT_THREADS, kk = e / per_key, d = 4 * (e % per_key);
+                if (e < n) {
+                    __nv_bfloat16 *o = dst + kk * L.lq + d;
+                    o[0] = fitm_to_bf16(x[u].x), o[1] = fitm_to_bf16(x[u].y);
+                    o[2] = fitm_to_bf16(x[u].z), o[3] = fitm_to_bf16(x[u].w);
+                }
             }
         }
         return;

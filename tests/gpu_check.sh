@@ -111,7 +111,7 @@ why)
   [ -n "$N" ] || { echo "no ncu"; continue; }
   (cd /tmp && timeout 120 $N --clock-control none --cache-control none --section SpeedOfLight \
      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-     --kernel-name-base function --kernel-name regex:'fitm_(gemm_bf16_tiles|attention_tiles|attention_rows_many|matvec_rows|matvec_rows3)' \
+     --kernel-name-base function --kernel-name regex:'fitm_(gemm_bf16_tiles|attention_bf16_tiles|attention_tiles|attention_rows_many|matvec_rows|matvec_rows3)' \
      --launch-count 24 $BF -m $G -b cuda -p 512 -n 2 -r 1 > $L/why.txt 2> $L/why.err); echo "ncu rc $?"; tail -2 $L/why.err
   cp $L/why.txt $OUT/why.txt
   grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Grid Size|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|stalled|One or More Eligible" $L/why.txt | head -240 ;;
