@@ -2480,18 +2480,20 @@ int main(int argc, char **argv)
             test_attention_tiled(&small_tiles[i]);
         for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
             test_attention_tiled(&tiles[i]);
-        /* the tensor-core kernel's own: 70 rows over two key blocks of 64 and 9 tiles of 8
-         * rows; head dims not whole float4s (element by element), a window cutting a key
-         * block, 3 heads a group (30 of a tile's 32 pairs); 64 heads a group (two chunks
-         * of 32) */
+        /* the tensor-core kernel's own: head dims not whole float4s (element by element), a
+         * window cutting a key block, 3 heads a group (30 of a tile's 32 pairs); 64 heads a
+         * group (two chunks of 32); then 70 rows over two key blocks of 64 and 9 tiles of 8
+         * rows */
         static const tile_case bf16_tiles[] = {
-            {.T = 70, .H = 4, .Hkv = 1, .D = 256, .i0 = 0, .i1 = 70},
             {.T = 12, .pos0 = 130, .own_base = 100, .window = 70, .H = 3, .Hkv = 1, .D = 18,
              .i0 = 1, .i1 = 12},
             {.T = 3, .pos0 = 66, .own_base = 60, .H = 64, .Hkv = 1, .D = 16, .i0 = 0, .i1 = 3},
         };
+        static const tile_case bf16_two_blocks = {.T = 70, .H = 4, .Hkv = 1, .D = 256, .i1 = 70};
         for (size_t i = 0; i < sizeof bf16_tiles / sizeof bf16_tiles[0]; i++)
             test_attention_bf16(&bf16_tiles[i]);
+        if (!small)
+            test_attention_bf16(&bf16_two_blocks);
         for (size_t i = 0; i < sizeof small_tiles / sizeof small_tiles[0]; i++)
             test_attention_bf16(&small_tiles[i]);
         for (size_t i = 0; i < sizeof tiles / sizeof tiles[0] && !small; i++)
