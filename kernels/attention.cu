@@ -1377,19 +1377,23 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
                     os[sm * L.lo + d] = __fmul_rn(os[sm * L.lo + d], alpha);
         }
         __syncthreads();
-        { /* O += P V: warp w the fragments (w % 2, n) for n = w / 2, w / 2 + 2, .. */
+        { /* O += P V: warp w the fragments (w % 2, n) for n = w / 2, w / 2 + 2, .., its
+           * rows of P loaded once for all of them */
             const int mt = warp % 2;
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>
+                fa[FITM_ATB_KEYS / 16];
+#pragma unroll
+            for (int k = 0; k < FITM_ATB_KEYS / 16; k++)
+                wmma::load_matrix_sync(fa[k], ps + mt * 16 * FITM_ATB_LP + 16 * k, FITM_ATB_LP);
             for (int nt = warp / 2; nt < L.dp / 16; nt += 2) {
                 float *o = os + mt * 16 * L.lo + nt * 16;
                 wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
                 wmma::load_matrix_sync(acc, o, L.lo, wmma::mem_row_major);
 #pragma unroll
-                for (int kk = 0; kk < FITM_ATB_KEYS; kk += 16) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+                for (int k = 0; k < FITM_ATB_KEYS / 16; k++) {
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
-                    wmma::load_matrix_sync(fa, ps + mt * 16 * FITM_ATB_LP + kk, FITM_ATB_LP);
-                    wmma::load_matrix_sync(fb, kvs + kk * L.lq + nt * 16, L.lq);
-                    wmma::mma_sync(acc, fa, fb, acc);
+                    wmma::load_matrix_sync(fb, kvs + 16 * k * L.lq + nt * 16, L.lq);
+                    wmma::mma_sync(acc, fa[k], fb, acc);
                 }
                 wmma::store_matrix_sync(o, acc, L.lo, wmma::mem_row_major);
             }
