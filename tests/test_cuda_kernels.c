@@ -1646,34 +1646,40 @@ static void ref_attention_row(const tile_case *c, const float *q, const float *k
     }
 }
 
-/* fitm_cuda_attention_tiled on rows [i0, i1) of fresh random data: each row's output bit for
- * bit fitm_cuda_attention's (memcmp), the rows outside untouched, the guards intact, and both
- * within 1e-5 of a double reference. */
-static void test_attention_tiled(const tile_case *c)
+/* A tile case's fresh random data, host and device: queries, prefix and own K and V, and a
+ * one-span intervention from row i1 on where the case asks for one; a, the call (out unset),
+ * and what, the case's name for a kernel. */
+typedef struct {
+    float *qh, *kph, *vph, *koh, *voh;
+    dbuf q, kp, vp, ko, vo, spans, alpha;
+    fitm_cuda_attn a;
+    char what[160];
+} tile_data;
+
+static void tile_data_make(tile_data *t, const tile_case *c, const char *kernel)
 {
     const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
     const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
     const int64_t n_pre = c->own_base > 0 ? c->own_base * HkvD : 1;
-    float *qh = xmalloc((size_t)(T * HD) * sizeof(float));
-    float *kph = xmalloc((size_t)n_pre * sizeof(float)), *vph = xmalloc((size_t)n_pre * 4);
-    float *koh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
-    float *voh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
-    fill_uniform(qh, T * HD, -1.5f, 1.5f);
-    fill_uniform(kph, n_pre, -1.5f, 1.5f);
-    fill_uniform(vph, n_pre, -1.0f, 1.0f);
-    fill_uniform(koh, own_rows * HkvD, -1.5f, 1.5f);
-    fill_uniform(voh, own_rows * HkvD, -1.0f, 1.0f);
-    dbuf q = dbuf_from(qh, (size_t)(T * HD) * sizeof(float));
-    dbuf kp = dbuf_from(kph, (size_t)n_pre * sizeof(float));
-    dbuf vp = dbuf_from(vph, (size_t)n_pre * sizeof(float));
-    dbuf ko = dbuf_from(koh, (size_t)(own_rows * HkvD) * sizeof(float));
-    dbuf vo = dbuf_from(voh, (size_t)(own_rows * HkvD) * sizeof(float));
-    dbuf out_rows = dbuf_new((size_t)(T * HD) * sizeof(float));
-    dbuf out_tiles = dbuf_new((size_t)(T * HD) * sizeof(float));
+    t->qh = xmalloc((size_t)(T * HD) * sizeof(float));
+    t->kph = xmalloc((size_t)n_pre * sizeof(float)), t->vph = xmalloc((size_t)n_pre * 4);
+    t->koh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    t->voh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
+    fill_uniform(t->qh, T * HD, -1.5f, 1.5f);
+    fill_uniform(t->kph, n_pre, -1.5f, 1.5f);
+    fill_uniform(t->vph, n_pre, -1.0f, 1.0f);
+    fill_uniform(t->koh, own_rows * HkvD, -1.5f, 1.5f);
+    fill_uniform(t->voh, own_rows * HkvD, -1.0f, 1.0f);
+    t->q = dbuf_from(t->qh, (size_t)(T * HD) * sizeof(float));
+    t->kp = dbuf_from(t->kph, (size_t)n_pre * sizeof(float));
+    t->vp = dbuf_from(t->vph, (size_t)n_pre * sizeof(float));
+    t->ko = dbuf_from(t->koh, (size_t)(own_rows * HkvD) * sizeof(float));
+    t->vo = dbuf_from(t->voh, (size_t)(own_rows * HkvD) * sizeof(float));
     const int64_t spans_h[2] = {0, n_keys / 2};
     const float alpha_h = 1.0f;
-    dbuf spans = dbuf_from(spans_h, sizeof spans_h), alpha = dbuf_from(&alpha_h, sizeof alpha_h);
-    fitm_cuda_attn a = {
+    t->spans = dbuf_from(spans_h, sizeof spans_h);
+    t->alpha = dbuf_from(&alpha_h, sizeof alpha_h);
+    t->a = (fitm_cuda_attn){
         .T = T,
         .pos0 = c->pos0,
         .own_base = c->own_base,
@@ -1682,24 +1688,45 @@ static void test_attention_tiled(const tile_case *c)
         .n_head_kv = c->Hkv,
         .head_dim = c->D,
         .scale = 1.0f / sqrtf((float)D),
-        .q = q.p,
-        .out = out_rows.p,
-        .k_pre = c->own_base > 0 ? kp.p : NULL,
-        .v_pre = c->own_base > 0 ? vp.p : NULL,
-        .k_own = ko.p,
-        .v_own = vo.p,
+        .q = t->q.p,
+        .k_pre = c->own_base > 0 ? t->kp.p : NULL,
+        .v_pre = c->own_base > 0 ? t->vp.p : NULL,
+        .k_own = t->ko.p,
+        .v_own = t->vo.p,
     };
     if (c->intervene) {
-        a.iv_spans = spans.p, a.iv_alpha = alpha.p, a.iv_n_spans = 1;
-        a.iv_from_pos = c->pos0 + c->i1;
+        t->a.iv_spans = t->spans.p, t->a.iv_alpha = t->alpha.p, t->a.iv_n_spans = 1;
+        t->a.iv_from_pos = c->pos0 + c->i1;
     }
-    char what[160];
-    snprintf(what, sizeof what,
-             "attention tiled rows [%lld, %lld) of T %lld pos0 %lld own_base %lld window %lld "
+    snprintf(t->what, sizeof t->what,
+             "attention %s rows [%lld, %lld) of T %lld pos0 %lld own_base %lld window %lld "
              "H %d Hkv %d D %d%s",
-             (long long)c->i0, (long long)c->i1, (long long)T, (long long)c->pos0,
+             kernel, (long long)c->i0, (long long)c->i1, (long long)T, (long long)c->pos0,
              (long long)c->own_base, (long long)c->window, (int)c->H, (int)c->Hkv, (int)c->D,
              c->intervene ? " intervene" : "");
+}
+
+static void tile_data_free(tile_data *t)
+{
+    free(t->qh), free(t->kph), free(t->vph), free(t->koh), free(t->voh);
+    dbuf_free(&t->q), dbuf_free(&t->kp), dbuf_free(&t->vp), dbuf_free(&t->ko), dbuf_free(&t->vo);
+    dbuf_free(&t->spans), dbuf_free(&t->alpha);
+}
+
+/* fitm_cuda_attention_tiled on rows [i0, i1) of fresh random data: each row's output bit for
+ * bit fitm_cuda_attention's (memcmp), the rows outside untouched, the guards intact, and both
+ * within 1e-5 of a double reference. */
+static void test_attention_tiled(const tile_case *c)
+{
+    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D;
+    const int64_t n_keys = c->pos0 + T;
+    tile_data t;
+    tile_data_make(&t, c, "tiled");
+    const char *what = t.what;
+    dbuf out_rows = dbuf_new((size_t)(T * HD) * sizeof(float));
+    dbuf out_tiles = dbuf_new((size_t)(T * HD) * sizeof(float));
+    fitm_cuda_attn a = t.a;
+    a.out = out_rows.p;
     bool ok = launched(what, fitm_cuda_attention(&a, stream));
     a.out = out_tiles.p;
     ok = ok && launched(what, fitm_cuda_attention_tiled(&a, c->i0, c->i1, stream));
@@ -1711,7 +1738,7 @@ static void test_attention_tiled(const tile_case *c)
     double *s = xmalloc((size_t)n_keys * sizeof(double));
     for (int64_t i = c->i0; i < c->i1; i++)
         for (int32_t h = 0; h < c->H; h++)
-            ref_attention_row(c, qh, kph, vph, koh, voh, i, h, s, want);
+            ref_attention_row(c, t.qh, t.kph, t.vph, t.koh, t.voh, i, h, s, want);
     const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
     bool same = memcmp(rows + lo, tiles + lo, (size_t)n * sizeof(float)) == 0;
     for (int64_t e = 0; e < n && !same; e++)
@@ -1735,10 +1762,9 @@ static void test_attention_tiled(const tile_case *c)
                                what),
           "%s", w2);
     CHECK(dbuf_guards_ok(&out_rows, what));
-    free(qh), free(kph), free(vph), free(koh), free(voh), free(rows), free(tiles), free(want);
-    free(s);
-    dbuf_free(&q), dbuf_free(&kp), dbuf_free(&vp), dbuf_free(&ko), dbuf_free(&vo);
-    dbuf_free(&out_rows), dbuf_free(&out_tiles), dbuf_free(&spans), dbuf_free(&alpha);
+    free(rows), free(tiles), free(want), free(s);
+    dbuf_free(&out_rows), dbuf_free(&out_tiles);
+    tile_data_free(&t);
 }
 
 /* x rounded to bfloat16 (bf16_by_definition), as a float */
@@ -1759,55 +1785,16 @@ static float bf16_round(float x)
 static void test_attention_bf16(const tile_case *c)
 {
     const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
-    const int64_t n_keys = c->pos0 + T, own_rows = n_keys - c->own_base;
-    const int64_t n_pre = c->own_base > 0 ? c->own_base * HkvD : 1;
-    float *qh = xmalloc((size_t)(T * HD) * sizeof(float));
-    float *kph = xmalloc((size_t)n_pre * sizeof(float)), *vph = xmalloc((size_t)n_pre * 4);
-    float *koh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
-    float *voh = xmalloc((size_t)(own_rows * HkvD) * sizeof(float));
-    fill_uniform(qh, T * HD, -1.5f, 1.5f);
-    fill_uniform(kph, n_pre, -1.5f, 1.5f);
-    fill_uniform(vph, n_pre, -1.0f, 1.0f);
-    fill_uniform(koh, own_rows * HkvD, -1.5f, 1.5f);
-    fill_uniform(voh, own_rows * HkvD, -1.0f, 1.0f);
-    dbuf q = dbuf_from(qh, (size_t)(T * HD) * sizeof(float));
-    dbuf kp = dbuf_from(kph, (size_t)n_pre * sizeof(float));
-    dbuf vp = dbuf_from(vph, (size_t)n_pre * sizeof(float));
-    dbuf ko = dbuf_from(koh, (size_t)(own_rows * HkvD) * sizeof(float));
-    dbuf vo = dbuf_from(voh, (size_t)(own_rows * HkvD) * sizeof(float));
+    const int64_t n_keys = c->pos0 + T;
+    tile_data t;
+    tile_data_make(&t, c, "bf16");
+    const char *what = t.what;
+    const float *qh = t.qh, *kph = t.kph, *vph = t.vph, *koh = t.koh, *voh = t.voh;
     dbuf out1 = dbuf_new((size_t)(T * HD) * sizeof(float));
     dbuf out2 = dbuf_new((size_t)(T * HD) * sizeof(float));
     dbuf out3 = dbuf_new((size_t)(T * HD) * sizeof(float));
-    const int64_t spans_h[2] = {0, n_keys / 2};
-    const float alpha_h = 1.0f;
-    dbuf spans = dbuf_from(spans_h, sizeof spans_h), alpha = dbuf_from(&alpha_h, sizeof alpha_h);
-    fitm_cuda_attn a = {
-        .T = T,
-        .pos0 = c->pos0,
-        .own_base = c->own_base,
-        .window = c->window,
-        .n_head = c->H,
-        .n_head_kv = c->Hkv,
-        .head_dim = c->D,
-        .scale = 1.0f / sqrtf((float)D),
-        .q = q.p,
-        .out = out1.p,
-        .k_pre = c->own_base > 0 ? kp.p : NULL,
-        .v_pre = c->own_base > 0 ? vp.p : NULL,
-        .k_own = ko.p,
-        .v_own = vo.p,
-    };
-    if (c->intervene) {
-        a.iv_spans = spans.p, a.iv_alpha = alpha.p, a.iv_n_spans = 1;
-        a.iv_from_pos = c->pos0 + c->i1;
-    }
-    char what[160];
-    snprintf(what, sizeof what,
-             "attention bf16 rows [%lld, %lld) of T %lld pos0 %lld own_base %lld window %lld "
-             "H %d Hkv %d D %d%s",
-             (long long)c->i0, (long long)c->i1, (long long)T, (long long)c->pos0,
-             (long long)c->own_base, (long long)c->window, (int)c->H, (int)c->Hkv, (int)c->D,
-             c->intervene ? " intervene" : "");
+    fitm_cuda_attn a = t.a;
+    a.out = out1.p;
     bool ok = launched(what, fitm_cuda_attention_bf16(&a, c->i0, c->i1, stream));
     const int64_t mid = c->i0 + (c->i1 - c->i0) / 2 + (c->i1 - c->i0 > 2 ? 1 : 0);
     a.out = out2.p;
@@ -1815,7 +1802,7 @@ static void test_attention_bf16(const tile_case *c)
          launched(what, fitm_cuda_attention_bf16(&a, mid, c->i1, stream));
     fitm_cuda_attn b = a; /* the call from row i0 on */
     b.T = T - c->i0, b.pos0 = c->pos0 + c->i0;
-    b.q = (const float *)q.p + c->i0 * HD, b.out = (float *)out3.p + c->i0 * HD;
+    b.q = (const float *)t.q.p + c->i0 * HD, b.out = (float *)out3.p + c->i0 * HD;
     ok = ok && launched(what, fitm_cuda_attention_bf16(&b, 0, c->i1 - c->i0, stream));
     float *got[3];
     const dbuf *outs[3] = {&out1, &out2, &out3};
@@ -1889,11 +1876,11 @@ static void test_attention_bf16(const tile_case *c)
                                what),
           "%s", w2);
     CHECK(dbuf_guards_ok(&out2, what) && dbuf_guards_ok(&out3, what));
-    free(qh), free(kph), free(vph), free(koh), free(voh), free(want), free(tol), free(w);
+    free(want), free(tol), free(w);
     for (int k = 0; k < 3; k++)
         free(got[k]);
-    dbuf_free(&q), dbuf_free(&kp), dbuf_free(&vp), dbuf_free(&ko), dbuf_free(&vo);
-    dbuf_free(&out1), dbuf_free(&out2), dbuf_free(&out3), dbuf_free(&spans), dbuf_free(&alpha);
+    dbuf_free(&out1), dbuf_free(&out2), dbuf_free(&out3);
+    tile_data_free(&t);
 }
 
 static void test_contracts(void)
