@@ -278,14 +278,20 @@ __device__ void fitm_att_stats(const fitm_cuda_attn &a, const fitm_att_row &r, c
 #define FITM_ATT_ROW_STAGE (FITM_ATT_THREADS * (64 + 4)) /* floats: the largest slice step */
 #define FITM_ATT_ROW_KEEP 8192 /* the most keys of a row whose scores a block keeps */
 
-/* The staged path's condition: the launch's rows (of one call) can use it. */
-__host__ __device__ __forceinline__ bool fitm_att_row_vec(const fitm_cuda_attn &a)
+/* Whether the call a's key and value rows can be read as whole float4s: D a multiple of 4 and
+ * every K and V array it names 16-byte aligned. */
+__host__ __device__ __forceinline__ bool fitm_att_kv_float4(const fitm_cuda_attn &a)
 {
-    const int D4 = a.head_dim / 4;
-    return a.head_dim % 4 == 0 && FITM_ATT_THREADS % D4 == 0 &&
+    return a.head_dim % 4 == 0 &&
            (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre | (uintptr_t)a.v_pre |
              (uintptr_t)a.k_new | (uintptr_t)a.v_new) &
             15) == 0;
+}
+
+/* The staged path's condition: the launch's rows (of one call) can use it. */
+__host__ __device__ __forceinline__ bool fitm_att_row_vec(const fitm_cuda_attn &a)
+{
+    return fitm_att_kv_float4(a) && FITM_ATT_THREADS % (a.head_dim / 4) == 0;
 }
 
 /* log2 of the float4s of a slice of the tile from j0: 4 (64 dims), 5 (128) or 6 (256), by the
@@ -836,10 +842,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, ND > 1 ? 2 : 3)
     const bool keep = k_hi - k_lo < FITM_ATT_KEEP;
     float *qs = (float *)shm4, *ks = qs + RH * ld, *big = ks + KC * ld;
     float *ps = big + fitm_att_tile_big(D), *st_mx = ps + KC * RH, *st_inv = st_mx + RH;
-    /* the vector path: whole float4s per row, every row 16-byte aligned */
-    const bool vec = D % 4 == 0 &&
-                     (((uintptr_t)a.k_own | (uintptr_t)a.v_own | (uintptr_t)a.k_pre |
-                       (uintptr_t)a.v_pre) & 15) == 0;
+    const bool vec = fitm_att_kv_float4(a); /* the vector path */
     float4 buf[8 * ND]; /* a step's keys or values on their way to shared memory */
 
     /* the pairs' queries; a pair past the tile's rows or the group's heads holds zeros */
@@ -1041,6 +1044,15 @@ static bool fitm_attn_args_bad(const fitm_cuda_attn *a)
            (a->k_new && (!a->v_new || a->new_base < a->own_base));
 }
 
+/* Arguments the kernels for plain rows refuse (cudaErrorInvalidValue): rows [i0, i1) of the
+ * call a must lie in it and be plain (no capture, no mixture, none intervened), with no new
+ * rows read from a store's source. */
+static bool fitm_attn_plain_bad(const fitm_cuda_attn *a, int64_t i0, int64_t i1)
+{
+    return fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 ||
+           a->cap_index || a->k_new || (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos);
+}
+
 /* Dynamic shared memory of a one-row launch whose rows have at most n_fac intervention spans
  * and keep up to keep_cap scores; kernel's opt-in raised to it where needed (its static
  * arrays take about 2.4 KiB of the 48: 4 KiB counted). */
@@ -1121,9 +1133,7 @@ static int fitm_attention_tiles_launch(const fitm_cuda_attn *a, int64_t i0, int6
 extern "C" int fitm_cuda_attention_tiled(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
                                          void *stream)
 {
-    if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 || a->cap_index ||
-        a->k_new ||
-        (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos))
+    if (fitm_attn_plain_bad(a, i0, i1))
         return (int)cudaErrorInvalidValue;
     if (i1 == i0)
         return 0;
@@ -1284,7 +1294,7 @@ __device__ __forceinline__ void fitm_atb_stage(const fitm_cuda_attn &a, const fi
 /* Rows [i_begin, i_end) of the call a, every one plain (see the section's header). Block (x,
  * y): a tile of rows from the end, heads chunk y of the groups. */
 __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
-    fitm_attention_bf16_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end, int vec)
+    fitm_attention_bf16_tiles(fitm_cuda_attn a, int64_t i_begin, int64_t i_end)
 {
     fitm_grid_begin();
     namespace wmma = nvcuda::wmma;
@@ -1301,6 +1311,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
     const int64_t i0 = i_begin + (int64_t)(gridDim.x - 1 - blockIdx.x) * R;
     const int nr = i_end - i0 < R ? (int)(i_end - i0) : R;
     const int64_t P0 = a.pos0 + i0, last = P0 + nr - 1;
+    const bool vec = fitm_att_kv_float4(a);
 
     /* pair m is row m / hb, head h0 + m % hb; pairs past the tile's rows or heads are zeros */
     for (int e = tid; e < FITM_ATB_PAIRS * L.dp; e += FITM_ATT_THREADS) {
@@ -1320,7 +1331,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
 
     for (int64_t kb = fitm_att_v0(a, P0) / FITM_ATB_KEYS * FITM_ATB_KEYS; kb <= last;
          kb += FITM_ATB_KEYS) {
-        fitm_atb_stage(a, L, kvs, kb, last, g, false, vec != 0);
+        fitm_atb_stage(a, L, kvs, kb, last, g, false, vec);
         __syncthreads();
         { /* S = Q K^T: warp w the fragments (w % 2, 2 (w / 2) + j) */
             const int mt = warp % 2, nt = warp / 2 * 2;
@@ -1344,7 +1355,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
                                         FITM_ATB_LS, wmma::mem_row_major);
         }
         __syncthreads();
-        fitm_atb_stage(a, L, kvs, kb, last, g, true, vec != 0);
+        fitm_atb_stage(a, L, kvs, kb, last, g, true, vec);
         { /* the online softmax of pair sm's keys kb + sq + 4 k */
             float s[FITM_ATB_KEYS / 4], bmax = -INFINITY;
 #pragma unroll
@@ -1413,8 +1424,7 @@ __global__ void __launch_bounds__(FITM_ATT_THREADS, 2)
 extern "C" int fitm_cuda_attention_bf16(const fitm_cuda_attn *a, int64_t i0, int64_t i1,
                                         void *stream)
 {
-    if (fitm_attn_args_bad(a) || i0 < 0 || i1 < i0 || i1 > a->T || a->mix_n > 0 || a->cap_index ||
-        a->k_new || (a->iv_n_spans > 0 && a->pos0 + i1 > a->iv_from_pos))
+    if (fitm_attn_plain_bad(a, i0, i1))
         return (int)cudaErrorInvalidValue;
     if (i1 == i0)
         return 0;
@@ -1424,12 +1434,9 @@ extern "C" int fitm_cuda_attention_bf16(const fitm_cuda_attn *a, int64_t i0, int
         return e;
     const int hb = fitm_atb_heads(*a), R = FITM_ATB_PAIRS / hb;
     const int G = a->n_head / a->n_head_kv;
-    const bool vec = a->head_dim % 4 == 0 && fitm_aligned16(a->k_own) &&
-                     fitm_aligned16(a->v_own) &&
-                     (a->own_base == 0 || (fitm_aligned16(a->k_pre) && fitm_aligned16(a->v_pre)));
     const dim3 grid((unsigned)((i1 - i0 + R - 1) / R),
                     (unsigned)(a->n_head_kv * ((G + hb - 1) / hb)));
     FITM_LAUNCH(grid, FITM_ATT_THREADS, L.total, fitm_stream(stream), fitm_attention_bf16_tiles)
-    (*a, i0, i1, vec ? 1 : 0);
+    (*a, i0, i1);
     return (int)cudaGetLastError();
 }

@@ -1615,34 +1615,54 @@ typedef struct {
     bool intervene; /* an intervention from pos0 + i1 on: the tiled rows are below it */
 } tile_case;
 
-/* Double-precision attention of row i, head h (keys below own_base from kp, others from ko). */
+/* x rounded to bfloat16 (bf16_by_definition), as a float */
+static float bf16_round(float x)
+{
+    return u2f((uint32_t)bf16_by_definition(x) << 16);
+}
+
+/* Double-precision attention of row i, head h (keys below own_base from kp, others from ko)
+ * into out (T, H, D). bf16: Q, K and V rounded to bfloat16 first, as the tensor-core kernel
+ * reads them, and tol (T, H, D) receives each element's bound for that kernel: its other
+ * roundings are each probability to bfloat16, which moves a row's normalized weights by at
+ * most 2^-8 of themselves, and the F32 sums of a score, at most D 2^-24 of its sum of |q k|, so
+ * the bound is (2^-8 + 2.5 D 2^-24 max_j scale sum_d |q k|) sum_j w_j |v_j| + 1e-6. */
 static void ref_attention_row(const tile_case *c, const float *q, const float *kp, const float *vp,
                               const float *ko, const float *vo, int64_t i, int32_t h, double *s,
-                              float *out)
+                              float *out, bool bf16, double *tol)
 {
     const int64_t D = c->D, HkvD = (int64_t)c->Hkv * D, p = c->pos0 + i;
     const int64_t v0 = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
     const int32_t g = h / (c->H / c->Hkv);
     const float *qh = q + (i * c->H + h) * D;
-    double mx = -INFINITY, z = 0.0;
+    const double scale = 1.0 / sqrt((double)D);
+    double mx = -INFINITY, z = 0.0, worst = 0.0;
     for (int64_t j = v0; j <= p; j++) {
         const float *k = (j < c->own_base ? kp + j * HkvD : ko + (j - c->own_base) * HkvD) + g * D;
-        double d = 0.0;
-        for (int64_t e = 0; e < D; e++)
-            d += (double)qh[e] * k[e];
-        s[j] = d / sqrt((double)D);
+        double d = 0.0, mag = 0.0;
+        for (int64_t e = 0; e < D; e++) {
+            const double t = bf16 ? (double)bf16_round(qh[e]) * bf16_round(k[e])
+                                  : (double)qh[e] * k[e];
+            d += t, mag += fabs(t);
+        }
+        s[j] = d * scale;
+        worst = fmax(worst, mag * scale);
         mx = fmax(mx, s[j]);
     }
     for (int64_t j = v0; j <= p; j++)
         z += s[j] = exp(s[j] - mx);
+    const double rel = ldexp(1.0, -8) + 2.5 * (double)D * ldexp(1.0, -24) * worst;
     for (int64_t e = 0; e < D; e++) {
-        double o = 0.0;
+        double o = 0.0, mag = 0.0;
         for (int64_t j = v0; j <= p; j++) {
             const float *v =
                 (j < c->own_base ? vp + j * HkvD : vo + (j - c->own_base) * HkvD) + g * D;
-            o += s[j] / z * v[e];
+            const double t = s[j] / z * (bf16 ? bf16_round(v[e]) : v[e]);
+            o += t, mag += fabs(t);
         }
         out[(i * c->H + h) * D + e] = (float)o;
+        if (tol)
+            tol[(i * c->H + h) * D + e] = rel * mag + 1e-6;
     }
 }
 
@@ -1738,7 +1758,7 @@ static void test_attention_tiled(const tile_case *c)
     double *s = xmalloc((size_t)n_keys * sizeof(double));
     for (int64_t i = c->i0; i < c->i1; i++)
         for (int32_t h = 0; h < c->H; h++)
-            ref_attention_row(c, t.qh, t.kph, t.vph, t.koh, t.voh, i, h, s, want);
+            ref_attention_row(c, t.qh, t.kph, t.vph, t.koh, t.voh, i, h, s, want, false, NULL);
     const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
     bool same = memcmp(rows + lo, tiles + lo, (size_t)n * sizeof(float)) == 0;
     for (int64_t e = 0; e < n && !same; e++)
@@ -1767,29 +1787,20 @@ static void test_attention_tiled(const tile_case *c)
     tile_data_free(&t);
 }
 
-/* x rounded to bfloat16 (bf16_by_definition), as a float */
-static float bf16_round(float x)
-{
-    return u2f((uint32_t)bf16_by_definition(x) << 16);
-}
-
 /* fitm_cuda_attention_bf16 on rows [i0, i1) of fresh random data:
- *   - within a bound of a double reference over the bfloat16-rounded Q, K and V (the kernel's
- *     other roundings: each probability to bfloat16, which moves a row's normalized weights by
- *     at most 2^-8 of themselves, and the F32 sums of a score, at most D 2^-24 of its
- *     sum of |q k|: the bound is (2^-8 + 2.5 D 2^-24 max_j scale sum_d |q k|) sum_j w_j |v_j|);
+ *   - within ref_attention_row's bound of its double reference over the bfloat16-rounded Q, K
+ *     and V;
  *   - the rows outside untouched and the guards intact;
  *   - row invariance: the same rows as two launches split at a row that is not a tile's edge,
  *     and as a call that starts at row i0 (pos0 + i0, T - i0: other tiles, another first key
  *     block), bit for bit the first launch's. */
 static void test_attention_bf16(const tile_case *c)
 {
-    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D, HkvD = (int64_t)c->Hkv * D;
+    const int64_t T = c->T, D = c->D, HD = (int64_t)c->H * D;
     const int64_t n_keys = c->pos0 + T;
     tile_data t;
     tile_data_make(&t, c, "bf16");
     const char *what = t.what;
-    const float *qh = t.qh, *kph = t.kph, *vph = t.vph, *koh = t.koh, *voh = t.voh;
     dbuf out1 = dbuf_new((size_t)(T * HD) * sizeof(float));
     dbuf out2 = dbuf_new((size_t)(T * HD) * sizeof(float));
     dbuf out3 = dbuf_new((size_t)(T * HD) * sizeof(float));
@@ -1831,49 +1842,16 @@ static void test_attention_bf16(const tile_case *c)
     CHECK(ok && same && untouched, "%s", what);
 
     /* the reference over the rounded operands, and each element's bound */
-    float *want = xmalloc((size_t)n * sizeof(float));
-    double *tol = xmalloc((size_t)n * sizeof(double));
+    float *want = xmalloc((size_t)(T * HD) * sizeof(float));
+    double *tol = xmalloc((size_t)(T * HD) * sizeof(double));
     double *w = xmalloc((size_t)n_keys * sizeof(double));
     for (int64_t i = c->i0; i < c->i1; i++)
-        for (int32_t h = 0; h < c->H; h++) {
-            const int64_t p = c->pos0 + i;
-            const int64_t v0 = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
-            const int32_t g = h / (c->H / c->Hkv);
-            const float *qr = qh + (i * c->H + h) * D;
-            double mx = -INFINITY, z = 0.0, worst = 0.0;
-            for (int64_t j = v0; j <= p; j++) {
-                const float *k =
-                    (j < c->own_base ? kph + j * HkvD : koh + (j - c->own_base) * HkvD) + g * D;
-                double d = 0.0, mag = 0.0;
-                for (int64_t e = 0; e < D; e++) {
-                    const double t = (double)bf16_round(qr[e]) * bf16_round(k[e]);
-                    d += t, mag += fabs(t);
-                }
-                w[j] = d * a.scale;
-                worst = fmax(worst, mag * a.scale);
-                mx = fmax(mx, w[j]);
-            }
-            for (int64_t j = v0; j <= p; j++)
-                z += w[j] = exp(w[j] - mx);
-            const double rel = ldexp(1.0, -8) + 2.5 * (double)D * ldexp(1.0, -24) * worst;
-            for (int64_t e = 0; e < D; e++) {
-                double o = 0.0, mag = 0.0;
-                for (int64_t j = v0; j <= p; j++) {
-                    const float *v =
-                        (j < c->own_base ? vph + j * HkvD : voh + (j - c->own_base) * HkvD) +
-                        g * D;
-                    const double t = w[j] / z * bf16_round(v[e]);
-                    o += t, mag += fabs(t);
-                }
-                const int64_t at = (i * c->H + h) * D + e - lo;
-                want[at] = (float)o;
-                tol[at] = rel * mag + 1e-6;
-            }
-        }
+        for (int32_t h = 0; h < c->H; h++)
+            ref_attention_row(c, t.qh, t.kph, t.vph, t.koh, t.voh, i, h, w, want, true, tol);
     char w2[200];
     snprintf(w2, sizeof w2, "%s vs double", what);
-    CHECK(values_and_guards_ok(check_close_tol(w2, want, got[0] + lo, n, 0.0, 0.0, tol), &out1,
-                               what),
+    CHECK(values_and_guards_ok(
+              check_close_tol(w2, want + lo, got[0] + lo, n, 0.0, 0.0, tol + lo), &out1, what),
           "%s", w2);
     CHECK(dbuf_guards_ok(&out2, what) && dbuf_guards_ok(&out3, what));
     free(want), free(tol), free(w);
