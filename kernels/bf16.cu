@@ -1,6 +1,6 @@
 /* bf16: F32 rows rounded to bfloat16 for the tensor-core products of the BATCH class
- * (backend_cuda.c): a weight once at load (the GEMM of kernels/gemm.cu rounds its activations
- * itself, with the same helper, fitm_to_bf16).
+ * (backend_cuda.c): a weight once at load, a product's activations before each launch of the
+ * GEMM (kernels/gemm.cu), whose ring of asynchronous copies cannot round what it copies.
  * CPU reference: round to nearest even on the top 16 bits of the float (tests/test_cuda_kernels.c
  * has its own, written from the definition). */
 #include <cuda_bf16.h>

@@ -398,22 +398,39 @@ int fitm_cuda_attention_many(const fitm_cuda_attn *a, const fitm_cuda_attn *a_de
 
 /* dst (rows_out, n) = x (rows, n) rounded to bfloat16 (round to nearest even; bits in
  * uint16_t; overflow to +-inf, NaN stays NaN), rows [rows, rows_out) of dst set to 0: the BATCH
- * class's tensor-core operands: a weight, dequantized to F32 first (fitm_cuda_gemm_bf16 rounds
- * the activations itself, the same way). rows_out >= rows; x and dst must not overlap.
+ * class's tensor-core operands: a weight, dequantized to F32 first, and the activations a
+ * product multiplies (fitm_cuda_gemm_bf16). rows_out >= rows; x and dst must not overlap.
  * Unlike the other launchers, x and dst need only their elements' alignment (4 and 2 bytes):
  * a call's rows may start anywhere in the forward's activations. */
 int fitm_cuda_to_bf16(const float *x, int64_t rows, int64_t n, int64_t rows_out, uint16_t *dst,
                       void *stream);
 
 /* n (1 to FITM_CUDA_MM_MAX_OUTS) products of one input on the tensor cores, in one launch:
- * y[i] (T, N[i]) = bf16(x) (T, K) . W[i]^T, W[i] (N[i], K) bfloat16 bits (as fitm_cuda_to_bf16
- * writes them), x F32 rounded to bfloat16 as fitm_cuda_to_bf16 rounds it, products summed in
- * F32: the BATCH class with gpu_weights = bf16. An element's arithmetic depends only on its
- * row of x and its row of W[i] (fixed K order, no split-K), so a row's result does not depend
- * on T or on the rows beside it. Pointers need only their elements' alignment (x and y[i] 4
- * bytes, W[i] 2); y[i] must not overlap x or another y. Any T; N[i] may differ. */
+ * y[i] (T, N[i]) = x (T, K) . W[i]^T, x and W[i] (N[i], K) bfloat16 bits (as fitm_cuda_to_bf16
+ * writes them), products summed in F32: the BATCH class with gpu_weights = bf16. An element's
+ * arithmetic depends only on its row of x and its row of W[i] (fixed K order, no split-K), so a
+ * row's result does not depend on T or on the rows beside it. Pointers need only their
+ * elements' alignment (x and W[i] 2 bytes, y[i] 4); rows that start 16-byte aligned (K % 8 ==
+ * 0, every base 16-byte aligned) are staged by 16-byte asynchronous copies, others element by
+ * element (the same results). y[i] must not overlap x or another y. Any T; N[i] may differ. */
 int fitm_cuda_gemm_bf16(int n, const uint16_t *const *W, const int64_t *N, int64_t K,
-                        const float *x, int64_t T, float *const *y, void *stream);
+                        const uint16_t *x, int64_t T, float *const *y, void *stream);
+
+/* The tile shapes of fitm_cuda_gemm_bf16 (kernels/gemm.cu): AUTO is its choice, the largest
+ * whose launch fills the card. */
+enum {
+    FITM_CUDA_GEMM_AUTO = 0,
+    FITM_CUDA_GEMM_64X32 = 1,
+    FITM_CUDA_GEMM_64X64 = 2,
+    FITM_CUDA_GEMM_128X128 = 3
+};
+
+/* fitm_cuda_gemm_bf16 in the tile shape named (a FITM_CUDA_GEMM_* value; anything else is
+ * refused with cudaErrorInvalidValue): the same bits in every shape, which lets the tests
+ * check each on calls small enough for the emulator and ThreadSanitizer. */
+int fitm_cuda_gemm_bf16_shape(int shape, int n, const uint16_t *const *W, const int64_t *N,
+                              int64_t K, const uint16_t *x, int64_t T, float *const *y,
+                              void *stream);
 
 #ifdef __cplusplus
 }

@@ -219,10 +219,15 @@ MUTANTS = [
            "s->tape->append_from(*s->cands[tape_first_alive(s)], s->matched);",
            "s->tape->append_from(*s->cands[tape_first_alive(s)], 0);",
            meson=["cuda_kernels_emu"]),
-    Mutant("cuda-gemm-bf16-truncates",
-           "the tensor-core GEMM's activations are rounded to bfloat16 toward zero instead of to "
-           "nearest even",
+    Mutant("cuda-to-bf16-truncates",
+           "the tensor-core operands (weights at load, a GEMM's activations each call) are rounded "
+           "to bfloat16 toward zero instead of to nearest even",
            "    return __float2bfloat16_rn(v);", "    return __float2bfloat16_rz(v);",
+           meson=["cuda_kernels_emu"]),
+    Mutant("cuda-gemm-bf16-reads-before-landing",
+           "the GEMM's ring waits for one group fewer, so the warps multiply a stage whose "
+           "asynchronous copies have not landed",
+           "__pipeline_wait_prior(STAGES - 2);", "__pipeline_wait_prior(STAGES - 1);",
            meson=["cuda_kernels_emu"]),
 ]
 

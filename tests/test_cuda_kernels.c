@@ -1484,12 +1484,24 @@ static void fill_bf16_weights(uint16_t *w, int64_t n)
         w[i] = bf16_by_definition(ldexpf(rng_uniform(-1.0f, 1.0f), (int)(rng_u64() % 8) - 4));
 }
 
-/* fitm_cuda_gemm_bf16 with n outputs of N[i] rows each, K, T rows of x starting at float off
- * of their buffer (only 4-byte aligned when off is odd): every element against a double sum of
- * the bfloat16-rounded operands (x rounded by bf16_by_definition), within (2K + 4) 2^-24 of the
+/* x (n) rounded to bfloat16 bits (bf16_by_definition): a product's activations as
+ * fitm_cuda_to_bf16 hands them to fitm_cuda_gemm_bf16 */
+static uint16_t *bf16_bits(const float *x, int64_t n)
+{
+    uint16_t *b = xmalloc((size_t)(n + 1) * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++)
+        b[i] = bf16_by_definition(x[i]);
+    return b;
+}
+
+/* fitm_cuda_gemm_bf16 with n outputs of N[i] rows each, K, T rows of x starting at element off
+ * of their buffer (only 2-byte aligned when off is odd), in the shape it picks and in each of
+ * its tile shapes (fitm_cuda_gemm_bf16_shape): every element against a double sum of the
+ * bfloat16-rounded operands (x rounded by bf16_by_definition), within (2K + 4) 2^-24 of the
  * sum of |products| (each product of two bfloat16 values is exact in float; K additions in
  * float, in whatever order the tensor cores take, each lose at most 2^-24 of the partial sum,
- * itself at most that sum; twice for slack), outputs between guard bytes. */
+ * itself at most that sum; twice for slack), outputs between guard bytes; and every shape's
+ * bits those of the first (memcmp: a row's sum does not depend on its tile). */
 static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_t off)
 {
     char what[128];
@@ -1498,26 +1510,24 @@ static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_
     float *x = xmalloc((size_t)(T * K + off + 1) * sizeof(float));
     for (int64_t i = 0; i < T * K + off; i++) /* activations of Gemma's range: up to 2^8 */
         x[i] = ldexpf(rng_uniform(-1.0f, 1.0f), (int)(rng_u64() % 12) - 4);
-    dbuf dx = dbuf_from(x, (size_t)(T * K + off) * sizeof(float));
+    uint16_t *xb = bf16_bits(x, T * K + off);
+    dbuf dx = dbuf_from(xb, (size_t)(T * K + off) * sizeof(uint16_t));
     uint16_t *w[FITM_CUDA_MM_MAX_OUTS];
+    float *ref[FITM_CUDA_MM_MAX_OUTS], *first[FITM_CUDA_MM_MAX_OUTS];
+    double *tol[FITM_CUDA_MM_MAX_OUTS];
     dbuf dw[FITM_CUDA_MM_MAX_OUTS], dy[FITM_CUDA_MM_MAX_OUTS];
     const uint16_t *wd[FITM_CUDA_MM_MAX_OUTS];
     float *yd[FITM_CUDA_MM_MAX_OUTS];
+    const float *xr = x + off;
     for (int i = 0; i < n; i++) {
         w[i] = xmalloc((size_t)(N[i] * K + 1) * sizeof(uint16_t));
         fill_bf16_weights(w[i], N[i] * K);
         dw[i] = dbuf_from(w[i], (size_t)(N[i] * K) * sizeof(uint16_t));
         dy[i] = dbuf_new((size_t)(T * N[i]) * sizeof(float));
         wd[i] = dw[i].p, yd[i] = dy[i].p;
-    }
-    bool ok =
-        launched(what, fitm_cuda_gemm_bf16(n, wd, N, K, (const float *)dx.p + off, T, yd, stream));
-    const float *xr = x + off;
-    for (int i = 0; i < n && ok; i++) {
-        float *got = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
-        float *ref = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
-        double *tol = xmalloc((size_t)(T * N[i] + 1) * sizeof(double));
-        dbuf_get(got, &dy[i]);
+        ref[i] = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
+        first[i] = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
+        tol[i] = xmalloc((size_t)(T * N[i] + 1) * sizeof(double));
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < N[i]; j++) {
                 double sum = 0.0, mag = 0.0;
@@ -1528,22 +1538,43 @@ static void test_gemm_bf16(int n, const int64_t *N, int64_t K, int64_t T, int64_
                     sum += p;
                     mag += fabs(p);
                 }
-                ref[t * N[i] + j] = (float)sum;
-                tol[t * N[i] + j] = (2.0 * (double)K + 4.0) * ldexp(1.0, -24) * mag;
+                ref[i][t * N[i] + j] = (float)sum;
+                tol[i][t * N[i] + j] = (2.0 * (double)K + 4.0) * ldexp(1.0, -24) * mag;
             }
-        char out[160];
-        snprintf(out, sizeof out, "%s y[%d]", what, i);
-        ok = values_and_guards_ok(check_close_tol(out, ref, got, T * N[i], 0.0, 0.0, tol), &dy[i],
-                                  out);
-        CHECK(ok, "%s", out);
-        free(got), free(ref), free(tol);
+    }
+    static const int shapes[] = {FITM_CUDA_GEMM_AUTO, FITM_CUDA_GEMM_64X32, FITM_CUDA_GEMM_64X64,
+                                 FITM_CUDA_GEMM_128X128};
+    static const char *const shape_names[] = {"its choice", "64x32", "64x64", "128x128"};
+    bool ok = true;
+    for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0] && ok; sh++) {
+        for (int i = 0; i < n; i++)
+            CUDA_OK(cudaMemset(dy[i].p, 0xFF, dy[i].bytes));
+        ok = launched(what, fitm_cuda_gemm_bf16_shape(shapes[sh], n, wd, N, K,
+                                                      (const uint16_t *)dx.p + off, T, yd, stream));
+        for (int i = 0; i < n && ok; i++) {
+            float *got = xmalloc((size_t)(T * N[i] + 1) * sizeof(float));
+            dbuf_get(got, &dy[i]);
+            char out[192];
+            snprintf(out, sizeof out, "%s y[%d], %s", what, i, shape_names[sh]);
+            if (sh == 0)
+                memcpy(first[i], got, (size_t)(T * N[i]) * sizeof(float));
+            else if (memcmp(first[i], got, (size_t)(T * N[i]) * sizeof(float)) != 0) {
+                fprintf(stderr, "  %s: not the bits of %s\n", out, shape_names[0]);
+                ok = false;
+            }
+            ok = values_and_guards_ok(
+                     check_close_tol(out, ref[i], got, T * N[i], 0.0, 0.0, tol[i]), &dy[i], out) &&
+                 ok;
+            CHECK(ok, "%s", out);
+            free(got);
+        }
     }
     for (int i = 0; i < n; i++) {
         dbuf_free(&dw[i]), dbuf_free(&dy[i]);
-        free(w[i]);
+        free(w[i]), free(ref[i]), free(first[i]), free(tol[i]);
     }
     dbuf_free(&dx);
-    free(x);
+    free(x), free(xb);
 }
 
 /* Row invariance of fitm_cuda_gemm_bf16: the rows [r0, r0 + len) of a T-row call are bit for
@@ -1562,7 +1593,8 @@ static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
     fill_bf16_weights(w, N * K);
     float *all = xmalloc((size_t)(T * N) * sizeof(float));
     float *part = xmalloc((size_t)(T * N) * sizeof(float));
-    dbuf dx = dbuf_from(x, (size_t)(T * K) * sizeof(float));
+    uint16_t *xb = bf16_bits(x, T * K);
+    dbuf dx = dbuf_from(xb, (size_t)(T * K) * sizeof(uint16_t));
     dbuf dw = dbuf_from(w, (size_t)(N * K) * sizeof(uint16_t));
     dbuf dy = dbuf_new((size_t)(T * N) * sizeof(float));
     const uint16_t *wd = dw.p;
@@ -1578,7 +1610,7 @@ static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
         CUDA_OK(cudaMemset(dy.p, 0xFF, dy.bytes));
         CUDA_OK(cudaDeviceSynchronize());
         float *yr = (float *)dy.p + r0 * N;
-        ok = launched(what, fitm_cuda_gemm_bf16(1, &wd, &N, K, (const float *)dx.p + r0 * K, len,
+        ok = launched(what, fitm_cuda_gemm_bf16(1, &wd, &N, K, (const uint16_t *)dx.p + r0 * K, len,
                                                 &yr, stream));
         if (!ok)
             break;
@@ -1601,7 +1633,7 @@ static void test_gemm_bf16_rows(int64_t N, int64_t K, int64_t T)
     printf("%-56s %s\n", what, ok ? "ok" : "FAIL");
     CHECK(ok, "%s", what);
     dbuf_free(&dx), dbuf_free(&dw), dbuf_free(&dy);
-    free(x), free(w), free(all), free(part);
+    free(x), free(xb), free(w), free(all), free(part);
 }
 
 /* Host memory stands in for device pointers: every call here must be refused (or, for zero
@@ -1878,16 +1910,23 @@ static void test_contracts(void)
                                 (const uint16_t *)fake, (const uint16_t *)fake};
         float *y[4] = {f, f, f, f};
         const int64_t N[4] = {8, 8, 8, 8};
-        CHECK(fitm_cuda_gemm_bf16(0, w, N, 8, f, 2, y, NULL) == inval); /* no output */
-        CHECK(fitm_cuda_gemm_bf16(4, w, N, 8, f, 2, y, NULL) == inval); /* over the maximum */
-        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, (float *)(fake + 2), 2, y, NULL) == inval);
+        const uint16_t *x = (const uint16_t *)(fake + 2048);
+        CHECK(fitm_cuda_gemm_bf16(0, w, N, 8, x, 2, y, NULL) == inval); /* no output */
+        CHECK(fitm_cuda_gemm_bf16(4, w, N, 8, x, 2, y, NULL) == inval); /* over the maximum */
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, (const uint16_t *)(fake + 2049), 2, y, NULL) ==
+              inval); /* x at an odd byte */
         const uint16_t *w_odd[1] = {(const uint16_t *)(fake + 1)};
-        CHECK(fitm_cuda_gemm_bf16(1, w_odd, N, 8, f, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w_odd, N, 8, x, 2, y, NULL) == inval);
+        float *y_odd[1] = {(float *)(fake + 2)};
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, x, 2, y_odd, NULL) == inval);
         const int64_t N_neg[1] = {-1};
-        CHECK(fitm_cuda_gemm_bf16(1, w, N_neg, 8, f, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w, N_neg, 8, x, 2, y, NULL) == inval);
         CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, NULL, 2, y, NULL) == inval);
-        CHECK(fitm_cuda_gemm_bf16(1, w, N, -1, f, 2, y, NULL) == inval);
-        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, f, 0, y, NULL) == 0); /* no rows: nothing */
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, -1, x, 2, y, NULL) == inval);
+        CHECK(fitm_cuda_gemm_bf16(1, w, N, 8, x, 0, y, NULL) == 0); /* no rows: nothing */
+        CHECK(fitm_cuda_gemm_bf16_shape(-1, 1, w, N, 8, x, 2, y, NULL) == inval); /* no shape */
+        CHECK(fitm_cuda_gemm_bf16_shape(FITM_CUDA_GEMM_128X128 + 1, 1, w, N, 8, x, 2, y, NULL) ==
+              inval);
     }
     {
         fitm_cuda_kv_rows r[FITM_CUDA_KV_ROWS_MAX + 1];
@@ -2496,17 +2535,23 @@ int main(int argc, char **argv)
     if (want("gemm")) {
         const int64_t one[] = {1}, odd[] = {37}, three[] = {65, 17, 130}, two[] = {129, 64};
         test_gemm_bf16(1, one, 1, 1, 0);     /* one element: every tail at once */
-        test_gemm_bf16(1, odd, 45, 1, 1);    /* T = 1, odd N and K, x at an odd float */
+        test_gemm_bf16(1, odd, 45, 1, 1);    /* T = 1, odd N and K, x at an odd element */
         test_gemm_bf16(3, three, 77, 67, 0); /* Q/K/V-like outputs of three widths, tails */
         test_gemm_bf16(2, two, 96, 130, 3);  /* three row tiles, x off 16 bytes: element loads */
-        test_gemm_bf16(2, two, 96, 130, 0);  /* 16-byte loads, then K's half step element-wise */
+        test_gemm_bf16(2, two, 96, 130, 0);  /* 16-byte copies: three whole steps */
+        test_gemm_bf16(2, two, 232, 70, 0);  /* copies, then 8 columns of a step: the rest zeros;
+                                                8 steps through rings of 4 and 6 stages */
         test_gemm_bf16_rows(70, 50, 140);
         if (!small) {
             const int64_t gemma[] = {64};
-            test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 10 staging steps */
-            /* a call of 64-column tiles (enough blocks to fill a card) against calls of fewer
-             * rows in 32-column tiles: the same bits */
-            test_gemm_bf16_rows(2048, 72, 520);
+            test_gemm_bf16(1, gemma, 640, 70, 0); /* Gemma 3 270M's K: 20 steps */
+            /* a call of 64 x 64 tiles (enough blocks to fill a card; 8 steps through a ring
+             * of 4) against calls of fewer rows in 64 x 32 tiles (a ring of 6): the same bits,
+             * so the larger tiles are as right as the narrow ones checked above */
+            test_gemm_bf16_rows(2048, 232, 520);
+            /* 128 x 128 tiles (6 steps, the last partly past K) for the whole call and the
+             * 639-row one, 64 x 64 for the 320-row one, 64 x 32 for the short ones */
+            test_gemm_bf16_rows(6784, 168, 640);
         }
     }
 

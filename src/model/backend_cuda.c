@@ -187,11 +187,11 @@ typedef struct {
     bool recording;
     int cand_slot[GRAPH_SLOTS];
     /* the BATCH class's operands (fitm_backend_cuda_set_weights): what it multiplies in, the
-     * prepared model's bfloat16 copies' bytes, and the bfloat16 scratch of a weight without a
-     * copy (wb) */
+     * prepared model's bfloat16 copies' bytes, the bfloat16 scratch of a weight without a
+     * copy (wb) and of the activations a product multiplies (xb) */
     fitm_cuda_weights weights;
     size_t bf16_bytes;
-    grow_buf wb;
+    grow_buf wb, xb;
     fitm_backend_cuda_stats stats;
 } cuda_backend;
 
@@ -922,6 +922,7 @@ static void cuda_destroy(fitm_backend *b)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free_buf(bufs[i]);
     free_buf(&c->wb);
+    free_buf(&c->xb);
     if (c->blas)
         cublasDestroy(c->blas);
     fitm_cuda_set_pdl(c->stream, false); /* no later stream at its address is programmatic */
@@ -935,9 +936,13 @@ static fitm_status cuda_reserve(fitm_backend *b, int64_t max_tokens, int64_t max
                                 int64_t max_k, fitm_err *err)
 {
     cuda_backend *c = cu(b);
-    (void)max_keys, (void)max_k;
+    (void)max_keys;
+    /* xb: the bfloat16 activations of the widest product of a whole call, so that no pass
+     * ends its capture to allocate them (grow) */
     if (!grow(c, &c->ids, (size_t)max_tokens * sizeof(int32_t)) ||
-        !grow(c, &c->cap_index, (size_t)max_tokens * sizeof(int32_t))) {
+        !grow(c, &c->cap_index, (size_t)max_tokens * sizeof(int32_t)) ||
+        (c->weights == FITM_CUDA_WEIGHTS_BF16 &&
+         !grow(c, &c->xb, (size_t)(max_tokens * max_k) * sizeof(uint16_t)))) {
         const int rc = c->rc;
         c->rc = 0;
         return fitm_cuda_status(rc, err, "CUDA backend: reserve");
@@ -1060,10 +1065,21 @@ static bool to_bf16(cuda_backend *c, const fitm_weight *w, const void *W, uint16
                     "matmul (weight to bfloat16)");
 }
 
+/* x (T, K) rounded to bfloat16 in the scratch xb: what a BATCH product on the tensor cores
+ * multiplies. NULL on an error (recorded). */
+static const uint16_t *x_bf16(cuda_backend *c, const float *x, int64_t T, int64_t K)
+{
+    if (!grow(c, &c->xb, (size_t)(T * K) * sizeof(uint16_t)) ||
+        !ok(c, fitm_cuda_to_bf16(x, T, K, T, c->xb.p, c->stream),
+            "matmul (activations to bfloat16)"))
+        return NULL;
+    return c->xb.p;
+}
+
 /* The BATCH class. F32: the weight as F32 (weight_f32), then gemm_rows through cuBLAS. BF16:
  * the weight's bfloat16 copy from prepare (a weight without one, as tests hand in, is
- * converted into scratch for the call: the same values), then every row in one launch of
- * fitm_cuda_gemm_bf16, which rounds x to bfloat16 as it reads it. */
+ * converted into scratch for the call: the same values), x rounded to bfloat16 (x_bf16), then
+ * every row in one launch of fitm_cuda_gemm_bf16. */
 static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W, const float *x,
                            int64_t T, float *y)
 {
@@ -1076,7 +1092,10 @@ static void matmul_batched(cuda_backend *c, const fitm_weight *w, const void *W,
                 return;
             Wb = c->wb.p;
         }
-        ok(c, fitm_cuda_gemm_bf16(1, &Wb, &N, K, x, T, &y, c->stream), "matmul (bfloat16 GEMM)");
+        const uint16_t *xb = x_bf16(c, x, T, K);
+        if (xb)
+            ok(c, fitm_cuda_gemm_bf16(1, &Wb, &N, K, xb, T, &y, c->stream),
+               "matmul (bfloat16 GEMM)");
         return;
     }
     const float *Wf = weight_f32(c, w, W);
@@ -1103,8 +1122,10 @@ static bool batch_outs_fused(cuda_backend *c, const float *x, int64_t T, const f
             return false;
         W[i] = d->bf16, N[i] = outs[i].w->n_rows, y[i] = outs[i].y;
     }
-    ok(c, fitm_cuda_gemm_bf16(n_outs, W, N, outs[0].w->n_cols, x, T, y, c->stream),
-       "matmul (bfloat16 GEMM)");
+    const int64_t K = outs[0].w->n_cols;
+    const uint16_t *xb = x_bf16(c, x, T, K);
+    if (xb)
+        ok(c, fitm_cuda_gemm_bf16(n_outs, W, N, K, xb, T, y, c->stream), "matmul (bfloat16 GEMM)");
     return true;
 }
 

@@ -62,9 +62,24 @@ struct alignas(16) uint4 {
 
 /* ---- per-fiber state (emu_runtime.cpp) ---- */
 
+/* An asynchronous copy (cuda_pipeline.h) issued and not yet landed: n bytes from src, then
+ * zfill zero bytes, to dst; group is the number of commits its thread had made when it was
+ * issued (it belongs to the group the next commit closes). */
+struct fitm_emu_async_copy {
+    void *dst;
+    const void *src;
+    unsigned n, zfill;
+    unsigned long group;
+};
+enum { FITM_EMU_ASYNC_MAX = 256 }; /* copies one thread may have in flight */
+
 struct fitm_emu_thread {
     uint3 tid;
     bool grid_begun; /* called fitm_grid_begin (common.cuh) in this block */
+    /* cuda_pipeline.h: this thread's copies in flight and the groups it has committed */
+    int n_async;
+    unsigned long commits;
+    fitm_emu_async_copy async[FITM_EMU_ASYNC_MAX];
 };
 extern thread_local fitm_emu_thread *fitm_emu_cur;
 extern thread_local uint3 fitm_emu_block_idx;

@@ -99,6 +99,21 @@ void grid_begun_before(const char *what)
     }
 }
 
+/* A thread that ends with asynchronous copies (cuda_pipeline.h) it never waited for faults its
+ * launch: nothing orders what they write with any later read, so such a copy is either
+ * wasted or a race. (A device does not fault it; the emulator is stricter here.) */
+void async_end_check(void)
+{
+    if (fitm_emu_cur && fitm_emu_cur->n_async > 0) {
+        char m[160];
+        snprintf(m, sizeof m, "thread (%u,%u,%u) ended with %d asynchronous copies not waited for",
+                 fitm_emu_cur->tid.x, fitm_emu_cur->tid.y, fitm_emu_cur->tid.z,
+                 fitm_emu_cur->n_async);
+        fitm_emu_kernel_fault(cudaErrorLaunchFailure, m);
+        fitm_emu_cur->n_async = 0;
+    }
+}
+
 /* Pinned host memory (cudaMallocHost) and the copies from it that have not run yet. A device
  * runs a cudaMemcpyAsync from pinned memory when its stream reaches the copy, so a host write
  * to the source before then changes what arrives. The emulator runs such copies as late as
@@ -340,6 +355,8 @@ bool run_block(block_runner *r)
         const unsigned bx = fitm_emu_block_dim.x, by = fitm_emu_block_dim.y;
         f->t.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
         f->t.grid_begun = false;
+        f->t.n_async = 0;
+        f->t.commits = 0;
         f->state = RUNNABLE;
     }
     for (int w = 0; w < (r->n + 31) / 32; w++)
@@ -565,6 +582,8 @@ void *worker_main(void *arg)
         const unsigned bx = pool.block_dim.x, by = pool.block_dim.y;
         worker_self.tid = {(unsigned)i % bx, (unsigned)i / bx % by, (unsigned)i / (bx * by)};
         worker_self.grid_begun = false;
+        worker_self.n_async = 0;
+        worker_self.commits = 0;
         fitm_emu_cur = &worker_self;
         fitm_emu_block_idx = pool.block_idx;
         fitm_emu_block_dim = pool.block_dim;
@@ -859,7 +878,11 @@ void run_launch(dim3 grid, dim3 block, size_t dyn_shared, const void *kernel,
     launch_grid_begins = 0;
     uint3 at = {0, 0, 0};
     const bool ok = run_grid(
-        grid, block, dyn_shared, [](void *p) { (*(const std::function<void()> *)p)(); },
+        grid, block, dyn_shared,
+        [](void *p) {
+            (*(const std::function<void()> *)p)();
+            async_end_check();
+        },
         (void *)&body, &at);
     const long long threads = n * grid.x * grid.y * grid.z;
     if (ok && programmatic && launch_grid_begins != threads) {

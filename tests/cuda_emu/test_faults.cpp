@@ -19,6 +19,12 @@
  *   within the bound of a double reference;
  * - a 16-byte __ldg (float4) at an address not 16-byte aligned (cudaErrorMisalignedAddress,
  *   sticky), where the aligned one reads the right values;
+ * - asynchronous copies (cuda_pipeline.h): a copy lands at its thread's wait for its group,
+ *   not before (a read before the wait sees the old bytes), the zero fill zeroes, a wait that
+ *   keeps the newest group in flight lands only the older; a copy from a misaligned source
+ *   (cudaErrorMisalignedAddress), into global memory or from host memory
+ *   (cudaErrorIllegalAddress), of 12 bytes, or a thread ending with a copy in flight
+ *   (cudaErrorLaunchFailure) faults, sticky;
  * - graphs: a captured stream's launches, copies and cuBLAS calls run only at each replay, in
  *   order, on the values their memory holds then; a host wait during a capture is refused and
  *   breaks it; an instance whose copy's pinned memory was freed after the capture is refused
@@ -35,6 +41,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 
@@ -542,6 +549,73 @@ static void test_ldg(void)
     cudaFree(x), cudaFree(y);
 }
 
+/* Eight threads; thread i copies x[4 i ..] (16 bytes) to its shared slot a and x[32 + 4 i ..]
+ * (8 bytes and 8 of zero fill) to its slot b, as two groups, and records in y[16 i ..]: slot
+ * a before any wait (4 values), a and b after waiting for all but the newest group (8), b
+ * after waiting for all (4). mode plants one fault: 1 a source one float off alignment, 2
+ * a destination in global memory (y), 3 a source in host memory (host), 4 a copy of 12
+ * bytes, 5 the thread ends before its last wait. */
+__global__ void async_copies(float *y, const float *x, uintptr_t host, int mode)
+{
+    FITM_DYNAMIC_SHARED(__align__(16) float, s);
+    const unsigned i = threadIdx.x;
+    float *a = s + 4 * i, *b = s + 32 + 4 * i, *out = y + 16 * i;
+    for (int j = 0; j < 4; j++)
+        a[j] = b[j] = -1.0f;
+    const float *src = mode == 1 ? x + 4 * i + 1 : mode == 3 ? (const float *)host : x + 4 * i;
+    __pipeline_memcpy_async(mode == 2 ? out : a, src, mode == 4 ? 12 : 16);
+    __pipeline_commit();
+    __pipeline_memcpy_async(b, x + 32 + 4 * i, 16, 8);
+    __pipeline_commit();
+    for (int j = 0; j < 4; j++)
+        out[j] = a[j];
+    __pipeline_wait_prior(1);
+    for (int j = 0; j < 4; j++)
+        out[4 + j] = a[j], out[8 + j] = b[j];
+    if (mode == 5)
+        return;
+    __pipeline_wait_prior(0);
+    for (int j = 0; j < 4; j++)
+        out[12 + j] = b[j];
+}
+
+static void test_async_copies(void)
+{
+    float xh[64], yh[128];
+    for (int i = 0; i < 64; i++)
+        xh[i] = (float)(1 + rand() % 1000);
+    float *x = (float *)dev_alloc(sizeof xh), *y = (float *)dev_alloc(sizeof yh);
+    cudaMemcpy(x, xh, sizeof xh, cudaMemcpyHostToDevice);
+    FITM_LAUNCH(dim3(1), dim3(8), 64 * sizeof(float), NULL, async_copies)(y, x, 0, 0);
+    CHECK(cudaMemcpy(yh, y, sizeof yh, cudaMemcpyDeviceToHost) == cudaSuccess, "async run");
+    int bad = 0;
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 4; j++) {
+            const float *o = yh + 16 * i;
+            bad += o[j] != -1.0f;                          /* not landed before the wait */
+            bad += o[4 + j] != xh[4 * i + j];              /* the older group landed */
+            bad += o[8 + j] != -1.0f;                      /* the newest still in flight */
+            bad += o[12 + j] != (j < 2 ? xh[32 + 4 * i + j] : 0.0f); /* 8 bytes, 8 of zeros */
+        }
+    CHECK(bad == 0, "async copies: %d of 128 values wrong", bad);
+    float host[8] = {0};
+    const struct {
+        int mode;
+        cudaError_t e;
+        const char *what;
+    } faults[] = {{1, cudaErrorMisalignedAddress, "async copy from a misaligned source"},
+                  {2, cudaErrorIllegalAddress, "async copy into global memory"},
+                  {3, cudaErrorIllegalAddress, "async copy from host memory"},
+                  {4, cudaErrorLaunchFailure, "async copy of 12 bytes"},
+                  {5, cudaErrorLaunchFailure, "thread ending with a copy in flight"}};
+    for (size_t f = 0; f < sizeof faults / sizeof faults[0]; f++) {
+        FITM_LAUNCH(dim3(1), dim3(8), 64 * sizeof(float), NULL, async_copies)
+        (y, x, (uintptr_t)host, faults[f].mode);
+        expect_lost_with(faults[f].e, faults[f].what);
+    }
+    cudaFree(x), cudaFree(y);
+}
+
 /* y[i] = 2 x[i] + i, as twice, from a kernel that begins as the project's kernels do. */
 __global__ void twice_begun(float *y, const float *x, int n)
 {
@@ -690,6 +764,7 @@ int main(void)
     test_host_pointers();
     test_wmma();
     test_ldg();
+    test_async_copies();
     test_graphs();
     test_programmatic();
     test_host_only();
