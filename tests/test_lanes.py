@@ -6,7 +6,8 @@ part of each lane's pass. The reference is the daemon with one lane (the run bef
 - every response -- scores, order, attention fields, usage.prompt_tokens, return_tokens'
   prompts and dummies -- is the same with 4 lanes and with 3 (which does not divide K), for
   every method that runs as a sequence and K = 1, 2, 7; the 3-lane daemon also computes 7
-  logit rows a call (logit_rows), so query_likelihood's question is scored in other pieces;
+  logit rows and 40 tokens a call (logit_rows, batch_tokens), so query_likelihood's question
+  is scored in other pieces and every pass is split over calls;
 - usage.forward_tokens grows by exactly the prompt head each later lane's first window
   computes afresh instead of continuing the window before it (counted from the prompts the
   response returns), and equals the admission estimate (a daemon with a budget of 1 tells it);
@@ -56,11 +57,12 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemons(fitmd_bin, model, tmp_path_factory):  # noqa: F811
-    """{lanes: daemon}: one lane (the reference), 4, and 3 with 7 logit rows a call."""
+    """{lanes: daemon}: one lane (the reference), 4, and 3 with 7 logit rows and 40 tokens a
+    call (its passes split over calls where the others' are whole)."""
     log = tmp_path_factory.mktemp("log")
     ds = {n: Daemon(fitmd_bin, model, log, api_keys=KEY, max_documents=16, http_threads=8,
                     rerank_lanes=n, **extra)
-          for n, extra in ((1, {}), (4, {}), (3, {"logit_rows": 7}))}
+          for n, extra in ((1, {}), (4, {}), (3, {"logit_rows": 7, "batch_tokens": 40}))}
     yield ds
     for d in ds.values():
         assert d.terminate() == 0, d.log_text()

@@ -147,6 +147,12 @@ static const opt opts[] = {
      "the answers' next tokens): the forward's logits scratch holds this many rows of the "
      "vocabulary's floats (256 x Gemma 3's 262,144 = 256 MiB); 0 = 256 on the cuda backend, "
      "32 on the CPU"},
+    {"batch_tokens", INT(batch_tokens), "0", 0, 65536, NULL,
+     "most tokens one batched forward call carries (a longer prompt or pass goes over several; "
+     "while streams decode, batch_prefill_tokens bounds a step's prompt tokens instead): the "
+     "forward's activations scratch holds this many rows, and on the cuda backend a larger "
+     "call fills more of the card per launch; results do not depend on it; 0 = 2048 on the "
+     "cuda backend, 512 on the CPU"},
     {"request_timeout_ms", INT(request_timeout_ms), "120000", 100, 86400000, NULL,
      "deadline of one request, queueing included"},
     {"max_request_forward_tokens", INT(max_request_forward_tokens), "32768", 0, 1e12, NULL,

@@ -51,6 +51,7 @@ typedef struct {
     char rerank_path[8];          /* auto | batch | step: the numerics of /rerank's passes */
     int64_t rerank_lanes;         /* lanes of a /rerank sequence; 0 = by the backend      */
     int64_t logit_rows;           /* logit rows per forward call; 0 = by the backend      */
+    int64_t batch_tokens;         /* tokens per forward call; 0 = by the backend          */
     int64_t request_timeout_ms;
     int64_t max_request_forward_tokens; /* admission: one request's estimated cost (422)  */
     int64_t max_queued_forward_tokens;  /* admission: the queued requests' cost (503)     */

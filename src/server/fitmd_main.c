@@ -385,22 +385,24 @@ static fitm_status set_kv_and_path(daemon_model *dm, char *desc, size_t n, bool 
     return FITM_OK;
 }
 
-/* The lanes of a /rerank sequence and the logit rows of a forward call (rerank_lanes and
- * logit_rows, 0 = by the backend: on the cuda backend a call's cost is mostly its launches,
- * so more lanes and logit rows take fewer calls; on the CPU a call costs mostly its rows, but
- * a fuller call streams each weight block once for more of them: 4 lanes, chosen by
- * measurement in docs/load-benchmark.md), appended to the backend's description in desc (a
- * string of n bytes). */
+/* The lanes of a /rerank sequence and the tokens and logit rows of a forward call
+ * (rerank_lanes, batch_tokens and logit_rows, 0 = by the backend: on the cuda backend a
+ * call's cost is mostly its launches, and a 512-token call leaves much of a large card idle
+ * in each of them, so more lanes, tokens and logit rows take fewer, fuller calls; on the CPU a
+ * call costs mostly its rows, but a fuller call streams each weight block once for more of
+ * them: 4 lanes, chosen by measurement in docs/load-benchmark.md), appended to the backend's
+ * description in desc (a string of n bytes). */
 static void batch_shape(const daemon_model *dm, char *desc, size_t n, int32_t *lanes,
-                        int64_t *logit_rows)
+                        int64_t *logit_rows, int64_t *tokens)
 {
     const fitm_config *cfg = dm->cfg;
     const bool cpu = !strcmp(dm->backend->ops->name, "cpu");
     *lanes = cfg->rerank_lanes ? (int32_t)cfg->rerank_lanes : cpu ? 4 : 8;
     *logit_rows = cfg->logit_rows ? cfg->logit_rows : cpu ? 32 : 256;
+    *tokens = cfg->batch_tokens ? cfg->batch_tokens : cpu ? 512 : 2048;
     size_t used = strlen(desc);
-    snprintf(desc + used, n - used, ", %d /rerank lanes, %lld logit rows a call", (int)*lanes,
-             (long long)*logit_rows);
+    snprintf(desc + used, n - used, ", %d /rerank lanes, %lld tokens and %lld logit rows a call",
+             (int)*lanes, (long long)*tokens, (long long)*logit_rows);
 }
 
 /* Creates the scoring session over the loaded model, tokenizer and backend, with the
@@ -425,9 +427,9 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
         return st;
     }
     int32_t lanes;
-    int64_t logit_rows;
-    batch_shape(dm, backend, n_backend, &lanes, &logit_rows);
-    fitm_session_params rp = {.n_ctx = n_ctx, .chunk = 512, .dummy_text = cfg->dummy_text,
+    int64_t logit_rows, tokens;
+    batch_shape(dm, backend, n_backend, &lanes, &logit_rows, &tokens);
+    fitm_session_params rp = {.n_ctx = n_ctx, .chunk = tokens, .dummy_text = cfg->dummy_text,
                                .chat_template = cfg->chat_template, .defaults = &defaults,
                                .paper_temperature = cfg->calib_temperature,
                                .answer_template = cfg->answer_template,
