@@ -52,8 +52,8 @@ template <int BM_, int BN_, int WM_, int WN_, int STAGES_, int MIN_BLOCKS_> stru
     static_assert(BM % WM == 0 && BN % WN == 0 && WM % 16 == 0 && WN % 16 == 0, "fragments");
     static_assert(BM * 4 % THREADS == 0 && BN * 4 % THREADS == 0, "whole chunks a thread");
 };
-/* 128 x 128: 80 KiB (opt-in), two blocks an SM. 64 x 64: 40 KiB. 64 x 32: 45 KiB, a deeper
- * ring for the launches of about one block an SM (o and down at 512 rows), whose copies in
+/* 128 x 128: 80 KiB (opt-in), one block of 8 warps an SM. 64 x 64: 40 KiB. 64 x 32: 45 KiB, a
+ * deeper ring for the launches of about one block an SM (o and down at 512 rows), whose copies in
  * flight are what hides the memory's latency. */
 typedef fitm_gemm_tile<128, 128, 64, 32, 4, 1> fitm_gemm_wide;
 typedef fitm_gemm_tile<64, 64, 32, 32, 4, 1> fitm_gemm_square;
