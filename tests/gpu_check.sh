@@ -88,7 +88,7 @@ cpu)
   timeout 60 $BF -m $G -b cpu -t 16 -p 512 -n 128 -r 1 -B 8 -B 32 2>&1 | head -9 ;;
 rerank)
   step "bench_cuda.py"
-  PYTHONUNBUFFERED=1 timeout 130 python3 tests/bench_cuda.py --model $G --build /tmp/gb --reps 2 --repeat 3 \
+  PYTHONUNBUFFERED=1 timeout 170 python3 tests/bench_cuda.py --model $G --build /tmp/gb --reps 2 --repeat 3 \
     --profile config/profiles/gemma3-270m-q4km.profile 2>&1 | grep -v "^|" ;;
 ncu)
   step "kernel times (ncu, real clocks, caches not flushed)"
