@@ -625,15 +625,24 @@ out:
     free(buf);
 }
 
-int main(void)
+/* Usage: test_forward_batch [f32 | f16]: the models with F32 caches (and the picks), with fp16
+ * ones, or (no argument) both; meson runs the two halves as two tests, side by side. */
+int main(int argc, char **argv)
 {
     const char *env = getenv("FITM_TEST_SEED");
     uint64_t seed = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL);
     printf("test_forward_batch: seed %" PRIu64 " (FITM_TEST_SEED repeats it)\n", seed);
+    const bool only = argc > 1;
+    if (only && strcmp(argv[1], "f32") != 0 && strcmp(argv[1], "f16") != 0) {
+        fprintf(stderr, "usage: test_forward_batch [f32 | f16]\n");
+        return 2;
+    }
+    const int half_from = only && !strcmp(argv[1], "f16") ? 1 : 0;
+    const int half_to = only && !strcmp(argv[1], "f32") ? 0 : 1;
     const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                 FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
                                 FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
-    for (int half = 0; half < 2; half++)
+    for (int half = half_from; half <= half_to; half++)
         for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
             for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
                 rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t ^ ((uint64_t)half << 40));
@@ -641,7 +650,8 @@ int main(void)
                 test_layers((fitm_gen_arch)a, types[t], half);
             }
     rng = fitm_rng_mix(seed ^ 0x9c);
-    test_picks();
+    if (half_from == 0)
+        test_picks();
     if (failures) {
         fprintf(stderr, "test_forward_batch: %d of %d checks failed\n", failures, n_checks);
         return 1;
