@@ -15,6 +15,7 @@
 #ifdef _FORTIFY_SOURCE
 #undef _FORTIFY_SOURCE
 #endif
+#include <limits.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdio.h>
@@ -274,7 +275,8 @@ struct block_runner {
     jmp_buf sched;
     int n, live;
     unsigned sync_gen, sync_arrived;
-    unsigned long progress; /* barriers and shuffles completed: waits that may have ended */
+    int wake; /* the lowest fiber a completed barrier or shuffle may have made ready since the
+                 last pick (INT_MAX: none completed) */
     void (*entry)(void *);
     void *entry_ctx;
 };
@@ -305,7 +307,7 @@ void fiber_main(void)
         if (r->sync_arrived > 0 && r->sync_arrived == (unsigned)r->live) {
             r->sync_gen++;
             r->sync_arrived = 0;
-            r->progress++;
+            r->wake = 0;
         }
         yield_to_scheduler();
     }
@@ -365,9 +367,10 @@ bool run_block(block_runner *r)
     r->sync_gen = r->sync_arrived = 0;
     r->collectives.reset(r->n);
     /* The lowest-numbered ready fiber runs next. A fiber's readiness changes only when a barrier
-     * or a shuffle completes (progress), so while none does, every fiber below the last one
-     * picked stays unready and the search resumes where it stopped: one pass per barrier
-     * instead of one per yield. */
+     * or a shuffle completes, so every fiber below the last one picked stays unready unless
+     * one did: a barrier may wake any fiber, a shuffle only its warp's lanes (wake), and the
+     * search resumes at the lowest of those or where it stopped: one pass per barrier instead
+     * of one per yield, and a warp's shuffles do not rescan the warps blocked below it. */
     int first = 0, from = 0;
     while (r->live > 0) {
         while (r->fibers[first].state == DONE)
@@ -385,9 +388,9 @@ bool run_block(block_runner *r)
         }
         fiber *f = &r->fibers[pick];
         f->state = RUNNABLE;
-        const unsigned long before = r->progress;
+        r->wake = INT_MAX;
         resume(r, f);
-        from = r->progress == before ? pick : first;
+        from = r->wake < pick ? r->wake : pick;
     }
     collective_check(r->collectives, r->n, fitm_emu_block_idx);
     return true;
@@ -428,7 +431,7 @@ void fitm_emu_syncthreads(void)
     if (++r->sync_arrived == (unsigned)r->live) {
         r->sync_gen++;
         r->sync_arrived = 0;
-        r->progress++;
+        r->wake = 0;
         return;
     }
     f->state = WAIT_SYNC;
@@ -447,7 +450,8 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
         w->gen++;
         w->arrived = 0;
-        r->progress++;
+        if (i / 32 * 32 < r->wake) /* only this warp's lanes wait on it */
+            r->wake = i / 32 * 32;
     } else {
         f->state = WAIT_SHFL;
         f->wait_gen = gen;
