@@ -1765,6 +1765,36 @@ static void tile_data_free(tile_data *t)
     dbuf_free(&t->spans), dbuf_free(&t->alpha);
 }
 
+/* True when elements [lo, lo + n) of two attention outputs (rows of H heads of D) are bit for
+ * bit equal; else prints the first difference, labelled, under what. */
+static bool attn_rows_same(const char *what, const char *label, const float *a, const float *b,
+                           int64_t lo, int64_t n, int64_t HD, int64_t D)
+{
+    if (memcmp(a + lo, b + lo, (size_t)n * sizeof(float)) == 0)
+        return true;
+    for (int64_t e = 0; e < n; e++)
+        if (memcmp(a + lo + e, b + lo + e, sizeof(float)) != 0) {
+            fprintf(stderr, "  %s: %s at row %lld head %lld dim %lld: %.9g != %.9g\n", what, label,
+                    (long long)((lo + e) / HD), (long long)((lo + e) % HD / D),
+                    (long long)((lo + e) % D), (double)a[lo + e], (double)b[lo + e]);
+            break;
+        }
+    return false;
+}
+
+/* True when every element of out (total) outside [lo, lo + n) keeps dbuf_new's all-ones bytes
+ * (a NaN): the launch wrote no row outside its range. */
+static bool attn_outside_untouched(const char *what, const float *out, int64_t total, int64_t lo,
+                                   int64_t n)
+{
+    for (int64_t e = 0; e < total; e++)
+        if ((e < lo || e >= lo + n) && !isnan(out[e])) {
+            fprintf(stderr, "  %s: a row outside the range was written\n", what);
+            return false;
+        }
+    return true;
+}
+
 /* fitm_cuda_attention_tiled on rows [i0, i1) of fresh random data: each row's output bit for
  * bit fitm_cuda_attention's (memcmp), the rows outside untouched, the guards intact, and both
  * within 1e-5 of a double reference. */
@@ -1792,20 +1822,8 @@ static void test_attention_tiled(const tile_case *c)
         for (int32_t h = 0; h < c->H; h++)
             ref_attention_row(c, t.qh, t.kph, t.vph, t.koh, t.voh, i, h, s, want, false, NULL);
     const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
-    bool same = memcmp(rows + lo, tiles + lo, (size_t)n * sizeof(float)) == 0;
-    for (int64_t e = 0; e < n && !same; e++)
-        if (memcmp(rows + lo + e, tiles + lo + e, sizeof(float)) != 0) {
-            fprintf(stderr, "  %s: first difference at row %lld head %lld dim %lld: %.9g != %.9g\n",
-                    what, (long long)((lo + e) / HD), (long long)((lo + e) % HD / D),
-                    (long long)((lo + e) % D), (double)rows[lo + e], (double)tiles[lo + e]);
-            break;
-        }
-    bool untouched = true; /* the rows outside [i0, i1) keep dbuf_new's all-ones bytes */
-    for (int64_t e = 0; e < T * HD; e++)
-        if ((e < lo || e >= lo + n) && !isnan(tiles[e]))
-            untouched = false;
-    if (!untouched)
-        fprintf(stderr, "  %s: a row outside the range was written\n", what);
+    const bool same = attn_rows_same(what, "first difference", rows, tiles, lo, n, HD, D);
+    const bool untouched = attn_outside_untouched(what, tiles, T * HD, lo, n);
     printf("%-56s %s  bit for bit\n", what, same && untouched ? "ok  " : "FAIL");
     CHECK(ok && same && untouched, "%s", what);
     char w2[200];
@@ -1854,22 +1872,10 @@ static void test_attention_bf16(const tile_case *c)
         dbuf_get(got[k], outs[k]);
     }
     const int64_t lo = c->i0 * HD, n = (c->i1 - c->i0) * HD;
-    bool same = true, untouched = true; /* rows outside keep dbuf_new's all-ones bytes */
-    for (int k = 1; k < 3; k++)
-        for (int64_t e = 0; e < n && same; e++)
-            if (memcmp(got[0] + lo + e, got[k] + lo + e, sizeof(float)) != 0) {
-                fprintf(stderr, "  %s: %s differs at row %lld head %lld dim %lld: %.9g != %.9g\n",
-                        what, k == 1 ? "the split launch" : "the call from row i0",
-                        (long long)((lo + e) / HD), (long long)((lo + e) % HD / D),
-                        (long long)((lo + e) % D), (double)got[0][lo + e],
-                        (double)got[k][lo + e]);
-                same = false;
-            }
-    for (int64_t e = 0; e < T * HD; e++)
-        if ((e < lo || e >= lo + n) && !isnan(got[0][e]))
-            untouched = false;
-    if (!untouched)
-        fprintf(stderr, "  %s: a row outside the range was written\n", what);
+    const bool same =
+        attn_rows_same(what, "the split launch differs", got[0], got[1], lo, n, HD, D) &&
+        attn_rows_same(what, "the call from row i0 differs", got[0], got[2], lo, n, HD, D);
+    const bool untouched = attn_outside_untouched(what, got[0], T * HD, lo, n);
     printf("%-56s %s  rows alike\n", what, same && untouched ? "ok  " : "FAIL");
     CHECK(ok && same && untouched, "%s", what);
 
