@@ -43,6 +43,11 @@ static inline void __pipeline_memcpy_async(void *__restrict__ dst_shared,
         return;
     }
     fitm_emu_thread *t = fitm_emu_cur;
+    if (!t->async &&
+        !(t->async = (fitm_emu_async_copy *)malloc(FITM_EMU_ASYNC_MAX * sizeof *t->async))) {
+        fprintf(stderr, "cuda_emu: out of memory for asynchronous copies\n");
+        abort();
+    }
     if (t->n_async == FITM_EMU_ASYNC_MAX) {
         fprintf(stderr, "cuda_emu: more than %d asynchronous copies in flight in one thread\n",
                 (int)FITM_EMU_ASYNC_MAX);

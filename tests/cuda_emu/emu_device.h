@@ -79,7 +79,8 @@ struct fitm_emu_thread {
     /* cuda_pipeline.h: this thread's copies in flight and the groups it has committed */
     int n_async;
     unsigned long commits;
-    fitm_emu_async_copy async[FITM_EMU_ASYNC_MAX];
+    fitm_emu_async_copy *async; /* FITM_EMU_ASYNC_MAX of them from the thread's first copy on
+                                   (kept for its life), apart so the threads' state stays small */
 };
 extern thread_local fitm_emu_thread *fitm_emu_cur;
 extern thread_local uint3 fitm_emu_block_idx;

@@ -149,12 +149,27 @@ std::map<uintptr_t, size_t> device_blocks;
 
 /* True when [p, p + n) lies in one device allocation or one pinned block; a pointer just past
  * an allocation's end is accepted for n 0 (an empty view). */
+/* Frees of device allocations so far: a thread's last allocation found (below) is still one
+ * while this has not changed. */
+std::atomic<unsigned long> device_frees{0};
+struct found_block {
+    uintptr_t p, n;
+    unsigned long frees;
+};
+thread_local found_block last_found = {0, 0, ~0ul};
+
 bool accessible(const void *p, size_t n)
 {
     const uintptr_t a = (uintptr_t)p;
+    /* a kernel's asynchronous copies ask about one allocation many times in a row */
+    const found_block &l = last_found;
+    if (a >= l.p && n <= l.n && a - l.p <= l.n - n && l.frees == device_frees.load())
+        return true;
     pthread_mutex_lock(&mem_lock);
     auto it = device_blocks.upper_bound(a);
     bool in = it != device_blocks.begin() && (--it, a + n <= it->first + it->second);
+    if (in)
+        last_found = {it->first, it->second, device_frees.load()};
     pthread_mutex_unlock(&mem_lock);
     if (!in) {
         pthread_mutex_lock(&copy_lock);
@@ -247,14 +262,17 @@ namespace
 {
 
 const size_t FIBER_STACK = 64 * 1024;
+/* Fiber i's stack ends (i % 128) * 64 bytes below the end of its allocation: stacks of one size
+ * at one stride would put every fiber's top frames in the same few cache sets, and a block's
+ * fibers resume one after another. */
+const size_t FIBER_STAGGER = 128 * 64;
 
 enum fiber_state { RUNNABLE, WAIT_SYNC, WAIT_SHFL, DONE };
 
 struct fiber {
     fitm_emu_thread t;
-    jmp_buf env;   /* where it yielded */
-    ucontext_t uc; /* its first start */
-    char *stack;   /* FIBER_STACK bytes, kept for the life of the process */
+    jmp_buf env; /* where it yielded */
+    char *stack; /* FIBER_STACK + FIBER_STAGGER bytes, kept for the life of the process */
     bool started;  /* false: the next resume starts it afresh */
     fiber_state state;
     unsigned wait_gen; /* generation of the barrier or shuffle it waits on */
@@ -288,10 +306,29 @@ fiber *current(void)
     return (fiber *)fitm_emu_cur; /* t is the first member */
 }
 
+bool ready(const block_runner *r, const fiber *f, int i);
+
+/* Parks the current fiber (its state set by the caller) and runs the next. When nothing
+ * completed since the scheduler picked, every fiber below this one is still not ready (the
+ * pick was the lowest ready one, and only a completed barrier or shuffle readies a fiber), so
+ * the scheduler would pick the first ready fiber above it: when that is the next one and it
+ * has run before, the switch goes straight to it, one jump instead of two. */
 void yield_to_scheduler(void)
 {
-    if (!_setjmp(current()->env))
-        _longjmp(runner->sched, 1);
+    fiber *f = current();
+    if (_setjmp(f->env))
+        return;
+    block_runner *r = runner;
+    const int next = (int)(f - r->fibers) + 1;
+    if (r->wake == INT_MAX && next < r->n) {
+        fiber *g = &r->fibers[next];
+        if (g->started && ready(r, g, next)) {
+            g->state = RUNNABLE;
+            fitm_emu_cur = &g->t;
+            _longjmp(g->env, 1);
+        }
+    }
+    _longjmp(r->sched, 1);
 }
 
 /* A fiber's whole life: run the current launch's kernel for the current block, report done,
@@ -322,17 +359,18 @@ void resume(block_runner *r, fiber *f)
         _longjmp(f->env, 1);
     f->started = true;
     if (!f->stack)
-        f->stack = (char *)malloc(FIBER_STACK);
+        f->stack = (char *)malloc(FIBER_STACK + FIBER_STAGGER);
     if (!f->stack) {
         fprintf(stderr, "cuda_emu: out of memory for fiber stacks\n");
         abort();
     }
-    getcontext(&f->uc);
-    f->uc.uc_stack.ss_sp = f->stack;
-    f->uc.uc_stack.ss_size = FIBER_STACK;
-    f->uc.uc_link = NULL; /* fiber_main never returns */
-    makecontext(&f->uc, fiber_main, 0);
-    setcontext(&f->uc);
+    ucontext_t uc; /* read only by setcontext */
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = f->stack;
+    uc.uc_stack.ss_size = FIBER_STACK + FIBER_STAGGER - (size_t)(f - r->fibers) % 128 * 64;
+    uc.uc_link = NULL; /* fiber_main never returns */
+    makecontext(&uc, fiber_main, 0);
+    setcontext(&uc);
 }
 
 bool ready(const block_runner *r, const fiber *f, int i)
@@ -447,7 +485,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     warp_state *w = &r->warps[i / 32];
     const unsigned gen = w->gen, par = gen & 1u;
     w->slot[par][i % 32] = bits;
-    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
+    if (++w->arrived == (mask == ~0u ? 32u : (unsigned)__builtin_popcount(mask))) {
         w->gen++;
         w->arrived = 0;
         if (i / 32 * 32 < r->wake) /* only this warp's lanes wait on it */
@@ -687,7 +725,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     pthread_mutex_lock(&w->mu);
     const unsigned gen = w->gen, par = gen & 1u;
     w->slot[par][i % 32] = bits;
-    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
+    if (++w->arrived == (mask == ~0u ? 32u : (unsigned)__builtin_popcount(mask))) {
         w->gen++;
         w->arrived = 0;
         pthread_cond_broadcast(&w->cv);
@@ -1150,6 +1188,7 @@ cudaError_t cudaFree(void *p)
         return sticky();
     pthread_mutex_lock(&mem_lock);
     const bool known = device_blocks.erase((uintptr_t)p) == 1;
+    device_frees++;
     pthread_mutex_unlock(&mem_lock);
     if (!known)
         return set_error(cudaErrorInvalidValue);
