@@ -174,12 +174,8 @@ static bool same_rows(const seq *s, const fitm_model_config *c)
     return true;
 }
 
-static void test_model(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
+static void test_model(fitm_model *m, fitm_gen_arch arch, fitm_dtype type, bool kv_half)
 {
-    void *buf;
-    fitm_model *m = gen_model(arch, type, &buf);
-    if (!m)
-        return;
     const fitm_model_config *c = fitm_model_config_of(m);
     const int64_t V = c->n_vocab, L = c->n_layer, H = c->n_head;
     fitm_err err;
@@ -349,8 +345,6 @@ out:
     fitm_kv_destroy(prefix);
     fitm_forward_destroy(fw);
     fitm_backend_destroy(b);
-    fitm_model_close(m);
-    free(buf);
 }
 
 /* Picked log-probabilities where the rows are not the output head's plain product: a gemma3
@@ -522,12 +516,8 @@ static const char *layers_differ(const lseq *q, const lseq *whole, const fitm_mo
 }
 
 /* Calls that run only their first layers, alone and packed with whole ones. */
-static void test_layers(fitm_gen_arch arch, fitm_dtype type, bool kv_half)
+static void test_layers(fitm_model *m, fitm_gen_arch arch, fitm_dtype type, bool kv_half)
 {
-    void *buf;
-    fitm_model *m = gen_model(arch, type, &buf);
-    if (!m)
-        return;
     const fitm_model_config *c = fitm_model_config_of(m);
     const int32_t L = c->n_layer, k = (int32_t)uniform(1, L - 1);
     const char *name = fitm_gen_arch_name(arch), *tname = fitm_dtype_info_of(type)->name;
@@ -621,8 +611,6 @@ out:
         lseq_free(&q[i]);
     fitm_forward_destroy(fw);
     fitm_backend_destroy(b);
-    fitm_model_close(m);
-    free(buf);
 }
 
 /* Usage: test_forward_batch [f32 | f16]: the models with F32 caches (and the picks), with fp16
@@ -642,13 +630,21 @@ int main(int argc, char **argv)
     const fitm_dtype types[] = {FITM_DTYPE_F32,  FITM_DTYPE_F16,  FITM_DTYPE_BF16,
                                 FITM_DTYPE_Q4_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q8_0,
                                 FITM_DTYPE_Q4_K, FITM_DTYPE_Q5_K, FITM_DTYPE_Q6_K};
-    for (int half = half_from; half <= half_to; half++)
-        for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
-            for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+    /* a model is generated once for all that runs on it: generation (the K types' quantizer
+     * above all) costs more than the calls */
+    for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++)
+        for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
+            void *buf;
+            fitm_model *m = gen_model((fitm_gen_arch)a, types[t], &buf);
+            for (int half = half_from; half <= half_to && m; half++) {
                 rng = fitm_rng_mix(seed ^ ((uint64_t)a << 32) ^ t ^ ((uint64_t)half << 40));
-                test_model((fitm_gen_arch)a, types[t], half);
-                test_layers((fitm_gen_arch)a, types[t], half);
+                test_model(m, (fitm_gen_arch)a, types[t], half);
+                test_layers(m, (fitm_gen_arch)a, types[t], half);
             }
+            if (m)
+                fitm_model_close(m);
+            free(buf);
+        }
     rng = fitm_rng_mix(seed ^ 0x9c);
     if (half_from == 0)
         test_picks();
