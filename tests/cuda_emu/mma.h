@@ -100,7 +100,7 @@ template <typename T> static inline bool tile_ok(int op, const T *p, unsigned ld
         return false;
     }
     const size_t bytes = ((size_t)15 * ldm + 16) * sizeof(T);
-    if (!fitm_emu_device_range(p, bytes) && !fitm_emu_shared_range(p, bytes)) {
+    if (!fitm_emu_shared_range(p, bytes) && !fitm_emu_device_range(p, bytes)) {
         snprintf(what, sizeof what,
                  "a WMMA %s of %zu bytes at %p, outside device and dynamic shared memory",
                  op == 2 ? "store" : "load", bytes, (const void *)p);
