@@ -147,8 +147,6 @@ bool in_pinned(const void *src, size_t n)
 pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
 std::map<uintptr_t, size_t> device_blocks;
 
-/* True when [p, p + n) lies in one device allocation or one pinned block; a pointer just past
- * an allocation's end is accepted for n 0 (an empty view). */
 /* Frees of device allocations so far: a thread's last allocation found (below) is still one
  * while this has not changed. */
 std::atomic<unsigned long> device_frees{0};
@@ -158,6 +156,8 @@ struct found_block {
 };
 thread_local found_block last_found = {0, 0, ~0ul};
 
+/* True when [p, p + n) lies in one device allocation or one pinned block; a pointer just past
+ * an allocation's end is accepted for n 0 (an empty view). */
 bool accessible(const void *p, size_t n)
 {
     const uintptr_t a = (uintptr_t)p;
@@ -271,9 +271,9 @@ enum fiber_state { RUNNABLE, WAIT_SYNC, WAIT_SHFL, DONE };
 
 struct fiber {
     fitm_emu_thread t;
-    jmp_buf env; /* where it yielded */
-    char *stack; /* FIBER_STACK + FIBER_STAGGER bytes, kept for the life of the process */
-    bool started;  /* false: the next resume starts it afresh */
+    jmp_buf env;  /* where it yielded */
+    char *stack;  /* FIBER_STACK + FIBER_STAGGER bytes, kept for the life of the process */
+    bool started; /* false: the next resume starts it afresh */
     fiber_state state;
     unsigned wait_gen; /* generation of the barrier or shuffle it waits on */
 };
