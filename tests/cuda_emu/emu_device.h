@@ -40,6 +40,8 @@
 
 struct dim3 {
     unsigned x, y, z;
+    /* constexpr: the thread-locals of this type are constant-initialized, which the build's
+     * -fno-extern-tls-init relies on (tests/meson.build) */
     constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_)
     {
     }

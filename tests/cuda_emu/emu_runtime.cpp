@@ -485,7 +485,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     warp_state *w = &r->warps[i / 32];
     const unsigned gen = w->gen, par = gen & 1u;
     w->slot[par][i % 32] = bits;
-    if (++w->arrived == (mask == ~0u ? 32u : (unsigned)__builtin_popcount(mask))) {
+    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
         w->gen++;
         w->arrived = 0;
         if (i / 32 * 32 < r->wake) /* only this warp's lanes wait on it */
@@ -725,7 +725,7 @@ uint64_t fitm_emu_shfl(unsigned mask, uint64_t bits, int src)
     pthread_mutex_lock(&w->mu);
     const unsigned gen = w->gen, par = gen & 1u;
     w->slot[par][i % 32] = bits;
-    if (++w->arrived == (mask == ~0u ? 32u : (unsigned)__builtin_popcount(mask))) {
+    if (++w->arrived == (unsigned)__builtin_popcount(mask)) {
         w->gen++;
         w->arrived = 0;
         pthread_cond_broadcast(&w->cv);
