@@ -1,11 +1,12 @@
 /* logprob: each logit row's log-probabilities at a few ids, for /rerank's scored rows (the
  * query-likelihood token, relevance's yes/no ids), so n_pick doubles of a row leave the
  * device instead of the row. CPU reference (src/compute/ops.c): fitm_ops_logprob. The
- * maximum is the same float; the sum of exponentials is the same terms in double added in
- * another order (each thread its strided entries, then fitm_block_sum_d), each term within an
- * ulp of the host's exp: two sums of n positive terms agree to a relative (2n + 2) 2^-53
- * (recursive summation bounds (n - 1) 2^-53 for any order, plus the terms' own 2^-52 each
- * way), and with log's and the subtractions' roundings a log-probability is within
+ * maximum is the same float; the sum of exponentials is of the same values in double, added
+ * in another order (each thread its strided entries, then fitm_block_sum_d), each term the
+ * device's exp (within 1 ulp of e^d) where the host's is fitm_ops_exp_le0 (within 1.5): two
+ * sums of n positive terms agree to a relative (2n + 3) 2^-53 (recursive summation bounds
+ * (n - 1) 2^-53 for any order, plus the terms' own 2 and 3 2^-53), and with log's and the
+ * subtractions' roundings a log-probability is within
  * (2n + 8) 2^-53 + 2^-50 (|lp| + ln n) of the host's (kernels.h). */
 #include "common.cuh"
 #include "kernels.h"

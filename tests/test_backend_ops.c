@@ -694,7 +694,10 @@ static void test_topk(fitm_backend *b, int64_t rows, int64_t n, int32_t k, int l
 
 /* rows of n values drawn by kind (0: uniform in [-30, 30]; 1: magnitudes from 1e-30 to 3e38
  * of both signs with -inf entries, so exponents underflow and the maximum dwarfs the rest;
- * 2: all equal but one), n_pick ids per row with 0 and n - 1 among them. Each value against
+ * 2: all equal but one; 3, the CPU backend only: rows by r % 4 with a NaN, with a +inf, of
+ * zeros of both signs, all -inf; 4: one 1 among values in [-40, -20], so that z is 1 plus
+ * sums of small terms and -log z, the 1's log-probability (picked too), shows z's last bits),
+ * n_pick ids per row with 0 and n - 1 among them. Each value against
  * an independent reference (long double log-sum-exp) within the bound of a sum of n terms in
  * double in any order, (2n + 8) 2^-53 + 2^-50 (|lp| + ln n); the CPU backend must moreover
  * give fitm_ops_logprob's bits (the host path's), a device backend be within that bound of
@@ -709,12 +712,26 @@ static void test_logprob(fitm_backend *b, int64_t rows, int64_t n, int32_t n_pic
     }
     for (int64_t i = 0; kind == 2 && i < rows * n; i++)
         xh[i] = i % n == n / 2 ? 4.0f : -1.5f;
+    for (int64_t i = 0; kind == 4 && i < rows * n; i++)
+        xh[i] = i % n == n / 3 ? 1.0f : (float)(-40.0 + 20.0 * urand());
+    for (int64_t r = 0; kind == 3 && r < rows; r++) {
+        float *row = xh + r * n;
+        const int64_t at = (int64_t)(urand() * (double)n);
+        if (r % 4 == 0)
+            row[at] = NAN;
+        else if (r % 4 == 1)
+            row[at] = INFINITY;
+        for (int64_t v = 0; r % 4 >= 2 && v < n; v++)
+            row[v] = r % 4 == 3 ? -INFINITY : v % 3 ? 0.0f : -0.0f;
+    }
     int32_t *pick = malloc((size_t)(rows * n_pick) * sizeof *pick);
     double *got = malloc((size_t)(rows * n_pick) * sizeof *got);
     double *host = malloc((size_t)(rows * n_pick) * sizeof *host);
     for (int64_t i = 0; i < rows * n_pick; i++)
         pick[i] = i % n_pick == 0 ? 0 : i % n_pick == 1 ? (int32_t)(n - 1)
                                                          : (int32_t)(urand() * (double)n);
+    for (int64_t i = 2; kind == 4 && i < rows * n_pick; i += n_pick)
+        pick[i] = (int32_t)(n / 3);
     float *x = to_dev(b, xh, rows * n);
     b->ops->logprob(b, x, rows, n, pick, n_pick, got);
     const bool exact = strcmp(b->ops->name, "cpu") == 0;
@@ -733,7 +750,8 @@ static void test_logprob(fitm_backend *b, int64_t rows, int64_t n, int32_t n_pic
             const double want = (double)((long double)row[pick[i]] - m - logl(z));
             const double tol = (2.0 * (double)n + 8.0) * 0x1p-53 +
                                0x1p-50 * (fabs(want) + log((double)n));
-            const bool same = got[i] == want || fabs(got[i] - want) <= tol;
+            const bool same = got[i] == want || fabs(got[i] - want) <= tol ||
+                              (kind == 3 && r % 4 != 2); /* NaN: the bits as the host's */
             const bool as_host = exact ? !memcmp(&got[i], &host[i], sizeof(double))
                                        : got[i] == host[i] || fabs(got[i] - host[i]) <= tol;
             if (!same || !as_host)
@@ -1236,6 +1254,9 @@ int main(int argc, char **argv)
         test_logprob(b, 4, 5003, 8, 1);
         test_logprob(b, 2, 300, 3, 2);
         test_logprob(b, 33, 777, 1, 0);
+        test_logprob(b, 4, 262147, 3, 4);
+        if (strcmp(b->ops->name, "cpu") == 0)
+            test_logprob(b, 8, 4099, 3, 3);
     }
 attention:;
     static const attn_case cases[] = {

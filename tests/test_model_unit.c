@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "base/pool.h"
 #include "check.h"
@@ -69,6 +70,56 @@ static void test_pool(void)
     fitm_err err;
     CHECK(fitm_pool_create(&p, 0, &err) == FITM_ERR_INVALID && p == NULL);
     fitm_pool_destroy(NULL);
+}
+
+/* ---- fitm_ops_exp_le0 --------------------------------------------------------------------- */
+
+/* The distance of e from the long double reference r in units of the last place of r as a
+ * double. */
+static double ulps(double e, long double r)
+{
+    const double rd = (double)r;
+    return (double)fabsl((long double)e - r) / (nextafter(rd, INFINITY) - rd);
+}
+
+/* Within 1.5 ulp of expl over the whole range: fresh uniform draws on [-708, 0] and log-uniform
+ * ones on [-2^-40, -10], the points around each reduction boundary (k + 1/2) ln 2, and the
+ * ends; 0 below -708 and at -inf, NaN for NaN, 1 at both zeros. */
+static void test_exp_le0(void)
+{
+    uint64_t s = 0x9e3779b97f4a7c15ull ^ (uint64_t)time(NULL);
+    double worst = 0, worst_d = 0;
+    for (int i = 0; i < 3000000; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const double u = (double)(s >> 11) * 0x1p-53;
+        double d;
+        if (i % 3 == 0)
+            d = -708.0 * u;
+        else if (i % 3 == 1)
+            d = -exp2(-40.0 + 43.3 * u);
+        else { /* next to a boundary of the reduction's k */
+            const int k = (int)(u * 1021);
+            d = nextafter(-(k + 0.5) * 0.6931471805599453, (i / 3) % 2 ? 0.0 : -INFINITY);
+            d = nextafter(d, (i / 6) % 2 ? 0.0 : -INFINITY);
+            if (d < -708.0)
+                continue;
+        }
+        const double err = ulps(fitm_ops_exp_le0(d), expl((long double)d));
+        if (err > worst)
+            worst = err, worst_d = d;
+    }
+    const double ends[] = {-708.0, -707.999999, -1e-300, -0x1p-1074, -0.34657359027997264};
+    for (size_t i = 0; i < sizeof ends / sizeof *ends; i++) {
+        const double err = ulps(fitm_ops_exp_le0(ends[i]), expl((long double)ends[i]));
+        if (err > worst)
+            worst = err, worst_d = ends[i];
+    }
+    printf("fitm_ops_exp_le0: worst %.3f ulp at %.17g\n", worst, worst_d);
+    CHECK(worst <= 1.5, "fitm_ops_exp_le0 is %.3f ulp from expl at %.17g", worst, worst_d);
+    CHECK(fitm_ops_exp_le0(0.0) == 1.0 && fitm_ops_exp_le0(-0.0) == 1.0);
+    CHECK(fitm_ops_exp_le0(-708.0000001) == 0.0 && fitm_ops_exp_le0(-1e300) == 0.0);
+    CHECK(fitm_ops_exp_le0(-INFINITY) == 0.0);
+    CHECK(isnan(fitm_ops_exp_le0(NAN)));
 }
 
 /* ---- ops --------------------------------------------------------------------------------- */
@@ -369,6 +420,7 @@ int main(void)
 {
     test_pool();
     test_rope_table();
+    test_exp_le0();
     test_intervene();
     test_model_config();
     for (int a = 0; a < FITM_GEN_ARCH_COUNT; a++) {

@@ -195,9 +195,10 @@ void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_
     float mx = x[0];
     for (int64_t v = 1; v < n; v++)
         mx = x[v] > mx ? x[v] : mx;
-    double z = 0;
+    double l[FITM_LOGPROB_LANES] = {0};
     for (int64_t v = 0; v < n; v++)
-        z += exp((double)x[v] - (double)mx);
+        l[v % FITM_LOGPROB_LANES] += fitm_ops_exp_le0((double)x[v] - (double)mx);
+    const double z = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
     const double lz = log(z);
     for (int32_t j = 0; j < n_pick; j++)
         lp[j] = (double)x[pick[j]] - (double)mx - lz;

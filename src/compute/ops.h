@@ -7,6 +7,7 @@
 #define FITM_OPS_H
 
 #include <stdint.h>
+#include <string.h>
 
 /* y[t,:] = x[t,:] / sqrt(mean(x[t,:]^2) + eps) * (w[:] + w_offset)   x, y: (T, C); y may == x.
  * w_offset is 0 for Llama/Qwen2; Gemma stores (scale - 1) and its GGUF converter already adds
@@ -87,12 +88,57 @@ void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
 #define FITM_PICK_MAX 16
 
 /* lp (n_pick) = log softmax(x)[pick[j]] for the ids pick (n_pick, each in [0, n)) of one row
- * x (n): the maximum m in float, z = sum_v exp((double)x[v] - (double)m) in index order in
- * double, then lp[j] = (double)x[pick[j]] - (double)m - log(z). The one definition of a
- * scored row's log-probabilities (/rerank's query likelihood and relevance): the CPU backend
- * and the forward driver's host path compute exactly this; a device may sum z in another
- * order (backend.h, logprob). n >= 1. */
+ * x (n): the maximum m in float, z = sum_v fitm_ops_exp_le0((double)x[v] - (double)m) in
+ * double, summed in FITM_LOGPROB_LANES lanes (value v into lane v % 8, each lane in index
+ * order) whose sums are then added in a fixed tree, (l0 + l4) + (l2 + l6) + ((l1 + l5) +
+ * (l3 + l7)); then lp[j] = (double)x[pick[j]] - (double)m - log(z). z is NaN when any value
+ * is NaN or m is +inf. The one definition of a scored row's log-probabilities (/rerank's
+ * query likelihood and relevance): the CPU backend (with vectors of the 8 lanes) and the
+ * forward driver's host path compute exactly this; a device may sum z in another order and
+ * with its own exp (backend.h, logprob). n >= 1. */
 void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_pick, double *lp);
+
+#define FITM_LOGPROB_LANES 8
+
+/* fitm_ops_exp_le0's constants: below EXP_MIN the result is 0 (e^-708 is about 2^-1021, the
+ * smallest power 2^k it builds as a normal number); ln 2 as LN2_HI (32 significant bits, so
+ * k LN2_HI is exact for |k| < 2^21) + LN2_LO; SHIFT rounds a double in (-2^51, 2^51) to an
+ * integer when added and subtracted again. */
+#define FITM_EXP_MIN (-708.0)
+#define FITM_EXP_INV_LN2 0x1.71547652b82fep+0
+#define FITM_EXP_LN2_HI 0x1.62e42fee00000p-1
+#define FITM_EXP_LN2_LO 0x1.a39ef35793c76p-33
+#define FITM_EXP_SHIFT 0x1.8p52
+/* e^f for |f| <= ln2 / 2 + 2^-30 by its Taylor polynomial of degree 13 (truncation below
+ * 0.04 ulp), by Horner from the highest coefficient: 1/k! as the nearest doubles. */
+#define FITM_EXP_POLY(f)                                                                          \
+    (1.0 + (f) * (1.0 + (f) * (1.0 / 2 + (f) * (1.0 / 6 + (f) * (1.0 / 24 + (f) * (1.0 / 120 + \
+     (f) * (1.0 / 720 + (f) * (1.0 / 5040 + (f) * (1.0 / 40320 + (f) * (1.0 / 362880 +        \
+     (f) * (1.0 / 3628800 + (f) * (1.0 / 39916800 + (f) * (1.0 / 479001600 +                  \
+     (f) * (1.0 / 6227020800.0))))))))))))))
+
+/* e^d for d <= 0 in plain double multiplies and adds (no fused ones, no libm), so every
+ * build and SIMD path computes the same bits: d = k ln2 + f with k = round(d / ln2), e^f by
+ * FITM_EXP_POLY, times 2^k (exact). Within 1.5 ulp of e^d (tests/test_model_unit.c draws
+ * millions of d against expl: about 1.1 at worst, the rounding of f and of the unfused
+ * Horner steps); 0 for d < FITM_EXP_MIN or d = -inf, NaN for NaN. The CPU backend's vector copy
+ * (backend_cpu.c, logprob) performs the same operations lane by lane. */
+static inline double fitm_ops_exp_le0(double d)
+{
+    if (!(d >= FITM_EXP_MIN))
+        return d != d ? d : 0.0;
+    const double t = d * FITM_EXP_INV_LN2 + FITM_EXP_SHIFT;
+    const double k = t - FITM_EXP_SHIFT;
+    const double f = (d - k * FITM_EXP_LN2_HI) - k * FITM_EXP_LN2_LO;
+    int64_t tb, sb;
+    memcpy(&tb, &t, sizeof tb);
+    const double shift = FITM_EXP_SHIFT;
+    memcpy(&sb, &shift, sizeof sb);
+    const uint64_t pb = (uint64_t)(tb - sb + 1023) << 52; /* 2^k */
+    double p2;
+    memcpy(&p2, &pb, sizeof p2);
+    return FITM_EXP_POLY(f) * p2;
+}
 
 /* fitm_ops_topk in parts: adds x[i0, i1) to the list top of *have entries (0 to start with)
  * built from x[0, i0), updating *have (at most k). Once *have == k and top[k - 1].logit is a

@@ -207,7 +207,7 @@ typedef struct {
      * n_pick ids, pick (rows, n_pick) host, each in [0, n), 1 <= n_pick <= FITM_PICK_MAX: a
      * scored row's log-probabilities, so rows * n_pick doubles leave the backend instead of
      * rows * n floats (Gemma 3: 8 bytes of a 1 MiB row for a query-likelihood token). The CPU
-     * backend gives fitm_ops_logprob's values bit for bit; a device may sum the exponentials
+     * backend gives fitm_ops_logprob's values bit for bit; a device may sum exponentials of its own
      * in another order, within the bound its backend states. NULL: the forward driver
      * downloads the rows and runs fitm_ops_logprob on the host. */
     void (*logprob)(fitm_backend *b, const float *x, int64_t rows, int64_t n,

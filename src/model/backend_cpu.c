@@ -596,31 +596,6 @@ static void cpu_topk(fitm_backend *b, const float *x, int64_t rows, int64_t n, i
     fitm_pool_run(cpu(b)->pool, rows, topk_task, &j);
 }
 
-typedef struct {
-    const float *x;
-    int64_t n;
-    const int32_t *pick;
-    int32_t n_pick;
-    double *lp;
-} logprob_job;
-
-static void logprob_task(void *ctx, int64_t r, int thread)
-{
-    (void)thread;
-    const logprob_job *j = ctx;
-    fitm_ops_logprob(j->x + r * j->n, j->n, j->pick + r * j->n_pick, j->n_pick,
-                     j->lp + r * j->n_pick);
-}
-
-/* A row per task, each row summed in index order by one thread: fitm_ops_logprob's values bit
- * for bit, the rows of a scored pass (a query-likelihood chunk: up to 32) over the threads. */
-static void cpu_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t n,
-                        const int32_t *pick, int32_t n_pick, double *lp)
-{
-    logprob_job j = {x, n, pick, n_pick, lp};
-    fitm_pool_run(cpu(b)->pool, rows, logprob_task, &j);
-}
-
 /* e^x for VW floats: x = n ln2 + r (|r| <= ln2/2, ln2 split in two for exactness), e^r by a
  * degree-6 polynomial, 2^n through the exponent bits; about 2 ulp over the range softmax
  * and the activations use. Inputs below -87 give 0, above 88 give +inf. */
@@ -723,6 +698,112 @@ static void softmax_fast(float *x, int64_t n)
     const float inv = 1.0f / (hsumv(acc) + tail);
     for (i = 0; i < n; i++)
         x[i] *= inv;
+}
+
+/* ---- log-probabilities ----------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;
+    int64_t n;
+    const int32_t *pick;
+    int32_t n_pick;
+    double *lp;
+} logprob_job;
+
+/* fitm_ops_logprob's sum on vectors of its 8 lanes (2 of 4 doubles on AVX2, 1 of 8 on
+ * AVX-512, 4 of 2 on the baseline): the same operations on the same values in every lane, so
+ * the same bits. */
+typedef double vd8 __attribute__((vector_size(64)));
+typedef int64_t vl8 __attribute__((vector_size(64)));
+typedef uint64_t vu8 __attribute__((vector_size(64)));
+typedef float vf8_u __attribute__((vector_size(32), aligned(4), may_alias));
+_Static_assert(FITM_LOGPROB_LANES == 8, "one vd8 holds fitm_ops_logprob's lanes");
+
+/* (The vectors go by pointer: a 64-byte vector passed by value has another ABI on AVX-512.) */
+#define SPLAT8(x) ((x) - (vd8){0})
+
+/* *e = fitm_ops_exp_le0 of *dp lane by lane; lanes that are NaN set *nan (and come out 0). */
+static inline void exp_le0_v(vd8 *e, const vd8 *dp, vl8 *nan)
+{
+    const vd8 d = *dp;
+    const vl8 in = d >= SPLAT8(FITM_EXP_MIN);
+    *nan |= d != d;
+    const vd8 t = d * FITM_EXP_INV_LN2 + FITM_EXP_SHIFT;
+    const vd8 k = t - FITM_EXP_SHIFT;
+    const vd8 f = (d - k * FITM_EXP_LN2_HI) - k * FITM_EXP_LN2_LO;
+    const vu8 p2 = (vu8)((vl8)t - (vl8)SPLAT8(FITM_EXP_SHIFT) + 1023) << 52; /* 2^k */
+    *e = (vd8)((vl8)(FITM_EXP_POLY(f) * (vd8)p2) & in);
+}
+
+/* fitm_ops_logprob of one row, its bits: the maximum by vectors where it is a nonzero number
+ * (the one value a strict-greater scan keeps), else by that scan, whose first zero or NaN may
+ * differ in sign or payload; a row with a NaN in its sum goes to fitm_ops_logprob whole. */
+static void logprob_row(const float *x, int64_t n, const int32_t *pick, int32_t n_pick,
+                        double *lp)
+{
+    int64_t v = 0;
+    float mx = x[0];
+    if (n >= VW) {
+        vf lane_max = splatv(x[0]);
+        for (; v + VW <= n; v += VW) {
+            const vf y = ldv(x + v);
+            lane_max = selv(y > lane_max, y, lane_max);
+        }
+        float m[VW];
+        memcpy(m, &lane_max, sizeof m);
+        for (int i = 0; i < VW; i++)
+            mx = m[i] > mx ? m[i] : mx;
+    }
+    for (; v < n; v++)
+        mx = x[v] > mx ? x[v] : mx;
+    if (mx == 0.0f || mx != mx) {
+        fitm_ops_logprob(x, n, pick, n_pick, lp);
+        return;
+    }
+    vd8 acc = SPLAT8(0.0);
+    vl8 nan = {0};
+    const vd8 mxv = SPLAT8((double)mx);
+    for (v = 0; v + 8 <= n; v += 8) {
+        const vd8 d = __builtin_convertvector(*(const vf8_u *)(x + v), vd8) - mxv;
+        vd8 e;
+        exp_le0_v(&e, &d, &nan);
+        acc += e;
+    }
+    double l[8];
+    memcpy(l, &acc, sizeof l);
+    bool has_nan = false;
+    for (int i = 0; i < 8; i++)
+        has_nan |= nan[i] != 0;
+    for (; v < n; v++) {
+        const double d = (double)x[v] - (double)mx;
+        has_nan |= d != d;
+        l[v % 8] += fitm_ops_exp_le0(d);
+    }
+    if (has_nan) {
+        fitm_ops_logprob(x, n, pick, n_pick, lp);
+        return;
+    }
+    const double z = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    const double lz = log(z);
+    for (int32_t j = 0; j < n_pick; j++)
+        lp[j] = (double)x[pick[j]] - (double)mx - lz;
+}
+
+static void logprob_task(void *ctx, int64_t r, int thread)
+{
+    (void)thread;
+    const logprob_job *j = ctx;
+    logprob_row(j->x + r * j->n, j->n, j->pick + r * j->n_pick, j->n_pick,
+                j->lp + r * j->n_pick);
+}
+
+/* A row per task, each row by one thread: fitm_ops_logprob's values bit for bit, the rows of
+ * a scored pass (a query-likelihood chunk: up to 32) over the threads. */
+static void cpu_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t n,
+                        const int32_t *pick, int32_t n_pick, double *lp)
+{
+    logprob_job j = {x, n, pick, n_pick, lp};
+    fitm_pool_run(cpu(b)->pool, rows, logprob_task, &j);
 }
 
 /* ---- matrix products --------------------------------------------------------------------- */
