@@ -99,6 +99,15 @@ static void test_parse(void)
            "'rows'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[1,2,3]]}", FITM_ERR_INVALID,
            "'heads[0]'");
+    /* a layer or head beyond an int, or not whole: refused before any conversion */
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[0,1],[1e110,0]]}",
+           FITM_ERR_INVALID, "'heads[1]'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[0,-2147483649]]}",
+           FITM_ERR_INVALID, "'heads[0]'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[0.5,1]]}", FITM_ERR_INVALID,
+           "'heads[0]'");
+    expect("{\"query\":\"q\",\"documents\":[\"a\"],\"heads\":[[-2147483648,2147483647]]}",
+           FITM_ERR_INVALID, "'heads'");
     expect("{\"query\":\"q\",\"documents\":[\"a\"],\"window\":1.5}", FITM_ERR_INVALID,
            "'window'");
     /* cJSON would cut a string at \u0000: refused; an escaped backslash before u0000 is text */

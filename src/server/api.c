@@ -1,6 +1,7 @@
 #include "server/api.h"
 
 #include <cjson/cJSON.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -233,6 +234,19 @@ static fitm_status parse_documents(const cJSON *arr, const char *field,
     return FITM_OK;
 }
 
+/* Whether x is a JSON number of an int's value, into *v (the range is checked before the
+ * conversion, which is undefined outside it). */
+static bool int_item(const cJSON *x, int *v)
+{
+    if (!cJSON_IsNumber(x))
+        return false;
+    const double d = x->valuedouble;
+    if (!(d >= (double)INT_MIN && d <= (double)INT_MAX) || d != floor(d))
+        return false;
+    *v = (int)d;
+    return true;
+}
+
 /* The scoring option `name` given as JSON, in its text form for fitm_score_opts_set: enum
  * names as strings, counts and reals as numbers, heads as [[layer, head], ...]. */
 static fitm_status option_text(const cJSON *it, const char *pre, const char *name, char *buf,
@@ -260,14 +274,12 @@ static fitm_status option_text(const cJSON *it, const char *pre, const char *nam
     size_t used = 0;
     for (int i = 0; i < n; i++) {
         const cJSON *pr = cJSON_GetArrayItem(it, i);
-        const cJSON *l = cJSON_GetArrayItem(pr, 0), *h = cJSON_GetArrayItem(pr, 1);
-        if (!cJSON_IsArray(pr) || cJSON_GetArraySize(pr) != 2 || !cJSON_IsNumber(l) ||
-            !cJSON_IsNumber(h) || l->valuedouble != (double)(int)l->valuedouble ||
-            h->valuedouble != (double)(int)h->valuedouble)
+        int l, h;
+        if (!cJSON_IsArray(pr) || cJSON_GetArraySize(pr) != 2 ||
+            !int_item(cJSON_GetArrayItem(pr, 0), &l) || !int_item(cJSON_GetArrayItem(pr, 1), &h))
             return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s[%d]' must be [layer, head]", pre,
                                 name, i);
-        used += (size_t)snprintf(buf + used, cap - used, "%s%d:%d", i ? "," : "",
-                                 (int)l->valuedouble, (int)h->valuedouble);
+        used += (size_t)snprintf(buf + used, cap - used, "%s%d:%d", i ? "," : "", l, h);
         if (used >= cap)
             return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' is too long", pre, name);
     }
