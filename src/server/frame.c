@@ -108,6 +108,8 @@ fitm_frame_verdict fitm_frame_check_head(const char *buf, size_t n, fitm_frame_e
     /* Leading empty lines (a client's CRLF after a previous body) are skipped. */
     while (p < end && (*p == '\n' || (*p == '\r' && p + 1 < end && p[1] == '\n')))
         p += *p == '\r' ? 2 : 1;
+    if (end - p == 1 && *p == '\r')
+        return FITM_FRAME_INCOMPLETE; /* an empty line's CR, its LF still to come */
     if (!next_line(p, end, &len, &next)) {
         /* Bytes that cannot start a request line are refused at once. */
         size_t k = 0;
