@@ -91,11 +91,11 @@ void fitm_ops_topk(const float *x, int64_t n, int32_t k, fitm_top *top);
  * x (n): the maximum m in float, z = sum_v fitm_ops_exp_le0((double)x[v] - (double)m) in
  * double, summed in FITM_LOGPROB_LANES lanes (value v into lane v % 8, each lane in index
  * order) whose sums are then added in a fixed tree, (l0 + l4) + (l2 + l6) + ((l1 + l5) +
- * (l3 + l7)); then lp[j] = (double)x[pick[j]] - (double)m - log(z). z is NaN when any value
- * is NaN or m is +inf. The one definition of a scored row's log-probabilities (/rerank's
- * query likelihood and relevance): the CPU backend (with vectors of the 8 lanes) and the
- * forward driver's host path compute exactly this; a device may sum z in another order and
- * with its own exp (backend.h, logprob). n >= 1. */
+ * (l3 + l7)); then lp[j] = (double)x[pick[j]] - (double)m - log(z). z is NaN when a value
+ * is NaN, m is +inf or every value is -inf. The one definition of a scored row's
+ * log-probabilities (/rerank's query likelihood and relevance): the CPU backend (with vectors
+ * of the 8 lanes) and the forward driver's host path compute exactly this; a device may sum z
+ * in another order and with its own exp (backend.h, logprob). n >= 1. */
 void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_pick, double *lp);
 
 #define FITM_LOGPROB_LANES 8
@@ -121,8 +121,8 @@ void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_
  * build and SIMD path computes the same bits: d = k ln2 + f with k = round(d / ln2), e^f by
  * FITM_EXP_POLY, times 2^k (exact). Within 1.5 ulp of e^d (tests/test_model_unit.c draws
  * millions of d against expl: about 1.1 at worst, the rounding of f and of the unfused
- * Horner steps); 0 for d < FITM_EXP_MIN or d = -inf, NaN for NaN. The CPU backend's vector copy
- * (backend_cpu.c, logprob) performs the same operations lane by lane. */
+ * Horner steps); 0 for d < FITM_EXP_MIN or d = -inf, NaN for NaN. The CPU backend's vector
+ * copy (backend_cpu.c, logprob) performs the same operations lane by lane. */
 static inline double fitm_ops_exp_le0(double d)
 {
     if (!(d >= FITM_EXP_MIN))
