@@ -131,6 +131,19 @@ def test_well_framed_requests_still_pipeline(daemon):
     assert json.loads(got[0][2])["results"][0]["index"] == 0
 
 
+def test_leading_crlf_split_after_its_cr(daemon):
+    """A keep-alive client's CRLF before a request (RFC 9112 2.2) may arrive split between two
+    segments: the gate waits for the LF after a lone CR instead of refusing the connection."""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as s:
+        s.sendall(b"\r")
+        time.sleep(0.3)  # the gate peeks the lone CR first (together, the two pass as well)
+        s.sendall(b"\nGET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out = b""
+        while (b := s.recv(65536)):
+            out += b
+    assert [g[0] for g in responses(out)] == [200], out[:200]
+
+
 # ---- heads libmicrohttpd 0.9.75 would answer itself ---------------------------------------------
 # On main these get HTML bodies, a status line and headers sent twice, or no reply at all; the
 # gate (src/server/gate.c) answers each with the documented JSON error and Connection: close.
