@@ -198,6 +198,12 @@ void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_
     double l[FITM_LOGPROB_LANES] = {0};
     for (int64_t v = 0; v < n; v++)
         l[v % FITM_LOGPROB_LANES] += fitm_ops_exp_le0((double)x[v] - (double)mx);
+    fitm_ops_logprob_lanes(l, mx, x, pick, n_pick, lp);
+}
+
+void fitm_ops_logprob_lanes(const double *l, float mx, const float *x, const int32_t *pick,
+                            int32_t n_pick, double *lp)
+{
     const double z = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
     const double lz = log(z);
     for (int32_t j = 0; j < n_pick; j++)

@@ -100,6 +100,12 @@ void fitm_ops_logprob(const float *x, int64_t n, const int32_t *pick, int32_t n_
 
 #define FITM_LOGPROB_LANES 8
 
+/* fitm_ops_logprob from its lane sums l (FITM_LOGPROB_LANES) and the row's maximum mx: z by the
+ * fixed tree, then lp (n_pick) at the ids pick of x. For a caller that sums the lanes its own
+ * way (the CPU backend's vectors). */
+void fitm_ops_logprob_lanes(const double *l, float mx, const float *x, const int32_t *pick,
+                            int32_t n_pick, double *lp);
+
 /* fitm_ops_exp_le0's constants: below EXP_MIN the result is 0 (e^-708 is about 2^-1021, the
  * smallest power 2^k it builds as a normal number); ln 2 as LN2_HI (32 significant bits, so
  * k LN2_HI is exact for |k| < 2^21) + LN2_LO; SHIFT rounds a double in (-2^51, 2^51) to an

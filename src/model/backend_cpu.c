@@ -722,12 +722,11 @@ _Static_assert(FITM_LOGPROB_LANES == 8, "one vd8 holds fitm_ops_logprob's lanes"
 /* (The vectors go by pointer: a 64-byte vector passed by value has another ABI on AVX-512.) */
 #define SPLAT8(x) ((x) - (vd8){0})
 
-/* *e = fitm_ops_exp_le0 of *dp lane by lane; lanes that are NaN set *nan (and come out 0). */
-static inline void exp_le0_v(vd8 *e, const vd8 *dp, vl8 *nan)
+/* *e = fitm_ops_exp_le0 of *dp lane by lane (NaN lanes NaN, of another payload perhaps). */
+static inline void exp_le0_v(vd8 *e, const vd8 *dp)
 {
     const vd8 d = *dp;
-    const vl8 in = d >= SPLAT8(FITM_EXP_MIN);
-    *nan |= d != d;
+    const vl8 in = ~(d < SPLAT8(FITM_EXP_MIN)); /* NaN stays in, and gives NaN */
     const vd8 t = d * FITM_EXP_INV_LN2 + FITM_EXP_SHIFT;
     const vd8 k = t - FITM_EXP_SHIFT;
     const vd8 f = (d - k * FITM_EXP_LN2_HI) - k * FITM_EXP_LN2_LO;
@@ -735,9 +734,14 @@ static inline void exp_le0_v(vd8 *e, const vd8 *dp, vl8 *nan)
     *e = (vd8)((vl8)(FITM_EXP_POLY(f) * (vd8)p2) & in);
 }
 
-/* fitm_ops_logprob of one row, its bits: the maximum by vectors where it is a nonzero number
- * (the one value a strict-greater scan keeps), else by that scan, whose first zero or NaN may
- * differ in sign or payload; a row with a NaN in its sum goes to fitm_ops_logprob whole. */
+/* fitm_ops_logprob of one row, its bits. The maximum by vectors is the scan's value; only a
+ * zero maximum's sign may differ (the scan keeps the first zero, the lanes their own), which
+ * changes no output: x - mx is then a zero whose e^ is 1 either way, or x itself, and a
+ * picked zero's lp = 0 - log z with z > 1 when several zeros tie (z = 1: a single zero, the
+ * maximum of both). Then the lane sums by vectors. A NaN lane (a NaN value, or inf - inf)
+ * comes out as d itself, as fitm_ops_exp_le0 returns it: each operation on it returns its NaN
+ * operand (2^k's bits are never a NaN), and the adds meet the NaNs in the scalar path's order
+ * (test_backend_ops: rows with a NaN, a +inf, signed zeros, all -inf). */
 static void logprob_row(const float *x, int64_t n, const int32_t *pick, int32_t n_pick,
                         double *lp)
 {
@@ -756,37 +760,19 @@ static void logprob_row(const float *x, int64_t n, const int32_t *pick, int32_t 
     }
     for (; v < n; v++)
         mx = x[v] > mx ? x[v] : mx;
-    if (mx == 0.0f || mx != mx) {
-        fitm_ops_logprob(x, n, pick, n_pick, lp);
-        return;
-    }
     vd8 acc = SPLAT8(0.0);
-    vl8 nan = {0};
     const vd8 mxv = SPLAT8((double)mx);
     for (v = 0; v + 8 <= n; v += 8) {
         const vd8 d = __builtin_convertvector(*(const vf8_u *)(x + v), vd8) - mxv;
         vd8 e;
-        exp_le0_v(&e, &d, &nan);
+        exp_le0_v(&e, &d);
         acc += e;
     }
     double l[8];
     memcpy(l, &acc, sizeof l);
-    bool has_nan = false;
-    for (int i = 0; i < 8; i++)
-        has_nan |= nan[i] != 0;
-    for (; v < n; v++) {
-        const double d = (double)x[v] - (double)mx;
-        has_nan |= d != d;
-        l[v % 8] += fitm_ops_exp_le0(d);
-    }
-    if (has_nan) {
-        fitm_ops_logprob(x, n, pick, n_pick, lp);
-        return;
-    }
-    const double z = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-    const double lz = log(z);
-    for (int32_t j = 0; j < n_pick; j++)
-        lp[j] = (double)x[pick[j]] - (double)mx - lz;
+    for (; v < n; v++)
+        l[v % 8] += fitm_ops_exp_le0((double)x[v] - (double)mx);
+    fitm_ops_logprob_lanes(l, mx, x, pick, n_pick, lp);
 }
 
 static void logprob_task(void *ctx, int64_t r, int thread)

@@ -234,19 +234,6 @@ static fitm_status parse_documents(const cJSON *arr, const char *field,
     return FITM_OK;
 }
 
-/* Whether x is a JSON number of an int's value, into *v (the range is checked before the
- * conversion, which is undefined outside it). */
-static bool int_item(const cJSON *x, int *v)
-{
-    if (!cJSON_IsNumber(x))
-        return false;
-    const double d = x->valuedouble;
-    if (!(d >= (double)INT_MIN && d <= (double)INT_MAX) || d != floor(d))
-        return false;
-    *v = (int)d;
-    return true;
-}
-
 /* The scoring option `name` given as JSON, in its text form for fitm_score_opts_set: enum
  * names as strings, counts and reals as numbers, heads as [[layer, head], ...]. */
 static fitm_status option_text(const cJSON *it, const char *pre, const char *name, char *buf,
@@ -274,12 +261,14 @@ static fitm_status option_text(const cJSON *it, const char *pre, const char *nam
     size_t used = 0;
     for (int i = 0; i < n; i++) {
         const cJSON *pr = cJSON_GetArrayItem(it, i);
-        int l, h;
+        int64_t l, h; /* take_int checks the range before it converts */
         if (!cJSON_IsArray(pr) || cJSON_GetArraySize(pr) != 2 ||
-            !int_item(cJSON_GetArrayItem(pr, 0), &l) || !int_item(cJSON_GetArrayItem(pr, 1), &h))
+            take_int(cJSON_GetArrayItem(pr, 0), name, INT_MIN, INT_MAX, &l, err) != FITM_OK ||
+            take_int(cJSON_GetArrayItem(pr, 1), name, INT_MIN, INT_MAX, &h, err) != FITM_OK)
             return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s[%d]' must be [layer, head]", pre,
                                 name, i);
-        used += (size_t)snprintf(buf + used, cap - used, "%s%d:%d", i ? "," : "", l, h);
+        used += (size_t)snprintf(buf + used, cap - used, "%s%lld:%lld", i ? "," : "",
+                                 (long long)l, (long long)h);
         if (used >= cap)
             return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' is too long", pre, name);
     }
