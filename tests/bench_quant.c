@@ -6,6 +6,11 @@
  *           on the same shape in F32.
  *   matmul  GFLOP/s of Y (M, N) = X (M, K) . W^T at M = 512 per type; baseline: one plain
  *           F32 cblas_sgemm of the same shape.
+ *   packed  GMAC/s of fitm_matvec_rows_packed (the quantized products of a step of several
+ *           rows on AVX-512: /rerank's passes, decode steps of many sequences) per packed type
+ *           at M = 1, 8, 16 and 32 activation rows, N = 2048, the weight cache-resident; no
+ *           baseline inside: run another build's bench_quant beside it. Skipped where the path
+ *           keeps weights as stored (fitm_pack_bytes 0).
  *
  * Usage: bench_quant [K] [seconds-per-measurement]   (defaults 2048, 0.3; K a multiple of 32,
  * K-quant types are skipped unless it is a multiple of 256; Gemma 3 270M has K = 640). */
@@ -166,6 +171,49 @@ static void bench_matmul(int64_t K, double budget)
     free(scratch);
 }
 
+static void bench_packed(int64_t K, double budget)
+{
+    static const fitm_dtype packed[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K,
+                                        FITM_DTYPE_Q6_K};
+    static const int64_t rows[] = {1, 8, 16, 32};
+    const int64_t N = 2048, M_MAX = 32;
+    float *x = malloc((size_t)K * sizeof(float)), *Y = malloc((size_t)(M_MAX * N) * sizeof(float));
+    printf("packed products, N=%ld K=%ld: GMAC/s\n  %-5s", (long)N, (long)K, "type");
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
+        printf(" %6s%-3ld", "M=", (long)rows[r]);
+    printf("\n");
+    for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
+        const fitm_dtype t = packed[i], vt = fitm_quant_vec_dtype(t);
+        const size_t pb = fitm_pack_bytes(t, N, K), xb = fitm_dtype_row_bytes(vt, K);
+        if (pb == 0 || xb == 0)
+            continue; /* no packed layout here, or K not a multiple of the type's block */
+        uint8_t *W = make_weight(t, N, K), *P = malloc(pb), *xq = malloc((size_t)M_MAX * xb);
+        fitm_pack(t, W, N, K, P);
+        for (int64_t m = 0; m < M_MAX; m++) {
+            for (int64_t k = 0; k < K; k++)
+                x[k] = frand();
+            fitm_quant_row(vt, x, xq + (size_t)m * xb, K);
+        }
+        printf("  %-5s", fitm_dtype_info_of((int)t)->name);
+        for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+            const int64_t M = rows[r];
+            int reps = 0;
+            double t0 = now_s(), t1;
+            do {
+                fitm_matvec_rows_packed(t, P, K, xq, xb, M, Y, N, 0, N);
+                reps++;
+            } while ((t1 = now_s()) - t0 < budget || reps < 3);
+            printf(" %9.1f", (double)M * N * K / ((t1 - t0) / reps) / 1e9);
+        }
+        printf("\n");
+        free(W);
+        free(P);
+        free(xq);
+    }
+    free(x);
+    free(Y);
+}
+
 int main(int argc, char **argv)
 {
     int64_t K = argc > 1 ? atoll(argv[1]) : 2048;
@@ -182,5 +230,6 @@ int main(int argc, char **argv)
     bench_matvec(K, budget, (size_t)64 << 20, "64 MiB (memory)");
     bench_matvec(K, budget, (size_t)1 << 20, "1 MiB (cache)");
     bench_matmul(K, budget);
+    bench_packed(K, budget);
     return 0;
 }

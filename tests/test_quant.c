@@ -612,7 +612,7 @@ static double q6_k_dot_exact(const fitm_block_q6_k *w, const fitm_block_q8_k *x,
 
 static void test_packed(void)
 {
-    const int64_t N = 48, M_MAX = 11, ldy = N + 3, n0 = 16, n1 = 48;
+    const int64_t N = 48, M_MAX = 19, ldy = N + 3, n0 = 16, n1 = 48;
     const int64_t lens[] = {32, 64, 96, 640, 2080}, lens_k[] = {256, 512, 1024, 2304};
     const fitm_dtype types[] = {FITM_DTYPE_Q8_0, FITM_DTYPE_Q5_0, FITM_DTYPE_Q4_K, FITM_DTYPE_Q6_K};
     const bool packs = fitm_cpu_path() == FITM_CPU_AVX512;

@@ -1048,8 +1048,14 @@ static void matvec_rows512(fitm_dtype t, const uint8_t *w, size_t row_bytes, int
  * row's -off * (sum of its 32 bytes) (the unsigned values' offset, an exact identity); then
  * one fma per block per row into a vector whose lane r is output row r. No lane is ever
  * summed with another, so each output is the chain fitm_quant_matvec_packed_scalar computes,
- * and the weights a chunk decodes once serve up to PACKED_MAX activation rows. */
-#define PACKED_MAX 8       /* activation rows per kernel call: 8 accumulators, 8 weight vectors */
+ * and the weights a chunk decodes once serve up to PACKED01_MAX activation rows. */
+/* Activation rows per kernel call. Q8_0 and Q5_0: 16 accumulators and 8 weight vectors, 26 of
+ * the 32 vector registers. Unpacking a chunk, and each row's conversion and fma per block, run
+ * on the same ports as the dot products; 16 rows a chunk instead of 8 halve the unpacking a
+ * row (docs/cpu-forward-benchmark.md). The K-quants keep an integer sum per row besides its
+ * accumulator, so 8 there. */
+#define PACKED01_MAX 16
+#define PACKED_MAX 8
 #define PACKED_XS_MAX FITM_PACK_MAX_BLOCKS /* (row, block) entries prepared per pass (32 KiB) */
 /* With 4 or more activation rows a packed product is bound by the vector units more than by
  * memory, and the hardware prefetchers alone fall behind: the kernel then asks for the
@@ -1103,7 +1109,7 @@ KERNEL __m512i dpbusd_bcst(__m512i acc, __m512i u, const int8_t *x)
 /* The M activation rows' 16 outputs each, row m's at y + m * y_stride. */
 KERNEL void store_rows(const __m512 *acc, const int M, float *y, int64_t y_stride)
 {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < M; m++)
         _mm512_storeu_ps(y + m * y_stride, acc[m]);
 }
@@ -1113,7 +1119,7 @@ KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8
                          int64_t y_stride)
 {
     const size_t cb = fitm_chunk_bytes(t);
-    __m512 acc[PACKED_MAX] = {0}; /* row m's 16 outputs */
+    __m512 acc[PACKED01_MAX] = {0}; /* row m's 16 outputs */
     for (int64_t b = 0; b < nb; b++) {
         __m512 dw;
         __m512i v[8];
@@ -1121,7 +1127,7 @@ KERNEL void packed_group(fitm_dtype t, const uint8_t *P, int64_t nb, const uint8
             for (size_t o = 0; o < cb; o += 64)
                 _mm_prefetch((const char *)P + (size_t)b * cb + PACKED_AHEAD + o, _MM_HINT_T1);
         packed_chunk(t, P + (size_t)b * cb, &dw, v);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int m = 0; m < M; m++) {
             const packed_x *e = &px[m * nb + b];
             const int8_t *x = ((const fitm_block_q8_0 *)(xq + (size_t)m * x_stride))[b].qs;
@@ -1426,7 +1432,7 @@ void fitm_quant_packed_cols_simd(fitm_dtype t, const void *P, int64_t K, int64_t
 typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, const packed_x *,
                           float *, int64_t);
 
-#define DEF_PACKED(M)                                                                              \
+#define DEF_PACKED01(M)                                                                            \
     static void packed_q8_0_##M(const uint8_t *P, int64_t nb, const uint8_t *xq, size_t xs,       \
                                 const packed_x *px, float *y, int64_t ys)                         \
     {                                                                                              \
@@ -1436,7 +1442,8 @@ typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, con
                                 const packed_x *px, float *y, int64_t ys)                         \
     {                                                                                              \
         packed_group(FITM_DTYPE_Q5_0, P, nb, xq, xs, px, M, y, ys);                                \
-    }                                                                                              \
+    }
+#define DEF_PACKED_K(M)                                                                            \
     static void packed_q4_k_##M(const fitm_chunk_q4_kx16 *P, int64_t nb, const uint8_t *xq,       \
                                 size_t xs, const packed_xk *px, float *y, int64_t ys)             \
     {                                                                                              \
@@ -1447,6 +1454,7 @@ typedef void (*packed_fn)(const uint8_t *, int64_t, const uint8_t *, size_t, con
     {                                                                                              \
         packed_q6_k_group(P, nb, xq, xs, M, y, ys);                                                \
     }
+#define DEF_PACKED(M) DEF_PACKED01(M) DEF_PACKED_K(M)
 DEF_PACKED(1)
 DEF_PACKED(2)
 DEF_PACKED(3)
@@ -1455,6 +1463,17 @@ DEF_PACKED(5)
 DEF_PACKED(6)
 DEF_PACKED(7)
 DEF_PACKED(8)
+DEF_PACKED01(9)
+DEF_PACKED01(10)
+DEF_PACKED01(11)
+DEF_PACKED01(12)
+DEF_PACKED01(13)
+DEF_PACKED01(14)
+DEF_PACKED01(15)
+DEF_PACKED01(16)
+#define BY_ROWS16(f)                                                                               \
+    {f##_1, f##_2,  f##_3,  f##_4,  f##_5,  f##_6,  f##_7,  f##_8,                                \
+     f##_9, f##_10, f##_11, f##_12, f##_13, f##_14, f##_15, f##_16}
 
 typedef void (*packed_k_fn)(const fitm_chunk_q4_kx16 *, int64_t, const uint8_t *, size_t,
                             const packed_xk *, float *, int64_t);
@@ -1517,8 +1536,8 @@ void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, co
         matvec_packed_q6_k(P, K, x_q, x_stride, M, y, y_stride, n_groups);
         return;
     }
-    static const packed_fn q8_0[PACKED_MAX] = BY_ROWS8(packed_q8_0),
-                           q5_0[PACKED_MAX] = BY_ROWS8(packed_q5_0);
+    static const packed_fn q8_0[PACKED01_MAX] = BY_ROWS16(packed_q8_0),
+                           q5_0[PACKED01_MAX] = BY_ROWS16(packed_q5_0);
     const packed_fn *fn = t == FITM_DTYPE_Q8_0 ? q8_0 : q5_0;
     const int64_t nb = K / FITM_QK;
     const int off = fitm_chunk_off(t);
@@ -1543,8 +1562,8 @@ void fitm_quant_matvec_packed_simd(fitm_dtype t, const uint8_t *P, int64_t K, co
         }
         for (int64_t g = 0; g < n_groups; g++) {
             const uint8_t *pg = P + (size_t)g * group;
-            for (int64_t c0 = 0; c0 < n; c0 += PACKED_MAX) {
-                const int k = (int)(n - c0 < PACKED_MAX ? n - c0 : PACKED_MAX);
+            for (int64_t c0 = 0; c0 < n; c0 += PACKED01_MAX) {
+                const int k = (int)(n - c0 < PACKED01_MAX ? n - c0 : PACKED01_MAX);
                 fn[k - 1](pg, nb, xc + (size_t)c0 * x_stride, x_stride, px + c0 * nb,
                           y + (m0 + c0) * y_stride + g * FITM_PACK_ROWS, y_stride);
             }
