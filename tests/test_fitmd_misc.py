@@ -107,6 +107,15 @@ def test_bad_model_message_names_the_path_once(tmp_path):
     assert line.startswith(f"fitmd: model {bad}: ") and "magic" in line
 
 
+@pytest.mark.parametrize("keys", [",", " , ,", "   "])
+def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
+    # Only an empty value serves without keys: a template's "${K1},${K2}" with both unset
+    # must not start an open server.
+    p = subprocess.run([str(FITMD), f"--model={model}", "--port=1", f"--api_keys={keys}"],
+                       capture_output=True, text=True, timeout=30, env=clean_env())
+    assert p.returncode == 1 and "holds no key" in p.stderr, p.stderr
+
+
 def test_401_says_bearer(model, tmp_path):
     d = Daemon(FITMD, model, tmp_path, api_keys="k")
     try:

@@ -215,6 +215,21 @@ def test_404_405(daemon):
     assert_error(requests.post(daemon.url("/metrics"), json={}), 405)
 
 
+def test_error_messages_are_utf8_whatever_the_client_sent(daemon):
+    # Messages quote the client's path or field names; bytes that are not UTF-8, or a
+    # character cut by the message's length limit, come back as U+FFFD in valid JSON.
+    cases = [(requests.get(daemon.url("/%ff%fe"), headers=AUTH), 404),
+             (requests.get(daemon.url("/" + "%C3%A9" * 100), headers=AUTH), 404),
+             (post(daemon, b'{"query":"x","documents":["a"],"\xff":1,"\xff":2}'), 400),
+             (post(daemon, b'{"query":"x","documents":["a"],"aggregate":"\xe9t\xe9"}'), 400)]
+    for r, status in cases:
+        assert r.status_code == status, r.content
+        e = json.loads(r.content.decode("utf-8"))["error"]  # strict: bad bytes raise here
+        assert e["message"] and e["code"]
+    assert "\ufffd\ufffd" in json.loads(cases[0][0].content)["error"]["message"]
+    assert "\u00e9" * 10 in json.loads(cases[1][0].content)["error"]["message"]
+
+
 def test_415(daemon):
     r = requests.post(daemon.url("/rerank"), data="query=x", headers={
         **AUTH, "Content-Type": "application/x-www-form-urlencoded"})

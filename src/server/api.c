@@ -66,14 +66,52 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
     return (fitm_api_error_class){500, "server_error", "internal_error", false};
 }
 
+/* s[0..n) as a JSON string item, each byte that does not start a valid UTF-8 character
+ * replaced by U+FFFD (a model can emit any byte token). */
+static cJSON *text_item(const char *s, size_t n)
+{
+    char *buf = malloc(n * 3 + 1);
+    if (!buf)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char b = (unsigned char)s[i];
+        size_t len = b < 0x80           ? 1
+                     : (b >> 5) == 6    ? 2
+                     : (b >> 4) == 14   ? 3
+                     : (b >> 3) == 30   ? 4
+                                        : 0;
+        if (len && i + len <= n && fitm_api_utf8_valid(s + i, len) && b != 0) {
+            memcpy(buf + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(buf + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    buf[o] = '\0';
+    cJSON *item = cJSON_CreateString(buf);
+    free(buf);
+    return item;
+}
+
 char *fitm_api_error_json(const fitm_api_error_class *c, const char *message)
 {
     cJSON *root = cJSON_CreateObject();
     cJSON *e = cJSON_AddObjectToObject(root, "error");
+    /* A message may quote the client's bytes (a path, a field's value), cut to a length
+     * anywhere in a character: the JSON carries U+FFFD for what is not UTF-8. */
+    cJSON *m = text_item(message ? message : "", message ? strlen(message) : 0);
     char *out = NULL;
-    if (e && cJSON_AddStringToObject(e, "message", message ? message : "") &&
-        cJSON_AddStringToObject(e, "type", c->type) && cJSON_AddStringToObject(e, "code", c->code))
-        out = cJSON_PrintUnformatted(root);
+    if (e && m && cJSON_AddItemToObject(e, "message", m)) {
+        m = NULL;
+        if (cJSON_AddStringToObject(e, "type", c->type) &&
+            cJSON_AddStringToObject(e, "code", c->code))
+            out = cJSON_PrintUnformatted(root);
+    }
+    cJSON_Delete(m);
     cJSON_Delete(root);
     return out;
 }
@@ -1267,36 +1305,6 @@ fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_l
     return st;
 }
 
-/* s[0..n) as a JSON string item, each byte that does not start a valid UTF-8 character
- * replaced by U+FFFD (a model can emit any byte token). */
-static cJSON *text_item(const char *s, size_t n)
-{
-    char *buf = malloc(n * 3 + 1);
-    if (!buf)
-        return NULL;
-    size_t o = 0;
-    for (size_t i = 0; i < n;) {
-        unsigned char b = (unsigned char)s[i];
-        size_t len = b < 0x80           ? 1
-                     : (b >> 5) == 6    ? 2
-                     : (b >> 4) == 14   ? 3
-                     : (b >> 3) == 30   ? 4
-                                        : 0;
-        if (len && i + len <= n && fitm_api_utf8_valid(s + i, len) && b != 0) {
-            memcpy(buf + o, s + i, len);
-            o += len;
-            i += len;
-        } else {
-            memcpy(buf + o, "\xEF\xBF\xBD", 3);
-            o += 3;
-            i++;
-        }
-    }
-    buf[o] = '\0';
-    cJSON *item = cJSON_CreateString(buf);
-    free(buf);
-    return item;
-}
 
 /* An integer written as one (cJSON's doubles print large ones in exponent form). */
 static bool add_uint(cJSON *obj, const char *name, uint64_t v)

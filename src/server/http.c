@@ -1264,6 +1264,14 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
     }
+    /* A value of separators alone (a template's "${K1},${K2}" with both unset) must not start
+     * a server open to everyone: only an empty value means no auth. */
+    if (cfg->api_keys[0] && h->n_keys == 0) {
+        fitm_http_stop(h);
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "api_keys '%s' holds no key (only commas and spaces); leave it "
+                            "empty to serve without authentication", cfg->api_keys);
+    }
 
     bool up = listen_on(h, cfg->port, false) && (!cfg->probe_port ||
                                                   listen_on(h, cfg->probe_port, true));
