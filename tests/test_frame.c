@@ -35,7 +35,24 @@ static void test_fixed(void)
     expect("GET / HTTP/1.1\r\nHost: x\r\n\r\n", OK, 0);
     expect("GET / HTTP/1.0\n\n", OK, 0);
     expect("\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\nbody", OK, 0);
-    expect("POST /rerank HTTP/1.1\r\nContent-Length:  42 \r\n\r\n", OK, 0);
+    expect("POST /rerank HTTP/1.1\r\nContent-Length:  42\r\n\r\n", OK, 0);
+    /* whitespace after the number: libmicrohttpd would answer it itself */
+    expect("POST /rerank HTTP/1.1\r\nContent-Length: 42 \r\n\r\n", BAD, 400);
+    expect("POST /rerank HTTP/1.1\r\nContent-Length: 42\t\r\n\r\n", BAD, 400);
+    /* an encoded NUL would cut the decoded path short */
+    expect("GET /metrics%00x HTTP/1.1\r\nHost: x\r\n\r\n", BAD, 400);
+    expect("GET /a?b=%00 HTTP/1.1\r\nHost: x\r\n\r\n", BAD, 400);
+    expect("GET /a%0 HTTP/1.1\r\nHost: x\r\n\r\n", OK, 0);
+    expect("GET /a%2500%010 HTTP/1.1\r\nHost: x\r\n\r\n", OK, 0);
+    /* FITM_FRAME_MAX_FIELDS fields, then one more */
+    char many[64 + 8 * (FITM_FRAME_MAX_FIELDS + 1)];
+    size_t m = (size_t)sprintf(many, "GET / HTTP/1.1\r\n");
+    for (int f = 0; f < FITM_FRAME_MAX_FIELDS; f++)
+        m += (size_t)sprintf(many + m, "X%03d:\r\n", f);
+    strcpy(many + m, "\r\n");
+    expect(many, OK, 0);
+    strcpy(many + m, "Y:\r\n\r\n");
+    expect(many, BAD, 431);
     expect("POST /rerank HTTP/1.1\r\nContent-Length: 00000000000000000000000042\r\n\r\n", OK, 0);
     expect("", INC, 0);
     expect("GE", INC, 0);
@@ -100,9 +117,10 @@ enum {
     DEFECT_FOLD,
     DEFECT_TARGET,
     DEFECT_HEAD,
+    DEFECT_FIELDS,
     N_DEFECTS
 };
-static const int defect_status[N_DEFECTS] = {0, 505, 400, 400, 400, 400, 400, 414, 431};
+static const int defect_status[N_DEFECTS] = {0, 505, 400, 400, 400, 400, 400, 414, 431, 431};
 
 /* A random head into buf with one defect planted (DEFECT_NONE: a valid head); its length. */
 static size_t random_head(char *buf, uint64_t *rng, int defect)
@@ -116,6 +134,9 @@ static size_t random_head(char *buf, uint64_t *rng, int defect)
     *p++ = '/';
     size_t tn = defect == DEFECT_TARGET ? FITM_FRAME_MAX_TARGET + 1 : fitm_rng_next(rng) % 60;
     p += put_from(p, rng, VCHARS, tn);
+    for (char *q = p - tn; q + 2 < p; q++) /* no encoded NUL, a defect of its own */
+        if (q[0] == '%' && q[1] == '0' && q[2] == '0')
+            q[2] = '1';
     p += sprintf(p, " HTTP/%s%s",
                  defect == DEFECT_VERSION ? "2.0"
                  : fitm_rng_next(rng) % 2 ? "1.1"
@@ -123,7 +144,9 @@ static size_t random_head(char *buf, uint64_t *rng, int defect)
                  eol);
     int fields = (int)(fitm_rng_next(rng) % 8), bad_at = (int)(fitm_rng_next(rng) % 8);
     if (defect == DEFECT_HEAD)
-        fields = FITM_FRAME_MAX_HEAD; /* as many as it takes to pass the limit */
+        fields = FITM_FRAME_MAX_HEAD; /* as many long fields as it takes to pass the limit */
+    if (defect == DEFECT_FIELDS)
+        fields = FITM_FRAME_MAX_FIELDS + 1 + (int)(fitm_rng_next(rng) % 8);
     for (int f = 0; f < fields; f++) {
         if (defect == DEFECT_HEAD && p - buf > FITM_FRAME_MAX_HEAD)
             break;
@@ -141,7 +164,9 @@ static size_t random_head(char *buf, uint64_t *rng, int defect)
         if (!(f == bad_at % fields && defect == DEFECT_NO_COLON))
             *p++ = ':';
         *p++ = ' ';
-        size_t vn = 1 + fitm_rng_next(rng) % 20, cut = fitm_rng_next(rng) % vn;
+        size_t vn = defect == DEFECT_HEAD ? 200 + fitm_rng_next(rng) % 100
+                                          : 1 + fitm_rng_next(rng) % 20;
+        size_t cut = fitm_rng_next(rng) % vn;
         p += put_from(p, rng, VCHARS, cut);
         *p++ = fitm_rng_next(rng) % 2 ? ' ' : '\t';
         p += put_from(p, rng, VCHARS, vn - cut);
@@ -234,6 +259,8 @@ static void test_request(void)
     expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n", 0,
                    CHUNKED, 0);
     expect_request("POST /r HTTP/1.0\r\n\r\n", 0, NONE, 0);
+    /* RFC 9112 6.1: chunked framing in an HTTP/1.0 request is faulty */
+    expect_request("POST /r HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400, NONE, 0);
     expect_request("POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
                    "Transfer-Encoding: chunked\r\n\r\n",
                    400, NONE, 0);

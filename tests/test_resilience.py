@@ -102,6 +102,8 @@ FRAMING_CASES = [
      400, "no request body"),
     ("GET chunked", b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
      b"5\r\nhello\r\n0\r\n\r\n" + HIDDEN, 400, "no request body"),
+    ("HTTP/1.0 chunked", b"POST /rerank HTTP/1.0\r\n" + HEAD + b"Transfer-Encoding: chunked\r\n"
+     b"\r\n%x\r\n" % len(BODY) + BODY + b"\r\n0\r\n\r\n" + HIDDEN, 400, "HTTP/1.0"),
 ]
 
 
@@ -165,6 +167,14 @@ HEAD_CASES = [
     ("headers too large", b"GET /health HTTP/1.1\r\nHost: x\r\n"
      + b"X-Pad: %s\r\n" % (b"a" * 1000) * 40 + b"\r\n" + HIDDEN, 431, "headers_too_large",
      "request head"),
+    ("many fields", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 400 + b"\r\n" + HIDDEN,
+     431, "headers_too_large", "header fields"),
+    ("CL and a space", post_raw(b"Content-Length: %d \r\n" % len(BODY), BODY + HIDDEN), 400,
+     "bad_framing", "Content-Length"),
+    ("CL and a tab", post_raw(b"Content-Length: %d\t\r\n" % len(BODY), BODY + HIDDEN), 400,
+     "bad_framing", "Content-Length"),
+    ("encoded NUL", b"GET /metrics%00x HTTP/1.1\r\nHost: x\r\n\r\n" + HIDDEN, 400,
+     "bad_framing", "%00"),
     ("HTTP/2.0", b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n" + HIDDEN, 505,
      "http_version_not_supported", "version"),
     ("HTTP/1.2", b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n" + HIDDEN, 505,

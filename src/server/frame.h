@@ -10,10 +10,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Largest request head (request line and header fields, with the blank line), and largest
- * request target, accepted. */
+/* Largest request head (request line and header fields, with the blank line), largest
+ * request target, and most header fields, accepted (libmicrohttpd's own limits lie beyond:
+ * its per-connection memory holds every field as a structure besides its bytes). */
 #define FITM_FRAME_MAX_HEAD 16384
 #define FITM_FRAME_MAX_TARGET 8192
+#define FITM_FRAME_MAX_FIELDS 100
 
 typedef enum {
     FITM_FRAME_OK = 0,     /* a complete, well-formed head: hand the connection on   */
@@ -30,9 +32,11 @@ typedef struct {
  * or a pipelined request, is not looked at). Leading empty lines are skipped (RFC 9112 2.2).
  * Lines end in CRLF or LF. BAD for: a request line other than `METHOD SP TARGET SP
  * HTTP/1.0|1.1` (400; 505 for another HTTP/d.d; 414 for a target over
- * FITM_FRAME_MAX_TARGET), a head over FITM_FRAME_MAX_HEAD (431), a header line that is folded,
- * has no colon, a name that is not a token or a control character in its value (400), a
- * Content-Length that is not digits (400) or beyond 2^62 (413). */
+ * FITM_FRAME_MAX_TARGET), a target with an encoded NUL (%00: 400), a head over
+ * FITM_FRAME_MAX_HEAD or with more than FITM_FRAME_MAX_FIELDS fields (431), a header line that
+ * is folded, has no colon, a name that is not a token or a control character in its value
+ * (400), a Content-Length that is not digits, optionally after whitespace (400), or of 10^18 or
+ * more (413). */
 fitm_frame_verdict fitm_frame_check_head(const char *buf, size_t n, fitm_frame_error *e);
 
 /* How the body of a request whose head passed is framed. */
@@ -53,7 +57,7 @@ typedef struct {
  * next request head exactly where the server will (no request smuggling). BAD, besides
  * fitm_frame_check_head's cases, for: Content-Length with Transfer-Encoding, more than one
  * Content-Length (400), a Transfer-Encoding other than one header with exactly `chunked`
- * (501), an HTTP/1.1 request without exactly one Host (400), a body (Content-Length other than
+ * (501) or in an HTTP/1.0 request (400), an HTTP/1.1 request without exactly one Host (400), a body (Content-Length other than
  * 0, or chunked) on a method other than POST (400), an HTTP/1.1 Expect other than
  * 100-continue (417, RFC 9110 10.1.1). OK fills *req. */
 fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_frame_request *req,
