@@ -76,6 +76,11 @@ def workload():
             out.append(("/v1/chat/completions",
                         {**b, "messages": [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": f"where is golf {i}?"}]}))
+    # /tokenize and /detokenize run on the HTTP threads, beside the batch
+    for i in range(3):
+        out.append(("/tokenize", {"content": f"the golf hotel {i} " * (40 * (i + 1)),
+                                  "add_special": i == 1}))
+    out.append(("/detokenize", {"tokens": list(range(1, 60))}))
     return out
 
 
@@ -93,6 +98,8 @@ def run_one(d, route, body):
     assert r.status_code == 200, r.text
     if route == "/rerank":
         return [(x["index"], x["relevance_score"]) for x in r.json()["results"]]
+    if route in ("/tokenize", "/detokenize"):
+        return r.json()
     if route.startswith("/v1/"):
         if not body.get("stream"):
             j = r.json()
@@ -143,6 +150,18 @@ def metrics(d):
 
 def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
     concurrent_matches_one_at_a_time(daemon)
+
+
+def test_tokenize_does_not_queue(daemon):
+    """/tokenize and /detokenize run on the HTTP thread (fitm_engine_run_now), never through
+    the engine's queue, whose worker a body of megabytes would hold for seconds."""
+    before = metrics(daemon)["fitm_queue_wait_seconds_count"]
+    big = run_one(daemon, "/tokenize", {"content": "golf hotel " * 50000})
+    assert big["count"] == len(big["tokens"]) > 50000
+    assert run_one(daemon, "/detokenize", {"tokens": big["tokens"][:1000]})["content"]
+    assert metrics(daemon)["fitm_queue_wait_seconds_count"] == before
+    assert run_one(daemon, *workload()[10]) and \
+        metrics(daemon)["fitm_queue_wait_seconds_count"] == before + 1  # a /rerank queues
 
 
 def test_step_prompts_too(daemon, fitmd_bin, tmp_path_factory):  # noqa: F811
@@ -303,7 +322,8 @@ def concurrent_matches_one_at_a_time(daemon):
     steps = m["fitm_batch_steps_total"] - before["fitm_batch_steps_total"]
     seqs = m["fitm_batch_step_sequences_total"] - before["fitm_batch_step_sequences_total"]
     assert steps > 0 and seqs > steps  # some steps carried several sequences
-    assert m["fitm_queue_wait_seconds_count"] >= len(work) * 2
+    queued = [w for w in work if w[0] not in ("/tokenize", "/detokenize")]
+    assert m["fitm_queue_wait_seconds_count"] >= len(queued) * 2
     assert daemon.healthy()
     assert run_one(daemon, *work[0]) == reference[0]
     return reference

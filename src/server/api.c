@@ -2007,27 +2007,31 @@ fitm_status fitm_api_parse_tokens(const char *body, size_t len, const fitm_api_l
 
 char *fitm_api_write_tokens(const fitm_api_tokens *t, int64_t max_model_len)
 {
+    if (!t->detokenize) {
+        /* Written directly: a body of megabytes tokenizes to millions of ids, which as cJSON
+         * items would take about 70 bytes each on the HTTP thread. */
+        const size_t cap = (size_t)t->n_ids * 12 + 96; /* ",-2147483648" at most per id */
+        char *buf = malloc(cap);
+        if (!buf)
+            return NULL;
+        size_t n = (size_t)snprintf(buf, cap, "{\"tokens\":[");
+        for (int64_t i = 0; i < t->n_ids; i++)
+            n += (size_t)snprintf(buf + n, cap - n, i ? ",%d" : "%d", (int)t->ids[i]);
+        snprintf(buf + n, cap - n, "],\"count\":%lld,\"max_model_len\":%lld}",
+                 (long long)t->n_ids, (long long)max_model_len);
+        return buf;
+    }
     char *out = NULL;
     cJSON *root = cJSON_CreateObject();
     bool ok = root != NULL;
-    if (ok && t->detokenize) {
-        /* The same text under llama.cpp's name and vLLM's. */
-        const char *names[] = {"content", "prompt"};
-        for (int i = 0; ok && i < 2; i++) {
-            cJSON *s = text_item(t->text ? t->text : "", t->text_len);
-            if (!s || !cJSON_AddItemToObject(root, names[i], s)) {
-                cJSON_Delete(s);
-                ok = false;
-            }
-        }
-    } else if (ok) {
-        cJSON *ids = int_array(t->ids, t->n_ids);
-        if (!ids || !cJSON_AddItemToObject(root, "tokens", ids)) {
-            cJSON_Delete(ids);
+    /* The same text under llama.cpp's name and vLLM's. */
+    const char *names[] = {"content", "prompt"};
+    for (int i = 0; ok && i < 2; i++) {
+        cJSON *s = text_item(t->text ? t->text : "", t->text_len);
+        if (!s || !cJSON_AddItemToObject(root, names[i], s)) {
+            cJSON_Delete(s);
             ok = false;
         }
-        ok = ok && cJSON_AddNumberToObject(root, "count", (double)t->n_ids) &&
-             cJSON_AddNumberToObject(root, "max_model_len", (double)max_model_len);
     }
     if (ok)
         out = cJSON_PrintUnformatted(root);

@@ -21,7 +21,8 @@ struct fitm_engine {
     int64_t running;        /* jobs started and not finished                 */
     int64_t queued_cost;    /* sum of the queued jobs' cost                  */
     int64_t max_job_cost, max_queued_cost; /* 0: no bound                  */
-    int64_t costing;        /* submits inside hooks.cost (unload waits)      */
+    int64_t costing;        /* submits inside hooks.cost, callers inside hooks.now (unload
+                               waits for them)                                  */
     fitm_engine_state state;
     fitm_err state_err;
     bool draining;          /* submit refuses                                */
@@ -206,7 +207,7 @@ static void *worker_main(void *arg)
         e->batch.kv_bytes = rs.kv_bytes;
         pthread_cond_broadcast(&e->idle);
     }
-    while (e->costing) /* a submit still reading the model for its estimate */
+    while (e->costing) /* a submit or run_now still reading the model */
         pthread_cond_wait(&e->idle, &e->mu);
     pthread_mutex_unlock(&e->mu);
     e->hooks.unload(e->hooks.ctx);
@@ -430,6 +431,24 @@ fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err)
         pthread_cond_signal(&e->work);
         pthread_cond_broadcast(&e->timer);
     }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+fitm_status fitm_engine_run_now(fitm_engine *e, fitm_job *job, fitm_err *err)
+{
+    if (!e->hooks.now)
+        return fitm_err_set(err, FITM_ERR_UNSUPPORTED, "the engine runs no job at once");
+    pthread_mutex_lock(&e->mu);
+    fitm_status st = refusal_locked(e, err);
+    e->costing += st == FITM_OK;
+    pthread_mutex_unlock(&e->mu);
+    if (st != FITM_OK)
+        return st;
+    st = e->hooks.now(e->hooks.ctx, job, err);
+    pthread_mutex_lock(&e->mu);
+    e->costing--;
+    pthread_cond_broadcast(&e->idle);
     pthread_mutex_unlock(&e->mu);
     return st;
 }

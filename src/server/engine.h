@@ -67,6 +67,9 @@ typedef struct {
      * estimated at submit on the submitting thread while run may be running on the worker
      * (so it reads only what load made). A failure refuses the job with its status. */
     fitm_status (*cost)(void *ctx, const fitm_job *job, int64_t *tokens, fitm_err *err);
+    /* May be NULL. Runs a job that needs what load made but no forward pass, on the thread of
+     * fitm_engine_run_now, while run may be running on the worker (as cost does). */
+    fitm_status (*now)(void *ctx, fitm_job *job, fitm_err *err);
     /* Releases what load made (also after a failed load). */
     void (*unload)(void *ctx);
     /* Optional, continuous batching (both or neither). begin starts a job in place of run:
@@ -130,6 +133,14 @@ void fitm_engine_set_budget(fitm_engine *e, int64_t max_job_cost, int64_t max_qu
  * draining began; err says which. On failure the engine does not keep the job and never
  * calls on_done. */
 fitm_status fitm_engine_submit(fitm_engine *e, fitm_job *job, fitm_err *err);
+
+/* Runs job through hooks.now on the calling thread, at once, without queueing it: for work
+ * that would otherwise hold the worker, and so every running job, while it reads the model
+ * (fitmd: /tokenize of a 4 MB body, seconds). Refused as fitm_engine_submit refuses while the
+ * model loads, after a backend failure or once draining began (no queue or cost check); the
+ * worker does not unload the model under it. on_done is not called: the job's result is the
+ * returned status (FITM_ERR_UNSUPPORTED without hooks.now). */
+fitm_status fitm_engine_run_now(fitm_engine *e, fitm_job *job, fitm_err *err);
 
 /* For hooks.run: true when the job's deadline passed, its client is gone or the engine is
  * shutting down. Whatever hooks.run then returns, the job ends with the reason that holds:

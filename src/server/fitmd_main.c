@@ -512,15 +512,33 @@ static fitm_status run_tokens(const daemon_model *dm, fitm_tokens_work *w, fitm_
             fitm_err_prefix(err, "'tokens'");
         return st;
     }
+    /* One pass: a token takes at least one byte of the text, besides the space prefix and
+     * the special tokens; a second only if that bound were wrong. */
     uint32_t flags = t->add_special ? FITM_TOK_ADD_SPECIAL : 0;
-    int64_t n = 0;
-    st = fitm_tok_encode(tok, t->text, t->text_len, flags, NULL, 0, &n, err);
-    if (st == FITM_ERR_LIMIT && n > 0) {
-        if (!(t->ids = malloc((size_t)n * sizeof *t->ids)))
+    int64_t cap = (int64_t)t->text_len + 8, n = 0;
+    if (!(t->ids = malloc((size_t)cap * sizeof *t->ids)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    st = fitm_tok_encode(tok, t->text, t->text_len, flags, t->ids, cap, &n, err);
+    if (st == FITM_ERR_LIMIT) {
+        int32_t *more = realloc(t->ids, (size_t)n * sizeof *t->ids);
+        if (!more)
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        st = fitm_tok_encode(tok, t->text, t->text_len, flags, t->ids, n, &t->n_ids, err);
+        t->ids = more;
+        st = fitm_tok_encode(tok, t->text, t->text_len, flags, t->ids, n, &n, err);
     }
+    t->n_ids = st == FITM_OK ? n : 0;
     return st;
+}
+
+/* hooks.now: /tokenize and /detokenize, on the HTTP thread (the tokenizer is read-only once
+ * loaded, as the estimates' tokenizing relies on), so a body of megabytes does not hold the
+ * running batch. */
+static fitm_status model_now(void *ctx, fitm_job *job, fitm_err *err)
+{
+    if ((fitm_work_kind)job->kind != FITM_WORK_TOKENS)
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "job kind %d does not run at once",
+                            job->kind);
+    return run_tokens(ctx, job->work, err);
 }
 
 static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
@@ -884,7 +902,7 @@ int main(int argc, char **argv)
     dm.cfg = &cfg;
     dm.info = &info;
     fitm_engine_hooks hooks = {.ctx = &dm, .load = model_load, .run = model_run,
-                               .cost = model_cost, .unload = model_unload,
+                               .cost = model_cost, .now = model_now, .unload = model_unload,
                                .begin = model_begin, .step = model_step,
                                .max_running = (int32_t)cfg.max_running,
                                .kv_budget = cfg.batch_kv_mb << 20};

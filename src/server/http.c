@@ -489,8 +489,11 @@ static enum MHD_Result start_score(request *r)
 
 /* ---- POST /tokenize, /detokenize --------------------------------------------------------- */
 
-/* The model's tokenizer belongs to the engine thread's model: the job runs there, in the
- * queue's order, between two steps. */
+/* The job runs at once on this thread (fitm_engine_run_now: the loaded model's tokenizer,
+ * read-only), not on the worker between two steps, which it would hold for seconds on a body
+ * of megabytes. */
+static enum MHD_Result finish_tokens(request *r);
+
 static enum MHD_Result start_tokens(request *r, bool detokenize)
 {
     fitm_err err = {{0}};
@@ -503,7 +506,8 @@ static enum MHD_Result start_tokens(request *r, bool detokenize)
     r->job.kind = FITM_WORK_TOKENS;
     r->job.work = &r->twork;
     job_bind(r);
-    return submit_suspended(r);
+    r->job.status = fitm_engine_run_now(r->h->p.engine, &r->job, &r->job.err);
+    return finish_tokens(r);
 }
 
 static enum MHD_Result start_tokenize(request *r)
@@ -519,8 +523,6 @@ static enum MHD_Result start_detokenize(request *r)
 static enum MHD_Result finish_tokens(request *r)
 {
     fitm_job *j = &r->job;
-    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
-                              (unsigned)r->h->p.cfg->http_idle_timeout_s);
     if (j->status != FITM_OK)
         return send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
     return send_json(r, 200, fitm_api_write_tokens(&r->tokens, r->twork.n_ctx));
