@@ -116,6 +116,16 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
     assert p.returncode == 1 and "holds no key" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("flag,says", [("--layers=99", "the default layers name layer 99"),
+                                       ("--layers=-9", "the default layers name layer -9"),
+                                       ("--heads=0:99", "layer 0, head 99")])
+def test_defaults_the_model_lacks_refuse_to_start(model, flag, says):
+    # else every request taking the default would get a 400 blaming the client
+    p = subprocess.run([str(FITMD), f"--model={model}", "--port=1", flag], capture_output=True,
+                       text=True, timeout=60, env=clean_env())
+    assert p.returncode == 1 and says in p.stderr, p.stderr
+
+
 def test_401_says_bearer(model, tmp_path):
     d = Daemon(FITMD, model, tmp_path, api_keys="k")
     try:

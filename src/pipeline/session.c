@@ -99,6 +99,31 @@ static fitm_status parse_answer_template(fitm_session *r, const char *t, const c
     return FITM_OK;
 }
 
+/* The default layers and (layer, head) pairs lie in the model: a server whose defaults named
+ * others would start and then refuse every request that takes them with a 400 that blames the
+ * client. */
+static fitm_status check_default_pairs(const fitm_session *r, fitm_err *err)
+{
+    const fitm_score_opts *o = &r->defaults;
+    for (int32_t i = 0; o->layers && i < o->n_layers; i++) {
+        const int32_t l = o->layers[i] < 0 ? r->L + o->layers[i] : o->layers[i];
+        if (l < 0 || l >= r->L)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "the default layers name layer %d: the model has %d layers",
+                                (int)o->layers[i], (int)r->L);
+    }
+    for (int32_t i = 0; o->heads && i < o->n_heads; i++) {
+        const int32_t l = o->heads[2 * i] < 0 ? r->L + o->heads[2 * i] : o->heads[2 * i];
+        if (l < 0 || l >= r->L || o->heads[2 * i + 1] >= r->H)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "the default heads name layer %d, head %d: the model has %d "
+                                "layers of %d heads",
+                                (int)o->heads[2 * i], (int)o->heads[2 * i + 1], (int)r->L,
+                                (int)r->H);
+    }
+    return FITM_OK;
+}
+
 /* Built-in options under the server's. */
 static fitm_status resolve_defaults(fitm_session *r, const fitm_session_params *p, fitm_err *err)
 {
@@ -113,7 +138,7 @@ static fitm_status resolve_defaults(fitm_session *r, const fitm_session_params *
                                        .top_n = 0};
     if (p->answer)
         fitm_answer_defaults_overlay(&r->answer, p->answer);
-    return st;
+    return st == FITM_OK ? check_default_pairs(r, err) : st;
 }
 
 fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const fitm_tokenizer *tok,

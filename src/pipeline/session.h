@@ -76,7 +76,8 @@ typedef struct {
 /* Prepares a session: the forward scratch and two KV caches of n_ctx rows (the prompt's and
  * one reference branch), allocated once, and the scoring defaults (built-in under
  * p->defaults). Borrows m, tok and b, which must outlive it. FITM_ERR_INVALID for an
- * answer_template without {documents} and {question}. */
+ * answer_template without {documents} and {question}, or default layers or (layer, head)
+ * pairs the model does not have. */
 fitm_status fitm_session_create(fitm_session **out, const fitm_model *m, const fitm_tokenizer *tok,
                                 fitm_backend *b, const fitm_session_params *p, fitm_err *err);
 
