@@ -6,6 +6,7 @@ daemon must still answer /health.
 
 No assertion depends on wall-clock speed: slow requests are only used to make requests overlap."""
 import concurrent.futures as cf
+import gzip
 import json
 import math
 import os
@@ -237,7 +238,29 @@ def test_415(daemon):
     r = post(daemon, '{"query":"q","documents":["a"]}',
              {"Content-Type": "application/json; charset=utf-8"})
     assert r.status_code == 200
+    # a compressed body is refused, not parsed as if it were the JSON (identity is no coding)
+    r = post(daemon, gzip.compress(b'{"query":"q","documents":["a"]}'),
+             {"Content-Encoding": "gzip"})
+    assert_error(r, 415, "unsupported_media_type", "Content-Encoding")
+    r = post(daemon, '{"query":"q","documents":["a"]}', {"Content-Encoding": "identity"})
+    assert r.status_code == 200
     assert daemon.healthy()
+
+
+def test_absolute_form_target(daemon):
+    # RFC 9112 3.2.2: a server accepts `POST http://host/path` as `POST /path`
+    body = b'{"query":"q","documents":["a","b"]}'
+    for target in (b"http://x/rerank", b"HTTP://127.0.0.1:9/rerank"):
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as s:
+            s.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                      + body)
+            out = b""
+            while (chunk := s.recv(65536)):
+                out += chunk
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1])["results"]
 
 
 def test_413(daemon):

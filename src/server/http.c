@@ -806,6 +806,19 @@ static const route_def routes[] = {
     {"/", FITM_ROUTE_PLAYGROUND, "GET, HEAD", false, handle_playground, NULL},
 };
 
+/* The path of a request target: an absolute-form target (`http://host/rerank`, which RFC 9112
+ * 3.2.2 has servers accept) without its scheme and authority, "/" when it has no path. */
+static const char *target_path(const char *url)
+{
+    const char *p = !strncasecmp(url, "http://", 7) ? url + 7
+                    : !strncasecmp(url, "https://", 8) ? url + 8
+                                                        : NULL;
+    if (!p)
+        return url;
+    p += strcspn(p, "/");
+    return *p ? p : "/";
+}
+
 static const route_def *find_route(const char *path)
 {
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
@@ -844,6 +857,13 @@ static enum MHD_Result check_post_headers(request *r)
     if (!json_content_type(ct)) {
         char msg[200];
         snprintf(msg, sizeof msg, "Content-Type '%.100s' is not JSON (send application/json)", ct);
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE, NULL, msg);
+    }
+    const char *ce = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Encoding");
+    if (ce && strcasecmp(ce, "identity")) { /* else the compressed bytes would parse as JSON */
+        char msg[200];
+        snprintf(msg, sizeof msg, "Content-Encoding '%.100s' is not supported: send the body "
+                 "uncompressed", ce);
         return send_error(r, FITM_ERR_INVALID, FITM_API_COND_MEDIA_TYPE, NULL, msg);
     }
     const char *cl = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Length");
@@ -889,7 +909,7 @@ static enum MHD_Result send_options(request *r)
 static enum MHD_Result first_call(request *r, const char *url, const char *method,
                                   const char *version)
 {
-    const route_def *rd = find_route(url);
+    const route_def *rd = find_route(target_path(url));
     if (rd && r->probe && rd->route != FITM_ROUTE_HEALTH && rd->route != FITM_ROUTE_METRICS)
         rd = NULL;
     r->rd = rd;
