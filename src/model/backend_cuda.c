@@ -11,9 +11,9 @@
  * multiplies bfloat16 operands with F32 accumulation on the tensor cores in one launch of the
  * project's GEMM per call (fitm_cuda_gemm_bf16: every row, and a layer's Q, K and V or gate and
  * up side by side), each layer matrix rounded to bfloat16 once at prepare (kept beside the
- * stored copy: 2 bytes per weight, bf16_bytes) and the activations rounded by the kernel as it
- * stages them (bfloat16 keeps F32's exponent range: Gemma's activations, which overflow half,
- * fit); F32 dequantizes the weight to F32 in a device scratch buffer per call and multiplies
+ * stored copy: 2 bytes per weight, bf16_bytes) and the activations rounded into scratch by a
+ * conversion launch first (fitm_cuda_to_bf16; bfloat16 keeps F32's exponent range: Gemma's
+ * activations, which overflow half, fit); F32 dequantizes the weight to F32 in a device scratch buffer per call and multiplies
  * F32 in and out with cuBLAS in calls of a fixed row count (below, gemm_rows) with F32 pedantic
  * compute (no TF32).
  * Attention: in a batched call with BF16 (fitm_attn_args.batched), the plain rows (no capture,

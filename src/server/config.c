@@ -109,9 +109,11 @@ static const opt opts[] = {
     {"queue_depth", INT(queue_depth), "64", 1, 100000, NULL,
      "requests waiting for the engine; beyond it 503 with Retry-After"},
     {"max_running", INT(max_running), "8", 1, 32, NULL,
-     "/answer generations decoding together in one batch; more wait in the queue"},
+     "sequences running together in one batch (/answer generations and batched /rerank "
+     "requests); more wait in the queue"},
     {"batch_kv_mb", INT(batch_kv_mb), "1024", 1, 1048576, NULL,
-     "KV cache memory (MiB) the running /answer generations may hold before new ones wait"},
+     "KV cache memory (MiB) the running sequences (/answer generations, /rerank lanes) may "
+     "hold before new ones wait"},
     {"batch_prefill_tokens", INT(batch_prefill_tokens), "128", 1, 65536, NULL,
      "prompt tokens per batched step while streams decode, over the prompts and /rerank passes "
      "of requests that arrived after those streams' first token (requests that arrive together "

@@ -115,7 +115,8 @@ void fitm_metrics_queue_wait(double seconds)
 /* The batch series: what the engine's running batch did (see metrics.h). */
 static void render_batch(fitm_buf *s, const fitm_metrics_gauges *g)
 {
-    fitm_buf_printf(s, "# HELP fitm_batch_running /answer generations in the running batch.\n"
+    fitm_buf_printf(s, "# HELP fitm_batch_running Sequences (/answer generations, /rerank "
+                       "requests) in the running batch.\n"
                        "# TYPE fitm_batch_running gauge\nfitm_batch_running %lld\n",
                     (long long)g->batch_running);
     fitm_buf_printf(s, "# HELP fitm_batch_size Sequences in the last batched forward step.\n"
