@@ -478,6 +478,8 @@ def test_concurrent_requests(daemon):
 
 def test_metrics(daemon):
     post(daemon, {"query": "q", "documents": ["a", "b"]})
+    post(daemon, {"query": "q"})  # 400; the codes counted do not depend on other tests
+    requests.get(daemon.url("/nope"), headers=AUTH)  # 404
     text = requests.get(daemon.url("/metrics")).text
     assert 'fitm_requests_total{route="rerank",code="200"}' in text
     assert 'fitm_requests_total{route="rerank",code="400"}' in text
