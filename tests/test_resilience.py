@@ -1080,6 +1080,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("functions", [{"name": "f"}]), ("tool_choice", "required"),
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
     ("response_format", "json"), ("logprobs", True), ("top_logprobs", 3), ("best_of", 2),
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("echo", True), ("suffix", " end"),
 ])
 def test_unsupported_openai_fields_are_refused(daemon, field, value):
     """A field this server cannot honour is refused with 400 naming it, on both OpenAI routes
@@ -1094,7 +1095,8 @@ def test_unsupported_openai_fields_are_refused(daemon, field, value):
 def test_openai_fields_that_ask_for_nothing_are_accepted(daemon):
     harmless = {"logit_bias": {}, "tools": [], "functions": None, "tool_choice": "none",
                 "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0,
-                "best_of": 1}
+                "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
+                "suffix": None}
     r = requests.post(daemon.url("/v1/chat/completions"), json={**CHAT, **harmless}, headers=AUTH,
                       timeout=60)
     assert r.status_code == 200, r.text

@@ -1559,8 +1559,8 @@ static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limi
 
 /* OpenAI fields this server cannot honour: refused (400, naming the field) unless given in
  * the form that asks for nothing (null, false, 0 or 1 as each means "off", {} or [] for none,
- * response_format {type: text}), so a client that asked for JSON mode, logprobs or tools
- * knows it did not get them. */
+ * "" for no suffix, response_format {type: text}), so a client that asked for JSON mode,
+ * logprobs, penalties or tools knows it did not get them. */
 static fitm_status refuse_unsupported_openai(const cJSON *root, fitm_err *err)
 {
     const cJSON *it;
@@ -1584,6 +1584,24 @@ static fitm_status refuse_unsupported_openai(const cJSON *root, fitm_err *err)
         return fitm_err_set(err, FITM_ERR_INVALID,
                             "'best_of' is not supported: this server generates one completion "
                             "(leave it out, or send 1)");
+    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
+    for (int i = 0; i < 2; i++)
+        if ((it = cJSON_GetObjectItemCaseSensitive(root, penalties[i])) && !cJSON_IsNull(it) &&
+            !(cJSON_IsNumber(it) && it->valuedouble == 0))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'%s' is not supported: this server samples by temperature and "
+                                "top_p only (leave it out, or send 0)",
+                                penalties[i]);
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "echo")) && !cJSON_IsNull(it) &&
+        !cJSON_IsFalse(it))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'echo' is not supported: the completion does not repeat the prompt "
+                            "(leave it out, or send false)");
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "suffix")) && !cJSON_IsNull(it) &&
+        !(cJSON_IsString(it) && !it->valuestring[0]))
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            "'suffix' is not supported: this server does not insert text "
+                            "(leave it out, or send \"\")");
     static const char *const calls[] = {"tools", "functions"};
     for (int i = 0; i < 2; i++)
         if ((it = cJSON_GetObjectItemCaseSensitive(root, calls[i])) && !cJSON_IsNull(it) &&
