@@ -939,11 +939,28 @@ def test_key_flood_is_refused_and_duplicates_found_in_linear_time(daemon):
 @pytest.mark.parametrize("raw", [b'{"query":"q","documents":["a"],"top_n":NaN}',
                                  b'{"query":"\\ud800","documents":["a"]}',
                                  b"[" * 2000 + b"]" * 2000,
-                                 b'{"query":"q","documents":["a"]} {}'],
-                         ids=["NaN", "lone surrogate", "nested 2000 deep", "trailing data"])
+                                 b'{"query":"q","documents":["a"]} {}',
+                                 # what cJSON parses and RFC 8259 does not
+                                 b'{"query":"q","documents":["a"],"top_n":01}',
+                                 b'{"query":"q","documents":["a"],"top_n":-01}',
+                                 b'{"query":"q","documents":["a"],"top_n":1.}',
+                                 b'{"query":"q","documents":["a"],"temperature":1.e-3}',
+                                 b'{"query":"q","documents":["a\x01b"]}',
+                                 b'{"query":"q\tq","documents":["a"]}'],
+                         ids=["NaN", "lone surrogate", "nested 2000 deep", "trailing data",
+                              "leading zero", "negative leading zero", "bare point",
+                              "point before exponent", "raw control character", "raw tab"])
 def test_malformed_json_is_invalid_json(daemon, raw):
     r = post_body(daemon, raw)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+def test_json_numbers_and_escapes_that_are_json_are_accepted(daemon):
+    r = post_body(daemon, b'{"query":"q\\t\\u0001","documents":["a"],"top_n":1e0,'
+                          b'"temperature":0.5E-1}')
+    assert r.status_code == 200, r.text
+    r = post_body(daemon, b'{"query":"q","documents":["a"],"top_n":10E-1,"temperature":-0.0}')
+    assert r.status_code == 400 and "'temperature' = -0" in r.json()["error"]["message"], r.text
 
 
 def test_max_json_members_counts_every_key_and_element(fitmd_bin, models, tmp_path):  # noqa: F811

@@ -650,6 +650,73 @@ static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
     return FITM_OK;
 }
 
+/* Length of the RFC 8259 number at p (n bytes: the run of number characters cJSON read as
+ * one), or 0 when the run is not one: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?. */
+static size_t json_number_len(const char *p, size_t n)
+{
+    size_t i = 0;
+    i += i < n && p[i] == '-';
+    if (i < n && p[i] == '0')
+        i++;
+    else if (i < n && p[i] >= '1' && p[i] <= '9')
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+    else
+        return 0;
+    if (i < n && p[i] == '.') {
+        size_t d = ++i;
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+        if (i == d)
+            return 0;
+    }
+    if (i < n && (p[i] == 'e' || p[i] == 'E')) {
+        i++;
+        i += i < n && (p[i] == '+' || p[i] == '-');
+        size_t d = i;
+        while (i < n && p[i] >= '0' && p[i] <= '9')
+            i++;
+        if (i == d)
+            return 0;
+    }
+    return i == n ? n : 0;
+}
+
+/* What cJSON parses but RFC 8259 does not, in body (which cJSON parsed): a control character
+ * (below U+0020) unescaped inside a string, and numbers such as 01, 1. or -.5. */
+static fitm_status reject_lenient_json(const char *body, size_t len, fitm_err *err)
+{
+    bool in_str = false;
+    for (size_t i = 0; i < len; i++) {
+        const unsigned char c = (unsigned char)body[i];
+        if (in_str) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = false;
+            else if (c < 0x20 && c != 0) /* NUL: reject_nul names the field */
+                return fitm_err_set(err, FITM_ERR_FORMAT,
+                                    "invalid JSON at byte %zu: a control character (0x%02x) in a "
+                                    "string must be escaped",
+                                    i, c);
+            continue;
+        }
+        if (c == '"') {
+            in_str = true;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            size_t n = 0;
+            while (i + n < len && strchr("0123456789+-.eE", body[i + n]) && body[i + n])
+                n++;
+            if (!json_number_len(body + i, n))
+                return fitm_err_set(err, FITM_ERR_FORMAT,
+                                    "invalid JSON at byte %zu: '%.*s' is not a JSON number", i,
+                                    (int)(n < 40 ? n : 40), body + i);
+            i += n - 1;
+        }
+    }
+    return FITM_OK;
+}
+
 /* The object members and array elements of body (JSON text not yet parsed), counted outside
  * strings in one pass: what cJSON would allocate an item for, besides the root. Counting stops
  * once it passes limit, so a body of millions of keys costs no more than limit of them. */
@@ -780,6 +847,8 @@ static fitm_status parse_body(const char *body, size_t len, const fitm_api_limit
         }
     }
     fitm_status st = reject_nul(body, len, err);
+    if (st == FITM_OK)
+        st = reject_lenient_json(body, len, err);
     char path[256] = "";
     if (st == FITM_OK)
         st = reject_duplicate_keys(r, path, 0, sizeof path, err);
