@@ -328,3 +328,26 @@ def test_default_model_answers_one_line_without_stop(fitmd_bin, tmp_path):  # no
         assert free.startswith(a["answer"] + "\n") and free.count("Question:") >= 1, free
     finally:
         assert d.terminate() == 0
+
+
+@pytest.mark.skipif(not GEMMA.exists(), reason="the default model is not installed "
+                    "(deploy/install-deps.sh --model)")
+def test_default_model_chat_stops_at_the_next_user_turn(fitmd_bin, tmp_path):  # noqa: F811
+    """The default model has no chat template: a chat is a transcript, which the base model
+    goes on writing, both sides, until max_tokens. Unless the request says otherwise the
+    answer stops before the next "\nuser:" line; /v1/completions keeps no default stop."""
+    d = Daemon(fitmd_bin, GEMMA, tmp_path)
+    try:
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 48, "temperature": 0}
+        c = post(d, body, path="/v1/chat/completions").json()["choices"][0]
+        assert c["finish_reason"] == "stop" and "\n" not in c["message"]["content"], c
+        free = post(d, {**body, "stop": []}, path="/v1/chat/completions").json()
+        text = free["choices"][0]["message"]["content"]
+        assert text.startswith(c["message"]["content"] + "\nuser:"), text
+        prompt = "user: What is the capital of France?\nassistant:"
+        raw = post(d, {"prompt": prompt, "max_tokens": 48, "temperature": 0},
+                   path="/v1/completions").json()["choices"][0]["text"]
+        assert raw == text, (raw, text)
+    finally:
+        assert d.terminate() == 0

@@ -127,6 +127,21 @@ def test_stop_string(daemon):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
+def test_stop_at_the_start_streams_empty_content(daemon):
+    # No token comes before the stop: the one chunk carries the role and content "", as the
+    # whole response's message does, not a delta without content.
+    msgs = [{"role": "user", "content": "india"}]
+    whole = chat(daemon, messages=msgs, max_tokens=8, temperature=0, seed=3).json()
+    text = whole["choices"][0]["message"]["content"]
+    if not text:
+        pytest.skip("the model said nothing to stop at")
+    body = dict(messages=msgs, max_tokens=8, temperature=0, seed=3, stop=[text[0]])
+    assert chat(daemon, **body).json()["choices"][0]["message"]["content"] == ""
+    events = [e for e in sse(chat(daemon, stream=True, **body)) if e["choices"]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_documents_give_the_calibrated_answer(daemon):
     q = "what is golf"
     r = chat(daemon, messages=[{"role": "system", "content": "ignored with documents"},
@@ -166,6 +181,12 @@ def test_documents_give_the_calibrated_answer(daemon):
                               "temperature": 2.5}, 400, "'temperature'"),
     ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}],
                               "documents": ["d"]}, 400, "user message"),
+    # a blank question is refused as /answer's 'query' is
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"},
+                                           {"role": "user", "content": " \n"}],
+                              "documents": ["d"]}, 400, "the last user message is empty"),
+    ("/v1/completions", {"prompt": "   ", "documents": ["d"]}, 400, "'prompt' is empty"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 53}, 400, "'seed'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "stream_options": 1}, 400, "'stream_options'"),
     ("/v1/completions", {"prompt": 5}, 400, "'prompt'"),

@@ -98,8 +98,13 @@ struct fitm_answer_seq {
     int64_t first_ns;    /* when the first token was sampled (fitm_clock_ns)          */
 };
 
+/* Where a chat on the transcript (a model without a chat template) stops unless told: at the
+ * next user turn, which a base model goes on to write itself after its own. */
+static char *const transcript_stop[] = {(char *)"\nuser:"};
+
 /* req with the server's defaults (fitm_session_answer_defaults, and the answer template's
- * stop string) where it left an option unset: a shallow copy, borrowing what req owns. */
+ * stop string, or the transcript's) where it left an option unset: a shallow copy, borrowing
+ * what req owns. */
 static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answer_request *req)
 {
     const fitm_answer_defaults *d = fitm_session_answer_defaults(r);
@@ -116,6 +121,10 @@ static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answe
         char *const *stop;
         q.n_stop = fitm_session_answer_stop(r, &stop);
         q.stop = (char **)stop; /* borrowed like the rest: never freed through q */
+    } else if (!q.has_stop && !q.ignore_eos && q.base.n_docs == 0 && !q.raw_prompt &&
+               fitm_session_is_raw(r)) {
+        q.n_stop = 1;
+        q.stop = (char **)transcript_stop;
     }
     return q;
 }

@@ -392,6 +392,12 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
     return parse_score_options(root, pre, &out->opt, err);
 }
 
+/* Whether s holds nothing but spaces, tabs and line breaks (a question that asks nothing). */
+static bool blank_text(const char *s)
+{
+    return s[strspn(s, " \t\r\n")] == '\0';
+}
+
 /* The query of a rerank body: present, a string, and not only whitespace. */
 static fitm_status parse_rerank_query(const cJSON *root, fitm_rerank_request *out, fitm_err *err)
 {
@@ -401,11 +407,7 @@ static fitm_status parse_rerank_query(const cJSON *root, fitm_rerank_request *ou
         return fitm_err_set(err, FITM_ERR_INVALID, "'query' is missing");
     if ((st = take_string(q, "query", &out->query, &out->query_len, err)) != FITM_OK)
         return st;
-    bool blank = true;
-    for (size_t i = 0; i < out->query_len && blank; i++)
-        blank = out->query[i] == ' ' || out->query[i] == '\t' || out->query[i] == '\n' ||
-                out->query[i] == '\r';
-    if (blank)
+    if (blank_text(out->query))
         return fitm_err_set(err, FITM_ERR_INVALID, "'query' is empty");
     return FITM_OK;
 }
@@ -1194,7 +1196,7 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
 
 /* The sampling fields /answer and the OpenAI routes share: stop, temperature (in [0,
  * temperature_max]; absent keeps out's default), top_p (default 1, > 0) and seed (an exact
- * integer up to 2^53). */
+ * integer in [0, 2^53 - 1]). */
 static fitm_status parse_sampling(const cJSON *root, double temperature_max,
                                   fitm_answer_request *out, fitm_err *err)
 {
@@ -1219,7 +1221,7 @@ static fitm_status parse_sampling(const cJSON *root, double temperature_max,
             return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
     }
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
-        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740992), &v, err)) != FITM_OK)
+        if ((st = take_int(it, "seed", 0, INT64_C(9007199254740991), &v, err)) != FITM_OK)
             return st;
         out->seed = (uint64_t)v;
         out->has_seed = true;
@@ -1602,10 +1604,13 @@ static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limi
     for (int32_t i = out->n_messages - 1; i >= 0 && !q; i--)
         if (!chat || !strcmp(out->messages[i].role, "user"))
             q = out->messages[i].content;
-    if (!q || !*q)
+    if (!q)
         return fitm_err_set(err, FITM_ERR_INVALID,
-                            chat ? "'documents' need a user message (the question)"
-                                 : "'documents' need a non-empty 'prompt' (the question)");
+                            "'documents' need a user message (the question)");
+    if (blank_text(q)) /* as /answer's 'query' */
+        return fitm_err_set(err, FITM_ERR_INVALID,
+                            chat ? "'documents' need a question: the last user message is empty"
+                                 : "'documents' need a question: 'prompt' is empty");
     b->query = strdup(q);
     if (!b->query)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
@@ -1899,8 +1904,10 @@ char *fitm_api_write_openai_chunk(const fitm_api_openai_head *h, const char *tex
     bool ok = choices != NULL;
     if (ok && usage_only)
         ok = add_openai_usage(root, final);
-    else if (ok)
-        ok = add_choice(choices, h->chat, true, role, final ? (h->chat ? NULL : "") : text,
+    else if (ok) /* a final chat chunk that is also the first (no token came) says content ""
+                    beside the role, as the whole response's message would */
+        ok = add_choice(choices, h->chat, true, role,
+                        final ? (h->chat && !role ? NULL : "") : text,
                         final ? 0 : len, final ? fitm_answer_finish_name(final->finish) : NULL) &&
              (!final || final->n_docs == 0 || add_answer_docs(root, final));
     if (ok)
