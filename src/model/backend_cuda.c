@@ -13,9 +13,9 @@
  * up side by side), each layer matrix rounded to bfloat16 once at prepare (kept beside the
  * stored copy: 2 bytes per weight, bf16_bytes) and the activations rounded into scratch by a
  * conversion launch first (fitm_cuda_to_bf16; bfloat16 keeps F32's exponent range: Gemma's
- * activations, which overflow half, fit); F32 dequantizes the weight to F32 in a device scratch buffer per call and multiplies
- * F32 in and out with cuBLAS in calls of a fixed row count (below, gemm_rows) with F32 pedantic
- * compute (no TF32).
+ * activations, which overflow half, fit); F32 dequantizes the weight to F32 in a device
+ * scratch buffer per call and multiplies F32 in and out with cuBLAS in calls of a fixed row
+ * count (below, gemm_rows) with F32 pedantic compute (no TF32).
  * Attention: in a batched call with BF16 (fitm_attn_args.batched), the plain rows (no capture,
  * no intervention, no mixture: a prompt's bulk) go to fitm_cuda_attention_bf16 (bfloat16 on
  * the tensor cores, row-invariant with bits of its own); otherwise runs of plain rows of at

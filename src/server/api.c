@@ -1631,59 +1631,67 @@ static fitm_status parse_openai_documents(const cJSON *root, const fitm_api_limi
     return parse_answer_options(root, out, err);
 }
 
-/* OpenAI fields this server cannot honour: refused (400, naming the field) unless given in
- * the form that asks for nothing (null, false, 0 or 1 as each means "off", {} or [] for none,
- * "" for no suffix, response_format {type: text}), so a client that asked for JSON mode,
- * logprobs, penalties or tools knows it did not get them. */
+/* How an OpenAI field this server cannot honour says "nothing": the one value, besides null,
+ * that it accepts. */
+typedef enum {
+    OFF_FALSE,
+    OFF_ZERO,
+    OFF_ONE,
+    OFF_EMPTY_OBJECT,
+    OFF_EMPTY_ARRAY,
+    OFF_EMPTY_TEXT
+} off_form;
+
+static const struct {
+    const char *name;
+    off_form off;
+    const char *why;
+} unsupported_openai[] = {
+    {"logit_bias", OFF_EMPTY_OBJECT, "this server cannot bias tokens"},
+    {"logprobs", OFF_FALSE, "this server does not return token log-probabilities"},
+    {"top_logprobs", OFF_ZERO, "this server does not return token log-probabilities"},
+    {"best_of", OFF_ONE, "this server generates one completion"},
+    {"presence_penalty", OFF_ZERO, "this server samples by temperature and top_p only"},
+    {"frequency_penalty", OFF_ZERO, "this server samples by temperature and top_p only"},
+    {"echo", OFF_FALSE, "the completion does not repeat the prompt"},
+    {"suffix", OFF_EMPTY_TEXT, "this server does not insert text"},
+    {"tools", OFF_EMPTY_ARRAY, "this server does not call tools"},
+    {"functions", OFF_EMPTY_ARRAY, "this server does not call tools"},
+};
+
+static bool asks_nothing(const cJSON *it, off_form off)
+{
+    switch (off) {
+    case OFF_FALSE:
+        return cJSON_IsFalse(it);
+    case OFF_ZERO:
+    case OFF_ONE:
+        return cJSON_IsNumber(it) && it->valuedouble == (off == OFF_ONE);
+    case OFF_EMPTY_OBJECT:
+        return cJSON_IsObject(it) && !it->child;
+    case OFF_EMPTY_ARRAY:
+        return cJSON_IsArray(it) && !it->child;
+    case OFF_EMPTY_TEXT:
+        return cJSON_IsString(it) && !it->valuestring[0];
+    }
+    return false;
+}
+
+/* OpenAI fields this server cannot honour: refused (400, naming the field) unless null or in
+ * the form that asks for nothing (false, 0 or 1 as each means "off", {}, [] or "" for none,
+ * tool_choice none or auto, response_format {type: text}), so a client that asked for JSON
+ * mode, logprobs, penalties or tools knows it did not get them. */
 static fitm_status refuse_unsupported_openai(const cJSON *root, fitm_err *err)
 {
+    static const char *const off_text[] = {"false", "0", "1", "{}", "[]", "\"\""};
     const cJSON *it;
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "logit_bias")) && !cJSON_IsNull(it) &&
-        !(cJSON_IsObject(it) && !it->child))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'logit_bias' is not supported: this server cannot bias tokens "
-                            "(leave it out, or send {})");
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "logprobs")) && !cJSON_IsNull(it) &&
-        !cJSON_IsFalse(it))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'logprobs' is not supported: this server does not return token "
-                            "log-probabilities (leave it out, or send false)");
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_logprobs")) && !cJSON_IsNull(it) &&
-        !(cJSON_IsNumber(it) && it->valuedouble == 0))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'top_logprobs' is not supported: this server does not return token "
-                            "log-probabilities (leave it out, or send 0)");
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "best_of")) && !cJSON_IsNull(it) &&
-        !(cJSON_IsNumber(it) && it->valuedouble == 1))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'best_of' is not supported: this server generates one completion "
-                            "(leave it out, or send 1)");
-    static const char *const penalties[] = {"presence_penalty", "frequency_penalty"};
-    for (int i = 0; i < 2; i++)
-        if ((it = cJSON_GetObjectItemCaseSensitive(root, penalties[i])) && !cJSON_IsNull(it) &&
-            !(cJSON_IsNumber(it) && it->valuedouble == 0))
+    for (size_t i = 0; i < sizeof unsupported_openai / sizeof unsupported_openai[0]; i++)
+        if ((it = cJSON_GetObjectItemCaseSensitive(root, unsupported_openai[i].name)) &&
+            !cJSON_IsNull(it) && !asks_nothing(it, unsupported_openai[i].off))
             return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'%s' is not supported: this server samples by temperature and "
-                                "top_p only (leave it out, or send 0)",
-                                penalties[i]);
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "echo")) && !cJSON_IsNull(it) &&
-        !cJSON_IsFalse(it))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'echo' is not supported: the completion does not repeat the prompt "
-                            "(leave it out, or send false)");
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "suffix")) && !cJSON_IsNull(it) &&
-        !(cJSON_IsString(it) && !it->valuestring[0]))
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "'suffix' is not supported: this server does not insert text "
-                            "(leave it out, or send \"\")");
-    static const char *const calls[] = {"tools", "functions"};
-    for (int i = 0; i < 2; i++)
-        if ((it = cJSON_GetObjectItemCaseSensitive(root, calls[i])) && !cJSON_IsNull(it) &&
-            !(cJSON_IsArray(it) && !it->child))
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'%s' is not supported: this server does not call tools "
-                                "(leave it out, or send [])",
-                                calls[i]);
+                                "'%s' is not supported: %s (leave it out, or send %s)",
+                                unsupported_openai[i].name, unsupported_openai[i].why,
+                                off_text[unsupported_openai[i].off]);
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "tool_choice")) && !cJSON_IsNull(it) &&
         !(cJSON_IsString(it) && (!strcmp(it->valuestring, "none") ||
                                  !strcmp(it->valuestring, "auto"))))

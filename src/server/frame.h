@@ -57,9 +57,9 @@ typedef struct {
  * next request head exactly where the server will (no request smuggling). BAD, besides
  * fitm_frame_check_head's cases, for: Content-Length with Transfer-Encoding, more than one
  * Content-Length (400), a Transfer-Encoding other than one header with exactly `chunked`
- * (501) or in an HTTP/1.0 request (400), an HTTP/1.1 request without exactly one Host (400), a body (Content-Length other than
- * 0, or chunked) on a method other than POST (400), an HTTP/1.1 Expect other than
- * 100-continue (417, RFC 9110 10.1.1). OK fills *req. */
+ * (501) or in an HTTP/1.0 request (400), an HTTP/1.1 request without exactly one Host (400),
+ * a body (Content-Length other than 0, or chunked) on a method other than POST (400), an
+ * HTTP/1.1 Expect other than 100-continue (417, RFC 9110 10.1.1). OK fills *req. */
 fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_frame_request *req,
                                             fitm_frame_error *e);
 
