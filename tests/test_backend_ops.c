@@ -295,6 +295,8 @@ static void test_matmul(fitm_backend *b, fitm_dtype t, int64_t T, int64_t K, int
 static void test_rmsnorm(fitm_backend *b, int64_t rows, int64_t n, bool in_place)
 {
     float *xh = rand_vec(rows * n, -3, 3), *wh = rand_vec(n, 0.5f, 1.5f);
+    for (int64_t i = 3; i < n; i += 7) /* zero weights of both signs: +0 in the output */
+        wh[i] = i % 2 ? -0.0f : 0.0f;
     fitm_weight w = f32_vector(wh, n);
     float *x = to_dev(b, xh, rows * n), *y = in_place ? x : to_dev(b, NULL, rows * n);
     b->ops->rmsnorm(b, y, x, &w, rows, n, 1e-6f);
@@ -309,6 +311,13 @@ static void test_rmsnorm(fitm_backend *b, int64_t rows, int64_t n, bool in_place
             want[r * n + i] = xh[r * n + i] * inv * wh[i];
     }
     check_close(in_place ? "rmsnorm (in place)" : "rmsnorm", got, want, rows * n, NULL, 1e-5);
+    if (strcmp(b->ops->name, "cpu") == 0) { /* the CPU backend's are fitm_ops_rmsnorm's bits */
+        float *ref = malloc((size_t)(rows * n) * sizeof *ref);
+        fitm_ops_rmsnorm(ref, xh, wh, 0.0f, rows, n, 1e-6f);
+        CHECK(memcmp(ref, got, (size_t)(rows * n) * sizeof *ref) == 0,
+              "rmsnorm %lld x %lld: not fitm_ops_rmsnorm's bits", (long long)rows, (long long)n);
+        free(ref);
+    }
     free(got), free(want), free(xh), free(wh);
     if (!in_place)
         b->ops->free(b, y);
@@ -1209,6 +1218,9 @@ int main(int argc, char **argv)
         goto attention;
     test_rmsnorm(b, 7, 45, false);
     test_rmsnorm(b, 1, 640, true);
+    for (int64_t n = 1; n <= 40; n += 3) /* every tail of the lanes and of the vectors */
+        test_rmsnorm(b, 3, n, n % 2);
+    test_rmsnorm(b, 5, 256, false);
     test_rope(b, 5, 3, 16, 16, false);
     test_rope(b, 3, 2, 24, 16, true);
     test_elementwise(b, 1001);

@@ -4,13 +4,22 @@
 #include <stdbool.h>
 
 /* The sum of squares in double (a float's square is exact there), so the result does not
- * depend on the summation order beyond the double sum's last bits; in NORM_LANES
- * accumulators, element c into lane c % NORM_LANES, then the lanes in order and the tail:
+ * depend on the summation order beyond the double sum's last bits; in FITM_NORM_LANES
+ * accumulators, element c into lane c % FITM_NORM_LANES, then the lanes in order and the tail:
  * one chain of adds was latency-bound, and a decode step's norms (six per layer on Gemma 3,
  * too small to share out, so they run on the engine thread while the pool's threads wait)
  * took about 3% of its time. On 262M random values the lanes changed no output against the
  * single chain. */
-#define NORM_LANES 16
+float fitm_ops_rmsnorm_scale(const double lanes[FITM_NORM_LANES], const float *x, int64_t C,
+                             float eps)
+{
+    double ss = 0.0;
+    for (int i = 0; i < FITM_NORM_LANES; i++)
+        ss += lanes[i];
+    for (int64_t c = C - C % FITM_NORM_LANES; c < C; c++)
+        ss += (double)x[c] * x[c];
+    return (float)(1.0 / sqrt(ss / (double)C + eps));
+}
 
 void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
                       int64_t C, float eps)
@@ -18,18 +27,12 @@ void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, 
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * C;
         float *yr = y + t * C;
-        double acc[NORM_LANES] = {0.0};
-        int64_t c = 0;
-        for (; c + NORM_LANES <= C; c += NORM_LANES)
-            for (int i = 0; i < NORM_LANES; i++)
+        double acc[FITM_NORM_LANES] = {0.0};
+        for (int64_t c = 0; c + FITM_NORM_LANES <= C; c += FITM_NORM_LANES)
+            for (int i = 0; i < FITM_NORM_LANES; i++)
                 acc[i] += (double)xr[c + i] * xr[c + i];
-        double ss = 0.0;
-        for (int i = 0; i < NORM_LANES; i++)
-            ss += acc[i];
-        for (; c < C; c++)
-            ss += (double)xr[c] * xr[c];
-        float scale = (float)(1.0 / sqrt(ss / (double)C + eps));
-        for (c = 0; c < C; c++)
+        const float scale = fitm_ops_rmsnorm_scale(acc, xr, C, eps);
+        for (int64_t c = 0; c < C; c++)
             yr[c] = xr[c] * scale * (w[c] + w_offset);
     }
 }

@@ -15,6 +15,14 @@
 void fitm_ops_rmsnorm(float *y, const float *x, const float *w, float w_offset, int64_t T,
                       int64_t C, float eps);
 
+/* The sum of squares above: in double, element c of the first C - C % FITM_NORM_LANES into lane
+ * c % FITM_NORM_LANES, in order. fitm_ops_rmsnorm_scale takes those lane sums and the row x
+ * (C values), adds the lanes in order and then the tail, and gives the row's scale, so a
+ * vector path that fills the lanes alike computes fitm_ops_rmsnorm's bits. */
+#define FITM_NORM_LANES 16
+float fitm_ops_rmsnorm_scale(const double lanes[FITM_NORM_LANES], const float *x, int64_t C,
+                             float eps);
+
 /* In-place numerically stable softmax over n values. */
 void fitm_ops_softmax(float *x, int64_t n);
 

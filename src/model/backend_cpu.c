@@ -398,27 +398,6 @@ static void cpu_embed(fitm_backend *b, const fitm_weight *w, const int32_t *ids,
 }
 
 typedef struct {
-    float *y;
-    const float *x;
-    const float *w;
-    int64_t n;
-    float eps;
-} norm_job;
-
-static void norm_rows(void *ctx, int64_t i0, int64_t i1)
-{
-    norm_job *j = ctx;
-    fitm_ops_rmsnorm(j->y + i0 * j->n, j->x + i0 * j->n, j->w, 0.0f, i1 - i0, j->n, j->eps);
-}
-
-static void cpu_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
-                        int64_t rows, int64_t n, float eps)
-{
-    norm_job j = {y, x, w->data, n, eps};
-    par_rows(cpu(b), rows, n, norm_rows, &j);
-}
-
-typedef struct {
     float *x;
     int64_t n_heads, D, n_rot;
     const float *cs;
@@ -790,6 +769,54 @@ static void cpu_logprob(fitm_backend *b, const float *x, int64_t rows, int64_t n
 {
     logprob_job j = {x, n, pick, n_pick, lp};
     fitm_pool_run(cpu(b)->pool, rows, logprob_task, &j);
+}
+
+/* ---- RMS norm -------------------------------------------------------------------------- */
+
+typedef struct {
+    float *y;
+    const float *x;
+    const float *w;
+    int64_t n;
+    float eps;
+} norm_job;
+
+/* fitm_ops_rmsnorm (w_offset 0) on vectors, its bits: the 16 lanes of the sum of squares as two
+ * vectors of 8 doubles, the same multiply and add in each lane, and the output's two products
+ * in the same order. */
+_Static_assert(FITM_NORM_LANES == 16, "two vd8 hold fitm_ops_rmsnorm's lanes");
+
+static void rmsnorm_row(float *y, const float *x, const float *w, int64_t C, float eps)
+{
+    vd8 a[2] = {{0}};
+    for (int64_t c = 0; c + 16 <= C; c += 16)
+        for (int h = 0; h < 2; h++) {
+            const vd8 d = __builtin_convertvector(*(const vf8_u *)(x + c + 8 * h), vd8);
+            a[h] += d * d;
+        }
+    double lanes[16];
+    memcpy(lanes, a, sizeof lanes);
+    const float scale = fitm_ops_rmsnorm_scale(lanes, x, C, eps);
+    const vf s = splatv(scale);
+    int64_t c = 0;
+    for (; c + VW <= C; c += VW) /* w + 0 as fitm_ops_rmsnorm's w + w_offset: -0 becomes +0 */
+        stv(y + c, ldv(x + c) * s * (ldv(w + c) + 0.0f));
+    for (; c < C; c++)
+        y[c] = x[c] * scale * (w[c] + 0.0f);
+}
+
+static void norm_rows(void *ctx, int64_t i0, int64_t i1)
+{
+    norm_job *j = ctx;
+    for (int64_t i = i0; i < i1; i++)
+        rmsnorm_row(j->y + i * j->n, j->x + i * j->n, j->w, j->n, j->eps);
+}
+
+static void cpu_rmsnorm(fitm_backend *b, float *y, const float *x, const fitm_weight *w,
+                        int64_t rows, int64_t n, float eps)
+{
+    norm_job j = {y, x, w->data, n, eps};
+    par_rows(cpu(b), rows, n, norm_rows, &j);
 }
 
 /* ---- matrix products --------------------------------------------------------------------- */
