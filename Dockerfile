@@ -82,10 +82,11 @@ ENV FITM_HOST=0.0.0.0 \
     FITM_MODEL=/models/gemma-3-270m-q4_k_m.gguf
 EXPOSE 8080
 # /health is 503 while the model loads ("loading") and while draining; 200 when serving. The
-# shell form reads FITM_PORT when the check runs: set the port with that variable (docker run
-# -e), not with --port, and the check follows it.
+# shell form reads FITM_PROBE_PORT and FITM_PORT when the check runs: it asks the probe port
+# when one is set (answered while the main port is saturated), else the main port. Set them
+# with those variables (docker run -e), not with flags, and the check follows them.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s \
-  CMD curl -fsS "http://127.0.0.1:${FITM_PORT:-8080}/health" || exit 1
+  CMD p=${FITM_PROBE_PORT:-0}; [ "$p" != 0 ] || p=${FITM_PORT:-8080}; curl -fsS "http://127.0.0.1:$p/health" || exit 1
 # SIGTERM drains for drain_timeout_ms (30 s): give `docker stop` that long (-t 45)
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["fitmd"]

@@ -498,8 +498,8 @@ def test_dockerfile_targets_user_and_health():
     final = text[text.rindex("FROM run-${TARGET}"):]
     user = re.search(r"^USER (\d+)", final, re.M)
     assert user and int(user.group(1)) != 0
-    assert re.search(r'^HEALTHCHECK .*\n\s+CMD curl -fsS "http://127.0.0.1:\$\{FITM_PORT:-8080\}/health"',
-                     final, re.M)
+    assert re.search(r'^HEALTHCHECK .*\n\s+CMD .*\$\{FITM_PORT:-8080\}.*'
+                     r'curl -fsS "http://127.0.0.1:\$p/health"', final, re.M)
     assert "FITM_HOST=0.0.0.0" in final and "EXPOSE 8080" in final
     for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
         assert src == "." or (ROOT / src).exists(), src
@@ -554,8 +554,8 @@ def healthcheck_command():
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl absent")
 def test_healthcheck_follows_fitm_port(tmp_path):
     """The image's health check, run as Docker runs its shell form (sh -c, the container's
-    environment), asks the port FITM_PORT names: healthy on the port fitmd serves, unhealthy
-    on another."""
+    environment), asks the port FITM_PROBE_PORT names, else (unset or 0) the one FITM_PORT
+    names: healthy on the port fitmd serves, unhealthy on another."""
     from test_http import Daemon
     fitm = build_dir() / "src" / "fitm"
     model = tmp_path / "m.gguf"
@@ -571,6 +571,10 @@ def test_healthcheck_follows_fitm_port(tmp_path):
             closed = s.getsockname()[1]
         env["FITM_PORT"] = str(closed)
         assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode != 0
+        env["FITM_PROBE_PORT"] = "0"
+        assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode != 0
+        env["FITM_PROBE_PORT"] = str(d.port)  # the probe port wins over FITM_PORT
+        assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode == 0
     finally:
         assert d.terminate() == 0
 
