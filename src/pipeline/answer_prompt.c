@@ -31,7 +31,38 @@ static const turn_markers markers[] = {
      "<|start_header_id|>assistant<|end_header_id|>\n\n", "assistant"},
 };
 
-/* The prompt's pieces into ps (room for 4 * n_messages + 2), their count. For a template
+/* Llama 2's chat format (Meta's): BOS [INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST]
+ * {assistant} EOS BOS [INST] {user} [/INST] ...: a system message goes into the next user
+ * turn; the BOS of the prompt is the tokenizer's. */
+static int32_t llama2_turn(const fitm_answer_message *m, const char **sys, bool after_answer,
+                           piece *ps)
+{
+    int32_t n = 0;
+    if (!strcmp(m->role, "assistant")) {
+        ps[n++] = (piece){" ", 1, false};
+        ps[n++] = (piece){m->content, strlen(m->content), false};
+        ps[n++] = (piece){" ", 1, false};
+        return n;
+    }
+    if (!strcmp(m->role, "system") && !*sys) {
+        *sys = m->content; /* held for the next turn */
+        return 0;
+    }
+    if (after_answer)
+        ps[n++] = (piece){"</s><s>", sizeof "</s><s>" - 1, true};
+    ps[n++] = (piece){"[INST] ", sizeof "[INST] " - 1, true};
+    if (*sys) {
+        ps[n++] = (piece){"<<SYS>>\n", sizeof "<<SYS>>\n" - 1, true};
+        ps[n++] = (piece){*sys, strlen(*sys), false};
+        ps[n++] = (piece){"\n<</SYS>>\n\n", sizeof "\n<</SYS>>\n\n" - 1, true};
+        *sys = NULL;
+    }
+    ps[n++] = (piece){m->content, strlen(m->content), false};
+    ps[n++] = (piece){" [/INST]", sizeof " [/INST]" - 1, true};
+    return n;
+}
+
+/* The prompt's pieces into ps (room for 7 * n_messages + 8), their count. For a template
  * without markers (raw; llama2, whose turns are [INST] pairs) the pieces are written here too. */
 static int32_t render_pieces(const fitm_session *s, const fitm_answer_request *req, piece *ps)
 {
@@ -46,6 +77,8 @@ static int32_t render_pieces(const fitm_session *s, const fitm_answer_request *r
         if (!strcmp(markers[i].name, name))
             tm = &markers[i];
     bool llama2 = !strcmp(name, "llama2");
+    const char *sys = NULL; /* llama2: a system message waiting for its turn */
+    bool answered = false;  /* llama2: an assistant turn is the last one written */
     for (int32_t i = 0; i < req->n_messages; i++) {
         const fitm_answer_message *m = &req->messages[i];
         bool assistant = !strcmp(m->role, "assistant");
@@ -61,15 +94,24 @@ static int32_t render_pieces(const fitm_session *s, const fitm_answer_request *r
             ps[n++] = (piece){c, strlen(c), false};
             ps[n++] = (piece){tm->close, strlen(tm->close), true};
         } else if (llama2) {
-            ps[n++] = (piece){assistant ? " " : "[INST] ", assistant ? 1 : 7, !assistant};
-            ps[n++] = (piece){c, strlen(c), false};
-            ps[n++] = (piece){assistant ? " " : " [/INST]", assistant ? 1 : 8, !assistant};
+            if (sys && !strcmp(m->role, "system")) { /* two in a row: the first alone */
+                const fitm_answer_message none = {(char *)"user", (char *)""};
+                n += llama2_turn(&none, &sys, answered, ps + n);
+                answered = false;
+            }
+            const int32_t k = llama2_turn(m, &sys, answered, ps + n);
+            n += k;
+            answered = assistant || (answered && k == 0);
         } else { /* raw: a transcript */
             ps[n++] = (piece){m->role, strlen(m->role), false};
             ps[n++] = (piece){": ", 2, false};
             ps[n++] = (piece){c, strlen(c), false};
             ps[n++] = (piece){"\n", 1, false};
         }
+    }
+    if (llama2 && sys) { /* a system message with no turn after it */
+        const fitm_answer_message none = {(char *)"user", (char *)""};
+        n += llama2_turn(&none, &sys, answered, ps + n);
     }
     if (tm)
         ps[n++] = (piece){tm->end, strlen(tm->end), true};
@@ -100,7 +142,7 @@ static fitm_status join_pieces(const piece *ps, int32_t n, char **out, size_t *l
 
 static piece *pieces_alloc(const fitm_answer_request *req)
 {
-    return malloc((size_t)(5 * req->n_messages + 2) * sizeof(piece));
+    return malloc((size_t)(7 * req->n_messages + 8) * sizeof(piece));
 }
 
 fitm_status fitm_answer_render(const fitm_session *s, const fitm_answer_request *req, char **out,
