@@ -221,6 +221,12 @@ def test_probes_ports_and_drain_agree_with_fitmd(rendered):
             assert image_env[var] == conf[name], (var, image_env[var], conf[name])
         # requests set (the scheduler and the HPA's utilisation need them)
         assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+        # threads from the CPU request: with no CPU limit there is no cgroup quota, and
+        # threads = 0 would take every CPU of the node
+        if "cpu" not in c["resources"].get("limits", {}) and conf.get("threads", "0") == "0":
+            (t,) = [e for e in c["env"] if e["name"] == "FITM_THREADS"]
+            ref = t["valueFrom"]["resourceFieldRef"]
+            assert ref["resource"] == "requests.cpu" and ref["containerName"] == c["name"], label
 
 
 def test_configmap_is_a_valid_fitmd_config(rendered, tmp_path):
@@ -318,6 +324,8 @@ def test_systemd_unit_is_notify_with_watchdog_and_drain_time():
     assert int(u["TimeoutStopSec"][0]) >= int(conf["drain_timeout_ms"]) / 1000 + 5
     for opt in ("NoNewPrivileges", "ProtectSystem", "PrivateTmp", "DynamicUser"):
         assert opt in u, opt
+    # exit 2, a configuration error, is not restarted every RestartSec forever
+    assert u["Restart"] == ["on-failure"] and "2" in u["RestartPreventExitStatus"][0].split()
 
 
 GPU_DROPIN = ROOT / "deploy" / "systemd" / "fitmd.service.d" / "gpu.conf"
