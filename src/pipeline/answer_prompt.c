@@ -33,7 +33,26 @@ static const turn_markers markers[] = {
 
 /* Llama 2's chat format (Meta's): BOS [INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST]
  * {assistant} EOS BOS [INST] {user} [/INST] ...: a system message goes into the next user
- * turn; the BOS of the prompt is the tokenizer's. */
+ * turn; the BOS of the prompt is the tokenizer's. A user turn, with the held system message: */
+static int32_t llama2_user(const char *content, const char **sys, bool after_answer, piece *ps)
+{
+    int32_t n = 0;
+    if (after_answer)
+        ps[n++] = (piece){"</s><s>", sizeof "</s><s>" - 1, true};
+    ps[n++] = (piece){"[INST] ", sizeof "[INST] " - 1, true};
+    if (*sys) {
+        ps[n++] = (piece){"<<SYS>>\n", sizeof "<<SYS>>\n" - 1, true};
+        ps[n++] = (piece){*sys, strlen(*sys), false};
+        ps[n++] = (piece){"\n<</SYS>>\n\n", sizeof "\n<</SYS>>\n\n" - 1, true};
+        *sys = NULL;
+    }
+    ps[n++] = (piece){content, strlen(content), false};
+    ps[n++] = (piece){" [/INST]", sizeof " [/INST]" - 1, true};
+    return n;
+}
+
+/* Message m's pieces: an answer as it is, a system message held for the next turn (one held
+ * already gets a turn of its own first), any other as a user turn. */
 static int32_t llama2_turn(const fitm_answer_message *m, const char **sys, bool after_answer,
                            piece *ps)
 {
@@ -44,21 +63,11 @@ static int32_t llama2_turn(const fitm_answer_message *m, const char **sys, bool 
         ps[n++] = (piece){" ", 1, false};
         return n;
     }
-    if (!strcmp(m->role, "system") && !*sys) {
-        *sys = m->content; /* held for the next turn */
-        return 0;
-    }
-    if (after_answer)
-        ps[n++] = (piece){"</s><s>", sizeof "</s><s>" - 1, true};
-    ps[n++] = (piece){"[INST] ", sizeof "[INST] " - 1, true};
-    if (*sys) {
-        ps[n++] = (piece){"<<SYS>>\n", sizeof "<<SYS>>\n" - 1, true};
-        ps[n++] = (piece){*sys, strlen(*sys), false};
-        ps[n++] = (piece){"\n<</SYS>>\n\n", sizeof "\n<</SYS>>\n\n" - 1, true};
-        *sys = NULL;
-    }
-    ps[n++] = (piece){m->content, strlen(m->content), false};
-    ps[n++] = (piece){" [/INST]", sizeof " [/INST]" - 1, true};
+    if (strcmp(m->role, "system"))
+        return llama2_user(m->content, sys, after_answer, ps);
+    if (*sys)
+        n = llama2_user("", sys, after_answer, ps);
+    *sys = m->content;
     return n;
 }
 
@@ -94,14 +103,9 @@ static int32_t render_pieces(const fitm_session *s, const fitm_answer_request *r
             ps[n++] = (piece){c, strlen(c), false};
             ps[n++] = (piece){tm->close, strlen(tm->close), true};
         } else if (llama2) {
-            if (sys && !strcmp(m->role, "system")) { /* two in a row: the first alone */
-                const fitm_answer_message none = {(char *)"user", (char *)""};
-                n += llama2_turn(&none, &sys, answered, ps + n);
-                answered = false;
-            }
             const int32_t k = llama2_turn(m, &sys, answered, ps + n);
             n += k;
-            answered = assistant || (answered && k == 0);
+            answered = assistant || (answered && k == 0); /* a held system message: as before */
         } else { /* raw: a transcript */
             ps[n++] = (piece){m->role, strlen(m->role), false};
             ps[n++] = (piece){": ", 2, false};
@@ -109,10 +113,8 @@ static int32_t render_pieces(const fitm_session *s, const fitm_answer_request *r
             ps[n++] = (piece){"\n", 1, false};
         }
     }
-    if (llama2 && sys) { /* a system message with no turn after it */
-        const fitm_answer_message none = {(char *)"user", (char *)""};
-        n += llama2_turn(&none, &sys, answered, ps + n);
-    }
+    if (llama2 && sys) /* a system message with no turn after it */
+        n += llama2_user("", &sys, answered, ps + n);
     if (tm)
         ps[n++] = (piece){tm->end, strlen(tm->end), true};
     else if (!llama2)

@@ -706,8 +706,8 @@ static fitm_status reject_lenient_json(const char *body, size_t len, fitm_err *e
         if (c == '"') {
             in_str = true;
         } else if (c == '-' || (c >= '0' && c <= '9')) {
-            size_t n = 0;
-            while (i + n < len && strchr("0123456789+-.eE", body[i + n]) && body[i + n])
+            size_t n = 0; /* the run of number characters cJSON read as one */
+            while (i + n < len && body[i + n] && strchr("0123456789+-.eE", body[i + n]))
                 n++;
             if (!json_number_len(body + i, n))
                 return fitm_err_set(err, FITM_ERR_FORMAT,
@@ -1375,7 +1375,6 @@ fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_l
     cJSON_Delete(root);
     return st;
 }
-
 
 /* An integer written as one (cJSON's doubles print large ones in exponent form). */
 static bool add_uint(cJSON *obj, const char *name, uint64_t v)

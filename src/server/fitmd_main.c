@@ -554,10 +554,11 @@ static fitm_status model_run(void *ctx, fitm_job *job, fitm_err *err)
         return fitm_answer_run(dm->session, w->req, job_stop, job, w->on_delta, w->delta_arg,
                                &w->result, err);
     }
-    case FITM_WORK_TOKENS:
-        return run_tokens(dm, job->work, err);
+    case FITM_WORK_TOKENS: /* runs at once (model_now), never queued */
+        break;
     }
-    return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "job kind %d does not run on the worker",
+                        job->kind);
 }
 
 /* hooks.cost: the job's forward tokens, from its tokenized prompts (pipeline's cost). */
@@ -571,22 +572,21 @@ static fitm_status model_cost(void *ctx, const fitm_job *job, int64_t *tokens, f
     case FITM_WORK_ANSWER:
         return fitm_answer_cost(dm->session, ((const fitm_answer_work *)job->work)->req, tokens,
                                 err);
-    case FITM_WORK_TOKENS:
-        *tokens = 0; /* no forward pass */
-        return FITM_OK;
+    case FITM_WORK_TOKENS: /* runs at once (model_now), never queued */
+        break;
     }
-    return fitm_err_set(err, FITM_ERR_INTERNAL, "unknown job kind %d", job->kind);
+    return fitm_err_set(err, FITM_ERR_INTERNAL, "job kind %d is not queued", job->kind);
 }
 
 /* Continuous batching: an /answer joins the running batch with its ranking started
  * (fitm_answer_begin), a /rerank once its caches are made (fitm_rerank_begin); attention_sort
- * (a rerank's, or an /answer's reorder) and /tokenize run whole between two steps. */
+ * (a rerank's, or an /answer's reorder) runs whole between two steps. */
 static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err *err)
 {
     daemon_model *dm = ctx;
     *joined = false;
     if ((fitm_work_kind)job->kind == FITM_WORK_TOKENS)
-        return model_run(ctx, job, err);
+        return model_run(ctx, job, err); /* its error: never queued */
     if ((fitm_work_kind)job->kind == FITM_WORK_RERANK) {
         fitm_rerank_work *w = job->work;
         if (!fitm_rerank_batches(w->req))

@@ -491,8 +491,15 @@ static enum MHD_Result start_score(request *r)
 
 /* The job runs at once on this thread (fitm_engine_run_now: the loaded model's tokenizer,
  * read-only), not on the worker between two steps, which it would hold for seconds on a body
- * of megabytes. */
-static enum MHD_Result finish_tokens(request *r);
+ * of megabytes; the answer follows at once (answer_tokens is also the routes' finish, which
+ * marks them as job routes: refused while draining, 413 for a body discarded as too large). */
+static enum MHD_Result answer_tokens(request *r)
+{
+    fitm_job *j = &r->job;
+    if (j->status != FITM_OK)
+        return send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
+    return send_json(r, 200, fitm_api_write_tokens(&r->tokens, r->twork.n_ctx));
+}
 
 static enum MHD_Result start_tokens(request *r, bool detokenize)
 {
@@ -507,7 +514,7 @@ static enum MHD_Result start_tokens(request *r, bool detokenize)
     r->job.work = &r->twork;
     job_bind(r);
     r->job.status = fitm_engine_run_now(r->h->p.engine, &r->job, &r->job.err);
-    return finish_tokens(r);
+    return answer_tokens(r);
 }
 
 static enum MHD_Result start_tokenize(request *r)
@@ -520,13 +527,6 @@ static enum MHD_Result start_detokenize(request *r)
     return start_tokens(r, true);
 }
 
-static enum MHD_Result finish_tokens(request *r)
-{
-    fitm_job *j = &r->job;
-    if (j->status != FITM_OK)
-        return send_error(r, j->status, FITM_API_COND_NONE, NULL, j->err.msg);
-    return send_json(r, 200, fitm_api_write_tokens(&r->tokens, r->twork.n_ctx));
-}
 
 /* ---- POST /answer ------------------------------------------------------------------------ */
 
@@ -797,8 +797,8 @@ static const route_def routes[] = {
     {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
     {"/v1/chat/completions", FITM_ROUTE_CHAT, "POST", true, start_chat, finish_answer},
     {"/v1/completions", FITM_ROUTE_COMPLETIONS, "POST", true, start_completion, finish_answer},
-    {"/tokenize", FITM_ROUTE_OTHER, "POST", true, start_tokenize, finish_tokens},
-    {"/detokenize", FITM_ROUTE_OTHER, "POST", true, start_detokenize, finish_tokens},
+    {"/tokenize", FITM_ROUTE_OTHER, "POST", true, start_tokenize, answer_tokens},
+    {"/detokenize", FITM_ROUTE_OTHER, "POST", true, start_detokenize, answer_tokens},
     {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
