@@ -194,7 +194,7 @@ def test_shipped_profile_is_what_the_writer_writes(tmp_path):
     assert out.read_text() == shipped.read_text()
     assert (kv["answer_reorder"], kv["answer_reorder_placement"], kv["answer_calibrate"]) == \
         ("fused", "last", "false")
-    assert (kv["rerank_method"], kv["fuse_weight"], kv["answer_top_n"]) == ("fused", "0.1", "3")
+    assert (kv["rerank_method"], kv["fuse_weight"], kv["answer_top_n"]) == ("fused", "0.02", "3")
     with pytest.raises(SystemExit, match="unknown field"):
         fit_profile.parse_answer('{"reorder": "calibrated", "stream": true}')
 
@@ -297,7 +297,7 @@ import traps  # noqa: E402
 
 @pytest.fixture(scope="module")
 def trap_splits():
-    return {s: traps.items(s, 12) for s in ("dev", "test")}
+    return {s: traps.items(s, 12) for s in ("dev", "dev2", "test")}
 
 
 def test_trap_sets_are_deterministic(trap_splits):
@@ -316,15 +316,16 @@ def test_trap_splits_are_disjoint(trap_splits):
 
     def questions(items):
         return {it["query"].replace(it["entity"], "{}") for it in items}
-    dev, test = trap_splits["dev"], trap_splits["test"]
     names = lambda items: {it["entity"] for it in items}  # noqa: E731
-    assert not names(dev) & names(test)
-    assert not questions(dev) & questions(test)
-    # no name, place, profession or prize word is shared: only function words, "named"
-    # (the namesake and place forms) and years
-    shared = {w for w in words(dev) & words(test) if not w.isdigit()}
-    assert shared <= {"a", "an", "and", "as", "for", "had", "in", "named", "never", "of",
-                      "that", "the", "to", "was", "where", "who"}, shared
+    test = trap_splits["test"]
+    for dev in (trap_splits["dev"], trap_splits["dev2"]):  # the splits that choose, and test
+        assert not names(dev) & names(test)
+        assert not questions(dev) & questions(test)
+        # no name, place, profession or prize word is shared: only function words, "named"
+        # (the namesake and place forms) and years
+        shared = {w for w in words(dev) & words(test) if not w.isdigit()}
+        assert shared <= {"a", "an", "and", "as", "for", "had", "he", "in", "named", "never",
+                          "of", "she", "that", "the", "to", "was", "where", "who"}, shared
 
 
 def test_trap_items_carry_the_traps(trap_splits):
@@ -340,10 +341,13 @@ def test_trap_items_carry_the_traps(trap_splits):
             assert [i for i, d in enumerate(docs) if it["answer"] in d["text"]] == [gi]
             assert len(it["traps"]) == traps.N_TRAPS[it["variant"]] == len(set(it["forms"]))
             assert gi not in it["traps"]
-            asked = {"city": "born" if split == "dev" else "came into the world",
-                     "year": "born" if split == "dev" else "came into the world",
-                     "profession": "worked as" if split == "dev" else "by trade",
-                     "prize": "awarded" if split == "dev" else "received"}[it["attribute"]]
+            asked = {"dev": {"city": "born", "year": "born", "profession": "worked as",
+                             "prize": "awarded"},
+                     "dev2": {"city": "born", "year": "born", "profession": "earned a livelihood",
+                              "prize": "honoured"},
+                     "test": {"city": "came into the world", "year": "came into the world",
+                              "profession": "by trade", "prize": "received"}}[split][
+                         it["attribute"]]
             for i, d in enumerate(docs):
                 named = x in d["text"]
                 # exactly the traps name the asked person besides the gold document
@@ -357,7 +361,7 @@ def test_trap_items_carry_the_traps(trap_splits):
             if titled:
                 assert docs[gi]["title"] == x
     assert set(cells.values()) == {12}
-    assert set(cells) == {(s, v, k, p) for s in ("dev", "test") for v in traps.VARIANTS
+    assert set(cells) == {(s, v, k, p) for s in ("dev", "dev2", "test") for v in traps.VARIANTS
                           for k in traps.KS for p in traps.positions(k)}
     # every form and every attribute occurs in each split
     for items in trap_splits.values():

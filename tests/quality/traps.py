@@ -20,14 +20,17 @@ biographies in the gold's shape. No value the question asks appears in any docum
 gold.
 
 Variants: `traps` (titled: a document's title is its subject's name, 2 traps),
-`traps_untitled` (every title empty, 3 traps) and `traps_long` (untitled, 3 traps, the gold and
+`traps_untitled` (every title empty, 3 traps), `traps_long` (untitled, 3 traps, the gold and
 the unrelated biographies seven sentences long: the asked attribute is one sentence among
 others about the person's life, while each trap is two short sentences of the asked person's
 name and the attribute's words, the shape that favours a trap for a signal that measures how
-much of a document the question's words cover). K = 10 and 20; each group's gold document is
-placed first, in the middle ((K + 1) // 2) and last, the other documents keeping their order
-(paired positions, as in dataset.py). Splits `dev` and `test` share no name syllable, city
-suffix, profession, prize word, document sentence or question wording.
+much of a document the question's words cover) and `traps_pronoun` (untitled, 3 traps, the
+gold and the unrelated biographies name their person once and then say "he" or "she": the
+traps name the asked person as often as the gold does, the denied claim twice). K = 10 and
+20; each group's gold document is placed first, in the middle ((K + 1) // 2) and last, the
+other documents keeping their order (paired positions, as in dataset.py). Splits `dev` and `test` share no name syllable, city
+suffix, profession, prize word, document sentence or question wording; `dev2`, a third wording
+for choosing only (tests/quality/fuse_sweep.py), shares none with `test` either.
 
 The items are generated on the fly (deterministic: the same seed gives the same items), in
 dataset.py's item format plus "traps": the 0-based indices of the trap documents and
@@ -50,25 +53,31 @@ import dataset  # noqa: E402
 SEED = 39
 GROUPS = 50
 KS = (10, 20)
-VARIANTS = ("traps", "traps_untitled", "traps_long")
-N_TRAPS = {"traps": 2, "traps_untitled": 3, "traps_long": 3}
+VARIANTS = ("traps", "traps_untitled", "traps_long", "traps_pronoun")
+N_TRAPS = {"traps": 2, "traps_untitled": 3, "traps_long": 3, "traps_pronoun": 3}
 FORMS = ("correspondence", "relative", "namesake", "place", "negated")
 ATTRIBUTES = ("city", "year", "profession", "prize")
 
 SYLLABLES = {
     "dev": "cal bar dor bel gus pel mar ru kor ob sen ti vad lon fir ga hes tum ev ro".split(),
     "test": "zan wel dru pim oth ask vey lib num che rak sul hon bri ef dag mos ul ten ky".split(),
+    "dev2": "nor vil tas qua mep fen jor hal dri sto bix pra wum lek yor gim tro zel cas mun".split(),
 }
-CITY_SUFFIX = {"dev": ["ford", "holm", "wick", "port"], "test": ["bury", "stead", "mouth", "gate"]}
+CITY_SUFFIX = {"dev": ["ford", "holm", "wick", "port"], "test": ["bury", "stead", "mouth", "gate"],
+               "dev2": ["ton", "field", "burgh", "haven"]}
 PROFESSIONS = {
     "dev": ["cartographer", "glassblower", "botanist", "clockmaker", "ferry pilot", "archivist",
             "stonemason", "beekeeper", "sculptor", "organ builder", "tanner", "chemist"],
     "test": ["astronomer", "bookbinder", "shipwright", "perfumer", "bell founder", "surveyor",
              "weaver", "lock keeper", "engraver", "violin maker", "cooper", "apothecary"],
+    "dev2": ["miller", "tailor", "potter", "blacksmith", "carpenter", "printer", "glazier",
+             "saddler", "chandler", "jeweller", "furrier", "cordwainer"],
 }
-PRIZE_KIND = {"dev": ["Medal", "Prize", "Cup"], "test": ["Award", "Laurel", "Ribbon"]}
+PRIZE_KIND = {"dev": ["Medal", "Prize", "Cup"], "test": ["Award", "Laurel", "Ribbon"],
+              "dev2": ["Star", "Shield", "Crown"]}
 RELATIVES = {"dev": ["cousin", "nephew", "niece"], "test": ["brother-in-law", "grandson",
-                                                            "granddaughter"]}
+                                                            "granddaughter"],
+             "dev2": ["uncle", "stepdaughter", "stepson"]}
 
 # {n}: the subject's name; {x}: the asked person's name (traps); {p}: the place named after X.
 WORDING = {
@@ -85,6 +94,10 @@ WORDING = {
                      "In middle age {n} was awarded the {prize} for that work.",
                      "{n} died after a short illness, leaving notebooks and drawings to a "
                      "nephew."],
+        "bio_pronoun": ["The parish book notes that {n} was born in the city of {city} in "
+                        "{year}.",
+                        "{He} worked for many years as a {profession}.",
+                        "In middle age {he} was awarded the {prize} for that work."],
         "correspondence": ["{x} corresponded for years with the {profession} {n}; the two "
                            "first met in {city}, where {n} was born in {year}.",
                            "{n} worked as a {profession} and was awarded the {prize}."],
@@ -113,6 +126,9 @@ WORDING = {
                      "Neighbours described {n} as cheerful, restless and fond of music.",
                      "Late in life {n} received the {prize}.",
                      "{n} passed away peacefully at home, survived by three children."],
+        "bio_pronoun": ["Records give {year} as the year {n} came into the world, in {city}.",
+                        "By trade {he} was a {profession}.",
+                        "Late in life {he} received the {prize}."],
         "correspondence": ["{x} wrote letters for decades to {n}, a {profession} living in "
                            "{city}, where {n} came into the world in {year}.",
                            "By trade {n} was a {profession}, and {n} received the {prize}."],
@@ -132,7 +148,42 @@ WORDING = {
                       "prize": "Which award did {x} receive?"},
     },
 }
-NEGATED_TITLE = {"dev": "A story about {x}", "test": "What is said of {x}"}
+WORDING["dev2"] = {
+    "bio": ["{n} was born in {year} in the town of {city}.",
+            "{n} earned a livelihood as a {profession}.",
+            "{n} was eventually honoured with the {prize}."],
+    "bio_long": ["{n} was the youngest of five in a carter's family.",
+                 "{n} was born in {year} in the town of {city}.",
+                 "Aged sixteen, {n} left the village with a borrowed coat and little else.",
+                 "{n} earned a livelihood as a {profession}.",
+                 "People who met {n} spoke of a dry humour and a long memory.",
+                 "{n} was eventually honoured with the {prize}.",
+                 "{n} spent the last years on the coast, writing to old friends."],
+    "bio_pronoun": ["{n} was born in {year} in the town of {city}.",
+                    "{He} earned a livelihood as a {profession}.",
+                    "{He} was eventually honoured with the {prize}."],
+    "correspondence": ["{x} kept up a long correspondence with {n}, a {profession} of "
+                       "{city}, where {n} was born in {year}.",
+                       "{n} earned a livelihood as a {profession} and was eventually honoured "
+                       "with the {prize}."],
+    "relative": ["The {relative} of {x}, {n}, was born in {city} in {year}.",
+                 "{n} earned a livelihood as a {profession} and was honoured with the {prize}."],
+    "namesake": ["{n}, who was named in honour of {x}, was born in {city} in {year}.",
+                 "{n} earned a livelihood as a {profession} and was honoured with the {prize}."],
+    "place": ["The village of {p} was called after {x}.",
+              "{n} was born in {p} in {year}, earned a livelihood as a {profession} and was "
+              "honoured with the {prize}."],
+    "negated": ["Some sources claim that {x} was born in {city} in {year}, a claim without "
+                "basis.",
+                "{x} never earned a livelihood as a {profession} and was never honoured with "
+                "the {prize}."],
+    "questions": {"city": "In which town was {x} born?",
+                  "year": "In what year was {x} born?",
+                  "profession": "What did {x} do for a living?",
+                  "prize": "What honour did {x} receive?"},
+}
+NEGATED_TITLE = {"dev": "A story about {x}", "test": "What is said of {x}",
+                 "dev2": "Claims about {x}"}
 
 
 class Namer(dataset.Namer):
@@ -169,8 +220,13 @@ def make_group(rnd: random.Random, split: str, variant: str, k: int) -> dict:
     x = namer.person()
     gold_attrs = attributes(rnd, namer, split)
     titled = variant == "traps"
-    bio = w["bio_long"] if variant == "traps_long" else w["bio"]
-    docs = [{"title": x if titled else "", "text": fill(bio, n=x, **gold_attrs)}]
+    bio = {"traps_long": w["bio_long"], "traps_pronoun": w["bio_pronoun"]}.get(variant, w["bio"])
+    pronoun = variant == "traps_pronoun"
+
+    def he() -> dict:  # the subject's pronoun, for the one-mention biographies
+        p = rnd.choice(("he", "she")) if pronoun else "he"
+        return {"he": p, "He": p.capitalize()}
+    docs = [{"title": x if titled else "", "text": fill(bio, n=x, **he(), **gold_attrs)}]
     forms = rnd.sample(FORMS, N_TRAPS[variant])
     others = []
     for form in forms:
@@ -184,7 +240,8 @@ def make_group(rnd: random.Random, split: str, variant: str, k: int) -> dict:
     while len(others) < k - 1:
         y = namer.person()
         a = attributes(rnd, namer, split, gold_attrs)
-        others.append(({"title": y if titled else "", "text": fill(bio, n=y, **a)}, None))
+        others.append(({"title": y if titled else "", "text": fill(bio, n=y, **he(), **a)},
+                       None))
     rnd.shuffle(others)
     return {"query": w["questions"][attr].format(x=x), "entity": x,
             "documents": docs + [d for d, _ in others], "forms": [f for _, f in others],
