@@ -99,8 +99,8 @@ def test_log_levels(model, tmp_path):
 def test_bad_model_message_names_the_path_once(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"XXXX" + b"\0" * 60)
-    p = subprocess.run([str(FITMD), f"--model={bad}", "--port=1"], capture_output=True,
-                       text=True, timeout=30, env=clean_env())
+    p = subprocess.run([str(FITMD), f"--model={bad}", f"--port={free_port()}"],
+                       capture_output=True, text=True, timeout=30, env=clean_env())
     assert p.returncode == 1
     line = [x for x in p.stderr.splitlines() if x.startswith("fitmd:")][0]
     assert line.count(str(bad)) == 1, line
@@ -111,7 +111,8 @@ def test_bad_model_message_names_the_path_once(tmp_path):
 def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
     # Only an empty value serves without keys: a template's "${K1},${K2}" with both unset
     # must not start an open server.
-    p = subprocess.run([str(FITMD), f"--model={model}", "--port=1", f"--api_keys={keys}"],
+    p = subprocess.run([str(FITMD), f"--model={model}", f"--port={free_port()}",
+                        f"--api_keys={keys}"],
                        capture_output=True, text=True, timeout=30, env=clean_env())
     assert p.returncode == 1 and "holds no key" in p.stderr, p.stderr
 
@@ -120,9 +121,10 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
                                        ("--layers=-9", "the default layers name layer -9"),
                                        ("--heads=0:99", "layer 0, head 99")])
 def test_defaults_the_model_lacks_refuse_to_start(model, flag, says):
-    # else every request taking the default would get a 400 blaming the client
-    p = subprocess.run([str(FITMD), f"--model={model}", "--port=1", flag], capture_output=True,
-                       text=True, timeout=60, env=clean_env())
+    # else every request taking the default would get a 400 blaming the client; a port of
+    # its own (two of these at once on one port: one fails to listen instead)
+    p = subprocess.run([str(FITMD), f"--model={model}", f"--port={free_port()}", flag],
+                       capture_output=True, text=True, timeout=60, env=clean_env())
     assert p.returncode == 1 and says in p.stderr, p.stderr
 
 

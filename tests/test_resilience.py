@@ -803,8 +803,8 @@ def test_strict_json_keeps_what_is_exact(daemon):
 def test_too_many_api_keys_is_a_startup_error(fitmd_bin, models):  # noqa: F811
     keys = ",".join(f"key-{i}" for i in range(33))
     p = subprocess.run([str(fitmd_bin), f"--model={models['small']}", "--host=127.0.0.1",
-                        "--port=1", f"--api_keys={keys}"], capture_output=True, text=True,
-                       timeout=60)
+                        f"--port={free_port()}", f"--api_keys={keys}"], capture_output=True,
+                       text=True, timeout=60)
     assert p.returncode != 0
     assert "api_keys lists more than 32 keys" in p.stdout + p.stderr
 
