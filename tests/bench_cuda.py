@@ -163,7 +163,7 @@ def rerank_bench(build, model, k, repeat, gpu_weights, methods=METHODS, daemon_a
 # The profile keys that are fitmd's scoring defaults (config/fitmd.conf's keys of the same names)
 PROFILE_KEYS = ("rows", "layers", "heads", "aggregate", "skip_first", "reference", "dummy_source",
                 "form", "head_query", "sink_factor", "window", "temperature", "score_scale",
-                "score_bias", "fuse_weight", "rerank_method")
+                "score_bias", "fuse_weight", "fuse_layers", "rerank_method")
 
 
 def profile_args(path):

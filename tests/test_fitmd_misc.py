@@ -119,6 +119,8 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
 
 @pytest.mark.parametrize("flag,says", [("--layers=99", "the default layers name layer 99"),
                                        ("--layers=-9", "the default layers name layer -9"),
+                                       ("--fuse_layers=0,7",
+                                        "the default fuse_layers name layer 7"),
                                        ("--heads=0:99", "layer 0, head 99")])
 def test_defaults_the_model_lacks_refuse_to_start(model, flag, says):
     # else every request taking the default would get a 400 blaming the client; a port of

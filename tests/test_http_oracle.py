@@ -57,6 +57,7 @@ def served(request, tmp_path_factory):
     subprocess.run([str(build_dir() / "src" / "fitm"), "mkmodel", "--seed", "3", "-q", "-o",
                     str(path)] + CASES[arch], check=True)
     daemon = Daemon(build_dir() / "src" / "fitmd", path, d, kv_cache_type=kv, rerank_lanes=LANES)
+    daemon.model_path = path
     model = om.Model.load(path)
     model.kv_half = kv == "f16"
     yield daemon, model, arch
@@ -287,3 +288,77 @@ def test_paper_matches_oracle(served, variant):
     if arch == "gemma3":
         # a window of 48 tokens: the first documents are outside the local layers' view
         assert len(tok["prompt"]) - 1 - spans[0][0] >= 48
+
+
+RESTRICT = " We can get the answer to this question in the given documents."
+
+
+def tokenize(path, text: str, *flags) -> list:
+    """The ids `fitm tokenize` gives text with flags (the prompt pieces' own encodings)."""
+    out = subprocess.run([str(build_dir() / "src" / "fitm"), "tokenize", "-m", str(path),
+                          *flags, "--", text], check=True, capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def ql_prompt(path, text: str, query: str) -> tuple:
+    """Query likelihood's prompt for one document as docs/scoring.md writes it: BOS, the text,
+    "\\n\\nQuestion:", " {query}" + RESTRICT. (ids, the document's span, the first id of the
+    question, the question's leading ids that " {query}" alone also begins with)."""
+    head = tokenize(path, "")
+    body = tokenize(path, text, "--no-bos")
+    sep = tokenize(path, "\n\nQuestion:", "--no-bos", "--continuation")
+    q = tokenize(path, f" {query}{RESTRICT}", "--no-bos", "--continuation")
+    alone = tokenize(path, f" {query}", "--no-bos", "--continuation")
+    n_query = shared_head(q, alone)
+    ids = head + body + sep + q
+    return ids, (len(head), len(head) + len(body)), len(ids) - len(q), n_query
+
+
+@pytest.mark.parametrize("extra", [{}, {"fuse_weight": 0.7, "fuse_layers": [0, -1]}],
+                         ids=["defaults", "weight-layers"])
+def test_fused_matches_oracle(served, extra):
+    """Method fused: per document one query-likelihood prompt, the mean log-probability of its
+    question and the attention its query's rows pay to the document (the mean over those rows
+    and every head of the fuse layers of the mass on the document's tokens) recomputed by the
+    oracle's forward pass; score = that log-probability + w x the z-score of the attention."""
+    daemon, model, arch = served
+    rtol_a = RTOL_HALF if model.kv_half else RTOL_A
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    query, documents = random_request(seed)
+    body = {"query": query, "documents": documents, "method": "fused", **extra}
+    r = requests.post(daemon.url("/rerank"), json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    L, H = model.hp.n_layer, model.hp.n_head
+    layers = sorted({l % L for l in extra.get("fuse_layers", [0])})
+    w = extra.get("fuse_weight", 0.02)
+    assert (j["meta"]["method"], j["meta"]["layers"], j["meta"]["fuse_weight"]) == \
+        ("fused", layers, w), seed
+    got = sorted(j["results"], key=lambda x: x["index"])
+    A, lp, forward = [], [], 0
+    for d in documents:
+        ids, (s, e), q0, n_query = ql_prompt(daemon.model_path, d["text"], query)
+        assert n_query > 0
+        fed = ids[:-1]  # the question's last id is predicted, never fed
+        rows = list(range(q0, q0 + n_query))
+        logits = model.forward(fed, capture_rows=rows, logits_rows=list(range(q0 - 1, len(fed))))
+        logits = logits.astype(np.float64)
+        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+        lp.append(np.mean(logits[np.arange(len(logits)), ids[q0:]] - logz))
+        P = np.stack(model.attn, axis=0)  # (L, H, rows, T)
+        A.append(P[layers, :, :, s:e].sum(-1).mean())
+        forward += len(fed)
+    np.testing.assert_allclose([x["attention"] for x in got], A, rtol=rtol_a, atol=ATOL_A,
+                               err_msg=f"seed {seed}")
+    # The score: the oracle's mean log-probability plus w x the z-score of the daemon's own
+    # attention (its rounding is the line above's). float32 logits of about 10 agree to 1e-4
+    # absolute; an fp16 cache's rounding flips (RTOL_HALF above) move them up to 1e-3.
+    a = np.array([x["attention"] for x in got])
+    z = (a - a.mean()) / a.std() if a.std() > 0 else np.zeros_like(a)
+    np.testing.assert_allclose([x["relevance_score"] for x in got], np.array(lp) + w * z,
+                               rtol=0, atol=1e-3 if model.kv_half else 1e-4,
+                               err_msg=f"seed {seed}")
+    assert all(x["calibrated_attention"] == 0 and x["dummy_attention"] == 0 for x in got)
+    assert [x["index"] for x in j["results"]] == \
+        sorted(range(len(got)), key=lambda i: (-got[i]["relevance_score"], i))
+    assert j["usage"]["forward_tokens"] == forward

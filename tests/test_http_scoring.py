@@ -267,7 +267,7 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
     """The shipped profile fits the default model, and a bare fitmd on that model (no
     --profile, no file beside it: README's users) picks it from the binary; README's examples:
     the rerank ranks the Miltrek document first and /answer names Miltrek; the default method is
-    the profile's `fused`, which costs exactly its two components' passes."""
+    the profile's `fused`, which costs exactly query likelihood's passes."""
     kw = {"profile": profile} if profile else {}
     d = Daemon(fitmd_bin, GEMMA, tmp_path, **kw)
     try:
@@ -276,10 +276,10 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         want = str(SHIPPED) if profile else "built-in gemma3-270m-q4km.profile"
         assert j["meta"]["profile"] == want
         assert j["results"][0]["index"] == 2, j["results"]
-        assert (j["meta"]["method"], j["meta"]["fuse_weight"]) == ("fused", 0.1)
-        parts = [post(d, {"query": README_QUERY, "documents": README_DOCS, **m}).json()
-                 for m in ({"method": "query_likelihood"}, {"method": "calibrated"})]
-        assert j["usage"]["forward_tokens"] == sum(p["usage"]["forward_tokens"] for p in parts)
+        assert (j["meta"]["method"], j["meta"]["fuse_weight"]) == ("fused", 0.02)
+        ql = post(d, {"query": README_QUERY, "documents": README_DOCS,
+                      "method": "query_likelihood"}).json()
+        assert j["usage"]["forward_tokens"] == ql["usage"]["forward_tokens"]
         a = post(d, {"query": README_QUERY, "documents": README_DOCS, "max_tokens": 32,
                      "stop": ["\n"]}, "/answer").json()
         assert "Miltrek" in a["answer"], a
@@ -292,36 +292,55 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         assert d.terminate() == 0
 
 
-def fused_reference(ql: list, cal: list, w: float) -> dict:
-    """Method fused's scores by index from its two components' separate responses:
-    ln(query_likelihood's relevance_score) + w x the z-score of calibrated_attention over K."""
+def fused_reference(ql: list, fused: list, w: float) -> dict:
+    """Method fused's scores by index from query_likelihood's response and fused's own
+    attention: ln(query_likelihood's relevance_score) + w x the z-score of attention over K."""
     q = {x["index"]: math.log(x["relevance_score"]) for x in ql}
-    a = {x["index"]: x["calibrated_attention"] for x in cal}
+    a = {x["index"]: x["attention"] for x in fused}
     mean = sum(a.values()) / len(a)
     sd = math.sqrt(sum((v - mean) ** 2 for v in a.values()) / len(a))
     return {i: q[i] + w * ((a[i] - mean) / sd if sd > 0 else 0.0) for i in q}
 
 
-@pytest.mark.parametrize("w", [0.0, 0.1, 0.7, 1e6])
+@pytest.mark.parametrize("w", [0.0, 0.2, 0.7, 1e6])
 def test_fused_is_query_likelihood_plus_weighted_attention(daemon, w):
+    """fused runs query likelihood's passes, no more (its attention is captured in them), and
+    its score is query likelihood's log plus w x the z-score of its attention (which
+    test_http_oracle recomputes); the attention differs between documents."""
     body = {"query": "which sport uses a club", "documents": docs(7, 23) + ["golf uses a club"]}
     ql = post(daemon, {**body, "method": "query_likelihood"}).json()
-    cal = post(daemon, {**body, "method": "calibrated", "window": 1}).json()
     j = post(daemon, {**body, "method": "fused", "fuse_weight": w}).json()
-    ref = fused_reference(ql["results"], cal["results"], w)
+    ref = fused_reference(ql["results"], j["results"], w)
     got = {x["index"]: x for x in j["results"]}
     assert set(got) == set(ref)
     for i, s in ref.items():
         assert math.isclose(got[i]["relevance_score"], s, rel_tol=1e-9, abs_tol=1e-9)
-    cal_by = {x["index"]: x for x in cal["results"]}
-    for i, x in got.items():  # the calibrated run's fields are kept
-        assert math.isclose(x["calibrated_attention"], cal_by[i]["calibrated_attention"],
-                            rel_tol=1e-12, abs_tol=1e-15)
+    assert len({x["attention"] for x in got.values()}) == len(got)
+    assert all(x["calibrated_attention"] == 0 and x["dummy_attention"] == 0 for x in got.values())
     order = [x["index"] for x in j["results"]]
     assert order == sorted(ref, key=lambda i: (-ref[i], i))
-    assert j["usage"]["forward_tokens"] == \
-        ql["usage"]["forward_tokens"] + cal["usage"]["forward_tokens"]
-    assert (j["meta"]["method"], j["meta"]["fuse_weight"], j["meta"]["window"]) == ("fused", w, 1)
+    assert j["usage"] == ql["usage"]
+    assert (j["meta"]["method"], j["meta"]["fuse_weight"]) == ("fused", w)
+
+
+@pytest.mark.parametrize("layers,want", [(None, [0]), ([-1], [1]), ([1, 0, 1], [0, 1])])
+def test_fused_layers(daemon, layers, want):
+    """fuse_layers picks the layers whose attention fused averages (negative from the end;
+    the built-in default for this 2-layer model: layer 0); meta.layers states them."""
+    body = {"query": "which sport uses a club", "documents": docs(4, 5) + ["golf uses a club"],
+            "method": "fused", **({"fuse_layers": layers} if layers else {})}
+    j = post(daemon, body).json()
+    assert j["meta"]["layers"] == want
+    other = post(daemon, {**body, "fuse_layers": [1] if want == [0] else [0]}).json()
+    assert [x["attention"] for x in j["results"]] != [x["attention"] for x in other["results"]]
+
+
+@pytest.mark.parametrize("bad,mentions", [([2], "'fuse_layers[0]' = 2"), ([], "'fuse_layers'"),
+                                          ("0", "'fuse_layers'"), ([0.5], "'fuse_layers[0]'")])
+def test_fused_bad_layers(daemon, bad, mentions):
+    r = post(daemon, {"query": "q", "documents": ["a", "b"], "method": "fused",
+                      "fuse_layers": bad})
+    assert_error(r, 400, mentions=mentions)
 
 
 def test_fused_does_not_depend_on_the_order(daemon):

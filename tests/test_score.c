@@ -68,14 +68,25 @@ static void test_options(void)
     CHECK(fitm_score_opts_set(&o, "bogus", "1", &err) == FITM_ERR_NOT_FOUND);
     CHECK(fitm_score_opts_set(&o, "sink_factor", "", &err) == FITM_OK && isnan(o.sink_factor));
     CHECK(fitm_score_opts_set(&o, "layers", "", &err) == FITM_OK && !o.layers);
+    /* fuse_layers: a layer list of its own, beside layers */
+    CHECK(fitm_score_opts_set(&o, "fuse_layers", "1,-2", &err) == FITM_OK &&
+          o.n_fuse_layers == 2 && o.fuse_layers[1] == -2 && !o.layers);
+    CHECK(fitm_score_opts_set(&o, "fuse_layers", "1;2", &err) == FITM_ERR_INVALID &&
+          strstr(err.msg, "fuse_layers"));
+    CHECK(fitm_score_opts_set(&o, "fuse_weight", "0.3", &err) == FITM_OK && o.fuse_weight == 0.3);
 
     /* Overlay: set options win, unset ones keep the layer below. */
     CHECK(fitm_score_opts_builtin(&b, 18, &err) == FITM_OK);
     CHECK(b.n_layers == 3 && b.layers[0] == 5 && b.layers[2] == 7);
+    CHECK(b.n_fuse_layers == 1 && b.fuse_layers[0] == 0 && b.fuse_weight == FITM_FUSE_WEIGHT);
     CHECK(b.rows == FITM_ROWS_QUESTION && b.reference == FITM_REF_NULL_QUERY &&
           b.aggregate == FITM_AGG_SUM && b.window == 0 && b.score_scale == 1 / b.temperature);
     CHECK(fitm_score_opts_overlay(&b, &o, &err) == FITM_OK);
     CHECK(b.rows == FITM_ROWS_SUFFIX && b.n_heads == 2 && b.n_layers == 3 && b.window == 0);
+    CHECK(b.n_fuse_layers == 2 && b.fuse_layers[0] == 1 && b.fuse_layers[1] == -2 &&
+          b.fuse_weight == 0.3);
+    CHECK(fitm_score_opts_set(&o, "fuse_layers", "", &err) == FITM_OK && !o.fuse_layers &&
+          !o.n_fuse_layers);
     fitm_score_opts_free(&b);
     CHECK(fitm_score_opts_builtin(&b, 2, &err) == FITM_OK && b.n_layers == 1 && b.layers[0] == 0);
     fitm_score_opts_free(&b);

@@ -328,7 +328,7 @@ def answer_lines(answer: dict, reorder_follows: bool = False) -> list:
 def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads: list,
                   scale: float, bias: float, answer: dict = None, chosen: dict = None):
     """chosen: what was chosen after the fit, on the dev splits with tests/quality/quality.py
-    (docs/rerank-results.md): rerank_method (/rerank's method for requests that name none),
+    and tests/quality/fuse_sweep.py (docs/rerank-results.md, docs/scoring.md): rerank_method (/rerank's method for requests that name none),
     fuse_weight (method fused's w), answer_reorder (/answer's reorder, over the fit's) and
     answer_top_n (how many of the reordered documents /answer's prompt keeps)."""
     n_head = ident["model_heads"]
@@ -350,8 +350,8 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     if "temperature" in opts:  # weight = softmax(rel_scaled / temperature), for /answer
         lines.append(f"temperature = {fmt_value(float(opts['temperature']))}")
     if chosen:
-        lines += ["", "# /rerank's method for requests that name none, and fused's weight (chosen on the trap,",
-                  "# plain and hard dev splits with tests/quality/quality.py's fuse mode, docs/rerank-results.md)",
+        lines += ["", "# /rerank's method for requests that name none, and fused's weight (chosen on the plain, hard",
+                  "# and trap dev splits, docs/scoring.md); its fuse_layers are the built-in 0",
                   f"rerank_method = {chosen['rerank_method']}",
                   f"fuse_weight = {fmt_value(float(chosen['fuse_weight']))}"]
         if "answer_reorder" in chosen:

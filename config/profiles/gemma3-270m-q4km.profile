@@ -28,10 +28,10 @@ score_scale = 217.728
 score_bias = -16.8394
 temperature = 0.05
 
-# /rerank's method for requests that name none, and fused's weight (chosen on the trap,
-# plain and hard dev splits with tests/quality/quality.py's fuse mode, docs/rerank-results.md)
+# /rerank's method for requests that name none, and fused's weight (chosen on the plain, hard
+# and trap dev splits, docs/scoring.md); its fuse_layers are the built-in 0
 rerank_method = fused
-fuse_weight = 0.1
+fuse_weight = 0.02
 
 # /answer defaults for requests that leave them out (the request fields of the same names, chosen with tests/quality/quality.py --answer on the dev split)
 # answer_reorder: since chosen, rerank_method's, the default ranking

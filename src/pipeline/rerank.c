@@ -78,9 +78,8 @@ static fitm_status run_passes(fitm_passes *ps, const fitm_rerank_request *req,
         return fitm_attention_sort_run(ps, req, res, err);
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
-        return fitm_per_doc_run(ps, req, res, err);
     case FITM_RERANK_FUSED:
-        return fitm_fused_run(ps, req, res, err);
+        return fitm_per_doc_run(ps, req, res, err);
     case FITM_RERANK_METHOD_COUNT:
         break;
     }
@@ -117,9 +116,8 @@ fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *r
         return fitm_attention_sort_cost(s, req, tokens, err);
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
-        return fitm_per_doc_cost(s, req, tokens, err);
     case FITM_RERANK_FUSED:
-        return fitm_fused_cost(s, req, any_order, n_lanes, tokens, err);
+        return fitm_per_doc_cost(s, req, tokens, err);
     case FITM_RERANK_METHOD_COUNT:
         break;
     }

@@ -1,7 +1,6 @@
 /* rerank_methods: each rerank method's run and cost, for rerank.c's dispatch and the batch
  * sequence (rerank_seq.c). rerank_attn.c: calibrated, attention, paper; rerank_sort.c:
- * attention_sort; rerank_per_doc.c: query_likelihood, relevance; rerank_fused.c: fused (the
- * two before it combined). Every method but attention_sort runs as a state machine of passes
+ * attention_sort; rerank_per_doc.c: query_likelihood, relevance, fused. Every method but attention_sort runs as a state machine of passes
  * (fitm_machine), whole here or as a sequence of the engine's batch. A run takes the request's
  * passes (fitm_passes: where they run) and fills the result; a cost reads only the session.
  * Not for other modules: they use rerank.h. */
@@ -68,12 +67,13 @@ fitm_status fitm_attention_sort_run(fitm_passes *ps, const fitm_rerank_request *
 fitm_status fitm_attention_sort_cost(const fitm_session *r, const fitm_rerank_request *req,
                                      int64_t *tokens, fitm_err *err);
 
-/* query_likelihood and relevance (rerank_per_doc.c): a state machine over the documents,
- * each lane through its block of them (fitm_passes_share), each document's prompt on the
- * lane's cache rebased at 0: query_likelihood's question rows with logits, at
- * most logit_rows a pass, the first pass also taking the rows before them (their
- * log-probabilities added in row order); relevance's whole prompt, its last row's logits.
- * The whole run drives the same machine (fitm_machine_run). */
+/* query_likelihood, relevance and fused (rerank_per_doc.c): a state machine over the
+ * documents, each lane through its block of them (fitm_passes_share), each document's prompt
+ * on the lane's cache rebased at 0: query_likelihood's question rows with logits, at most
+ * logit_rows a pass, the first pass also taking the rows before them (their log-probabilities
+ * added in row order), and for fused the query's rows' attention to the document captured in
+ * the same passes; relevance's whole prompt, its last row's logits. The whole run drives the
+ * same machine (fitm_machine_run). */
 fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
                                fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
 fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
@@ -83,18 +83,5 @@ fitm_status fitm_per_doc_cost(const fitm_session *r, const fitm_rerank_request *
 /* The most rows a document's pass of req has (a sequence's cache size). */
 fitm_status fitm_per_doc_rows(const fitm_session *r, const fitm_rerank_request *req,
                               int64_t *rows, fitm_err *err);
-
-/* fused: query_likelihood and calibrated (windows of 1), fused (rerank_fused.c): on each
- * lane its share of the calibrated machine, then its share of query_likelihood's, on the same
- * passes, combined once both finished on every lane. */
-fitm_status fitm_fused_start(fitm_passes *ps, const fitm_rerank_request *req,
-                             fitm_rerank_result *res, fitm_machine *m, fitm_err *err);
-fitm_status fitm_fused_run(fitm_passes *ps, const fitm_rerank_request *req,
-                           fitm_rerank_result *res, fitm_err *err);
-fitm_status fitm_fused_cost(const fitm_session *r, const fitm_rerank_request *req, bool any_order,
-                            int32_t n_lanes, int64_t *tokens, fitm_err *err);
-/* The most rows any pass of req's two components has (a sequence's cache size). */
-fitm_status fitm_fused_rows(const fitm_session *r, const fitm_rerank_request *req,
-                            int64_t *rows, fitm_err *err);
 
 #endif

@@ -1,6 +1,7 @@
 /* rerank_per_doc: the per-document methods, one prompt of its own per document on the
- * prompt cache (no shared prefix to reuse): query_likelihood (LongLLMLingua's r_k) and
- * relevance (a yes/no question in the chat template). */
+ * prompt cache (no shared prefix to reuse): query_likelihood (LongLLMLingua's r_k), relevance
+ * (a yes/no question in the chat template) and fused (query likelihood's passes, their
+ * question's attention to the document captured too). */
 #include "pipeline/rerank_methods.h"
 
 #include <math.h>
@@ -35,16 +36,21 @@ static const char RESTRICT[] = " We can get the answer to this question in the g
 static const char ASK[] = "\n\nIs the document relevant to the question? Answer Yes or No.";
 
 typedef struct {
-    bool ql;    /* query_likelihood, else relevance */
+    bool ql;    /* query_likelihood's prompt and scores (query_likelihood, fused), else relevance */
+    bool fused; /* fused: the question's attention to the document too */
     fitm_ids q; /* query_likelihood: " {query}" + RESTRICT, the scored tokens */
+    int64_t n_query; /* the ids of " {query}" at the start of q: fused's captured rows */
     int32_t answers[8]; /* relevance: first tokens of Yes/yes (n_yes), then of No/no (n_no) */
     int n_yes, n_no;
+    uint8_t *use;  /* fused: (L) the layers of fuse_layers */
+    int32_t n_use; /* fused: how many */
+    double w;      /* fused: fuse_weight */
 } per_doc;
 
-/* query_likelihood's prompt for document k: BOS, its text, "\n\nQuestion:", then the scored
- * question (whose last token is never fed). */
+/* query_likelihood's prompt for document k: BOS, its text (its tokens' span into *doc), then
+ * "\n\nQuestion:" and the scored question (whose last token is never fed). */
 static fitm_status ql_prompt(const fitm_session *r, const fitm_rerank_request *req, int32_t k,
-                             const per_doc *pd, fitm_ids *ids, fitm_err *err)
+                             const per_doc *pd, fitm_ids *ids, fitm_span *doc, fitm_err *err)
 {
     const fitm_rerank_doc *d = &req->docs[k];
     fitm_status st = fitm_prompt_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
@@ -52,6 +58,7 @@ static fitm_status ql_prompt(const fitm_session *r, const fitm_rerank_request *r
     if (!st)
         st = fitm_prompt_encode(r->tok, ids, d->text, d->text_len, 0, fitm_prompt_doc_keep(req),
                                 err);
+    *doc = (fitm_span){body, ids->n};
     if (!st)
         st = fitm_prompt_doc_fits(req, k, ids->n - body, err);
     if (!st)
@@ -91,6 +98,26 @@ static fitm_status relevance_prompt(const fitm_session *r, const fitm_rerank_req
     return st;
 }
 
+/* fused's layers (the request's fuse_layers, else the server's) and weight into pd. */
+static fitm_status fuse_layers(const fitm_session *r, const fitm_rerank_request *req, per_doc *pd,
+                               fitm_err *err)
+{
+    const fitm_score_opts *o = req->opt.fuse_layers ? &req->opt : &r->defaults;
+    pd->w = !isnan(req->opt.fuse_weight) ? req->opt.fuse_weight : r->defaults.fuse_weight;
+    if (!(pd->use = calloc((size_t)r->L, 1)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t i = 0; i < o->n_fuse_layers; i++) {
+        const int32_t l = o->fuse_layers[i] < 0 ? r->L + o->fuse_layers[i] : o->fuse_layers[i];
+        if (l < 0 || l >= r->L)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'fuse_layers[%d]' = %d: the model has %d layers", (int)i,
+                                (int)o->fuse_layers[i], (int)r->L);
+        pd->n_use += !pd->use[l];
+        pd->use[l] = 1;
+    }
+    return FITM_OK;
+}
+
 static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request *req, per_doc *pd,
                                 fitm_err *err)
 {
@@ -101,11 +128,24 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
         char *buf = malloc(n);
         if (!buf)
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        int len = snprintf(buf, n, " %s%s", req->query, RESTRICT);
-        fitm_status st =
-            fitm_prompt_encode(r->tok, &pd->q, buf, (size_t)len, FITM_TOK_CONTINUATION, -1, err);
+        /* fused's query rows: the leading ids of q that " {query}" encoded alone also begins
+         * with (all of them unless the tokenizer merged the query's end with RESTRICT's
+         * start, as a trailing space may be) */
+        fitm_ids alone = {0};
+        int len = snprintf(buf, n, " %s", req->query);
+        fitm_status st = pd->fused ? fitm_prompt_encode(r->tok, &alone, buf, (size_t)len,
+                                                        FITM_TOK_CONTINUATION, -1, err)
+                                   : FITM_OK;
+        len = snprintf(buf, n, " %s%s", req->query, RESTRICT);
+        if (st == FITM_OK)
+            st = fitm_prompt_encode(r->tok, &pd->q, buf, (size_t)len, FITM_TOK_CONTINUATION, -1,
+                                    err);
         free(buf);
-        return st;
+        while (st == FITM_OK && pd->n_query < alone.n && pd->n_query < pd->q.n &&
+               pd->q.v[pd->n_query] == alone.v[pd->n_query])
+            pd->n_query++;
+        free(alone.v);
+        return st == FITM_OK && pd->fused ? fuse_layers(r, req, pd, err) : st;
     }
     pd->n_yes = answer_ids(r->tok, YES, pd->answers);
     pd->n_no = answer_ids(r->tok, NO, pd->answers + pd->n_yes);
@@ -119,11 +159,13 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
  * never feeds the question's last token), checked against the context. The run and the
  * cost both take a document's pass from here. */
 static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *req,
-                            const per_doc *pd, int32_t k, fitm_ids *ids, int64_t *T, fitm_err *err)
+                            const per_doc *pd, int32_t k, fitm_ids *ids, int64_t *T,
+                            fitm_span *doc, fitm_err *err)
 {
     ids->n = 0;
+    *doc = (fitm_span){0, 0};
     fitm_status st =
-        pd->ql ? ql_prompt(r, req, k, pd, ids, err) : relevance_prompt(r, req, k, ids, err);
+        pd->ql ? ql_prompt(r, req, k, pd, ids, doc, err) : relevance_prompt(r, req, k, ids, err);
     *T = pd->ql ? ids->n - 1 : ids->n;
     if (st == FITM_OK && *T > r->n_ctx)
         st = fitm_prompt_too_long(*T, r, req, err);
@@ -146,6 +188,13 @@ typedef struct {
                        * relevance the answer ids */
     fitm_pass pass;   /* the pass handed out */
     bool drained;     /* its share is done */
+    /* fused: the document's span, the pass's captured query rows, their masses and the sum
+     * of those so far over the rows and the layers' heads */
+    fitm_span doc;
+    fitm_capture cap;
+    int64_t *rows; /* (n_query) */
+    float *mass;   /* (n_query, L, H) */
+    double att;
 } doc_lane;
 
 /* The run: what the lanes share (the method's texts, the results, the counts) and each
@@ -165,7 +214,7 @@ typedef struct {
 static fitm_status doc_begin(per_doc_run *d, doc_lane *ln, fitm_err *err)
 {
     const double t0 = fitm_clock_ms();
-    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, ln->k, &ln->ids, &ln->T, err);
+    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, ln->k, &ln->ids, &ln->T, &ln->doc, err);
     d->tok_ms += fitm_clock_ms() - t0;
     if (st == FITM_OK)
         st = fitm_kv_rebase(ln->kv, 0, err);
@@ -173,7 +222,23 @@ static fitm_status doc_begin(per_doc_run *d, doc_lane *ln, fitm_err *err)
     d->forward += ln->T;
     ln->at = 0;
     ln->sum = 0;
+    ln->att = 0;
     return st;
+}
+
+/* fused: the capture of the query's rows (the first n_query of the scored question) among
+ * the n rows of lane ln's next pass, over its document's span; NULL when it has none. */
+static const fitm_capture *query_rows(const per_doc_run *d, doc_lane *ln, int64_t n)
+{
+    const int64_t q0 = ln->ids.n - d->pd.q.n;
+    const int64_t from = q0 > ln->at ? q0 : ln->at;
+    const int64_t to = q0 + d->pd.n_query < ln->at + n ? q0 + d->pd.n_query : ln->at + n;
+    int32_t n_rows = 0;
+    for (int64_t p = from; p < to; p++)
+        ln->rows[n_rows++] = p;
+    ln->cap = (fitm_capture){.rows = ln->rows, .n_rows = n_rows, .spans = &ln->doc, .n_spans = 1,
+                             .span_mass = ln->mass};
+    return n_rows > 0 ? &ln->cap : NULL;
 }
 
 /* Lane ln's document's next pass from row at, or false when its passes have all run.
@@ -202,19 +267,46 @@ static bool doc_next_pass(const per_doc_run *d, doc_lane *ln)
      * ids from the second on, as they stand in the prompt */
     const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
     const int32_t *pick = d->pd.ql ? ln->ids.v + ln->at + (n - n_logits) + 1 : d->pd.answers;
-    ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at, NULL, n_logits,
-                                n_pick, pick, ln->lp);
+    ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at,
+                                d->pd.fused ? query_rows(d, ln, n) : NULL, n_logits, n_pick, pick,
+                                ln->lp);
     return true;
 }
 
 /* Lane ln's document's score once its passes ran; on to its next document. */
 static void doc_end(per_doc_run *d, doc_lane *ln)
 {
-    const double score = d->pd.ql ? exp(ln->sum / (double)d->pd.q.n) : ln->sum;
+    const fitm_session *r = d->ps->s;
+    const double mean_lp = ln->sum / (double)d->pd.q.n;
+    /* fused: the mean log-probability for now, combined with the attention once every
+     * document has both (fuse) */
+    const double score = d->pd.fused ? mean_lp : d->pd.ql ? exp(mean_lp) : ln->sum;
+    const double n_att = (double)d->pd.n_query * d->pd.n_use * r->H;
     d->res->results[ln->k] = (fitm_rerank_doc_result){
-        .index = ln->k, .position = ln->k, .relevance_score = score, .raw_score = score};
+        .index = ln->k,
+        .position = ln->k,
+        .relevance_score = score,
+        .raw_score = score,
+        .attention = d->pd.fused && n_att > 0 ? ln->att / n_att : 0};
     ln->k++;
     ln->at = -1;
+}
+
+/* fused's scores, every document scored: score_k = mean log-probability_k + w x z_k, z the
+ * z-score of attention over the K documents (0 when it does not vary). */
+static void fuse(fitm_rerank_doc_result *res, int32_t K, double w)
+{
+    double m = 0, var = 0;
+    for (int32_t k = 0; k < K; k++)
+        m += res[k].attention;
+    m /= K;
+    for (int32_t k = 0; k < K; k++)
+        var += (res[k].attention - m) * (res[k].attention - m);
+    const double sd = sqrt(var / K);
+    for (int32_t k = 0; k < K; k++) {
+        const double z = sd > 0 ? (res[k].attention - m) / sd : 0;
+        res[k].relevance_score = res[k].raw_score = res[k].relevance_score + w * z;
+    }
 }
 
 static fitm_status per_doc_next(void *run, int32_t lane, const fitm_pass **pass, fitm_err *err)
@@ -240,8 +332,11 @@ static fitm_status per_doc_next(void *run, int32_t lane, const fitm_pass **pass,
     if (!ln->drained) {
         ln->drained = true;
         /* every document scored: the results in ranking order */
-        if (++d->n_drained == d->n_lanes)
+        if (++d->n_drained == d->n_lanes) {
+            if (d->pd.fused)
+                fuse(d->res->results, d->req->n_docs, d->pd.w);
             fitm_results_sort(d->res->results, d->req->n_docs);
+        }
     }
     return FITM_OK;
 }
@@ -257,6 +352,11 @@ static void per_doc_ran(void *run, int32_t lane)
     if (d->pd.ql) {
         for (int64_t i = 0; i < p->n_logits; i++)
             ln->sum += ln->lp[i];
+        const fitm_session *r = d->ps->s;
+        for (int32_t i = 0; p->cap && i < p->cap->n_rows; i++)
+            for (int32_t l = 0; l < r->L; l++)
+                for (int32_t h = 0; d->pd.use[l] && h < r->H; h++)
+                    ln->att += p->cap->span_mass[((int64_t)i * r->L + l) * r->H + h];
     } else {
         double py = 0, pn = 0;
         for (int i = 0; i < d->pd.n_yes; i++)
@@ -281,9 +381,12 @@ static fitm_status per_doc_end(void *run, fitm_status st)
     for (int32_t l = 0; d->lanes && l < d->n_lanes; l++) {
         free(d->lanes[l].ids.v);
         free(d->lanes[l].lp);
+        free(d->lanes[l].rows);
+        free(d->lanes[l].mass);
     }
     free(d->lanes);
     free(d->pd.q.v);
+    free(d->pd.use);
     free(d);
     return st;
 }
@@ -300,6 +403,8 @@ static fitm_status lanes_start(per_doc_run *d, fitm_err *err)
     const int64_t n_lp = !d->pd.ql                   ? d->pd.n_yes + d->pd.n_no
                          : d->pd.q.n < r->logit_rows ? d->pd.q.n
                                                      : r->logit_rows;
+    /* fused: room for every query row of a pass and its masses */
+    const size_t n_rows = d->pd.fused && d->pd.n_query > 0 ? (size_t)d->pd.n_query : 1;
     for (int32_t l = 0; l < d->n_lanes; l++) {
         doc_lane *ln = &d->lanes[l];
         fitm_passes_share(d->req->n_docs, d->n_lanes, l, &ln->k, &ln->k_end);
@@ -307,7 +412,32 @@ static fitm_status lanes_start(per_doc_run *d, fitm_err *err)
         ln->at = -1;
         if (!(ln->lp = malloc((size_t)(n_lp > 0 ? n_lp : 1) * sizeof *ln->lp)))
             return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+        if (d->pd.fused &&
+            (!(ln->rows = malloc(n_rows * sizeof *ln->rows)) ||
+             !(ln->mass = malloc(n_rows * (size_t)r->L * (size_t)r->H * sizeof *ln->mass))))
+            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     }
+    return FITM_OK;
+}
+
+/* The method's per_doc, nothing set up yet. */
+static per_doc per_doc_mode(const fitm_rerank_request *req)
+{
+    const bool fused = req->method == FITM_RERANK_FUSED;
+    return (per_doc){.ql = fused || req->method == FITM_RERANK_QUERY_LIKELIHOOD, .fused = fused};
+}
+
+/* fused's meta: the layers its attention averages over and its weight. */
+static fitm_status fused_meta(const fitm_session *r, const per_doc *pd, fitm_rerank_result *res,
+                              fitm_err *err)
+{
+    if (!(res->meta.layers = malloc((size_t)pd->n_use * sizeof *res->meta.layers)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    for (int32_t l = 0; l < r->L; l++)
+        if (pd->use[l])
+            res->meta.layers[res->meta.n_layers++] = l;
+    res->meta.opts.fuse_weight = pd->w;
+    snprintf(res->meta.profile, sizeof res->meta.profile, "%s", r->profile);
     return FITM_OK;
 }
 
@@ -331,11 +461,13 @@ fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
                        .req = req,
                        .res = res,
                        .t0 = fitm_clock_ms(),
-                       .pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD}};
+                       .pd = per_doc_mode(req)};
     res->results = calloc((size_t)K, sizeof *res->results);
     res->n_results = res->results ? K : 0;
     fitm_status st = res->results ? per_doc_init(r, req, &d->pd, err)
                                   : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    if (st == FITM_OK && d->pd.fused)
+        st = fused_meta(r, &d->pd, res, err);
     return st == FITM_OK ? lanes_start(d, err) : st;
 }
 
@@ -352,18 +484,20 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
 static fitm_status doc_passes(const fitm_session *r, const fitm_rerank_request *req, int64_t *sum,
                               int64_t *most, fitm_err *err)
 {
-    per_doc pd = {.ql = req->method == FITM_RERANK_QUERY_LIKELIHOOD};
+    per_doc pd = per_doc_mode(req);
     fitm_ids ids = {0};
     *sum = *most = 0;
     fitm_status st = per_doc_init(r, req, &pd, err);
     for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
         int64_t T = 0;
-        st = doc_pass(r, req, &pd, k, &ids, &T, err);
+        fitm_span doc;
+        st = doc_pass(r, req, &pd, k, &ids, &T, &doc, err);
         *sum += T;
         *most = T > *most ? T : *most;
     }
     free(ids.v);
     free(pd.q.v);
+    free(pd.use);
     return st;
 }
 

@@ -80,15 +80,14 @@ bool fitm_rerank_batches(const fitm_rerank_request *req)
 /* Whether req's method reads the attention of reference passes on a branch cache. */
 static bool has_branch(const fitm_rerank_request *req)
 {
-    return req->method != FITM_RERANK_QUERY_LIKELIHOOD && req->method != FITM_RERANK_RELEVANCE;
+    return req->method != FITM_RERANK_QUERY_LIKELIHOOD && req->method != FITM_RERANK_RELEVANCE &&
+           req->method != FITM_RERANK_FUSED;
 }
 
 /* The most rows any pass of req has: its caches' size. */
 static fitm_status seq_rows(const fitm_session *s, const fitm_rerank_request *req, int64_t *rows,
                             fitm_err *err)
 {
-    if (req->method == FITM_RERANK_FUSED)
-        return fitm_fused_rows(s, req, rows, err);
     if (!has_branch(req))
         return fitm_per_doc_rows(s, req, rows, err);
     return fitm_attention_rows(s, req, rows, err);
@@ -108,9 +107,8 @@ static fitm_status machine_start(fitm_passes *ps, const fitm_rerank_request *req
     switch (req->method) {
     case FITM_RERANK_QUERY_LIKELIHOOD:
     case FITM_RERANK_RELEVANCE:
-        return fitm_per_doc_start(ps, req, res, m, err);
     case FITM_RERANK_FUSED:
-        return fitm_fused_start(ps, req, res, m, err);
+        return fitm_per_doc_start(ps, req, res, m, err);
     case FITM_RERANK_CALIBRATED:
     case FITM_RERANK_ATTENTION:
     case FITM_RERANK_PAPER:

@@ -44,6 +44,7 @@ static const key_def keys[] = {
     {"score_scale", KEY_REAL, OFF(score_scale), NULL, NULL, -1e12, 1e12},
     {"score_bias", KEY_REAL, OFF(score_bias), NULL, NULL, -1e12, 1e12},
     {"fuse_weight", KEY_REAL, OFF(fuse_weight), NULL, NULL, 0, 1e6},
+    {"fuse_layers", KEY_LAYERS, OFF(fuse_layers), NULL, NULL, 0, 0},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
 
@@ -218,6 +219,7 @@ void fitm_score_opts_free(fitm_score_opts *o)
         return;
     free(o->layers);
     free(o->heads);
+    free(o->fuse_layers);
     fitm_score_opts_init(o);
 }
 
@@ -244,6 +246,10 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
     if (src->heads && (st = copy_list(&dst->heads, &dst->n_heads, src->heads, src->n_heads, 2,
                                       err)) != FITM_OK)
         return st;
+    if (src->fuse_layers &&
+        (st = copy_list(&dst->fuse_layers, &dst->n_fuse_layers, src->fuse_layers,
+                        src->n_fuse_layers, 1, err)) != FITM_OK)
+        return st;
 #define OVER_INT(f)                                                                               \
     if (src->f >= 0)                                                                              \
         dst->f = src->f;
@@ -266,11 +272,16 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     int32_t n = (int32_t)lround((double)L * 3.0 / 18.0);
     n = n < 1 ? 1 : n;
     o->layers = malloc((size_t)n * sizeof *o->layers);
-    if (!o->layers)
+    o->fuse_layers = malloc(sizeof *o->fuse_layers);
+    if (!o->layers || !o->fuse_layers) {
+        fitm_score_opts_free(o);
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
     for (int32_t i = 0; i < n; i++)
         o->layers[i] = first + i < L ? first + i : L - 1;
     o->n_layers = n;
+    o->fuse_layers[0] = 0;
+    o->n_fuse_layers = 1;
     o->rows = FITM_ROWS_QUESTION;
     o->aggregate = FITM_AGG_SUM;
     o->skip_first = 0;
@@ -333,6 +344,14 @@ static fitm_status parse_list(const char *name, const char *text, int32_t per, i
     return copy_list(out, n_out, v, n, per, err);
 }
 
+/* The count of list option k (KEY_LAYERS or KEY_HEADS) in o. */
+static int32_t *list_count(fitm_score_opts *o, const key_def *k)
+{
+    if (k->offset == OFF(fuse_layers))
+        return &o->n_fuse_layers;
+    return k->kind == KEY_LAYERS ? &o->n_layers : &o->n_heads;
+}
+
 fitm_status fitm_score_opts_set(fitm_score_opts *o, const char *name, const char *text,
                                 fitm_err *err)
 {
@@ -346,7 +365,7 @@ fitm_status fitm_score_opts_set(fitm_score_opts *o, const char *name, const char
         if (k->kind == KEY_LAYERS || k->kind == KEY_HEADS) {
             free(*(int32_t **)(void *)field);
             *(int32_t **)(void *)field = NULL;
-            *(k->kind == KEY_LAYERS ? &o->n_layers : &o->n_heads) = 0;
+            *list_count(o, k) = 0;
         } else {
             memcpy(field, (char *)&unset + k->offset, k->kind == KEY_REAL ? sizeof(double)
                                                                           : sizeof(int32_t));
@@ -382,9 +401,9 @@ fitm_status fitm_score_opts_set(fitm_score_opts *o, const char *name, const char
         return FITM_OK;
     }
     case KEY_LAYERS:
-        return parse_list(name, text, 1, &o->layers, &o->n_layers, err);
     case KEY_HEADS:
-        return parse_list(name, text, 2, &o->heads, &o->n_heads, err);
+        return parse_list(name, text, k->kind == KEY_LAYERS ? 1 : 2, (int32_t **)(void *)field,
+                          list_count(o, k), err);
     }
     return fitm_err_set(err, FITM_ERR_INTERNAL, "bad option kind");
 }

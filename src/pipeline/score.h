@@ -34,7 +34,7 @@ typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
 typedef enum { FITM_HEAD_QUERY = 0, FITM_HEAD_NULL } fitm_score_head_query;
 
 /* Method fused's built-in w (docs/scoring.md, chosen on the dev split). */
-#define FITM_FUSE_WEIGHT 0.1
+#define FITM_FUSE_WEIGHT 0.02
 
 /* Longest `layers` or `heads` list. */
 #define FITM_SCORE_MAX_LIST 512
@@ -59,7 +59,10 @@ typedef struct {
     double temperature;   /* > 0: weight = softmax(rel_scaled / temperature)               */
     double score_scale;   /* relevance_score = sigmoid(score_scale * rel_scaled + bias)   */
     double score_bias;
-    double fuse_weight;   /* >= 0: method fused's w (rerank_fused.c)                      */
+    double fuse_weight;   /* >= 0: method fused's w (rerank_per_doc.c)                    */
+    int32_t *fuse_layers; /* (n_fuse_layers) owned: method fused's attention layers;
+                             negative = from the end                                        */
+    int32_t n_fuse_layers;
 } fitm_score_opts;
 
 /* Every option unset. */
@@ -78,7 +81,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
  * dummy, difference, the query as the head's question, no sinks, no windows, temperature
  * 0.05, and score_scale = 1 /
  * temperature, score_bias 0 (so relevance_score orders exactly like weight), fuse_weight
- * FITM_FUSE_WEIGHT. */
+ * FITM_FUSE_WEIGHT, fuse_layers the first layer (0). */
 fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err);
 
 /* Whether name is one of the option keys ("rows", "layers", ...). */
@@ -115,7 +118,8 @@ typedef enum {
     FITM_RERANK_RELEVANCE,      /* yes/no prompting                                        */
     FITM_RERANK_PAPER,          /* the paper's recipe: last row, K dummy passes, mean,
                                    difference, alpha = softmax(rel / t)                    */
-    FITM_RERANK_FUSED,          /* query likelihood + fuse_weight x z(calibrated)          */
+    FITM_RERANK_FUSED,          /* query likelihood + fuse_weight x z(the question's
+                                   attention to the document in the same pass)             */
     FITM_RERANK_METHOD_COUNT
 } fitm_rerank_method;
 

@@ -99,19 +99,31 @@ static fitm_status parse_answer_template(fitm_session *r, const char *t, const c
     return FITM_OK;
 }
 
+/* The n default layers of option `what` (negative from the end) lie in the model. */
+static fitm_status check_default_layers(const fitm_session *r, const char *what,
+                                        const int32_t *layers, int32_t n, fitm_err *err)
+{
+    for (int32_t i = 0; layers && i < n; i++) {
+        const int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
+        if (l < 0 || l >= r->L)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "the default %s name layer %d: the model has %d layers", what,
+                                (int)layers[i], (int)r->L);
+    }
+    return FITM_OK;
+}
+
 /* The default layers and (layer, head) pairs lie in the model: a server whose defaults named
  * others would start and then refuse every request that takes them with a 400 that blames the
  * client. */
 static fitm_status check_default_pairs(const fitm_session *r, fitm_err *err)
 {
     const fitm_score_opts *o = &r->defaults;
-    for (int32_t i = 0; o->layers && i < o->n_layers; i++) {
-        const int32_t l = o->layers[i] < 0 ? r->L + o->layers[i] : o->layers[i];
-        if (l < 0 || l >= r->L)
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "the default layers name layer %d: the model has %d layers",
-                                (int)o->layers[i], (int)r->L);
-    }
+    fitm_status st = check_default_layers(r, "layers", o->layers, o->n_layers, err);
+    if (st == FITM_OK)
+        st = check_default_layers(r, "fuse_layers", o->fuse_layers, o->n_fuse_layers, err);
+    if (st != FITM_OK)
+        return st;
     for (int32_t i = 0; o->heads && i < o->n_heads; i++) {
         const int32_t l = o->heads[2 * i] < 0 ? r->L + o->heads[2 * i] : o->heads[2 * i];
         if (l < 0 || l >= r->L || o->heads[2 * i + 1] >= r->H)

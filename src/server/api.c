@@ -337,6 +337,40 @@ static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_
     return FITM_OK;
 }
 
+/* A list of layers, field `name` of obj (absent or null: left unset); negative layers count
+ * from the end (-1 = the last), resolved by the pipeline, which knows L. */
+static fitm_status parse_layer_list(const cJSON *root, const char *pre, const char *name,
+                                    int32_t **list, int32_t *n_list, fitm_err *err)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, name);
+    if (!it || cJSON_IsNull(it))
+        return FITM_OK;
+    if (!cJSON_IsArray(it))
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' must be an array of integers", pre,
+                            name);
+    int n = cJSON_GetArraySize(it);
+    if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
+        return fitm_err_set(err, FITM_ERR_INVALID, "'%s%s' must list 1 to %d layers", pre, name,
+                            FITM_RERANK_MAX_LAYERS);
+    if (!(*list = calloc((size_t)n, sizeof **list)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    *n_list = n;
+    int i = 0;
+    const cJSON *l;
+    cJSON_ArrayForEach(l, it)
+    {
+        char field[64];
+        int64_t v = 0;
+        snprintf(field, sizeof field, "%s%s[%d]", pre, name, i);
+        fitm_status st =
+            take_int(l, field, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v, err);
+        if (st != FITM_OK)
+            return st;
+        (*list)[i++] = (int32_t)v;
+    }
+    return FITM_OK;
+}
+
 /* The calibration options (temperature, layers, dummy and the scoring options) of obj; pre
  * prefixes field names in messages ("" for /rerank's top level, "calibration." for
  * /answer's). Options the request leaves out stay unset (the server's defaults). */
@@ -344,7 +378,6 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
                                      fitm_rerank_request *out, fitm_err *err)
 {
     fitm_status st;
-    int64_t v;
     const cJSON *it;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "temperature")) && !cJSON_IsNull(it)) {
         if (!cJSON_IsNumber(it))
@@ -355,32 +388,11 @@ static fitm_status parse_calibration(const cJSON *root, const char *pre,
                                 "'%stemperature' = %g is out of range [1e-12, 1e6]", pre, t);
         out->opt.temperature = t;
     }
-    if ((it = cJSON_GetObjectItemCaseSensitive(root, "layers")) && !cJSON_IsNull(it)) {
-        if (!cJSON_IsArray(it))
-            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must be an array of integers",
-                                pre);
-        int n = cJSON_GetArraySize(it);
-        if (n == 0 || n > FITM_RERANK_MAX_LAYERS)
-            return fitm_err_set(err, FITM_ERR_INVALID, "'%slayers' must list 1 to %d layers",
-                                pre, FITM_RERANK_MAX_LAYERS);
-        out->opt.layers = calloc((size_t)n, sizeof *out->opt.layers);
-        if (!out->opt.layers)
-            return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-        out->opt.n_layers = n;
-        int i = 0;
-        const cJSON *l;
-        cJSON_ArrayForEach(l, it)
-        {
-            char name[64];
-            snprintf(name, sizeof name, "%slayers[%d]", pre, i);
-            /* Negative layers count from the end (-1 = the last); resolved by the pipeline,
-             * which knows L. */
-            if ((st = take_int(l, name, -FITM_RERANK_MAX_LAYERS, FITM_RERANK_MAX_LAYERS - 1, &v,
-                               err)) != FITM_OK)
-                return st;
-            out->opt.layers[i++] = (int32_t)v;
-        }
-    }
+    if ((st = parse_layer_list(root, pre, "layers", &out->opt.layers, &out->opt.n_layers,
+                               err)) != FITM_OK ||
+        (st = parse_layer_list(root, pre, "fuse_layers", &out->opt.fuse_layers,
+                               &out->opt.n_fuse_layers, err)) != FITM_OK)
+        return st;
     char dname[48];
     snprintf(dname, sizeof dname, "%sdummy", pre);
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "dummy")) && !cJSON_IsNull(it)) {
@@ -1068,8 +1080,9 @@ static bool add_rerank_meta(cJSON *root, const fitm_rerank_result *res)
         return false;
     if (res->meta.has_opts &&
         (!cJSON_AddNumberToObject(meta, "temperature", res->meta.temperature) ||
-         !add_options(meta, &res->meta.opts, res->meta.n_groups) ||
-         (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))))
+         !add_options(meta, &res->meta.opts, res->meta.n_groups)))
+        return false;
+    if (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))
         return false;
     if (res->meta.method == FITM_RERANK_FUSED &&
         !cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight))

@@ -219,7 +219,11 @@ static const opt opts[] = {
      "scoring default: see score_scale; empty = the profile's, else 0"},
     {"fuse_weight", STR(fuse_weight), "", 0, 0, NULL,
      "scoring default: method fused's w >= 0, score = ln(query likelihood) + w x z-scored "
-     "calibrated attention (docs/scoring.md); empty = the profile's, else 0.1"},
+     "attention of the question to the document (docs/scoring.md); empty = the profile's, "
+     "else 0.02"},
+    {"fuse_layers", STR(fuse_layers), "", 0, 0, NULL,
+     "scoring default: method fused's attention layers, comma-separated (negative from the "
+     "end); empty = the profile's, else 0 (the first layer)"},
     {"rerank_method", STR(rerank_method), "", 0, 0, NULL,
      "method of /rerank and /v1/score requests that name none: calibrated, attention, "
      "attention_sort, query_likelihood, relevance, paper or fused (docs/scoring.md); empty = "
