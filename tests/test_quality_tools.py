@@ -378,3 +378,27 @@ def test_trap_variants_reach_the_quality_tool(monkeypatch):
     it = next(it for it in its if it["variant"] == "traps_untitled")
     t = it["traps"][0]
     assert quality.doc_label(it, t).startswith(f"[{it['forms'][0]}] ")
+
+
+def test_fuse_sweep_recomputes_each_weight(tmp_path):
+    """fuse_sweep's table ranks by QL + w x z(attention) from the stored scores: a question
+    whose gold has the lower likelihood but the higher attention is lost by query likelihood
+    and by small weights, won by large ones and by attention alone; --show reads the runs."""
+    import fuse_sweep
+    k = 4
+    # gold (index 0) is 0.1 below the best likelihood; its attention is the highest
+    row = {"variant": "traps", "k": k, "gold": 0, "ql": [-1.1, -1.0, -2.0, -2.5],
+           "att": {"0": [0.9, 0.1, 0.2, 0.3]}, "cal": [0.0, 0.0, 0.0, 0.0]}
+    # z of the gold's attention is about 1.7 and of the likelihood leader's -0.9: the gold
+    # wins once w x 2.6 > 0.1, between w 0.02 and 0.05
+    table = fuse_sweep.table([row])
+    got = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in table.splitlines()[2:]}
+    assert got["query likelihood"] == "0 / 1 / 1"
+    assert got["L0 w 0.02"] == "0 / 1 / 1" and got["L0 w 0.05"] == "1 / 1 / 1"
+    assert got["L0 attention alone"] == "1 / 1 / 1"
+    assert got["calibrated w1, w 0.5"] == "0 / 1 / 1"  # no calibrated spread: QL's order
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps({"argv": [], "rows": [row, dict(row, gold=1)]}))
+    out = subprocess.run([sys.executable, str(ROOT / "tests/quality/fuse_sweep.py"), "--show",
+                          str(p)], capture_output=True, text=True, check=True).stdout
+    assert "| query likelihood | 1 / 2 / 2 | 1 / 2 |" in out, out
