@@ -178,8 +178,8 @@ int64_t fitm_pass_logit_rows(const fitm_pass *p, int64_t from, int64_t n, int64_
     return from + n > lo ? from + n - lo : 0;
 }
 
-fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int32_t n,
-                               uint8_t *use, fitm_err *err)
+fitm_status fitm_layers_choose(const fitm_session *r, const char *name, const int32_t *layers,
+                               int32_t n, uint8_t *use, fitm_err *err)
 {
     memset(use, 0, (size_t)(uint32_t)r->L);
     if (n > 0) {
@@ -187,7 +187,7 @@ fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int
             int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
             if (l < 0 || l >= r->L)
                 return fitm_err_set(err, FITM_ERR_INVALID,
-                                    "'layers[%d]' = %d: the model has %d layers", (int)i,
+                                    "'%s[%d]' = %d: the model has %d layers", name, (int)i,
                                     (int)layers[i], (int)r->L);
             use[l] = 1;
         }

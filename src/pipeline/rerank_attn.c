@@ -124,8 +124,8 @@ static fitm_status choose_pairs(const fitm_session *r, plan *pl, fitm_rerank_met
             else
                 use[l] = pl->pair[l * r->H + h] = 1;
         }
-    } else if ((st = fitm_layers_choose(r, o->layers, o->layers ? o->n_layers : 0, use, err)) ==
-               FITM_OK) {
+    } else if ((st = fitm_layers_choose(r, "layers", o->layers, o->layers ? o->n_layers : 0, use,
+                                        err)) == FITM_OK) {
         for (int32_t l = 0; l < r->L; l++)
             memset(pl->pair + (size_t)l * (size_t)r->H, use[l], (size_t)r->H);
     }

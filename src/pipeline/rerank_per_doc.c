@@ -98,24 +98,20 @@ static fitm_status relevance_prompt(const fitm_session *r, const fitm_rerank_req
     return st;
 }
 
-/* fused's layers (the request's fuse_layers, else the server's) and weight into pd. */
-static fitm_status fuse_layers(const fitm_session *r, const fitm_rerank_request *req, per_doc *pd,
-                               fitm_err *err)
+/* fused's layers (the request's fuse_layers, else the server's; never empty) and weight into
+ * pd. */
+static fitm_status fuse_options(const fitm_session *r, const fitm_rerank_request *req,
+                                per_doc *pd, fitm_err *err)
 {
     const fitm_score_opts *o = req->opt.fuse_layers ? &req->opt : &r->defaults;
     pd->w = !isnan(req->opt.fuse_weight) ? req->opt.fuse_weight : r->defaults.fuse_weight;
     if (!(pd->use = calloc((size_t)r->L, 1)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
-    for (int32_t i = 0; i < o->n_fuse_layers; i++) {
-        const int32_t l = o->fuse_layers[i] < 0 ? r->L + o->fuse_layers[i] : o->fuse_layers[i];
-        if (l < 0 || l >= r->L)
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'fuse_layers[%d]' = %d: the model has %d layers", (int)i,
-                                (int)o->fuse_layers[i], (int)r->L);
-        pd->n_use += !pd->use[l];
-        pd->use[l] = 1;
-    }
-    return FITM_OK;
+    fitm_status st =
+        fitm_layers_choose(r, "fuse_layers", o->fuse_layers, o->n_fuse_layers, pd->use, err);
+    for (int32_t l = 0; l < r->L; l++)
+        pd->n_use += pd->use[l];
+    return st;
 }
 
 static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request *req, per_doc *pd,
@@ -145,7 +141,7 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
                pd->q.v[pd->n_query] == alone.v[pd->n_query])
             pd->n_query++;
         free(alone.v);
-        return st == FITM_OK && pd->fused ? fuse_layers(r, req, pd, err) : st;
+        return st == FITM_OK && pd->fused ? fuse_options(r, req, pd, err) : st;
     }
     pd->n_yes = answer_ids(r->tok, YES, pd->answers);
     pd->n_no = answer_ids(r->tok, NO, pd->answers + pd->n_yes);

@@ -34,8 +34,8 @@ static void doc_attention(const fitm_session *r, const float *mass, int32_t n_sp
 static fitm_status choose_layers(const fitm_session *r, const fitm_rerank_request *req,
                                  uint8_t *use, fitm_rerank_meta *meta, fitm_err *err)
 {
-    fitm_status st =
-        fitm_layers_choose(r, req->opt.layers, req->opt.layers ? req->opt.n_layers : 0, use, err);
+    fitm_status st = fitm_layers_choose(r, "layers", req->opt.layers,
+                                        req->opt.layers ? req->opt.n_layers : 0, use, err);
     if (st != FITM_OK)
         return st;
     meta->layers = calloc((size_t)(uint32_t)r->L, sizeof *meta->layers);

@@ -236,9 +236,10 @@ const fitm_capture *fitm_passes_capture_part(const fitm_session *s, const fitm_c
                                              int64_t pos0, int64_t n, fitm_capture *part);
 
 /* The layers given (negative = from the end) into use (L flags), or, with n = 0, every layer
- * that sees the whole context (all layers for models without sliding windows). */
-fitm_status fitm_layers_choose(const fitm_session *r, const int32_t *layers, int32_t n,
-                               uint8_t *use, fitm_err *err);
+ * that sees the whole context (all layers for models without sliding windows). A layer the
+ * model lacks is FITM_ERR_INVALID naming the request field `name` ("layers") and its index. */
+fitm_status fitm_layers_choose(const fitm_session *r, const char *name, const int32_t *layers,
+                               int32_t n, uint8_t *use, fitm_err *err);
 
 /* 1 + the last of the L flags of use that is set (0 when none is): the layers a pass whose
  * capture is read only in those layers must run. */

@@ -586,7 +586,7 @@ static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err 
     daemon_model *dm = ctx;
     *joined = false;
     if ((fitm_work_kind)job->kind == FITM_WORK_TOKENS)
-        return model_run(ctx, job, err); /* its error: never queued */
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "a tokens job runs at once, never queued");
     if ((fitm_work_kind)job->kind == FITM_WORK_RERANK) {
         fitm_rerank_work *w = job->work;
         if (!fitm_rerank_batches(w->req))

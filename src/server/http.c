@@ -527,7 +527,6 @@ static enum MHD_Result start_detokenize(request *r)
     return start_tokens(r, true);
 }
 
-
 /* ---- POST /answer ------------------------------------------------------------------------ */
 
 static void request_free(request *r)
