@@ -259,6 +259,13 @@ static void test_request(void)
     expect_request("POST /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\tchunked \r\n\r\n", 0,
                    CHUNKED, 0);
     expect_request("POST /r HTTP/1.0\r\n\r\n", 0, NONE, 0);
+    /* a body is refused on GET and HEAD only: another method's is framed and passed on, for
+     * the router's 405 */
+    expect_request("PUT /r HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n\r\n", 0, LEN, 7);
+    expect_request("DELETE /r HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 0,
+                   CHUNKED, 0);
+    expect_request("HEAD /r HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n\r\n", 400, NONE, 0);
+    expect_request("GETS /r HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n\r\n", 0, LEN, 7);
     /* RFC 9112 6.1: chunked framing in an HTTP/1.0 request is faulty */
     expect_request("POST /r HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400, NONE, 0);
     expect_request("POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"

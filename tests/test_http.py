@@ -214,6 +214,13 @@ def test_404_405(daemon):
     assert r.headers["Allow"] == "POST"
     assert_error(requests.delete(daemon.url("/health")), 405)
     assert_error(requests.post(daemon.url("/metrics"), json={}), 405)
+    # A method that may carry a body gets its 405 with it too (400 "takes no request body"
+    # before: a body was refused on every method but POST).
+    for method in ("PUT", "PATCH", "DELETE"):
+        r = requests.request(method, daemon.url("/v1/rerank"), headers=AUTH,
+                             json={"query": "q", "documents": ["a"]})
+        assert_error(r, 405, "method_not_allowed")
+        assert r.headers["Allow"] == "POST"
 
 
 def test_error_messages_are_utf8_whatever_the_client_sent(daemon):

@@ -177,7 +177,10 @@ fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_fram
         p += *p == '\r' ? 2 : 1;
     next_line(p, end, &len, &next);
     size_t mn = strcspn(p, " ");
-    bool post = mn == 4 && !memcmp(p, "POST", 4);
+    /* GET and HEAD carry no content (RFC 9110 9.3.1, 9.3.2): a body on them is refused here;
+     * a body on any other method is framed and passed on, so a method a route does not take
+     * gets its 405 with Allow from the router. */
+    bool bodyless = (mn == 3 && !memcmp(p, "GET", 3)) || (mn == 4 && !memcmp(p, "HEAD", 4));
     bool http11 = !memcmp(p + len - 8, "HTTP/1.1", 8);
     int n_cl = 0, n_te = 0, n_host = 0;
     uint64_t cl = 0;
@@ -215,7 +218,7 @@ fitm_frame_verdict fitm_frame_check_request(const char *buf, size_t n, fitm_fram
     if (http11 && n_host != 1)
         return bad(e, 400,
                    n_host ? "more than one Host header" : "HTTP/1.1 request without a Host header");
-    if (!post && (n_te || cl))
+    if (bodyless && (n_te || cl))
         return bad(e, 400, "this method takes no request body");
     if (http11 && expect_other) /* an HTTP/1.0 server ignores Expect (RFC 9110 10.1.1) */
         return bad(e, 417, "Expect: only '100-continue' is supported");
