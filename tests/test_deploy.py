@@ -1,15 +1,15 @@
 """The deployment files of deploy/ are checked, not just kept:
 
-  * Kubernetes (deploy/kubernetes): every overlay (cpu, gpu, each with and without the keda
-    component) is rendered by a small kustomize written here (the subset the files use:
+  * Kubernetes (deploy/kubernetes): every overlay (cpu, gpu, each as shipped and with the keda
+    component in place of its own components) is rendered by a small kustomize written here (the subset the files use:
     resources, components, configMapGenerator, images, strategic-merge patches, $patch:
     delete), and by `kubectl kustomize` where kubectl exists; the two must give the same
     objects. Each object is validated against the Kubernetes API schema (kubernetes-validate,
     strict: unknown fields fail) and the choices that tie the files to fitmd are asserted:
     probes on /health at the probe port fitmd.conf opens, a termination grace period that
     covers preStop + drain_timeout_ms, a liveness budget longer than a drain, the Secret the
-    pods read, the GPU only in the gpu overlay, one autoscaler per target, the KEDA query on
-    a metric fitmd exports. The ConfigMap's fitmd.conf is parsed by fitmd itself.
+    pods read, the GPU only in the gpu overlay, at most one autoscaler per target and none on
+    CPU for GPU pods, the KEDA query on a metric fitmd exports. The ConfigMap's fitmd.conf is parsed by fitmd itself.
   * systemd (deploy/systemd/fitmd.service): `systemd-analyze verify` where available, and
     Type=notify with a watchdog and a stop timeout that covers the drain.
   * docker compose (deploy/compose): Prometheus scrapes the port fitmd's probe listener opens.
@@ -73,8 +73,9 @@ def apply_patches(objs, d, k):
     return objs
 
 
-def render(d: pathlib.Path, components=()):
-    """The objects of the kustomization (or component) in d, with extra components."""
+def render(d: pathlib.Path, components=None):
+    """The objects of the kustomization (or component) in d; components, where given, in place
+    of its own."""
     k = yaml.safe_load((d / "kustomization.yaml").read_text())
     known = {"apiVersion", "kind", "resources", "components", "configMapGenerator", "images",
              "patches"}
@@ -93,7 +94,7 @@ def render(d: pathlib.Path, components=()):
             for v in o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
                 if v.get("configMap", {}).get("name") == g["name"]:
                     v["configMap"]["name"] = name
-    for c in list(k.get("components", [])) + list(components):
+    for c in k.get("components", []) if components is None else components:
         ck = d / c
         cdef = yaml.safe_load((ck / "kustomization.yaml").read_text())
         assert cdef["kind"] == "Component"
@@ -129,9 +130,10 @@ def normalized(objs):
 
 
 def targets():
-    """(label, overlay dir, extra components) for every combination shipped."""
+    """(label, overlay dir, components in place of the overlay's own or None) for every
+    combination shipped: each overlay as it is, and with KEDA as its only component."""
     return [(f"{o}{'+keda' if keda else ''}", K8S / "overlays" / o,
-             ("../../components/keda",) if keda else ()) for o in OVERLAYS
+             ("../../components/keda",) if keda else None) for o in OVERLAYS
             for keda in (False, True)]
 
 
@@ -264,14 +266,20 @@ def test_secret_gpu_service_and_autoscaling(rendered):
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {p["name"] for p in c["ports"]}
         pdb = the(objs, "PodDisruptionBudget")
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        # one autoscaler: the CPU HPA, or KEDA's ScaledObject (which makes its own HPA)
+        # at most one autoscaler: the CPU HPA on CPU pods, or KEDA's ScaledObject (which makes
+        # its own HPA); GPU pods' CPU utilisation does not follow their load, so as shipped
+        # the gpu overlay keeps its replicas fixed
         hpas, sos = by_kind(objs, "HorizontalPodAutoscaler"), by_kind(objs, "ScaledObject")
-        assert len(hpas) + len(sos) == 1, label
-        scaler = (hpas or sos)[0]
-        tgt = scaler["spec"]["scaleTargetRef"]
-        assert (tgt["kind"] if "kind" in tgt else None) == "Deployment"
-        assert tgt["name"] == dep["metadata"]["name"]
-        low = scaler["spec"].get("minReplicas", scaler["spec"].get("minReplicaCount"))
+        assert len(hpas) + len(sos) == (0 if label == "gpu" else 1), label
+        if label.startswith("gpu"):
+            assert not hpas, "a CPU HPA on GPU pods scales on the wrong signal"
+        low = dep["spec"]["replicas"]
+        if hpas or sos:
+            scaler = (hpas or sos)[0]
+            tgt = scaler["spec"]["scaleTargetRef"]
+            assert (tgt["kind"] if "kind" in tgt else None) == "Deployment"
+            assert tgt["name"] == dep["metadata"]["name"]
+            low = scaler["spec"].get("minReplicas", scaler["spec"].get("minReplicaCount"))
         assert pdb["spec"]["minAvailable"] < low, "the PDB would block every drain"
         if sos:
             (so,) = sos
