@@ -176,7 +176,7 @@ int main(int argc, char **argv)
 {
     int threads = 2, S = 8, L = 18, reps = 9;
     int64_t ctx = 540, N = 65536;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* flag and value pairs */
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v)
             goto usage;
@@ -194,7 +194,6 @@ int main(int argc, char **argv)
             reps = atoi(v);
         else
             goto usage;
-        i++;
     }
     if (threads < 1 || threads > 64 || S < 1 || S > 64 || ctx < 1 || L < 1 || reps < 1 ||
         N < FITM_PACK_ROWS || N % FITM_PACK_ROWS)

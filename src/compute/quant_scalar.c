@@ -89,12 +89,14 @@ float fitm_bf16_to_fp32(uint16_t h)
 
 #define FP16(h) fitm_fp16_to_fp32(h)
 
+#ifndef NDEBUG /* the asserts' */
 static inline int64_t block_elems(fitm_dtype t)
 {
     const fitm_dtype_info *info = fitm_dtype_info_of((int)t);
     assert(info);
     return info->block_elems;
 }
+#endif
 
 /* ---------------------------------------------------------------------------------------
  * Dequantization (scalar reference; the order of float operations is the format's) */

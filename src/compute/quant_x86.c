@@ -48,6 +48,14 @@
 #define FITM_VNNI 0
 #endif
 
+/* 512-bit integer dots (AVX-512 with VNNI): the Q8_0 and K-quant rows below take them */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                      \
+    defined(__AVX512VNNI__)
+#define FITM_DOT512 1
+#else
+#define FITM_DOT512 0
+#endif
+
 static inline float fp16(uint16_t h)
 {
     return _cvtsh_ss(h);
@@ -76,6 +84,7 @@ static inline __m256i dot_u8s8(__m256i a, __m256i b)
 #endif
 }
 
+#if !FITM_DOT512 /* (512-bit builds scale their sums in the wide kernels instead) */
 /* As dot_u8s8, each pair sum multiplied by the int16 in scale16 at its position, then
  * pairs added: with one scale per 128-bit lane, 8 int32 of scale * (sum of 4 products).
  * The caller guarantees the pairs cannot saturate int16. (maddubs + madd: as cheap as
@@ -84,6 +93,7 @@ static inline __m256i dot_u8s8_scaled(__m256i a, __m256i b, __m256i scale16)
 {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), scale16);
 }
+#endif
 
 /* Byte shuffle that broadcasts 16-bit element j of each 128-bit lane across that lane. */
 static inline __m256i bcast16_mask(int j)
@@ -283,9 +293,7 @@ KERNEL float dot_block32(fitm_dtype t, const uint8_t *w, const fitm_block_q8_0 *
     return fitm_hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                      \
-    defined(__AVX512VNNI__)
-#define FITM_DOT512 1
+#if FITM_DOT512
 /* Q8_0 . Q8_0 on 512-bit vectors, two blocks per vector (this is Gemma 3's tied output head,
  * most of a decode step's weight bytes). Signed x signed bytes as |w| times x negated where
  * w < 0 (a mask register; x is -127..127, so negation is exact). Each block's 8 int32 lanes
@@ -394,8 +402,6 @@ KERNEL float dot_q8_0_512(const fitm_block_q8_0 *w, const fitm_block_q8_0 *x, co
     acc0 = q8_0_tail(acc0, w, x, xs, i, nb);
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
-#else
-#define FITM_DOT512 0
 #endif
 
 /* The 8 scales and 8 mins (0..63) of a Q4_K/Q5_K super-block, unpacked with 32-bit word

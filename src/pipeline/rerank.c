@@ -1,7 +1,7 @@
 /* rerank: POST /rerank's pipeline (see rerank.h): the request and result, the prompt frames
  * and answer template every method and /answer build on, and the dispatch of a request to
- * its method (rerank_attn.c, rerank_sort.c, rerank_per_doc.c, rerank_fused.c) with its passes on the
- * session's own caches, or its cost. */
+ * its method (rerank_attn.c, rerank_sort.c, rerank_per_doc.c) with its passes on the session's
+ * own caches, or its cost. */
 #include "pipeline/rerank_methods.h"
 
 #include <stdlib.h>

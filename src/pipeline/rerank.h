@@ -3,8 +3,8 @@
  * engine's thread with the session (session.h): rerank.c dispatches by method; prompt.c
  * builds the prompts; rerank_attn.c runs the attention methods in steps, score -> reference
  * passes -> calibrate, with the scoring options of score.h; rerank_sort.c attention_sort;
- * rerank_per_doc.c query_likelihood and relevance; rerank_fused.c fused (the two combined);
- * passes.c runs their forward passes;
+ * rerank_per_doc.c query_likelihood, relevance and fused (query likelihood's passes with the
+ * attention they capture); passes.c runs their forward passes;
  * rerank_seq.c makes a method's run a sequence of the engine's batch.
  *
  * Ownership: a request owns every string and array it points to; fitm_rerank_request_free
