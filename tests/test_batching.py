@@ -636,8 +636,8 @@ def test_stream_decodes_while_answer_ranks(fitmd_bin, tmp_path_factory):  # noqa
         seqs = after["fitm_batch_step_sequences_total"] - \
             before["fitm_batch_step_sequences_total"]
         assert running[-1] > done, "the stream ended before the answer: no overlap to see"
-        # the ranking is most of the answer's rows, far more than its own prompt
-        assert forward - prompt - n >= 2 * prompt and forward >= 300, (forward, prompt)
+        # the ranking is most of the answer's rows, more than its own prompt
+        assert forward - prompt - n >= prompt and forward >= 300, (forward, prompt)
         assert seqs - steps >= (forward - n + 1) // 2 + n - 1, (steps, seqs, forward)
         assert any(sent < t < done for t in running)
     finally:

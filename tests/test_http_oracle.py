@@ -79,7 +79,7 @@ def builtin(L: int) -> dict:
     """The built-in scoring defaults (score.h) for a model of L layers."""
     first, n = math.floor(L * 5 / 18), max(1, math.floor(L * 3 / 18 + 0.5))
     return {"rows": "question", "layers": [min(first + i, L - 1) for i in range(n)],
-            "heads": None, "aggregate": "sum", "skip_first": 0, "reference": "null_query",
+            "heads": None, "aggregate": "sum", "skip_first": 0, "reference": "null_suffix",
             "dummy_source": "fixed", "form": "difference", "head_query": "query",
             "sink_factor": 0.0, "window": 0,
             "temperature": 0.05, "score_scale": 20.0, "score_bias": 0.0}
@@ -87,6 +87,7 @@ def builtin(L: int) -> dict:
 
 VARIANTS = [
     ("calibrated", {}),
+    ("calibrated", {"reference": "null_query"}),
     ("calibrated", {"rows": "last", "reference": "dummy", "aggregate": "mean", "layers": [0, -1]}),
     ("calibrated", {"reference": "null_suffix", "rows": "suffix"}),
     ("calibrated", {"reference": "null_suffix", "prefix_reuse": False}),
@@ -96,7 +97,7 @@ VARIANTS = [
                     "score_bias": -0.5}),
     ("calibrated", {"sink_factor": 1.5, "skip_first": 2, "aggregate": "mean"}),
     ("calibrated", {"heads": [[0, 1], [-1, 0]], "reference": "none"}),
-    ("calibrated", {"head_query": "null", "window": 1}),
+    ("calibrated", {"head_query": "null", "window": 1, "reference": "null_query"}),
     ("calibrated", {"head_query": "null", "reference": "null_suffix", "window": 2}),
     ("attention", {"rows": "last"}),
 ]

@@ -79,7 +79,7 @@ static void test_options(void)
     CHECK(fitm_score_opts_builtin(&b, 18, &err) == FITM_OK);
     CHECK(b.n_layers == 3 && b.layers[0] == 5 && b.layers[2] == 7);
     CHECK(b.n_fuse_layers == 1 && b.fuse_layers[0] == 0 && b.fuse_weight == FITM_FUSE_WEIGHT);
-    CHECK(b.rows == FITM_ROWS_QUESTION && b.reference == FITM_REF_NULL_QUERY &&
+    CHECK(b.rows == FITM_ROWS_QUESTION && b.reference == FITM_REF_NULL_SUFFIX &&
           b.aggregate == FITM_AGG_SUM && b.window == 0 && b.score_scale == 1 / b.temperature);
     CHECK(fitm_score_opts_overlay(&b, &o, &err) == FITM_OK);
     CHECK(b.rows == FITM_ROWS_SUFFIX && b.n_heads == 2 && b.n_layers == 3 && b.window == 0);

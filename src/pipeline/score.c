@@ -285,7 +285,7 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     o->rows = FITM_ROWS_QUESTION;
     o->aggregate = FITM_AGG_SUM;
     o->skip_first = 0;
-    o->reference = FITM_REF_NULL_QUERY;
+    o->reference = FITM_REF_NULL_SUFFIX;
     o->dummy_source = FITM_DUMMY_FIXED;
     o->form = FITM_FORM_DIFFERENCE;
     o->head_query = FITM_HEAD_QUERY;

@@ -77,7 +77,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
 
 /* The built-in defaults for a model of L layers into *o (overwritten, not freed; every option
  * set): rows question, the
- * layers at 28-44% of the depth (5, 6, 7 of 18), sum, skip_first 0, null_query, fixed
+ * layers at 28-44% of the depth (5, 6, 7 of 18), sum, skip_first 0, null_suffix, fixed
  * dummy, difference, the query as the head's question, no sinks, no windows, temperature
  * 0.05, and score_scale = 1 /
  * temperature, score_bias 0 (so relevance_score orders exactly like weight), fuse_weight

@@ -195,7 +195,7 @@ static const opt opts[] = {
      "profile's, else 0"},
     {"reference", STR(reference), "", 0, 0, NULL,
      "scoring default: none|dummy|null_query|null_suffix|both; empty = the profile's, else "
-     "null_query"},
+     "null_suffix"},
     {"dummy_source", STR(dummy_source), "", 0, 0, NULL,
      "scoring default: fixed|documents text of the dummy passes; empty = the profile's, else "
      "fixed"},
