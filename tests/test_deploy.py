@@ -1,15 +1,16 @@
 """The deployment files of deploy/ are checked, not just kept:
 
   * Kubernetes (deploy/kubernetes): every overlay (cpu, gpu, each as shipped and with the keda
-    component in place of its own components) is rendered by a small kustomize written here (the subset the files use:
-    resources, components, configMapGenerator, images, strategic-merge patches, $patch:
-    delete), and by `kubectl kustomize` where kubectl exists; the two must give the same
-    objects. Each object is validated against the Kubernetes API schema (kubernetes-validate,
-    strict: unknown fields fail) and the choices that tie the files to fitmd are asserted:
-    probes on /health at the probe port fitmd.conf opens, a termination grace period that
-    covers preStop + drain_timeout_ms, a liveness budget longer than a drain, the Secret the
-    pods read, the GPU only in the gpu overlay, at most one autoscaler per target and none on
-    CPU for GPU pods, the KEDA query on a metric fitmd exports. The ConfigMap's fitmd.conf is parsed by fitmd itself.
+    component in place of its own components) is rendered by a small kustomize written here
+    (the subset the files use: resources, components, configMapGenerator, images,
+    strategic-merge patches, $patch: delete), and by `kubectl kustomize` where kubectl
+    exists; the two must give the same objects. Each object is validated against the
+    Kubernetes API schema (kubernetes-validate, strict: unknown fields fail) and the choices
+    that tie the files to fitmd are asserted: probes on /health at the probe port fitmd.conf
+    opens, a termination grace period that covers preStop + drain_timeout_ms, a liveness
+    budget longer than a drain, the Secret the pods read, the GPU only in the gpu overlay, at
+    most one autoscaler per target and none on CPU for GPU pods, the KEDA query on a metric
+    fitmd exports. The ConfigMap's fitmd.conf is parsed by fitmd itself.
   * systemd (deploy/systemd/fitmd.service): `systemd-analyze verify` where available, and
     Type=notify with a watchdog and a stop timeout that covers the drain.
   * docker compose (deploy/compose): Prometheus scrapes the port fitmd's probe listener opens.
