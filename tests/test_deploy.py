@@ -286,28 +286,43 @@ def test_secret_gpu_service_and_autoscaling(rendered):
             (so,) = sos
             assert so["apiVersion"] == "keda.sh/v1alpha1" and "+keda" in label
             (trig,) = so["spec"]["triggers"]
-            assert trig["type"] == "prometheus" and float(trig["metadata"]["threshold"]) > 0
-            metric = re.search(r"(fitm_\w+)", trig["metadata"]["query"]).group(1)
+            threshold = float(trig["metadata"]["threshold"])
+            assert trig["type"] == "prometheus" and threshold > 0
+            metrics = assert_query_scoped(trig["metadata"]["query"], dep)
             metrics_src = (ROOT / "src" / "server" / "metrics.c").read_text()
-            assert f"# TYPE {metric} gauge" in metrics_src, metric
-            assert_query_scoped(trig["metadata"]["query"], dep)
+            for metric in metrics:
+                assert f"# TYPE {metric} gauge" in metrics_src, metric
+            # The running count stops at max_running a replica: summed alone it could never
+            # pass a target of max_running, and the autoscaler would never add a replica.
+            cm = the(objs, "ConfigMap")
+            conf = conf_values(next(iter(cm["data"].values())))
+            default = re.search(r'\{"max_running", INT\(max_running\), "(\d+)"',
+                                (ROOT / "src" / "server" / "config.c").read_text())
+            max_running = int(conf.get("max_running") or default.group(1))
+            assert "fitm_queue_depth" in metrics or threshold < max_running, \
+                (metrics, threshold, max_running)
 
 
 def assert_query_scoped(query, dep):
     """The KEDA query sums the Deployment's own pods: its namespace, and a pod name pattern
     that takes the Deployment's pods (<name>-<pod-template-hash>-<suffix>) and no other
-    Deployment's, not even one whose name starts with this one's."""
-    m = re.fullmatch(r"sum\((fitm_\w+)\{(.*)\}\)", query)
-    assert m, f"the query selects no labels: {query}"
-    sel = dict(re.findall(r'(\w+)\s*=~?\s*"([^"]*)"', m.group(2)))
-    assert sel.get("namespace") == dep["metadata"].get("namespace", "default"), sel
-    name = dep["metadata"]["name"]
-    pod = re.compile(sel["pod"])
-    for ok in (f"{name}-5d8f7c9b6d-x7k2p", f"{name}-7b9c4-q2w8z"):
-        assert pod.fullmatch(ok), (sel["pod"], ok)
-    for other in (f"{name}-gpu-5d8f7c9b6d-x7k2p", f"other-{name}-5d8f7c9b6d-x7k2p",
-                  "prometheus-5d8f7c9b6d-x7k2p"):
-        assert not pod.fullmatch(other), (sel["pod"], other)
+    Deployment's, not even one whose name starts with this one's; every sum of a query that
+    adds several does. Returns the metrics summed."""
+    metrics = []
+    for term in re.split(r"\s*\+\s*(?=sum\()", query):
+        m = re.fullmatch(r"sum\((fitm_\w+)\{(.*)\}\)", term)
+        assert m, f"a sum that selects no labels: {term} (in {query})"
+        metrics.append(m.group(1))
+        sel = dict(re.findall(r'(\w+)\s*=~?\s*"([^"]*)"', m.group(2)))
+        assert sel.get("namespace") == dep["metadata"].get("namespace", "default"), sel
+        name = dep["metadata"]["name"]
+        pod = re.compile(sel["pod"])
+        for ok in (f"{name}-5d8f7c9b6d-x7k2p", f"{name}-7b9c4-q2w8z"):
+            assert pod.fullmatch(ok), (sel["pod"], ok)
+        for other in (f"{name}-gpu-5d8f7c9b6d-x7k2p", f"other-{name}-5d8f7c9b6d-x7k2p",
+                      "prometheus-5d8f7c9b6d-x7k2p"):
+            assert not pod.fullmatch(other), (sel["pod"], other)
+    return metrics
 
 
 # ---- systemd -----------------------------------------------------------------------------
