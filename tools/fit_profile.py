@@ -328,9 +328,10 @@ def answer_lines(answer: dict, reorder_follows: bool = False) -> list:
 def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads: list,
                   scale: float, bias: float, answer: dict = None, chosen: dict = None):
     """chosen: what was chosen after the fit, on the dev splits with tests/quality/quality.py
-    and tests/quality/fuse_sweep.py (docs/rerank-results.md, docs/scoring.md): rerank_method (/rerank's method for requests that name none),
-    fuse_weight (method fused's w), answer_reorder (/answer's reorder, over the fit's) and
-    answer_top_n (how many of the reordered documents /answer's prompt keeps)."""
+    and tests/quality/fuse_sweep.py (docs/rerank-results.md, docs/scoring.md): rerank_method
+    (/rerank's method for requests that name none), fuse_weight (method fused's w),
+    answer_reorder (/answer's reorder, over the fit's) and answer_top_n (how many of the
+    reordered documents /answer's prompt keeps)."""
     n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]

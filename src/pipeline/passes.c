@@ -184,7 +184,7 @@ fitm_status fitm_layers_choose(const fitm_session *r, const char *name, const in
     memset(use, 0, (size_t)(uint32_t)r->L);
     if (n > 0) {
         for (int32_t i = 0; i < n; i++) {
-            int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
+            int32_t l = fitm_layer_index(r, layers[i]);
             if (l < 0 || l >= r->L)
                 return fitm_err_set(err, FITM_ERR_INVALID,
                                     "'%s[%d]' = %d: the model has %d layers", name, (int)i,

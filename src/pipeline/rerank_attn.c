@@ -115,7 +115,7 @@ static fitm_status choose_pairs(const fitm_session *r, plan *pl, fitm_rerank_met
     fitm_status st = FITM_OK;
     if (o->heads) {
         for (int32_t i = 0; i < o->n_heads && st == FITM_OK; i++) {
-            int32_t l = o->heads[2 * i] < 0 ? r->L + o->heads[2 * i] : o->heads[2 * i];
+            int32_t l = fitm_layer_index(r, o->heads[2 * i]);
             int32_t h = o->heads[2 * i + 1];
             if (l < 0 || l >= r->L || h >= r->H)
                 st = fitm_err_set(err, FITM_ERR_INVALID,

@@ -1,9 +1,10 @@
 /* rerank_methods: each rerank method's run and cost, for rerank.c's dispatch and the batch
  * sequence (rerank_seq.c). rerank_attn.c: calibrated, attention, paper; rerank_sort.c:
- * attention_sort; rerank_per_doc.c: query_likelihood, relevance, fused. Every method but attention_sort runs as a state machine of passes
- * (fitm_machine), whole here or as a sequence of the engine's batch. A run takes the request's
- * passes (fitm_passes: where they run) and fills the result; a cost reads only the session.
- * Not for other modules: they use rerank.h. */
+ * attention_sort; rerank_per_doc.c: query_likelihood, relevance, fused. Every method but
+ * attention_sort runs as a state machine of passes (fitm_machine), whole here or as a
+ * sequence of the engine's batch. A run takes the request's passes (fitm_passes: where they
+ * run) and fills the result; a cost reads only the session. Not for other modules: they use
+ * rerank.h. */
 #ifndef FITM_RERANK_METHODS_H
 #define FITM_RERANK_METHODS_H
 

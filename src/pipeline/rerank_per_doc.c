@@ -349,10 +349,12 @@ static void per_doc_ran(void *run, int32_t lane)
         for (int64_t i = 0; i < p->n_logits; i++)
             ln->sum += ln->lp[i];
         const fitm_session *r = d->ps->s;
-        for (int32_t i = 0; p->cap && i < p->cap->n_rows; i++)
+        const float *mass = p->cap ? p->cap->span_mass : NULL; /* (rows, L, H) */
+        for (int32_t i = 0; mass && i < p->cap->n_rows; i++)
             for (int32_t l = 0; l < r->L; l++)
-                for (int32_t h = 0; d->pd.use[l] && h < r->H; h++)
-                    ln->att += p->cap->span_mass[((int64_t)i * r->L + l) * r->H + h];
+                if (d->pd.use[l])
+                    for (int32_t h = 0; h < r->H; h++)
+                        ln->att += mass[((int64_t)i * r->L + l) * r->H + h];
     } else {
         double py = 0, pn = 0;
         for (int i = 0; i < d->pd.n_yes; i++)

@@ -104,7 +104,7 @@ static fitm_status check_default_layers(const fitm_session *r, const char *what,
                                         const int32_t *layers, int32_t n, fitm_err *err)
 {
     for (int32_t i = 0; layers && i < n; i++) {
-        const int32_t l = layers[i] < 0 ? r->L + layers[i] : layers[i];
+        const int32_t l = fitm_layer_index(r, layers[i]);
         if (l < 0 || l >= r->L)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "the default %s name layer %d: the model has %d layers", what,
@@ -125,7 +125,7 @@ static fitm_status check_default_pairs(const fitm_session *r, fitm_err *err)
     if (st != FITM_OK)
         return st;
     for (int32_t i = 0; o->heads && i < o->n_heads; i++) {
-        const int32_t l = o->heads[2 * i] < 0 ? r->L + o->heads[2 * i] : o->heads[2 * i];
+        const int32_t l = fitm_layer_index(r, o->heads[2 * i]);
         if (l < 0 || l >= r->L || o->heads[2 * i + 1] >= r->H)
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "the default heads name layer %d, head %d: the model has %d "

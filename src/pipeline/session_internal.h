@@ -235,6 +235,13 @@ void fitm_pass_record(const fitm_session *s, const fitm_pass *p, int64_t from, i
 const fitm_capture *fitm_passes_capture_part(const fitm_session *s, const fitm_capture *cap,
                                              int64_t pos0, int64_t n, fitm_capture *part);
 
+/* Layer l of a request or config list (negative = from the end: -1 the last) as an index of
+ * the session's model; outside [0, L) when the model has no such layer. */
+static inline int32_t fitm_layer_index(const fitm_session *r, int32_t l)
+{
+    return l < 0 ? r->L + l : l;
+}
+
 /* The layers given (negative = from the end) into use (L flags), or, with n = 0, every layer
  * that sees the whole context (all layers for models without sliding windows). A layer the
  * model lacks is FITM_ERR_INVALID naming the request field `name` ("layers") and its index. */
