@@ -232,20 +232,25 @@ def test_probes_ports_and_drain_agree_with_fitmd(rendered):
             assert ref["resource"] == "requests.cpu" and ref["containerName"] == c["name"], label
 
 
-def test_configmap_is_a_valid_fitmd_config(rendered, tmp_path):
-    fitmd = build_dir() / "src" / "fitmd"
+def fitmd_config(text: str, tmp_path) -> dict:
+    """Every key fitmd itself takes from config file text (its defaults for the rest)."""
     conf = tmp_path / "fitmd.conf"
-    conf.write_text(the(rendered["cpu"], "ConfigMap")["data"]["fitmd.conf"])
+    conf.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
-    r = subprocess.run([str(fitmd), f"--config={conf}", "--print-config"], capture_output=True,
-                       text=True, env=env)
+    r = subprocess.run([str(build_dir() / "src" / "fitmd"), f"--config={conf}",
+                        "--print-config"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    printed = conf_values(r.stdout)
-    for k, v in conf_values(conf.read_text()).items():
+    return conf_values(r.stdout)
+
+
+def test_configmap_is_a_valid_fitmd_config(rendered, tmp_path):
+    text = the(rendered["cpu"], "ConfigMap")["data"]["fitmd.conf"]
+    printed = fitmd_config(text, tmp_path)
+    for k, v in conf_values(text).items():
         assert printed[k] == v, (k, v, printed[k])
 
 
-def test_secret_gpu_service_and_autoscaling(rendered):
+def test_secret_gpu_service_and_autoscaling(rendered, tmp_path):
     example = yaml.safe_load((K8S / "secret.example.yaml").read_text())
     for label, objs in rendered.items():
         dep = the(objs, "Deployment")
@@ -295,10 +300,7 @@ def test_secret_gpu_service_and_autoscaling(rendered):
             # The running count stops at max_running a replica: summed alone it could never
             # pass a target of max_running, and the autoscaler would never add a replica.
             cm = the(objs, "ConfigMap")
-            conf = conf_values(next(iter(cm["data"].values())))
-            default = re.search(r'\{"max_running", INT\(max_running\), "(\d+)"',
-                                (ROOT / "src" / "server" / "config.c").read_text())
-            max_running = int(conf.get("max_running") or default.group(1))
+            max_running = int(fitmd_config(cm["data"]["fitmd.conf"], tmp_path)["max_running"])
             assert "fitm_queue_depth" in metrics or threshold < max_running, \
                 (metrics, threshold, max_running)
 
