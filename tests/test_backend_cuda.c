@@ -1101,6 +1101,71 @@ done:
     free(buf);
 }
 
+/* A freed allocation is handed out again (backend_cuda.c, "the pool"): to an allocation it
+ * fits (at most a quarter larger than asked), zeroed whatever its last owner wrote, and on the
+ * emulator with no cudaMalloc or cudaFree; a smaller request gets memory of its own. A
+ * cudaMalloc that finds the device full releases the pool and succeeds on its second try. */
+static void test_pool(void)
+{
+    enum { n = 1 << 18 }; /* floats */
+    fitm_backend *gpu = NULL; /* its own, so that its pool starts empty */
+    fitm_err err = {{0}};
+    if (fitm_backend_cuda_create(&gpu, 0, &err) != FITM_OK) {
+        CHECK(false, "pool test: %s", err.msg);
+        return;
+    }
+    float *host = malloc(n * sizeof *host);
+    uint32_t x = 0x9e3779b9u;
+    for (int i = 0; i < n; i++) { /* xorshift: fresh non-zero values */
+        x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+        host[i] = (float)(x >> 8) / 16777216.0f + 0.5f;
+    }
+    float *a = gpu->ops->alloc(gpu, n * sizeof(float));
+    CHECK(host && a);
+    if (!host || !a) {
+        free(host);
+        fitm_backend_destroy(gpu);
+        return;
+    }
+    gpu->ops->upload(gpu, a, host, n * sizeof(float));
+    gpu->ops->free(gpu, a);
+#ifdef FITM_CUDA_EMU
+    fitm_emu_stats st[2];
+    fitm_emu_get_stats(&st[0]);
+#endif
+    const int64_t m = n - n / 8;
+    float *b = gpu->ops->alloc(gpu, (size_t)m * sizeof(float));
+    CHECK(b == a, "the freed block serves an allocation 7/8 of its size");
+    gpu->ops->download(gpu, host, b, (size_t)m * sizeof(float));
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < m; i++)
+        nonzero += host[i] != 0.0f;
+    CHECK(nonzero == 0, "%lld of %lld values of the reused block not zeroed", (long long)nonzero,
+          (long long)m);
+    gpu->ops->free(gpu, b);
+    float *c = gpu->ops->alloc(gpu, (n / 2) * sizeof(float));
+    CHECK(c && c != a, "a block twice the size is not handed to half of it");
+#ifdef FITM_CUDA_EMU
+    fitm_emu_get_stats(&st[1]);
+    CHECK(st[1].mallocs - st[0].mallocs == 1 && st[1].frees == st[0].frees,
+          "one cudaMalloc (the half), no cudaFree: %llu, %llu", st[1].mallocs - st[0].mallocs,
+          st[1].frees - st[0].frees);
+    /* the device full once: the pool (a) is released and the second try succeeds */
+    fitm_emu_inject_error("malloc", cudaErrorMemoryAllocation);
+    float *d = gpu->ops->alloc(gpu, 2 * n * sizeof(float));
+    fitm_emu_get_stats(&st[0]);
+    CHECK(d != NULL, "an allocation after the pool's release");
+    CHECK(st[0].frees - st[1].frees == 1 && st[0].mallocs - st[1].mallocs == 1,
+          "the pool's one block released, one cudaMalloc: %llu, %llu",
+          st[0].frees - st[1].frees, st[0].mallocs - st[1].mallocs);
+    gpu->ops->free(gpu, d);
+#endif
+    gpu->ops->free(gpu, c);
+    CHECK(gpu->ops->status(gpu, &err) == FITM_OK, "%s", err.msg);
+    free(host);
+    fitm_backend_destroy(gpu);
+}
+
 /* Host memory handed to an op where device memory belongs (the rope table of a test that once
  * passed a malloc'd one): the emulated device, like a real one, loses the context with an
  * illegal address; the backend reports it as a lost device on every later status, and
@@ -1152,6 +1217,7 @@ static void test_rest(fitm_backend *gpu, fitm_backend *gpu16)
     test_same_steps(gpu, FITM_CUDA_WEIGHTS_F32, FITM_GEN_ARCH_LLAMA, FUSION);
     test_error_channel(gpu);
     test_pending_norm();
+    test_pool();
     test_lost_context(gpu);
 }
 

@@ -57,6 +57,10 @@
  * products with the GLU (matmul_glu), a step's K and V stores into every sequence's cache
  * (kv_store_many: one launch a layer instead of two copies per sequence).
  *
+ * Memory: alloc hands out device memory zeroed in stream order; free keeps it in a pool for
+ * the next alloc it fits (cuda_alloc), so a request's KV caches cost no cudaMalloc, cudaFree
+ * or device synchronisation once the pool holds their size.
+ *
  * Errors: the ops return nothing, so the first CUDA error is recorded, later ops of the pass
  * do nothing, and the status slot reports it (FITM_ERR_BACKEND, or FITM_ERR_NOMEM) and clears
  * it, unless the error is sticky (the context is lost): then every later status call fails. */
@@ -83,6 +87,16 @@ typedef struct {
     void *p;
     size_t cap;
 } grow_buf;
+
+/* A device allocation of n bytes that alloc handed out (live) or that free kept (pool). */
+typedef struct {
+    void *p;
+    size_t n;
+} dev_block;
+
+/* Freed allocations kept for reuse (cuda_alloc): at most POOL_BLOCKS of them and pool_cap
+ * bytes (a quarter of the device's memory), the oldest released first. */
+#define POOL_BLOCKS 16
 
 /* An instantiated graph: a step's work, or its piece-th piece (fitm_backend_cuda_set_pieces),
  * of one shape (its node count), and when it last ran; tape: the work of the capture the
@@ -193,6 +207,11 @@ typedef struct {
     size_t bf16_bytes;
     grow_buf wb, xb;
     fitm_backend_cuda_stats stats;
+    dev_block *live; /* what alloc handed out and free has not taken back */
+    size_t n_live, live_cap;
+    dev_block pool[POOL_BLOCKS]; /* oldest first */
+    int n_pool;
+    size_t pool_bytes, pool_cap;
 } cuda_backend;
 
 static cuda_backend *cu(fitm_backend *b)
@@ -212,6 +231,7 @@ static bool ok(cuda_backend *c, int rc, const char *what)
 }
 
 static bool capture_off(cuda_backend *c);
+static cudaError_t dev_malloc(cuda_backend *c, void **p, size_t n);
 
 /* Makes the device buffer g at least bytes long (its contents are not kept). */
 static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
@@ -224,7 +244,7 @@ static bool grow(cuda_backend *c, grow_buf *g, size_t bytes)
         return false;
     g->p = NULL;
     g->cap = 0;
-    if (!ok(c, (int)cudaMalloc(&g->p, bytes), "scratch allocation"))
+    if (!ok(c, (int)dev_malloc(c, &g->p, bytes), "scratch allocation"))
         return false;
     g->cap = bytes;
     return true;
@@ -703,7 +723,7 @@ static fitm_status add_weight(cuda_backend *c, const fitm_weight *w, size_t cap,
         return fitm_err_set(err, FITM_ERR_INTERNAL, "CUDA backend: weight table full");
     void *dev = NULL;
     const size_t n = weight_bytes(w);
-    int rc = (int)cudaMalloc(&dev, n ? n : 1);
+    int rc = (int)dev_malloc(c, &dev, n ? n : 1);
     if (rc == 0)
         rc = (int)cudaMemcpy(dev, w->data, n, cudaMemcpyHostToDevice);
     if (rc != 0) {
@@ -740,7 +760,7 @@ static fitm_status add_bf16(cuda_backend *c, const fitm_weight *w, fitm_err *err
     if (!d || d->bf16)
         return FITM_OK; /* absent (an optional view), or a second view of one matrix */
     const size_t n = (size_t)(w->n_rows * w->n_cols) * sizeof(uint16_t);
-    int rc = (int)cudaMalloc((void **)&d->bf16, n ? n : 1);
+    int rc = (int)dev_malloc(c, (void **)&d->bf16, n ? n : 1);
     if (rc == 0 &&
         (!to_bf16(c, w, d->dev, d->bf16) || cudaStreamSynchronize(c->stream) != cudaSuccess)) {
         rc = c->rc ? c->rc : (int)cudaGetLastError();
@@ -805,27 +825,99 @@ static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *
 
 /* ---- memory --------------------------------------------------------------------------------- */
 
-/* Zeroed device memory of n bytes (synchronous). */
+/* A request's KV caches are allocated when it starts and freed when it ends: tens of MB each,
+ * where cudaMalloc maps memory in the driver and cudaFree waits for the whole device. So a
+ * freed allocation is kept in a pool and handed out again, zeroed on the stream, to the next
+ * alloc it fits (at most a quarter larger than asked: no large block serves a small one). A
+ * cudaMalloc that finds the device full releases the pool and tries once more, so the pool
+ * never makes an allocation fail. */
+
+/* Releases pooled block i (the device waits in cudaFree). */
+static void pool_release(cuda_backend *c, int i)
+{
+    capture_off(c);
+    cudaFree(c->pool[i].p);
+    c->pool_bytes -= c->pool[i].n;
+    memmove(&c->pool[i], &c->pool[i + 1], (size_t)(c->n_pool - i - 1) * sizeof c->pool[0]);
+    c->n_pool--;
+}
+
+/* cudaMalloc, with the pool released and a second try when the device is full. */
+static cudaError_t dev_malloc(cuda_backend *c, void **p, size_t n)
+{
+    cudaError_t e = cudaMalloc(p, n);
+    if (e == cudaErrorMemoryAllocation && c->n_pool > 0) {
+        (void)cudaGetLastError();
+        while (c->n_pool > 0)
+            pool_release(c, c->n_pool - 1);
+        e = cudaMalloc(p, n);
+    }
+    return e;
+}
+
+/* Zeroed device memory of n bytes, in stream order (later ops see zeros; no wait). */
 static void *cuda_alloc(fitm_backend *b, size_t n)
 {
     cuda_backend *c = cu(b);
-    void *p = NULL;
-    capture_off(c); /* no allocation inside a capture */
-    if (cudaMalloc(&p, n ? n : 1) != cudaSuccess)
+    n = n ? n : 1;
+    if (c->n_live == c->live_cap) {
+        const size_t cap = c->live_cap ? 2 * c->live_cap : 64;
+        dev_block *v = realloc(c->live, cap * sizeof *v);
+        if (!v)
+            return NULL;
+        c->live = v;
+        c->live_cap = cap;
+    }
+    capture_off(c); /* no allocation or memset inside a capture */
+    int best = -1;  /* the smallest pooled block that fits */
+    for (int i = 0; i < c->n_pool; i++)
+        if (c->pool[i].n >= n && c->pool[i].n - n <= n / 4 &&
+            (best < 0 || c->pool[i].n < c->pool[best].n))
+            best = i;
+    dev_block d = {NULL, n};
+    if (best >= 0) {
+        d = c->pool[best];
+        c->pool_bytes -= d.n;
+        memmove(&c->pool[best], &c->pool[best + 1],
+                (size_t)(c->n_pool - best - 1) * sizeof c->pool[0]);
+        c->n_pool--;
+    } else if (dev_malloc(c, &d.p, n) != cudaSuccess) {
+        (void)cudaGetLastError();
         return NULL; /* the caller reports it; not an error of the pass */
-    if (cudaMemset(p, 0, n ? n : 1) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
-        cudaFree(p);
+    }
+    if (cudaMemsetAsync(d.p, 0, n, c->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFree(d.p);
         return NULL;
     }
-    return p;
+    c->live[c->n_live++] = d;
+    return d.p;
 }
 
 static void cuda_free(fitm_backend *b, void *p)
 {
-    if (p) {
-        capture_off(cu(b)); /* cudaFree waits for the device */
+    cuda_backend *c = cu(b);
+    if (!p)
+        return;
+    size_t i = 0;
+    while (i < c->n_live && c->live[i].p != p)
+        i++;
+    if (i == c->n_live) { /* not alloc's: freed as it is */
+        capture_off(c);
         cudaFree(p);
+        return;
     }
+    const dev_block d = c->live[i];
+    c->live[i] = c->live[--c->n_live];
+    if (d.n > c->pool_cap) {
+        capture_off(c);
+        cudaFree(d.p);
+        return;
+    }
+    while (c->n_pool == POOL_BLOCKS || c->pool_bytes + d.n > c->pool_cap)
+        pool_release(c, 0);
+    c->pool[c->n_pool++] = d;
+    c->pool_bytes += d.n;
 }
 
 #define UPLOAD_STAGED_MAX (64u << 10)
@@ -923,6 +1015,11 @@ static void cuda_destroy(fitm_backend *b)
         free_buf(bufs[i]);
     free_buf(&c->wb);
     free_buf(&c->xb);
+    for (int i = 0; i < c->n_pool; i++)
+        cudaFree(c->pool[i].p);
+    for (size_t i = 0; i < c->n_live; i++) /* an owner that outlived the backend */
+        cudaFree(c->live[i].p);
+    free(c->live);
     if (c->blas)
         cublasDestroy(c->blas);
     fitm_cuda_set_pdl(c->stream, false); /* no later stream at its address is programmatic */
@@ -1929,6 +2026,9 @@ fitm_status fitm_backend_cuda_create(fitm_backend **out, int device, fitm_err *e
     if (probe < 0) /* a lost device: the first pass reports it */
         ok(c, -probe, "the programmatic launch probe");
     c->pdl_ok = probe == 1 && fitm_cuda_set_pdl(c->stream, true);
+    size_t mem_free = 0, mem_total = 0;
+    if (cudaMemGetInfo(&mem_free, &mem_total) == cudaSuccess)
+        c->pool_cap = mem_total / 4;
     struct cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
         snprintf(c->device, sizeof c->device, "%.256s (sm_%d%d, %zu MiB)", p.name, p.major, p.minor,

@@ -198,10 +198,12 @@ void fitm_emu_reset_device(void);
  * submitted then), graph launches (one submission each, however many operations the graph
  * holds). kernels_run: kernels that ran, alone or in a graph's replay (programmatic: those
  * of them launched with cudaLaunchAttributeProgrammaticStreamSerialization). host_waits: stream,
- * event and device synchronizations and synchronous copies. */
+ * event and device synchronizations and synchronous copies. mallocs, frees: device
+ * allocations made and released (cudaMalloc, cudaFree). */
 typedef struct {
     unsigned long long launches, blas_calls, copies, graph_launches, kernels_run, host_waits;
     unsigned long long programmatic; /* kernels run that were launched programmatically */
+    unsigned long long mallocs, frees;
 } fitm_emu_stats;
 void fitm_emu_get_stats(fitm_emu_stats *s);
 

@@ -1176,6 +1176,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
     pthread_mutex_lock(&mem_lock);
     device_blocks[(uintptr_t)*p] = bytes;
     pthread_mutex_unlock(&mem_lock);
+    count(&fitm_emu_stats::mallocs);
     return cudaSuccess;
 }
 
@@ -1193,6 +1194,7 @@ cudaError_t cudaFree(void *p)
     if (!known)
         return set_error(cudaErrorInvalidValue);
     free(p);
+    count(&fitm_emu_stats::frees);
     return sticky();
 }
 
