@@ -321,7 +321,8 @@ def test_fused_matches_oracle(served, extra):
     """Method fused: per document one query-likelihood prompt, the mean log-probability of its
     question and the attention its query's rows pay to the document (the mean over those rows
     and every head of the fuse layers of the mass on the document's tokens) recomputed by the
-    oracle's forward pass; score = that log-probability + w x the z-score of the attention."""
+    oracle's forward pass; score = that log-probability + w x the z-score of the attention,
+    relevance_score = sigmoid(fuse_scale x score + fuse_bias), meta's (the built-in ones)."""
     daemon, model, arch = served
     rtol_a = RTOL_HALF if model.kv_half else RTOL_A
     seed = int(np.random.SeedSequence().entropy % 2**32)
@@ -356,7 +357,10 @@ def test_fused_matches_oracle(served, extra):
     # absolute; an fp16 cache's rounding flips (RTOL_HALF above) move them up to 1e-3.
     a = np.array([x["attention"] for x in got])
     z = (a - a.mean()) / a.std() if a.std() > 0 else np.zeros_like(a)
-    np.testing.assert_allclose([x["relevance_score"] for x in got], np.array(lp) + w * z,
+    fa, fb = j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]
+    assert (fa, fb) == (3.06908, 6.35162), seed  # the built-in fit (no profile here)
+    want = 1 / (1 + np.exp(-(fa * (np.array(lp) + w * z) + fb)))
+    np.testing.assert_allclose([x["relevance_score"] for x in got], want,
                                rtol=0, atol=1e-3 if model.kv_half else 1e-4,
                                err_msg=f"seed {seed}")
     assert all(x["calibrated_attention"] == 0 and x["dummy_attention"] == 0 for x in got)

@@ -280,6 +280,9 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         assert j["meta"]["profile"] == want
         assert j["results"][0]["index"] == 2, j["results"]
         assert (j["meta"]["method"], j["meta"]["fuse_weight"]) == ("fused", 0.02)
+        # the profile's fitted sigmoid: scores in (0, 1), as Cohere-style clients expect
+        assert (j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]) == (3.06908, 6.35162)
+        assert all(0 < x["relevance_score"] < 1 for x in j["results"])
         ql = post(d, {"query": README_QUERY, "documents": README_DOCS,
                       "method": "query_likelihood"}).json()
         assert j["usage"]["forward_tokens"] == ql["usage"]["forward_tokens"]
@@ -295,9 +298,14 @@ def test_default_model_with_shipped_profile(fitmd_bin, tmp_path, profile):  # no
         assert d.terminate() == 0
 
 
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
 def fused_reference(ql: list, fused: list, w: float) -> dict:
-    """Method fused's scores by index from query_likelihood's response and fused's own
-    attention: ln(query_likelihood's relevance_score) + w x the z-score of attention over K."""
+    """Method fused's scores (raw_score) by index from query_likelihood's response and fused's
+    own attention: ln(query_likelihood's relevance_score) + w x the z-score of attention over
+    K."""
     q = {x["index"]: math.log(x["relevance_score"]) for x in ql}
     a = {x["index"]: x["attention"] for x in fused}
     mean = sum(a.values()) / len(a)
@@ -309,15 +317,20 @@ def fused_reference(ql: list, fused: list, w: float) -> dict:
 def test_fused_is_query_likelihood_plus_weighted_attention(daemon, w):
     """fused runs query likelihood's passes, no more (its attention is captured in them), and
     its score is query likelihood's log plus w x the z-score of its attention (which
-    test_http_oracle recomputes); the attention differs between documents."""
+    test_http_oracle recomputes), relevance_score its sigmoid with meta's fuse_scale and
+    fuse_bias (the built-in ones here, in (0, 1)); the attention differs between documents."""
     body = {"query": "which sport uses a club", "documents": docs(7, 23) + ["golf uses a club"]}
     ql = post(daemon, {**body, "method": "query_likelihood"}).json()
     j = post(daemon, {**body, "method": "fused", "fuse_weight": w}).json()
     ref = fused_reference(ql["results"], j["results"], w)
     got = {x["index"]: x for x in j["results"]}
     assert set(got) == set(ref)
+    a, b = j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]
+    assert (a, b) == (3.06908, 6.35162)
     for i, s in ref.items():
-        assert math.isclose(got[i]["relevance_score"], s, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(got[i]["relevance_score"], sigmoid(a * s + b), rel_tol=1e-9,
+                            abs_tol=1e-12)
+        assert 0 <= got[i]["relevance_score"] <= 1
     assert len({x["attention"] for x in got.values()}) == len(got)
     assert all(x["calibrated_attention"] == 0 and x["dummy_attention"] == 0 for x in got.values())
     order = [x["index"] for x in j["results"]]
@@ -363,6 +376,28 @@ def test_fused_bad_weight(daemon, bad):
     r = post(daemon, {"query": "q", "documents": ["a", "b"], "method": "fused",
                       "fuse_weight": bad})
     assert_error(r, 400, mentions="'fuse_weight'")
+
+
+@pytest.mark.parametrize("field,bad", [("fuse_scale", 0), ("fuse_scale", -1),
+                                       ("fuse_bias", "high")])
+def test_fused_bad_scale(daemon, field, bad):
+    r = post(daemon, {"query": "q", "documents": ["a", "b"], "method": "fused", field: bad})
+    assert_error(r, 400, mentions=f"'{field}'")
+
+
+def test_fused_scale_and_bias(daemon):
+    """A request's fuse_scale and fuse_bias map the same scores (the order unchanged) through
+    their own sigmoid; meta states them."""
+    body = {"query": "which sport uses a club", "documents": docs(5, 29) + ["golf uses a club"],
+            "method": "fused"}
+    j = post(daemon, body).json()
+    k = post(daemon, {**body, "fuse_scale": 0.5, "fuse_bias": -1}).json()
+    assert (k["meta"]["fuse_scale"], k["meta"]["fuse_bias"]) == (0.5, -1)
+    a, b = j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]
+    assert [x["index"] for x in j["results"]] == [x["index"] for x in k["results"]]
+    for x, y in zip(j["results"], k["results"]):
+        raw = (math.log(x["relevance_score"] / (1 - x["relevance_score"])) - b) / a
+        assert math.isclose(y["relevance_score"], sigmoid(0.5 * raw - 1), rel_tol=1e-9)
 
 
 def test_rerank_method_default_from_config_and_profile(fitmd_bin, models, tmp_path):  # noqa: F811

@@ -190,6 +190,7 @@ def test_shipped_profile_is_what_the_writer_writes(tmp_path):
     fit_profile.write_profile(out, ident, {k: kv[k] for k in ("fitted_on", "fitted_metrics")},
                               opts, heads, float(kv["score_scale"]), float(kv["score_bias"]),
                               answer, {k: kv[k] for k in ("rerank_method", "fuse_weight",
+                                                          "fuse_scale", "fuse_bias",
                                                           "answer_reorder", "answer_top_n")})
     assert out.read_text() == shipped.read_text()
     assert (kv["answer_reorder"], kv["answer_reorder_placement"], kv["answer_calibrate"]) == \
@@ -402,3 +403,33 @@ def test_fuse_sweep_recomputes_each_weight(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "tests/quality/fuse_sweep.py"), "--show",
                           str(p)], capture_output=True, text=True, check=True).stdout
     assert "| query likelihood | 1 / 2 / 2 | 1 / 2 |" in out, out
+
+
+def test_fused_sigmoid_is_the_dev_fit():
+    """fused's relevance_score = sigmoid(fuse_scale x score + fuse_bias): the shipped profile's
+    and the built-in (score.h) fuse_scale and fuse_bias are fuse_sweep.py --fit 0.02 on the
+    dev runs kept in docs/quality-runs; the fit's probabilities track the test split's gold
+    rate (each bin within 0.15), and a fit on separable scores stays finite."""
+    import re
+    import fuse_sweep
+    runs = ROOT / "docs" / "quality-runs"
+    out = subprocess.run([sys.executable, str(ROOT / "tests/quality/fuse_sweep.py"), "--show",
+                          str(runs / "dev_fuse_sweep.json"), str(runs / "dev2_fuse_sweep.json"),
+                          "--fit", "0.02", "--check", str(runs / "test_fuse_sweep_k10.json")],
+                         capture_output=True, text=True, check=True).stdout
+    fit = dict(re.findall(r"^(fuse_scale|fuse_bias) = (\S+)$", out, re.M))
+    kv = fit_profile_keys(ROOT / "config" / "profiles" / "gemma3-270m-q4km.profile")
+    header = (ROOT / "src" / "pipeline" / "score.h").read_text()
+    for key, macro in (("fuse_scale", "FITM_FUSE_SCALE"), ("fuse_bias", "FITM_FUSE_BIAS")):
+        assert fit[key] == kv[key], (key, fit, kv[key])
+        assert re.search(rf"#define {macro} (\S+)", header).group(1) == fit[key]
+    test_line = next(l for l in out.splitlines() if l.startswith(str(runs / "test_fuse_sweep")))
+    for mean_p, gold in re.findall(r"mean p ([0-9.]+) gold ([0-9.]+)", test_line):
+        assert abs(float(mean_p) - float(gold)) < 0.15, test_line
+    a, b = fuse_sweep.fit_logistic([0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 1.0])
+    assert math.isfinite(a) and a > 0 and math.isfinite(b)
+
+
+def fit_profile_keys(path):
+    import fit_profile
+    return fit_profile.profile_keys(path)

@@ -74,17 +74,23 @@ static void test_options(void)
     CHECK(fitm_score_opts_set(&o, "fuse_layers", "1;2", &err) == FITM_ERR_INVALID &&
           strstr(err.msg, "fuse_layers"));
     CHECK(fitm_score_opts_set(&o, "fuse_weight", "0.3", &err) == FITM_OK && o.fuse_weight == 0.3);
+    /* fuse_scale > 0 keeps fused's order; fuse_bias any real */
+    CHECK(fitm_score_opts_set(&o, "fuse_scale", "0", &err) == FITM_ERR_INVALID &&
+          strstr(err.msg, "fuse_scale"));
+    CHECK(fitm_score_opts_set(&o, "fuse_scale", "2.5", &err) == FITM_OK && o.fuse_scale == 2.5);
+    CHECK(fitm_score_opts_set(&o, "fuse_bias", "-1.5", &err) == FITM_OK && o.fuse_bias == -1.5);
 
     /* Overlay: set options win, unset ones keep the layer below. */
     CHECK(fitm_score_opts_builtin(&b, 18, &err) == FITM_OK);
     CHECK(b.n_layers == 3 && b.layers[0] == 5 && b.layers[2] == 7);
     CHECK(b.n_fuse_layers == 1 && b.fuse_layers[0] == 0 && b.fuse_weight == FITM_FUSE_WEIGHT);
+    CHECK(b.fuse_scale == FITM_FUSE_SCALE && b.fuse_bias == FITM_FUSE_BIAS);
     CHECK(b.rows == FITM_ROWS_QUESTION && b.reference == FITM_REF_NULL_SUFFIX &&
           b.aggregate == FITM_AGG_SUM && b.window == 0 && b.score_scale == 1 / b.temperature);
     CHECK(fitm_score_opts_overlay(&b, &o, &err) == FITM_OK);
     CHECK(b.rows == FITM_ROWS_SUFFIX && b.n_heads == 2 && b.n_layers == 3 && b.window == 0);
     CHECK(b.n_fuse_layers == 2 && b.fuse_layers[0] == 1 && b.fuse_layers[1] == -2 &&
-          b.fuse_weight == 0.3);
+          b.fuse_weight == 0.3 && b.fuse_scale == 2.5 && b.fuse_bias == -1.5);
     CHECK(fitm_score_opts_set(&o, "fuse_layers", "", &err) == FITM_OK && !o.fuse_layers &&
           !o.n_fuse_layers);
     fitm_score_opts_free(&b);

@@ -331,7 +331,9 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
     and tests/quality/fuse_sweep.py (docs/rerank-results.md, docs/scoring.md): rerank_method
     (/rerank's method for requests that name none), fuse_weight (method fused's w),
     answer_reorder (/answer's reorder, over the fit's) and answer_top_n (how many of the
-    reordered documents /answer's prompt keeps)."""
+    reordered documents /answer's prompt keeps), fuse_scale and fuse_bias (fused's
+    relevance_score = sigmoid(fuse_scale x score + fuse_bias), fitted by
+    tests/quality/fuse_sweep.py --fit)."""
     n_head = ident["model_heads"]
     lines = ["# fitm scoring profile: written by tools/fit_profile.py (docs/scoring-profile.md)",
              "# identity: fitmd refuses this profile for any other model"]
@@ -355,6 +357,11 @@ def write_profile(path: pathlib.Path, ident: dict, prov: dict, opts: dict, heads
                   "# and trap dev splits, docs/scoring.md); its fuse_layers are the built-in 0",
                   f"rerank_method = {chosen['rerank_method']}",
                   f"fuse_weight = {fmt_value(float(chosen['fuse_weight']))}"]
+        if "fuse_scale" in chosen:
+            lines += ["# fused's relevance_score = sigmoid(fuse_scale x score + fuse_bias), fitted on the dev",
+                      "# splits (tests/quality/fuse_sweep.py --fit)",
+                      f"fuse_scale = {fmt_value(float(chosen['fuse_scale']))}",
+                      f"fuse_bias = {fmt_value(float(chosen['fuse_bias']))}"]
         if "answer_reorder" in chosen:
             answer = {**(answer or {}), "reorder": chosen["answer_reorder"]}
     lines += answer_lines(answer, bool(chosen and "answer_reorder" in chosen))
@@ -481,7 +488,8 @@ def main() -> int:
                          "fields: calibrate, reorder, reorder_placement")
     ap.add_argument("--chosen", metavar="JSON",
                     help="choices made after the fit to write into the profile: rerank_method, "
-                         "fuse_weight, answer_reorder (over --answer's reorder), answer_top_n")
+                         "fuse_weight, fuse_scale, fuse_bias, answer_reorder (over --answer's "
+                         "reorder), answer_top_n")
     ap.add_argument("--report", help="write the measurements as JSON here")
     ap.add_argument("--min-auc", type=float, default=0.75)
     ap.add_argument("--max-heads", type=int, default=12)

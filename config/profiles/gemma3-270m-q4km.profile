@@ -32,6 +32,10 @@ temperature = 0.05
 # and trap dev splits, docs/scoring.md); its fuse_layers are the built-in 0
 rerank_method = fused
 fuse_weight = 0.02
+# fused's relevance_score = sigmoid(fuse_scale x score + fuse_bias), fitted on the dev
+# splits (tests/quality/fuse_sweep.py --fit)
+fuse_scale = 3.06908
+fuse_bias = 6.35162
 
 # /answer defaults for requests that leave them out (the request fields of the same names, chosen with tests/quality/quality.py --answer on the dev split)
 # answer_reorder: since chosen, rerank_method's, the default ranking

@@ -215,6 +215,8 @@ static int cmp_results(const void *a, const void *b)
     const fitm_rerank_doc_result *x = a, *y = b;
     if (x->relevance_score != y->relevance_score)
         return x->relevance_score > y->relevance_score ? -1 : 1;
+    if (x->raw_score != y->raw_score) /* a sigmoid may round two raw scores to one */
+        return x->raw_score > y->raw_score ? -1 : 1;
     return x->index - y->index;
 }
 

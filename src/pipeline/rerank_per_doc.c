@@ -45,6 +45,7 @@ typedef struct {
     uint8_t *use;  /* fused: (L) the layers of fuse_layers */
     int32_t n_use; /* fused: how many */
     double w;      /* fused: fuse_weight */
+    double scale, bias; /* fused: relevance_score = sigmoid(scale x score + bias) */
 } per_doc;
 
 /* query_likelihood's prompt for document k: BOS, its text (its tokens' span into *doc), then
@@ -105,6 +106,8 @@ static fitm_status fuse_options(const fitm_session *r, const fitm_rerank_request
 {
     const fitm_score_opts *o = req->opt.fuse_layers ? &req->opt : &r->defaults;
     pd->w = !isnan(req->opt.fuse_weight) ? req->opt.fuse_weight : r->defaults.fuse_weight;
+    pd->scale = !isnan(req->opt.fuse_scale) ? req->opt.fuse_scale : r->defaults.fuse_scale;
+    pd->bias = !isnan(req->opt.fuse_bias) ? req->opt.fuse_bias : r->defaults.fuse_bias;
     if (!(pd->use = calloc((size_t)r->L, 1)))
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     fitm_status st =
@@ -288,9 +291,10 @@ static void doc_end(per_doc_run *d, doc_lane *ln)
     ln->at = -1;
 }
 
-/* fused's scores, every document scored: score_k = mean log-probability_k + w x z_k, z the
- * z-score of attention over the K documents (0 when it does not vary). */
-static void fuse(fitm_rerank_doc_result *res, int32_t K, double w)
+/* fused's scores, every document scored: raw_score_k = mean log-probability_k + w x z_k, z
+ * the z-score of attention over the K documents (0 when it does not vary), and
+ * relevance_score_k = sigmoid(scale x raw_score_k + bias), in (0, 1) as every other method's. */
+static void fuse(fitm_rerank_doc_result *res, int32_t K, const per_doc *pd)
 {
     double m = 0, var = 0;
     for (int32_t k = 0; k < K; k++)
@@ -301,7 +305,8 @@ static void fuse(fitm_rerank_doc_result *res, int32_t K, double w)
     const double sd = sqrt(var / K);
     for (int32_t k = 0; k < K; k++) {
         const double z = sd > 0 ? (res[k].attention - m) / sd : 0;
-        res[k].relevance_score = res[k].raw_score = res[k].relevance_score + w * z;
+        res[k].raw_score = res[k].raw_score + pd->w * z;
+        res[k].relevance_score = 1.0 / (1.0 + exp(-(pd->scale * res[k].raw_score + pd->bias)));
     }
 }
 
@@ -330,7 +335,7 @@ static fitm_status per_doc_next(void *run, int32_t lane, const fitm_pass **pass,
         /* every document scored: the results in ranking order */
         if (++d->n_drained == d->n_lanes) {
             if (d->pd.fused)
-                fuse(d->res->results, d->req->n_docs, d->pd.w);
+                fuse(d->res->results, d->req->n_docs, &d->pd);
             fitm_results_sort(d->res->results, d->req->n_docs);
         }
     }
@@ -435,6 +440,8 @@ static fitm_status fused_meta(const fitm_session *r, const per_doc *pd, fitm_rer
         if (pd->use[l])
             res->meta.layers[res->meta.n_layers++] = l;
     res->meta.opts.fuse_weight = pd->w;
+    res->meta.opts.fuse_scale = pd->scale;
+    res->meta.opts.fuse_bias = pd->bias;
     snprintf(res->meta.profile, sizeof res->meta.profile, "%s", r->profile);
     return FITM_OK;
 }

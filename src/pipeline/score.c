@@ -44,6 +44,8 @@ static const key_def keys[] = {
     {"score_scale", KEY_REAL, OFF(score_scale), NULL, NULL, -1e12, 1e12},
     {"score_bias", KEY_REAL, OFF(score_bias), NULL, NULL, -1e12, 1e12},
     {"fuse_weight", KEY_REAL, OFF(fuse_weight), NULL, NULL, 0, 1e6},
+    {"fuse_scale", KEY_REAL, OFF(fuse_scale), NULL, NULL, 1e-12, 1e12},
+    {"fuse_bias", KEY_REAL, OFF(fuse_bias), NULL, NULL, -1e12, 1e12},
     {"fuse_layers", KEY_LAYERS, OFF(fuse_layers), NULL, NULL, 0, 0},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -210,7 +212,7 @@ void fitm_score_opts_init(fitm_score_opts *o)
                            .dummy_source = -1, .form = -1, .head_query = -1,
                            .sink_factor = NAN, .window = -1,
                            .temperature = NAN, .score_scale = NAN, .score_bias = NAN,
-                           .fuse_weight = NAN};
+                           .fuse_weight = NAN, .fuse_scale = NAN, .fuse_bias = NAN};
 }
 
 void fitm_score_opts_free(fitm_score_opts *o)
@@ -259,7 +261,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
     OVER_INT(rows) OVER_INT(aggregate) OVER_INT(skip_first) OVER_INT(reference)
     OVER_INT(dummy_source) OVER_INT(form) OVER_INT(head_query) OVER_INT(window)
     OVER_REAL(sink_factor) OVER_REAL(temperature) OVER_REAL(score_scale) OVER_REAL(score_bias)
-    OVER_REAL(fuse_weight)
+    OVER_REAL(fuse_weight) OVER_REAL(fuse_scale) OVER_REAL(fuse_bias)
 #undef OVER_INT
 #undef OVER_REAL
     return FITM_OK;
@@ -295,6 +297,8 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     o->score_scale = 1.0 / o->temperature;
     o->score_bias = 0;
     o->fuse_weight = FITM_FUSE_WEIGHT;
+    o->fuse_scale = FITM_FUSE_SCALE;
+    o->fuse_bias = FITM_FUSE_BIAS;
     return FITM_OK;
 }
 

@@ -33,8 +33,13 @@ typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
  * prompt) or "N/A", so that the trailing question's rows find it only in the documents. */
 typedef enum { FITM_HEAD_QUERY = 0, FITM_HEAD_NULL } fitm_score_head_query;
 
-/* Method fused's built-in w (docs/scoring.md, chosen on the dev split). */
+/* Method fused's built-in w (docs/scoring.md, chosen on the dev split), and its
+ * relevance_score = sigmoid(FITM_FUSE_SCALE x score + FITM_FUSE_BIAS): a logistic regression
+ * of "is the gold" on the default model's fused scores of the dev splits
+ * (tests/quality/fuse_sweep.py --fit). */
 #define FITM_FUSE_WEIGHT 0.02
+#define FITM_FUSE_SCALE 3.06908
+#define FITM_FUSE_BIAS 6.35162
 
 /* Longest `layers` or `heads` list. */
 #define FITM_SCORE_MAX_LIST 512
@@ -60,6 +65,8 @@ typedef struct {
     double score_scale;   /* relevance_score = sigmoid(score_scale * rel_scaled + bias)   */
     double score_bias;
     double fuse_weight;   /* >= 0: method fused's w (rerank_per_doc.c)                    */
+    double fuse_scale;    /* > 0: fused's relevance_score = sigmoid(fuse_scale * score    */
+    double fuse_bias;     /*      + fuse_bias), score its raw_score                         */
     int32_t *fuse_layers; /* (n_fuse_layers) owned: method fused's attention layers;
                              negative = from the end                                        */
     int32_t n_fuse_layers;
@@ -81,7 +88,8 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
  * dummy, difference, the query as the head's question, no sinks, no windows, temperature
  * 0.05, and score_scale = 1 /
  * temperature, score_bias 0 (so relevance_score orders exactly like weight), fuse_weight
- * FITM_FUSE_WEIGHT, fuse_layers the first layer (0). */
+ * FITM_FUSE_WEIGHT, fuse_scale FITM_FUSE_SCALE, fuse_bias FITM_FUSE_BIAS, fuse_layers the
+ * first layer (0). */
 fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err);
 
 /* Whether name is one of the option keys ("rows", "layers", ...). */

@@ -322,7 +322,7 @@ static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_
                                         "skip_first",   "reference",  "dummy_source",
                                         "form",         "head_query", "sink_factor",
                                         "window",       "score_scale", "score_bias",
-                                        "fuse_weight"};
+                                        "fuse_weight",  "fuse_scale", "fuse_bias"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
         if (!it || cJSON_IsNull(it))
@@ -1085,7 +1085,9 @@ static bool add_rerank_meta(cJSON *root, const fitm_rerank_result *res)
     if (res->meta.profile[0] && !cJSON_AddStringToObject(meta, "profile", res->meta.profile))
         return false;
     if (res->meta.method == FITM_RERANK_FUSED &&
-        !cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight))
+        (!cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight) ||
+         !cJSON_AddNumberToObject(meta, "fuse_scale", res->meta.opts.fuse_scale) ||
+         !cJSON_AddNumberToObject(meta, "fuse_bias", res->meta.opts.fuse_bias)))
         return false;
     return true;
 }

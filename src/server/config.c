@@ -221,6 +221,11 @@ static const opt opts[] = {
      "scoring default: method fused's w >= 0, score = ln(query likelihood) + w x z-scored "
      "attention of the question to the document (docs/scoring.md); empty = the profile's, "
      "else 0.02"},
+    {"fuse_scale", STR(fuse_scale), "", 0, 0, NULL,
+     "scoring default: method fused's relevance_score = sigmoid(fuse_scale x score + "
+     "fuse_bias), fuse_scale > 0; empty = the profile's, else 3.06908"},
+    {"fuse_bias", STR(fuse_bias), "", 0, 0, NULL,
+     "scoring default: see fuse_scale; empty = the profile's, else 6.35162"},
     {"fuse_layers", STR(fuse_layers), "", 0, 0, NULL,
      "scoring default: method fused's attention layers, comma-separated (negative from the "
      "end); empty = the profile's, else 0 (the first layer)"},

@@ -10,11 +10,16 @@ Prints Recall@1 / Recall@3 / n per (variant, K) for query likelihood alone, each
 each weight, each layer set's attention alone, and the old recipe at each weight; the gold is
 first in every item (every method here scores each document alone, so its position does not
 change the ranking). --json keeps the raw scores, --show reads such files back (several: one
-table over all of them).
+table over all of them). --fit W fits fused's fuse_scale and fuse_bias (relevance_score =
+sigmoid(fuse_scale x score + fuse_bias), score = query likelihood + W x z(attention of
+--fit-layers)) by logistic regression of "is the gold" on the scores of the --show files, and
+prints how well the fitted probabilities match the gold rate in each file (--check files
+too: the test split).
 
     tests/quality/fuse_sweep.py --model M.gguf --split dev --groups 40 --k 10 \\
         --variants traps traps_pronoun --layers 0 0,1,2 --json out.json
     tests/quality/fuse_sweep.py --show out.json [more.json ...]
+    tests/quality/fuse_sweep.py --show dev.json dev2.json --fit 0.02 --check test.json
 """
 from __future__ import annotations
 
@@ -98,6 +103,45 @@ def table(rows: list) -> str:
     return "\n".join(out)
 
 
+def fused_scores(r: dict, w: float, layers: str) -> list:
+    return [q + w * z for q, z in zip(r["ql"], zscores(r["att"][layers]))]
+
+
+def fit_logistic(xs: list, ys: list, ridge: float = 1.0) -> tuple:
+    """(scale, bias) of sigmoid(scale * x + bias) by Newton's method on the log-likelihood,
+    an L2 penalty `ridge` on the slope of the standardised x (tools/fit_profile.py's fit)."""
+    n = len(xs)
+    mu = sum(xs) / n
+    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / n) or 1.0
+    zs = [(x - mu) / sd for x in xs]
+    a = b = 0.0
+    for _ in range(100):
+        ga, gb, haa, hab, hbb = -ridge * a, 0.0, ridge, 0.0, 1e-9
+        for z, y in zip(zs, ys):
+            p = 1 / (1 + math.exp(-max(-500.0, min(500.0, a * z + b))))
+            ga, gb = ga + (y - p) * z, gb + (y - p)
+            v = p * (1 - p)
+            haa, hab, hbb = haa + v * z * z, hab + v * z, hbb + v
+        det = haa * hbb - hab * hab
+        da, db = (hbb * ga - hab * gb) / det, (haa * gb - hab * ga) / det
+        a, b = a + da, b + db
+        if max(abs(da), abs(db)) < 1e-12:
+            break
+    return a / sd, b - a / sd * mu
+
+
+def calibration(rows: list, w: float, layers: str, scale: float, bias: float) -> str:
+    """Fitted probability against the gold rate, in bins of the probability."""
+    bins = [[0, 0.0, 0] for _ in range(5)]  # documents, summed probability, golds
+    for r in rows:
+        for i, s in enumerate(fused_scores(r, w, layers)):
+            p = 1 / (1 + math.exp(-(scale * s + bias)))
+            c = bins[min(int(p * 5), 4)]
+            c[0], c[1], c[2] = c[0] + 1, c[1] + p, c[2] + (i == r["gold"])
+    return ", ".join(f"[{i / 5:.1f}, {(i + 1) / 5:.1f}): n {n} mean p {sp / n:.3f} gold {g / n:.3f}"
+                     for i, (n, sp, g) in enumerate(bins) if n)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +156,10 @@ def main() -> int:
                     help="fuse_layers sets, each comma-separated")
     ap.add_argument("--json", help="write the raw scores here")
     ap.add_argument("--show", nargs="+", help="print the table of these --json files")
+    ap.add_argument("--fit", type=float, metavar="W",
+                    help="fit fuse_scale and fuse_bias for fuse_weight W on the --show files")
+    ap.add_argument("--fit-layers", default="0", help="the fuse_layers set of --fit")
+    ap.add_argument("--check", nargs="+", default=[], help="--json files to check the fit on")
     a = ap.parse_args()
     if a.show:
         rows = [r for f in a.show for r in json.load(open(f))["rows"]]
@@ -122,7 +170,18 @@ def main() -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"argv": sys.argv[1:], "rows": rows}, f)
-    print(table(rows))
+    if a.fit is None:
+        print(table(rows))
+        return 0
+    xs, ys = [], []
+    for r in rows:
+        s = fused_scores(r, a.fit, a.fit_layers)
+        xs += s
+        ys += [float(i == r["gold"]) for i in range(len(s))]
+    scale, bias = fit_logistic(xs, ys)
+    print(f"fuse_scale = {scale:.6g}\nfuse_bias = {bias:.6g}")
+    for f in (a.show or []) + a.check:
+        print(f"{f}: " + calibration(json.load(open(f))["rows"], a.fit, a.fit_layers, scale, bias))
     return 0
 
 
