@@ -25,6 +25,8 @@ for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 [ $want_test -eq 1 ] && ! command -v cppcheck >/dev/null 2>&1 && missing+=(cppcheck)
+# strace: the systemd unit's system-call filter is checked against the calls fitmd makes
+[ $want_test -eq 1 ] && ! command -v strace >/dev/null 2>&1 && missing+=(strace)
 # Headless chromium and its WebDriver, for the playground's browser test (tests/test_playground.py).
 [ $want_test -eq 1 ] && ! command -v chromedriver >/dev/null 2>&1 && missing+=(chromium chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then

@@ -23,9 +23,12 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
+import time
 
 import pytest
+import requests
 import yaml
 
 from conftest import ROOT, build_dir
@@ -420,6 +423,94 @@ def test_systemd_analyze_verify_gpu_variant(tmp_path):
     if m is None:
         pytest.skip("this systemd-analyze has no offline security check (systemd < 252)")
     assert float(m.group(1)) <= 2.5, r.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, p: subprocess.Popen, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert p.poll() is None, f"fitmd exited {p.returncode}"
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    pytest.fail("fitmd did not become healthy")
+
+
+def syscall_set(*groups) -> set:
+    """The system calls of systemd's filter groups (systemd-analyze syscall-filter), nested
+    groups expanded."""
+    out, todo, seen = set(), list(groups), set()
+    while todo:
+        g = todo.pop()
+        if g in seen:
+            continue
+        seen.add(g)
+        text = subprocess.run(["systemd-analyze", "syscall-filter", g], capture_output=True,
+                              text=True, check=True).stdout
+        for line in text.splitlines()[1:]:
+            t = line.strip()
+            if t.startswith("@"):
+                todo.append(t)
+            elif t and not t.startswith("#"):
+                out.add(t)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None or shutil.which("strace") is None,
+                    reason="systemd-analyze or strace absent")
+def test_systemd_filter_allows_every_call_fitmd_makes(tmp_path):
+    """The unit's SystemCallFilter lets through every system call fitmd makes while it loads a
+    model, answers a /rerank and a streamed /answer, and drains on SIGTERM (strace -f): a call
+    the filter denied would kill fitmd with SIGSYS (OpenBLAS's mbind did, at load), and the
+    unit makes a denied call fail with EPERM instead."""
+    u = unit_values()
+    allowed = set()
+    for f in u["SystemCallFilter"]:
+        deny = f.startswith("~")
+        names = syscall_set(*[n for n in f.lstrip("~").split() if n.startswith("@")]) | \
+            {n for n in f.lstrip("~").split() if not n.startswith("@")}
+        allowed = allowed - names if deny else allowed | names
+    assert u["SystemCallErrorNumber"] == ["EPERM"]
+    fitm = build_dir() / "src" / "fitm"
+    model = tmp_path / "m.gguf"
+    subprocess.run([str(fitm), "mkmodel", "--arch", "gemma3", "--type", "Q8_0", "--seed", "3",
+                    "-q", "-o", str(model)], check=True)
+    log = tmp_path / "strace.log"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FITM_")}
+    p = subprocess.Popen(["strace", "-f", "-qq", "-o", str(log), str(build_dir() / "src" / "fitmd"),
+                          f"--model={model}", "--host=127.0.0.1", f"--port={port}", "--threads=2"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, p)
+        docs = ["golf is played with clubs", "tennis uses a racket"]
+        r = requests.post(base + "/rerank", json={"query": "which sport uses clubs",
+                                                   "documents": docs}, timeout=120)
+        assert r.status_code == 200, r.text
+        r = requests.post(base + "/answer", json={"query": "which sport uses clubs",
+                                                   "documents": docs, "max_tokens": 4,
+                                                   "stream": True}, timeout=120)
+        assert r.status_code == 200 and "[DONE]" in r.text, r.text
+    finally:
+        subprocess.run(["pkill", "-TERM", "-P", str(p.pid)])  # fitmd, strace's child
+        try:
+            rc = p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    assert rc == 0, log.read_text()[-2000:]
+    used = set(re.findall(r"^\d+\s+([a-z0-9_]+)\(", log.read_text(), re.M))
+    assert "mmap" in used and used & {"accept", "accept4"}, sorted(used)
+    assert not used - allowed, sorted(used - allowed)
 
 
 def test_systemd_reload_sends_the_sighup_fitmd_survives():
