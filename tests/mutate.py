@@ -47,15 +47,17 @@ MUTANTS = [
            "sc->rel[k] = fitm_score_rel(o->form, A, k == 0 ? 0.0 : Ar);",
            pytest=["tests/test_http_oracle.py"]),
     Mutant("rerank-part-logits-at-pass-start",
-           "a batched part that starts inside a pass's logit rows writes its logits over the "
-           "pass's first ones",
-           ".logits = n_logits ? p->logits + at * q->s->V : NULL,",
-           ".logits = n_logits ? p->logits : NULL,",
+           "a batched part that starts inside a pass's logit rows writes its log-probabilities "
+           "over the pass's first ones",
+           "        .logprob = n_logits ? p->logprob + at * p->n_pick : NULL,\n"
+           "        .position = p->position,",
+           "        .logprob = n_logits ? p->logprob : NULL,\n"
+           "        .position = p->position,",
            pytest=["tests/test_batching.py", "-k", "concurrent_reranks or whole_run"]),
     Mutant("fused-weight-dropped",
            "fused's score is query likelihood alone, the attention's z-score dropped",
-           "d->relevance_score = d->raw_score = ql[d->index] + w * z;",
-           "d->relevance_score = d->raw_score = ql[d->index] + 0.0 * w * z;",
+           "res[k].raw_score = res[k].raw_score + pd->w * z;",
+           "res[k].raw_score = res[k].raw_score + 0.0 * pd->w * z;",
            pytest=["tests/test_http_scoring.py", "-k", "fused"]),
     Mutant("question-span-off-by-one",
            "the rows of the trailing question start one token late",
@@ -132,7 +134,8 @@ MUTANTS = [
            meson=["cuda_kernels_emu"]),
     Mutant("cuda-reduce-no-second-barrier",
            "the block reduction reads the warps' partial results before all are written",
-           "        shm[warp] = v;\n    __syncthreads();\n", "        shm[warp] = v;\n",
+           "        shm[warp] = v;\n    __syncthreads();\n    float r = lane < n_warps",
+           "        shm[warp] = v;\n    float r = lane < n_warps",
            meson=["cuda_kernels_emu"]),
     Mutant("cuda-attention-span-off-by-one",
            "the attention kernel counts a span's end key as inside the span",
