@@ -152,6 +152,21 @@ def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
     concurrent_matches_one_at_a_time(daemon)
 
 
+def test_step_tokens_metric(daemon):
+    """fitm_batch_step_tokens_total counts the forward tokens of the batched steps: a /rerank
+    alone adds exactly its usage's forward_tokens, over several steps; the gauge
+    fitm_batch_tokens_per_second is then positive."""
+    before = metrics(daemon)
+    body = {"query": "which sport uses a club", "documents": docs(4, 9) + ["golf uses a club"]}
+    r = requests.post(daemon.url("/rerank"), json=body, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    m = metrics(daemon)
+    tokens = m["fitm_batch_step_tokens_total"] - before["fitm_batch_step_tokens_total"]
+    assert tokens == r.json()["usage"]["forward_tokens"] > 0
+    assert m["fitm_batch_steps_total"] > before["fitm_batch_steps_total"]
+    assert m["fitm_batch_tokens_per_second"] > 0
+
+
 def test_tokenize_does_not_queue(daemon):
     """/tokenize and /detokenize run on the HTTP thread (fitm_engine_run_now), never through
     the engine's queue, whose worker a body of megabytes would hold for seconds."""

@@ -125,8 +125,8 @@ static void gather_parts(const fitm_batch_seq *seqs, int32_t n, const bool *held
         }
 }
 
-void fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int64_t prefill_budget,
-                     fitm_status *st, bool *done, fitm_err *errs)
+int64_t fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n,
+                        int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs)
 {
     step_parts sp = {.n_parts = 0,
                      .room = fitm_session_batch_tokens(s),
@@ -138,11 +138,13 @@ void fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int
         sp.budget = sp.room;
     gather_parts(seqs, n, held, st, done, errs, &sp);
     if (sp.n_parts == 0)
-        return;
+        return 0;
     fitm_err err = {{0}};
     const fitm_status bs = fitm_session_run_batch(s, sp.parts, sp.n_parts, &err);
+    int64_t tokens = 0;
     for (int32_t k = 0; k < sp.n_parts; k++) {
         const int32_t i = sp.idx[k];
+        tokens += sp.parts[k].T;
         if (seqs[i].rerank) {
             fitm_rerank_seq_after(seqs[i].rerank, sp.lane[k], sp.parts[k].T, bs, &err, &done[i]);
             continue;
@@ -151,6 +153,7 @@ void fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int
         if (bs != FITM_OK)
             errs[i] = err;
     }
+    return tokens;
 }
 
 fitm_status fitm_answer_run(fitm_session *s, const fitm_answer_request *req,
@@ -163,6 +166,6 @@ fitm_status fitm_answer_run(fitm_session *s, const fitm_answer_request *req,
     bool done = st != FITM_OK;
     fitm_batch_seq one = {.answer = q};
     while (!done)
-        fitm_batch_step(s, &one, 1, fitm_session_batch_tokens(s), &st, &done, err);
+        (void)fitm_batch_step(s, &one, 1, fitm_session_batch_tokens(s), &st, &done, err);
     return fitm_answer_end(q, st, err);
 }

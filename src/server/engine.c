@@ -146,12 +146,14 @@ static void step_running(fitm_engine *e, running_set *rs)
     fitm_status st[FITM_ENGINE_MAX_RUNNING];
     bool done[FITM_ENGINE_MAX_RUNNING];
     const int64_t t0 = fitm_clock_ns();
-    e->hooks.step(e->hooks.ctx, rs->jobs, rs->n, st, done);
+    const int64_t tokens = e->hooks.step(e->hooks.ctx, rs->jobs, rs->n, st, done);
     const double ms = (double)(fitm_clock_ns() - t0) / 1e6;
     pthread_mutex_lock(&e->mu);
     e->batch.steps++;
     e->batch.step_jobs += rs->n;
     e->batch.last_batch = rs->n;
+    e->batch.step_tokens += tokens;
+    e->batch.last_tokens = tokens;
     e->batch.step_ms_total += ms;
     e->batch.last_step_ms = ms;
     pthread_mutex_unlock(&e->mu);

@@ -75,13 +75,14 @@ typedef struct {
     /* Optional, continuous batching (both or neither). begin starts a job in place of run:
      * *joined true puts it in the running batch, where it advances only through step; false
      * means it is complete with the returned status, as from run. step advances every running
-     * job by one batched forward call and sets, for each i, done[i] when jobs[i] finished,
+     * job by one batched forward call (returning its forward tokens, for /metrics) and sets,
+     * for each i, done[i] when jobs[i] finished,
      * with st[i] (and jobs[i]->err), and updates jobs[i]->kv_bytes of a job still running
      * whose memory changed. Between two steps the engine starts at most one waiting
      * job, while fewer than max_running run and (unless none runs) the running ones hold
      * less than kv_budget bytes; beyond that, requests wait in the queue. */
     fitm_status (*begin)(void *ctx, fitm_job *job, bool *joined, fitm_err *err);
-    void (*step)(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done);
+    int64_t (*step)(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done);
     int32_t max_running; /* 1 .. FITM_ENGINE_MAX_RUNNING when step is set */
     int64_t kv_budget;   /* bytes                                        */
 } fitm_engine_hooks;
@@ -95,6 +96,8 @@ typedef struct {
     int64_t step_jobs;      /* sum over steps of the jobs in the step             */
     int64_t running;        /* jobs in the running batch now                      */
     int64_t last_batch;     /* jobs in the last step                              */
+    int64_t step_tokens;    /* sum over steps of their forward tokens             */
+    int64_t last_tokens;    /* forward tokens of the last step                    */
     int64_t kv_bytes;       /* memory the running jobs hold now                   */
     double step_ms_total;   /* time spent in steps                                */
     double last_step_ms;

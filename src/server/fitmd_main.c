@@ -612,7 +612,8 @@ static fitm_status model_begin(void *ctx, fitm_job *job, bool *joined, fitm_err 
     return FITM_OK;
 }
 
-static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st, bool *done)
+static int64_t model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status *st,
+                          bool *done)
 {
     daemon_model *dm = ctx;
     fitm_batch_seq seqs[FITM_ENGINE_MAX_RUNNING] = {0};
@@ -626,7 +627,8 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
     }
     /* The prompt budget bounds how long one step (and so the gap between two tokens of a
      * running stream) takes while new prompts are prefilled beside the running answers. */
-    fitm_batch_step(dm->session, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
+    const int64_t tokens =
+        fitm_batch_step(dm->session, seqs, n, dm->cfg->batch_prefill_tokens, st, done, errs);
     for (int32_t i = 0; i < n; i++) {
         if (!done[i] && seqs[i].answer) /* its ranking's caches, then its own */
             jobs[i]->kv_bytes = (int64_t)fitm_answer_seq_kv_bytes(seqs[i].answer);
@@ -643,6 +645,7 @@ static void model_step(void *ctx, fitm_job *const *jobs, int32_t n, fitm_status 
         st[i] = fitm_answer_end(w->seq, st[i], &jobs[i]->err);
         w->seq = NULL;
     }
+    return tokens;
 }
 
 static void model_unload(void *ctx)

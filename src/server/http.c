@@ -326,6 +326,8 @@ static enum MHD_Result handle_metrics(request *r)
     g.batch_kv_bytes = bs.kv_bytes;
     g.batch_steps = bs.steps;
     g.batch_step_sequences = bs.step_jobs;
+    g.batch_step_tokens = bs.step_tokens;
+    g.batch_last_tokens = bs.last_tokens;
     g.batch_step_seconds = bs.step_ms_total / 1e3;
     g.batch_last_step_seconds = bs.last_step_ms / 1e3;
     size_t len = 0;

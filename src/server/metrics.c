@@ -126,12 +126,13 @@ static void render_batch(fitm_buf *s, const fitm_metrics_gauges *g)
                        "# TYPE fitm_batch_kv_bytes gauge\nfitm_batch_kv_bytes %lld\n",
                     (long long)g->batch_kv_bytes);
     fitm_buf_printf(s,
-                    "# HELP fitm_batch_tokens_per_second Tokens per second of the last step "
-                    "(one per sequence in it: a decode token or a prompt chunk).\n"
+                    "# HELP fitm_batch_tokens_per_second Forward tokens per second of the last "
+                    "step (its decode tokens and prompt rows; over time: "
+                    "rate(fitm_batch_step_tokens_total)).\n"
                     "# TYPE fitm_batch_tokens_per_second gauge\nfitm_batch_tokens_per_second "
                     "%.3f\n",
                     g->batch_last_step_seconds > 0
-                        ? (double)g->batch_size / g->batch_last_step_seconds
+                        ? (double)g->batch_last_tokens / g->batch_last_step_seconds
                         : 0.0);
     fitm_buf_printf(s, "# HELP fitm_batch_steps_total Batched forward steps run.\n"
                        "# TYPE fitm_batch_steps_total counter\nfitm_batch_steps_total %lld\n",
@@ -142,6 +143,12 @@ static void render_batch(fitm_buf *s, const fitm_metrics_gauges *g)
                     "# TYPE fitm_batch_step_sequences_total counter\n"
                     "fitm_batch_step_sequences_total %lld\n",
                     (long long)g->batch_step_sequences);
+    fitm_buf_printf(s,
+                    "# HELP fitm_batch_step_tokens_total Forward tokens of the batched steps "
+                    "(decode tokens and prompt rows).\n"
+                    "# TYPE fitm_batch_step_tokens_total counter\n"
+                    "fitm_batch_step_tokens_total %lld\n",
+                    (long long)g->batch_step_tokens);
     fitm_buf_printf(s, "# HELP fitm_batch_step_seconds_total Time spent in batched steps.\n"
                        "# TYPE fitm_batch_step_seconds_total counter\n"
                        "fitm_batch_step_seconds_total %.6f\n",

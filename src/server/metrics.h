@@ -12,7 +12,7 @@
  *   fitm_queue_wait_seconds                                          histogram (queue to start)
  *   fitm_batch_running, fitm_batch_size, fitm_batch_kv_bytes,
  *   fitm_batch_tokens_per_second                                     gauges (from the engine)
- *   fitm_batch_steps_total, fitm_batch_step_sequences_total,
+ *   fitm_batch_steps_total, fitm_batch_step_sequences_total, fitm_batch_step_tokens_total,
  *   fitm_batch_step_seconds_total                                    counters (from the engine) */
 #ifndef FITM_METRICS_H
 #define FITM_METRICS_H
@@ -58,7 +58,7 @@ typedef struct {
     int ready;
     /* the running batch (continuous batching of /answer) */
     int64_t batch_running, batch_size, batch_kv_bytes;
-    int64_t batch_steps, batch_step_sequences;
+    int64_t batch_steps, batch_step_sequences, batch_step_tokens, batch_last_tokens;
     double batch_step_seconds, batch_last_step_seconds;
 } fitm_metrics_gauges;
 
