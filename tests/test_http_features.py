@@ -12,7 +12,8 @@ import subprocess
 import pytest
 import requests
 
-from test_http import AUTH, KEY, Daemon, assert_error, docs, fitmd_bin, models, post  # noqa: F401
+from test_http import (AUTH, KEY, Daemon, assert_error, docs, fitmd_bin,  # noqa: F401
+                       free_port, models, post)
 from test_http import spec_validator
 
 ORIGINS = "https://a.example, https://b.example"
@@ -234,6 +235,24 @@ def test_json_log_lines(cors):
     mine = [x for x in lines if x.get("req") == "log-test-41"]
     assert any(tricky in x["msg"] for x in mine), mine  # the value, escaped and read back
     assert any(x["msg"].startswith("POST /rerank -> 400") for x in mine)
+
+
+def test_json_log_with_probe_port_and_one_thread(fitmd_bin, models, tmp_path):  # noqa: F811
+    """With a probe port and http_threads = 1 (a Kubernetes pod's and a small host's setup)
+    every line fitmd writes is JSON: libmicrohttpd's warning about a pool of one thread went
+    to stderr as plain text before the logger was set."""
+    probe = free_port()
+    d = Daemon(fitmd_bin, models["small"], tmp_path, log_format="json", probe_port=probe,
+               http_threads=1)
+    try:
+        assert requests.get(f"http://127.0.0.1:{probe}/health", timeout=10).ok
+        assert requests.get(d.url("/v1/models"), headers={"X-Request-Id": "probe-41"}).ok
+        d.wait_log(r"probe-41")
+    finally:
+        assert d.terminate() == 0
+    for line in d.log_text().splitlines():
+        if line.strip():
+            assert set(json.loads(line)) >= {"time", "level", "msg"}, line
 
 
 def test_logfmt_is_the_default(fitmd_bin, models, tmp_path):  # noqa: F811

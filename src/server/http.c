@@ -1228,13 +1228,17 @@ static bool listen_on(fitm_http *h, int64_t port, bool probe)
         return false;
     unsigned max_conns = probe ? 64u : (unsigned)cfg->max_connections;
     unsigned per_client = probe ? 16u : (unsigned)cfg->max_connections_per_client;
+    /* The logger first, so that libmicrohttpd's words about the options after it go to the
+     * log, not to stderr. A pool of one thread is no pool (0: the daemon's own thread), which
+     * libmicrohttpd would warn about. */
+    const unsigned pool = probe ? 0u : (unsigned)cfg->http_threads > 1 ? (unsigned)cfg->http_threads
+                                                                        : 0u;
     struct MHD_Daemon *d = MHD_start_daemon(
         flags, 0, NULL, NULL, probe ? on_probe_request : on_request, h,
-        MHD_OPTION_THREAD_POOL_SIZE, probe ? 1u : (unsigned)cfg->http_threads,
+        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h, MHD_OPTION_THREAD_POOL_SIZE, pool,
         MHD_OPTION_CONNECTION_TIMEOUT, probe ? 10u : (unsigned)cfg->http_idle_timeout_s,
         MHD_OPTION_CONNECTION_LIMIT, max_conns, MHD_OPTION_PER_IP_CONNECTION_LIMIT, per_client,
-        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, h,
-        MHD_OPTION_END);
+        MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
     if (!d) {
         close(fd);
         return false;
