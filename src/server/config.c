@@ -360,17 +360,51 @@ static char *trim(char *s)
     return s;
 }
 
-/* A scoring option's text must parse (its meaning is score.h's). */
-static fitm_status check_score_opt(const opt *o, const char *text, const char *where,
-                                   fitm_err *err)
+/* A scoring option's or an /answer default's text must parse (their meaning is score.h's), so
+ * that a misspelt value is a configuration error (exit 2, and --print-config says so), not a
+ * failed start once the model has loaded. */
+static fitm_status check_value(const opt *o, const char *text, const char *where,
+                               fitm_err *err)
 {
-    fitm_score_opts scratch;
-    fitm_score_opts_init(&scratch);
-    fitm_status st = fitm_score_opts_set(&scratch, o->name, text, err);
-    fitm_score_opts_free(&scratch);
+    fitm_status st = FITM_OK;
+    if (fitm_score_is_key(o->name)) {
+        fitm_score_opts scratch;
+        fitm_score_opts_init(&scratch);
+        st = fitm_score_opts_set(&scratch, o->name, text, err);
+        fitm_score_opts_free(&scratch);
+    } else if (fitm_answer_defaults_is_key(o->name)) {
+        fitm_answer_defaults scratch;
+        fitm_answer_defaults_init(&scratch);
+        st = fitm_answer_defaults_set(&scratch, o->name, text, err);
+    }
     if (st != FITM_OK)
         fitm_err_prefix(err, "%s", where);
     return st == FITM_OK ? FITM_OK : FITM_ERR_INVALID;
+}
+
+/* The value of a config file's line: a quoted text (the quotes removed; a '"' inside it
+ * stays) or the text up to a '#' that follows a blank, either followed by an optional
+ * comment. NULL when a quoted text is followed by anything but a comment. */
+static char *line_value(char *v)
+{
+    if (*v == '"') {
+        for (char *q = strchr(v + 1, '"'); q; q = strchr(q + 1, '"')) {
+            const char *rest = q + 1;
+            while (isspace((unsigned char)*rest))
+                rest++;
+            if (*rest == '\0' || *rest == '#') {
+                *q = '\0';
+                return v + 1;
+            }
+        }
+        return NULL;
+    }
+    for (char *c = strchr(v, '#'); c; c = strchr(c + 1, '#'))
+        if (c > v && isspace((unsigned char)c[-1])) {
+            *c = '\0';
+            break;
+        }
+    return trim(v);
 }
 
 fitm_status fitm_config_score_opts(const fitm_config *cfg, fitm_score_opts *o, fitm_err *err)
@@ -424,11 +458,12 @@ static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
             break;
         }
         *eq = '\0';
-        char *name = trim(s), *value = trim(eq + 1);
-        size_t vl = strlen(value);
-        if (vl >= 2 && value[0] == '"' && value[vl - 1] == '"') {
-            value[vl - 1] = '\0';
-            value++;
+        char *name = trim(s), *value = line_value(trim(eq + 1));
+        if (!value) {
+            st = fitm_err_set(err, FITM_ERR_INVALID,
+                              "%s: %.100s: a quoted value may be followed only by a comment", where,
+                              name);
+            break;
         }
         const opt *o = find_opt(name, strlen(name));
         if (!o) {
@@ -436,8 +471,8 @@ static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
             break;
         }
         st = set_opt(cfg, o, value, where, err);
-        if (st == FITM_OK && fitm_score_is_key(o->name))
-            st = check_score_opt(o, (const char *)cfg + o->offset, where, err);
+        if (st == FITM_OK)
+            st = check_value(o, (const char *)cfg + o->offset, where, err);
     }
     fclose(f);
     return st;
@@ -449,6 +484,27 @@ static void env_name(const opt *o, char *buf, size_t n)
     for (size_t i = 0; o->name[i] && j + 1 < n; i++)
         buf[j++] = (char)toupper((unsigned char)o->name[i]);
     buf[j] = '\0';
+}
+
+int fitm_config_unknown_env(const char **vars, int max)
+{
+    extern char **environ;
+    int n = 0;
+    for (char **e = environ; e && *e; e++) {
+        const char *v = *e, *eq = strchr(v, '=');
+        if (strncmp(v, "FITM_", 5) != 0 || !eq || !strncmp(v, "FITM_CONFIG=", 12) ||
+            !strncmp(v, "FITM_CPU=", 9) || !strncmp(v, "FITM_CUDA_EMU_", 14))
+            continue;
+        bool known = false;
+        for (size_t i = 0; i < N_OPTS && !known; i++) {
+            char name[64];
+            env_name(&opts[i], name, sizeof name);
+            known = strlen(name) == (size_t)(eq - v) && !strncmp(name, v, (size_t)(eq - v));
+        }
+        if (!known && n++ < max)
+            vars[n - 1] = v;
+    }
+    return n;
 }
 
 /* Pass 1: finds --config (over FITM_CONFIG) and --help without applying anything else. */
@@ -483,8 +539,7 @@ static fitm_status apply_env(fitm_config *cfg, fitm_err *err)
         snprintf(where, sizeof where, "environment %s", name);
         if (v && (st = set_opt(cfg, &opts[i], v, where, err)) != FITM_OK)
             return st;
-        if (v && fitm_score_is_key(opts[i].name) &&
-            (st = check_score_opt(&opts[i], v, where, err)) != FITM_OK)
+        if (v && (st = check_value(&opts[i], v, where, err)) != FITM_OK)
             return st;
     }
     return FITM_OK;
@@ -525,7 +580,7 @@ static fitm_status apply_flags(fitm_config *cfg, int argc, char **argv, bool *he
         snprintf(where, sizeof where, "flag --%s", o->name);
         if ((st = set_opt(cfg, o, value, where, err)) != FITM_OK)
             return st;
-        if (fitm_score_is_key(o->name) && (st = check_score_opt(o, value, where, err)) != FITM_OK)
+        if ((st = check_value(o, value, where, err)) != FITM_OK)
             return st;
     }
     return FITM_OK;
@@ -563,7 +618,8 @@ static void print_bounds(FILE *f, const opt *o)
 void fitm_config_print_help(FILE *f)
 {
     fprintf(f, "usage: fitmd [--config FILE] [--NAME VALUE ...] [--print-config] [--version]\n\n"
-               "Precedence: flags > FITM_* environment > config file > defaults.\n\noptions:\n");
+               "Precedence: flags > FITM_* environment > config file > defaults. The config "
+               "file: --config FILE, else the environment's FITM_CONFIG.\n\noptions:\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt *o = &opts[i];
         char env[64];
@@ -577,7 +633,8 @@ void fitm_config_print_help(FILE *f)
 void fitm_config_print_file(FILE *f, const fitm_config *cfg)
 {
     fprintf(f, "# fitmd configuration. Precedence: flags > FITM_* environment > this file > "
-               "defaults.\n# Format: name = value; '#' starts a comment.\n");
+               "defaults.\n# Format: name = value; '#' at the start of a line or after a blank "
+               "starts a comment (quote a value that holds one).\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt *o = &opts[i];
         const char *field = (const char *)cfg + o->offset;

@@ -929,5 +929,10 @@ int main(int argc, char **argv)
     FITM_LOG(FITM_LOG_INFO, NULL, "fitmd %s listening on %s:%lld, loading %s, cpu kernels %s",
              FITM_VERSION, cfg.host, (long long)cfg.port, cfg.model,
              fitm_cpu_path_name(fitm_cpu_path()));
+    const char *unknown[8];
+    const int n_unknown = fitm_config_unknown_env(unknown, 8);
+    for (int i = 0; i < n_unknown && i < 8; i++)
+        FITM_LOG(FITM_LOG_WARN, NULL, "environment %.*s: not a fitmd option, ignored",
+                 (int)(strchr(unknown[i], '=') - unknown[i]), unknown[i]);
     return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
 }
