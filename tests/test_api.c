@@ -192,8 +192,12 @@ static void test_write(void)
     free(j);
     fitm_rerank_request_free(&req);
 
-    j = fitm_api_write_models("m", 5, 1024, "llama");
-    CHECK(j && strstr(j, "\"id\":\"m\"") && strstr(j, "\"context_length\":1024"));
+    j = fitm_api_write_models("m", 5, 1024, "llama", false);
+    CHECK(j && strstr(j, "\"id\":\"m\"") && strstr(j, "\"context_length\":1024") &&
+          !strncmp(j, "{\"data\":[{", 10));
+    free(j);
+    j = fitm_api_write_models("m", 5, 1024, "llama", true);
+    CHECK(j && !strncmp(j, "{\"id\":\"m\",\"object\":\"model\"", 26) && !strstr(j, "data"), "%s", j);
     free(j);
     j = fitm_api_write_health("ok", NULL);
     CHECK(j && !strcmp(j, "{\"status\":\"ok\"}"));

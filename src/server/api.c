@@ -596,22 +596,23 @@ static void json_path_step(json_path *p, char c)
 }
 
 /* The error for a NUL found at byte at of a string that just ended at p (is_key: an object
- * key; raw: a NUL byte rather than a \u0000 escape). */
+ * key; raw: a NUL byte rather than a \u0000 escape). A raw NUL is a control character the
+ * JSON grammar refuses in a string (FITM_ERR_FORMAT, as the others); the escape is JSON this
+ * server does not take (FITM_ERR_INVALID). */
 static fitm_status nul_error(json_path *p, bool is_key, bool raw, size_t at, fitm_err *err)
 {
+    const fitm_status s = raw ? FITM_ERR_FORMAT : FITM_ERR_INVALID;
     char where[256];
     const char *what = raw ? "a NUL byte" : "a NUL character (\\u0000)";
     if (is_key)
         p->depth--; /* name the object, not the broken key */
     json_path_text(p, where, sizeof where);
     if (is_key)
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "an object key contains %s (at byte %zu)%s%s%s", what, at,
+        return fitm_err_set(err, s, "an object key contains %s (at byte %zu)%s%s%s", what, at,
                             where[0] ? " in '" : "", where, where[0] ? "'" : "");
-    return where[0] ? fitm_err_set(err, FITM_ERR_INVALID, "'%s' contains %s (at byte %zu)",
-                                   where, what, at)
-                    : fitm_err_set(err, FITM_ERR_INVALID, "the body's string contains %s "
-                                   "(at byte %zu)", what, at);
+    return where[0] ? fitm_err_set(err, s, "'%s' contains %s (at byte %zu)", where, what, at)
+                    : fitm_err_set(err, s, "the body's string contains %s (at byte %zu)", what,
+                                   at);
 }
 
 /* The first NUL character in the text of body (valid JSON): a raw NUL byte anywhere, or a
@@ -626,7 +627,7 @@ static fitm_status reject_nul(const char *body, size_t len, fitm_err *err)
     for (size_t i = 0; i < len; i++) {
         char c = body[i];
         if (c == '\0' && !str)
-            return fitm_err_set(err, FITM_ERR_INVALID, "a NUL byte at byte %zu of the body", i);
+            return fitm_err_set(err, FITM_ERR_FORMAT, "a NUL byte at byte %zu of the body", i);
         if (!str) {
             if (c == '"')
                 str = body + i + 1;
@@ -1125,17 +1126,18 @@ done:
 }
 
 char *fitm_api_write_models(const char *model, int64_t created_s, int64_t n_ctx,
-                            const char *arch)
+                            const char *arch, bool one)
 {
     char *out = NULL;
     cJSON *root = cJSON_CreateObject();
-    cJSON *data = root ? cJSON_AddArrayToObject(root, "data") : NULL;
-    cJSON *m = cJSON_CreateObject();
-    if (!data || !m || !cJSON_AddItemToArray(data, m)) {
-        cJSON_Delete(m);
+    cJSON *data = root && !one ? cJSON_AddArrayToObject(root, "data") : NULL;
+    cJSON *m = one ? root : cJSON_CreateObject();
+    if (!m || (!one && (!data || !cJSON_AddItemToArray(data, m)))) {
+        if (!one)
+            cJSON_Delete(m);
         goto done;
     }
-    if (cJSON_AddStringToObject(root, "object", "list") &&
+    if ((one || cJSON_AddStringToObject(root, "object", "list")) &&
         cJSON_AddStringToObject(m, "id", model) && cJSON_AddStringToObject(m, "object", "model") &&
         cJSON_AddNumberToObject(m, "created", (double)created_s) &&
         cJSON_AddStringToObject(m, "owned_by", "fitm") &&

@@ -74,9 +74,9 @@ char *fitm_api_write_rerank(const fitm_rerank_request *req, const fitm_rerank_re
                             const char *id, const char *model);
 
 /* GET /v1/models: {"object":"list","data":[{"id":model,"object":"model","created":...,
- * "owned_by":"fitm", ...}]}. */
+ * "owned_by":"fitm", ...}]}; with one, GET /v1/models/{id}: that model object alone. */
 char *fitm_api_write_models(const char *model, int64_t created_s, int64_t n_ctx,
-                            const char *arch);
+                            const char *arch, bool one);
 
 /* GET /health: {"status":status} plus a message when non-NULL. */
 char *fitm_api_write_health(const char *status, const char *message);

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,8 +13,10 @@
 
 #include "base/clock.h"
 #include "base/log.h"
+#include "base/rng.h"
 #include "server/api.h"
 #include "server/frame.h"
+#include "server/metrics.h"
 
 /* How long a closing connection is kept after its last answer, reading and dropping what the
  * client still sends, so closing it does not reset the answer away (a close with unread bytes
@@ -62,6 +65,7 @@ typedef struct {
     bool dirty;    /* the server finished a request: look again                     */
     fitm_api_cond cond;
     char msg[160];
+    int64_t head_ns; /* when the current head began: accept, or its first byte */
     struct sockaddr_storage addr;
     socklen_t addr_len;
 } conn;
@@ -78,6 +82,7 @@ struct fitm_gate {
     pthread_mutex_t mu;      /* guards done */
     int *done;               /* server ends with a finished request, not yet taken */
     int64_t n_done, done_cap;
+    uint64_t next_id, id_salt; /* the refusals' X-Request-Id (emit) */
 };
 
 static bool same_addr(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
@@ -161,20 +166,28 @@ static void refuse(conn *c, fitm_api_cond cond, const char *msg)
     c->deadline_ns = 0;
 }
 
-/* Puts the refusal's JSON error (Connection: close) in out and closes the pair. */
-static void emit(conn *c)
+/* Puts the refusal's JSON error (Connection: close) in out and closes the pair. It carries an
+ * X-Request-Id, as every answer does (the log line has it), and is counted in /metrics
+ * (route "other": the head was not read as far as a route). */
+static void emit(fitm_gate *g, conn *c)
 {
     fitm_api_error_class k = fitm_api_classify(FITM_ERR_INVALID, c->cond);
     char *json = fitm_api_error_json(&k, c->msg);
     size_t jn = json ? strlen(json) : 0;
+    char id[20];
+    snprintf(id, sizeof id, "%016llx",
+             (unsigned long long)fitm_rng_mix(g->next_id++ + g->id_salt));
     int hn = snprintf(c->out, OUT_CAP,
                       "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: "
-                      "%zu\r\nConnection: close\r\n" FITM_GATE_SECURITY_HEADERS "\r\n%s",
-                      k.http, reason(k.http), jn, json ? json : "");
+                      "%zu\r\nConnection: close\r\nX-Request-Id: %s\r\n"
+                      FITM_GATE_SECURITY_HEADERS "\r\n%s",
+                      k.http, reason(k.http), jn, id, json ? json : "");
     c->out_len = hn > 0 && hn < OUT_CAP ? (size_t)hn : 0;
     c->out_sent = 0;
     free(json);
-    FITM_LOG(FITM_LOG_INFO, NULL, "refused a request head: %d %s", k.http, c->msg);
+    FITM_LOG(FITM_LOG_INFO, id, "refused a request head: %d %s", k.http, c->msg);
+    fitm_metrics_request(FITM_ROUTE_OTHER, k.http,
+                         (double)(fitm_clock_ns() - c->head_ns) / 1e9);
     c->emitted = true;
     if (c->mfd >= 0)
         close(c->mfd);
@@ -260,8 +273,10 @@ static bool check(fitm_gate *g, conn *c, int64_t now)
         if (c->st != S_HEAD)
             return true;
         /* A later head's deadline runs from its first byte (a first head's from accept). */
-        if (!c->deadline_ns && holds_request(p, n))
+        if (!c->deadline_ns && holds_request(p, n)) {
             c->deadline_ns = now + g->p.head_timeout_ms * 1000000;
+            c->head_ns = now;
+        }
         fitm_frame_request req;
         switch (fitm_frame_check_request(p, n, &req, &e)) {
         case FITM_FRAME_INCOMPLETE:
@@ -456,7 +471,7 @@ static void pump(fitm_gate *g, int64_t i, int64_t now)
     const int64_t before = c->forwarded - (c->st == S_REFUSING && c->mid_body);
     if (c->st == S_REFUSING && !c->emitted && c->completed >= before &&
         c->out_sent == c->out_len && (c->m_quiet || c->mfd < 0))
-        emit(c);
+        emit(g, c);
     if (!to_client(g, i, now))
         return;
     /* A refusal waiting only for the server's last bytes to be read: look again at once (the
@@ -505,7 +520,8 @@ static void accept_all(fitm_gate *g)
         c->mfd = c->mhd_fd = -1;
         c->addr = a;
         c->addr_len = al;
-        c->deadline_ns = fitm_clock_ns() + g->p.head_timeout_ms * 1000000;
+        c->head_ns = fitm_clock_ns();
+        c->deadline_ns = c->head_ns + g->p.head_timeout_ms * 1000000;
         g->conns[g->n++] = c;
     }
 }
@@ -725,6 +741,7 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
     if (!g)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     g->p = *p;
+    g->id_salt = (uint64_t)fitm_clock_ns() ^ (uint64_t)(uintptr_t)g;
     g->cap = p->max_conns;
     g->conns = calloc((size_t)g->cap, sizeof *g->conns);
     g->done_cap = 256;

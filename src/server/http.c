@@ -285,25 +285,34 @@ static bool model_file_unchanged(const fitm_http_model_info *m)
     return fitm_file_id_of(m->path, &now) && !memcmp(&now, &m->file, sizeof now);
 }
 
+/* /health's answer: a 503 (loading, draining, broken) carries Retry-After as every 503 does. */
+static enum MHD_Result send_health(request *r, int code, char *json)
+{
+    if (!json)
+        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
+    return send_body(r, code, json, strlen(json), "application/json", NULL, code == 503);
+}
+
 static enum MHD_Result handle_health(request *r)
 {
     fitm_err msg = {{0}};
     fitm_engine_state s = fitm_engine_get_state(r->h->p.engine, &msg);
     if (atomic_load(&r->h->draining))
-        return send_json(r, 503, fitm_api_write_health("draining", "the server is shutting down"));
+        return send_health(r, 503,
+                           fitm_api_write_health("draining", "the server is shutting down"));
     switch (s) {
     case FITM_ENGINE_READY:
         if (!model_file_unchanged(r->h->p.model))
-            return send_json(r, 503, fitm_api_write_health(
+            return send_health(r, 503, fitm_api_write_health(
                                          "error", "the model file changed on disk since it was "
                                                   "loaded (size, mtime or inode): restart fitmd"));
-        return send_json(r, 200, fitm_api_write_health("ok", NULL));
+        return send_health(r, 200, fitm_api_write_health("ok", NULL));
     case FITM_ENGINE_LOADING: {
         int pct = atomic_load(&r->h->p.model->download_pct);
         char what[32];
         if (pct >= 0)
             snprintf(what, sizeof what, "downloading %d%%", pct);
-        return send_json(r, 503, fitm_api_write_health("loading", pct >= 0
+        return send_health(r, 503, fitm_api_write_health("loading", pct >= 0
                                                                       ? what
                                                                       : "the model is loading"));
     }
@@ -311,7 +320,7 @@ static enum MHD_Result handle_health(request *r)
     case FITM_ENGINE_BROKEN:
         break;
     }
-    return send_json(r, 503, fitm_api_write_health("error", msg.msg));
+    return send_health(r, 503, fitm_api_write_health("error", msg.msg));
 }
 
 static enum MHD_Result handle_metrics(request *r)
@@ -342,7 +351,27 @@ static enum MHD_Result handle_models(request *r)
     const fitm_http_model_info *m = r->h->p.model;
     bool ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
     return send_json(r, 200, fitm_api_write_models(m->name, m->created_s, ready ? m->n_ctx : 0,
-                                                   ready ? m->arch : ""));
+                                                   ready ? m->arch : "", false));
+}
+
+#define MODEL_PREFIX "/v1/models/"
+
+static const char *target_path(const char *url);
+
+/* GET /v1/models/{id} (OpenAI's models.retrieve): the served model's object when id is its
+ * name, else 404. */
+static enum MHD_Result handle_model(request *r)
+{
+    const fitm_http_model_info *m = r->h->p.model;
+    const char *id = target_path(r->path) + strlen(MODEL_PREFIX);
+    if (strcmp(id, m->name) != 0) {
+        char msg[FITM_CONFIG_STR_BYTES + 160];
+        snprintf(msg, sizeof msg, "no model '%.100s' (this server serves '%s')", id, m->name);
+        return send_error(r, FITM_ERR_NOT_FOUND, FITM_API_COND_NONE, NULL, msg);
+    }
+    bool ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
+    return send_json(r, 200, fitm_api_write_models(m->name, m->created_s, ready ? m->n_ctx : 0,
+                                                   ready ? m->arch : "", true));
 }
 
 static enum MHD_Result handle_openapi(request *r)
@@ -798,8 +827,8 @@ static const route_def routes[] = {
     {"/v1/answer", FITM_ROUTE_ANSWER, "POST", true, start_answer, finish_answer},
     {"/v1/chat/completions", FITM_ROUTE_CHAT, "POST", true, start_chat, finish_answer},
     {"/v1/completions", FITM_ROUTE_COMPLETIONS, "POST", true, start_completion, finish_answer},
-    {"/tokenize", FITM_ROUTE_OTHER, "POST", true, start_tokenize, answer_tokens},
-    {"/detokenize", FITM_ROUTE_OTHER, "POST", true, start_detokenize, answer_tokens},
+    {"/tokenize", FITM_ROUTE_TOKENIZE, "POST", true, start_tokenize, answer_tokens},
+    {"/detokenize", FITM_ROUTE_TOKENIZE, "POST", true, start_detokenize, answer_tokens},
     {"/health", FITM_ROUTE_HEALTH, "GET, HEAD", false, handle_health, NULL},
     {"/metrics", FITM_ROUTE_METRICS, "GET, HEAD", false, handle_metrics, NULL},
     {"/v1/models", FITM_ROUTE_MODELS, "GET, HEAD", true, handle_models, NULL},
@@ -820,11 +849,17 @@ static const char *target_path(const char *url)
     return *p ? p : "/";
 }
 
+/* Every /v1/models/{id}: one route, the id read by handle_model. */
+static const route_def model_route = {MODEL_PREFIX, FITM_ROUTE_MODELS, "GET, HEAD", true,
+                                      handle_model, NULL};
+
 static const route_def *find_route(const char *path)
 {
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (!strcmp(path, routes[i].path))
             return &routes[i];
+    if (!strncmp(path, MODEL_PREFIX, strlen(MODEL_PREFIX)) && path[strlen(MODEL_PREFIX)])
+        return &model_route;
     return NULL;
 }
 
@@ -932,10 +967,11 @@ static enum MHD_Result first_call(request *r, const char *url, const char *metho
     if (!strcmp(method, "OPTIONS"))
         return send_options(r);
     if (!method_allowed(rd, method)) {
-        char msg[200];
+        char msg[200], allow[64]; /* OPTIONS is answered on every route (send_options) */
+        snprintf(allow, sizeof allow, "%s, OPTIONS", rd->allow);
         snprintf(msg, sizeof msg, "%.16s is not allowed on %s (allowed: %s)", method, rd->path,
-                 rd->allow);
-        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_METHOD, rd->allow, msg);
+                 allow);
+        return send_error(r, FITM_ERR_INVALID, FITM_API_COND_METHOD, allow, msg);
     }
     if (rd->auth && !authorized(r->h, r->conn))
         return send_error(r, FITM_ERR_INVALID, FITM_API_COND_UNAUTHORIZED, NULL,

@@ -13,12 +13,14 @@ static const char *route_names[FITM_ROUTE_COUNT] = {
     [FITM_ROUTE_METRICS] = "metrics", [FITM_ROUTE_MODELS] = "models",
     [FITM_ROUTE_OPENAPI] = "openapi", [FITM_ROUTE_ANSWER] = "answer",
     [FITM_ROUTE_CHAT] = "chat_completions", [FITM_ROUTE_COMPLETIONS] = "completions",
-    [FITM_ROUTE_PLAYGROUND] = "playground",
+    [FITM_ROUTE_PLAYGROUND] = "playground", [FITM_ROUTE_TOKENIZE] = "tokenize",
     [FITM_ROUTE_OTHER] = "other",
 };
 
-/* HTTP codes fitmd sends (499: only counted, for a client that left); anything else is counted under its own value in the last slot. */
-static const int codes[] = {200, 400, 401, 404, 405, 408, 413, 415, 422, 429, 499, 500, 501, 503};
+/* HTTP codes fitmd sends (499: only counted, for a client that left); any other is counted
+ * as code "other". */
+static const int codes[] = {200, 204, 400, 401, 404, 405, 408, 413, 414, 415, 417,
+                            422, 429, 431, 499, 500, 501, 503, 505};
 #define N_CODES (sizeof codes / sizeof codes[0])
 
 static const double buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

@@ -30,7 +30,8 @@ typedef enum {
     FITM_ROUTE_CHAT,        /* /v1/chat/completions */
     FITM_ROUTE_COMPLETIONS, /* /v1/completions      */
     FITM_ROUTE_PLAYGROUND,  /* GET /                */
-    FITM_ROUTE_OTHER, /* unknown paths (404s) */
+    FITM_ROUTE_TOKENIZE,    /* /tokenize, /detokenize */
+    FITM_ROUTE_OTHER, /* unknown paths (404s), and heads the gate refused before a route */
     FITM_ROUTE_COUNT
 } fitm_route;
 
