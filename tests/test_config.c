@@ -114,6 +114,9 @@ int main(void)
     fclose(f);
     expect_error(":1: answer_calibrate = 'maybe'", 3, a1);
 
+    char *b9[] = {"fitmd", "--model_sha256", "nothex"};
+    expect_error("flag --model_sha256: model_sha256 = 'nothex': must be 64 hex digits", 3, b9);
+
     /* a FITM_ variable that names no option is reported, the known ones are not */
     setenv("FITM_API_KEY", "secret", 1);
     setenv("FITM_PORT", "9006", 1);

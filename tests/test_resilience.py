@@ -850,6 +850,7 @@ def test_health_fails_when_the_model_file_changes(fitmd_bin, models, tmp_path): 
         assert r.status_code == 503, r.text
         assert "model file changed" in r.json()["message"]
         assert r.headers["Retry-After"] == "1"  # as every 503 (openapi's info)
+        assert "fitm_model_ready 0" in requests.get(d.url("/metrics"), timeout=10).text
     finally:
         assert d.terminate() == 0
 

@@ -360,13 +360,21 @@ static char *trim(char *s)
     return s;
 }
 
-/* A scoring option's or an /answer default's text must parse (their meaning is score.h's), so
- * that a misspelt value is a configuration error (exit 2, and --print-config says so), not a
- * failed start once the model has loaded. */
+/* A scoring option's or an /answer default's text must parse (their meaning is score.h's), and
+ * model_sha256 must be a digest, so that a misspelt value is a configuration error (exit 2, and
+ * --print-config says so), not a failed start once the model has loaded (or downloaded). */
 static fitm_status check_value(const opt *o, const char *text, const char *where,
                                fitm_err *err)
 {
     fitm_status st = FITM_OK;
+    if (!strcmp(o->name, "model_sha256") && *text) {
+        size_t n = 0;
+        while (isxdigit((unsigned char)text[n]))
+            n++;
+        if (n != 64 || text[n])
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "%s: model_sha256 = '%.100s': must be 64 hex digits", where, text);
+    }
     if (fitm_score_is_key(o->name)) {
         fitm_score_opts scratch;
         fitm_score_opts_init(&scratch);

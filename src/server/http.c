@@ -327,7 +327,9 @@ static enum MHD_Result handle_metrics(request *r)
 {
     fitm_metrics_gauges g = {0};
     fitm_engine_stats(r->h->p.engine, &g.queue_depth, &g.queue_capacity, &g.inflight);
-    g.ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
+    /* ready as /health's 200 is: loaded, healthy, and its file not changed under it */
+    g.ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY &&
+              model_file_unchanged(r->h->p.model);
     fitm_engine_batch_stats bs;
     fitm_engine_batch_stats_get(r->h->p.engine, &bs);
     g.batch_running = bs.running;

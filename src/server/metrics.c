@@ -214,7 +214,8 @@ static void render_gauges(fitm_buf *s, const fitm_metrics_gauges *g)
             "# TYPE fitm_inflight_requests gauge\nfitm_inflight_requests %lld\n",
         (long long)g->inflight);
     fitm_buf_printf(s,
-                    "# HELP fitm_model_ready 1 once the model is loaded and the backend healthy.\n"
+                    "# HELP fitm_model_ready 1 once the model is loaded and the backend healthy, "
+                    "while its file is unchanged (as /health's 200).\n"
                     "# TYPE fitm_model_ready gauge\nfitm_model_ready %d\n",
                     g->ready);
 }
