@@ -79,12 +79,14 @@ typedef struct {
     atomic_bool done; /* the engine finished job */
     /* A streamed /answer: the SSE bytes not yet sent, shared by the engine's thread (which
      * appends) and MHD's (which sends); the request is freed by whichever of on_completed and
-     * the job's on_done comes last (refs). */
+     * the job's on_done comes last (refs). Its head (200, text/event-stream) goes out with the
+     * first event (s_headless until then), so that a job that fails before it (a prompt over
+     * the context, a deadline while queued) is answered with its HTTP error (s_error). */
     bool streaming;
     pthread_mutex_t smu;
     fitm_buf sbuf; /* events not yet sent start at soff */
     size_t soff;
-    bool s_done, s_suspended, s_closed;
+    bool s_done, s_suspended, s_closed, s_headless, s_error;
     atomic_bool s_cancel;
     atomic_int refs;
     atomic_bool client_left; /* the job was stopped because the client went away */
@@ -408,14 +410,20 @@ static void job_done(fitm_job *job, void *user)
 /* The body is complete: parse it and hand the job to the engine (suspending the connection),
  * or answer at once with the error. */
 /* fitm_job.client_gone: the peer closed (or reset) the connection of a waiting request. A
- * non-streamed request's connection is suspended for the whole job, so its socket stays open
- * and is peeked here without consuming pipelined bytes; a stream learns of the close from
- * on_completed. A client that half-closes its sending side counts as gone. */
+ * non-streamed request's connection is suspended for the whole job, and a stream's until its
+ * head goes out, so its socket stays open and is peeked here without consuming pipelined
+ * bytes; a stream with its head out learns of the close from on_completed. A client that
+ * half-closes its sending side counts as gone. */
 static bool client_gone(void *user)
 {
     request *r = user;
-    if (r->streaming)
-        return atomic_load(&r->s_cancel);
+    if (r->streaming) {
+        pthread_mutex_lock(&r->smu);
+        const bool headless = r->s_headless;
+        pthread_mutex_unlock(&r->smu);
+        if (!headless || atomic_load(&r->s_cancel))
+            return atomic_load(&r->s_cancel);
+    }
     const union MHD_ConnectionInfo *ci =
         MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!ci)
@@ -624,6 +632,23 @@ static void sse_job_done(fitm_job *job, void *user)
 {
     request *r = user;
     char *json;
+    pthread_mutex_lock(&r->smu);
+    const bool early = r->s_headless && r->sbuf.len == 0 && job->status != FITM_OK;
+    if (early) { /* nothing sent yet: the handler answers with the HTTP error (stream_head) */
+        r->s_error = r->s_done = true;
+        if (r->s_suspended && !r->s_closed) {
+            r->s_suspended = false;
+            MHD_resume_connection(r->conn);
+        }
+    }
+    pthread_mutex_unlock(&r->smu);
+    if (early) {
+        FITM_LOG(FITM_LOG_INFO, r->id, "answer stream failed before its first event (%s): %s",
+                 fitm_status_name(job->status), job->err.msg);
+        fitm_answer_result_free(&r->awork.result);
+        release(r);
+        return;
+    }
     if (job->status == FITM_OK) {
         double total_ms = (double)(fitm_clock_ns() - r->t0_ns) / 1e6;
         fitm_metrics_tokens(r->awork.result.prompt_tokens, r->awork.result.forward_tokens);
@@ -688,22 +713,26 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
     return n;
 }
 
-static enum MHD_Result start_stream(request *r)
+/* The stream's head, once its first event (or its failure) is there: the 200 with the events
+ * so far, or the job's HTTP error when it failed before any (the client never sees a 200 for
+ * a request refused by the engine). Called when the connection is resumed. */
+static enum MHD_Result stream_head(request *r)
 {
-    pthread_mutex_init(&r->smu, NULL);
-    r->streaming = true;
-    atomic_init(&r->s_cancel, false);
-    atomic_init(&r->refs, 2); /* on_completed's and the job's */
-    r->awork.on_delta = sse_delta;
-    r->awork.delta_arg = r;
-    r->job.on_done = sse_job_done;
-    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
-    if (st != FITM_OK) {
-        atomic_store(&r->refs, 1);
-        return send_error(r, st, FITM_API_COND_NONE, NULL, r->job.err.msg);
+    pthread_mutex_lock(&r->smu);
+    if (!r->s_error && !r->s_done && r->sbuf.len == 0) { /* woken with nothing: wait again */
+        r->s_suspended = true;
+        MHD_suspend_connection(r->conn);
+        pthread_mutex_unlock(&r->smu);
+        return MHD_YES;
     }
-    /* From here the job may already be appending events: they wait in sbuf. */
-    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    r->s_headless = false;
+    const bool failed = r->s_error;
+    pthread_mutex_unlock(&r->smu);
+    if (failed) {
+        MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT,
+                                  (unsigned)r->h->p.cfg->http_idle_timeout_s);
+        return send_error(r, r->job.status, FITM_API_COND_NONE, NULL, r->job.err.msg);
+    }
     struct MHD_Response *resp =
         MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, sse_read, r, NULL);
     if (!resp) {
@@ -720,6 +749,39 @@ static enum MHD_Result start_stream(request *r)
     r->code = 200;
     r->state = ST_ANSWERED;
     return ok;
+}
+
+static enum MHD_Result start_stream(request *r)
+{
+    pthread_mutex_init(&r->smu, NULL);
+    r->streaming = true;
+    atomic_init(&r->s_cancel, false);
+    atomic_init(&r->refs, 2); /* on_completed's and the job's */
+    r->awork.on_delta = sse_delta;
+    r->awork.delta_arg = r;
+    r->job.on_done = sse_job_done;
+    r->state = ST_WAIT;
+    r->s_headless = true;
+    /* no idle timeout while the job runs (its deadline applies); the events wake the
+     * connection (sse_push), the head goes out with the first (stream_head) */
+    MHD_set_connection_option(r->conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    pthread_mutex_lock(&r->smu);
+    r->s_suspended = true;
+    MHD_suspend_connection(r->conn); /* before submitting: the job may push at once */
+    pthread_mutex_unlock(&r->smu);
+    fitm_status st = fitm_engine_submit(r->h->p.engine, &r->job, &r->job.err);
+    if (st != FITM_OK) { /* refused: no on_done will come; answered as a failure */
+        atomic_store(&r->refs, 1);
+        r->job.status = st;
+        pthread_mutex_lock(&r->smu);
+        r->s_error = r->s_done = true;
+        if (r->s_suspended) {
+            r->s_suspended = false;
+            MHD_resume_connection(r->conn);
+        }
+        pthread_mutex_unlock(&r->smu);
+    }
+    return MHD_YES;
 }
 
 static enum MHD_Result submit_answer(request *r);
@@ -1030,6 +1092,8 @@ static enum MHD_Result on_complete(request *r)
     const route_def *rd = r->rd;
     if (!rd)
         return MHD_NO;
+    if (r->streaming && r->state == ST_WAIT)
+        return stream_head(r);
     if (rd->finish) {
         if (r->state == ST_DISCARD)
             return send_too_large(r, 0);
