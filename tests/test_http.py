@@ -552,6 +552,21 @@ def test_malformed_http(daemon, data, status):
     assert daemon.healthy()
 
 
+def test_bodiless_refusals_and_preflights_keep_the_connection(daemon):
+    """An OPTIONS preflight, a 404, a 405 and a 401 on requests without a body are answered on
+    a kept-alive connection (a browser's preflight per request would otherwise cost a new
+    connection each); the request after them on the same connection is served."""
+    for first in (b"OPTIONS /rerank HTTP/1.1\r\nHost: x\r\n\r\n",
+                  b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n",
+                  b"DELETE /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                  b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"):
+        then = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        out = raw(daemon, first + then)
+        heads = re.findall(rb"HTTP/1\.1 (\d{3}) ", out)
+        assert len(heads) == 2 and heads[-1] == b"200", out[:400]
+        assert b"Connection: close" not in out.split(b"HTTP/1.1 200")[0], out[:400]
+
+
 def test_keepalive_pipelined(daemon):
     req = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")

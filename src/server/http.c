@@ -66,6 +66,7 @@ typedef struct {
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
     size_t discarded; /* ST_DISCARD: bytes received in all */
     int code; /* HTTP status sent; 0 while none */
+    bool checks_later; /* a request without a body: first_call runs on its second callback */
     bool must_close; /* the answer ends the connection (a 408 while the body arrives: what
                       * follows cannot be trusted to be the next request) */
     fitm_job job;
@@ -1142,6 +1143,30 @@ static enum MHD_Result send_slow(request *r, bool body_complete)
     return MHD_NO;
 }
 
+/* Whether the request announces no body (no Transfer-Encoding, no or a zero Content-Length;
+ * the gate has checked the framing). */
+static bool bodiless(struct MHD_Connection *conn)
+{
+    const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
+    return !MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Transfer-Encoding") &&
+           (!cl || !strcmp(cl, "0"));
+}
+
+/* A new request's first callback. An answer queued in it ends the connection (libmicrohttpd
+ * cannot tell that no body is left unread), so a request without a body is checked and
+ * answered on its second callback, which keeps the connection alive (an OPTIONS preflight, a
+ * 404, a 401 on a GET); one with a body is refused at once (401, 413, 415: its body is not
+ * read). */
+static enum MHD_Result first_callback(request *r, struct MHD_Connection *conn, const char *url,
+                                      const char *method, const char *version)
+{
+    if (bodiless(conn)) {
+        r->checks_later = true;
+        return MHD_YES;
+    }
+    return first_call(r, url, method, version);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
                                   const char *method, const char *version,
                                   const char *upload_data, size_t *upload_data_size,
@@ -1155,7 +1180,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         *con_cls = r;
         r->probe = false;
         r->gate = r->h->gate;
-        return first_call(r, url, method, version);
+        return first_callback(r, conn, url, method, version);
+    }
+    if (r->checks_later) {
+        r->checks_later = false;
+        enum MHD_Result ok = first_call(r, url, method, version);
+        if (ok != MHD_YES || r->state == ST_ANSWERED)
+            return ok;
     }
     if (r->state == ST_ANSWERED) {
         *upload_data_size = 0; /* an early answer (413, 401, ...): drop what still arrives */
@@ -1188,7 +1219,7 @@ static enum MHD_Result on_probe_request(void *cls, struct MHD_Connection *conn, 
     *con_cls = r;
     r->probe = true;
     r->gate = r->h->probe_gate;
-    return first_call(r, url, method, version);
+    return first_callback(r, conn, url, method, version);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
