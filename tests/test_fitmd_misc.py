@@ -161,3 +161,15 @@ def test_stop_length_is_the_spec_s(model, tmp_path):
         assert r.status_code == 400 and "'stop'" in r.json()["error"]["message"]
     finally:
         assert d.terminate() == 0
+
+
+def test_ctx_size_over_the_trained_context_is_said(model, tmp_path):
+    """A ctx_size over the model's trained context is lowered to it, and the log says so (the
+    load line alone showed the number)."""
+    d = Daemon(build_dir() / "src" / "fitmd", model, tmp_path, ctx_size=1000000)
+    try:
+        line = d.wait_log(r"ctx_size 1000000 is over the model's trained context: (\d+) used")
+        r = requests.get(d.url("/v1/models"), timeout=10).json()["data"][0]
+        assert r["context_length"] == int(line.group(1))
+    finally:
+        assert d.terminate() == 0

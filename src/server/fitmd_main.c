@@ -466,6 +466,9 @@ static fitm_status model_load(void *ctx, fitm_err *err)
         return st;
     const fitm_model_config *mc = fitm_model_config_of(dm->model);
     int64_t n_ctx = cfg->ctx_size;
+    if (mc->n_ctx_train > 0 && n_ctx > mc->n_ctx_train)
+        FITM_LOG(FITM_LOG_WARN, NULL, "ctx_size %lld is over the model's trained context: %lld "
+                 "used", (long long)n_ctx, (long long)mc->n_ctx_train);
     if (mc->n_ctx_train > 0 && (n_ctx == 0 || n_ctx > mc->n_ctx_train))
         n_ctx = mc->n_ctx_train; /* positions past the trained context are not meaningful */
     if (n_ctx == 0)
