@@ -173,3 +173,23 @@ def test_ctx_size_over_the_trained_context_is_said(model, tmp_path):
         assert r["context_length"] == int(line.group(1))
     finally:
         assert d.terminate() == 0
+
+
+def test_a_port_in_use_stops_fitmd_before_the_model_loads(tmp_path):
+    """The ports are bound before the engine starts: a port in use stops fitmd at once with
+    exit 1, without first downloading (here: trying to download from a closed port, which
+    would retry) or loading the model."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for extra in ([f"--port={port}"], [f"--port={free_port()}", f"--probe_port={port}"]):
+            p = subprocess.run([str(build_dir() / "src" / "fitmd"),
+                                f"--model={tmp_path / 'absent.gguf'}",
+                                f"--model_url=http://127.0.0.1:{free_port()}/m.gguf",
+                                "--host=127.0.0.1", *extra], capture_output=True, text=True,
+                               timeout=60, env=clean_env())
+            assert p.returncode == 1, p.stderr
+            assert f"cannot listen on 127.0.0.1:{port}" in p.stderr, p.stderr
+            assert "download" not in p.stderr.lower(), p.stderr

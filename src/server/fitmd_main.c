@@ -904,6 +904,13 @@ int main(int argc, char **argv)
     sigset_t set;
     block_signals(&set);
 
+    /* the ports first: one in use stops fitmd now, not after the model's load */
+    fitm_http_sockets socks;
+    fitm_err bind_err = {{0}};
+    if (fitm_http_bind(&cfg, &socks, &bind_err) != FITM_OK) {
+        fprintf(stderr, "fitmd: %s\n", bind_err.msg);
+        return 1;
+    }
     static daemon_model dm;
     dm.cfg = &cfg;
     dm.info = &info;
@@ -916,10 +923,13 @@ int main(int argc, char **argv)
     fitm_engine *engine = NULL;
     if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {
         fprintf(stderr, "fitmd: %s\n", err.msg);
+        close(socks.fd);
+        if (socks.probe_fd >= 0)
+            close(socks.probe_fd);
         return 1;
     }
     fitm_engine_set_budget(engine, cfg.max_request_forward_tokens, cfg.max_queued_forward_tokens);
-    fitm_http_params hp = {.cfg = &cfg, .engine = engine, .model = &info,
+    fitm_http_params hp = {.cfg = &cfg, .sockets = socks, .engine = engine, .model = &info,
                            .openapi = fitm_openapi_yaml, .openapi_len = fitm_openapi_yaml_len,
                            .playground = fitm_playground_html,
                            .playground_len = fitm_playground_html_len};

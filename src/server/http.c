@@ -1341,24 +1341,47 @@ static int listen_socket(const struct addrinfo *ai)
  * probes are answered while the main port's connections are all taken or trickling. Sets
  * h->d (h->probe_d) and h->gate (h->probe_gate) before the gate's thread starts, which reads
  * them, and writes neither afterwards; false when the address cannot be had. */
-static bool listen_on(fitm_http *h, int64_t port, bool probe)
+/* A listening socket on cfg->host:port; -1 when the address cannot be had. */
+static int bind_port(const fitm_config *cfg, int64_t port)
 {
-    const fitm_config *cfg = h->p.cfg;
     char service[16];
     snprintf(service, sizeof service, "%lld", (long long)port);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
     struct addrinfo *ai = NULL;
     if (getaddrinfo(cfg->host[0] ? cfg->host : NULL, service, &hints, &ai) != 0)
-        return false;
-    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
-                     MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
-    if (ai->ai_family == AF_INET6)
-        flags |= MHD_USE_IPv6;
+        return -1;
     int fd = listen_socket(ai);
     freeaddrinfo(ai);
-    if (fd < 0)
-        return false;
+    return fd;
+}
+
+fitm_status fitm_http_bind(const fitm_config *cfg, fitm_http_sockets *out, fitm_err *err)
+{
+    out->probe_fd = -1;
+    int64_t port = cfg->port;
+    if ((out->fd = bind_port(cfg, port)) >= 0 && cfg->probe_port &&
+        (out->probe_fd = bind_port(cfg, port = cfg->probe_port)) < 0) {
+        close(out->fd);
+        out->fd = -1;
+    }
+    if (out->fd < 0)
+        return fitm_err_set(err, FITM_ERR_IO,
+                            "cannot listen on %s:%lld (bad host, address in use, or not "
+                            "permitted)", cfg->host, (long long)port);
+    return FITM_OK;
+}
+
+/* Serves on fd (taken over: closed on failure). */
+static bool listen_on(fitm_http *h, int fd, bool probe)
+{
+    const fitm_config *cfg = h->p.cfg;
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ITC |
+                     MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET;
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof sa;
+    if (getsockname(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.ss_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
     unsigned max_conns = probe ? 64u : (unsigned)cfg->max_connections;
     unsigned per_client = probe ? 16u : (unsigned)cfg->max_connections_per_client;
     /* The logger first, so that libmicrohttpd's words about the options after it go to the
@@ -1405,8 +1428,12 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     *out = NULL;
     const fitm_config *cfg = p->cfg;
     fitm_http *h = calloc(1, sizeof *h);
-    if (!h)
+    if (!h) {
+        close(p->sockets.fd);
+        if (p->sockets.probe_fd >= 0)
+            close(p->sockets.probe_fd);
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    }
     h->p = *p;
     h->limits.max_documents = (int32_t)cfg->max_documents;
     h->limits.max_tokens_per_doc = (int32_t)cfg->max_tokens_per_doc;
@@ -1420,27 +1447,34 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
         h->id_salt = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
     pthread_mutex_init(&h->mu, NULL);
     pthread_cond_init(&h->idle, NULL);
+    /* the sockets are h's from here: listen_on takes them over, the failures below close them */
+    int fds[2] = {p->sockets.fd, p->sockets.probe_fd};
     if (!parse_keys(h, cfg->api_keys)) {
+        close(fds[0]);
+        if (fds[1] >= 0)
+            close(fds[1]);
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
     }
     /* A value of separators alone (a template's "${K1},${K2}" with both unset) must not start
      * a server open to everyone: only an empty value means no auth. */
     if (cfg->api_keys[0] && h->n_keys == 0) {
+        close(fds[0]);
+        if (fds[1] >= 0)
+            close(fds[1]);
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_INVALID,
                             "api_keys '%s' holds no key (only commas and spaces); leave it "
                             "empty to serve without authentication", cfg->api_keys);
     }
 
-    bool up = listen_on(h, cfg->port, false) && (!cfg->probe_port ||
-                                                  listen_on(h, cfg->probe_port, true));
-    if (!up) {
-        long long port = h->d ? cfg->probe_port : cfg->port;
+    const bool main_up = listen_on(h, fds[0], false);
+    if (!main_up && fds[1] >= 0)
+        close(fds[1]);
+    if (!main_up || (fds[1] >= 0 && !listen_on(h, fds[1], true))) {
+        long long port = main_up ? cfg->probe_port : cfg->port;
         fitm_http_stop(h);
-        return fitm_err_set(err, FITM_ERR_IO,
-                            "cannot listen on %s:%lld (bad host, address in use, or not "
-                            "permitted)", cfg->host, port);
+        return fitm_err_set(err, FITM_ERR_IO, "cannot serve on %s:%lld", cfg->host, port);
     }
     *out = h;
     return FITM_OK;

@@ -49,8 +49,19 @@ typedef struct {
     _Atomic int download_pct;
 } fitm_http_model_info;
 
+/* The listening sockets (probe_fd -1: no probe_port), from fitm_http_bind. */
+typedef struct {
+    int fd, probe_fd;
+} fitm_http_sockets;
+
+/* Binds cfg->host:cfg->port (and probe_port) before anything slow starts, so that an address
+ * in use, or a probe_port equal to port, stops fitmd at once rather than after the model's
+ * load (or download). FITM_ERR_IO naming the port that could not be had. */
+fitm_status fitm_http_bind(const fitm_config *cfg, fitm_http_sockets *out, fitm_err *err);
+
 typedef struct {
     const fitm_config *cfg;          /* borrowed for the server's life            */
+    fitm_http_sockets sockets;       /* from fitm_http_bind; taken over by start  */
     fitm_engine *engine;             /* borrowed                                  */
     const fitm_http_model_info *model; /* borrowed                                */
     const char *openapi;             /* the spec served at /openapi.yaml          */
@@ -61,7 +72,7 @@ typedef struct {
 
 typedef struct fitm_http fitm_http;
 
-/* Binds cfg->host:cfg->port and starts the thread pool (cfg->http_threads). */
+/* Serves on p->sockets (closed on failure) with the thread pool (cfg->http_threads). */
 fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err *err);
 
 /* Starts draining: the server keeps listening (Kubernetes probes /health until the endpoint
