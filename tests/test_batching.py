@@ -23,6 +23,7 @@ import requests
 
 from conftest import build_dir
 from test_http import AUTH, Daemon, docs, fitmd_bin  # noqa: F401 (fixture)
+from test_http import scrape as metrics
 
 RERANK_FRAME = (r"Write a high-quality answer for the given question using only the provided "
                 r"search results (some of which might be irrelevant).\n\nQuestion: {question}"
@@ -137,15 +138,6 @@ def hang_up_after_first_event(d, i):
             break
         got += chunk
     s.close()
-
-
-def metrics(d):
-    out = {}
-    for line in requests.get(d.url("/metrics"), timeout=30).text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.split()
-            out[name] = float(value)
-    return out
 
 
 def test_concurrent_mixed_clients_match_one_at_a_time(daemon):
