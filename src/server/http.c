@@ -1335,12 +1335,6 @@ static int listen_socket(const struct addrinfo *ai)
     return fd;
 }
 
-/* Listens on cfg->host:port. Every connection comes through a gate (gate.h: a strict check
- * of each request head, with a deadline, before libmicrohttpd sees it). The probe listener
- * serves only /health and /metrics, with a gate, thread and connection budget of its own, so
- * probes are answered while the main port's connections are all taken or trickling. Sets
- * h->d (h->probe_d) and h->gate (h->probe_gate) before the gate's thread starts, which reads
- * them, and writes neither afterwards; false when the address cannot be had. */
 /* A listening socket on cfg->host:port; -1 when the address cannot be had. */
 static int bind_port(const fitm_config *cfg, int64_t port)
 {
@@ -1372,7 +1366,13 @@ fitm_status fitm_http_bind(const fitm_config *cfg, fitm_http_sockets *out, fitm_
     return FITM_OK;
 }
 
-/* Serves on fd (taken over: closed on failure). */
+/* Serves on fd (a listening socket from fitm_http_bind, taken over: closed on failure). Every
+ * connection comes through a gate (gate.h: a strict check of each request head, with a
+ * deadline, before libmicrohttpd sees it). The probe listener serves only /health and
+ * /metrics, with a gate, thread and connection budget of its own, so probes are answered
+ * while the main port's connections are all taken or trickling. Sets h->d (h->probe_d) and
+ * h->gate (h->probe_gate) before the gate's thread starts, which reads them, and writes
+ * neither afterwards; false when it cannot serve. */
 static bool listen_on(fitm_http *h, int fd, bool probe)
 {
     const fitm_config *cfg = h->p.cfg;
