@@ -88,12 +88,13 @@ int main(void)
     /* a comment after a value: after a blank, or after the closing quote */
     f = fopen(path, "w");
     fprintf(f, "api_keys = abc#1 # prod key\nmodel_name = \"fitm \"x\"\" # a \"name\"\n"
-               "host = 0.0.0.0\t# all\nport = 9005 # main\n");
+               "host = 0.0.0.0\t# all\nport = 9005 # main\ncors_origins = # none yet\n");
     fclose(f);
     CHECK(load(&cfg, &err, 3, a1) == FITM_OK, "%s", err.msg);
     CHECK(!strcmp(cfg.api_keys, "abc#1") && !strcmp(cfg.host, "0.0.0.0") && cfg.port == 9005,
           "'%s' '%s' %lld", cfg.api_keys, cfg.host, (long long)cfg.port);
     CHECK(!strcmp(cfg.model_name, "fitm \"x\""), "'%s'", cfg.model_name);
+    CHECK(!strcmp(cfg.cors_origins, ""), "'%s'", cfg.cors_origins);
     f = fopen(path, "w");
     fprintf(f, "model_name = \"fitm\" extra\n");
     fclose(f);

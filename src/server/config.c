@@ -390,9 +390,10 @@ static fitm_status check_value(const opt *o, const char *text, const char *where
     return st == FITM_OK ? FITM_OK : FITM_ERR_INVALID;
 }
 
-/* The value of a config file's line: a quoted text (the quotes removed; a '"' inside it
- * stays) or the text up to a '#' that follows a blank, either followed by an optional
- * comment. NULL when a quoted text is followed by anything but a comment. */
+/* The value of a config file's line (the text after "=", trimmed): a quoted text (the quotes
+ * removed; a '"' inside it stays) or the text up to a '#' that follows a blank (the value's
+ * first character follows the blank after "="), either followed by an optional comment. NULL
+ * when a quoted text is followed by anything but a comment. */
 static char *line_value(char *v)
 {
     if (*v == '"') {
@@ -408,7 +409,7 @@ static char *line_value(char *v)
         return NULL;
     }
     for (char *c = strchr(v, '#'); c; c = strchr(c + 1, '#'))
-        if (c > v && isspace((unsigned char)c[-1])) {
+        if (c == v || isspace((unsigned char)c[-1])) { /* v follows "= " */
             *c = '\0';
             break;
         }
