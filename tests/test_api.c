@@ -34,6 +34,10 @@ static void test_classify(void)
     CHECK(fitm_api_classify(FITM_ERR_FORMAT, FITM_API_COND_NONE).http == 400);
     CHECK(!strcmp(fitm_api_classify(FITM_ERR_FORMAT, FITM_API_COND_NONE).code, "invalid_json"));
     CHECK(fitm_api_classify(FITM_ERR_LIMIT, FITM_API_COND_NONE).http == 422);
+    /* a prompt over the context: limit_exceeded on fitm's routes (http.c gives the OpenAI
+     * routes OpenAI's 400 context_length_exceeded) */
+    CHECK(fitm_api_classify(FITM_ERR_CONTEXT, FITM_API_COND_NONE).http == 422 &&
+          !strcmp(fitm_api_classify(FITM_ERR_CONTEXT, FITM_API_COND_NONE).code, "limit_exceeded"));
     CHECK(fitm_api_classify(FITM_ERR_NOT_FOUND, FITM_API_COND_NONE).http == 404);
     CHECK(fitm_api_classify(FITM_ERR_BUSY, FITM_API_COND_NONE).http == 503);
     CHECK(fitm_api_classify(FITM_ERR_BUSY, FITM_API_COND_NONE).retry);

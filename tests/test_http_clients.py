@@ -192,6 +192,23 @@ def test_openai_sdk_completions_and_documents(daemon):
     assert abs(sum(d["weight"] for d in docs) - 1) < 1e-6
 
 
+def test_openai_sdk_context_overflow(daemon):
+    """A prompt over the context raises the SDK's BadRequestError with OpenAI's code at
+    create(), streamed or not (a stream used to start with 200 and fail mid-iteration), and
+    models.retrieve finds the served model."""
+    openai = pytest.importorskip("openai")
+    client = openai_client(daemon)
+    msgs = [{"role": "user", "content": "golf hotel " * 3000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=msgs, max_tokens=2,
+                                           stream=stream)
+        assert e.value.code == "context_length_exceeded", e.value
+    assert client.models.retrieve("fitm-test").id == "fitm-test"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
 def test_readme_snippets(daemon, capsys):
     """README.md's client snippets, run as they stand (only the URL and key replaced), give
     what plain HTTP calls give."""

@@ -119,16 +119,20 @@ def test_stream_matches_whole(daemon):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/answer"])
 def test_stream_refused_before_its_first_event_is_an_http_error(daemon, path):
     """A streamed request the engine refuses before any event (its prompt over the context) is
-    answered with the HTTP error a plain request gets (422 limit_exceeded), not a 200 whose
-    stream holds the error: OpenAI clients raise it at create(), not mid-iteration. A stream
-    that starts still answers 200 with its events."""
+    answered with the HTTP error a plain request gets, not a 200 whose stream holds the error:
+    OpenAI clients raise it at create(), not mid-iteration. On the OpenAI routes that error is
+    OpenAI's (400 context_length_exceeded, which LangChain's ContextOverflowError looks for),
+    on /answer fitm's (422 limit_exceeded). A stream that starts still answers 200."""
     long = "golf hotel " * 3000
     body = ({"messages": [{"role": "user", "content": long}]} if "chat" in path
             else {"prompt": long} if path == "/v1/completions"
             else {"query": long, "documents": DOCS})
     for stream in (False, True):
         r = post(daemon, {**body, "max_tokens": 2, "stream": stream}, path=path)
-        assert_error(r, 422, "limit_exceeded", "over the context")
+        if path.startswith("/v1/"):
+            assert_error(r, 400, "context_length_exceeded", "over the context")
+        else:
+            assert_error(r, 422, "limit_exceeded", "over the context")
     ok = ({"messages": [{"role": "user", "content": "golf"}]} if "chat" in path
           else {"prompt": "golf"} if path == "/v1/completions"
           else {"query": "golf", "documents": DOCS})

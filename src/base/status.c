@@ -19,6 +19,7 @@ const char *fitm_status_name(fitm_status s)
         [FITM_ERR_CANCELLED] = "cancelled",
         [FITM_ERR_BACKEND] = "backend",
         [FITM_ERR_INTERNAL] = "internal",
+        [FITM_ERR_CONTEXT] = "context",
     };
     if ((unsigned)s >= FITM_STATUS_COUNT)
         return "unknown";

@@ -22,6 +22,7 @@ typedef enum {
     FITM_ERR_CANCELLED,   /* the client went away                                 */
     FITM_ERR_BACKEND,     /* device/library failure (CUDA, BLAS)                  */
     FITM_ERR_INTERNAL,    /* a bug: should never happen                           */
+    FITM_ERR_CONTEXT,     /* a request's prompt is longer than the context window */
     FITM_STATUS_COUNT
 } fitm_status;
 

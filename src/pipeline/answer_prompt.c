@@ -273,7 +273,7 @@ fitm_status fitm_answer_prompt(const fitm_session *s, const fitm_answer_request 
         return st;
     if (pl->T > n_ctx)
         return fitm_err_set(
-            err, FITM_ERR_LIMIT, "the prompt is %lld tokens, over the context of %lld tokens%s",
+            err, FITM_ERR_CONTEXT, "the prompt is %lld tokens, over the context of %lld tokens%s",
             (long long)pl->T, (long long)n_ctx, plain ? "" : ": send fewer or shorter documents");
     /* Every generated token but the last needs a KV row. */
     pl->max_gen = req->max_tokens < n_ctx - pl->T + 1 ? req->max_tokens : n_ctx - pl->T + 1;

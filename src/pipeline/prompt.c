@@ -216,7 +216,7 @@ fitm_status fitm_prompt_build(const fitm_session *r, const fitm_rerank_request *
 fitm_status fitm_prompt_too_long(int64_t T, const fitm_session *r, const fitm_rerank_request *req,
                                  fitm_err *err)
 {
-    return fitm_err_set(err, FITM_ERR_LIMIT,
+    return fitm_err_set(err, FITM_ERR_CONTEXT,
                         "the prompt is %lld tokens, over the context of %lld tokens even with "
                         "documents cut to max_tokens_per_doc = %d tokens: send fewer or "
                         "shorter documents",

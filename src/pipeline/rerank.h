@@ -148,7 +148,7 @@ extern const fitm_rerank_frame fitm_rerank_default_frame;
 
 /* Scores req's documents (docs/design.md) into *res (the caller frees it, also after a failure).
  * stop(stop_arg) is polled between forward calls; when it returns true the run ends with
- * FITM_ERR_TIMEOUT. Errors: FITM_ERR_LIMIT when the prompt does not fit n_ctx even after
+ * FITM_ERR_TIMEOUT. Errors: FITM_ERR_CONTEXT when the prompt does not fit n_ctx even after
  * per-document truncation, FITM_ERR_INVALID for layers or heads the model does not have,
  * FITM_ERR_UNSUPPORTED for methods not implemented yet, FITM_ERR_BACKEND from the backend.
  * Runs on the session's own caches (which then hold the prompt for a later request). */
@@ -169,7 +169,7 @@ bool fitm_rerank_scores_alone(const fitm_session *r, const fitm_rerank_request *
  * whole run of a sequence's method (one lane) computes at most this: each lane's first
  * window computes the prompt's shared head afresh. any_order: the documents will be in an
  * order not known yet (/answer's reorder): an upper bound. Fails as the run would
- * (FITM_ERR_LIMIT for a prompt over the context, FITM_ERR_INVALID for layers or heads the
+ * (FITM_ERR_CONTEXT for a prompt over the context, FITM_ERR_INVALID for layers or heads the
  * model does not have, ...). Reads only what fitm_session_create made, so it may run on any
  * thread while fitm_rerank_run runs on another. */
 fitm_status fitm_rerank_cost(const fitm_session *s, const fitm_rerank_request *req,

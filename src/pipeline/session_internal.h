@@ -108,7 +108,7 @@ fitm_status fitm_prompt_build(const fitm_session *r, const fitm_rerank_request *
                               const fitm_prompt_queries *q, fitm_ids *ids, fitm_span *spans,
                               fitm_span *question, fitm_err *err);
 
-/* FITM_ERR_LIMIT for a prompt of T tokens over the context. */
+/* FITM_ERR_CONTEXT for a prompt of T tokens over the context. */
 fitm_status fitm_prompt_too_long(int64_t T, const fitm_session *r, const fitm_rerank_request *req,
                                  fitm_err *err);
 

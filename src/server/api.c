@@ -47,6 +47,7 @@ fitm_api_error_class fitm_api_classify(fitm_status s, fitm_api_cond cond)
     case FITM_ERR_NOT_FOUND:
         return (fitm_api_error_class){404, "not_found_error", "not_found", false};
     case FITM_ERR_LIMIT:
+    case FITM_ERR_CONTEXT: /* the OpenAI routes answer it as OpenAI does (http.c) */
         return (fitm_api_error_class){422, "invalid_request_error", "limit_exceeded", false};
     case FITM_ERR_BUSY:
         return (fitm_api_error_class){503, "overloaded_error", "unavailable", true};

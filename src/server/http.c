@@ -184,6 +184,10 @@ static enum MHD_Result send_error(request *r, fitm_status s, fitm_api_cond cond,
                                   const char *allow, const char *msg)
 {
     fitm_api_error_class c = fitm_api_classify(s, cond);
+    /* OpenAI's answer to a prompt over the context, which its clients recognise (LangChain's
+     * ContextOverflowError) */
+    if (r->oai && s == FITM_ERR_CONTEXT)
+        c = (fitm_api_error_class){400, "invalid_request_error", "context_length_exceeded", false};
     char *json = fitm_api_error_json(&c, msg);
     /* Why a request was refused is what an operator looks for: info, not debug. */
     FITM_LOG(c.http >= 500 ? FITM_LOG_WARN : FITM_LOG_INFO, r->id, "error %d %s: %s", c.http,
