@@ -136,7 +136,8 @@ typedef struct {
      * longest weight row (K). May be called again with larger values. */
     fitm_status (*reserve)(fitm_backend *b, int64_t max_tokens, int64_t max_keys, int64_t max_k,
                            fitm_err *err);
-    void *(*alloc)(fitm_backend *b, size_t n_bytes); /* zeroed; NULL on failure */
+    void *(*alloc)(fitm_backend *b, size_t n_bytes); /* zeroed (for the ops that follow:
+                                                        in stream order); NULL on failure */
     void (*free)(fitm_backend *b, void *p);          /* NULL is a no-op          */
     void (*upload)(fitm_backend *b, void *dst, const void *src_host, size_t n_bytes);
     void (*download)(fitm_backend *b, void *dst_host, const void *src, size_t n_bytes);
