@@ -115,6 +115,15 @@ int main(void)
     fclose(f);
     expect_error(":1: answer_calibrate = 'maybe'", 3, a1);
 
+    char *b10[] = {"fitmd", "--api_keys", " , ,"};
+    expect_error("flag --api_keys: api_keys holds no key", 3, b10);
+    char keys[33 * 8] = "";
+    for (int i = 0; i < 33; i++)
+        snprintf(keys + strlen(keys), sizeof keys - strlen(keys), "%sk%d", i ? ", " : "", i);
+    char *b11[] = {"fitmd", "--api_keys", keys};
+    expect_error("api_keys lists more than 32 keys", 3, b11);
+    keys[strlen(keys) - 5] = '\0'; /* 32 keys */
+    CHECK(load(&cfg, &err, 3, b11) == FITM_OK, "%s", err.msg);
     char *b9[] = {"fitmd", "--model_sha256", "nothex"};
     expect_error("flag --model_sha256: model_sha256 = 'nothex': must be 64 hex digits", 3, b9);
 

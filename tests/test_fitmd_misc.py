@@ -114,7 +114,7 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
     p = subprocess.run([str(FITMD), f"--model={model}", f"--port={free_port()}",
                         f"--api_keys={keys}"],
                        capture_output=True, text=True, timeout=30, env=clean_env())
-    assert p.returncode == 1 and "holds no key" in p.stderr, p.stderr
+    assert p.returncode == 2 and "holds no key" in p.stderr, p.stderr  # a configuration error
 
 
 @pytest.mark.parametrize("flag,says", [("--layers=99", "the default layers name layer 99"),

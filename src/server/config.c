@@ -360,13 +360,40 @@ static char *trim(char *s)
     return s;
 }
 
-/* A scoring option's or an /answer default's text must parse (their meaning is score.h's), and
- * model_sha256 must be a digest, so that a misspelt value is a configuration error (exit 2, and
- * --print-config says so), not a failed start once the model has loaded (or downloaded). */
+/* The keys of an api_keys value: comma-separated, blanks around them not counted. */
+static int count_keys(const char *list)
+{
+    int n = 0;
+    for (const char *p = list; *p;) {
+        size_t len = strcspn(p, ",");
+        for (size_t i = 0; i < len; i++)
+            if (p[i] != ' ') {
+                n++;
+                break;
+            }
+        p += len + (p[len] == ',');
+    }
+    return n;
+}
+
+/* A scoring option's or an /answer default's text must parse (their meaning is score.h's),
+ * model_sha256 must be a digest and api_keys must hold 1 to FITM_CONFIG_MAX_API_KEYS keys when
+ * set, so that a misspelt value is a configuration error (exit 2, and --print-config says so),
+ * not a failed start once the model has loaded (or downloaded). */
 static fitm_status check_value(const opt *o, const char *text, const char *where,
                                fitm_err *err)
 {
     fitm_status st = FITM_OK;
+    if (!strcmp(o->name, "api_keys") && *text) {
+        const int n = count_keys(text);
+        if (n == 0) /* a template's "${K1},${K2}" with both unset must not serve openly */
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "%s: api_keys holds no key (only commas and spaces); leave it "
+                                "empty to serve without authentication", where);
+        if (n > FITM_CONFIG_MAX_API_KEYS)
+            return fitm_err_set(err, FITM_ERR_INVALID, "%s: api_keys lists more than %d keys",
+                                where, FITM_CONFIG_MAX_API_KEYS);
+    }
     if (!strcmp(o->name, "model_sha256") && *text) {
         size_t n = 0;
         while (isxdigit((unsigned char)text[n]))

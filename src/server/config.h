@@ -100,6 +100,9 @@ void fitm_config_defaults(fitm_config *cfg);
 fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help_out,
                              fitm_err *err);
 
+/* Most keys api_keys may list. */
+#define FITM_CONFIG_MAX_API_KEYS 32
+
 /* The FITM_* environment variables that name no option (FITM_CONFIG, FITM_CPU and the test
  * emulator's FITM_CUDA_EMU_* are known): up to max of them into vars, each the environment's
  * "NAME=value"; returns how many there are. A misspelt FITM_API_KEYS would otherwise start an

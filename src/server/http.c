@@ -24,7 +24,7 @@
 #include "server/metrics.h"
 #include "server/work.h"
 
-#define MAX_KEYS 32
+#define MAX_KEYS FITM_CONFIG_MAX_API_KEYS
 /* The code logged and counted for a request whose client left before its answer (the code
  * nginx uses for it); never sent. */
 #define FITM_HTTP_CLIENT_LEFT 499
