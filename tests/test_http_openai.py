@@ -140,6 +140,30 @@ def test_stream_refused_before_its_first_event_is_an_http_error(daemon, path):
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
 
+def test_usage_never_exceeds_the_context(model, tmp_path):
+    """prompt_tokens + completion_tokens stays within the context (as OpenAI counts it): a
+    prompt one token short of it gets one token, and one that fills it is refused with
+    context_length_exceeded (it used to get one more token, total = context + 1)."""
+    d = Daemon(build_dir() / "src" / "fitmd", model, tmp_path, ctx_size=48)
+    try:
+        words, used = 1, 0
+        while used < 47:  # grow the prompt until it is one token short of the context
+            r = complete(d, prompt="golf " * words, max_tokens=1)
+            if r.status_code != 200:
+                break
+            used = r.json()["usage"]["prompt_tokens"]
+            words += 1
+        assert used == 47, (words, used, r.text)
+        r = complete(d, prompt="golf " * (words - 1), max_tokens=8, ignore_eos=True)
+        u = r.json()["usage"]
+        assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (47, 1, 48), u
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = complete(d, prompt="golf " * words, max_tokens=1)
+        assert_error(r, 400, "context_length_exceeded", "over the context")
+    finally:
+        assert d.terminate() == 0
+
+
 def test_stop_string(daemon):
     ref = complete(daemon, prompt="india", max_tokens=12, temperature=0).json()
     text = ref["choices"][0]["text"]

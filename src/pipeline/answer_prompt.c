@@ -271,12 +271,15 @@ fitm_status fitm_answer_prompt(const fitm_session *s, const fitm_answer_request 
                                                 &res->tokens, &pl->T, pl->spans, err);
     if (st != FITM_OK)
         return st;
-    if (pl->T > n_ctx)
+    /* The prompt and its answer fit the context together (usage's total_tokens never exceeds
+     * it, as OpenAI counts), so the prompt must leave room for one token. */
+    if (pl->T >= n_ctx)
         return fitm_err_set(
-            err, FITM_ERR_CONTEXT, "the prompt is %lld tokens, over the context of %lld tokens%s",
-            (long long)pl->T, (long long)n_ctx, plain ? "" : ": send fewer or shorter documents");
-    /* Every generated token but the last needs a KV row. */
-    pl->max_gen = req->max_tokens < n_ctx - pl->T + 1 ? req->max_tokens : n_ctx - pl->T + 1;
+            err, FITM_ERR_CONTEXT,
+            "the prompt is %lld tokens, over the context of %lld tokens (less one for the "
+            "answer)%s", (long long)pl->T, (long long)n_ctx,
+            plain ? "" : ": send fewer or shorter documents");
+    pl->max_gen = req->max_tokens < n_ctx - pl->T ? req->max_tokens : n_ctx - pl->T;
     int32_t *grown = realloc(res->tokens, (size_t)(pl->T + pl->max_gen) * sizeof *grown);
     res->spans = plain ? NULL : calloc((size_t)res->n_docs, sizeof *res->spans);
     if (grown)
