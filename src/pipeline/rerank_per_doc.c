@@ -306,7 +306,7 @@ static void fuse(fitm_rerank_doc_result *res, int32_t K, const per_doc *pd)
     for (int32_t k = 0; k < K; k++) {
         const double z = sd > 0 ? (res[k].attention - m) / sd : 0;
         res[k].raw_score = res[k].raw_score + pd->w * z;
-        res[k].relevance_score = 1.0 / (1.0 + exp(-(pd->scale * res[k].raw_score + pd->bias)));
+        res[k].relevance_score = fitm_score_sigmoid(res[k].raw_score, pd->scale, pd->bias);
     }
 }
 
