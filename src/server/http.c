@@ -197,11 +197,13 @@ static enum MHD_Result send_error(request *r, fitm_status s, fitm_api_cond cond,
     return send_body(r, c.http, json, strlen(json), "application/json", allow, c.retry);
 }
 
+/* A JSON answer; a 503 (/health's loading, draining, broken) carries Retry-After, as every 503
+ * does. */
 static enum MHD_Result send_json(request *r, int code, char *json)
 {
     if (!json) /* the JSON writers fail only when out of memory */
         return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
-    return send_body(r, code, json, strlen(json), "application/json", NULL, false);
+    return send_body(r, code, json, strlen(json), "application/json", NULL, code == 503);
 }
 
 /* ---- routing and checks --------------------------------------------------------------- */
@@ -292,34 +294,26 @@ static bool model_file_unchanged(const fitm_http_model_info *m)
     return fitm_file_id_of(m->path, &now) && !memcmp(&now, &m->file, sizeof now);
 }
 
-/* /health's answer: a 503 (loading, draining, broken) carries Retry-After as every 503 does. */
-static enum MHD_Result send_health(request *r, int code, char *json)
-{
-    if (!json)
-        return send_error(r, FITM_ERR_NOMEM, FITM_API_COND_NONE, NULL, "out of memory");
-    return send_body(r, code, json, strlen(json), "application/json", NULL, code == 503);
-}
-
 static enum MHD_Result handle_health(request *r)
 {
     fitm_err msg = {{0}};
     fitm_engine_state s = fitm_engine_get_state(r->h->p.engine, &msg);
     if (atomic_load(&r->h->draining))
-        return send_health(r, 503,
+        return send_json(r, 503,
                            fitm_api_write_health("draining", "the server is shutting down"));
     switch (s) {
     case FITM_ENGINE_READY:
         if (!model_file_unchanged(r->h->p.model))
-            return send_health(r, 503, fitm_api_write_health(
+            return send_json(r, 503, fitm_api_write_health(
                                          "error", "the model file changed on disk since it was "
                                                   "loaded (size, mtime or inode): restart fitmd"));
-        return send_health(r, 200, fitm_api_write_health("ok", NULL));
+        return send_json(r, 200, fitm_api_write_health("ok", NULL));
     case FITM_ENGINE_LOADING: {
         int pct = atomic_load(&r->h->p.model->download_pct);
         char what[32];
         if (pct >= 0)
             snprintf(what, sizeof what, "downloading %d%%", pct);
-        return send_health(r, 503, fitm_api_write_health("loading", pct >= 0
+        return send_json(r, 503, fitm_api_write_health("loading", pct >= 0
                                                                       ? what
                                                                       : "the model is loading"));
     }
@@ -327,7 +321,7 @@ static enum MHD_Result handle_health(request *r)
     case FITM_ENGINE_BROKEN:
         break;
     }
-    return send_health(r, 503, fitm_api_write_health("error", msg.msg));
+    return send_json(r, 503, fitm_api_write_health("error", msg.msg));
 }
 
 static enum MHD_Result handle_metrics(request *r)
@@ -355,12 +349,18 @@ static enum MHD_Result handle_metrics(request *r)
     return send_body(r, 200, text, len, "text/plain; version=0.0.4; charset=utf-8", NULL, false);
 }
 
-static enum MHD_Result handle_models(request *r)
+/* The served model: the list (GET /v1/models) or its object alone (one). */
+static enum MHD_Result send_models(request *r, bool one)
 {
     const fitm_http_model_info *m = r->h->p.model;
     bool ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
     return send_json(r, 200, fitm_api_write_models(m->name, m->created_s, ready ? m->n_ctx : 0,
-                                                   ready ? m->arch : "", false));
+                                                   ready ? m->arch : "", one));
+}
+
+static enum MHD_Result handle_models(request *r)
+{
+    return send_models(r, false);
 }
 
 #define MODEL_PREFIX "/v1/models/"
@@ -378,9 +378,7 @@ static enum MHD_Result handle_model(request *r)
         snprintf(msg, sizeof msg, "no model '%.100s' (this server serves '%s')", id, m->name);
         return send_error(r, FITM_ERR_NOT_FOUND, FITM_API_COND_NONE, NULL, msg);
     }
-    bool ready = fitm_engine_get_state(r->h->p.engine, NULL) == FITM_ENGINE_READY;
-    return send_json(r, 200, fitm_api_write_models(m->name, m->created_s, ready ? m->n_ctx : 0,
-                                                   ready ? m->arch : "", true));
+    return send_models(r, true);
 }
 
 static enum MHD_Result handle_openapi(request *r)
@@ -587,6 +585,15 @@ static void request_free(request *r)
     free(r);
 }
 
+/* Resumes a stream's connection parked for its head or its next event (smu held). */
+static void sse_wake(request *r)
+{
+    if (r->s_suspended && !r->s_closed) {
+        r->s_suspended = false;
+        MHD_resume_connection(r->conn);
+    }
+}
+
 /* Appends one SSE event ("data: json\n\n"; json NULL: nothing) and wakes the connection.
  * Returns false when out of memory. Called with smu not held. */
 static bool sse_push(request *r, const char *json, bool last)
@@ -597,10 +604,7 @@ static bool sse_push(request *r, const char *json, bool last)
         ok = fitm_buf_printf(&r->sbuf, "data: %s\n\n", json);
     if (last)
         r->s_done = true;
-    if (r->s_suspended && !r->s_closed) {
-        r->s_suspended = false;
-        MHD_resume_connection(r->conn);
-    }
+    sse_wake(r);
     pthread_mutex_unlock(&r->smu);
     return ok;
 }
@@ -641,10 +645,7 @@ static void sse_job_done(fitm_job *job, void *user)
     const bool early = r->s_headless && r->sbuf.len == 0 && job->status != FITM_OK;
     if (early) { /* nothing sent yet: the handler answers with the HTTP error (stream_head) */
         r->s_error = r->s_done = true;
-        if (r->s_suspended && !r->s_closed) {
-            r->s_suspended = false;
-            MHD_resume_connection(r->conn);
-        }
+        sse_wake(r);
     }
     pthread_mutex_unlock(&r->smu);
     if (early) {
@@ -780,10 +781,7 @@ static enum MHD_Result start_stream(request *r)
         r->job.status = st;
         pthread_mutex_lock(&r->smu);
         r->s_error = r->s_done = true;
-        if (r->s_suspended) {
-            r->s_suspended = false;
-            MHD_resume_connection(r->conn);
-        }
+        sse_wake(r);
         pthread_mutex_unlock(&r->smu);
     }
     return MHD_YES;
@@ -1453,23 +1451,14 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     pthread_cond_init(&h->idle, NULL);
     /* the sockets are h's from here: listen_on takes them over, the failures below close them */
     int fds[2] = {p->sockets.fd, p->sockets.probe_fd};
-    if (!parse_keys(h, cfg->api_keys)) {
+    /* The configuration checked the count (config.c: 1 to MAX_KEYS keys when set, so that a
+     * value of separators alone never serves openly); the bound guards h->keys. */
+    if (!parse_keys(h, cfg->api_keys) || (cfg->api_keys[0] && h->n_keys == 0)) {
         close(fds[0]);
         if (fds[1] >= 0)
             close(fds[1]);
         fitm_http_stop(h);
-        return fitm_err_set(err, FITM_ERR_INVALID, "api_keys lists more than %d keys", MAX_KEYS);
-    }
-    /* A value of separators alone (a template's "${K1},${K2}" with both unset) must not start
-     * a server open to everyone: only an empty value means no auth. */
-    if (cfg->api_keys[0] && h->n_keys == 0) {
-        close(fds[0]);
-        if (fds[1] >= 0)
-            close(fds[1]);
-        fitm_http_stop(h);
-        return fitm_err_set(err, FITM_ERR_INVALID,
-                            "api_keys '%s' holds no key (only commas and spaces); leave it "
-                            "empty to serve without authentication", cfg->api_keys);
+        return fitm_err_set(err, FITM_ERR_INVALID, "api_keys: not 1 to %d keys", MAX_KEYS);
     }
 
     const bool main_up = listen_on(h, fds[0], false);
