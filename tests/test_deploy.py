@@ -23,7 +23,6 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import time
 
@@ -32,6 +31,7 @@ import requests
 import yaml
 
 from conftest import ROOT, build_dir
+from test_http import free_port
 
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
@@ -423,12 +423,6 @@ def test_systemd_analyze_verify_gpu_variant(tmp_path):
     if m is None:
         pytest.skip("this systemd-analyze has no offline security check (systemd < 252)")
     assert float(m.group(1)) <= 2.5, r.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(base: str, p: subprocess.Popen, timeout: float = 120):
