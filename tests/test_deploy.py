@@ -685,10 +685,7 @@ def test_healthcheck_follows_fitm_port(tmp_path):
         cmd = healthcheck_command()
         env = {"PATH": os.environ["PATH"], "FITM_PORT": str(d.port)}
         assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode == 0
-        with __import__("socket").socket() as s:
-            s.bind(("127.0.0.1", 0))
-            closed = s.getsockname()[1]
-        env["FITM_PORT"] = str(closed)
+        env["FITM_PORT"] = str(free_port())  # closed: nothing listens there
         assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode != 0
         env["FITM_PROBE_PORT"] = "0"
         assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode != 0
