@@ -832,14 +832,21 @@ static fitm_status cuda_prepare(fitm_backend *b, const fitm_model *m, fitm_err *
  * cudaMalloc that finds the device full releases the pool and tries once more, so the pool
  * never makes an allocation fail. */
 
+/* Takes pooled block i out of the pool. */
+static dev_block pool_take(cuda_backend *c, int i)
+{
+    const dev_block d = c->pool[i];
+    c->pool_bytes -= d.n;
+    memmove(&c->pool[i], &c->pool[i + 1], (size_t)(c->n_pool - i - 1) * sizeof c->pool[0]);
+    c->n_pool--;
+    return d;
+}
+
 /* Releases pooled block i (the device waits in cudaFree). */
 static void pool_release(cuda_backend *c, int i)
 {
     capture_off(c);
-    cudaFree(c->pool[i].p);
-    c->pool_bytes -= c->pool[i].n;
-    memmove(&c->pool[i], &c->pool[i + 1], (size_t)(c->n_pool - i - 1) * sizeof c->pool[0]);
-    c->n_pool--;
+    cudaFree(pool_take(c, i).p);
 }
 
 /* cudaMalloc, with the pool released and a second try when the device is full. */
@@ -876,11 +883,7 @@ static void *cuda_alloc(fitm_backend *b, size_t n)
             best = i;
     dev_block d = {NULL, n};
     if (best >= 0) {
-        d = c->pool[best];
-        c->pool_bytes -= d.n;
-        memmove(&c->pool[best], &c->pool[best + 1],
-                (size_t)(c->n_pool - best - 1) * sizeof c->pool[0]);
-        c->n_pool--;
+        d = pool_take(c, best);
     } else if (dev_malloc(c, &d.p, n) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL; /* the caller reports it; not an error of the pass */
