@@ -124,10 +124,11 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
                                        ("--heads=0:99", "layer 0, head 99")])
 def test_defaults_the_model_lacks_refuse_to_start(model, flag, says):
     # else every request taking the default would get a 400 blaming the client; a port of
-    # its own (two of these at once on one port: one fails to listen instead)
+    # its own (two of these at once on one port: one fails to listen instead). Exit 2: a
+    # configuration error, which systemd's unit does not restart.
     p = subprocess.run([str(FITMD), f"--model={model}", f"--port={free_port()}", flag],
                        capture_output=True, text=True, timeout=60, env=clean_env())
-    assert p.returncode == 1 and says in p.stderr, p.stderr
+    assert p.returncode == 2 and says in p.stderr, p.stderr
 
 
 def test_401_says_bearer(model, tmp_path):

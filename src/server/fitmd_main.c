@@ -67,6 +67,9 @@ typedef struct {
     fitm_backend *backend;
     fitm_session *session;
     fitm_moice *moice; /* NULL: no sidecar */
+    /* The load failed on a configured value the model cannot take (a profile, a sidecar, a
+     * default that names a layer or head it lacks): exit 2, which a restart cannot fix. */
+    bool config_error;
 } daemon_model;
 
 /* Loads cfg->moice (if set) and checks it against the loaded model: the SHA-256 of the whole
@@ -418,12 +421,10 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
     fitm_score_opts defaults;
     fitm_score_opts_init(&defaults);
     fitm_answer_defaults answer;
-    if ((st = scoring_defaults(cfg, dm->model, &defaults, &answer, profile, n, err)) != FITM_OK) {
+    if ((st = scoring_defaults(cfg, dm->model, &defaults, &answer, profile, n, err)) != FITM_OK ||
+        (st = load_moice(dm, err)) != FITM_OK) {
         fitm_score_opts_free(&defaults);
-        return st;
-    }
-    if ((st = load_moice(dm, err)) != FITM_OK) {
-        fitm_score_opts_free(&defaults);
+        dm->config_error = st != FITM_ERR_NOMEM;
         return st;
     }
     int32_t lanes;
@@ -443,6 +444,7 @@ static fitm_status create_session(daemon_model *dm, int64_t n_ctx, bool rerank_s
                                .position = (fitm_position_method)fitm_position_method_parse(
                                    cfg->position_method)};
     st = fitm_session_create(&dm->session, dm->model, dm->tok, dm->backend, &rp, err);
+    dm->config_error = st == FITM_ERR_INVALID; /* the defaults against the model */
     fitm_score_opts_free(&defaults);
     dm->info->rerank_method = answer.rerank_method >= 0 ? answer.rerank_method
                                                         : FITM_RERANK_CALIBRATED;
@@ -842,9 +844,11 @@ static bool load_ends_by(fitm_engine *e, double until_ms)
     return true;
 }
 
-/* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0), stops
- * accepting, finishes or cancels every job and closes the server. The exit status. */
-static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_http *http)
+/* After a signal (sig != 0: drain within the timeout) or a failed load (sig 0: exit status
+ * load_rc), stops accepting, finishes or cancels every job and closes the server. The exit
+ * status. */
+static int shut_down(int sig, int load_rc, const fitm_config *cfg, fitm_engine *engine,
+                     fitm_http *http)
 {
     int rc = 0;
     if (sig == 0) {
@@ -852,7 +856,7 @@ static int shut_down(int sig, const fitm_config *cfg, fitm_engine *engine, fitm_
         fitm_engine_get_state(engine, &err);
         FITM_LOG(FITM_LOG_ERROR, NULL, "cannot start: %s", err.msg);
         fprintf(stderr, "fitmd: %s\n", err.msg);
-        rc = 1;
+        rc = load_rc;
         fitm_http_quiesce(http);
     } else {
         atomic_store(&stopping, true);
@@ -947,5 +951,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_unknown && i < 8; i++)
         FITM_LOG(FITM_LOG_WARN, NULL, "environment %.*s: not a fitmd option, ignored",
                  (int)(strchr(unknown[i], '=') - unknown[i]), unknown[i]);
-    return shut_down(wait_for_signal(&set, engine), &cfg, engine, http);
+    const int sig = wait_for_signal(&set, engine);
+    /* the engine thread set dm.config_error before the state the wait saw (its lock) */
+    return shut_down(sig, dm.config_error ? 2 : 1, &cfg, engine, http);
 }
