@@ -2,7 +2,7 @@
  * tests/test_sample.py can compare every draw with its independent reference
  * (tests/oracle/sample.py).
  *
- *   sample_tool seeds|stream SEED N TEMPERATURE TOP_P < ROW
+ *   sample_tool seeds|stream SEED N TEMPERATURE TOP_P [TOP_K MIN_P] < ROW
  *
  * ROW: V >= 1 logits (float32, any strtof form: hex floats are exact), whitespace separated.
  * The candidates are selected as the forward pass selects them (fitm_ops_topk: the
@@ -10,7 +10,8 @@
  *   seeds   N requests, one draw each, the j-th seeded with SEED + j (mod 2^64);
  *   stream  one request seeded with SEED, N draws in a row from the same candidates.
  * Prints N token ids, one a line, then "state X": the PRNG state after the last draw (hex).
- * SEED is an unsigned 64-bit integer, TEMPERATURE and TOP_P any strtod form. */
+ * SEED is an unsigned 64-bit integer, TEMPERATURE, TOP_P and MIN_P any strtod form, TOP_K an
+ * integer (0, the default, and MIN_P 0: no cut; fitm_sampling). */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -22,7 +23,7 @@
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: sample_tool seeds|stream SEED N TEMPERATURE TOP_P < ROW\n");
+    fprintf(stderr, "usage: sample_tool seeds|stream SEED N TEMPERATURE TOP_P [TOP_K MIN_P] < ROW\n");
     return 2;
 }
 
@@ -61,16 +62,21 @@ static float *read_row(int64_t *n)
 
 int main(int argc, char **argv)
 {
-    if (argc != 6 || (strcmp(argv[1], "seeds") && strcmp(argv[1], "stream")))
+    if ((argc != 6 && argc != 8) || (strcmp(argv[1], "seeds") && strcmp(argv[1], "stream")))
         return usage();
     const int per_seed = !strcmp(argv[1], "seeds");
-    char *e1, *e2, *e3, *e4;
+    char *e1, *e2, *e3, *e4, *e5 = "", *e6 = "";
     errno = 0;
     const uint64_t seed = strtoull(argv[2], &e1, 0);
     const long long n_draws = strtoll(argv[3], &e2, 10);
     const double temperature = strtod(argv[4], &e3), top_p = strtod(argv[5], &e4);
-    if (errno || *e1 || *e2 || *e3 || *e4 || n_draws < 0 || argv[2][0] == '-')
+    const long top_k = argc == 8 ? strtol(argv[6], &e5, 10) : 0;
+    const double min_p = argc == 8 ? strtod(argv[7], &e6) : 0.0;
+    if (errno || *e1 || *e2 || *e3 || *e4 || *e5 || *e6 || n_draws < 0 || argv[2][0] == '-' ||
+        top_k < 0 || top_k > FITM_TOP_MAX)
         return usage();
+    const fitm_sampling how = {.temperature = temperature, .top_p = top_p, .min_p = min_p,
+                               .top_k = (int32_t)top_k};
 
     int64_t V;
     float *row = read_row(&V);
@@ -85,7 +91,7 @@ int main(int argc, char **argv)
     for (long long j = 0; j < n_draws; j++) {
         if (per_seed)
             state = seed + (uint64_t)j;
-        printf("%" PRId32 "\n", fitm_sample_draw(top, k, temperature, top_p, &state));
+        printf("%" PRId32 "\n", fitm_sample_draw(top, k, &how, &state));
     }
     printf("state %" PRIx64 "\n", state);
     return fflush(stdout) ? 1 : 0;

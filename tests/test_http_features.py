@@ -354,7 +354,8 @@ def test_default_model_answers_one_line_without_stop(fitmd_bin, tmp_path):  # no
 def test_default_model_chat_stops_at_the_next_user_turn(fitmd_bin, tmp_path):  # noqa: F811
     """The default model has no chat template: a chat is a transcript, which the base model
     goes on writing, both sides, until max_tokens. Unless the request says otherwise the
-    answer stops before the next "\nuser:" line; /v1/completions keeps no default stop."""
+    answer stops before the next turn ("\nuser:", "\nassistant:", ...); /v1/completions keeps
+    no default stop."""
     d = Daemon(fitmd_bin, GEMMA, tmp_path)
     try:
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -368,5 +369,18 @@ def test_default_model_chat_stops_at_the_next_user_turn(fitmd_bin, tmp_path):  #
         raw = post(d, {"prompt": prompt, "max_tokens": 48, "temperature": 0},
                    path="/v1/completions").json()["choices"][0]["text"]
         assert raw == text, (raw, text)
+        # the base model writes a system turn, or another of the assistant's, next: on
+        # b88e680 the answer ran on to max_tokens through them
+        for msgs, first, role in (
+                ([{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Hi"}], " Hi", "system"),
+                ([{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"},
+                  {"role": "assistant", "content": "hi again"},
+                  {"role": "assistant", "content": "and again"}], " and again", "assistant")):
+            body = {"messages": msgs, "max_tokens": 30, "temperature": 0}
+            free = post(d, {**body, "stop": []}, path="/v1/chat/completions").json()
+            assert free["choices"][0]["message"]["content"].startswith(f"{first}\n{role}:"), free
+            c = post(d, body, path="/v1/chat/completions").json()["choices"][0]
+            assert (c["message"]["content"], c["finish_reason"]) == (first, "stop"), c
     finally:
         assert d.terminate() == 0

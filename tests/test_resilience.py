@@ -1119,6 +1119,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
     ("response_format", "json"), ("logprobs", True), ("top_logprobs", 3), ("best_of", 2),
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("echo", True), ("suffix", " end"),
+    ("repetition_penalty", 1.1), ("top_k", 65), ("top_k", -2), ("top_k", 2.5), ("min_p", 1.5),
+    ("min_p", -0.1), ("min_p", "0.1"),
 ])
 def test_unsupported_openai_fields_are_refused(daemon, field, value):
     """A field this server cannot honour is refused with 400 naming it, on both OpenAI routes
@@ -1134,10 +1136,39 @@ def test_openai_fields_that_ask_for_nothing_are_accepted(daemon):
     harmless = {"logit_bias": {}, "tools": [], "functions": None, "tool_choice": "none",
                 "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0,
                 "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
-                "suffix": None}
+                "suffix": None, "repetition_penalty": 1, "top_k": -1, "min_p": 0}
     r = requests.post(daemon.url("/v1/chat/completions"), json={**CHAT, **harmless}, headers=AUTH,
                       timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_top_k_and_min_p_cut_the_candidates(daemon):
+    """top_k 1, or min_p 1 on a row without tied maxima, keep the first candidate alone: the
+    sampled text is greedy's, whatever the seed (on b88e680 both were ignored); top_k 64 is
+    every candidate, so the draw is the plain one of that seed; over 64 is refused, saying
+    why."""
+    body = {"prompt": "once upon a time", "max_tokens": 8}
+    greedy = complete(daemon, **body, temperature=0).json()["choices"][0]["text"]
+    for seed in (1, 2, 3):
+        for cut in ({"top_k": 1}, {"min_p": 1.0}):
+            r = complete(daemon, **body, temperature=1.5, seed=seed, **cut)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == greedy, (seed, cut)
+        plain = complete(daemon, **body, temperature=1.5, seed=seed).json()
+        r = complete(daemon, **body, temperature=1.5, seed=seed, top_k=64, min_p=0).json()
+        assert r["choices"][0]["text"] == plain["choices"][0]["text"]
+    # /answer takes them too
+    q = {"query": "hi", "documents": ["a", "b"], "max_tokens": 4, "temperature": 2.0, "seed": 5}
+    a = requests.post(daemon.url("/answer"), json={**q, "top_k": 1}, headers=AUTH, timeout=60)
+    g = requests.post(daemon.url("/answer"), json={**q, "temperature": 0}, headers=AUTH,
+                      timeout=60)
+    assert a.status_code == 200 and a.json()["answer"] == g.json()["answer"], a.text
+    r = complete(daemon, **body, temperature=1.0, top_k=100)
+    assert r.status_code == 400 and "64 most likely" in r.json()["error"]["message"], r.text
+
+
+def complete(daemon, **body):
+    return requests.post(daemon.url("/v1/completions"), json=body, headers=AUTH, timeout=60)
 
 
 def security_headers_of(hdr, page=False):

@@ -44,20 +44,23 @@ def tool() -> pathlib.Path:
     return p
 
 
-def draw(tool, row, mode: str, seed: int, n: int, temperature: float, top_p: float):
+def draw(tool, row, mode: str, seed: int, n: int, temperature: float, top_p: float,
+         top_k: int = 0, min_p: float = 0.0):
     """sample_tool's draws (token ids) and its PRNG state afterwards."""
     text = " ".join(float(v).hex() for v in np.asarray(row, dtype=np.float32))
+    cuts = [str(top_k), float(min_p).hex()] if top_k or min_p else []
     r = subprocess.run([str(tool), mode, str(seed), str(n), float(temperature).hex(),
-                        float(top_p).hex()], input=text, capture_output=True, text=True)
+                        float(top_p).hex(), *cuts], input=text, capture_output=True, text=True)
     assert r.returncode == 0, f"sample_tool: {r.stderr}"
     lines = r.stdout.split("\n")
     assert lines[n].startswith("state "), r.stdout[-200:]
     return np.array(lines[:n], dtype=np.int64), int(lines[n].split()[1], 16)
 
 
-def reference(row, mode: str, seed: int, n: int, temperature: float, top_p: float):
+def reference(row, mode: str, seed: int, n: int, temperature: float, top_p: float,
+              top_k: int = 0, min_p: float = 0.0):
     """The reference's distribution, u per draw and PRNG state afterwards."""
-    d = ref.distribution(row, temperature, top_p)
+    d = ref.distribution(row, temperature, top_p, top_k, min_p)
     u, after = (ref.seeds_uniforms if mode == "seeds" else ref.stream_uniforms)(seed, n)
     return d, u, after
 
@@ -68,21 +71,22 @@ def positions(d: ref.Distribution, ids: np.ndarray) -> np.ndarray:
     return np.array([where.get(int(t), -1) for t in ids])
 
 
-def check_exact(tool, row, mode, seed, n, t, top_p):
+def check_exact(tool, row, mode, seed, n, t, top_p, top_k=0, min_p=0.0):
     """Every draw is the reference's (up to EPS at a boundary); returns the draws' positions."""
-    got, state = draw(tool, row, mode, seed, n, t, top_p)
-    d, u, after = reference(row, mode, seed, n, t, top_p)
+    got, state = draw(tool, row, mode, seed, n, t, top_p, top_k, min_p)
+    d, u, after = reference(row, mode, seed, n, t, top_p, top_k, min_p)
     untouched = (seed + (n - 1 if mode == "seeds" else 0)) % 2**64  # greedy: the last seed
     assert state == (after if t > 0 else untouched), "the PRNG is not one step per draw"
     if t <= 0:
         assert (got == d.ids[0]).all()
         return np.zeros(n, dtype=np.int64)
-    assert d.cut_margin > 1e-9, "top_p on a prefix boundary: choose another row"
+    assert d.cut_margin > 1e-9, "top_p or min_p on a prefix boundary: choose another row"
     pos = positions(d, got)
     want, lo, hi = ref.draw_positions(d, u, EPS)
     bad = np.flatnonzero((pos < lo) | (pos > hi))
     assert bad.size == 0, (
-        f"{bad.size} of {n} draws differ from the definition ({mode}, t {t}, top_p {top_p}); "
+        f"{bad.size} of {n} draws differ from the definition ({mode}, t {t}, top_p {top_p}, "
+        f"top_k {top_k}, min_p {min_p}); "
         f"first at draw {bad[0]}: u {u[bad[0]]!r}, drew candidate {pos[bad[0]]}, "
         f"the definition says {want[bad[0]]} (q {d.q[:8].round(6).tolist()}...)")
     assert np.count_nonzero(lo != hi) <= max(2, n // 10000), "too many draws near a boundary"
@@ -120,16 +124,35 @@ def test_exact_draws(tool, case, mode):
     check_exact(tool, x, mode, seed, N_EXACT, t, top_p)
 
 
-def plan(x, t: float, top_p: float):
+# top_k and min_p (vLLM's and llama.cpp's names), alone and with top_p
+EXACT_CUTS = [("normal", 0.7, 1.0, 10, 0.0), ("normal", 1.5, 0.9, 40, 0.0),
+              ("peaked", 1.0, 1.0, 0, 0.05), ("normal", 2.0, 0.95, 30, 0.2),
+              ("ties", 0.7, 1.0, 5, 0.0), ("small", 3.0, 1.0, 0, 0.5)]
+
+
+@pytest.mark.parametrize("mode", ["seeds", "stream"])
+@pytest.mark.parametrize("case", range(len(EXACT_CUTS)))
+def test_exact_draws_top_k_min_p(tool, case, mode):
+    kind, t, top_p, top_k, min_p = EXACT_CUTS[case]
+    x = row(kind, 400 + case)
+    d = ref.distribution(x, t, top_p, top_k, min_p)
+    full = ref.distribution(x, t, top_p)
+    assert d.n_kept < full.n_kept, "the cut must keep fewer than top_p alone: choose another row"
+    seed = (0x70C << 44) + 1009 * case + (mode == "stream")
+    pos = check_exact(tool, x, mode, seed, N_EXACT, t, top_p, top_k, min_p)
+    assert pos.max() == d.n_kept - 1  # the last kept candidate is drawn, none past it
+
+
+def plan(x, t: float, top_p: float, top_k: int = 0, min_p: float = 0.0):
     """The number of draws n at which the chi-square check at ALPHA rejects a temperature 10%
     off with probability >= 1 - BETA, with its cells, critical value and power."""
-    d0 = ref.distribution(x, t, top_p)
+    d0 = ref.distribution(x, t, top_p, top_k, min_p)
     for n in (2000 * 2**i for i in range(10)):
         cells = stats.bins(d0.q, n)
         crit = stats.chi2_isf(ALPHA, len(cells) - 1)
         power = 1.0
         for t_alt in (0.9 * t, 1.1 * t):
-            q1 = ref.distribution(x, t_alt, top_p).q  # same candidates, same order
+            q1 = ref.distribution(x, t_alt, top_p, top_k, min_p).q  # same candidates, order
             outside = q1[d0.q == 0].sum()
             if outside > 0:  # any such draw fails the check (its expected count is 0)
                 power = min(power, 1 - (1 - outside) ** n)
@@ -146,17 +169,18 @@ def counts_of(pos: np.ndarray, k: int) -> np.ndarray:
     return np.bincount(pos, minlength=k)
 
 
-CHI2 = [("normal", 0.7, 1.0), ("normal", 0.7, 0.9), ("peaked", 0.7, 1.0), ("small", 2.0, 0.8),
-        ("ties", 1.0, 0.95)]
+CHI2 = [("normal", 0.7, 1.0, 0, 0.0), ("normal", 0.7, 0.9, 0, 0.0), ("peaked", 0.7, 1.0, 0, 0.0),
+        ("small", 2.0, 0.8, 0, 0.0), ("ties", 1.0, 0.95, 0, 0.0), ("normal", 1.2, 1.0, 20, 0.0),
+        ("normal", 1.0, 1.0, 0, 0.1)]
 
 
 @pytest.mark.parametrize("case", range(len(CHI2)))
 def test_distribution_chi_square(tool, case):
-    kind, t, top_p = CHI2[case]
+    kind, t, top_p, top_k, min_p = CHI2[case]
     x = row(kind, 200 + case)
-    d, n, cells, crit, power = plan(x, t, top_p)
+    d, n, cells, crit, power = plan(x, t, top_p, top_k, min_p)
     seed = (0xC41 << 44) + 1_000_003 * case
-    ids, _ = draw(tool, x, "seeds", seed, n, t, top_p)  # judged by frequencies alone here
+    ids, _ = draw(tool, x, "seeds", seed, n, t, top_p, top_k, min_p)  # by frequencies alone
     pos = positions(d, ids)
     k = d.ids.size
     got = stats.pearson(counts_of(pos, k), d.q, n, cells) if (pos >= 0).all() else np.inf
@@ -165,7 +189,7 @@ def test_distribution_chi_square(tool, case):
     # the same seeds drawn by the definition at a temperature 10% off fail the same bound
     u, _ = ref.seeds_uniforms(seed, n)
     for t_alt in (0.9 * t, 1.1 * t):
-        alt = ref.distribution(x, t_alt, top_p)
+        alt = ref.distribution(x, t_alt, top_p, top_k, min_p)
         wrong = stats.pearson(counts_of(alt.cum.searchsorted(u, side="right"), k), d.q, n, cells)
         assert wrong > crit, (f"t {t_alt:.3f} instead of {t} passes ({wrong:.1f} <= {crit:.1f}, "
                               f"{n} draws, power {power:.8f})")

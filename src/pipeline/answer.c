@@ -99,8 +99,10 @@ struct fitm_answer_seq {
 };
 
 /* Where a chat on the transcript (a model without a chat template) stops unless told: at the
- * next user turn, which a base model goes on to write itself after its own. */
-static char *const transcript_stop[] = {(char *)"\nuser:"};
+ * next turn of any role the transcript writes, which a base model goes on to write itself
+ * after its own (the user's, most often, or another of the assistant's). */
+static char *const transcript_stop[] = {(char *)"\nuser:", (char *)"\nassistant:",
+                                        (char *)"\nsystem:", (char *)"\ntool:"};
 
 /* req with the server's defaults (fitm_session_answer_defaults, and the answer template's
  * stop string, or the transcript's) where it left an option unset: a shallow copy, borrowing
@@ -123,7 +125,7 @@ static fitm_answer_request with_defaults(const fitm_session *r, const fitm_answe
         q.stop = (char **)stop; /* borrowed like the rest: never freed through q */
     } else if (!q.has_stop && !q.ignore_eos && q.base.n_docs == 0 && !q.raw_prompt &&
                fitm_session_is_raw(r)) {
-        q.n_stop = 1;
+        q.n_stop = (int32_t)(sizeof transcript_stop / sizeof transcript_stop[0]);
         q.stop = (char **)transcript_stop;
     }
     return q;
@@ -311,7 +313,9 @@ static fitm_status after_logits(fitm_answer_seq *q, bool *done, fitm_err *err)
         res->prefill_ms = now_ms() - q->t_prefill;
         res->finish = FITM_FINISH_LENGTH;
     }
-    int32_t next = fitm_sample_draw(s->sm.top, s->sm.k, req->temperature, req->top_p, &s->sm.rng);
+    const fitm_sampling how = {.temperature = req->temperature, .top_p = req->top_p,
+                               .min_p = req->min_p, .top_k = req->top_k};
+    int32_t next = fitm_sample_draw(s->sm.top, s->sm.k, &how, &s->sm.rng);
     res->tokens[s->pl.T + q->n_done++] = next;
     res->completion_tokens = q->n_done;
     if (q->n_done == 1) {

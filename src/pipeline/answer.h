@@ -49,6 +49,9 @@ typedef struct {
                            answer template's (fitm_session_answer_stop) unless ignore_eos */
     double temperature;        /* sampling; 0 = greedy                                        */
     double top_p;              /* (0, 1]                                                      */
+    int32_t top_k;             /* [0, 64]: draw from the top_k most likely; 0: all 64         */
+    double min_p;              /* [0, 1]: keep tokens of at least min_p of the top one's
+                                  probability; 0: no cut (fitm_sampling)                     */
     uint64_t seed;             /* the sampler's seed                                          */
     bool has_seed;             /* the request gave it (else the HTTP layer picks one)         */
     /* FITM_ANSWER_UNSET in the next four: the server's default (fitm_answer_defaults). */

@@ -1213,8 +1213,9 @@ static fitm_status parse_answer_options(const cJSON *root, fitm_answer_request *
                                         fitm_err *err);
 
 /* The sampling fields /answer and the OpenAI routes share: stop, temperature (in [0,
- * temperature_max]; absent keeps out's default), top_p (default 1, > 0) and seed (an exact
- * integer in [0, 2^53 - 1]). */
+ * temperature_max]; absent keeps out's default), top_p (default 1, > 0), top_k (an integer
+ * in [-1, 64]; -1, vLLM's "off", and 0 mean all 64 candidates), min_p (in [0, 1], default 0)
+ * and seed (an exact integer in [0, 2^53 - 1]). */
 static fitm_status parse_sampling(const cJSON *root, double temperature_max,
                                   fitm_answer_request *out, fitm_err *err)
 {
@@ -1238,6 +1239,22 @@ static fitm_status parse_sampling(const cJSON *root, double temperature_max,
         if (out->top_p <= 0)
             return fitm_err_set(err, FITM_ERR_INVALID, "'top_p' must be > 0");
     }
+    out->top_k = 0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_k")) && !cJSON_IsNull(it)) {
+        if (cJSON_IsNumber(it) && it->valuedouble > FITM_TOP_MAX &&
+            it->valuedouble < 9007199254740992.0 && it->valuedouble == floor(it->valuedouble))
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'top_k' = %.0f: this server draws from the %d most likely "
+                                "tokens at most (send 1 to %d, or 0 for all %d)",
+                                it->valuedouble, FITM_TOP_MAX, FITM_TOP_MAX, FITM_TOP_MAX);
+        if ((st = take_int(it, "top_k", -1, FITM_TOP_MAX, &v, err)) != FITM_OK)
+            return st;
+        out->top_k = v < 0 ? 0 : (int32_t)v;
+    }
+    out->min_p = 0.0;
+    if ((it = cJSON_GetObjectItemCaseSensitive(root, "min_p")) && !cJSON_IsNull(it) &&
+        (st = take_number(it, "min_p", 0, 1, &out->min_p, err)) != FITM_OK)
+        return st;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "seed")) && !cJSON_IsNull(it)) {
         if ((st = take_int(it, "seed", 0, INT64_C(9007199254740991), &v, err)) != FITM_OK)
             return st;
@@ -1668,8 +1685,9 @@ static const struct {
     {"logprobs", OFF_FALSE, "this server does not return token log-probabilities"},
     {"top_logprobs", OFF_ZERO, "this server does not return token log-probabilities"},
     {"best_of", OFF_ONE, "this server generates one completion"},
-    {"presence_penalty", OFF_ZERO, "this server samples by temperature and top_p only"},
-    {"frequency_penalty", OFF_ZERO, "this server samples by temperature and top_p only"},
+    {"presence_penalty", OFF_ZERO, "this server does not penalise tokens"},
+    {"frequency_penalty", OFF_ZERO, "this server does not penalise tokens"},
+    {"repetition_penalty", OFF_ONE, "this server does not penalise tokens"},
     {"echo", OFF_FALSE, "the completion does not repeat the prompt"},
     {"suffix", OFF_EMPTY_TEXT, "this server does not insert text"},
     {"tools", OFF_EMPTY_ARRAY, "this server does not call tools"},

@@ -4,10 +4,12 @@ and from the published splitmix64 generator (Steele, Lea & Flood, "Fast splittab
 pseudorandom number generators", 2014), not from src/pipeline/sample.c.
 
     candidates  the min(64, V) most likely tokens, logit descending, equal logits lower id first
-                (one, the first maximum, when greedy: temperature <= 0)
+                (one, the first maximum, when greedy: temperature <= 0); of those, the first
+                top_k when 0 < top_k
     q           softmax(logit / temperature) over the candidates
-    cut         the smallest prefix of the candidates whose mass (sum of q) reaches top_p
-                (all of them when top_p >= 1, at least one)
+    cut         the shorter of: the smallest prefix of the candidates whose mass (sum of q)
+                reaches top_p (all of them when top_p >= 1, at least one), and the candidates
+                whose q is at least min_p times the largest q (all when min_p <= 0)
     draw        u = (splitmix64 output >> 11) * 2^-53 in [0, 1), one output per draw; the token
                 is the first kept candidate whose cumulative mass, renormalised over the kept
                 prefix, exceeds u
@@ -65,22 +67,26 @@ class Distribution:
     q: np.ndarray          # (k) probability of each candidate after the cut (0 beyond it)
     n_kept: int            # the cut: candidates [0, n_kept) can be drawn
     cum: np.ndarray        # (n_kept) cumulative kept mass, renormalised; cum[-1] == 1
-    cut_margin: float      # how far top_p lies from the nearest prefix mass (inf: no cut)
+    cut_margin: float      # how far top_p (min_p) lies from the nearest prefix mass (ratio
+                           # of q to the largest); inf: no cut
 
 
-def candidates(logits, temperature: float) -> np.ndarray:
+def candidates(logits, temperature: float, top_k: int = 0) -> np.ndarray:
     """Token ids of the candidates of a logit row (V), most likely first, equal logits by id."""
     x = np.asarray(logits, dtype=np.float32)
     ids = np.arange(x.size)
     order = np.lexsort((ids, -x.astype(np.float64)))  # last key first: logit desc, then id
     k = min(TOP_MAX, x.size) if temperature > 0 else 1
+    if top_k > 0:
+        k = min(k, top_k)
     return order[:k]
 
 
-def distribution(logits, temperature: float, top_p: float) -> Distribution:
+def distribution(logits, temperature: float, top_p: float, top_k: int = 0,
+                 min_p: float = 0.0) -> Distribution:
     """The definition's distribution over the candidates of a logit row."""
     x = np.asarray(logits, dtype=np.float32).astype(np.float64)
-    ids = candidates(x, temperature)
+    ids = candidates(x, temperature, top_k)
     if temperature <= 0:
         return Distribution(ids, np.ones(1), 1, np.ones(1), np.inf)
     z = x[ids] / temperature
@@ -91,6 +97,10 @@ def distribution(logits, temperature: float, top_p: float) -> Distribution:
     else:
         n = int(np.clip(np.searchsorted(mass, top_p, side="left") + 1, 1, ids.size))
         margin = float(np.min(np.abs(mass[:-1] - top_p))) if ids.size > 1 else np.inf
+    if min_p > 0:
+        ratio = w / w.max()  # q_i / max q
+        n = min(n, max(1, int(np.count_nonzero(ratio >= min_p))))
+        margin = min(margin, float(np.min(np.abs(ratio - min_p))))
     q = np.zeros(ids.size)
     q[:n] = w[:n] / w[:n].sum()
     cum = np.cumsum(w[:n]) / np.sum(w[:n])
