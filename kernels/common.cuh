@@ -81,6 +81,43 @@ static __device__ __forceinline__ void fitm_grid_begin(void)
 #endif
 }
 
+/* n bytes from p of memory no kernel writes while the backend runs (a weight); n 0: none. */
+struct fitm_span {
+    const void *p;
+    int64_t n;
+};
+
+/* fitm_grid_begin after the block has asked L2 for the bytes of a and b, one 128-byte line a
+ * thread (threads [0, blockDim.x / 2) a's lines, the rest b's; all of them a's when b is
+ * empty; lines past those threads are not asked for). Only memory no kernel writes may be
+ * named: it is read before the wait, which on a programmatic launch is while the grid before
+ * this one still runs, so the loads after the wait find it in L2 instead of paying a memory
+ * round trip there. The prefetch returns nothing, so the kernel's values are those of a plain
+ * fitm_grid_begin. Under the emulator a span outside device memory faults the launch
+ * (cudaErrorIllegalAddress), as a load of it would. */
+static __device__ __forceinline__ void fitm_grid_begin_prefetch(fitm_span a, fitm_span b)
+{
+    const int half = b.n > 0 ? (int)blockDim.x / 2 : (int)blockDim.x;
+    const int t = (int)threadIdx.x;
+    const fitm_span s = t < half ? a : b;
+    const int line = t < half ? t : t - half;
+    if (s.n > 0) {
+        const uintptr_t lo = (uintptr_t)s.p & ~(uintptr_t)127;
+        const uintptr_t at = lo + (uintptr_t)line * 128;
+#ifdef FITM_CUDA_EMU
+        if (line == 0 && !fitm_emu_device_range(s.p, (size_t)s.n))
+            fitm_emu_kernel_fault(cudaErrorIllegalAddress, "a prefetch outside device memory");
+        (void)at;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (at < (uintptr_t)s.p + (uintptr_t)s.n)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+#else
+        (void)at;
+#endif
+    }
+    fitm_grid_begin();
+}
+
 /* Offers the work it (argument bytes args) to stream's tape: true when the tape held it back
  * (the caller enqueues nothing), false when the caller must enqueue it (no tape on stream, or
  * a tape that records). */

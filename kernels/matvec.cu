@@ -223,6 +223,18 @@ __device__ __forceinline__ float fitm_mv_glu(int gelu, float g, float u)
     return gelu ? fitm_geglu1(g, u) : fitm_swiglu1(g, u);
 }
 
+/* The bytes of the rows block b of a launch computes, per rows a block, of a weight W of N
+ * rows of rb bytes (clamped to N; none past it or for a NULL W): what its blocks prefetch
+ * (fitm_grid_begin_prefetch). */
+__device__ __forceinline__ fitm_span fitm_mv_span(const uint8_t *W, int64_t rb, int64_t N,
+                                                  int64_t b, int per)
+{
+    const int64_t r0 = b * per;
+    if (!W || r0 >= N)
+        return fitm_span{nullptr, 0};
+    return fitm_span{W + r0 * rb, (N - r0 < per ? N - r0 : per) * rb};
+}
+
 /* Shared memory of a block's warps for staging block-typed weights (none for float types). */
 template <int T> struct fitm_mv_smem {
     static const int SEGS = fitm_qtraits<T>::BE > 1 ? FITM_MV_SEGS : 1;
@@ -247,7 +259,9 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? (G == 1 ? 2 * FITM_M
                      int64_t row_bytes, int64_t N, int64_t K, const float *__restrict__ x,
                      int64_t n_x, float *__restrict__ y, int gelu)
 {
-    fitm_grid_begin();
+    fitm_grid_begin_prefetch(fitm_mv_span(W, row_bytes, N, blockIdx.x, FITM_MV_WARPS * G),
+                             fitm_mv_span(GLU ? Wu : nullptr, row_bytes, N, blockIdx.x,
+                                          FITM_MV_WARPS * G));
     __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
     const int lane = threadIdx.x % FITM_WARP, warp = threadIdx.x / FITM_WARP;
     const int64_t row0 = ((int64_t)blockIdx.x * FITM_MV_WARPS + warp) * G;
@@ -301,7 +315,11 @@ __global__ void __launch_bounds__(FITM_MV_THREADS, R == 1 ? 2 * FITM_MV_MIN_BLOC
                       int64_t n_x, float *__restrict__ y0, float *__restrict__ y1,
                       float *__restrict__ y2)
 {
-    fitm_grid_begin();
+    fitm_grid_begin_prefetch(
+        blockIdx.x < b1   ? fitm_mv_span(W0, row_bytes, N0, blockIdx.x, FITM_MV_WARPS)
+        : blockIdx.x < b2 ? fitm_mv_span(W1, row_bytes, N1, blockIdx.x - b1, FITM_MV_WARPS)
+                          : fitm_mv_span(W2, row_bytes, N2, blockIdx.x - b2, FITM_MV_WARPS),
+        fitm_span());
     __shared__ uint4 stage[FITM_MV_WARPS][fitm_mv_smem<T>::SEGS];
     const int which = blockIdx.x < b1 ? 0 : blockIdx.x < b2 ? 1 : 2; /* uniform per block */
     const unsigned bx = blockIdx.x - (which == 0 ? 0 : which == 1 ? b1 : b2);

@@ -33,6 +33,8 @@
  *   launched so whose threads do not all call fitm_grid_begin, or reach a barrier before it,
  *   faults (on a device its reads could race the kernel before it), where the same kernel
  *   runs as a plain launch and a kernel that calls it first runs either way, captured too;
+ *   fitm_grid_begin_prefetch of device memory runs either way, and of host memory or past an
+ *   allocation's end faults (cudaErrorIllegalAddress, sticky);
  * - the statistics (fitm_emu_get_stats) count submissions and waits as described;
  * - FITM_CUDA_EMU_HOST_ONLY: the checks and counts without the arithmetic. */
 #include <math.h>
@@ -625,6 +627,17 @@ __global__ void twice_begun(float *y, const float *x, int n)
         y[i] = 2.0f * x[i] + (float)i;
 }
 
+/* twice_begun, beginning with fitm_grid_begin_prefetch of w's n bytes (and of v's m, when
+ * v is not NULL): from a block's threads, before the wait, as the decode products do. */
+__global__ void twice_prefetched(float *y, const float *x, int n, const void *w, long long wn,
+                                 const void *v, long long vn)
+{
+    fitm_grid_begin_prefetch(fitm_span{w, wn}, fitm_span{v, v ? vn : 0});
+    const int stride = (int)(gridDim.x * blockDim.x);
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += stride)
+        y[i] = 2.0f * x[i] + (float)i;
+}
+
 /* A barrier before fitm_grid_begin. */
 __global__ void barrier_first(float *y)
 {
@@ -684,6 +697,18 @@ static void test_programmatic(void)
     fitm_emu_get_stats(&z);
     CHECK(z.programmatic - a.programmatic == 1 && z.kernels_run - a.kernels_run == 2,
           "one counted as programmatic: %llu", z.programmatic - a.programmatic);
+
+    /* a prefetch of device memory (unaligned, part of an allocation, two spans) before the
+     * wait runs and computes; of host memory, or past an allocation's end, it faults */
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice_prefetched)(y, x, n, x + 3, 1000LL, x, 8LL);
+    twice_ok("programmatic launch that prefetches device memory first");
+    FITM_LAUNCH(dim3(2), dim3(128), 0, NULL, twice_prefetched)(y, x, n, x, 1200LL, nullptr, 0LL);
+    twice_ok("plain launch that prefetches device memory first");
+    static float host_w[256];
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice_prefetched)(y, x, n, host_w, 256LL, nullptr, 0LL);
+    expect_lost_with(cudaErrorIllegalAddress, "a prefetch of host memory");
+    FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice_prefetched)(y, x, n, x, 1200LL, x + 200, 404LL);
+    expect_lost_with(cudaErrorIllegalAddress, "a prefetch past an allocation's end");
 
     FITM_LAUNCH(dim3(2), dim3(128), 0, s, twice)(y, x, n);
     expect_lost_with(cudaErrorLaunchFailure, "programmatic launch without fitm_grid_begin");
