@@ -117,6 +117,19 @@ def test_api_keys_of_separators_alone_refuse_to_start(model, keys):
     assert p.returncode == 2 and "holds no key" in p.stderr, p.stderr  # a configuration error
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_config_file_that_is_not_a_file_refuses_to_start(model, tmp_path, kind):
+    # A ConfigMap mounted without subPath makes the config path a directory: on f93cfae
+    # fitmd read it as an empty file and served on defaults (no api_keys); a FIFO blocked it
+    # before it listened.
+    conf = tmp_path / "fitmd.conf"
+    conf.mkdir() if kind == "directory" else os.mkfifo(conf)
+    p = subprocess.run([str(FITMD), f"--model={model}", f"--port={free_port()}",
+                        f"--config={conf}"], capture_output=True, text=True, timeout=30,
+                       env=clean_env())
+    assert p.returncode == 2 and "not a regular file" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("flag,says", [("--layers=99", "the default layers name layer 99"),
                                        ("--layers=-9", "the default layers name layer -9"),
                                        ("--fuse_layers=0,7",

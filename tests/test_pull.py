@@ -266,6 +266,26 @@ def test_second_process_resumes_the_first_ones_part_file(fitm, server, tmp_path)
     assert server.requests_for("/m")[2][1] is None
 
 
+def test_secrets_in_the_url_stay_out_of_the_log_and_the_meta_file(fitm, server, tmp_path):
+    """A URL's user:password and signed query are secrets (pre-signed S3/GCS links): the log
+    lines and errors show the URL without them, and the resume file keeps a digest of it (on
+    f93cfae all three held the whole URL); resuming still works."""
+    data = os.urandom(200_000)
+    url = serve(server, "/m?X-Signature=S3CRETSIG", data, cut_first=1).replace(
+        "http://", "http://alice:PASSW0RD@")
+    out = tmp_path / "m.gguf"
+    r = pull(fitm, url, out, "--retries", "0")
+    assert r.returncode == 1, r.stderr
+    assert "127.0.0.1" in r.stderr and "***@" in r.stderr and "/m?..." in r.stderr, r.stderr
+    meta = (tmp_path / "m.gguf.part.meta").read_text()
+    for secret in ("PASSW0RD", "S3CRETSIG", "alice"):
+        assert secret not in r.stderr and secret not in meta, (secret, r.stderr, meta)
+    r = pull(fitm, url, out, "--sha256", hashlib.sha256(data).hexdigest())
+    assert r.returncode == 0 and out.read_bytes() == data, r.stderr
+    assert "resuming at byte" in r.stderr and "S3CRETSIG" not in r.stderr, r.stderr
+    assert server.requests_for("/m?X-Signature=S3CRETSIG")[-1][1] == f"bytes={len(data) // 2}-"
+
+
 def test_file_larger_than_the_disk_is_refused_before_writing(fitm, server, tmp_path):
     out = tmp_path / "m.gguf"
     r = pull(fitm, serve(server, "/m", b"", fake_length=1 << 60), out)

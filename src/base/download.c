@@ -34,6 +34,7 @@ void fitm_download_opts_init(fitm_download_opts *o)
 /* One download: the .part file and what the responses said. */
 typedef struct {
     const char *url;
+    const char *shown; /* url as logged and in errors: no user:password@, ?query or #fragment */
     const char *part;
     const fitm_download_opts *o;
     int fd;
@@ -53,6 +54,20 @@ typedef struct {
     int64_t received;                /* bytes received since fitm_download began           */
     int64_t t_start_ns, t_report_ns;
 } xfer;
+
+/* url without what may be a secret (user:password@, a signed ?query, a #fragment), for the log
+ * and error messages: "https://host/path/m.gguf?..." */
+static void redact_url(const char *url, char *out, size_t n)
+{
+    const char *host = strstr(url, "://");
+    host = host ? host + 3 : url;
+    size_t auth_len = strcspn(host, "/?#");
+    const char *at = memchr(host, '@', auth_len);
+    const char *rest = at ? at + 1 : host;
+    size_t keep = strcspn(rest, "?#");
+    snprintf(out, n, "%.*s%s%.*s%s", (int)(host - url), url, at ? "***@" : "", (int)keep, rest,
+             rest[keep] ? "?..." : "");
+}
 
 static void report(xfer *x, bool final)
 {
@@ -121,28 +136,43 @@ static size_t on_header(char *line, size_t size, size_t n, void *arg)
     return n;
 }
 
-/* Writes the meta file (url and validator), so a later process can resume with If-Range. */
+/* The SHA-256 of url in hex: what the meta file keeps of it, since a URL may carry a secret
+ * (user:password@, a signed query). */
+static void url_digest(const char *url, char hex[65])
+{
+    fitm_sha256 s;
+    uint8_t d[32];
+    fitm_sha256_init(&s);
+    fitm_sha256_update(&s, url, strlen(url));
+    fitm_sha256_final(&s, d);
+    fitm_sha256_hex(d, hex);
+}
+
+/* Writes the meta file (the url's digest and the validator), so a later process can resume
+ * with If-Range. */
 static void meta_write(const xfer *x)
 {
-    char meta[PATH_BYTES + 8];
+    char meta[PATH_BYTES + 8], hex[65];
     snprintf(meta, sizeof meta, "%s.meta", x->part);
     FILE *f = fopen(meta, "w");
     if (!f)
         return; /* resuming across processes is an optimisation */
-    fprintf(f, "%s\n%s\n", x->url, x->validator);
+    url_digest(x->url, hex);
+    fprintf(f, "%s\n%s\n", hex, x->validator);
     fclose(f);
 }
 
 /* The validator stored for url by an earlier run into x->validator; false when none. */
 static bool meta_read(xfer *x)
 {
-    char meta[PATH_BYTES + 8], line[PATH_BYTES];
+    char meta[PATH_BYTES + 8], line[PATH_BYTES], hex[65];
     snprintf(meta, sizeof meta, "%s.meta", x->part);
     FILE *f = fopen(meta, "r");
     if (!f)
         return false;
+    url_digest(x->url, hex);
     bool ok = fgets(line, sizeof line, f) && (line[strcspn(line, "\n")] = '\0', 1) &&
-              !strcmp(line, x->url) && fgets(x->validator, sizeof x->validator, f);
+              !strcmp(line, hex) && fgets(x->validator, sizeof x->validator, f);
     fclose(f);
     x->validator[strcspn(x->validator, "\n")] = '\0';
     if (!ok)
@@ -160,7 +190,7 @@ static bool body_begins(xfer *x)
         if (x->range_start != x->have) {
             x->validator[0] = '\0'; /* the next attempt starts over */
             x->fail = fitm_err_set(&x->fail_err, FITM_ERR_IO,
-                                   "%s: the server resumed at byte %lld, not %lld", x->url,
+                                   "%s: the server resumed at byte %lld, not %lld", x->shown,
                                    (long long)x->range_start, (long long)x->have);
             return false;
         }
@@ -169,7 +199,7 @@ static bool body_begins(xfer *x)
         if (x->have > 0)
             FITM_LOG(FITM_LOG_INFO, NULL,
                      "download %s: the server sent the whole file (no range support, or the "
-                     "file changed): starting over", x->url);
+                     "file changed): starting over", x->shown);
         if (ftruncate(x->fd, 0) != 0 || lseek(x->fd, 0, SEEK_SET) != 0) {
             x->fail = fitm_err_set(&x->fail_err, FITM_ERR_IO, "cannot truncate %s: %s",
                                    x->part, strerror(errno));
@@ -282,19 +312,19 @@ static fitm_status attempt(xfer *x, bool *transient, fitm_err *err)
         return x->fail;
     }
     if (rc == CURLE_ABORTED_BY_CALLBACK)
-        return fitm_err_set(err, FITM_ERR_CANCELLED, "download %s cancelled", x->url);
+        return fitm_err_set(err, FITM_ERR_CANCELLED, "download %s cancelled", x->shown);
     if (rc == CURLE_UNSUPPORTED_PROTOCOL || rc == CURLE_URL_MALFORMAT)
-        return fitm_err_set(err, FITM_ERR_INVALID, "download %s: %s", x->url,
+        return fitm_err_set(err, FITM_ERR_INVALID, "download %s: %s", x->shown,
                             cerr[0] ? cerr : curl_easy_strerror(rc));
     if (x->status == 416 && x->range_total == x->have)
         return FITM_OK; /* the .part file already held every byte */
     if (x->status == 404 || x->status == 410)
-        return fitm_err_set(err, FITM_ERR_NOT_FOUND, "download %s: HTTP %ld (not found)", x->url,
+        return fitm_err_set(err, FITM_ERR_NOT_FOUND, "download %s: HTTP %ld (not found)", x->shown,
                             x->status);
     if (x->status == 416) { /* our range does not fit the file (it shrank): start over */
         x->validator[0] = '\0';
         *transient = true;
-        return fitm_err_set(err, FITM_ERR_IO, "download %s: HTTP 416 for bytes %lld-", x->url,
+        return fitm_err_set(err, FITM_ERR_IO, "download %s: HTTP 416 for bytes %lld-", x->shown,
                             (long long)x->have);
     }
     if (rc == CURLE_OK && (x->status < 200 || x->status > 299)) {
@@ -302,13 +332,13 @@ static fitm_status attempt(xfer *x, bool *transient, fitm_err *err)
         *transient = x->status == 408 || x->status == 429 || x->status >= 500;
         return fitm_err_set(err, x->status == 401 || x->status == 403 ? FITM_ERR_INVALID
                                                                       : FITM_ERR_IO,
-                            "download %s: HTTP %ld", x->url, x->status);
+                            "download %s: HTTP %ld", x->shown, x->status);
     }
     if (rc == CURLE_OK && x->total >= 0 && x->have != x->total)
         rc = CURLE_PARTIAL_FILE;
     if (rc != CURLE_OK) {
         *transient = true;
-        return fitm_err_set(err, FITM_ERR_IO, "download %s: %s (%lld of %lld bytes)", x->url,
+        return fitm_err_set(err, FITM_ERR_IO, "download %s: %s (%lld of %lld bytes)", x->shown,
                             rc == CURLE_OPERATION_TIMEDOUT ? "stalled" :
                             cerr[0] ? cerr : curl_easy_strerror(rc),
                             (long long)x->have, (long long)x->total);
@@ -360,7 +390,7 @@ static fitm_status check_sha256(xfer *x, const char *want, fitm_err *err)
     fitm_sha256_hex(d, got);
     if (strcasecmp(got, want))
         return fitm_err_set(err, FITM_ERR_FORMAT,
-                            "download %s: sha256 mismatch: got %s, expected %s", x->url, got,
+                            "download %s: sha256 mismatch: got %s, expected %s", x->shown, got,
                             want);
     return FITM_OK;
 }
@@ -396,7 +426,10 @@ fitm_status fitm_download(const char *url, const char *path, const fitm_download
     char part[PATH_BYTES];
     if (snprintf(part, sizeof part, "%s.part", path) >= (int)sizeof part - 8)
         return fitm_err_set(err, FITM_ERR_INVALID, "download path too long");
-    xfer x = {.url = url, .part = part, .o = o, .total = -1, .t_start_ns = fitm_clock_ns()};
+    char shown[PATH_BYTES];
+    redact_url(url, shown, sizeof shown);
+    xfer x = {.url = url, .shown = shown, .part = part, .o = o, .total = -1,
+              .t_start_ns = fitm_clock_ns()};
     x.fd = open(part, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (x.fd < 0)
         return fitm_err_set(err, FITM_ERR_IO, "cannot write %s: %s", part, strerror(errno));
@@ -409,7 +442,7 @@ fitm_status fitm_download(const char *url, const char *path, const fitm_download
     x.have = fstat(x.fd, &sb) == 0 ? (int64_t)sb.st_size : 0;
     if (x.have > 0 && !meta_read(&x)) {
         FITM_LOG(FITM_LOG_INFO, NULL, "download %s: %s holds %lld bytes of unknown origin: "
-                 "starting over", url, part, (long long)x.have);
+                 "starting over", shown, part, (long long)x.have);
         x.have = 0;
     }
     if (x.have == 0 && ftruncate(x.fd, 0) != 0) {
@@ -418,10 +451,10 @@ fitm_status fitm_download(const char *url, const char *path, const fitm_download
     }
     lseek(x.fd, x.have, SEEK_SET);
     if (x.have > 0)
-        FITM_LOG(FITM_LOG_INFO, NULL, "download %s: resuming at byte %lld", url,
+        FITM_LOG(FITM_LOG_INFO, NULL, "download %s: resuming at byte %lld", shown,
                  (long long)x.have);
     else
-        FITM_LOG(FITM_LOG_INFO, NULL, "downloading %s to %s", url, path);
+        FITM_LOG(FITM_LOG_INFO, NULL, "downloading %s to %s", shown, path);
 
     fitm_status st = FITM_ERR_IO;
     int64_t backoff = o->backoff_ms;
@@ -436,7 +469,7 @@ fitm_status fitm_download(const char *url, const char *path, const fitm_download
         FITM_LOG(FITM_LOG_WARN, NULL, "%s; retry %d of %d in %.1f s", err->msg, i + 1,
                  o->retries, (double)backoff / 1000);
         if (!pause_ms(o, backoff)) {
-            st = fitm_err_set(err, FITM_ERR_CANCELLED, "download %s cancelled", url);
+            st = fitm_err_set(err, FITM_ERR_CANCELLED, "download %s cancelled", shown);
             break;
         }
         backoff = backoff * 2 > 60000 ? 60000 : backoff * 2;

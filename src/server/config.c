@@ -2,10 +2,13 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef enum { OPT_STR, OPT_INT, OPT_REAL, OPT_ENUM } opt_kind;
 
@@ -470,9 +473,21 @@ fitm_status fitm_config_answer_defaults(const fitm_config *cfg, fitm_answer_defa
 
 static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
+    /* O_NONBLOCK: a FIFO with no writer must not block the open; a directory opens fine
+     * but every read fails (EISDIR), which fgets would take for an empty file */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
         return fitm_err_set(err, FITM_ERR_INVALID, "config file %s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return fitm_err_set(err, FITM_ERR_INVALID, "config file %s: not a regular file", path);
+    }
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        close(fd);
+        return fitm_err_set(err, FITM_ERR_INVALID, "config file %s: %s", path, strerror(errno));
+    }
     fitm_status st = FITM_OK;
     char line[4096];
     int lineno = 0;
@@ -510,6 +525,8 @@ static fitm_status load_file(fitm_config *cfg, const char *path, fitm_err *err)
         if (st == FITM_OK)
             st = check_value(o, (const char *)cfg + o->offset, where, err);
     }
+    if (st == FITM_OK && ferror(f))
+        st = fitm_err_set(err, FITM_ERR_INVALID, "config file %s: read error", path);
     fclose(f);
     return st;
 }
