@@ -469,6 +469,44 @@ def test_out_of_descriptors_pauses_accepting_and_recovers(fitmd_bin, models, tmp
         assert d.terminate() == 0
 
 
+def test_bodies_held_in_all_are_bounded(fitmd_bin, models, tmp_path):  # noqa: F811
+    """Connections that each send most of a large body and hold it are bounded together, not
+    each alone: once the bodies held reach 64 MiB (4 x max_body_bytes when that is more) the
+    next body is read and dropped and answered 503 with Retry-After; once they are gone a body
+    is taken again (on f93cfae 512 such connections held 2 GiB, past the shipped pod's
+    limit)."""
+    d = Daemon(fitmd_bin, models["small"], tmp_path, http_receive_timeout_s=120)
+    size = 4 << 20  # the default max_body_bytes
+    head = (f"POST /rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\n\r\n").encode()
+    held = []
+    try:
+        for _ in range(16):  # 16 x (4 MiB - 64): just under the budget
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=30)
+            s.sendall(head + b" " * (size - 64))
+            held.append(s)
+        time.sleep(0.5)  # every byte read
+        with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+            s.sendall(head + b" " * size)
+            out = b""
+            while b"\r\n\r\n" not in out:
+                out += s.recv(65536)
+        assert out.startswith(b"HTTP/1.1 503"), out[:300]
+        assert b"retry-after" in out.lower() and b"request bodies" in out, out[:600]
+        for s in held:
+            s.close()
+        held = []
+        time.sleep(0.3)
+        body = json.dumps({"query": "q", "documents": ["a"], "pad": " " * (size - 200)})
+        r = requests.post(d.url("/rerank"), data=body,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+    finally:
+        for s in held:
+            s.close()
+        assert d.terminate() == 0
+
+
 # ---- clients that leave, and shutdown ------------------------------------------------------
 
 def slow_rerank():

@@ -99,7 +99,9 @@ static const opt opts[] = {
      "such as https://app.example.org; empty = no CORS headers (browsers block cross-origin "
      "calls)"},
     {"max_body_bytes", INT(max_body_bytes), "4194304", 1024, 1073741824, NULL,
-     "largest request body accepted (413 beyond, enforced while reading)"},
+     "largest request body accepted (413 beyond, enforced while reading); the bodies of all "
+     "connections held while they arrive are at most 64 MiB or 4 x this, the larger (503 "
+     "with Retry-After beyond)"},
     {"max_json_members", INT(max_json_members), "65536", 16, 16777216, NULL,
      "most object keys and array elements in a request body, counted before it is parsed "
      "(400 beyond)"},

@@ -28,6 +28,10 @@
 /* The code logged and counted for a request whose client left before its answer (the code
  * nginx uses for it); never sent. */
 #define FITM_HTTP_CLIENT_LEFT 499
+/* Request bodies held while they arrive, all connections together: at least this many bytes
+ * (else 4 x max_body_bytes); past it a body is refused with 503 and Retry-After, so that many
+ * connections each sending a large body slowly cannot take the process's memory. */
+#define FITM_HTTP_BODY_BUDGET (64 << 20)
 
 struct fitm_http {
     fitm_http_params p;
@@ -39,6 +43,8 @@ struct fitm_http {
     char keys[MAX_KEYS][FITM_CONFIG_STR_BYTES];
     int n_keys;
     atomic_bool draining;
+    atomic_int_fast64_t body_bytes; /* request bodies held (request.body_held), in all */
+    int64_t body_budget;            /* at most this many: FITM_HTTP_BODY_BUDGET           */
     atomic_uint_fast64_t next_id;
     uint64_t id_salt;
     pthread_mutex_t mu;
@@ -64,7 +70,9 @@ typedef struct {
     char path[128];
     req_state state;
     fitm_buf body;    /* the POST body so far, at most max_body_bytes */
+    size_t body_held; /* of it, counted in h->body_bytes (body_free gives them back) */
     size_t discarded; /* ST_DISCARD: bytes received in all */
+    bool body_refused; /* ST_DISCARD because the bodies held in all reached h->body_budget */
     int code; /* HTTP status sent; 0 while none */
     bool checks_later; /* a request without a body: first_call runs on its second callback */
     bool must_close; /* the answer ends the connection (a 408 while the body arrives: what
@@ -99,6 +107,15 @@ typedef struct {
     bool oai_usage;     /* stream_options.include_usage */
     bool oai_role_sent; /* the first chat chunk (with the role) went out */
 } request;
+
+/* Frees r's body, giving its bytes back to the budget of bodies held. */
+static void body_free(request *r)
+{
+    fitm_buf_free(&r->body);
+    if (r->body_held)
+        atomic_fetch_sub(&r->h->body_bytes, (int_fast64_t)r->body_held);
+    r->body_held = 0;
+}
 
 /* ---- responses ---------------------------------------------------------------------- */
 
@@ -476,7 +493,7 @@ static enum MHD_Result start_rerank(request *r)
     lim.default_method = r->h->p.model->rerank_method;
     fitm_status st = fitm_api_parse_rerank(r->body.p ? r->body.p : "", r->body.len, &lim, &r->req,
                                            &err);
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->rwork.req = &r->req;
@@ -520,7 +537,7 @@ static enum MHD_Result start_score(request *r)
     lim.default_method = r->h->p.model->rerank_method;
     fitm_status st = fitm_api_parse_score(r->body.p ? r->body.p : "", r->body.len, &lim, &r->req,
                                           &err);
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->score = true;
@@ -550,7 +567,7 @@ static enum MHD_Result start_tokens(request *r, bool detokenize)
     fitm_err err = {{0}};
     fitm_status st = fitm_api_parse_tokens(r->body.p ? r->body.p : "", r->body.len,
                                            &r->h->limits, detokenize, &r->tokens, &err);
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->twork.t = &r->tokens;
@@ -575,7 +592,7 @@ static enum MHD_Result start_detokenize(request *r)
 
 static void request_free(request *r)
 {
-    fitm_buf_free(&r->body);
+    body_free(r);
     fitm_rerank_request_free(&r->req);
     fitm_answer_request_free(&r->areq);
     fitm_api_tokens_free(&r->tokens);
@@ -794,7 +811,7 @@ static enum MHD_Result start_answer(request *r)
     fitm_err err = {{0}};
     fitm_status st = fitm_api_parse_answer(r->body.p ? r->body.p : "", r->body.len, &r->h->limits,
                                            &r->areq, &err);
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     return submit_answer(r);
@@ -807,7 +824,7 @@ static enum MHD_Result start_openai(request *r, bool chat)
     fitm_err err = {{0}};
     fitm_status st = fitm_api_parse_openai(r->body.p ? r->body.p : "", r->body.len,
                                            &r->h->limits, chat, &r->areq, &r->oai_usage, &err);
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (st != FITM_OK)
         return send_error(r, st, FITM_API_COND_NONE, NULL, err.msg);
     r->oai = true;
@@ -1081,10 +1098,21 @@ static enum MHD_Result take_body(request *r, const char *data, size_t n)
     }
     if (r->body.len + n > limit) {
         r->discarded = r->body.len + n;
-        fitm_buf_free(&r->body);
+        body_free(r);
         r->state = ST_DISCARD;
         return MHD_YES;
     }
+    /* the bodies held in all stay within the budget: past it this one is read and dropped,
+     * then answered 503 (while a body arrives no answer can be queued) */
+    if (atomic_fetch_add(&r->h->body_bytes, (int_fast64_t)n) + (int64_t)n > r->h->body_budget) {
+        atomic_fetch_sub(&r->h->body_bytes, (int_fast64_t)n);
+        r->discarded = r->body.len + n;
+        body_free(r);
+        r->state = ST_DISCARD;
+        r->body_refused = true;
+        return MHD_YES;
+    }
+    r->body_held += n;
     return fitm_buf_append(&r->body, data, n) ? MHD_YES : MHD_NO;
 }
 
@@ -1098,6 +1126,10 @@ static enum MHD_Result on_complete(request *r)
     if (r->streaming && r->state == ST_WAIT)
         return stream_head(r);
     if (rd->finish) {
+        if (r->state == ST_DISCARD && r->body_refused)
+            return send_error(r, FITM_ERR_BUSY, FITM_API_COND_NONE, NULL,
+                              "the server holds as many request bodies as it may while they "
+                              "arrive; retry");
         if (r->state == ST_DISCARD)
             return send_too_large(r, 0);
         if (r->state == ST_WAIT)
@@ -1123,7 +1155,7 @@ static enum MHD_Result send_slow(request *r, bool body_complete)
     snprintf(msg, sizeof msg, "the request was not received within %lld s",
              (long long)r->h->p.cfg->http_receive_timeout_s);
     r->must_close = true;
-    fitm_buf_free(&r->body);
+    body_free(r);
     if (body_complete)
         return send_error(r, FITM_ERR_INVALID, FITM_API_COND_SLOW, NULL, msg);
     fitm_api_error_class c = fitm_api_classify(FITM_ERR_INVALID, FITM_API_COND_SLOW);
@@ -1444,6 +1476,9 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     h->limits.max_answer_tokens = (int32_t)cfg->max_answer_tokens;
     h->limits.max_json_members = cfg->max_json_members;
     atomic_init(&h->draining, false);
+    atomic_init(&h->body_bytes, 0);
+    h->body_budget = 4 * cfg->max_body_bytes > FITM_HTTP_BODY_BUDGET ? 4 * cfg->max_body_bytes
+                                                                     : FITM_HTTP_BODY_BUDGET;
     atomic_init(&h->next_id, 1);
     if (getrandom(&h->id_salt, sizeof h->id_salt, 0) != (ssize_t)sizeof h->id_salt)
         h->id_salt = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ull ^ (uint64_t)getpid();
