@@ -822,7 +822,8 @@ def test_responses_follow_the_spec(daemon):
 def test_health_503_while_loading(fitmd_bin, models, tmp_path):
     """The scoring profile is a FIFO: loading blocks in its open() until the test writes, so
     the server is up with the model still loading. Writing garbage then makes the load fail:
-    the daemon exits 1 and says why. (A model path that is a FIFO is refused before listening:
+    the daemon exits 2 (a profile the model cannot take is a configuration error) and says
+    why. (A model path that is a FIFO is refused before listening:
     test_resilience.py -k non_regular_model.)"""
     fifo = tmp_path / "m.profile"
     os.mkfifo(fifo)
@@ -851,7 +852,7 @@ def test_health_503_while_loading(fitmd_bin, models, tmp_path):
                 f.write(b"not a gguf file at all")
         except BrokenPipeError:
             pass  # the loader may refuse the text and close the FIFO before (or while) we write
-        assert proc.wait(30) == 1
+        assert proc.wait(30) == 2
         log.seek(0)
         assert str(fifo) in log.read()
     finally:
