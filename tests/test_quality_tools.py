@@ -1,7 +1,8 @@
 """The quality sets and the pure parts of the quality and profile tools: the committed sets
 equal a fresh generation, the splits are disjoint, every item is answerable from its gold
 document only by name, and BM25, the Wilson interval, AUC, the window split and the logistic
-fit agree with independent computations."""
+fit agree with independent computations; the look-alike sets (lookalikes.py) are fixed, with
+one gold per question, and their table counts R@1 and MRR as defined."""
 import json
 import math
 import pathlib
@@ -430,3 +431,107 @@ def test_fused_sigmoid_is_the_dev_fit():
 def fit_profile_keys(path):
     import fit_profile
     return fit_profile.profile_keys(path)
+
+
+# ---- the look-alike sets (tests/quality/lookalikes.py) -----------------------------------
+
+import lookalikes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lookalike_items():
+    return lookalikes.items()
+
+
+def test_lookalike_sets_are_deterministic(lookalike_items):
+    """The same seed gives the same items, pinned by a digest (the sets are a fixed resource:
+    a change to the generator that moves any item fails here); another seed gives others;
+    a split or a kind asked alone is the same items as taken from the whole."""
+    import hashlib
+    assert lookalikes.items() == lookalike_items
+    assert hashlib.sha256(json.dumps(lookalike_items, sort_keys=True).encode()).hexdigest() == \
+        "d2fa4629375cf87bf8a3181e554d67ec2ea7ff47c8231fc982b130c11eef001c"
+    assert lookalikes.items(seed=lookalikes.SEED + 1) != lookalike_items
+    for split in ("dev", "test"):
+        assert lookalikes.items(split) == [it for it in lookalike_items if it["split"] == split]
+    assert lookalikes.items("test", kinds=("temporal",)) == \
+        [it for it in lookalike_items if it["split"] == "test" and it["kind"] == "temporal"]
+
+
+def test_lookalike_items_have_one_gold(lookalike_items):
+    roles = {"same_entity": set(lookalikes.SAME_ENTITY),
+             "similar_name": {name for name, _ in lookalikes.LOOKALIKES}}
+    counts = {"temporal": {"other_year": 6, "same_year_other_fact": 2,
+                           "other_entity_same_year": 1},
+              "paraphrase": {"echo": 1, "stuffed": 4, "relative": 1, "other_person": 3}}
+    cells = {}
+    for it in lookalike_items:
+        kind, docs, g = it["kind"], it["documents"], it["gold_index"]
+        i = int(it["id"].rsplit("-", 1)[1])
+        cells[(kind, it["split"])] = cells.get((kind, it["split"]), 0) + 1
+        assert it["id"] == f"{kind}-{i}" and it["split"] == ("dev" if i < 20 else "test")
+        assert len(docs) == lookalikes.K == len(it["roles"]) == len(set(docs))
+        assert [j for j, r in enumerate(it["roles"]) if r == "gold"] == [g]
+        # the asked value is stated by the gold and by no other document of the item
+        assert [j for j, d in enumerate(docs) if it["answer"] in d] == [g], it["id"]
+        assert it["entity"] in it["query"] and it["entity"] in docs[g]
+        others = [r for j, r in enumerate(it["roles"]) if j != g]
+        if kind in roles:  # one distractor per other attribute / look-alike form
+            assert len(set(others)) == len(others) and set(others) <= roles[kind]
+            assert it["attribute"] not in others
+        else:
+            assert {r: others.count(r) for r in others} == counts[kind]
+        if kind == "same_entity":
+            assert all(it["entity"] in d for d in docs)
+        if kind == "paraphrase":  # the echo quotes the question; the gold does not
+            assert it["query"] in docs[it["roles"].index("echo")]
+            assert it["query"] not in docs[g]
+    assert cells == {(k, s): 20 for k in lookalikes.KINDS for s in ("dev", "test")}
+    # the gold is at a random position: every position occurs
+    assert {it["gold_index"] for it in lookalike_items} == set(range(lookalikes.K))
+
+
+def test_lookalike_splits_are_disjoint(lookalike_items):
+    dev = [it for it in lookalike_items if it["split"] == "dev"]
+    test = [it for it in lookalike_items if it["split"] == "test"]
+    for key in ("id", "query", "entity"):
+        assert not {it[key] for it in dev} & {it[key] for it in test}, key
+    assert not {d for it in dev for d in it["documents"]} & \
+        {d for it in test for d in it["documents"]}
+
+
+def test_lookalike_table_and_pairwise(monkeypatch):
+    """R@1 and MRR on hand-made scores (ties count against the gold), the pairwise losses by
+    role, a rejected method's row, and the server's results read back by document index."""
+    its = [{"id": "a", "kind": "temporal", "gold_index": 0, "roles": ["gold", "x", "y"]},
+           {"id": "b", "kind": "temporal", "gold_index": 1, "roles": ["x", "gold", "y"]},
+           {"id": "c", "kind": "paraphrase", "gold_index": 2, "roles": ["x", "x", "gold"]}]
+    # ranks: a 1; b 3 (tied with y, below x); c 2
+    got = {"a": [3.0, 2.0, 1.0], "b": [5.0, 1.0, 1.0], "c": [0.0, 4.0, 2.0]}
+    t = lookalikes.table(its, {"m": got, "bad": {"error": "HTTP 422: no"}}).splitlines()
+    assert t[0] == "| method | temporal R@1 / MRR | paraphrase R@1 / MRR | ALL R@1 / MRR |"
+    # temporal: ranks 1 and 3; paraphrase: rank 2
+    assert t[2] == "| `m` | 1/2 0.67 | 0/1 0.50 | 1/3 0.61 |"
+    assert t[3].startswith("| `bad` | not run: HTTP 422: no |")
+    assert t[3].count("|") == t[0].count("|")
+    pw = lookalikes.pairwise(its, got).splitlines()[2:]
+    assert pw == ["| temporal | x | 1/2 | 0.50 |", "| temporal | y | 1/2 | 0.50 |",
+                  "| paraphrase | x | 1/2 | 0.50 |"]
+    assert lookalikes.rank_of([1.0, 1.0, 1.0], 1) == 3
+    # a server that answers in its own order, index by index; bm25 is computed here
+    it = lookalikes.items("dev", kinds=("temporal",))[0]
+    monkeypatch.setattr(lookalikes.quality, "post_rerank", lambda url, headers, item, fields: (
+        {"results": [{"index": j, "relevance_score": j / 10} for j in (2, 0, 1, *range(3, 10))]},
+        0.0))
+    assert lookalikes.scores(None, {}, it, "m", {}) == [j / 10 for j in range(10)]
+    assert lookalikes.scores(None, {}, it, "bm25", {}) == \
+        quality.bm25(it["query"], [{"text": d} for d in it["documents"]])
+
+
+def test_lookalike_show_needs_no_server():
+    r = subprocess.run([sys.executable, str(ROOT / "tests/quality/lookalikes.py"), "--show", "1",
+                        "--split", "dev"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("== ")] == \
+        [f"{k}-0" for k in lookalikes.KINDS]
+    assert r.stdout.count("\n  * ") == 4
