@@ -952,6 +952,9 @@ int main(int argc, char **argv)
         FITM_LOG(FITM_LOG_WARN, NULL, "environment %.*s: not a fitmd option, ignored",
                  (int)(strchr(unknown[i], '=') - unknown[i]), unknown[i]);
     const int sig = wait_for_signal(&set, engine);
-    /* the engine thread set dm.config_error before the state the wait saw (its lock) */
-    return shut_down(sig, dm.config_error ? 2 : 1, &cfg, engine, http);
+    /* Read only after a failed load (sig 0): the engine thread set dm.config_error before it
+     * stored the failed state under the engine's lock, which the wait took to see it; on a
+     * signal the load may still be running and writing it. */
+    const int load_rc = sig == 0 && dm.config_error ? 2 : 1;
+    return shut_down(sig, load_rc, &cfg, engine, http);
 }
