@@ -32,8 +32,8 @@ typedef struct {
  * come from fitm_rerank_end. A sequence whose stop() is true finishes with FITM_ERR_TIMEOUT,
  * an answer whose on_delta returned false with FITM_ERR_CANCELLED. Finished sequences must
  * not be stepped again. Returns the forward tokens of the call (0: none ran). */
-int64_t fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n, int64_t prefill_budget,
-                     fitm_status *st, bool *done, fitm_err *errs);
+int64_t fitm_batch_step(fitm_session *s, const fitm_batch_seq *seqs, int32_t n,
+                        int64_t prefill_budget, fitm_status *st, bool *done, fitm_err *errs);
 
 /* Answers req into *res (the caller frees it, also after a failure), with the server's
  * defaults where req leaves calibrate, reorder or reorder_last unset (res says what ran).

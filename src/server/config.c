@@ -365,17 +365,23 @@ static char *trim(char *s)
     return s;
 }
 
-/* The keys of an api_keys value: comma-separated, blanks around them not counted. */
-static int count_keys(const char *list)
+int fitm_config_api_keys(const char *list, char (*keys)[FITM_CONFIG_STR_BYTES], int max)
 {
     int n = 0;
     for (const char *p = list; *p;) {
-        size_t len = strcspn(p, ",");
-        for (size_t i = 0; i < len; i++)
-            if (p[i] != ' ') {
-                n++;
-                break;
-            }
+        const size_t len = strcspn(p, ",");
+        const char *s = p, *e = p + len;
+        while (s < e && *s == ' ')
+            s++;
+        while (e > s && e[-1] == ' ')
+            e--;
+        if (e > s && keys && n < max) {
+            const size_t k = (size_t)(e - s) < FITM_CONFIG_STR_BYTES ? (size_t)(e - s)
+                                                                     : FITM_CONFIG_STR_BYTES - 1;
+            memcpy(keys[n], s, k);
+            keys[n][k] = '\0';
+        }
+        n += e > s;
         p += len + (p[len] == ',');
     }
     return n;
@@ -390,7 +396,7 @@ static fitm_status check_value(const opt *o, const char *text, const char *where
 {
     fitm_status st = FITM_OK;
     if (!strcmp(o->name, "api_keys") && *text) {
-        const int n = count_keys(text);
+        const int n = fitm_config_api_keys(text, NULL, 0);
         if (n == 0) /* a template's "${K1},${K2}" with both unset must not serve openly */
             return fitm_err_set(err, FITM_ERR_INVALID,
                                 "%s: api_keys holds no key (only commas and spaces); leave it "

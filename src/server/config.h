@@ -103,6 +103,10 @@ fitm_status fitm_config_load(fitm_config *cfg, int argc, char **argv, bool *help
 /* Most keys api_keys may list. */
 #define FITM_CONFIG_MAX_API_KEYS 32
 
+/* The keys of an api_keys value: comma-separated, the spaces around each not part of it.
+ * Copies the first max of them into keys (NULL: none) and returns how many there are. */
+int fitm_config_api_keys(const char *list, char (*keys)[FITM_CONFIG_STR_BYTES], int max);
+
 /* The FITM_* environment variables that name no option (FITM_CONFIG, FITM_CPU and the test
  * emulator's FITM_CUDA_EMU_* are known): up to max of them into vars, each the environment's
  * "NAME=value"; returns how many there are. A misspelt FITM_API_KEYS would otherwise start an

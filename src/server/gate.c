@@ -5,7 +5,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +12,6 @@
 
 #include "base/clock.h"
 #include "base/log.h"
-#include "base/rng.h"
 #include "server/api.h"
 #include "server/frame.h"
 #include "server/metrics.h"
@@ -82,7 +80,6 @@ struct fitm_gate {
     pthread_mutex_t mu;      /* guards done */
     int *done;               /* server ends with a finished request, not yet taken */
     int64_t n_done, done_cap;
-    uint64_t next_id, id_salt; /* the refusals' X-Request-Id (emit) */
 };
 
 static bool same_addr(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
@@ -174,9 +171,8 @@ static void emit(fitm_gate *g, conn *c)
     fitm_api_error_class k = fitm_api_classify(FITM_ERR_INVALID, c->cond);
     char *json = fitm_api_error_json(&k, c->msg);
     size_t jn = json ? strlen(json) : 0;
-    char id[20];
-    snprintf(id, sizeof id, "%016llx",
-             (unsigned long long)fitm_rng_mix(g->next_id++ + g->id_salt));
+    char id[40];
+    g->p.new_id(g->p.user, id, sizeof id);
     int hn = snprintf(c->out, OUT_CAP,
                       "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: "
                       "%zu\r\nConnection: close\r\nX-Request-Id: %s\r\n"
@@ -741,7 +737,6 @@ fitm_status fitm_gate_start(fitm_gate **out, const fitm_gate_params *p, fitm_err
     if (!g)
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     g->p = *p;
-    g->id_salt = (uint64_t)fitm_clock_ns() ^ (uint64_t)(uintptr_t)g;
     g->cap = p->max_conns;
     g->conns = calloc((size_t)g->cap, sizeof *g->conns);
     g->done_cap = 256;

@@ -49,6 +49,9 @@ typedef struct {
     /* Takes over fd (the server's end of a connection's socket pair) with the client's
      * address; called on the gate's thread. */
     void (*hand)(void *user, int fd, const struct sockaddr *addr, socklen_t addr_len);
+    /* Writes a fresh request id (a string of fewer than cap bytes) for a refusal's
+     * X-Request-Id; called on the gate's thread. */
+    void (*new_id)(void *user, char *out, size_t cap);
     void *user;
 } fitm_gate_params;
 

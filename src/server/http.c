@@ -269,6 +269,15 @@ static bool json_content_type(const char *ct)
     return n > 5 && !strncasecmp(ct + n - 5, "+json", 5) && !strncasecmp(ct, "application/", 12);
 }
 
+/* A fresh request id: distinct counters give distinct, unguessable-looking ids (the server's
+ * requests' and, through the gate's new_id, its refusals'). */
+static void fresh_id(void *user, char *out, size_t cap)
+{
+    fitm_http *h = user;
+    const uint64_t x = fitm_rng_mix(atomic_fetch_add(&h->next_id, 1) + h->id_salt);
+    snprintf(out, cap, "%016llx", (unsigned long long)x);
+}
+
 /* A client's X-Request-Id is kept when short and plain; otherwise we make one. */
 static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t cap)
 {
@@ -284,9 +293,7 @@ static void make_id(fitm_http *h, struct MHD_Connection *conn, char *out, size_t
             return;
         }
     }
-    /* distinct counters give distinct, unguessable-looking ids */
-    uint64_t x = fitm_rng_mix(atomic_fetch_add(&h->next_id, 1) + h->id_salt);
-    snprintf(out, cap, "%016llx", (unsigned long long)x);
+    fresh_id(h, out, cap);
 }
 
 /* ---- route handlers --------------------------------------------------------------------- */
@@ -1311,32 +1318,6 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 
 /* ---- lifecycle ------------------------------------------------------------------------------ */
 
-/* Splits the comma-separated key list into h->keys. False when it holds more than MAX_KEYS
- * keys: keys past the limit would otherwise be ignored without a word. */
-static bool parse_keys(fitm_http *h, const char *list)
-{
-    const char *p = list;
-    while (*p) {
-        size_t n = strcspn(p, ",");
-        const char *s = p, *e = p + n;
-        while (s < e && *s == ' ')
-            s++;
-        while (e > s && e[-1] == ' ')
-            e--;
-        if (e > s) {
-            if (h->n_keys == MAX_KEYS)
-                return false;
-            memcpy(h->keys[h->n_keys], s, (size_t)(e - s));
-            h->keys[h->n_keys][e - s] = '\0';
-            h->n_keys++;
-        }
-        p += n;
-        if (*p == ',')
-            p++;
-    }
-    return true;
-}
-
 /* gate's hand: the server's end of a connection whose first request head passed the gate's
  * check (gate.h: the gate relays the connection from then on). */
 static void hand_to(struct MHD_Daemon *d, int fd, const struct sockaddr *addr, socklen_t addr_len)
@@ -1443,7 +1424,8 @@ static bool listen_on(fitm_http *h, int fd, bool probe)
                            .idle_timeout_ms = (probe ? 10 : cfg->http_idle_timeout_s) * 1000,
                            .max_body_bytes = cfg->max_body_bytes,
                            .max_conns = max_conns, .max_per_client = per_client,
-                           .hand = probe ? hand_to_probe : hand_to_main, .user = h};
+                           .hand = probe ? hand_to_probe : hand_to_main, .new_id = fresh_id,
+                           .user = h};
     if (fitm_gate_start(probe ? &h->probe_gate : &h->gate, &gp, &err) != FITM_OK) {
         FITM_LOG(FITM_LOG_ERROR, NULL, "%s", err.msg);
         close(fd);
@@ -1487,8 +1469,9 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     /* the sockets are h's from here: listen_on takes them over, the failures below close them */
     int fds[2] = {p->sockets.fd, p->sockets.probe_fd};
     /* The configuration checked the count (config.c: 1 to MAX_KEYS keys when set, so that a
-     * value of separators alone never serves openly); the bound guards h->keys. */
-    if (!parse_keys(h, cfg->api_keys) || (cfg->api_keys[0] && h->n_keys == 0)) {
+     * value of separators alone never serves openly); the check guards h->keys. */
+    h->n_keys = fitm_config_api_keys(cfg->api_keys, h->keys, MAX_KEYS);
+    if (h->n_keys > MAX_KEYS || (cfg->api_keys[0] && h->n_keys == 0)) {
         close(fds[0]);
         if (fds[1] >= 0)
             close(fds[1]);
