@@ -1129,23 +1129,24 @@ done:
 char *fitm_api_write_models(const char *model, int64_t created_s, int64_t n_ctx,
                             const char *arch, bool one)
 {
-    char *out = NULL;
-    cJSON *root = cJSON_CreateObject();
-    cJSON *data = root && !one ? cJSON_AddArrayToObject(root, "data") : NULL;
-    cJSON *m = one ? root : cJSON_CreateObject();
-    if (!m || (!one && (!data || !cJSON_AddItemToArray(data, m)))) {
-        if (!one)
+    cJSON *m = cJSON_CreateObject();
+    bool ok = m && cJSON_AddStringToObject(m, "id", model) &&
+              cJSON_AddStringToObject(m, "object", "model") &&
+              cJSON_AddNumberToObject(m, "created", (double)created_s) &&
+              cJSON_AddStringToObject(m, "owned_by", "fitm") &&
+              cJSON_AddNumberToObject(m, "context_length", (double)n_ctx) &&
+              cJSON_AddStringToObject(m, "architecture", arch ? arch : "");
+    cJSON *root = m;
+    if (ok && !one) { /* the list holds the one model */
+        cJSON *data = NULL;
+        root = cJSON_CreateObject();
+        const bool held = root && (data = cJSON_AddArrayToObject(root, "data")) &&
+                          cJSON_AddItemToArray(data, m);
+        if (!held) /* m is not in root: freed on its own */
             cJSON_Delete(m);
-        goto done;
+        ok = held && cJSON_AddStringToObject(root, "object", "list");
     }
-    if ((one || cJSON_AddStringToObject(root, "object", "list")) &&
-        cJSON_AddStringToObject(m, "id", model) && cJSON_AddStringToObject(m, "object", "model") &&
-        cJSON_AddNumberToObject(m, "created", (double)created_s) &&
-        cJSON_AddStringToObject(m, "owned_by", "fitm") &&
-        cJSON_AddNumberToObject(m, "context_length", (double)n_ctx) &&
-        cJSON_AddStringToObject(m, "architecture", arch ? arch : ""))
-        out = cJSON_PrintUnformatted(root);
-done:
+    char *out = ok ? cJSON_PrintUnformatted(root) : NULL;
     cJSON_Delete(root);
     return out;
 }
@@ -1241,14 +1242,13 @@ static fitm_status parse_sampling(const cJSON *root, double temperature_max,
     }
     out->top_k = 0;
     if ((it = cJSON_GetObjectItemCaseSensitive(root, "top_k")) && !cJSON_IsNull(it)) {
-        if (cJSON_IsNumber(it) && it->valuedouble > FITM_TOP_MAX &&
-            it->valuedouble < 9007199254740992.0 && it->valuedouble == floor(it->valuedouble))
-            return fitm_err_set(err, FITM_ERR_INVALID,
-                                "'top_k' = %.0f: this server draws from the %d most likely "
-                                "tokens at most (send 1 to %d, or 0 for all %d)",
-                                it->valuedouble, FITM_TOP_MAX, FITM_TOP_MAX, FITM_TOP_MAX);
-        if ((st = take_int(it, "top_k", -1, FITM_TOP_MAX, &v, err)) != FITM_OK)
+        if ((st = take_int(it, "top_k", -1, INT32_MAX, &v, err)) != FITM_OK)
             return st;
+        if (v > FITM_TOP_MAX)
+            return fitm_err_set(err, FITM_ERR_INVALID,
+                                "'top_k' = %lld: this server draws from the %d most likely "
+                                "tokens at most (send 1 to %d, or 0 for all %d)",
+                                (long long)v, FITM_TOP_MAX, FITM_TOP_MAX, FITM_TOP_MAX);
         out->top_k = v < 0 ? 0 : (int32_t)v;
     }
     out->min_p = 0.0;

@@ -86,8 +86,9 @@ bool fitm_api_utf8_valid(const char *s, size_t n);
 
 /* Parses and validates a /answer body into *out (release with fitm_answer_request_free, also
  * after a failure): /rerank's query, documents, max_tokens_per_doc, model and return_tokens,
- * plus max_tokens (lowered to lim->max_answer_tokens), stop, temperature, top_p, top_k, min_p, seed,
- * calibrate, calibration {temperature, layers, dummy}, reorder, intervention_layers, stream.
+ * plus max_tokens (lowered to lim->max_answer_tokens), stop, temperature, top_p, top_k,
+ * min_p, seed, calibrate, calibration {temperature, layers, dummy}, reorder,
+ * intervention_layers, stream.
  * Errors as fitm_api_parse_rerank, naming the field. */
 fitm_status fitm_api_parse_answer(const char *body, size_t len, const fitm_api_limits *lim,
                                   fitm_answer_request *out, fitm_err *err);
@@ -109,8 +110,8 @@ char *fitm_api_write_answer_delta(const char *text, size_t len);
  * user, assistant, tool; content a string or text parts) or prompt (a string or an array of
  * one), model (as /rerank's), max_tokens or max_completion_tokens (lowered to
  * lim->max_answer_tokens; default min(256, that)), n (1 only), stop, temperature ([0, 2],
- * default 1 as OpenAI's), top_p, top_k, min_p, seed, stream, stream_options.include_usage (into
- * *include_usage). The extension field `documents` (as /answer's, with max_tokens_per_doc,
+ * default 1 as OpenAI's), top_p, top_k, min_p, seed, stream, stream_options.include_usage
+ * (into *include_usage). The extension field `documents` (as /answer's, with max_tokens_per_doc,
  * calibrate, calibration, reorder and intervention_layers) makes it a calibrated answer whose
  * question is the last user message (the prompt); without it n_docs is 0: plain generation.
  * Other OpenAI fields are ignored. Errors as fitm_api_parse_answer. */
