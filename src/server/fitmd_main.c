@@ -927,9 +927,7 @@ int main(int argc, char **argv)
     fitm_engine *engine = NULL;
     if (fitm_engine_create(&engine, &hooks, cfg.queue_depth, &err) != FITM_OK) {
         fprintf(stderr, "fitmd: %s\n", err.msg);
-        close(socks.fd);
-        if (socks.probe_fd >= 0)
-            close(socks.probe_fd);
+        fitm_http_sockets_close(&socks);
         return 1;
     }
     fitm_engine_set_budget(engine, cfg.max_request_forward_tokens, cfg.max_queued_forward_tokens);

@@ -1381,6 +1381,13 @@ fitm_status fitm_http_bind(const fitm_config *cfg, fitm_http_sockets *out, fitm_
     return FITM_OK;
 }
 
+void fitm_http_sockets_close(const fitm_http_sockets *s)
+{
+    close(s->fd);
+    if (s->probe_fd >= 0)
+        close(s->probe_fd);
+}
+
 /* Serves on fd (a listening socket from fitm_http_bind, taken over: closed on failure). Every
  * connection comes through a gate (gate.h: a strict check of each request head, with a
  * deadline, before libmicrohttpd sees it). The probe listener serves only /health and
@@ -1445,9 +1452,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
     const fitm_config *cfg = p->cfg;
     fitm_http *h = calloc(1, sizeof *h);
     if (!h) {
-        close(p->sockets.fd);
-        if (p->sockets.probe_fd >= 0)
-            close(p->sockets.probe_fd);
+        fitm_http_sockets_close(&p->sockets);
         return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     }
     h->p = *p;
@@ -1472,9 +1477,7 @@ fitm_status fitm_http_start(fitm_http **out, const fitm_http_params *p, fitm_err
      * value of separators alone never serves openly); the check guards h->keys. */
     h->n_keys = fitm_config_api_keys(cfg->api_keys, h->keys, MAX_KEYS);
     if (h->n_keys > MAX_KEYS || (cfg->api_keys[0] && h->n_keys == 0)) {
-        close(fds[0]);
-        if (fds[1] >= 0)
-            close(fds[1]);
+        fitm_http_sockets_close(&p->sockets);
         fitm_http_stop(h);
         return fitm_err_set(err, FITM_ERR_INVALID, "api_keys: not 1 to %d keys", MAX_KEYS);
     }

@@ -59,6 +59,9 @@ typedef struct {
  * load (or download). FITM_ERR_IO naming the port that could not be had. */
 fitm_status fitm_http_bind(const fitm_config *cfg, fitm_http_sockets *out, fitm_err *err);
 
+/* Closes the sockets of fitm_http_bind (for a caller that will not start the server). */
+void fitm_http_sockets_close(const fitm_http_sockets *s);
+
 typedef struct {
     const fitm_config *cfg;          /* borrowed for the server's life            */
     fitm_http_sockets sockets;       /* from fitm_http_bind; taken over by start  */
