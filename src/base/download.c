@@ -35,6 +35,7 @@ void fitm_download_opts_init(fitm_download_opts *o)
 typedef struct {
     const char *url;
     const char *shown; /* url as logged and in errors: no user:password@, ?query or #fragment */
+    char url_hex[65];  /* url's SHA-256: what the meta file keeps of it (url_digest) */
     const char *part;
     const fitm_download_opts *o;
     int fd;
@@ -152,27 +153,25 @@ static void url_digest(const char *url, char hex[65])
  * with If-Range. */
 static void meta_write(const xfer *x)
 {
-    char meta[PATH_BYTES + 8], hex[65];
+    char meta[PATH_BYTES + 8];
     snprintf(meta, sizeof meta, "%s.meta", x->part);
     FILE *f = fopen(meta, "w");
     if (!f)
         return; /* resuming across processes is an optimisation */
-    url_digest(x->url, hex);
-    fprintf(f, "%s\n%s\n", hex, x->validator);
+    fprintf(f, "%s\n%s\n", x->url_hex, x->validator);
     fclose(f);
 }
 
 /* The validator stored for url by an earlier run into x->validator; false when none. */
 static bool meta_read(xfer *x)
 {
-    char meta[PATH_BYTES + 8], line[PATH_BYTES], hex[65];
+    char meta[PATH_BYTES + 8], line[PATH_BYTES];
     snprintf(meta, sizeof meta, "%s.meta", x->part);
     FILE *f = fopen(meta, "r");
     if (!f)
         return false;
-    url_digest(x->url, hex);
     bool ok = fgets(line, sizeof line, f) && (line[strcspn(line, "\n")] = '\0', 1) &&
-              !strcmp(line, hex) && fgets(x->validator, sizeof x->validator, f);
+              !strcmp(line, x->url_hex) && fgets(x->validator, sizeof x->validator, f);
     fclose(f);
     x->validator[strcspn(x->validator, "\n")] = '\0';
     if (!ok)
@@ -430,6 +429,7 @@ fitm_status fitm_download(const char *url, const char *path, const fitm_download
     redact_url(url, shown, sizeof shown);
     xfer x = {.url = url, .shown = shown, .part = part, .o = o, .total = -1,
               .t_start_ns = fitm_clock_ns()};
+    url_digest(url, x.url_hex);
     x.fd = open(part, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (x.fd < 0)
         return fitm_err_set(err, FITM_ERR_IO, "cannot write %s: %s", part, strerror(errno));
