@@ -27,6 +27,15 @@ static void expect_error(const char *substr, int argc, char **argv)
     }
 }
 
+/* Replaces the file at path with text. */
+static void write_text(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
 int main(void)
 {
     char path[] = "/tmp/fitm_test_config_XXXXXX";
@@ -74,30 +83,22 @@ int main(void)
     expect_error("environment FITM_QUEUE_DEPTH: queue_depth = '0'", 1, a0);
     unsetenv("FITM_QUEUE_DEPTH");
 
-    f = fopen(path, "w");
-    fprintf(f, "port = 1\nthreads = lots\n");
-    fclose(f);
+    write_text(path, "port = 1\nthreads = lots\n");
     char line2[512];
     snprintf(line2, sizeof line2, "%s:2: threads = 'lots': not an integer", path);
     expect_error(line2, 3, a1);
-    f = fopen(path, "w");
-    fprintf(f, "just words\n");
-    fclose(f);
+    write_text(path, "just words\n");
     expect_error(":1: 'just words': expected name = value", 3, a1);
 
     /* a comment after a value: after a blank, or after the closing quote */
-    f = fopen(path, "w");
-    fprintf(f, "api_keys = abc#1 # prod key\nmodel_name = \"fitm \"x\"\" # a \"name\"\n"
+    write_text(path, "api_keys = abc#1 # prod key\nmodel_name = \"fitm \"x\"\" # a \"name\"\n"
                "host = 0.0.0.0\t# all\nport = 9005 # main\ncors_origins = # none yet\n");
-    fclose(f);
     CHECK(load(&cfg, &err, 3, a1) == FITM_OK, "%s", err.msg);
     CHECK(!strcmp(cfg.api_keys, "abc#1") && !strcmp(cfg.host, "0.0.0.0") && cfg.port == 9005,
           "'%s' '%s' %lld", cfg.api_keys, cfg.host, (long long)cfg.port);
     CHECK(!strcmp(cfg.model_name, "fitm \"x\""), "'%s'", cfg.model_name);
     CHECK(!strcmp(cfg.cors_origins, ""), "'%s'", cfg.cors_origins);
-    f = fopen(path, "w");
-    fprintf(f, "model_name = \"fitm\" extra\n");
-    fclose(f);
+    write_text(path, "model_name = \"fitm\" extra\n");
     expect_error(":1: model_name: a quoted value may be followed only by a comment", 3, a1);
 
     /* /answer defaults and the default method are checked with the configuration (exit 2),
@@ -110,9 +111,7 @@ int main(void)
     expect_error("environment FITM_ANSWER_REORDER_PLACEMENT: answer_reorder_placement = 'middle'",
                  1, a0);
     unsetenv("FITM_ANSWER_REORDER_PLACEMENT");
-    f = fopen(path, "w");
-    fprintf(f, "answer_calibrate = maybe\n");
-    fclose(f);
+    write_text(path, "answer_calibrate = maybe\n");
     expect_error(":1: answer_calibrate = 'maybe'", 3, a1);
 
     char *b10[] = {"fitmd", "--api_keys", " , ,"};

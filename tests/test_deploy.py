@@ -24,14 +24,13 @@ import pathlib
 import re
 import shutil
 import subprocess
-import time
 
 import pytest
 import requests
 import yaml
 
 from conftest import ROOT, build_dir
-from test_http import free_port
+from test_http import free_port, wait_healthy
 
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
@@ -423,19 +422,6 @@ def test_systemd_analyze_verify_gpu_variant(tmp_path):
     if m is None:
         pytest.skip("this systemd-analyze has no offline security check (systemd < 252)")
     assert float(m.group(1)) <= 2.5, r.stdout
-
-
-def wait_healthy(base: str, p: subprocess.Popen, timeout: float = 120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert p.poll() is None, f"fitmd exited {p.returncode}"
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    pytest.fail("fitmd did not become healthy")
 
 
 def syscall_set(*groups) -> set:

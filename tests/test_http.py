@@ -35,6 +35,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 120):
+    """Returns once base's /health answers 200; fails when proc exits first or timeout
+    seconds pass."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"exited {proc.returncode}"
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{base} not healthy after {timeout} s")
+
+
 class Daemon:
     """One fitmd process. opts become --name=value flags; FITM_* variables are cleared."""
 

@@ -19,10 +19,9 @@ import subprocess
 import time
 
 import pytest
-import requests
 
 from conftest import ROOT
-from test_http import free_port
+from test_http import free_port, wait_healthy
 
 README = ROOT / "README.md"
 
@@ -84,19 +83,6 @@ def check_readme_answers(outs):
     assert a["answer"].strip() == "Miltrek" and a["finish_reason"] == "stop", a
 
 
-def wait_healthy(port, proc, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"exited {proc.returncode}"
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"nothing healthy on port {port} after {timeout} s")
-
-
 def test_setup_command_serves_and_readme_curls_answer(tmp_path):
     """The first command as README gives it (its port flag, which README documents, so the
     test does not need port 8080), then every curl of README against it."""
@@ -109,7 +95,7 @@ def test_setup_command_serves_and_readme_curls_answer(tmp_path):
     proc = subprocess.Popen(["bash", "deploy/run.sh", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(port, proc, 1800)  # the first run builds build-release
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 1800)  # the first run builds build-release
         check_readme_answers(run_curls(port))
     finally:
         proc.send_signal(signal.SIGTERM)  # run.sh execs fitmd: it drains and exits
@@ -135,7 +121,7 @@ def test_docker_commands_build_and_serve():
     args = run.replace("-p 8080:8080", f"-p 127.0.0.1:{port}:8080 --name {name}").split()
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(port, proc, 300)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 300)
         check_readme_answers(run_curls(port))
         # the image's own health check, on the port the image listens on
         deadline = time.time() + 120

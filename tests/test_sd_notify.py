@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from conftest import build_dir
-from test_http import free_port
+from test_http import free_port, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +108,7 @@ def test_no_notify_socket_and_a_dead_one(model):
     dead = os.path.join(tempfile.mkdtemp(prefix="fitm-n-"), "gone")
     p, base = start(model, {"NOTIFY_SOCKET": dead, "WATCHDOG_USEC": "200000"})
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(base, p, 60)
         time.sleep(1)
         assert requests.get(base + "/health", timeout=2).status_code == 200
     finally:
