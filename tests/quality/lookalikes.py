@@ -643,13 +643,7 @@ def show(its: list, n: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--url")
-    ap.add_argument("--key")
-    ap.add_argument("--build", default=str(quality.ROOT / "build"))
-    ap.add_argument("--daemon-arg", action="append", default=[],
-                    help="extra fitmd flag when the tool starts it (repeatable)")
-    ap.add_argument("--split", default="test", choices=["dev", "test"])
+    quality.server_args(ap)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--method", nargs="+", action="extend", default=None,
                     help="methods to rank with (default: " + " ".join(DEFAULT_METHODS) + ")")

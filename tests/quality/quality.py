@@ -512,9 +512,9 @@ def merge(a) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_args(ap: argparse.ArgumentParser) -> None:
+    """The options that say which fitmd a tool talks to: one it starts (--model, --build,
+    --daemon-arg) or one running (--url, --key); and the split."""
     ap.add_argument("--model")
     ap.add_argument("--url")
     ap.add_argument("--key")
@@ -522,6 +522,12 @@ def main() -> int:
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra fitmd flag when the tool starts it (repeatable)")
     ap.add_argument("--split", default="test", choices=["dev", "test"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    server_args(ap)
     ap.add_argument("--variants", nargs="+", default=list(dataset.VARIANTS),
                     choices=list(dataset.VARIANTS) + list(traps.VARIANTS))
     ap.add_argument("--k", type=int, nargs="+", default=list(dataset.KS))
