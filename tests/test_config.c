@@ -32,6 +32,8 @@ static void write_text(const char *path, const char *text)
 {
     FILE *f = fopen(path, "w");
     CHECK(f != NULL, "%s", path);
+    if (!f)
+        return;
     fputs(text, f);
     fclose(f);
 }
