@@ -16,6 +16,7 @@ to rtol 2e-4. rel inherits delta = 2e-4 (|A| + |A_ref|) (difference) or 2e-4 x 2
 A / (A + eps) <= 1); rel_scaled n x that; weight, to first order, w (exp(2 max delta / t) - 1);
 relevance_score score_scale x delta / 4 (the sigmoid's slope is at most 1/4)."""
 import math
+import re
 import subprocess
 
 import numpy as np
@@ -315,6 +316,29 @@ def ql_prompt(path, text: str, query: str) -> tuple:
     return ids, (len(head), len(head) + len(body)), len(ids) - len(q), n_query
 
 
+def ql_oracle(daemon, model, text: str, query: str, layers: list) -> tuple:
+    """The oracle's query likelihood of text: (the question's mean log-probability, the mean
+    attention its query's rows pay the text over every head of layers, the ids fed)."""
+    ids, (s, e), q0, n_query = ql_prompt(daemon.model_path, text, query)
+    assert n_query > 0
+    fed = ids[:-1]  # the question's last id is predicted, never fed
+    rows = list(range(q0, q0 + n_query))
+    logits = model.forward(fed, capture_rows=rows, logits_rows=list(range(q0 - 1, len(fed))))
+    logits = logits.astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    lp = np.mean(logits[np.arange(len(logits)), ids[q0:]] - logz)
+    P = np.stack(model.attn, axis=0)  # (L, H, rows, T)
+    return lp, P[layers, :, :, s:e].sum(-1).mean(), len(fed)
+
+
+def fused_score(got: list, fa: float, fb: float) -> np.ndarray:
+    """fused's score of each result, from relevance_score = sigmoid(fa x score + fb): compared
+    as the score, since a generated model's scores put relevance_score near 0, where an
+    absolute tolerance would accept any score."""
+    r = np.array([x["relevance_score"] for x in got], dtype=np.float64)
+    return (np.log(r) - np.log1p(-r) - fb) / fa
+
+
 @pytest.mark.parametrize("extra", [{}, {"fuse_weight": 0.7, "fuse_layers": [0, -1]}],
                          ids=["defaults", "weight-layers"])
 def test_fused_matches_oracle(served, extra):
@@ -339,17 +363,10 @@ def test_fused_matches_oracle(served, extra):
     got = sorted(j["results"], key=lambda x: x["index"])
     A, lp, forward = [], [], 0
     for d in documents:
-        ids, (s, e), q0, n_query = ql_prompt(daemon.model_path, d["text"], query)
-        assert n_query > 0
-        fed = ids[:-1]  # the question's last id is predicted, never fed
-        rows = list(range(q0, q0 + n_query))
-        logits = model.forward(fed, capture_rows=rows, logits_rows=list(range(q0 - 1, len(fed))))
-        logits = logits.astype(np.float64)
-        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        lp.append(np.mean(logits[np.arange(len(logits)), ids[q0:]] - logz))
-        P = np.stack(model.attn, axis=0)  # (L, H, rows, T)
-        A.append(P[layers, :, :, s:e].sum(-1).mean())
-        forward += len(fed)
+        p_lp, p_a, p_fed = ql_oracle(daemon, model, d["text"], query, layers)
+        lp.append(p_lp)
+        A.append(p_a)
+        forward += p_fed
     np.testing.assert_allclose([x["attention"] for x in got], A, rtol=rtol_a, atol=ATOL_A,
                                err_msg=f"seed {seed}")
     # The score: the oracle's mean log-probability plus w x the z-score of the daemon's own
@@ -359,11 +376,51 @@ def test_fused_matches_oracle(served, extra):
     z = (a - a.mean()) / a.std() if a.std() > 0 else np.zeros_like(a)
     fa, fb = j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]
     assert (fa, fb) == (3.06908, 6.35162), seed  # the built-in fit (no profile here)
-    want = 1 / (1 + np.exp(-(fa * (np.array(lp) + w * z) + fb)))
-    np.testing.assert_allclose([x["relevance_score"] for x in got], want,
+    np.testing.assert_allclose(fused_score(got, fa, fb), np.array(lp) + w * z,
                                rtol=0, atol=1e-3 if model.kv_half else 1e-4,
                                err_msg=f"seed {seed}")
     assert all(x["calibrated_attention"] == 0 and x["dummy_attention"] == 0 for x in got)
     assert [x["index"] for x in j["results"]] == \
         sorted(range(len(got)), key=lambda i: (-got[i]["relevance_score"], i))
     assert j["usage"]["forward_tokens"] == forward
+
+
+def test_fused_sentences_matches_oracle(served):
+    """passages = sentences: a document of three sentences or more scores the best mean
+    log-probability over its whole text and its first sentence joined by a space to each
+    later one (sentences split here after ".", "!" or "?" and whitespace), each its own
+    oracle prompt; fused's attention is the whole text's; every passage's fed ids count."""
+    daemon, model, arch = served
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    query, _ = random_request(seed)
+    words = lambda n: " ".join(rng.choice(WORDS, size=n))  # noqa: E731
+    ends = [".", "!", "?"]
+    gaps = [" ", "  ", "\n"]
+    documents = ["".join(words(int(rng.integers(2, 5))) + ends[int(rng.integers(0, 3))] +
+                         (gaps[int(rng.integers(0, 3))] if i < n - 1 else "") for i in range(n))
+                 for n in (1, 2, 3, 4, 5)]
+    body = {"query": query, "documents": documents, "method": "fused", "passages": "sentences"}
+    r = requests.post(daemon.url("/rerank"), json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["meta"]["passages"] == "sentences", seed
+    got = sorted(j["results"], key=lambda x: x["index"])
+    A, lp, forward = [], [], 0
+    for text in documents:
+        sents = [x for x in re.split(r"(?<=[.!?])\s+", text) if x]
+        passages = [text] + ([sents[0] + " " + x for x in sents[1:]] if len(sents) >= 3 else [])
+        scored = [ql_oracle(daemon, model, p, query, [0]) for p in passages]
+        lp.append(max(x[0] for x in scored))
+        A.append(scored[0][1])
+        forward += sum(x[2] for x in scored)
+    assert j["usage"]["forward_tokens"] == forward, seed
+    rtol_a = RTOL_HALF if model.kv_half else RTOL_A
+    np.testing.assert_allclose([x["attention"] for x in got], A, rtol=rtol_a, atol=ATOL_A,
+                               err_msg=f"seed {seed}")
+    a = np.array([x["attention"] for x in got])
+    z = (a - a.mean()) / a.std() if a.std() > 0 else np.zeros_like(a)
+    fa, fb = j["meta"]["fuse_scale"], j["meta"]["fuse_bias"]
+    np.testing.assert_allclose(fused_score(got, fa, fb), np.array(lp) + 0.02 * z,
+                               rtol=0, atol=1e-3 if model.kv_half else 1e-4,
+                               err_msg=f"seed {seed}")

@@ -359,6 +359,24 @@ def test_fused_bad_layers(daemon, bad, mentions):
     assert_error(r, 400, mentions=mentions)
 
 
+@pytest.mark.parametrize("method", ["fused", "query_likelihood"])
+def test_passages(daemon, method):
+    """passages: meta states it (whole unless asked); sentences scores a document of three
+    sentences or more once more for each sentence after the first (one pass each), and never
+    lower than its whole text; an unknown value is refused with the field named."""
+    text = "golf is a game. it is played with clubs. the ball is small. players walk far."
+    body = {"query": "which sport uses a club", "documents": [text, "tennis uses a racket"],
+            "method": method}
+    whole = post(daemon, body).json()
+    sent = post(daemon, {**body, "passages": "sentences"}).json()
+    assert (whole["meta"]["passages"], sent["meta"]["passages"]) == ("whole", "sentences")
+    by = lambda j: {x["index"]: x for x in j["results"]}  # noqa: E731
+    assert by(sent)[1] == by(whole)[1]
+    assert by(sent)[0]["relevance_score"] >= by(whole)[0]["relevance_score"]
+    assert sent["usage"]["forward_tokens"] > whole["usage"]["forward_tokens"]
+    assert_error(post(daemon, {**body, "passages": "paragraphs"}), 400, mentions="'passages'")
+
+
 def test_fused_does_not_depend_on_the_order(daemon):
     d = docs(5, 31) + ["golf uses a club"]
     a = post(daemon, {"query": "which sport uses a club", "documents": d, "method": "fused"})

@@ -4,6 +4,7 @@
  * question's attention to the document captured too). */
 #include "pipeline/rerank_methods.h"
 
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,19 +47,101 @@ typedef struct {
     int32_t n_use; /* fused: how many */
     double w;      /* fused: fuse_weight */
     double scale, bias; /* fused: relevance_score = sigmoid(scale x score + bias) */
+    bool sentences;     /* query likelihood's passages: the best of the whole text and of its
+                         * first sentence joined to each later one (passages = sentences) */
 } per_doc;
 
-/* query_likelihood's prompt for document k: BOS, its text (its tokens' span into *doc), then
- * "\n\nQuestion:" and the scored question (whose last token is never fed). */
-static fitm_status ql_prompt(const fitm_session *r, const fitm_rerank_request *req, int32_t k,
-                             const per_doc *pd, fitm_ids *ids, fitm_span *doc, fitm_err *err)
+/* Whether t[i] ends a sentence: '.', '!' or '?' followed by whitespace. */
+static bool ends_sentence(const char *t, size_t n, size_t i)
+{
+    return (t[i] == '.' || t[i] == '!' || t[i] == '?') && i + 1 < n &&
+           isspace((unsigned char)t[i + 1]);
+}
+
+/* The sentence that starts at or after *at in t (leading whitespace skipped), its bytes
+ * [*from, *to); *at moves past it. false when none is left. */
+static bool next_sentence(const char *t, size_t n, size_t *at, size_t *from, size_t *to)
+{
+    size_t i = *at;
+    while (i < n && isspace((unsigned char)t[i]))
+        i++;
+    if (i >= n)
+        return false;
+    *from = i;
+    while (i < n && !ends_sentence(t, n, i))
+        i++;
+    *to = *at = i < n ? i + 1 : n;
+    return true;
+}
+
+/* Document k's passages: 1 (its whole text), or with `sentences` and three sentences or
+ * more, one per sentence: the whole text, then the first sentence joined by a space to each
+ * later one. */
+static int32_t doc_passages(const fitm_rerank_request *req, const per_doc *pd, int32_t k)
 {
     const fitm_rerank_doc *d = &req->docs[k];
-    fitm_status st = fitm_prompt_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
+    int32_t n = 0;
+    size_t at = 0, from, to;
+    while (pd->sentences && n < INT32_MAX && next_sentence(d->text, d->text_len, &at, &from, &to))
+        n++;
+    return n >= 3 ? n : 1;
+}
+
+/* Where a document's passages are: its first sentence, and where the next passage's sentence
+ * is looked for (each passage continues from the one before, so a document's passages cost
+ * one scan of its text). */
+typedef struct {
+    size_t f0, t0, at;
+} passage_cursor;
+
+/* Passage j of document k (doc_passages, taken in order from 0 with the same cursor) into
+ * *text, *len: the document's own text for j 0, else a new string in *buf (freed by the
+ * caller). */
+static fitm_status passage_text(const fitm_rerank_request *req, int32_t k, int32_t j,
+                                passage_cursor *c, const char **text, size_t *len, char **buf,
+                                fitm_err *err)
+{
+    const fitm_rerank_doc *d = &req->docs[k];
+    *buf = NULL;
+    *text = d->text;
+    *len = d->text_len;
+    if (j == 0) {
+        *c = (passage_cursor){0};
+        if (!next_sentence(d->text, d->text_len, &c->at, &c->f0, &c->t0))
+            c->f0 = c->t0 = 0;
+        return FITM_OK;
+    }
+    size_t fj = 0, tj = 0;
+    if (!next_sentence(d->text, d->text_len, &c->at, &fj, &tj))
+        return fitm_err_set(err, FITM_ERR_INTERNAL, "document %d has no passage %d", k, j);
+    const size_t n0 = c->t0 - c->f0;
+    if (!(*buf = malloc(n0 + 1 + (tj - fj) + 1)))
+        return fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
+    memcpy(*buf, d->text + c->f0, n0);
+    (*buf)[n0] = ' ';
+    memcpy(*buf + n0 + 1, d->text + fj, tj - fj);
+    *len = n0 + 1 + (tj - fj);
+    (*buf)[*len] = 0;
+    *text = *buf;
+    return FITM_OK;
+}
+
+/* query_likelihood's prompt for passage j of document k: BOS, its text (its tokens' span into
+ * *doc), then "\n\nQuestion:" and the scored question (whose last token is never fed). */
+static fitm_status ql_prompt(const fitm_session *r, const fitm_rerank_request *req, int32_t k,
+                             int32_t j, passage_cursor *c, const per_doc *pd, fitm_ids *ids,
+                             fitm_span *doc, fitm_err *err)
+{
+    const char *text;
+    size_t len;
+    char *buf;
+    fitm_status st = passage_text(req, k, j, c, &text, &len, &buf, err);
+    if (!st)
+        st = fitm_prompt_encode(r->tok, ids, "", 0, FITM_TOK_ADD_BOS, -1, err);
     const int64_t body = ids->n;
     if (!st)
-        st = fitm_prompt_encode(r->tok, ids, d->text, d->text_len, 0, fitm_prompt_doc_keep(req),
-                                err);
+        st = fitm_prompt_encode(r->tok, ids, text, len, 0, fitm_prompt_doc_keep(req), err);
+    free(buf);
     *doc = (fitm_span){body, ids->n};
     if (!st)
         st = fitm_prompt_doc_fits(req, k, ids->n - body, err);
@@ -123,6 +206,9 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
     static const char *const YES[4] = {" Yes", "Yes", " yes", "yes"};
     static const char *const NO[4] = {" No", "No", " no", "no"};
     if (pd->ql) {
+        const int32_t passages =
+            req->opt.passages >= 0 ? req->opt.passages : r->defaults.passages;
+        pd->sentences = passages == FITM_PASSAGES_SENTENCES;
         size_t n = req->query_len + sizeof RESTRICT + 1;
         char *buf = malloc(n);
         if (!buf)
@@ -154,17 +240,17 @@ static fitm_status per_doc_init(const fitm_session *r, const fitm_rerank_request
     return FITM_OK;
 }
 
-/* Document k's pass: its prompt into ids and the T tokens the pass feeds (query_likelihood
- * never feeds the question's last token), checked against the context. The run and the
- * cost both take a document's pass from here. */
+/* Passage j of document k's pass: its prompt into ids and the T tokens the pass feeds
+ * (query_likelihood never feeds the question's last token), checked against the context.
+ * The run and the cost both take a passage's pass from here. */
 static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *req,
-                            const per_doc *pd, int32_t k, fitm_ids *ids, int64_t *T,
-                            fitm_span *doc, fitm_err *err)
+                            const per_doc *pd, int32_t k, int32_t j, passage_cursor *c,
+                            fitm_ids *ids, int64_t *T, fitm_span *doc, fitm_err *err)
 {
     ids->n = 0;
     *doc = (fitm_span){0, 0};
-    fitm_status st =
-        pd->ql ? ql_prompt(r, req, k, pd, ids, doc, err) : relevance_prompt(r, req, k, ids, err);
+    fitm_status st = pd->ql ? ql_prompt(r, req, k, j, c, pd, ids, doc, err)
+                            : relevance_prompt(r, req, k, ids, err);
     *T = pd->ql ? ids->n - 1 : ids->n;
     if (st == FITM_OK && *T > r->n_ctx)
         st = fitm_prompt_too_long(*T, r, req, err);
@@ -178,7 +264,10 @@ static fitm_status doc_pass(const fitm_session *r, const fitm_rerank_request *re
 typedef struct {
     fitm_kv *kv;
     int32_t k, k_end; /* the document running, and the end of the lane's share */
-    fitm_ids ids;     /* its prompt */
+    int32_t j, n_pass;  /* the document's passage running, and how many it has */
+    passage_cursor cur; /* where its passages are */
+    double best;        /* query_likelihood: the best passage's mean log-probability so far */
+    fitm_ids ids;       /* its prompt */
     int64_t T, at;    /* its fed tokens; the next pass's first row (-1: not begun) */
     double sum;       /* query_likelihood: its question's log-probabilities so far; relevance:
                        * its score */
@@ -209,11 +298,18 @@ typedef struct {
     doc_lane *lanes; /* (n_lanes) */
 } per_doc_run;
 
-/* Lane ln's document k's prompt (doc_pass, timed apart) and its cache rebased at 0. */
+/* Lane ln's document k's passage j's prompt (doc_pass, timed apart) and its cache rebased at
+ * 0. */
 static fitm_status doc_begin(per_doc_run *d, doc_lane *ln, fitm_err *err)
 {
     const double t0 = fitm_clock_ms();
-    fitm_status st = doc_pass(d->ps->s, d->req, &d->pd, ln->k, &ln->ids, &ln->T, &ln->doc, err);
+    if (ln->j == 0) {
+        ln->n_pass = doc_passages(d->req, &d->pd, ln->k);
+        ln->att = 0;
+    }
+    fitm_status st =
+        doc_pass(d->ps->s, d->req, &d->pd, ln->k, ln->j, &ln->cur, &ln->ids, &ln->T, &ln->doc,
+                 err);
     d->tok_ms += fitm_clock_ms() - t0;
     if (st == FITM_OK)
         st = fitm_kv_rebase(ln->kv, 0, err);
@@ -221,7 +317,6 @@ static fitm_status doc_begin(per_doc_run *d, doc_lane *ln, fitm_err *err)
     d->forward += ln->T;
     ln->at = 0;
     ln->sum = 0;
-    ln->att = 0;
     return st;
 }
 
@@ -267,16 +362,24 @@ static bool doc_next_pass(const per_doc_run *d, doc_lane *ln)
     const int32_t n_pick = d->pd.ql ? 1 : d->pd.n_yes + d->pd.n_no;
     const int32_t *pick = d->pd.ql ? ln->ids.v + ln->at + (n - n_logits) + 1 : d->pd.answers;
     ln->pass = fitm_passes_pass(d->ps, ln->kv, NULL, ln->ids.v + ln->at, n, ln->at,
-                                d->pd.fused ? query_rows(d, ln, n) : NULL, n_logits, n_pick, pick,
-                                ln->lp);
+                                d->pd.fused && ln->j == 0 ? query_rows(d, ln, n) : NULL,
+                                n_logits, n_pick, pick, ln->lp);
     return true;
 }
 
-/* Lane ln's document's score once its passes ran; on to its next document. */
+/* Lane ln's passage's score once its passes ran: on to the document's next passage, else the
+ * document's score (its best passage's) and on to its next document. fused's attention is
+ * that of the whole text's passes (passage 0). */
 static void doc_end(per_doc_run *d, doc_lane *ln)
 {
     const fitm_session *r = d->ps->s;
-    const double mean_lp = ln->sum / (double)d->pd.q.n;
+    const double lp = ln->sum / (double)d->pd.q.n;
+    ln->best = ln->j == 0 || lp > ln->best ? lp : ln->best;
+    ln->at = -1;
+    if (++ln->j < ln->n_pass)
+        return;
+    ln->j = 0;
+    const double mean_lp = ln->best;
     /* fused: the mean log-probability for now, combined with the attention once every
      * document has both (fuse) */
     const double score = d->pd.fused ? mean_lp : d->pd.ql ? exp(mean_lp) : ln->sum;
@@ -288,7 +391,6 @@ static void doc_end(per_doc_run *d, doc_lane *ln)
         .raw_score = score,
         .attention = d->pd.fused && n_att > 0 ? ln->att / n_att : 0};
     ln->k++;
-    ln->at = -1;
 }
 
 /* fused's scores, every document scored: raw_score_k = mean log-probability_k + w x z_k, z
@@ -473,6 +575,7 @@ fitm_status fitm_per_doc_start(fitm_passes *ps, const fitm_rerank_request *req,
                                   : fitm_err_set(err, FITM_ERR_NOMEM, "out of memory");
     if (st == FITM_OK && d->pd.fused)
         st = fused_meta(r, &d->pd, res, err);
+    res->meta.opts.passages = d->pd.sentences ? FITM_PASSAGES_SENTENCES : FITM_PASSAGES_WHOLE;
     return st == FITM_OK ? lanes_start(d, err) : st;
 }
 
@@ -484,7 +587,7 @@ fitm_status fitm_per_doc_run(fitm_passes *ps, const fitm_rerank_request *req,
     return fitm_machine_run(ps, &m, st, err);
 }
 
-/* Each document's pass (doc_pass), as the run takes them: their fed tokens in all and the
+/* Each passage's pass (doc_pass), as the run takes them: their fed tokens in all and the
  * most of one. */
 static fitm_status doc_passes(const fitm_session *r, const fitm_rerank_request *req, int64_t *sum,
                               int64_t *most, fitm_err *err)
@@ -493,13 +596,15 @@ static fitm_status doc_passes(const fitm_session *r, const fitm_rerank_request *
     fitm_ids ids = {0};
     *sum = *most = 0;
     fitm_status st = per_doc_init(r, req, &pd, err);
-    for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++) {
-        int64_t T = 0;
-        fitm_span doc;
-        st = doc_pass(r, req, &pd, k, &ids, &T, &doc, err);
-        *sum += T;
-        *most = T > *most ? T : *most;
-    }
+    passage_cursor c;
+    for (int32_t k = 0; st == FITM_OK && k < req->n_docs; k++)
+        for (int32_t j = 0, n = doc_passages(req, &pd, k); st == FITM_OK && j < n; j++) {
+            int64_t T = 0;
+            fitm_span doc;
+            st = doc_pass(r, req, &pd, k, j, &c, &ids, &T, &doc, err);
+            *sum += T;
+            *most = T > *most ? T : *most;
+        }
     free(ids.v);
     free(pd.q.v);
     free(pd.use);

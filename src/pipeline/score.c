@@ -14,6 +14,7 @@ static const char *const reference_names[] = {"none", "dummy", "null_query", "nu
 static const char *const dummy_source_names[] = {"fixed", "documents", NULL};
 static const char *const form_names[] = {"difference", "log_ratio", NULL};
 static const char *const head_query_names[] = {"query", "null", NULL};
+static const char *const passages_names[] = {"whole", "sentences", NULL};
 
 typedef enum { KEY_ENUM, KEY_INT, KEY_REAL, KEY_LAYERS, KEY_HEADS } key_kind;
 
@@ -47,6 +48,7 @@ static const key_def keys[] = {
     {"fuse_scale", KEY_REAL, OFF(fuse_scale), NULL, NULL, 1e-12, 1e12},
     {"fuse_bias", KEY_REAL, OFF(fuse_bias), NULL, NULL, -1e12, 1e12},
     {"fuse_layers", KEY_LAYERS, OFF(fuse_layers), NULL, NULL, 0, 0},
+    {"passages", KEY_ENUM, OFF(passages), passages_names, "whole|sentences", 0, 0},
 };
 #define N_KEYS (sizeof keys / sizeof keys[0])
 
@@ -72,6 +74,7 @@ const char *fitm_score_reference_name(int32_t v) { return name_of(reference_name
 const char *fitm_score_dummy_source_name(int32_t v) { return name_of(dummy_source_names, v); }
 const char *fitm_score_form_name(int32_t v) { return name_of(form_names, v); }
 const char *fitm_score_head_query_name(int32_t v) { return name_of(head_query_names, v); }
+const char *fitm_score_passages_name(int32_t v) { return name_of(passages_names, v); }
 
 int32_t fitm_score_enum_parse(const char *option, const char *value)
 {
@@ -209,7 +212,7 @@ bool fitm_score_is_key(const char *name)
 void fitm_score_opts_init(fitm_score_opts *o)
 {
     *o = (fitm_score_opts){.rows = -1, .aggregate = -1, .skip_first = -1, .reference = -1,
-                           .dummy_source = -1, .form = -1, .head_query = -1,
+                           .dummy_source = -1, .form = -1, .head_query = -1, .passages = -1,
                            .sink_factor = NAN, .window = -1,
                            .temperature = NAN, .score_scale = NAN, .score_bias = NAN,
                            .fuse_weight = NAN, .fuse_scale = NAN, .fuse_bias = NAN};
@@ -260,6 +263,7 @@ fitm_status fitm_score_opts_overlay(fitm_score_opts *dst, const fitm_score_opts 
         dst->f = src->f;
     OVER_INT(rows) OVER_INT(aggregate) OVER_INT(skip_first) OVER_INT(reference)
     OVER_INT(dummy_source) OVER_INT(form) OVER_INT(head_query) OVER_INT(window)
+    OVER_INT(passages)
     OVER_REAL(sink_factor) OVER_REAL(temperature) OVER_REAL(score_scale) OVER_REAL(score_bias)
     OVER_REAL(fuse_weight) OVER_REAL(fuse_scale) OVER_REAL(fuse_bias)
 #undef OVER_INT
@@ -293,6 +297,7 @@ fitm_status fitm_score_opts_builtin(fitm_score_opts *o, int32_t L, fitm_err *err
     o->head_query = FITM_HEAD_QUERY;
     o->sink_factor = 0;
     o->window = 0;
+    o->passages = FITM_PASSAGES_WHOLE;
     o->temperature = 0.05;
     o->score_scale = 1.0 / o->temperature;
     o->score_bias = 0;

@@ -32,6 +32,9 @@ typedef enum { FITM_FORM_DIFFERENCE = 0, FITM_FORM_LOG_RATIO } fitm_score_form;
 /* The question before the documents in the scored prompts: the request's query (the paper's
  * prompt) or "N/A", so that the trailing question's rows find it only in the documents. */
 typedef enum { FITM_HEAD_QUERY = 0, FITM_HEAD_NULL } fitm_score_head_query;
+/* What query likelihood (and fused) scores of a document: its whole text, or the best of the
+ * whole text and of its first sentence joined to each later one (rerank_per_doc.c). */
+typedef enum { FITM_PASSAGES_WHOLE = 0, FITM_PASSAGES_SENTENCES } fitm_score_passages;
 
 /* Method fused's built-in w (docs/scoring.md, chosen on the dev split), and its
  * relevance_score = sigmoid(FITM_FUSE_SCALE x score + FITM_FUSE_BIAS): a logistic regression
@@ -70,6 +73,7 @@ typedef struct {
     int32_t *fuse_layers; /* (n_fuse_layers) owned: method fused's attention layers;
                              negative = from the end                                        */
     int32_t n_fuse_layers;
+    int32_t passages;     /* fitm_score_passages: query likelihood's and fused's passages  */
 } fitm_score_opts;
 
 /* Every option unset. */
@@ -108,6 +112,7 @@ const char *fitm_score_reference_name(int32_t v);
 const char *fitm_score_dummy_source_name(int32_t v);
 const char *fitm_score_form_name(int32_t v);
 const char *fitm_score_head_query_name(int32_t v);
+const char *fitm_score_passages_name(int32_t v);
 
 /* Parses an enum option's value by option name ("rows", "aggregate", "reference",
  * "dummy_source", "form"); -1 when the name or the value is unknown. */

@@ -323,7 +323,8 @@ static fitm_status parse_score_options(const cJSON *root, const char *pre, fitm_
                                         "skip_first",   "reference",  "dummy_source",
                                         "form",         "head_query", "sink_factor",
                                         "window",       "score_scale", "score_bias",
-                                        "fuse_weight",  "fuse_scale", "fuse_bias"};
+                                        "fuse_weight",  "fuse_scale", "fuse_bias",
+                                        "passages"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, names[i]);
         if (!it || cJSON_IsNull(it))
@@ -1090,6 +1091,11 @@ static bool add_rerank_meta(cJSON *root, const fitm_rerank_result *res)
         (!cJSON_AddNumberToObject(meta, "fuse_weight", res->meta.opts.fuse_weight) ||
          !cJSON_AddNumberToObject(meta, "fuse_scale", res->meta.opts.fuse_scale) ||
          !cJSON_AddNumberToObject(meta, "fuse_bias", res->meta.opts.fuse_bias)))
+        return false;
+    if ((res->meta.method == FITM_RERANK_FUSED ||
+         res->meta.method == FITM_RERANK_QUERY_LIKELIHOOD) &&
+        !cJSON_AddStringToObject(meta, "passages",
+                                 fitm_score_passages_name(res->meta.opts.passages)))
         return false;
     return true;
 }

@@ -234,6 +234,10 @@ static const opt opts[] = {
     {"fuse_layers", STR(fuse_layers), "", 0, 0, NULL,
      "scoring default: method fused's attention layers, comma-separated (negative from the "
      "end); empty = the profile's, else 0 (the first layer)"},
+    {"passages", STR(passages), "", 0, 0, NULL,
+     "scoring default: whole|sentences, what query_likelihood and fused score of a document: "
+     "its whole text, or the best of that and of its first sentence joined to each later one "
+     "(one more pass a sentence, docs/scoring.md); empty = the profile's, else whole"},
     {"rerank_method", STR(rerank_method), "", 0, 0, NULL,
      "method of /rerank and /v1/score requests that name none: calibrated, attention, "
      "attention_sort, query_likelihood, relevance, paper or fused (docs/scoring.md); empty = "

@@ -70,6 +70,7 @@ typedef struct {
     char head_query[16];
     char sink_factor[32], window[16], temperature[32], score_scale[32], score_bias[32];
     char fuse_weight[32], fuse_scale[32], fuse_bias[32], fuse_layers[FITM_CONFIG_STR_BYTES];
+    char passages[16];
     /* /answer's defaults (score.h's fitm_answer_defaults keys); "" = the profile's, else
      * the built-in default. */
     char answer_calibrate[8], answer_reorder[24], answer_reorder_placement[8], answer_top_n[8];
